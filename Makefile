@@ -1,0 +1,38 @@
+# `make test` and `make demo` work on a fresh machine with only Python 3.10+:
+# they create .venv (unless a virtualenv is active), install the CPU build of torch when no
+# NVIDIA GPU is present, then install gdn with its test extras.
+PYTHON ?= python3
+ifdef VIRTUAL_ENV
+  BIN := $(VIRTUAL_ENV)/bin/
+  STAMP := $(VIRTUAL_ENV)/.gdn-installed
+else
+  BIN := .venv/bin/
+  STAMP := .venv/.gdn-installed
+endif
+PY := $(BIN)python
+
+.PHONY: install test test-all demo bench-cpu clean
+
+$(STAMP): pyproject.toml
+	@if [ -z "$(VIRTUAL_ENV)" ] && [ ! -x .venv/bin/python ]; then $(PYTHON) -m venv .venv; fi
+	@if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(PY) -c "import torch" >/dev/null 2>&1; then \
+		$(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e ".[test]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 tests
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "" tests
+
+demo: $(STAMP)
+	$(PY) -m gdn.demo
+
+bench-cpu: $(STAMP)
+	$(PY) benchmarks/ops_cpu.py
+
+clean:
+	rm -rf .venv build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,54 @@
+"""Softmax attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+Causal or not, sliding window, packed sequences (``cu_seqlens``) and grouped query heads.
+A sliding window is evaluated in query blocks against only the keys they can see, so memory is
+O(T·window), never a T×T mask; packed sequences run one by one so no mask spans two of them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _sdpa(q, k, v, scale, causal, mask=None):
+    """q: [B, HQ, Tq, K]; k, v: [B, HKV, Tk, D]."""
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                          scale=scale, enable_gqa=gqa)
+
+
+def _dense(q, k, v, scale, causal, window_size):
+    """One batch of whole sequences, layout [B, T, heads, D] in and out."""
+    T = q.shape[1]
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    if window_size is None or window_size >= T:
+        o = _sdpa(q, k, v, scale, causal)
+    else:
+        W = window_size
+        block = max(W, 128)
+        outs = []
+        for s in range(0, T, block):
+            e = min(T, s + block)
+            ks = max(0, s - W + 1)
+            tq = torch.arange(s, e, device=q.device)[:, None]
+            tk = torch.arange(ks, e, device=q.device)[None, :]
+            mask = (tk <= tq) & (tq - tk < W)
+            outs.append(_sdpa(q[:, :, s:e], k[:, :, ks:e], v[:, :, ks:e], scale, causal, mask))
+        o = torch.cat(outs, dim=2)
+    return o.transpose(1, 2)
+
+
+def softmax_attention(q, k, v, *, scale=None, causal=True, window_size=None, cu_seqlens=None):
+    """Softmax attention. q: [B, T, HQ, K]; k: [B, T, HKV, K]; v: [B, T, HKV, V] (HQ a multiple
+    of HKV); ``window_size`` W lets query t see keys t−W+1..t; ``cu_seqlens`` [N+1] packs
+    sequences along T (B == 1). Returns o: [B, T, HQ, V] in v.dtype."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if cu_seqlens is None:
+        return _dense(q, k, v, scale, causal, window_size)
+    bounds = cu_seqlens.tolist()
+    outs = [
+        _dense(q[:, s:e], k[:, s:e], v[:, s:e], scale, causal, window_size)
+        for s, e in zip(bounds[:-1], bounds[1:])
+        if e > s
+    ]
+    return torch.cat(outs, dim=1)
