@@ -1,0 +1,100 @@
+"""Shared pieces of the Triton chunk kernels: chunk bookkeeping for packed sequences, dot precision.
+
+Every launcher works on the packed layout: ``[B, T, ...]`` inputs are viewed as one stream of
+``B·T`` tokens with offsets ``cu = [0, T, 2T, …]``, so batched and packed calls run the same
+kernels. Sequences are cut into chunks of ``BT = 64`` tokens starting at each sequence's first
+token (no chunk straddles two sequences); ``chunk_idx[i] = (n, c)`` names the sequence and the
+chunk inside it of global chunk ``i``, and ``chunk_off[n]`` is the global index of sequence n's
+first chunk (where its states live in the per-chunk state buffer).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BT = 64  # chunk size (tokens); also the size of the in-chunk triangular solve
+
+# Triton's CPU interpreter (numpy ≥ 2) cannot run ``for`` loops with run-time bounds; under it the
+# sequential passes loop with ``while`` instead (a compile-time switch: the GPU keeps ``for``,
+# which the software pipeliner can prefetch across).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Chunk layout of one call. Tensors live on the compute device (int32)."""
+
+    cu: torch.Tensor  # [N + 1] token offsets
+    chunk_idx: torch.Tensor  # [NT, 2] (sequence, chunk in sequence)
+    chunk_off: torch.Tensor  # [N] first global chunk of each sequence
+    N: int
+    NT: int
+    T: int  # total tokens (B·T)
+    max_nc: int  # chunks of the longest sequence
+
+
+def make_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> Chunks:
+    """Chunk layout for ``B`` rows of ``T`` tokens, or for packed ``cu_seqlens`` (then B == 1).
+
+    Needs no host synchronisation when ``cu_seqlens`` is None or lives on the CPU: the index
+    tensors are built on the host and copied asynchronously (from pinned memory on CUDA).
+    """
+    if cu_seqlens is None:
+        n_per = triton.cdiv(T, BT)
+        NT = B * n_per
+        ar = torch.arange(NT, device=device, dtype=torch.int32)
+        idx = torch.stack([ar // n_per, ar % n_per], dim=1).contiguous()
+        cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+        off = torch.arange(B, device=device, dtype=torch.int32) * n_per
+        return Chunks(cu, idx, off, B, NT, B * T, n_per)
+    host = cu_seqlens.detach().to("cpu", torch.int64)
+    lens = host[1:] - host[:-1]
+    per = (lens + BT - 1) // BT
+    N = lens.numel()
+    off = torch.zeros(N, dtype=torch.int64)
+    if N > 1:
+        off[1:] = torch.cumsum(per, 0)[:-1]
+    NT = int(per.sum())
+    seq = torch.repeat_interleave(torch.arange(N), per)
+    inner = torch.arange(NT) - torch.repeat_interleave(off, per)
+    idx = torch.stack([seq, inner], dim=1).to(torch.int32)
+
+    def dev(x):
+        x = x.to(torch.int32).contiguous()
+        if device.type == "cuda":
+            return x.pin_memory().to(device, non_blocking=True)
+        return x.to(device)
+
+    return Chunks(dev(host), dev(idx), dev(off), N, NT, int(host[-1]), int(per.max()))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Tensor-core mode for fp32 operands: 3-pass tf32 (≈ fp32) for fp32 inputs; plain tf32 for
+    half inputs, whose values are exact in tf32 (intermediates lose ≈ 2⁻¹¹, far below bf16's 2⁻⁸)."""
+    return "tf32x3" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def pow2(n: int, lo: int = 16) -> int:
+    """Smallest power of two ≥ max(n, lo) (tl.dot needs tiles of at least 16)."""
+    return max(lo, triton.next_power_of_2(n))
+
+
+@triton.jit
+def chunk_bounds(cu, chunk_idx, i_t, BT: tl.constexpr):
+    """(sequence n, first token of chunk i_t, end of its sequence) as int64 token indices."""
+    i_n = tl.load(chunk_idx + 2 * i_t)
+    i_c = tl.load(chunk_idx + 2 * i_t + 1).to(tl.int64)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    return i_n, bos + i_c * BT, eos
+
+
+@triton.jit
+def gate_cumsum(g, rows, m, HV: tl.constexpr, i_hv):
+    """In-chunk cumulative log decay γ [BT] (fp32) and its total γ_C (0 on padded rows)."""
+    b_g = tl.load(g + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
+    return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)

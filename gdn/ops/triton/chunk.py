@@ -1,0 +1,74 @@
+"""The four recurrent members on the chunk kernels, wrapped in ``torch.autograd.Function``.
+
+Same contract as :mod:`gdn.ops.reference` (arguments already validated by :mod:`gdn.ops`):
+q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; initial_state [N, HV, K, V];
+cu_seqlens [N + 1] (B == 1). Returns ``(o [B, T, HV, V] in v.dtype, final state [N, HV, K, V]
+fp32 or None)``. Gradients flow to q, k, v, g, beta and initial_state, and from the final state.
+Inputs may be fp32, fp16 or bf16 (fp64 is computed in fp32); states and accumulation are fp32.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import chunk_bwd, chunk_fwd
+from ._common import Chunks, make_chunks
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _kernel_dtype(*xs) -> torch.dtype:
+    dt = xs[0].dtype
+    for x in xs[1:]:
+        dt = torch.promote_types(dt, x.dtype)
+    return dt if dt in _KERNEL_DTYPES else torch.float32
+
+
+class ChunkFunction(torch.autograd.Function):
+    """Autograd node of one chunk-kernel call. Saves only the inputs; the backward recomputes the
+    per-chunk states (one forward state pass) instead of keeping them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, scale: float, want_final: bool, ch: Chunks):
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        qk_dt = _kernel_dtype(q, k)
+        v_dt = _kernel_dtype(v)
+        qp = q.reshape(B * T, H, K).to(qk_dt).contiguous()
+        kp = k.reshape(B * T, H, K).to(qk_dt).contiguous()
+        vp = v.reshape(B * T, HV, V).to(v_dt).contiguous()
+        gp = None if g is None else g.reshape(B * T, HV).float().contiguous()
+        bp = None if beta is None else beta.reshape(B * T, HV).float().contiguous()
+        h0p = None if h0 is None else h0.float().contiguous()
+        h, VN, ht, _, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, h0p, ch, want_final)
+        o = chunk_fwd.output(qp, kp, vp, gp, h, VN, ch, scale, v_dt)
+        ctx.save_for_backward(qp, kp, vp, gp, bp, h0p)
+        ctx.meta = (B, T, H, HV, K, V, scale, ch, q.dtype, k.dtype, v.dtype,
+                    None if g is None else g.dtype, None if beta is None else beta.dtype,
+                    None if h0 is None else h0.dtype)
+        o = o.view(B, T, HV, V).to(v.dtype)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        qp, kp, vp, gp, bp, h0p = ctx.saved_tensors
+        B, T, H, HV, K, V, scale, ch, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
+        dop = do.reshape(B * T, HV, V).to(vp.dtype).contiguous()
+        dhtp = None if dht is None else dht.float().contiguous()
+        DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale)
+        G = HV // H
+        dq = DQ.view(B, T, H, G, K).sum(3).to(q_dt)
+        dk = DK.view(B, T, H, G, K).sum(3).to(k_dt)
+        dv = DV.view(B, T, HV, V).to(v_dt)
+        dg = None if DG is None else DG.view(B, T, HV).to(g_dt)
+        db = None if DB is None else DB.view(B, T, HV).to(b_dt)
+        dh0 = None if dh0 is None else dh0.to(h0_dt)
+        return dq, dk, dv, dg, db, dh0, None, None, None
+
+
+def chunk_op(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """Run one member (``g``/``beta`` None for what it lacks) on the chunk kernels."""
+    B, T, H, K = q.shape
+    scale = K ** -0.5 if scale is None else float(scale)
+    ch = make_chunks(B, T, cu_seqlens, q.device)
+    o, ht = ChunkFunction.apply(q, k, v, g, beta, initial_state, scale, bool(output_final_state), ch)
+    return o, (ht if output_final_state else None)

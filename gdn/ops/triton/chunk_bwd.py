@@ -1,0 +1,321 @@
+"""Backward kernels of the chunkwise recurrence: the mirror of :mod:`.chunk_fwd`.
+
+With dO the output gradient, dS_out the gradient of the state leaving a chunk (carried from
+the next chunk, or the final-state gradient), S the state entering it and δ as in the forward::
+
+    dδ_loc = scale · (Q Kᵀ ⊙ D)ᵀ dO                           dv_local     (parallel)
+    dδ     = dδ_loc + K̃ dS_out                                 state pass   (sequential, reverse)
+    dS_in  = Γ_C dS_out + scale (ΓQ)ᵀ dO − Wᵀ dδ
+    dQ     = scale ((dO δᵀ ⊙ D) K + Γ dO Sᵀ)                    dqk          (parallel)
+    dK    += scale (dO δᵀ ⊙ D)ᵀ Q + K̃-term ;  dW = −dδ Sᵀ
+    dT     = dδ (βV)ᵀ + dW (βΓK)ᵀ ;  dA = −Tᵀ dT Tᵀ             wy           (parallel)
+    dV = β Tᵀ dδ ;  dK, dβ, dγ from W and A ;  dg = reverse cumsum of dγ in the chunk
+
+Without the delta term dδ is dV and the wy stage only turns dγ into dg.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, pow2
+from .chunk_fwd import state_tiles
+
+
+@triton.jit
+def dv_local_kernel(q, k, g, do, DVL, cu, chunk_idx, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+                    PREC: tl.constexpr):
+    """DVL = scale · (Q Kᵀ ⊙ D)ᵀ dO for one chunk, value head and V tile."""
+    i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, BT)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m = rows < eos
+    o_v = i_v * BV + tl.arange(0, BV)
+    mv = m[:, None] & (o_v < V)[None, :]
+    b_pt = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        mk = m[:, None] & (o_k < K)[None, :]
+        b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        b_pt += tl.dot(b_k, tl.trans(b_q), input_precision=PREC)
+    lower = o_t[:, None] <= o_t[None, :]  # [j, i]: key j, query i ≥ j
+    if USE_G:
+        b_gam, _ = gate_cumsum(g, rows, m, HV, i_hv)
+        b_pt = b_pt * tl.exp(tl.where(lower, b_gam[None, :] - b_gam[:, None], float("-inf")))
+    else:
+        b_pt = tl.where(lower, b_pt, 0.0)
+    b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+    b_dv = scale * tl.dot(b_pt, b_do, input_precision=PREC)
+    tl.store(DVL + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_dv, mask=mv)
+
+
+@triton.jit
+def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
+                    scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+    """Step j of the reverse pass (chunk NC − 1 − j): store dS_out, compute dδ, return dS_in."""
+    i_c = NC - 1 - j
+    tl.store(dh + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_ds, mask=mkv & (i_c >= 0))
+    rows = bos + i_c * BT + o_t
+    m = (rows >= bos) & (rows < eos)
+    mk = m[:, None] & (o_k < K)[None, :]
+    mv = m[:, None] & (o_v < V)[None, :]
+    b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
+    b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+    b_dd = tl.load(DVL + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
+    b_q = b_q * scale
+    if USE_G:
+        b_gam, b_gc = gate_cumsum(g, rows, m, HV, i_hv)
+        b_k = b_k * tl.exp(b_gc - b_gam)[:, None]
+        b_q = b_q * tl.exp(b_gam)[:, None]
+    b_dd += tl.dot(b_k, b_ds, input_precision=PREC)
+    tl.store(DD + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_dd, mask=mv)
+    if USE_G:
+        b_ds = b_ds * tl.exp(b_gc)
+    b_ds += tl.dot(tl.trans(b_q), b_do, input_precision=PREC)
+    if DELTA:
+        b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
+        b_ds -= tl.dot(tl.trans(b_w), b_dd, input_precision=PREC)
+    return b_ds
+
+
+@triton.jit
+def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_nc, scale, H: tl.constexpr,
+                     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
+                     USE_INIT: tl.constexpr, PREC: tl.constexpr, WHILE: tl.constexpr):
+    """Reverse pass over one sequence's chunks: dh[c] = dS_out of chunk c, DD = dδ, dh0 = dS_0.
+    Runs ``max_nc`` steps like the forward pass; steps before the sequence's start are masked."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + i_n).to(tl.int64)
+    NC = tl.cdiv(eos - bos, BT)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mkv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    p_s = o_k[:, None] * V + o_v[None, :]
+    b_ds = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_ds = tl.load(dht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, mask=mkv, other=0.0).to(tl.float32)
+    if WHILE:
+        j = 0
+        while j < max_nc:
+            b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
+                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC)
+            j += 1
+    else:
+        for j in range(0, max_nc):
+            b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
+                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC)
+    if USE_INIT:
+        tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_ds, mask=mkv)
+
+
+@triton.jit
+def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, scale, T, H: tl.constexpr,
+               HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+    """dQ, the O- and state-terms of dK, dW = −dδ Sᵀ and this K tile's part of dγ, per chunk."""
+    i_k, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, BT)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m = rows < eos
+    o_k = i_k * BK + tl.arange(0, BK)
+    mk = m[:, None] & (o_k < K)[None, :]
+    base_h = (i_t.to(tl.int64) * HV + i_hv) * K * V
+    b_dod = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dqs = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dks = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_gcs = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = m[:, None] & (o_v < V)[None, :]
+        mkv = (o_k < K)[:, None] & (o_v < V)[None, :]
+        if DELTA:
+            b_d = tl.load(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
+        else:
+            b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+        b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+        b_s = tl.load(h + base_h + o_k[:, None] * V + o_v[None, :], mask=mkv, other=0.0)
+        b_ds = tl.load(dh + base_h + o_k[:, None] * V + o_v[None, :], mask=mkv, other=0.0)
+        b_dod += tl.dot(b_do, tl.trans(b_d), input_precision=PREC)
+        b_dqs += tl.dot(b_do, tl.trans(b_s), input_precision=PREC)
+        b_dks += tl.dot(b_d, tl.trans(b_ds), input_precision=PREC)
+        if DELTA:
+            b_dd = tl.load(DD + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
+            b_dw -= tl.dot(b_dd, tl.trans(b_s), input_precision=PREC)
+        if USE_G:
+            b_gcs += tl.sum(b_s * b_ds, axis=1)
+    b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+    lower = o_t[:, None] >= o_t[None, :]
+    if USE_G:
+        b_gam, b_gc = gate_cumsum(g, rows, m, HV, i_hv)
+        b_dm = tl.exp(tl.where(lower, b_gam[:, None] - b_gam[None, :], float("-inf")))
+        b_dsm = b_dod * b_dm * scale
+        b_dqs = b_dqs * (scale * tl.exp(b_gam))[:, None]
+        b_dks = b_dks * tl.exp(b_gc - b_gam)[:, None]
+    else:
+        b_dsm = tl.where(lower, b_dod * scale, 0.0)
+        b_dqs = b_dqs * scale
+    b_qf = b_q.to(tl.float32)
+    b_kf = b_k.to(tl.float32)
+    b_dq = tl.dot(b_dsm, b_kf, input_precision=PREC) + b_dqs
+    b_dk = tl.dot(tl.trans(b_dsm), b_qf, input_precision=PREC) + b_dks
+    p_out = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
+    tl.store(DQ + p_out, b_dq, mask=mk)
+    tl.store(DK + p_out, b_dk, mask=mk)
+    if DELTA:
+        tl.store(DW + p_out, b_dw, mask=mk)
+    if USE_G:
+        b_e = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * b_dsm
+        b_a = tl.sum(b_kf * b_dks, axis=1)
+        b_dg = tl.sum(b_e, axis=1) - tl.sum(b_e, axis=0) + tl.sum(b_qf * b_dqs, axis=1) - b_a
+        # γ_C is γ at the chunk's last valid row (g is 0 past the sequence end).
+        b_last = tl.sum(b_a, axis=0) + tl.exp(b_gc) * tl.sum(b_gcs, axis=0)
+        b_dg += tl.where(rows == tl.minimum(eos, t0 + BT) - 1, b_last, 0.0)
+        tl.store(DGAM + (i_k * T + rows) * HV + i_hv, b_dg, mask=m)
+
+
+@triton.jit
+def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx, T, H: tl.constexpr,
+                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, NK: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr,
+                  PREC: tl.constexpr):
+    """Gradients through W = T diag(βΓ) K, U = T diag(β) V and T = (I + A)⁻¹; then dg."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, BT)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m = rows < eos
+    b_dgam = tl.zeros([BT], dtype=tl.float32)
+    if USE_G:
+        b_gam, _ = gate_cumsum(g, rows, m, HV, i_hv)
+        for i in range(0, NK):
+            b_dgam += tl.load(DGAM + (i * T + rows) * HV + i_hv, mask=m, other=0.0)
+    if DELTA:
+        b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
+        b_G = tl.full([BT], 1.0, dtype=tl.float32)
+        if USE_G:
+            b_G = tl.exp(b_gam)
+        b_bg = b_b * b_G
+        b_A = tl.load(Ai + (rows[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
+        b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+        b_kk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_db = tl.zeros([BT], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            mv = m[:, None] & (o_v < V)[None, :]
+            p_v = (rows[:, None] * HV + i_hv) * V + o_v[None, :]
+            b_du = tl.load(DD + p_v, mask=mv, other=0.0)
+            b_v = tl.load(v + p_v, mask=mv, other=0.0).to(tl.float32)
+            b_dT += tl.dot(b_du, tl.trans(b_v * b_b[:, None]), input_precision=PREC)
+            b_tdu = tl.dot(tl.trans(b_A), b_du, input_precision=PREC)
+            tl.store(DV + p_v, b_tdu * b_b[:, None], mask=mv)
+            b_db += tl.sum(b_v * b_tdu, axis=1)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            mk = m[:, None] & (o_k < K)[None, :]
+            p_k = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
+            b_dw = tl.load(DW + p_k, mask=mk, other=0.0)
+            b_kr = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+            b_k = b_kr.to(tl.float32)
+            b_kb = b_k * b_bg[:, None]
+            b_dT += tl.dot(b_dw, tl.trans(b_kb), input_precision=PREC)
+            b_tdw = tl.dot(tl.trans(b_A), b_dw, input_precision=PREC)
+            b_db += tl.sum(b_k * b_tdw, axis=1) * b_G
+            if USE_G:
+                b_dgam += tl.sum(b_kb * b_tdw, axis=1)
+            b_kk += tl.dot(b_kr, tl.trans(b_kr), input_precision=PREC)
+            tl.store(DK + p_k, tl.load(DK + p_k, mask=mk, other=0.0) + b_tdw * b_bg[:, None], mask=mk)
+        b_dA = -tl.dot(tl.dot(tl.trans(b_A), b_dT, input_precision=PREC), tl.trans(b_A), input_precision=PREC)
+        strict = o_t[:, None] > o_t[None, :]
+        if USE_G:
+            b_dec = tl.exp(tl.where(strict, b_gam[:, None] - b_gam[None, :], float("-inf")))
+        else:
+            b_dec = tl.where(strict, 1.0, 0.0)
+        b_dA = tl.where(strict, b_dA, 0.0) * b_dec
+        b_db += tl.sum(b_dA * b_kk, axis=1)
+        b_mf = b_dA * b_b[:, None]
+        if USE_G:
+            b_e = b_mf * b_kk
+            b_dgam += tl.sum(b_e, axis=1) - tl.sum(b_e, axis=0)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            mk = m[:, None] & (o_k < K)[None, :]
+            p_k = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
+            b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
+            b_add = tl.dot(b_mf, b_k, input_precision=PREC) + tl.dot(tl.trans(b_mf), b_k, input_precision=PREC)
+            tl.store(DK + p_k, tl.load(DK + p_k, mask=mk, other=0.0) + b_add, mask=mk)
+        tl.store(DB + rows * HV + i_hv, b_db, mask=m)
+    if USE_G:
+        b_dg = tl.cumsum(b_dgam, axis=0, reverse=True)
+        tl.store(DG + rows * HV + i_hv, b_dg, mask=m)
+
+
+def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
+    """Gradients of the chunk op. Shapes in the packed layout: q, k [T, H, K]; v, do [T, HV, V];
+    g, beta [T, HV] or None; h0, dht [N, HV, K, V] or None. Returns fp32
+    (dq [T, HV, K], dk [T, HV, K], dv [T, HV, V], dg or None, dbeta or None, dh0 or None);
+    dq and dk are per value head (the caller sums each group)."""
+    from .chunk_fwd import forward_intermediates  # noqa: PLC0415
+
+    T, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    delta, gated = beta is not None, g is not None
+    prec = dot_precision(v.dtype)
+    dev, f32 = v.device, torch.float32
+    h, VN, _, Ai, W = forward_intermediates(q, k, v, g, beta, h0, ch, False)
+    BK = min(64, pow2(K))
+    BV = min(64, pow2(V))
+    NK = triton.cdiv(K, BK)
+    dummy = v
+    gp = g if gated else dummy
+    DVL = torch.empty(T, HV, V, device=dev, dtype=f32)
+    dv_local_kernel[(triton.cdiv(V, BV), ch.NT, HV)](
+        q, k, gp, do, DVL, ch.cu, ch.chunk_idx, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
+        USE_G=gated, PREC=prec, num_warps=4)
+    dh = torch.empty(ch.NT, HV, K, V, device=dev, dtype=f32)
+    DD = torch.empty(T, HV, V, device=dev, dtype=f32)
+    dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
+    SK, SV = state_tiles(K, V)
+    state_bwd_kernel[(triton.cdiv(V, SV), ch.N * HV)](
+        q, k, gp, W if delta else dummy, do, DVL, dht if dht is not None else dummy, dh, DD,
+        dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, ch.max_nc, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK,
+        BV=SV, USE_G=gated, DELTA=delta, USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec, WHILE=INTERPRET,
+        num_warps=4)
+    del DVL
+    DQ = torch.empty(T, HV, K, device=dev, dtype=f32)
+    DK = torch.empty(T, HV, K, device=dev, dtype=f32)
+    DW = torch.empty(T, HV, K, device=dev, dtype=f32) if delta else None
+    DGAM = torch.empty(NK, T, HV, device=dev, dtype=f32) if gated else None  # dγ of each K tile
+    dqk_kernel[(NK, ch.NT, HV)](
+        q, k, v, gp, VN if delta else dummy, do, h, dh, DD if delta else dummy, DQ, DK,
+        DW if delta else dummy, DGAM if gated else dummy, ch.cu, ch.chunk_idx, scale, T, H=H, HV=HV, K=K,
+        V=V, BT=BT, BK=BK, BV=BV, USE_G=gated, DELTA=delta, PREC=prec, num_warps=4)
+    del h, dh
+    DV = torch.empty(T, HV, V, device=dev, dtype=f32) if delta else DD
+    DB = torch.empty(T, HV, device=dev, dtype=f32) if delta else None
+    DG = torch.empty(T, HV, device=dev, dtype=f32) if gated else None
+    if delta or gated:
+        wy_bwd_kernel[(ch.NT, HV)](
+            k, v, gp, beta if delta else dummy, Ai if delta else dummy, DD, DW if delta else dummy, DK,
+            DV, DB if delta else dummy, DGAM if gated else dummy, DG if gated else dummy, ch.cu, ch.chunk_idx,
+            T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, NK=NK, USE_G=gated, DELTA=delta, PREC=prec,
+            num_warps=4)
+    return DQ, DK, DV, DG, DB, dh0

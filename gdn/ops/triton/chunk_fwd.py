@@ -1,0 +1,335 @@
+"""Forward kernels of the chunkwise recurrence (DESIGN §1; the math of gdn/ops/chunk.py).
+
+Per chunk of BT = 64 tokens, with γ the in-chunk cumulative log decay, Γ = exp(γ),
+D_ij = exp(γ_i − γ_j) (j ≤ i) and S the state entering the chunk::
+
+    T = (I + tril(diag(β)(K Kᵀ ⊙ D), −1))⁻¹            kkt_solve   (delta members)
+    W = T diag(βΓ) K,  U = T diag(β) V                  wu          (delta members)
+    δ = U − W S  (δ = V without the delta term)         state pass  (sequential over chunks)
+    S ← Γ_C S + (diag(exp(γ_C − γ)) K)ᵀ δ               state pass
+    O = scale · ((Q Kᵀ ⊙ D) δ + diag(Γ) Q S)             output
+
+The gate (``USE_G``) and the delta term (``DELTA``) are compile-time switches, so the four
+members share these kernels. Intermediates (T, W, U, δ, per-chunk states) are fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, pow2
+
+
+@triton.jit
+def _inv_unit_lower16(A):
+    """(I + A)⁻¹ for a strictly lower-triangular 16×16 fp32 block, by forward substitution."""
+    o = tl.arange(0, 16)
+    X = (o[:, None] == o[None, :]).to(tl.float32)
+    for i in tl.static_range(1, 16):
+        a_i = tl.sum(tl.where(o[:, None] == i, A, 0.0), axis=0)
+        x_i = tl.where(o == i, 1.0, 0.0) - tl.sum(a_i[:, None] * X, axis=0)
+        X = tl.where(o[:, None] == i, x_i[None, :], X)
+    return X
+
+
+@triton.jit
+def _block_a(Aij, b_i, gi, gj, DIAG: tl.constexpr, USE_G: tl.constexpr):
+    """Scale the raw block K_i K_jᵀ into A_ij = β_i (k_i·k_j) exp(γ_i − γ_j) (strictly lower)."""
+    o = tl.arange(0, 16)
+    if USE_G:
+        if DIAG:
+            Aij = Aij * tl.exp(tl.where(o[:, None] > o[None, :], gi[:, None] - gj[None, :], float("-inf")))
+        else:
+            Aij = Aij * tl.exp(gi[:, None] - gj[None, :])
+    elif DIAG:
+        Aij = tl.where(o[:, None] > o[None, :], Aij, 0.0)
+    return Aij * b_i[:, None]
+
+
+@triton.jit
+def _store_block(Ai, X, rows, m, HV: tl.constexpr, i_hv, col0: tl.constexpr):
+    o = tl.arange(0, 16)
+    tl.store(Ai + (rows[:, None] * HV + i_hv) * 64 + col0 + o[None, :], X, mask=m[:, None])
+
+
+@triton.jit
+def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                     BK: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
+    """Ai[t, hv, :] = rows of T = (I + A)⁻¹ for each chunk, built from four 16-row blocks."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
+    o = tl.arange(0, 16)
+    r0 = t0 + o
+    r1 = r0 + 16
+    r2 = r0 + 32
+    r3 = r0 + 48
+    m0, m1, m2, m3 = r0 < eos, r1 < eos, r2 < eos, r3 < eos
+    b0 = tl.load(beta + r0 * HV + i_hv, mask=m0, other=0.0).to(tl.float32)
+    b1 = tl.load(beta + r1 * HV + i_hv, mask=m1, other=0.0).to(tl.float32)
+    b2 = tl.load(beta + r2 * HV + i_hv, mask=m2, other=0.0).to(tl.float32)
+    b3 = tl.load(beta + r3 * HV + i_hv, mask=m3, other=0.0).to(tl.float32)
+    g0 = tl.zeros([16], dtype=tl.float32)
+    g1 = g0
+    g2 = g0
+    g3 = g0
+    if USE_G:
+        g0, s = gate_cumsum(g, r0, m0, HV, i_hv)
+        g1, s1 = gate_cumsum(g, r1, m1, HV, i_hv)
+        g1 += s
+        s += s1
+        g2, s2 = gate_cumsum(g, r2, m2, HV, i_hv)
+        g2 += s
+        s += s2
+        g3, s3 = gate_cumsum(g, r3, m3, HV, i_hv)
+        g3 += s
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = z, z, z, z, z, z, z, z, z, z
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        mk = o_k < K
+        k0 = tl.load(k + (r0[:, None] * H + i_h) * K + o_k[None, :], mask=m0[:, None] & mk[None, :], other=0.0)
+        k1 = tl.load(k + (r1[:, None] * H + i_h) * K + o_k[None, :], mask=m1[:, None] & mk[None, :], other=0.0)
+        k2 = tl.load(k + (r2[:, None] * H + i_h) * K + o_k[None, :], mask=m2[:, None] & mk[None, :], other=0.0)
+        k3 = tl.load(k + (r3[:, None] * H + i_h) * K + o_k[None, :], mask=m3[:, None] & mk[None, :], other=0.0)
+        A00 += tl.dot(k0, tl.trans(k0), input_precision=PREC)
+        A10 += tl.dot(k1, tl.trans(k0), input_precision=PREC)
+        A11 += tl.dot(k1, tl.trans(k1), input_precision=PREC)
+        A20 += tl.dot(k2, tl.trans(k0), input_precision=PREC)
+        A21 += tl.dot(k2, tl.trans(k1), input_precision=PREC)
+        A22 += tl.dot(k2, tl.trans(k2), input_precision=PREC)
+        A30 += tl.dot(k3, tl.trans(k0), input_precision=PREC)
+        A31 += tl.dot(k3, tl.trans(k1), input_precision=PREC)
+        A32 += tl.dot(k3, tl.trans(k2), input_precision=PREC)
+        A33 += tl.dot(k3, tl.trans(k3), input_precision=PREC)
+    A00 = _block_a(A00, b0, g0, g0, True, USE_G)
+    A11 = _block_a(A11, b1, g1, g1, True, USE_G)
+    A22 = _block_a(A22, b2, g2, g2, True, USE_G)
+    A33 = _block_a(A33, b3, g3, g3, True, USE_G)
+    A10 = _block_a(A10, b1, g1, g0, False, USE_G)
+    A20 = _block_a(A20, b2, g2, g0, False, USE_G)
+    A21 = _block_a(A21, b2, g2, g1, False, USE_G)
+    A30 = _block_a(A30, b3, g3, g0, False, USE_G)
+    A31 = _block_a(A31, b3, g3, g1, False, USE_G)
+    A32 = _block_a(A32, b3, g3, g2, False, USE_G)
+    X00 = _inv_unit_lower16(A00)
+    X11 = _inv_unit_lower16(A11)
+    X22 = _inv_unit_lower16(A22)
+    X33 = _inv_unit_lower16(A33)
+    # Block forward substitution: X_ij = −X_ii Σ_{j ≤ l < i} A_il X_lj.
+    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision="ieee"), input_precision="ieee")
+    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision="ieee"), input_precision="ieee")
+    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision="ieee") + tl.dot(A21, X10, input_precision="ieee"),
+                  input_precision="ieee")
+    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision="ieee"), input_precision="ieee")
+    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision="ieee") + tl.dot(A32, X21, input_precision="ieee"),
+                  input_precision="ieee")
+    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision="ieee") + tl.dot(A31, X10, input_precision="ieee")
+                  + tl.dot(A32, X20, input_precision="ieee"), input_precision="ieee")
+    _store_block(Ai, X00, r0, m0, HV, i_hv, 0)
+    _store_block(Ai, z, r0, m0, HV, i_hv, 16)
+    _store_block(Ai, z, r0, m0, HV, i_hv, 32)
+    _store_block(Ai, z, r0, m0, HV, i_hv, 48)
+    _store_block(Ai, X10, r1, m1, HV, i_hv, 0)
+    _store_block(Ai, X11, r1, m1, HV, i_hv, 16)
+    _store_block(Ai, z, r1, m1, HV, i_hv, 32)
+    _store_block(Ai, z, r1, m1, HV, i_hv, 48)
+    _store_block(Ai, X20, r2, m2, HV, i_hv, 0)
+    _store_block(Ai, X21, r2, m2, HV, i_hv, 16)
+    _store_block(Ai, X22, r2, m2, HV, i_hv, 32)
+    _store_block(Ai, z, r2, m2, HV, i_hv, 48)
+    _store_block(Ai, X30, r3, m3, HV, i_hv, 0)
+    _store_block(Ai, X31, r3, m3, HV, i_hv, 16)
+    _store_block(Ai, X32, r3, m3, HV, i_hv, 32)
+    _store_block(Ai, X33, r3, m3, HV, i_hv, 48)
+
+
+@triton.jit
+def wu_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+              V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+              PREC: tl.constexpr):
+    """W = T diag(βΓ) K and U = T diag(β) V for one chunk and value head."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, BT)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m = rows < eos
+    b_A = tl.load(Ai + (rows[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
+    b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
+    b_bg = b_b
+    if USE_G:
+        b_gam, _ = gate_cumsum(g, rows, m, HV, i_hv)
+        b_bg = b_b * tl.exp(b_gam)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        mk = m[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
+        b_w = tl.dot(b_A, b_k * b_bg[:, None], input_precision=PREC)
+        tl.store(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], b_w, mask=mk)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = m[:, None] & (o_v < V)[None, :]
+        b_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+        b_u = tl.dot(b_A, b_v * b_b[:, None], input_precision=PREC)
+        tl.store(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_u, mask=mv)
+
+
+@triton.jit
+def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
+                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+    """One chunk of the forward state pass: store S, compute δ, return the next S."""
+    rows = bos + i_c * BT + o_t
+    tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_s, mask=mkv & (bos + i_c * BT < eos))
+    m = rows < eos
+    mk = m[:, None] & (o_k < K)[None, :]
+    mv = m[:, None] & (o_v < V)[None, :]
+    if DELTA:
+        b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
+        b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
+        b_d = b_u - tl.dot(b_w, b_s, input_precision=PREC)
+        tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_d, mask=mv)
+    else:
+        b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
+    if USE_G:
+        b_gam, b_gc = gate_cumsum(g, rows, m, HV, i_hv)
+        b_k = b_k * tl.exp(b_gc - b_gam)[:, None]
+        b_s = b_s * tl.exp(b_gc)
+    return b_s + tl.dot(tl.trans(b_k), b_d, input_precision=PREC)
+
+
+@triton.jit
+def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H: tl.constexpr, HV: tl.constexpr,
+                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
+                     PREC: tl.constexpr, WHILE: tl.constexpr):
+    """Sequential pass over one sequence's chunks for one value head and one V tile.
+
+    Stores the state entering each chunk in h [NT, HV, K, V] and, for delta members,
+    δ = U − W S in VN [T, HV, V]; the final state in ht [N, HV, K, V]. Every program runs
+    ``max_nc`` (the longest sequence's chunk count) steps; steps past its own sequence are fully
+    masked and leave the state unchanged (g = 0, k = δ = 0), so T is no compile-time key.
+    """
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + i_n).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mkv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    p_s = (o_k[:, None] * V + o_v[None, :])
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INIT:
+        b_s = tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, mask=mkv, other=0.0).to(tl.float32)
+    if WHILE:
+        i_c = 0
+        while i_c < max_nc:
+            b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
+                                  p_s, H, HV, K, V, BT, USE_G, DELTA, PREC)
+            i_c += 1
+    else:
+        for i_c in range(0, max_nc):
+            b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
+                                  p_s, H, HV, K, V, BT, USE_G, DELTA, PREC)
+    if STORE_FINAL:
+        tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s, mask=mkv)
+
+
+@triton.jit
+def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H: tl.constexpr, HV: tl.constexpr,
+                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+    """O = scale · ((Q Kᵀ ⊙ D) δ + diag(Γ) Q S) for one chunk, value head and V tile."""
+    i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, BT)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m = rows < eos
+    o_v = i_v * BV + tl.arange(0, BV)
+    mv = m[:, None] & (o_v < V)[None, :]
+    b_p = tl.zeros([BT, BT], dtype=tl.float32)
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        mk = m[:, None] & (o_k < K)[None, :]
+        b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        b_p += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        b_s = tl.load(h + (i_t.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
+                      mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0)
+        b_o += tl.dot(b_q.to(tl.float32), b_s, input_precision=PREC)
+    if USE_G:
+        b_gam, _ = gate_cumsum(g, rows, m, HV, i_hv)
+        b_o = b_o * tl.exp(b_gam)[:, None]
+        b_p = b_p * tl.exp(tl.where(o_t[:, None] >= o_t[None, :], b_gam[:, None] - b_gam[None, :], float("-inf")))
+    else:
+        b_p = tl.where(o_t[:, None] >= o_t[None, :], b_p, 0.0)
+    if DELTA:
+        b_d = tl.load(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
+    else:
+        b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+    b_o = scale * (b_o + tl.dot(b_p, b_d, input_precision=PREC))
+    tl.store(o + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=mv)
+
+
+def state_tiles(K: int, V: int) -> tuple[int, int]:
+    """(BK, BV) of the state passes: the whole K in one tile, V split so a tile holds ≤ 8192 fp32."""
+    BK = pow2(K)
+    BV = min(pow2(V), max(16, 8192 // BK))
+    return BK, BV
+
+
+def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool):
+    """Run the sequential part of the forward: returns (h [NT, HV, K, V], VN or None, ht or None,
+    Ai or None, W or None). q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, HV] or None."""
+    T, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    delta = beta is not None
+    prec = dot_precision(v.dtype)
+    dev = v.device
+    f32 = torch.float32
+    BK = min(64, pow2(K))
+    BV = min(64, pow2(V))
+    Ai = W = U = VN = None
+    if delta:
+        Ai = torch.empty(T, HV, BT, device=dev, dtype=f32)
+        W = torch.empty(T, HV, K, device=dev, dtype=f32)
+        U = torch.empty(T, HV, V, device=dev, dtype=f32)
+        VN = torch.empty(T, HV, V, device=dev, dtype=f32)
+        gp = g if g is not None else beta
+        kkt_solve_kernel[(ch.NT, HV)](k, gp, beta, Ai, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, BK=BK,
+                                      USE_G=g is not None, PREC=prec, num_warps=4)
+        wu_kernel[(ch.NT, HV)](k, v, gp, beta, Ai, W, U, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, V=V, BT=BT,
+                               BK=BK, BV=BV, USE_G=g is not None, PREC=prec, num_warps=4)
+    h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=f32)
+    ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if want_final else None
+    SK, SV = state_tiles(K, V)
+    dummy = v
+    state_fwd_kernel[(triton.cdiv(V, SV), ch.N * HV)](
+        k, v, g if g is not None else dummy, W if delta else dummy, U if delta else dummy,
+        h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy,
+        ch.cu, ch.chunk_off, ch.max_nc, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=delta,
+        USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, WHILE=INTERPRET, num_warps=4)
+    return h, VN, ht, Ai, W
+
+
+def output(q, k, v, g, h, VN, ch: Chunks, scale: float, out_dtype):
+    """o [T, HV, V] in ``out_dtype`` from the per-chunk states h and corrected values VN."""
+    T, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    o = torch.empty(T, HV, V, device=v.device, dtype=out_dtype)
+    BK = min(64, pow2(K))
+    BV = min(64, pow2(V))
+    output_kernel[(triton.cdiv(V, BV), ch.NT, HV)](
+        q, k, v, g if g is not None else v, h, VN if VN is not None else v, o, ch.cu, ch.chunk_idx, scale,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, DELTA=VN is not None,
+        PREC=dot_precision(v.dtype), num_warps=4)
+    return o
