@@ -1,0 +1,179 @@
+"""The skeleton shared by the four recurrent mixers (Gated DeltaNet, DeltaNet, gated linear
+attention, linear attention).
+
+    x ─ q_proj ─ conv+SiLU ─ L2 norm ─┐
+    x ─ k_proj ─ conv+SiLU ─ L2 norm ─┤
+    x ─ v_proj ─ conv+SiLU ───────────┼─ recurrence (gdn.ops) ─ RMSNorm per head (× SiLU(g_proj x)) ─ o_proj
+    x ─ a_proj, b_proj (gate, β) ─────┘
+
+Subclasses say which of the gate (decay) and the delta term (β) they have and implement
+:meth:`RecurrentMixer._mix`. Padding (``attention_mask``) zeroes k and v and the decay at padded
+tokens so they leave the state unchanged; packing (``cu_seqlens``) restarts every sequence.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .conv import ShortConvolution
+from .norm import GatedRMSNorm, RMSNorm
+from .state import RecurrentState
+
+#: Value given to the gate pre-activation at padded tokens: softplus of it is exactly 0, so g = 0.
+MASKED_GATE_INPUT = -1e4
+
+
+def _positive_int(name: str, val) -> int:
+    if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+        raise ValueError(f"{name} must be a positive int, got {val!r}")
+    return val
+
+
+def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / ‖x‖ over the last dim (fp32 inside); zero rows stay zero. [..., D] -> [..., D]."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def mamba_gate_init(num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1,
+                    a_min: float = 0.01, a_max: float = 16.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Initial ``(A_log, dt_bias)`` [HV] each (fp32): ``A_log = log U(a_min, a_max)``, ``dt_bias`` the
+    inverse softplus of dt, log-uniform in [dt_min, dt_max]."""
+    A = torch.empty(num_heads).uniform_(a_min, a_max)
+    dt = torch.exp(torch.rand(num_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = dt.clamp(min=1e-4)
+    return torch.log(A), dt + torch.log(-torch.expm1(-dt))
+
+
+def scalar_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Mamba2-style log decay ``g = −exp(A_log) · softplus(a + dt_bias)`` in fp32. a: [B, T, HV] -> [B, T, HV]."""
+    return -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
+
+
+class RecurrentMixer(nn.Module):
+    """Base of the recurrent token mixers (see the module docstring for the data flow).
+
+    Args:
+        hidden_size: model width D.
+        num_heads: H query/key heads.
+        head_dim: K, the query/key head size.
+        num_v_heads: HV value heads (a multiple of H; default H). Value head j reads q/k head j // (HV/H).
+        expand_v: value head size V = K · expand_v (must give an integer).
+        use_short_conv: causal depthwise conv (kernel ``conv_size``) + SiLU on q, k, v; else SiLU only.
+        conv_size: kernel of the short convolutions.
+        use_gate: output gate SiLU(g_proj x) on the normalised output.
+        norm_eps: epsilon of the output RMSNorm.
+        layer_idx: index in the stack (informational).
+
+    Forward: ``x`` [B, T, D]; ``attention_mask`` [B, T] (1 token / 0 padding); ``cu_seqlens`` [N+1]
+    (B == 1); ``state``: :class:`RecurrentState` of the previous call (batch B); ``use_cache``:
+    return the new state. Returns ``(o [B, T, D], RecurrentState or None)``.
+    """
+
+    has_decay = False
+    has_delta = False
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, num_v_heads: int | None = None,
+                 expand_v: float = 1.0, use_short_conv: bool = True, conv_size: int = 4, use_gate: bool = True,
+                 norm_eps: float = 1e-6, layer_idx: int | None = None):
+        super().__init__()
+        self.hidden_size = _positive_int("hidden_size", hidden_size)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.head_dim = _positive_int("head_dim", head_dim)
+        self.num_v_heads = num_heads if num_v_heads is None else _positive_int("num_v_heads", num_v_heads)
+        if self.num_v_heads % self.num_heads != 0:
+            raise ValueError(f"num_v_heads ({self.num_v_heads}) must be a multiple of num_heads ({num_heads})")
+        v_dim = head_dim * expand_v
+        if not isinstance(expand_v, (int, float)) or expand_v <= 0 or abs(v_dim - round(v_dim)) > 1e-9:
+            raise ValueError(f"expand_v must be positive with head_dim * expand_v an integer, got {head_dim} * {expand_v!r}")
+        self.head_v_dim = int(round(v_dim))
+        self.use_short_conv, self.use_gate, self.layer_idx = bool(use_short_conv), bool(use_gate), layer_idx
+        self.conv_size = _positive_int("conv_size", conv_size)
+        D, H, HV, K, V = hidden_size, num_heads, self.num_v_heads, head_dim, self.head_v_dim
+        self.key_dim, self.value_dim = H * K, HV * V
+        self.q_proj = nn.Linear(D, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(D, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(D, self.value_dim, bias=False)
+        if self.use_short_conv:
+            self.q_conv = ShortConvolution(self.key_dim, conv_size)
+            self.k_conv = ShortConvolution(self.key_dim, conv_size)
+            self.v_conv = ShortConvolution(self.value_dim, conv_size)
+        if self.has_decay:
+            self.a_proj = nn.Linear(D, HV, bias=False)
+            A_log, dt_bias = mamba_gate_init(HV)
+            self.A_log = nn.Parameter(A_log)
+            self.dt_bias = nn.Parameter(dt_bias)
+            self.A_log._no_weight_decay = True
+            self.dt_bias._no_weight_decay = True
+        if self.has_delta:
+            self.b_proj = nn.Linear(D, HV, bias=False)
+        if self.use_gate:
+            self.g_proj = nn.Linear(D, self.value_dim, bias=False)
+            self.o_norm = GatedRMSNorm(V, eps=norm_eps)
+        else:
+            self.o_norm = RMSNorm(V, eps=norm_eps)
+        self.o_proj = nn.Linear(self.value_dim, D, bias=False)
+
+    def gate_init_values(self) -> dict[str, torch.Tensor]:
+        """Fresh initial values of the gate parameters (empty for members without a decay)."""
+        if not self.has_decay:
+            return {}
+        A_log, dt_bias = mamba_gate_init(self.num_v_heads)
+        return {"A_log": A_log, "dt_bias": dt_bias}
+
+    def state_shape(self, batch_size: int) -> dict[str, tuple[int, ...]]:
+        """Shapes of the decoding state for ``batch_size`` sequences."""
+        W = self.conv_size - 1
+        conv = [(batch_size, self.key_dim, W)] * 2 + [(batch_size, self.value_dim, W)] if self.use_short_conv else []
+        return {"conv": tuple(conv), "recurrent": (batch_size, self.num_v_heads, self.head_dim, self.head_v_dim)}
+
+    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens):
+        """q, k: [B, T, H, K] (after conv, before L2 norm); v: [B, T, HV, V]; x: [B, T, D] (for the
+        gate/β projections); mask: [B, T] bool or None. Returns (o [B, T, HV, V], state or None)."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, state: RecurrentState | None = None,
+                use_cache: bool = False):
+        """x: [B, T, D] -> (o [B, T, D], RecurrentState or None)."""
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        B, T, _ = x.shape
+        mask = None
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != (B, T):
+                raise ValueError(f"attention_mask must have shape [B, T] = [{B}, {T}], got {tuple(attention_mask.shape)}")
+            mask = attention_mask.bool()
+        if state is not None and cu_seqlens is not None:
+            raise ValueError("state cannot be combined with cu_seqlens: packed sequences start from zero state")
+        conv_states = state.conv if state is not None and state.conv else (None, None, None)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        new_conv: tuple[torch.Tensor, ...] = ()
+        if self.use_short_conv:
+            (q, sq), (k, sk), (v, sv) = (
+                conv(t, mask=mask, cu_seqlens=cu_seqlens, state=s, output_state=use_cache)
+                for conv, t, s in zip((self.q_conv, self.k_conv, self.v_conv), (q, k, v), conv_states)
+            )
+            new_conv = (sq, sk, sv) if use_cache else ()
+        else:
+            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        if mask is not None:
+            m = mask[..., None].to(k.dtype)
+            k, v = k * m, v * m
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_heads, self.head_dim)
+        v = v.view(B, T, self.num_v_heads, self.head_v_dim)
+        o, S = self._mix(q, k, v, x, mask, None if state is None else state.recurrent, use_cache, cu_seqlens)
+        if self.use_gate:
+            o = self.o_norm(o, self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim))
+        else:
+            o = self.o_norm(o)
+        o = self.o_proj(o.reshape(B, T, self.value_dim))
+        return o, (RecurrentState(new_conv, S) if use_cache else None)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, v_heads={self.num_v_heads}, head_dim={self.head_dim}, "
+                f"head_v_dim={self.head_v_dim}, short_conv={self.use_short_conv}, gate={self.use_gate}")

@@ -1,0 +1,134 @@
+"""Softmax attention layer: RoPE, grouped query heads, optional sliding window, SDPA, KV cache."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ._recurrent import _positive_int
+from .conv import _seq_position
+from .state import KVState
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding (rotate-half form), computed in fp32.
+
+    x: [B, T, H, D] (D even); positions: [B, T] or [T] integer. Returns [B, T, H, D] in x.dtype.
+    """
+    D = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
+    pos = positions.to(x.device, torch.float32)
+    if pos.dim() == 1:
+        pos = pos[None]
+    ang = pos[..., None] * inv_freq  # [B, T, D/2]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, :, None], torch.cat([ang.sin(), ang.sin()], -1)[:, :, None]
+    xf = x.float()
+    x1, x2 = xf[..., : D // 2], xf[..., D // 2:]
+    return (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal softmax attention with RoPE and grouped query heads; global or sliding-window.
+
+    Args:
+        hidden_size: model width D.
+        num_heads: HQ query heads.
+        num_kv_heads: HKV key/value heads (HQ a multiple of it; default HQ).
+        head_dim: per-head size (even, for RoPE); default D / HQ.
+        window_size: None (global) or W: query t sees keys t−W+1..t.
+        rope_theta: RoPE base.
+        layer_idx: index in the stack (informational).
+
+    Forward: ``x`` [B, T, D]; ``attention_mask`` [B, T] (1 token / 0 padding; padded keys are
+    never attended); ``cu_seqlens`` [N+1] (B == 1); ``state``: :class:`KVState` from the previous
+    call; ``use_cache``: return the new state; ``positions`` [B, T] RoPE positions (default: the
+    index within the sequence, continuing after the cache). Returns ``(o [B, T, D], KVState or None)``.
+    Whole unpadded sequences go through :func:`gdn.ops.softmax_attention` (SDPA, blocked sliding
+    window); padded batches and continuations through SDPA with an explicit mask over cache + new keys.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 window_size: int | None = None, rope_theta: float = 10000.0, layer_idx: int | None = None):
+        super().__init__()
+        self.hidden_size = _positive_int("hidden_size", hidden_size)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if head_dim is None:
+            if hidden_size % num_heads != 0:
+                raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}), "
+                                 "or give head_dim")
+            head_dim = hidden_size // num_heads
+        self.head_dim = _positive_int("head_dim", head_dim)
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+        if window_size is not None:
+            _positive_int("window_size", window_size)
+        self.window_size, self.rope_theta, self.layer_idx = window_size, float(rope_theta), layer_idx
+        D, HQ, HKV = hidden_size, self.num_heads, self.num_kv_heads
+        self.q_proj = nn.Linear(D, HQ * head_dim, bias=False)
+        self.k_proj = nn.Linear(D, HKV * head_dim, bias=False)
+        self.v_proj = nn.Linear(D, HKV * head_dim, bias=False)
+        self.o_proj = nn.Linear(HQ * head_dim, D, bias=False)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, state: KVState | None = None, use_cache: bool = False,
+                positions: torch.Tensor | None = None):
+        """x: [B, T, D] -> (o [B, T, D], KVState or None)."""
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        B, T, _ = x.shape
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, T):
+            raise ValueError(f"attention_mask must have shape [B, T] = [{B}, {T}], got {tuple(attention_mask.shape)}")
+        if cu_seqlens is not None and (state is not None or use_cache):
+            raise ValueError("cu_seqlens cannot be combined with a KV cache: use attention_mask (left padding) "
+                             "for cached generation")
+        if positions is None:
+            if cu_seqlens is not None:
+                positions = _seq_position(cu_seqlens, T)[0][None].expand(B, T)
+            else:
+                offset = 0 if state is None else state.seen
+                positions = (torch.arange(T, device=x.device) + offset)[None].expand(B, T)
+        q = rotary(self.q_proj(x).view(B, T, self.num_heads, self.head_dim), positions, self.rope_theta)
+        k = rotary(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim), positions, self.rope_theta)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        valid = attention_mask.bool() if attention_mask is not None else torch.ones(B, T, dtype=torch.bool,
+                                                                                    device=x.device)
+        if state is None and (attention_mask is None or bool(valid.all())):
+            o = ops.softmax_attention(q, k, v, causal=True, window_size=self.window_size, cu_seqlens=cu_seqlens)
+            keys, values, kvalid = k, v, valid
+        else:
+            if state is not None:
+                keys, values = torch.cat([state.key, k], 1), torch.cat([state.value, v], 1)
+                kvalid = torch.cat([state.valid, valid], 1)
+            else:
+                keys, values, kvalid = k, v, valid
+            o = self._masked(q, keys, values, kvalid)
+        o = self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
+        if not use_cache:
+            return o, None
+        if self.window_size is not None:
+            keep = self.window_size - 1
+            keys, values, kvalid = (t[:, t.shape[1] - min(keep, t.shape[1]):] for t in (keys, values, kvalid))
+        seen = T + (0 if state is None else state.seen)
+        return o, KVState(keys.contiguous(), values.contiguous(), kvalid.contiguous(), self.window_size, seen)
+
+    def _masked(self, q, keys, values, kvalid):
+        """q: [B, Tq, HQ, D] (the last Tq of Tk slots); keys/values: [B, Tk, HKV, D]; kvalid: [B, Tk]."""
+        Tq, Tk = q.shape[1], keys.shape[1]
+        qs = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
+        ks = torch.arange(Tk, device=q.device)[None, :]
+        allowed = ks <= qs
+        if self.window_size is not None:
+            allowed &= (qs - ks) < self.window_size
+        # Padded keys are never seen; every query sees itself, so a row is never empty (no NaN).
+        mask = (allowed[None] & kvalid[:, None, :]) | (ks == qs)[None]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                           attn_mask=mask[:, None], enable_gqa=self.num_heads != self.num_kv_heads)
+        return o.transpose(1, 2)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"window={self.window_size}, rope_theta={self.rope_theta}")

@@ -1,0 +1,104 @@
+"""Causal depthwise short convolution with a rolling state for decoding."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _seq_position(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For packed offsets [N+1]: (index within its sequence [T], sequence index [T]) of every token."""
+    t = torch.arange(T, device=cu_seqlens.device)
+    seq = torch.bucketize(t, cu_seqlens[1:].long(), right=True)
+    return t - cu_seqlens.long()[seq], seq
+
+
+class ShortConvolution(nn.Module):
+    """Causal depthwise 1-D convolution over time (kernel ``K``, default 4), optionally followed by SiLU.
+
+    ``y_t = act(Σ_{i<K} w[:, K-1-i] · x_{t-i})``, with ``x`` zero before the start of each
+    sequence (or taken from the conv ``state`` when continuing a cached sequence).
+
+    Args:
+        dim: channels D.
+        kernel_size: K ≥ 1.
+        activation: ``"silu"`` or None.
+
+    Forward:
+        x: [B, T, D]; mask: [B, T] (1 = token, 0 = padding; padded inputs are zeroed, so nothing
+        leaks from them); cu_seqlens: [N+1] packed offsets (B == 1; each sequence starts from
+        zeros); state: [B, D, K-1], the last K-1 inputs of the previous call (not with cu_seqlens);
+        output_state: also return the new state [N, D, K-1] (N = B or the packed count).
+    Returns ``(y [B, T, D], state or None)``.
+    """
+
+    def __init__(self, dim: int, kernel_size: int = 4, activation: str | None = "silu"):
+        super().__init__()
+        if not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        if not isinstance(kernel_size, int) or kernel_size < 1:
+            raise ValueError(f"kernel_size must be a positive int, got {kernel_size!r}")
+        if activation not in ("silu", None):
+            raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+        self.dim, self.kernel_size, self.activation = dim, kernel_size, activation
+        self.weight = nn.Parameter(torch.empty(dim, kernel_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """PyTorch's Conv1d default: uniform in ±1/sqrt(K)."""
+        bound = 1.0 / math.sqrt(self.kernel_size)
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+
+    def init_value(self) -> torch.Tensor:
+        """A freshly initialised weight [D, K] (used by the model's weight initialisation)."""
+        bound = 1.0 / math.sqrt(self.kernel_size)
+        return torch.empty_like(self.weight, device="cpu").uniform_(-bound, bound)
+
+    def forward(self, x, mask=None, cu_seqlens=None, state=None, output_state=False):
+        """x: [B, T, D] -> (y [B, T, D], state [N, D, K-1] or None)."""
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must have shape [B, T, {self.dim}], got {tuple(x.shape)}")
+        B, T, D = x.shape
+        W = self.kernel_size - 1
+        if mask is not None:
+            x = x * mask[..., None].to(x.dtype)
+        if cu_seqlens is not None:
+            if state is not None:
+                raise ValueError("state cannot be combined with cu_seqlens: packed sequences start from zeros")
+            y, new_state = self._packed(x, cu_seqlens, output_state)
+        else:
+            if state is not None and tuple(state.shape) != (B, D, W):
+                raise ValueError(f"state must have shape [B, D, K-1] = [{B}, {D}, {W}], got {tuple(state.shape)}")
+            xt = x.transpose(1, 2)  # [B, D, T]
+            hist = state.to(x.dtype) if state is not None else x.new_zeros(B, D, W)
+            xp = torch.cat([hist, xt], dim=-1)  # [B, D, W + T]
+            y = F.conv1d(xp, self.weight.to(x.dtype)[:, None, :], groups=D).transpose(1, 2)
+            new_state = xp[..., xp.shape[-1] - W:].contiguous() if output_state else None
+        if self.activation == "silu":
+            y = F.silu(y)
+        return y, new_state
+
+    def _packed(self, x, cu_seqlens, output_state):
+        _, T, D = x.shape
+        K = self.kernel_size
+        pos, _ = _seq_position(cu_seqlens, T)
+        w = self.weight.to(x.dtype)
+        y = torch.zeros_like(x)
+        for i in range(K):  # tap i reads x_{t-i}, valid only inside the token's own sequence
+            shifted = F.pad(x, (0, 0, i, 0))[:, :T] if i else x
+            valid = (pos >= i).to(x.dtype)[None, :, None]
+            y = y + shifted * valid * w[:, K - 1 - i]
+        if not output_state:
+            return y, None
+        bounds = cu_seqlens.long()
+        starts, ends = bounds[:-1], bounds[1:]
+        cols = ends[:, None] - (K - 1) + torch.arange(K - 1, device=x.device)[None, :]  # [N, K-1]
+        ok = cols >= starts[:, None]
+        state = x[0][cols.clamp(min=0)] * ok[..., None].to(x.dtype)  # [N, K-1, D]
+        return y, state.transpose(1, 2).contiguous()
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, kernel_size={self.kernel_size}, activation={self.activation}"

@@ -1,0 +1,18 @@
+"""Linear attention layer: ``S_t = S_{t-1} + k_t v_tᵀ`` (no decay, no delta term)."""
+from __future__ import annotations
+
+from .. import ops
+from ._recurrent import RecurrentMixer, l2_normalise
+
+
+class LinearAttention(RecurrentMixer):
+    """Linear attention token mixer with L2-normalised q and k (the per-head output RMSNorm keeps
+    the growing state's read-out in scale).
+
+    Args as :class:`gdn.layers._recurrent.RecurrentMixer`. Forward: ``x`` [B, T, D] ->
+    ``(o [B, T, D], RecurrentState or None)``.
+    """
+
+    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens):
+        return ops.linear_attention(l2_normalise(q), l2_normalise(k), v, initial_state=initial_state,
+                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)

@@ -1,0 +1,40 @@
+"""Models: :class:`GDNConfig` (layer pattern, presets), :class:`GDNModel`, :class:`GDNForCausalLM`
+and the decoding cache :class:`GDNCache`. Importing this package registers the config and models
+with ``transformers``' ``AutoConfig`` / ``AutoModel`` / ``AutoModelForCausalLM`` (model type ``gdn``).
+"""
+from __future__ import annotations
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .cache import GDNCache
+from .config import LAYER_TYPES, PRESETS, SIZES, GDNConfig
+from .modeling import (CACHE_KEY, GDNBlock, GDNForCausalLM, GDNModel, GDNPreTrainedModel, build_mixer,
+                       no_weight_decay_names, output_cache, param_groups)
+
+__all__ = [
+    "CACHE_KEY",
+    "GDNBlock",
+    "GDNCache",
+    "GDNConfig",
+    "GDNForCausalLM",
+    "GDNModel",
+    "GDNPreTrainedModel",
+    "LAYER_TYPES",
+    "PRESETS",
+    "SIZES",
+    "build_mixer",
+    "no_weight_decay_names",
+    "output_cache",
+    "param_groups",
+    "register",
+]
+
+
+def register() -> None:
+    """Register ``gdn`` with ``AutoConfig``, ``AutoModel`` and ``AutoModelForCausalLM`` (idempotent)."""
+    AutoConfig.register(GDNConfig.model_type, GDNConfig, exist_ok=True)
+    AutoModel.register(GDNConfig, GDNModel, exist_ok=True)
+    AutoModelForCausalLM.register(GDNConfig, GDNForCausalLM, exist_ok=True)
+
+
+register()

@@ -1,0 +1,324 @@
+"""Causal language model over a layer pattern of token mixers, Hugging Face compatible."""
+from __future__ import annotations
+
+from dataclasses import fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from ..layers import (Attention, DeltaNet, GatedDeltaNet, GatedLinearAttention, LinearAttention, RMSNorm,
+                      ShortConvolution, SwiGLU)
+from ..layers._recurrent import RecurrentMixer
+from ..layers.conv import _seq_position
+from .cache import GDNCache
+from .config import GDNConfig
+
+_RECURRENT = {"G": GatedDeltaNet, "D": DeltaNet, "M": GatedLinearAttention, "L": LinearAttention}
+
+
+def build_mixer(config: GDNConfig, layer_idx: int) -> nn.Module:
+    """The token mixer of layer ``layer_idx`` (from its ``layer_pattern`` letter)."""
+    letter = config.layer_pattern[layer_idx]
+    if letter in _RECURRENT:
+        kw = dict(num_v_heads=config.num_v_heads, expand_v=config.expand_v, use_short_conv=config.use_short_conv,
+                  conv_size=config.conv_size, use_gate=config.use_gate, norm_eps=config.norm_eps, layer_idx=layer_idx)
+        if letter in "GD":
+            kw["allow_neg_eigval"] = config.allow_neg_eigval
+        return _RECURRENT[letter](config.hidden_size, config.num_heads, config.head_dim, **kw)
+    return Attention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                     config.resolved_attention_head_dim, window_size=config.window_size if letter == "S" else None,
+                     rope_theta=config.rope_theta, layer_idx=layer_idx)
+
+
+class GDNBlock(nn.Module):
+    """Pre-norm block: ``x + mixer(norm(x))`` then ``x + SwiGLU(norm(x))``. x: [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, config: GDNConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.mixer_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mixer = build_mixer(config, layer_idx)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, attention_mask=None, cu_seqlens=None, state=None, use_cache=False, positions=None):
+        """x: [B, T, D] -> (x [B, T, D], the mixer's new state or None)."""
+        kw = dict(attention_mask=attention_mask, cu_seqlens=cu_seqlens, state=state, use_cache=use_cache)
+        if isinstance(self.mixer, Attention):
+            kw["positions"] = positions
+        h, new_state = self.mixer(self.mixer_norm(x), **kw)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), new_state
+
+
+#: Name under which the installed ``transformers`` keeps the cache in model outputs and generate's
+#: kwargs (``past_key_values`` up to 5.2x, ``cache`` after the rename).
+CACHE_KEY = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
+
+
+def output_cache(output) -> GDNCache | None:
+    """The cache of a model output, whichever name the installed ``transformers`` gives it."""
+    return output.get(CACHE_KEY)
+
+
+class GDNPreTrainedModel(PreTrainedModel):
+    """Weight initialisation and Hugging Face plumbing shared by :class:`GDNModel` and :class:`GDNForCausalLM`.
+
+    Linear and embedding weights ~ N(0, ``initializer_range``), biases 0, norms 1, short convolutions
+    uniform ±1/sqrt(K), ``A_log``/``dt_bias`` as in :class:`gdn.layers.GatedDeltaNet`.
+    """
+
+    config_class = GDNConfig
+    config: GDNConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["GDNBlock"]
+    _supports_cache_class = True
+    _is_stateful = True
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        """``generate`` must not build a ``DynamicCache``: the model brings its own :class:`GDNCache`."""
+        return False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, ShortConvolution):
+            init.copy_(module.weight, module.init_value())
+        if isinstance(module, RecurrentMixer):
+            for name, value in module.gate_init_values().items():
+                init.copy_(getattr(module, name), value)
+
+
+def no_weight_decay_names(model: nn.Module) -> set[str]:
+    """Names of the parameters excluded from weight decay (A_log, dt_bias, norm weights, biases),
+    also flagging each with ``param._no_weight_decay = True``."""
+    names = set()
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if (getattr(p, "_no_weight_decay", False) or pname in ("A_log", "dt_bias", "bias")
+                    or isinstance(module, RMSNorm)):
+                p._no_weight_decay = True
+                names.add(f"{mname}.{pname}" if mname else pname)
+    return names
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Optimizer parameter groups: ``[{"params": decayed, "weight_decay": weight_decay},
+    {"params": A_log/dt_bias/norms/biases, "weight_decay": 0.0}]`` (trainable parameters only;
+    tied weights once)."""
+    if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+        raise ValueError(f"weight_decay must be a non-negative number, got {weight_decay!r}")
+    skip = no_weight_decay_names(model)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if name in skip else decay).append(p)
+    return [{"params": decay, "weight_decay": float(weight_decay)}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _check_ids(name, x, B=None):
+    if x is not None and (not isinstance(x, torch.Tensor) or x.dim() != 2):
+        raise ValueError(f"{name} must be a [B, T] tensor, got {type(x).__name__ if not isinstance(x, torch.Tensor) else list(x.shape)}")
+
+
+class GDNModel(GDNPreTrainedModel):
+    """Embedding, ``num_hidden_layers`` :class:`GDNBlock` s, final RMSNorm.
+
+    Forward args:
+        input_ids: [B, T] (or ``inputs_embeds`` [B, T, D]).
+        attention_mask: [B, T] or [B, past + T] (1 token, 0 padding; pad on the left for generation).
+        position_ids: [B, T] RoPE positions (default: count of real tokens before each, continuing the cache).
+        past_key_values / cache: a :class:`GDNCache` to continue from (either name).
+        use_cache: return the updated cache (default ``config.use_cache`` in eval mode, False in training).
+        cu_seqlens: [N+1] offsets of sequences packed along T (B == 1; no cache).
+        output_hidden_states, return_dict.
+    Returns ``transformers``' ``BaseModelOutputWithPast`` (the cache under :data:`CACHE_KEY`).
+    """
+
+    def __init__(self, config: GDNConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(GDNBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, cache=None,
+                inputs_embeds=None, use_cache=None, cu_seqlens=None, output_hidden_states=None, return_dict=None,
+                **kwargs):
+        """See the class docstring."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
+        _check_ids("input_ids", input_ids)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T = x.shape[:2]
+        if past_key_values is not None and cache is not None and past_key_values is not cache:
+            raise ValueError("pass the cache as past_key_values or as cache, not two different ones")
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and not isinstance(cache, GDNCache):
+            raise TypeError(f"the cache must be a GDNCache, got {type(cache).__name__}")
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        if use_cache is None:
+            use_cache = cache is not None or (self.config.use_cache and not self.training)
+        use_cache = bool(use_cache) and not checkpointing
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError(f"cu_seqlens needs batch size 1 (sequences packed along T), got B = {B}")
+            if attention_mask is not None:
+                raise ValueError("give either cu_seqlens (packing) or attention_mask (padding), not both")
+            if use_cache or cache is not None:
+                raise ValueError("cu_seqlens is for training and scoring; call with use_cache=False and no cache "
+                                 "(use attention_mask with left padding for cached generation)")
+        if use_cache and cache is None:
+            cache = GDNCache.for_config(self.config, B, device=x.device)
+        if cache is not None and cache.batch_size != B:
+            raise ValueError(f"the cache holds {cache.batch_size} sequences but the input has B = {B}")
+        past = cache.seen if cache is not None else 0
+
+        mask = None
+        if attention_mask is not None:
+            _check_ids("attention_mask", attention_mask)
+            if attention_mask.shape[0] != B or attention_mask.shape[1] not in (T, past + T):
+                raise ValueError(f"attention_mask must have shape [B, T] = [{B}, {T}] or [B, past + T] = "
+                                 f"[{B}, {past + T}], got {list(attention_mask.shape)}")
+            mask = attention_mask[:, -T:].bool()
+            if bool(mask.all()):
+                mask = None
+        if position_ids is None and (mask is not None or cache is not None):
+            start = cache.positions[:, None] if cache is not None else 0
+            if mask is not None:
+                position_ids = (start + mask.long().cumsum(1) - 1).clamp(min=0)
+            else:
+                position_ids = start + torch.arange(T, device=x.device)[None]
+        if position_ids is None and cu_seqlens is not None:
+            position_ids = _seq_position(cu_seqlens, T)[0][None]
+
+        hidden = [] if output_hidden_states else None
+        for i, block in enumerate(self.layers):
+            if hidden is not None:
+                hidden.append(x)
+            state = cache.layers[i] if cache is not None else None
+            if checkpointing:
+                x, new_state = checkpoint(block, x, mask, cu_seqlens, None, False, position_ids, use_reentrant=False)
+            else:
+                x, new_state = block(x, mask, cu_seqlens, state, use_cache, position_ids)
+            if use_cache:
+                cache.layers[i] = new_state
+        x = self.norm(x)
+        if hidden is not None:
+            hidden.append(x)
+        if use_cache:
+            cache.advance(T, mask.sum(1) if mask is not None else torch.full((B,), T, device=x.device))
+        out = BaseModelOutputWithPast(x, cache if use_cache else None, tuple(hidden) if hidden is not None else None)
+        return out if return_dict is not False else out.to_tuple()
+
+
+class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
+    """:class:`GDNModel` plus a language-model head (optionally tied to the embedding).
+
+    Forward args: those of :class:`GDNModel`, plus ``labels`` [B, T] (next-token targets are
+    ``labels`` shifted left inside; ``-100`` is ignored; with ``cu_seqlens`` the last token of a
+    sequence is never trained to predict the first of the next) and ``logits_to_keep`` (int n: the
+    last n positions, 0 = all; or a 1-D tensor of positions). Returns ``transformers``'
+    ``CausalLMOutputWithPast`` (cache under :data:`CACHE_KEY`; logits in fp32 when a loss is computed).
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: GDNConfig):
+        super().__init__(config)
+        self.model = GDNModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, cache=None,
+                inputs_embeds=None, labels=None, use_cache=None, cu_seqlens=None, logits_to_keep=0,
+                output_hidden_states=None, return_dict=None, **kwargs):
+        """See the class docstring."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, cache=cache, inputs_embeds=inputs_embeds,
+                         use_cache=use_cache, cu_seqlens=cu_seqlens, output_hidden_states=output_hidden_states,
+                         return_dict=True)
+        h = out.last_hidden_state
+        if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            raise ValueError("logits_to_keep must be 0 (all positions) when labels are given")
+        if isinstance(logits_to_keep, int):
+            if logits_to_keep < 0:
+                raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
+            if logits_to_keep:
+                h = h[:, -logits_to_keep:]
+        else:
+            h = h[:, logits_to_keep]
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            if labels.shape != h.shape[:2]:
+                raise ValueError(f"labels must have shape [B, T] = {list(h.shape[:2])}, got {list(labels.shape)}")
+            target = F.pad(labels[:, 1:], (0, 1), value=-100)
+            if cu_seqlens is not None:
+                ends = cu_seqlens.long()[1:-1] - 1  # last token of every sequence but the final one
+                target = target.clone()
+                target[:, ends[ends >= 0]] = -100
+            logits = logits.float()
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).to(logits.device),
+                                   ignore_index=-100)
+        res = CausalLMOutputWithPast(loss, logits, output_cache(out), out.hidden_states)
+        return res if return_dict is not False else res.to_tuple()
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, inputs_embeds=None,
+                                      use_cache=True, cache=None, logits_to_keep=None, **kwargs):
+        """One step of ``generate``: feed only the tokens the cache has not consumed, creating the
+        :class:`GDNCache` on the first step. RoPE positions come from the cache, not from ``position_ids``."""
+        cache = cache if cache is not None else past_key_values
+        if not isinstance(cache, GDNCache):
+            cache = None
+        if cache is None and use_cache:
+            cache = GDNCache.for_config(self.config, input_ids.shape[0], device=input_ids.device)
+        seen = cache.seen if cache is not None else 0
+        inputs = {}
+        if inputs_embeds is not None and seen == 0:
+            inputs["inputs_embeds"] = inputs_embeds
+        else:
+            if cache is not None and seen and input_ids.shape[1] > seen:
+                input_ids = input_ids[:, seen:]
+            inputs["input_ids"] = input_ids.contiguous()
+        inputs.update(attention_mask=attention_mask, past_key_values=cache, use_cache=use_cache)
+        if logits_to_keep is not None:
+            inputs["logits_to_keep"] = logits_to_keep
+        for key in ("output_hidden_states", "return_dict"):
+            if key in kwargs:
+                inputs[key] = kwargs[key]
+        return inputs
