@@ -1,0 +1,277 @@
+"""Layers: chunked forward = token-by-token recurrence; pieces = one pass; padding and packing
+never leak between sequences; the blocks match their formulas."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gdn import ops
+from gdn.layers import (Attention, DeltaNet, GatedDeltaNet, GatedLinearAttention, GatedRMSNorm, LinearAttention,
+                        RMSNorm, ShortConvolution, SwiGLU, gated_delta_core, rotary)
+
+D = 32
+RECURRENT = [GatedDeltaNet, DeltaNet, GatedLinearAttention, LinearAttention]
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def make(cls, **kw):
+    torch.manual_seed(0)
+    if cls is Attention:
+        kw = {"num_kv_heads": 2, **kw}
+        return cls(D, 4, **kw).eval()
+    kw = {"num_v_heads": 4, "expand_v": 1.5, **kw}
+    return cls(D, 2, 16, **kw).eval()
+
+
+MIXERS = [(cls, {}) for cls in RECURRENT] + [
+    (GatedDeltaNet, {"use_short_conv": False, "use_gate": False, "num_v_heads": 2, "expand_v": 1.0}),
+    (GatedDeltaNet, {"allow_neg_eigval": True}),
+    (Attention, {}),
+    (Attention, {"window_size": 7}),
+]
+IDS = [f"{c.__name__}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for c, kw in MIXERS]
+
+
+def run_pieces(m, x, sizes, mask=None):
+    state, outs, s = None, [], 0
+    for n in sizes:
+        o, state = m(x[:, s:s + n], attention_mask=None if mask is None else mask[:, s:s + n], state=state,
+                     use_cache=True)
+        outs.append(o)
+        s += n
+    return torch.cat(outs, 1), state
+
+
+@pytest.mark.parametrize("cls,kw", MIXERS, ids=IDS)
+def test_decode_token_by_token_equals_chunked_forward(cls, kw):
+    m = make(cls, **kw)
+    x = torch.randn(2, 70, D)  # crosses a 64-token chunk boundary
+    with torch.no_grad():
+        full, _ = m(x)
+        step, _ = run_pieces(m, x, [1] * 70)
+    assert rel(step, full) < 1e-5
+
+
+@pytest.mark.parametrize("cls,kw", MIXERS, ids=IDS)
+def test_prefill_in_pieces_equals_one_pass(cls, kw):
+    m = make(cls, **kw)
+    x = torch.randn(2, 75, D)
+    with torch.no_grad():
+        full, s_full = m(x, use_cache=True)
+        pieces, s_pieces = run_pieces(m, x, [5, 1, 30, 3, 36])
+    assert rel(pieces, full) < 1e-5
+    if cls is Attention:
+        assert torch.allclose(s_pieces.key, s_full.key, atol=1e-6) and s_pieces.seen == s_full.seen == 75
+    else:
+        assert rel(s_pieces.recurrent, s_full.recurrent) < 1e-5
+        for a, b in zip(s_pieces.conv, s_full.conv):
+            assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls,kw", MIXERS, ids=IDS)
+def test_left_padded_batch_equals_each_sequence_alone(cls, kw):
+    m = make(cls, **kw)
+    lens, T = [20, 13, 5], 20
+    xs = [torch.randn(1, L, D) for L in lens]
+    x = torch.randn(len(lens), T, D) * 100  # garbage in the padding: it must not matter
+    mask = torch.zeros(len(lens), T, dtype=torch.long)
+    for i, (L, xi) in enumerate(zip(lens, xs)):
+        x[i, T - L:] = xi[0]
+        mask[i, T - L:] = 1
+    more = torch.randn(len(lens), 4, D)
+    with torch.no_grad():
+        o, state = m(x, attention_mask=mask, use_cache=True)
+        cont, _ = run_pieces_from(m, more, state)
+        for i, (L, xi) in enumerate(zip(lens, xs)):
+            oi, si = m(xi, use_cache=True)
+            assert rel(o[i, T - L:], oi[0]) < 1e-5
+            ci, _ = run_pieces_from(m, more[i:i + 1], si)
+            assert rel(cont[i], ci[0]) < 1e-5
+
+
+def run_pieces_from(m, x, state):
+    """Continue from ``state`` one token at a time."""
+    outs = []
+    for t in range(x.shape[1]):
+        o, state = m(x[:, t:t + 1], state=state, use_cache=True)
+        outs.append(o)
+    return torch.cat(outs, 1), state
+
+
+@pytest.mark.parametrize("cls,kw", MIXERS, ids=IDS)
+def test_packed_equals_separate(cls, kw):
+    m = make(cls, **kw)
+    lens = [9, 1, 30, 70]
+    xs = [torch.randn(1, L, D) for L in lens]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    with torch.no_grad():
+        packed, state = m(torch.cat(xs, 1), cu_seqlens=cu, use_cache=cls is not Attention)
+        for i, xi in enumerate(xs):
+            oi, si = m(xi, use_cache=cls is not Attention)
+            assert rel(packed[:, cu[i]:cu[i + 1]], oi) < 1e-5
+            if cls is not Attention:
+                assert rel(state.recurrent[i:i + 1], si.recurrent) < 1e-5
+                for a, b in zip(state.conv, si.conv):
+                    assert torch.allclose(a[i:i + 1], b, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", RECURRENT + [Attention])
+def test_gradients_reach_every_parameter(cls):
+    m = make(cls).train()
+    x = torch.randn(2, 12, D, requires_grad=True)
+    o, _ = m(x, attention_mask=torch.tensor([[0, 0] + [1] * 10, [1] * 12]))
+    o.square().sum().backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and bool(p.grad.abs().sum() > 0), name
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_gated_deltanet_matches_reference_recurrence():
+    """The layer's core is exactly: L2 norm, g = −exp(A_log)·softplus(a + dt_bias), β = σ(b), recurrence."""
+    torch.manual_seed(1)
+    B, T, H, HV, K, V = 2, 19, 2, 4, 8, 12
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    v, a, b = torch.randn(B, T, HV, V), torch.randn(B, T, HV), torch.randn(B, T, HV)
+    A_log, dt_bias = torch.randn(HV), torch.randn(HV)
+    o, S = gated_delta_core(q, k, v, a, b, A_log, dt_bias, output_final_state=True)
+    g = -A_log.exp() * F.softplus(a + dt_bias)
+    o_ref, S_ref = ops.gated_delta_rule(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, b.sigmoid(),
+                                        output_final_state=True, backend="naive")
+    assert rel(o, o_ref) < 1e-5 and rel(S, S_ref) < 1e-5
+    o2, _ = gated_delta_core(q, k, v, a, b, A_log, dt_bias, allow_neg_eigval=True)
+    o2_ref, _ = ops.gated_delta_rule(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, 2 * b.sigmoid(),
+                                     backend="naive")
+    assert rel(o2, o2_ref) < 1e-5
+
+
+def test_gate_parameter_initialisation():
+    m = GatedDeltaNet(64, 4, 16, num_v_heads=256)
+    A = m.A_log.exp()
+    assert A.min() >= 0.01 - 1e-6 and A.max() <= 16 + 1e-4
+    dt = F.softplus(m.dt_bias)
+    assert dt.min() >= 1e-3 * (1 - 1e-4) and dt.max() <= 0.1 * (1 + 1e-4)
+    assert m.A_log._no_weight_decay and m.dt_bias._no_weight_decay and m.o_norm.weight._no_weight_decay
+    assert m.A_log.dtype == torch.float32
+
+
+def test_attention_matches_reference_softmax_with_rope():
+    torch.manual_seed(2)
+    m = make(Attention, window_size=5)
+    x = torch.randn(2, 23, D)
+    o, _ = m(x)
+    B, T = 2, 23
+    q = rotary(m.q_proj(x).view(B, T, 4, 8), torch.arange(T), m.rope_theta)
+    k = rotary(m.k_proj(x).view(B, T, 2, 8), torch.arange(T), m.rope_theta)
+    v = m.v_proj(x).view(B, T, 2, 8)
+    ref = m.o_proj(ops.softmax_attention(q, k, v, window_size=5, backend="naive").reshape(B, T, 32))
+    assert rel(o, ref) < 1e-5
+
+
+def test_rotary_is_a_rotation_with_relative_scores():
+    torch.manual_seed(3)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    s1 = (rotary(q, torch.tensor([7]), 1e4) * rotary(k, torch.tensor([3]), 1e4)).sum()
+    s2 = (rotary(q, torch.tensor([104]), 1e4) * rotary(k, torch.tensor([100]), 1e4)).sum()
+    assert torch.allclose(s1, s2, atol=1e-4)
+    assert torch.allclose(rotary(q, torch.tensor([5]), 1e4).norm(), q.norm(), atol=1e-5)
+
+
+def test_sliding_window_cache_is_bounded_and_global_grows():
+    x = torch.randn(1, 50, D)
+    with torch.no_grad():
+        _, s_win = make(Attention, window_size=7)(x, use_cache=True)
+        _, s_glob = make(Attention)(x, use_cache=True)
+        _, s_rec = make(GatedDeltaNet)(x, use_cache=True)
+        _, s_rec_short = make(GatedDeltaNet)(x[:, :5], use_cache=True)
+    assert s_win.key.shape[1] == 6 and s_glob.key.shape[1] == 50
+    assert s_rec.nbytes() == s_rec_short.nbytes()
+    assert s_rec.recurrent.dtype == torch.float32
+
+
+def test_short_convolution_matches_conv1d_and_continues_from_state():
+    torch.manual_seed(4)
+    conv = ShortConvolution(6, 4, activation=None)
+    x = torch.randn(2, 11, 6)
+    y, st = conv(x, output_state=True)
+    ref = F.conv1d(F.pad(x.transpose(1, 2), (3, 0)), conv.weight[:, None], groups=6).transpose(1, 2)
+    assert torch.allclose(y, ref, atol=1e-6)
+    assert torch.allclose(st, x[:, -3:].transpose(1, 2))
+    y1, s1 = conv(x[:, :4], output_state=True)
+    y2, _ = conv(x[:, 4:], state=s1, output_state=True)
+    assert torch.allclose(torch.cat([y1, y2], 1), y, atol=1e-6)
+
+
+def test_short_convolution_packed_and_masked_do_not_leak():
+    torch.manual_seed(5)
+    conv = ShortConvolution(3, 4)
+    a, b = torch.randn(1, 2, 3), torch.randn(1, 6, 3)
+    cu = torch.tensor([0, 2, 8])
+    y, st = conv(torch.cat([a, b], 1), cu_seqlens=cu, output_state=True)
+    ya, sa = conv(a, output_state=True)
+    yb, sb = conv(b, output_state=True)
+    assert torch.allclose(y, torch.cat([ya, yb], 1), atol=1e-6)
+    assert torch.allclose(st, torch.cat([sa, sb]), atol=1e-6)
+    xm = torch.cat([torch.full((1, 3, 3), 50.0), b], 1)
+    ym, _ = conv(xm, mask=torch.tensor([[0, 0, 0] + [1] * 6]))
+    assert torch.allclose(ym[:, 3:], yb, atol=1e-6)
+
+
+def test_norms_and_swiglu_match_formulas():
+    torch.manual_seed(6)
+    x, g = torch.randn(3, 5, 8), torch.randn(3, 5, 8)
+    n = RMSNorm(8, eps=1e-5)
+    with torch.no_grad():
+        n.weight.uniform_(0.5, 1.5)
+    ref = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * n.weight
+    assert torch.allclose(n(x), ref, atol=1e-6)
+    gn = GatedRMSNorm(8, eps=1e-5)
+    gn.load_state_dict(n.state_dict())
+    assert torch.allclose(gn(x, g), ref * F.silu(g), atol=1e-6)
+    assert n(x.half()).dtype == torch.float16
+    mlp = SwiGLU(8, 12)
+    assert torch.allclose(mlp(x), mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
+
+
+@pytest.mark.parametrize("build", [
+    lambda: GatedDeltaNet(32, 3, 16, num_v_heads=4),
+    lambda: GatedDeltaNet(32, 2, 16, expand_v=0.3),
+    lambda: DeltaNet(0, 2, 16),
+    lambda: Attention(32, 4, 3),
+    lambda: Attention(30, 4),
+    lambda: Attention(32, 4, head_dim=7),
+    lambda: Attention(32, 4, window_size=0),
+    lambda: ShortConvolution(4, 0),
+])
+def test_invalid_layer_arguments_raise(build):
+    with pytest.raises(ValueError):
+        build()
+
+
+def test_invalid_forward_inputs_raise():
+    m = make(GatedDeltaNet)
+    with pytest.raises(ValueError, match="x must have shape"):
+        m(torch.randn(2, 5, D + 1))
+    with pytest.raises(ValueError, match="attention_mask"):
+        m(torch.randn(2, 5, D), attention_mask=torch.ones(2, 4))
+    _, st = m(torch.randn(2, 5, D), use_cache=True)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        m(torch.randn(1, 5, D), cu_seqlens=torch.tensor([0, 5]), state=st)
+    with pytest.raises(ValueError, match="KV cache"):
+        make(Attention)(torch.randn(1, 5, D), cu_seqlens=torch.tensor([0, 5]), use_cache=True)
+
+
+def test_masked_tokens_leave_recurrent_state_unchanged():
+    """Padding in the middle of a cached stream (k = v = 0, g = 0) is a no-op for the state."""
+    m = make(GatedDeltaNet, use_short_conv=False)
+    x = torch.randn(1, 10, D)
+    with torch.no_grad():
+        _, s = m(x[:, :6], use_cache=True)
+        _, s_pad = m(torch.randn(1, 3, D), attention_mask=torch.zeros(1, 3), state=s, use_cache=True)
+    assert torch.equal(s.recurrent, s_pad.recurrent)
+    assert math.isfinite(s_pad.recurrent.abs().max().item())
