@@ -110,34 +110,71 @@ def _fused_recurrent_fwd_kernel(
     p_o = o + (tok0 * HV + i_hv) * V + o_v
     p_all = ht + (tok0 * HV + i_hv) * K * V + o_h
 
+    # Token t's inputs are loaded one iteration ahead (software prefetch), so their memory latency
+    # overlaps the previous token's arithmetic; a while loop because the interpreter cannot run a
+    # for loop over loaded bounds.
+    live = bos < eos
+    b_q = tl.load(p_q, mask=m_k & live, other=0.0)
+    b_k = tl.load(p_k, mask=m_k & live, other=0.0)
+    b_v = tl.load(p_v, mask=m_v & live, other=0.0)
+    if USE_G:
+        b_g = tl.load(p_g, mask=live, other=0.0)
+    if USE_BETA:
+        b_beta = tl.load(p_beta, mask=live, other=0.0)
     i_t = bos
-    while i_t < eos:  # a while loop: the interpreter cannot run a for loop over loaded bounds
-        b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
-        if USE_L2NORM:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + EPS)
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + EPS)
-        b_q = b_q * scale
+    while i_t < eos:
+        nxt = i_t + 1 < eos
+        p_q += s_qt
+        p_k += s_kt
+        p_v += s_vt
+        n_q = tl.load(p_q, mask=m_k & nxt, other=0.0)
+        n_k = tl.load(p_k, mask=m_k & nxt, other=0.0)
+        n_v = tl.load(p_v, mask=m_v & nxt, other=0.0)
         if USE_G:
-            b_h = b_h * tl.exp(tl.load(p_g).to(tl.float32))
+            p_g += s_gt
+            n_g = tl.load(p_g, mask=nxt, other=0.0)
         if USE_BETA:
-            b_beta = tl.load(p_beta).to(tl.float32)
-            b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
-        b_h = b_h + b_k[:, None] * b_v[None, :]
-        b_o = tl.sum(b_h * b_q[:, None], axis=0)
+            p_beta += s_bt
+            n_beta = tl.load(p_beta, mask=nxt, other=0.0)
+
+        c_q = b_q.to(tl.float32)
+        c_k = b_k.to(tl.float32)
+        c_v = b_v.to(tl.float32)
+        if USE_L2NORM:
+            c_q = c_q / tl.sqrt(tl.sum(c_q * c_q) + EPS)
+            c_k = c_k / tl.sqrt(tl.sum(c_k * c_k) + EPS)
+        c_q = c_q * scale
+        # Both reads use the state before this token, so they are independent reductions:
+        # o = S_new^T q = decay * (S^T q) + (k . q) * u, with u the written value.
+        b_sq = tl.sum(b_h * c_q[:, None], axis=0)
+        if USE_BETA:
+            b_sk = tl.sum(b_h * c_k[:, None], axis=0)
+        if USE_G:
+            decay = tl.exp(b_g.to(tl.float32))
+            b_h = b_h * decay
+            b_sq = b_sq * decay
+            if USE_BETA:
+                b_sk = b_sk * decay
+        if USE_BETA:
+            b_u = b_beta.to(tl.float32) * (c_v - b_sk)
+        else:
+            b_u = c_v
+        b_h = b_h + c_k[:, None] * b_u[None, :]
+        b_o = b_sq + tl.sum(c_k * c_q) * b_u
         if USE_SLOTS:
             b_o = tl.where(valid, b_o, 0.0)
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
         if STORE_ALL:
             tl.store(p_all, b_h, mask=m_h)
-        p_q += s_qt
-        p_k += s_kt
-        p_v += s_vt
-        p_g += s_gt
-        p_beta += s_bt
         p_o += HV * V
         p_all += HV * K * V
+        b_q = n_q
+        b_k = n_k
+        b_v = n_v
+        if USE_G:
+            b_g = n_g
+        if USE_BETA:
+            b_beta = n_beta
         i_t += 1
 
     if STORE_HT:
@@ -147,16 +184,17 @@ def _fused_recurrent_fwd_kernel(
 def _tiles(n_heads: int, K: int, V: int) -> tuple[int, int, int]:
     """(BK, BV, num_warps) for ``n_heads`` = N * HV (sequence, value head) pairs.
 
-    BK covers K. BV is the widest tile (at most 64) that still gives at least ~4 programs per
-    multiprocessor of an H100/H200 (132 SMs), so a single sequence is spread over the card and a
-    large batch moves the state in wide, few programs. Warps keep ~32 state elements per thread.
+    BK covers K. BV is the widest tile (at most 64) that still gives at least 128 programs (about
+    one per multiprocessor of an H100/H200), so a single sequence is spread over the card and a
+    large batch moves the state in wide tiles. Warps keep ~64 state elements per thread. Chosen on
+    an H200 (benchmarks/decode_gpu.py --sweep): at B = 256, HV = 32, K = V = 128, BV = 64 with 4
+    warps reached 93 % of the copy bandwidth, 8 warps 74 %; at B = 1 the tile hardly matters (3.3-3.9 µs).
     """
     BK = triton.next_power_of_2(K)
-    BV_max = min(triton.next_power_of_2(V), 64)
-    BV = BV_max
-    while BV > 8 and n_heads * triton.cdiv(V, BV) < 4 * 132:
+    BV = min(triton.next_power_of_2(V), 64)
+    while BV > 8 and n_heads * triton.cdiv(V, BV) < 128:
         BV //= 2
-    num_warps = max(1, min(8, BK * BV // 1024))
+    num_warps = max(1, min(8, BK * BV // 2048))
     return BK, BV, num_warps
 
 
