@@ -33,6 +33,7 @@ from gdn.ops.triton import recurrent_pool as RP
 H, HV, K, V = 16, 32, 128, 128
 BATCHES = (1, 32, 256)
 GRAPH_STEPS = 100
+SWEEP = [(8, 1), (16, 1), (16, 4), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8)]
 
 
 def copy_bandwidth() -> float:
@@ -168,17 +169,17 @@ def sweep(B) -> list[tuple]:
     q, k, v, g, beta, pool, slots = make(B)
     o = torch.empty(B, 1, HV, V, dtype=torch.bfloat16, device="cuda")
     res = []
-    for BV in (8, 16, 32, 64):
-        for warps in (1, 2, 4, 8):
-            def fn(BV=BV, warps=warps):
-                FR.launch(q, k, v, g, beta, o, pool, pool, scale=K ** -0.5, slots=slots, pool_size=pool.shape[0],
-                          store_ht=True, num_sequences=B, tiles=(BV, warps))
-            g_ = torch.cuda.CUDAGraph()
+    for BV, warps in SWEEP:
+        def fn(BV=BV, warps=warps):
+            FR.launch(q, k, v, g, beta, o, pool, pool, scale=K ** -0.5, slots=slots, pool_size=pool.shape[0],
+                      store_ht=True, num_sequences=B, tiles=(BV, warps))
+        with torch.inference_mode():
             fn()
-            with torch.cuda.graph(g_):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 for _ in range(20):
                     fn()
-            res.append((BV, warps, do_bench(g_.replay, warmup=10, rep=100, return_mode="median") * 1e3 / 20))
+        res.append((BV, warps, do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / 20))
     return res
 
 
