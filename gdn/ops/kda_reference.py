@@ -1,0 +1,84 @@
+"""Kimi Delta Attention (KDA): the gated delta rule with a per-channel gate, token by token (the spec).
+
+Per value head, with state ``S`` of shape ``[K, V]`` and a gate ``g_t ∈ R^K`` (log decays, ≤ 0)::
+
+    S = diag(exp(g_t)) S                             (every key channel forgets at its own rate)
+    S = S + beta_t k_t (v_t − Sᵀ k_t)ᵀ               (delta rule on the decayed state)
+    o_t = scale · Sᵀ q_t
+
+With ``g_t`` equal across the K channels this is exactly :func:`gdn.ops.reference.gated_delta_rule`.
+Everything is computed in ``promote(dtype, float32)``; the output comes back in ``v.dtype``.
+:func:`check_kda` validates a call (the public op validates before any backend runs).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._checks import _float_tensor, _shape, check_recurrent
+from .reference import _compute_dtype
+
+
+def check_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale, backend=None):
+    """Validate a KDA call: the gated-delta contract with ``g`` of shape [B, T, HV, K].
+
+    Raises ``ValueError``/``TypeError`` naming the argument; returns the call's
+    :class:`gdn.ops._checks.Dims`."""
+    dims = check_recurrent(q, k, v, None, beta, initial_state, cu_seqlens, scale, backend)
+    if beta is None:
+        raise ValueError("beta must be a [B, T, HV] tensor for kimi_delta_attention, got None")
+    _float_tensor("g", g)
+    if tuple(g.shape) != (dims.B, dims.T, dims.HV, dims.K):
+        raise ValueError(f"g must have shape [B, T, HV, K] = [{dims.B}, {dims.T}, {dims.HV}, {dims.K}], got {_shape(g)}")
+    if g.device != q.device:
+        raise ValueError(f"g is on {g.device} but q is on {q.device}; all inputs must share a device")
+    return dims
+
+
+def _recurrence(q, k, v, g, beta, scale, S):
+    """q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]; S: [B, HV, K, V] or
+    None. Returns o [B, T, HV, V] and the final S, both in the compute dtype."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dt = _compute_dtype(v)
+    group = HV // H
+    q = q.to(dt).repeat_interleave(group, dim=2)
+    k = k.to(dt).repeat_interleave(group, dim=2)
+    v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
+    S = torch.zeros(B, HV, K, V, dtype=dt, device=v.device) if S is None else S.to(dt)
+    out = []
+    for t in range(T):
+        kt = k[:, t]
+        S = S * torch.exp(g[:, t])[..., None]
+        err = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, kt)
+        S = S + (beta[:, t][..., None, None] * kt[..., :, None]) * err[..., None, :]
+        out.append(scale * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    o = torch.stack(out, dim=1) if out else v.new_zeros(B, 0, HV, V)
+    return o, S
+
+
+def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                         cu_seqlens=None):
+    """KDA recurrence: ``S = diag(exp g_t) S; S += β_t k_t (v_t − Sᵀk_t)ᵀ; o_t = scale · Sᵀ q_t``.
+
+    Args:
+        q, k: [B, T, H, K] (keys L2-normalised); v: [B, T, HV, V], HV a multiple of H.
+        g: [B, T, HV, K] per-channel log decay (≤ 0); beta: [B, T, HV].
+        scale: default ``K ** -0.5``. initial_state: [N, HV, K, V]. cu_seqlens: [N + 1] (B == 1).
+
+    Returns:
+        ``(o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] (compute dtype) or None)``.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if cu_seqlens is None:
+        o, S = _recurrence(q, k, v, g, beta, scale, initial_state)
+    else:
+        bounds = cu_seqlens.tolist()
+        outs, states = [], []
+        for n in range(len(bounds) - 1):
+            s, e = bounds[n], bounds[n + 1]
+            S0 = None if initial_state is None else initial_state[n : n + 1]
+            o_n, S_n = _recurrence(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], scale, S0)
+            outs.append(o_n)
+            states.append(S_n)
+        o, S = torch.cat(outs, dim=1), torch.cat(states, dim=0)
+    return o.to(v.dtype), (S if output_final_state else None)
