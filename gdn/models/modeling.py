@@ -144,7 +144,8 @@ class GDNModel(GDNPreTrainedModel):
         attention_mask: [B, T] or [B, past + T] (1 token, 0 padding; pad on the left for generation).
         position_ids: [B, T] RoPE positions (default: count of real tokens before each, continuing the cache).
         past_key_values / cache: a :class:`GDNCache` to continue from (either name).
-        use_cache: return the updated cache (default ``config.use_cache`` in eval mode, False in training).
+        use_cache: return the updated cache (default ``config.use_cache`` in eval mode without
+            ``cu_seqlens``, False in training).
         cu_seqlens: [N+1] offsets of sequences packed along T (B == 1; no cache).
         output_hidden_states, return_dict.
     Returns ``transformers``' ``BaseModelOutputWithPast`` (the cache under :data:`CACHE_KEY`).
@@ -180,7 +181,7 @@ class GDNModel(GDNPreTrainedModel):
             raise TypeError(f"the cache must be a GDNCache, got {type(cache).__name__}")
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         if use_cache is None:
-            use_cache = cache is not None or (self.config.use_cache and not self.training)
+            use_cache = cache is not None or (self.config.use_cache and not self.training and cu_seqlens is None)
         use_cache = bool(use_cache) and not checkpointing
         if cu_seqlens is not None:
             if B != 1:
