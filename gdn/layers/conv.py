@@ -75,7 +75,11 @@ class ShortConvolution(nn.Module):
             xt = x.transpose(1, 2)  # [B, D, T]
             hist = state.to(x.dtype) if state is not None else x.new_zeros(B, D, W)
             xp = torch.cat([hist, xt], dim=-1)  # [B, D, W + T]
-            y = F.conv1d(xp, self.weight.to(x.dtype)[:, None, :], groups=D).transpose(1, 2)
+            w = self.weight.to(x.dtype)
+            if T == 1:  # decode step: one dot product per channel, cheaper than a conv launch
+                y = (xp * w).sum(-1)[:, None]
+            else:
+                y = F.conv1d(xp, w[:, None, :], groups=D).transpose(1, 2)
             new_state = xp[..., xp.shape[-1] - W:].contiguous() if output_state else None
         if self.activation == "silu":
             y = F.silu(y)
