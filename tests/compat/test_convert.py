@@ -1,0 +1,132 @@
+"""Qwen3.5 / Qwen3-Next checkpoints to gdn and back: same logits, same greedy generations."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gdn.compat import convert
+from gdn.compat.qwen_layers import GatedAttention
+from gdn.models import GDNConfig, GDNForCausalLM
+
+from .tiny import qwen3_5_config, qwen3_next_config, randomize, rel
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = {
+    "hf-qwen3.5": ("Qwen3_5ForCausalLM", qwen3_5_config),
+    "hf-qwen3-next": ("Qwen3NextForCausalLM", qwen3_next_config),
+}
+
+
+def _hf_model(family, **over):
+    cls_name, make = FAMILIES[family]
+    torch.manual_seed(0)
+    return randomize(getattr(transformers, cls_name)(make(**over)), seed=3, std=0.3).eval()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_round_trip_logits_and_generation(family, tmp_path):
+    hf = _hf_model(family)
+    hf.save_pretrained(tmp_path / "src")
+    assert convert.convert(family, tmp_path / "src", tmp_path / "gdn") == "to-gdn"
+    assert json.loads((tmp_path / "gdn" / "config.json").read_text())["model_type"] == "gdn"
+    model = convert.load_gdn(tmp_path / "gdn")
+    assert sum(isinstance(b.mixer, GatedAttention) for b in model.model.layers) == 1
+    ids = torch.randint(3, 96, (2, 23), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert rel(model(ids).logits, ref) < 1e-4
+        assert torch.equal(model.generate(ids, **kw), hf.generate(ids, **kw))
+
+    assert convert.convert(family, tmp_path / "gdn", tmp_path / "back") == "to-hf"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(back).__name__ == FAMILIES[family][0]
+    with torch.no_grad():
+        assert rel(back(ids).logits, ref) < 1e-4
+    orig = hf.state_dict()
+    for name, t in back.state_dict().items():
+        assert torch.allclose(t, orig[name], atol=1e-6), name
+
+
+def test_tied_embeddings_and_dtype_cast(tmp_path):
+    hf = _hf_model("hf-qwen3.5", tie_word_embeddings=True)
+    hf.save_pretrained(tmp_path / "src")
+    convert.main(["hf-qwen3.5", str(tmp_path / "src"), str(tmp_path / "gdn")])
+    model = convert.load_gdn(tmp_path / "gdn")
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(3, 96, (1, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel(model(ids).logits, hf(ids).logits) < 1e-4
+    convert.main(["hf-qwen3.5", str(tmp_path / "src"), str(tmp_path / "bf16"), "--dtype", "bfloat16"])
+    sd = convert.load_state_dict(tmp_path / "bf16")
+    assert sd["model.layers.0.mixer.q_proj.weight"].dtype == torch.bfloat16
+    assert sd["model.layers.0.mixer_norm.weight"].dtype == torch.float32  # 1 + w kept exact
+
+
+def test_gdn_cache_decode_matches_one_pass(tmp_path):
+    """The converted model's cached decode (gated attention KV state + recurrent state) equals one pass."""
+    hf = _hf_model("hf-qwen3-next")
+    hf.save_pretrained(tmp_path / "src")
+    convert.convert("hf-qwen3-next", tmp_path / "src", tmp_path / "gdn")
+    model = convert.load_gdn(tmp_path / "gdn")
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :7], use_cache=True)
+        cache, steps = out.get("cache", out.get("past_key_values")), [out.logits]
+        for t in range(7, 12):
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+    assert rel(torch.cat(steps, 1), full) < 1e-5
+
+
+def test_refusals(tmp_path):
+    moe = transformers.Qwen3NextConfig(**{**qwen3_next_config().to_dict(), "num_experts": 4})
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        convert.hf_config_to_gdn(moe, "hf-qwen3-next")
+    with pytest.raises(ValueError, match="not hf-qwen3.5"):
+        convert.hf_config_to_gdn(qwen3_next_config(), "hf-qwen3.5")
+    plain = GDNConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, layer_pattern="GA", num_heads=2,
+                      head_dim=8, num_attention_heads=4, intermediate_size=48)
+    with pytest.raises(ValueError, match="attention_output_gate"):
+        convert.gdn_config_to_hf(plain, "hf-qwen3.5")
+    with pytest.raises(ValueError, match="layer_pattern"):
+        convert.gdn_config_to_hf(GDNConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, layer_pattern="GD",
+                                           num_heads=2, head_dim=8, intermediate_size=48), "hf-qwen3.5")
+    with pytest.raises(ValueError, match="family"):
+        convert.convert("hf-llama", tmp_path, tmp_path / "x")
+    with pytest.raises(ValueError, match="config.json"):
+        convert.convert("hf-qwen3.5", tmp_path, tmp_path / "x")
+
+
+def test_gated_attention_layer_contract():
+    """GatedAttention alone: chunked = token by token with the KV state; padding isolation; bad options."""
+    torch.manual_seed(0)
+    layer = GatedAttention(32, 4, 2, 16, partial_rotary_factor=0.25).eval()
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        full, _ = layer(x)
+        o, st = layer(x[:, :4], use_cache=True)
+        outs = [o]
+        for t in range(4, 9):
+            o, st = layer(x[:, t : t + 1], state=st, use_cache=True)
+            outs.append(o)
+        assert rel(torch.cat(outs, 1), full) < 1e-5
+        mask = torch.ones(2, 9, dtype=torch.long)
+        mask[0, :3] = 0
+        padded, _ = layer(x, attention_mask=mask)
+        alone, _ = layer(x[:1, 3:], positions=torch.arange(6)[None])
+        assert rel(padded[:1, 3:], alone) < 1e-5
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        GatedAttention(32, 4, 2, 16, partial_rotary_factor=0.1)
+
+
+def test_apply_attention_options_noop_for_plain_configs():
+    from gdn.compat.qwen_layers import apply_attention_options
+
+    cfg = GDNConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, layer_pattern="GA", num_heads=2, head_dim=8,
+                    num_attention_heads=4, intermediate_size=48)
+    assert apply_attention_options(GDNForCausalLM(cfg)) == 0
