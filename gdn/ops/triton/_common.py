@@ -94,7 +94,28 @@ def chunk_bounds(cu, chunk_idx, i_t, BT: tl.constexpr):
 
 
 @triton.jit
-def gate_cumsum(g, rows, m, HV: tl.constexpr, i_hv):
+def gate_cumsum(g, rows, m, HV, i_hv):
     """In-chunk cumulative log decay γ [BT] (fp32) and its total γ_C (0 on padded rows)."""
     b_g = tl.load(g + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
     return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
+
+
+_STAGES: dict = {}
+
+
+def launch(kernel, grid, *args, stages=(1,), **meta):
+    """``kernel[grid](*args, **meta)`` with the first software-pipelining depth in ``stages`` whose
+    shared memory fits the card (a deeper pipeline is tried first; the choice is remembered per
+    kernel and compile-time arguments, so the fallback costs one failed load at most)."""
+    key = (kernel.fn.__name__, tuple(sorted((k, str(v)) for k, v in meta.items())))
+    if key in _STAGES:
+        return kernel[grid](*args, num_stages=_STAGES[key], **meta)
+    for i, ns in enumerate(stages):
+        try:
+            out = kernel[grid](*args, num_stages=ns, **meta)
+        except triton.runtime.errors.OutOfResources:
+            if i == len(stages) - 1:
+                raise
+            continue
+        _STAGES[key] = ns
+        return out

@@ -19,12 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, pow2
+from ._common import BT, INTERPRET, Chunks, launch, chunk_bounds, dot_precision, gate_cumsum, pow2
 from .chunk_fwd import state_tiles
 
 
 @triton.jit
-def dv_local_kernel(q, k, g, do, DVL, cu, chunk_idx, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+def dv_local_kernel(q, k, g, do, DVL, cu, chunk_idx, scale, H, HV, K: tl.constexpr,
                     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                     PREC: tl.constexpr):
     """DVL = scale · (Q Kᵀ ⊙ D)ᵀ dO for one chunk, value head and V tile."""
@@ -56,7 +56,7 @@ def dv_local_kernel(q, k, g, do, DVL, cu, chunk_idx, scale, H: tl.constexpr, HV:
 
 @triton.jit
 def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
-                    scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    scale, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
     """Step j of the reverse pass (chunk NC − 1 − j): store dS_out, compute dδ, return dS_in."""
     i_c = NC - 1 - j
@@ -86,8 +86,8 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
 
 
 @triton.jit
-def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_nc, scale, H: tl.constexpr,
-                     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_nc, scale, H,
+                     HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
                      USE_INIT: tl.constexpr, PREC: tl.constexpr, WHILE: tl.constexpr):
     """Reverse pass over one sequence's chunks: dh[c] = dS_out of chunk c, DD = dδ, dh0 = dS_0.
@@ -123,8 +123,8 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_n
 
 
 @triton.jit
-def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, scale, T, H: tl.constexpr,
-               HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, scale, T, H,
+               HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
     """dQ, the O- and state-terms of dK, dW = −dδ Sᵀ and this K tile's part of dγ, per chunk."""
     i_k, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -192,8 +192,8 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, s
 
 
 @triton.jit
-def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx, T, H: tl.constexpr,
-                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx, T, H,
+                  HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, NK: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr,
                   PREC: tl.constexpr):
     """Gradients through W = T diag(βΓ) K, U = T diag(β) V and T = (I + A)⁻¹; then dg."""
@@ -287,24 +287,24 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
     dummy = v
     gp = g if gated else dummy
     DVL = torch.empty(T, HV, V, device=dev, dtype=f32)
-    dv_local_kernel[(triton.cdiv(V, BV), ch.NT, HV)](
+    launch(dv_local_kernel, (triton.cdiv(V, BV), ch.NT, HV),
         q, k, gp, do, DVL, ch.cu, ch.chunk_idx, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
         USE_G=gated, PREC=prec, num_warps=4)
     dh = torch.empty(ch.NT, HV, K, V, device=dev, dtype=f32)
     DD = torch.empty(T, HV, V, device=dev, dtype=f32)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
     SK, SV = state_tiles(K, V)
-    state_bwd_kernel[(triton.cdiv(V, SV), ch.N * HV)](
+    launch(state_bwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
         q, k, gp, W if delta else dummy, do, DVL, dht if dht is not None else dummy, dh, DD,
         dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, ch.max_nc, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK,
         BV=SV, USE_G=gated, DELTA=delta, USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec, WHILE=INTERPRET,
-        num_warps=4)
+        num_warps=4, stages=(2, 1))
     del DVL
     DQ = torch.empty(T, HV, K, device=dev, dtype=f32)
     DK = torch.empty(T, HV, K, device=dev, dtype=f32)
     DW = torch.empty(T, HV, K, device=dev, dtype=f32) if delta else None
     DGAM = torch.empty(NK, T, HV, device=dev, dtype=f32) if gated else None  # dγ of each K tile
-    dqk_kernel[(NK, ch.NT, HV)](
+    launch(dqk_kernel, (NK, ch.NT, HV),
         q, k, v, gp, VN if delta else dummy, do, h, dh, DD if delta else dummy, DQ, DK,
         DW if delta else dummy, DGAM if gated else dummy, ch.cu, ch.chunk_idx, scale, T, H=H, HV=HV, K=K,
         V=V, BT=BT, BK=BK, BV=BV, USE_G=gated, DELTA=delta, PREC=prec, num_warps=4)
@@ -313,7 +313,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
     DB = torch.empty(T, HV, device=dev, dtype=f32) if delta else None
     DG = torch.empty(T, HV, device=dev, dtype=f32) if gated else None
     if delta or gated:
-        wy_bwd_kernel[(ch.NT, HV)](
+        launch(wy_bwd_kernel, (ch.NT, HV), 
             k, v, gp, beta if delta else dummy, Ai if delta else dummy, DD, DW if delta else dummy, DK,
             DV, DB if delta else dummy, DGAM if gated else dummy, DG if gated else dummy, ch.cu, ch.chunk_idx,
             T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, NK=NK, USE_G=gated, DELTA=delta, PREC=prec,

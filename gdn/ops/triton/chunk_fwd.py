@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, pow2
+from ._common import BT, INTERPRET, Chunks, launch, chunk_bounds, dot_precision, gate_cumsum, pow2
 
 
 @triton.jit
@@ -26,7 +26,7 @@ def _inv_unit_lower16(A):
     """(I + A)⁻¹ for a strictly lower-triangular 16×16 fp32 block, by forward substitution."""
     o = tl.arange(0, 16)
     X = (o[:, None] == o[None, :]).to(tl.float32)
-    for i in tl.static_range(1, 16):
+    for i in range(1, 16):
         a_i = tl.sum(tl.where(o[:, None] == i, A, 0.0), axis=0)
         x_i = tl.where(o == i, 1.0, 0.0) - tl.sum(a_i[:, None] * X, axis=0)
         X = tl.where(o[:, None] == i, x_i[None, :], X)
@@ -48,13 +48,13 @@ def _block_a(Aij, b_i, gi, gj, DIAG: tl.constexpr, USE_G: tl.constexpr):
 
 
 @triton.jit
-def _store_block(Ai, X, rows, m, HV: tl.constexpr, i_hv, col0: tl.constexpr):
+def _store_block(Ai, X, rows, m, HV, i_hv, col0: tl.constexpr):
     o = tl.arange(0, 16)
     tl.store(Ai + (rows[:, None] * HV + i_hv) * 64 + col0 + o[None, :], X, mask=m[:, None])
 
 
 @triton.jit
-def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H, HV, K: tl.constexpr,
                      BK: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
     """Ai[t, hv, :] = rows of T = (I + A)⁻¹ for each chunk, built from four 16-row blocks."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
@@ -146,7 +146,7 @@ def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H: tl.constexpr, HV: tl.cons
 
 
 @triton.jit
-def wu_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+def wu_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr,
               V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
               PREC: tl.constexpr):
     """W = T diag(βΓ) K and U = T diag(β) V for one chunk and value head."""
@@ -178,7 +178,7 @@ def wu_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H: tl.constexpr, HV: tl.co
 
 @triton.jit
 def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
-                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
     """One chunk of the forward state pass: store S, compute δ, return the next S."""
     rows = bos + i_c * BT + o_t
@@ -202,7 +202,7 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t
 
 
 @triton.jit
-def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H: tl.constexpr, HV: tl.constexpr,
+def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, WHILE: tl.constexpr):
@@ -243,7 +243,7 @@ def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H: tl.
 
 
 @triton.jit
-def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H: tl.constexpr, HV: tl.constexpr,
+def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H, HV,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
     """O = scale · ((Q Kᵀ ⊙ D) δ + diag(Γ) Q S) for one chunk, value head and V tile."""
@@ -280,10 +280,16 @@ def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H: tl.constexpr, H
     tl.store(o + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=mv)
 
 
+# The state chain (W, U, δ and S itself) is computed at fp32 accuracy (3-pass tf32) whatever the
+# input dtype: the final state is returned in fp32 and must match an fp32 computation; plain tf32
+# (2⁻¹¹) there costs ~4e-4 relative error in S.
+STATE_PREC = "tf32x3"
+
+
 def state_tiles(K: int, V: int) -> tuple[int, int]:
-    """(BK, BV) of the state passes: the whole K in one tile, V split so a tile holds ≤ 8192 fp32."""
+    """(BK, BV) of the state passes: the whole K in one tile, V split so a tile holds ≤ 4096 fp32."""
     BK = pow2(K)
-    BV = min(pow2(V), max(16, 8192 // BK))
+    BV = min(pow2(V), max(16, 4096 // BK))
     return BK, BV
 
 
@@ -305,19 +311,19 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool):
         U = torch.empty(T, HV, V, device=dev, dtype=f32)
         VN = torch.empty(T, HV, V, device=dev, dtype=f32)
         gp = g if g is not None else beta
-        kkt_solve_kernel[(ch.NT, HV)](k, gp, beta, Ai, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, BK=BK,
+        launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, BK=BK,
                                       USE_G=g is not None, PREC=prec, num_warps=4)
-        wu_kernel[(ch.NT, HV)](k, v, gp, beta, Ai, W, U, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, V=V, BT=BT,
-                               BK=BK, BV=BV, USE_G=g is not None, PREC=prec, num_warps=4)
+        launch(wu_kernel, (ch.NT, HV), k, v, gp, beta, Ai, W, U, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, V=V, BT=BT,
+                               BK=BK, BV=BV, USE_G=g is not None, PREC=STATE_PREC, num_warps=4)
     h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=f32)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if want_final else None
     SK, SV = state_tiles(K, V)
     dummy = v
-    state_fwd_kernel[(triton.cdiv(V, SV), ch.N * HV)](
+    launch(state_fwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
         k, v, g if g is not None else dummy, W if delta else dummy, U if delta else dummy,
         h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy,
         ch.cu, ch.chunk_off, ch.max_nc, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=delta,
-        USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, WHILE=INTERPRET, num_warps=4)
+        USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=STATE_PREC, WHILE=INTERPRET, num_warps=4, stages=(2, 1))
     return h, VN, ht, Ai, W
 
 
@@ -328,7 +334,7 @@ def output(q, k, v, g, h, VN, ch: Chunks, scale: float, out_dtype):
     o = torch.empty(T, HV, V, device=v.device, dtype=out_dtype)
     BK = min(64, pow2(K))
     BV = min(64, pow2(V))
-    output_kernel[(triton.cdiv(V, BV), ch.NT, HV)](
+    launch(output_kernel, (triton.cdiv(V, BV), ch.NT, HV),
         q, k, v, g if g is not None else v, h, VN if VN is not None else v, o, ch.cu, ch.chunk_idx, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, DELTA=VN is not None,
         PREC=dot_precision(v.dtype), num_warps=4)

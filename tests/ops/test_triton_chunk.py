@@ -1,0 +1,106 @@
+"""Triton chunk kernels (gdn.ops.triton) on the CPU through Triton's interpreter (DESIGN §5 tier 3).
+
+Every member, forward and backward (q, k, v, g, beta, initial state; through o and the final
+state), against the float64 recurrence, at small awkward shapes: T ∈ {1, 63, 65}, K, V ∈ {16, 60},
+HV = 2H, packed sequences with empty and one-token members. fp32 and fp16 (tl.dot on bf16 is
+broken in the 3.6 interpreter: bf16 is checked on the GPU by benchmarks/gpu_check.py).
+
+TRITON_INTERPRET must be set before triton is first imported in the process; pytest-xdist
+workers import each test module themselves, so setting it at the top of this module works
+under ``-n 2`` as long as no earlier-collected module imported triton with it unset, in which
+case the module is skipped rather than run on a GPU-less compiler.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from gdn.ops import reference  # noqa: E402
+from gdn.ops.triton import _common  # noqa: E402
+
+from .helpers import HAS_BETA, HAS_G, MEMBERS, make_inputs, rel_err  # noqa: E402
+
+if not _common.INTERPRET and not torch.cuda.is_available():  # pragma: no cover
+    pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
+
+from gdn.ops.triton.chunk import chunk_op  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+
+
+def _run_both(member, B, T, H, HV, K, V, dtype, lens=None, state=True, seed=0):
+    N = len(lens) if lens else B
+    d = make_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=torch.float64, N=N, state=state, seed=seed)
+    cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    names = ["q", "k", "v"] + (["g"] if HAS_G[member] else []) + (["beta"] if HAS_BETA[member] else [])
+    if state:
+        names.append("initial_state")
+    gen = torch.Generator().manual_seed(seed + 7)
+    ref_in = {n: d[n].detach().clone().requires_grad_(True) for n in names}
+    o_r, S_r = reference._run(ref_in["q"], ref_in["k"], ref_in["v"], ref_in.get("g"), ref_in.get("beta"), None,
+                              ref_in.get("initial_state"), True, cu)
+    do = torch.randn(o_r.shape, generator=gen, dtype=torch.float64)
+    dS = torch.randn(S_r.shape, generator=gen, dtype=torch.float64)
+    ((o_r * do).sum() + (S_r * dS).sum()).backward()
+    got_in = {n: d[n].detach().to(torch.float32 if n == "initial_state" else dtype).clone().requires_grad_(True)
+              for n in names}
+    o, S = chunk_op(got_in["q"], got_in["k"], got_in["v"], got_in.get("g"), got_in.get("beta"),
+                    initial_state=got_in.get("initial_state"), output_final_state=True, cu_seqlens=cu)
+    assert o.dtype == dtype and o.shape == o_r.shape
+    assert S.dtype == torch.float32 and S.shape == S_r.shape
+    ((o.double() * do).sum() + (S.double() * dS).sum()).backward()
+    errs = {"o": rel_err(o, o_r), "S": rel_err(S, S_r)}
+    errs.update({"d" + n: rel_err(got_in[n].grad, ref_in[n].grad) for n in names})
+    return errs
+
+
+@pytest.mark.parametrize("member", MEMBERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_member_T65_grouped(member, dtype):
+    errs = _run_both(member, B=1, T=65, H=1, HV=2, K=16, V=60, dtype=dtype, seed=1)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("T,K,V", [(1, 60, 16), (63, 16, 60)])
+def test_gated_delta_rule_short(T, K, V):
+    errs = _run_both("gated_delta_rule", B=2, T=T, H=1, HV=2, K=K, V=V, dtype=torch.float32, seed=T)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("member", ["gated_delta_rule", "linear_attention"])
+def test_packed(member):
+    # lengths: a sequence over one chunk, a single token, an empty one, exactly one chunk
+    errs = _run_both(member, B=1, T=130, H=1, HV=2, K=16, V=16, dtype=torch.float32, lens=[65, 1, 0, 64], seed=3)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
+    assert not bad, bad
+
+
+def test_no_state():
+    o_ref, _ = _ref_no_state()
+    d = make_inputs(B=1, T=63, H=1, HV=2, K=16, V=16, dtype=torch.float32, state=False, seed=5)
+    o, S = chunk_op(d["q"], d["k"], d["v"], d["g"], d["beta"])
+    assert S is None
+    assert rel_err(o, o_ref) <= TOL[torch.float32]
+
+
+def _ref_no_state():
+    d = make_inputs(B=1, T=63, H=1, HV=2, K=16, V=16, dtype=torch.float64, state=False, seed=5)
+    return reference.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"])
+
+
+def test_dispatch_module_contract():
+    from gdn.ops import triton as T
+
+    assert T.AVAILABLE
+    for op in MEMBERS:
+        assert callable(getattr(T, op))
+    assert "triton" not in sys.modules.get("gdn.ops").available_backends("cpu")
