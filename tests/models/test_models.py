@@ -312,3 +312,10 @@ def test_real_sizes_build_on_meta(size):
     with torch.device("meta"):
         m = GDNForCausalLM(GDNConfig.from_preset("gdn", size))
     assert sum(p.numel() for p in m.parameters()) > 0
+
+
+def test_beam_search_with_cache_equals_without():
+    m = tiny("gdn-h1")
+    x = ids(2, 6)
+    kw = dict(max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(m.generate(x, **kw), m.generate(x, use_cache=False, **kw))
