@@ -1,0 +1,118 @@
+"""Kimi Delta Attention layer: Gated DeltaNet with a per-channel forget gate (Kimi Linear).
+
+    x ─ q/k/v_proj ─ conv+SiLU ─ L2 norm (q, k) ─┐
+    x ─ f_a_proj ─ f_b_proj (low rank) ─ g = −exp(A_log)·softplus(· + dt_bias)   [B, T, HV, K]
+    x ─ b_proj ─ sigmoid ─ β ─────────────────────┼─ KDA recurrence ─ RMSNorm per head × sigmoid(g_b(g_a x)) ─ o_proj
+
+The skeleton (projections, short convolutions, padding and packing rules, decoding state) is
+:class:`gdn.layers._recurrent.RecurrentMixer`'s; the decay is per key channel and the output gate
+a low-rank sigmoid gate. The layer-pattern letter is ``K``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..ops import kda_chunk, kda_reference
+from ._recurrent import RecurrentMixer, _positive_int, l2_normalise, mamba_gate_init
+from .norm import RMSNorm
+
+
+def _triton_kda():
+    try:
+        from ..ops.triton import kda as triton_kda  # noqa: PLC0415
+    except ImportError:
+        return None
+    return triton_kda if getattr(triton_kda, "AVAILABLE", False) else None
+
+
+def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                         cu_seqlens=None):
+    """Validated KDA, on the fastest backend that runs the call: the public op
+    ``gdn.ops.kimi_delta_attention`` where the op layer exports it, else Triton for CUDA tensors,
+    the recurrence for a decode step, the chunk form otherwise. Shapes as in
+    :func:`gdn.ops.kda_reference.kimi_delta_attention` (g: [B, T, HV, K])."""
+    public = getattr(ops, "kimi_delta_attention", None)
+    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    if public is not None:
+        return public(q, k, v, g, beta, **kw)
+    dims = kda_reference.check_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+    tri = _triton_kda() if q.is_cuda else None
+    if tri is not None:
+        return tri.kimi_delta_attention(q, k, v, g, beta, **kw)
+    decode = dims.T == 1 if cu_seqlens is None else dims.T == dims.N
+    return (kda_reference if decode else kda_chunk).kimi_delta_attention(q, k, v, g, beta, **kw)
+
+
+def kda_gate(f, A_log, dt_bias):
+    """Per-channel log decay ``g = −exp(A_log_h) · softplus(f + dt_bias)``, in fp32 (fp64 for fp64 f).
+
+    f: [B, T, HV, K]; A_log: [HV]; dt_bias: [HV·K]. Returns [B, T, HV, K]."""
+    HV, K = f.shape[-2], f.shape[-1]
+    dt = torch.promote_types(f.dtype, torch.float32)
+    return -torch.exp(A_log.to(dt)).view(HV, 1) * F.softplus(f.to(dt) + dt_bias.to(dt).view(HV, K))
+
+
+class KimiDeltaAttention(RecurrentMixer):
+    """Kimi Delta Attention token mixer (Kimi Linear, 2025): the delta rule with a per-channel decay.
+
+    Args: those of :class:`gdn.layers._recurrent.RecurrentMixer` (``use_gate`` is replaced by the
+    low-rank sigmoid output gate, always on), plus ``gate_low_rank_dim`` (rank of the forget- and
+    output-gate projections; default ``head_dim``).
+
+    Parameters: ``f_a_proj`` [D → r], ``f_b_proj`` [r → HV·K] (forget gate), ``A_log`` [HV] (log U(1, 16)),
+    ``dt_bias`` [HV·K] (inverse softplus of dt, log-uniform in [1e-3, 0.1]), ``b_proj`` (β),
+    ``g_a_proj`` [D → r], ``g_b_proj`` [r → HV·V] (output gate), ``o_norm`` (RMSNorm per head).
+
+    Forward: ``x`` [B, T, D] -> ``(o [B, T, D], RecurrentState or None)``; see the base class. Padded
+    tokens get ``g = 0`` (and k = v = 0), so they leave the state unchanged.
+    """
+
+    has_decay = False  # the base's scalar gate; KDA brings its own per-channel one
+    has_delta = True
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, num_v_heads: int | None = None,
+                 expand_v: float = 1.0, use_short_conv: bool = True, conv_size: int = 4, norm_eps: float = 1e-6,
+                 layer_idx: int | None = None, gate_low_rank_dim: int | None = None):
+        super().__init__(hidden_size, num_heads, head_dim, num_v_heads=num_v_heads, expand_v=expand_v,
+                         use_short_conv=use_short_conv, conv_size=conv_size, use_gate=False, norm_eps=norm_eps,
+                         layer_idx=layer_idx)
+        r = head_dim if gate_low_rank_dim is None else _positive_int("gate_low_rank_dim", gate_low_rank_dim)
+        self.gate_low_rank_dim = r
+        D, HV, K = hidden_size, self.num_v_heads, head_dim
+        self.f_a_proj = nn.Linear(D, r, bias=False)
+        self.f_b_proj = nn.Linear(r, HV * K, bias=False)
+        self.g_a_proj = nn.Linear(D, r, bias=False)
+        self.g_b_proj = nn.Linear(r, self.value_dim, bias=False)
+        init = self.gate_init_values()
+        self.A_log = nn.Parameter(init["A_log"])
+        self.dt_bias = nn.Parameter(init["dt_bias"])
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        # The base class applies ``o_norm`` after ``_mix``; the norm and its gate happen inside ``_mix``.
+        self.out_norm = RMSNorm(self.head_v_dim, eps=norm_eps)
+        self.o_norm = nn.Identity()
+
+    def gate_init_values(self) -> dict[str, torch.Tensor]:
+        """Fresh ``A_log`` [HV] (log U(1, 16)) and ``dt_bias`` [HV·K]."""
+        A_log, _ = mamba_gate_init(self.num_v_heads, a_min=1.0, a_max=16.0)
+        _, dt_bias = mamba_gate_init(self.num_v_heads * self.head_dim)
+        return {"A_log": A_log, "dt_bias": dt_bias}
+
+    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens):
+        B, T = x.shape[:2]
+        HV, K, V = self.num_v_heads, self.head_dim, self.head_v_dim
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, HV, K), self.A_log, self.dt_bias)
+        if mask is not None:
+            g = g.masked_fill(~mask[..., None, None], 0.0)
+        beta = torch.sigmoid(self.b_proj(x).to(g.dtype))
+        o, S = kimi_delta_attention(l2_normalise(q), l2_normalise(k), v, g, beta, initial_state=initial_state,
+                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, HV, V)
+        o = (self.out_norm._normalise(o) * torch.sigmoid(gate.to(g.dtype))).to(o.dtype)
+        return o, S
+
+    def extra_repr(self) -> str:
+        return super().extra_repr().replace(", gate=False", "") + f", gate_rank={self.gate_low_rank_dim}"
