@@ -73,5 +73,7 @@ if AVAILABLE:
         """Linear attention ``S += k vᵀ``."""
         return _run(q, k, v, None, None, scale, initial_state, output_final_state, cu_seqlens)
 
+    from .prologue import gated_delta_rule_fused  # noqa: E402 - needs _run above
+
     __all__ += ["gated_delta_rule", "delta_rule", "gated_linear_attention", "linear_attention", "chunk_op",
-                "RECURRENT_MAX_T"]
+                "gated_delta_rule_fused", "RECURRENT_MAX_T"]

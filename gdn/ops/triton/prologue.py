@@ -1,0 +1,166 @@
+"""Fused prologue of the Gated DeltaNet layer on the GPU: L2-norm of q and k, the gate and β.
+
+The layer's raw inputs go in once; what the chunk kernels need comes out once::
+
+    q̂ = q · rsqrt(Σ q² + eps),  k̂ likewise                          (per token and head, over K)
+    g = −exp(A_log) · softplus(a + dt_bias)                         (fp32)
+    β = sigmoid(b)   (2·sigmoid(b) with ``allow_neg_eigval``)        (fp32)
+
+each with its backward (dq, dk through the norm; da, db, dA_log, ddt_bias), as autograd
+Functions. :func:`gated_delta_rule_fused` chains them with the chunk kernels (or, for a decode
+step that needs no gradient, the fused recurrent kernel, which normalises q and k itself).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import pow2
+
+L2NORM_EPS = 1e-6
+
+
+@triton.jit
+def l2norm_fwd_kernel(x, y, r, n_rows, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, eps):
+    """y = x · rsqrt(Σx² + eps) over the last dim; r = that rsqrt (fp32), for BR rows."""
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
+    b_x = tl.load(x + o_r[:, None].to(tl.int64) * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + eps)
+    tl.store(y + o_r[:, None].to(tl.int64) * D + o_d[None, :], (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
+    tl.store(r + o_r, b_r, mask=o_r < n_rows)
+
+
+@triton.jit
+def l2norm_bwd_kernel(x, r, dy, dx, n_rows, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    """dx = r (dy − ŷ (ŷ·dy)) with ŷ = x r (exact with eps: dr/dx = −r³ x)."""
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
+    p = o_r[:, None].to(tl.int64) * D + o_d[None, :]
+    b_r = tl.load(r + o_r, mask=o_r < n_rows, other=0.0)
+    b_y = tl.load(x + p, mask=m, other=0.0).to(tl.float32) * b_r[:, None]
+    b_dy = tl.load(dy + p, mask=m, other=0.0).to(tl.float32)
+    b_dx = b_r[:, None] * (b_dy - b_y * tl.sum(b_y * b_dy, axis=1)[:, None])
+    tl.store(dx + p, b_dx.to(dx.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def gate_fwd_kernel(a, b, A_log, dt_bias, g, beta, n, HV, BLOCK: tl.constexpr, NEG: tl.constexpr):
+    """g = −exp(A_log[h]) softplus(a + dt_bias[h]); β = (1 or 2)·sigmoid(b); h = index mod HV."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    h = o % HV
+    b_x = tl.load(a + o, mask=m, other=0.0).to(tl.float32) + tl.load(dt_bias + h, mask=m, other=0.0).to(tl.float32)
+    sp = tl.where(b_x > 20.0, b_x, tl.log(1.0 + tl.exp(tl.minimum(b_x, 20.0))))
+    b_g = -tl.exp(tl.load(A_log + h, mask=m, other=0.0).to(tl.float32)) * sp
+    b_s = tl.sigmoid(tl.load(b + o, mask=m, other=0.0).to(tl.float32))
+    if NEG:
+        b_s = 2.0 * b_s
+    tl.store(g + o, b_g, mask=m)
+    tl.store(beta + o, b_s, mask=m)
+
+
+@triton.jit
+def gate_bwd_kernel(a, b, A_log, dt_bias, g, dg, dbeta, da, db, dgg, n, HV, BLOCK: tl.constexpr, NEG: tl.constexpr):
+    """da = dg·(−exp(A_log))·sigmoid(a + dt_bias); db = dβ·c·σ(b)(1 − σ(b)); dgg = dg·g (→ dA_log)."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    h = o % HV
+    b_x = tl.load(a + o, mask=m, other=0.0).to(tl.float32) + tl.load(dt_bias + h, mask=m, other=0.0).to(tl.float32)
+    b_dg = tl.load(dg + o, mask=m, other=0.0).to(tl.float32)
+    b_da = -b_dg * tl.exp(tl.load(A_log + h, mask=m, other=0.0).to(tl.float32)) * tl.sigmoid(b_x)
+    b_sb = tl.sigmoid(tl.load(b + o, mask=m, other=0.0).to(tl.float32))
+    b_db = tl.load(dbeta + o, mask=m, other=0.0).to(tl.float32) * b_sb * (1.0 - b_sb)
+    if NEG:
+        b_db = 2.0 * b_db
+    tl.store(da + o, b_da.to(da.dtype.element_ty), mask=m)
+    tl.store(db + o, b_db.to(db.dtype.element_ty), mask=m)
+    tl.store(dgg + o, b_dg * tl.load(g + o, mask=m, other=0.0), mask=m)
+
+
+_BR = 16
+
+
+class L2Norm(torch.autograd.Function):
+    """x̂ = x · rsqrt(Σ x² + eps) over the last dim, in x.dtype (computed in fp32). x: [..., D]."""
+
+    @staticmethod
+    def forward(ctx, x, eps: float):
+        D = x.shape[-1]
+        xc = x.contiguous()
+        n = xc.numel() // D
+        y = torch.empty_like(xc)
+        r = torch.empty(n, device=x.device, dtype=torch.float32)
+        l2norm_fwd_kernel[(triton.cdiv(n, _BR),)](xc, y, r, n, D=D, BD=pow2(D, 1), BR=_BR, eps=eps, num_warps=4)
+        ctx.save_for_backward(xc, r)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, r = ctx.saved_tensors
+        D = xc.shape[-1]
+        n = xc.numel() // D
+        dx = torch.empty_like(xc)
+        l2norm_bwd_kernel[(triton.cdiv(n, _BR),)](xc, r, dy.contiguous(), dx, n, D=D, BD=pow2(D, 1), BR=_BR,
+                                                   num_warps=4)
+        return dx, None
+
+
+class Gate(torch.autograd.Function):
+    """(g, β) from the raw a, b [B, T, HV] and the per-head A_log, dt_bias [HV]; both fp32."""
+
+    @staticmethod
+    def forward(ctx, a, b, A_log, dt_bias, neg: bool):
+        ac, bc = a.contiguous(), b.contiguous()
+        HV = a.shape[-1]
+        n = ac.numel()
+        g = torch.empty(a.shape, device=a.device, dtype=torch.float32)
+        beta = torch.empty(a.shape, device=a.device, dtype=torch.float32)
+        gate_fwd_kernel[(triton.cdiv(n, 1024),)](ac, bc, A_log.contiguous(), dt_bias.contiguous(), g, beta, n, HV,
+                                                 BLOCK=1024, NEG=neg, num_warps=4)
+        ctx.save_for_backward(ac, bc, A_log, dt_bias, g)
+        ctx.neg = neg
+        return g, beta
+
+    @staticmethod
+    def backward(ctx, dg, dbeta):
+        ac, bc, A_log, dt_bias, g = ctx.saved_tensors
+        HV = ac.shape[-1]
+        n = ac.numel()
+        dg = torch.zeros_like(g) if dg is None else dg.contiguous()
+        dbeta = torch.zeros_like(g) if dbeta is None else dbeta.contiguous()
+        da, db = torch.empty_like(ac), torch.empty_like(bc)
+        dgg = torch.empty_like(g)
+        gate_bwd_kernel[(triton.cdiv(n, 1024),)](ac, bc, A_log.contiguous(), dt_bias.contiguous(), g, dg, dbeta, da,
+                                                 db, dgg, n, HV, BLOCK=1024, NEG=ctx.neg, num_warps=4)
+        # d dt_bias = Σ da over tokens; d A_log = Σ dg · g (g is linear in exp(A_log)).
+        dA_log = dgg.view(-1, HV).sum(0).to(A_log.dtype)
+        ddt = da.float().view(-1, HV).sum(0).to(dt_bias.dtype)
+        return da, db, dA_log, ddt, None
+
+
+def gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, *, scale=None, initial_state=None,
+                           output_final_state=False, cu_seqlens=None, use_qk_l2norm=True, allow_neg_eigval=False):
+    """Gated DeltaNet from the layer's raw inputs, prologue on the GPU.
+
+    Args:
+        q, k: [B, T, H, K] (un-normalised when ``use_qk_l2norm``); v: [B, T, HV, V].
+        a, b: [B, T, HV] gate and write-strength pre-activations.
+        A_log, dt_bias: [HV] per-head decay parameters.
+        scale, initial_state [N, HV, K, V], output_final_state, cu_seqlens [N + 1]: as in
+            :func:`gdn.ops.gated_delta_rule`.
+        use_qk_l2norm: L2-normalise q and k over K (eps = 1e-6) first.
+        allow_neg_eigval: β = 2·sigmoid(b) instead of sigmoid(b).
+
+    Returns ``(o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32 or None)``; gradients
+    flow to q, k, v, a, b, A_log, dt_bias and initial_state.
+    """
+    from . import _run  # noqa: PLC0415 - the package routes decode steps to the recurrent kernel
+
+    g, beta = Gate.apply(a, b, A_log, dt_bias, bool(allow_neg_eigval))
+    if use_qk_l2norm:
+        q, k = L2Norm.apply(q, L2NORM_EPS), L2Norm.apply(k, L2NORM_EPS)
+    return _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
