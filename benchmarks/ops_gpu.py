@@ -18,13 +18,15 @@ FLA 0.6.0 refuses its gated backward under triton 3.6 on Hopper (FLA issue #640,
 to time it anyway this script sets ``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True``: FLA's
 fwd+bwd figures are timed, not checked.
 
-    python benchmarks/ops_gpu.py            # prints a markdown table
+    python benchmarks/ops_gpu.py [--profile] [--decode]   # prints a markdown table
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import sys
+import time
 
 import torch
 import triton
@@ -135,9 +137,14 @@ def rows():
         do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
         f_fwd, f_all, b_fwd, b_all = counts(B, T, H, HV)
         sd, sd_flops = sdpa_fn(B, T, HV, lens)
+        g = gdn_fn(xs, cu)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        g().backward(do)
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t0
         for bwd in (False, True):
-            r = {"shape": name, "pass": "fwd+bwd" if bwd else "fwd"}
-            g = gdn_fn(xs, cu)
+            r = {"shape": name, "pass": "fwd+bwd" if bwd else "fwd", "first_s": first_s}
             if bwd:
                 r["gdn_ms"] = timed(g, True, do, xs)
             else:
@@ -179,9 +186,35 @@ def rows():
     return out, mm_rate, copy_bw
 
 
+def profile(B, T, H, HV, label):
+    """Per-kernel GPU time (µs per call) of one fwd+bwd, gdn and FLA, from torch.profiler."""
+    xs, cu = inputs(B, T, H, HV, None)
+    do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
+    for name, f in (("gdn", gdn_fn(xs, cu)), ("FLA", fla_fn(xs, cu))):
+        if f is None:
+            continue
+        for _ in range(2):
+            f().backward(do)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                f().backward(do)
+            torch.cuda.synchronize()
+        evs = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        evs.sort(key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in evs) / 5
+        print(f"\n{name} kernels at {label}, fwd+bwd, µs per call (total {total:.0f} µs):")
+        for e in evs[:14]:
+            print(f"  {e.device_time_total / 5:9.1f}  x{e.count // 5:<3d} {e.key[:90]}")
+
+
 def main():
     import importlib.util
 
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--decode", action="store_true", help="also the decode rows of benchmarks/decode_gpu.py")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times at two shapes (torch.profiler)")
+    args = ap.parse_args()
     rs, mm_rate, copy_bw = rows()
     print()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
@@ -190,14 +223,17 @@ def main():
     print("FLA fwd+bwd timed with fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True (its guard for triton 3.6).")
     print()
     print("| shape | pass | gdn ms | FLA ms | speed-up vs FLA | SDPA (flash) ms | gdn TFLOP/s (% mm) "
-          "| gdn GB/s (% copy) | peak GiB gdn / FLA |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| gdn GB/s (% copy) | peak GiB gdn / FLA | gdn first call s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rs:
         print(f"| {r['shape']} | {r['pass']} | {r['gdn_ms']:.3f} | {r['fla_ms']:.3f} | {r['speedup']:.2f}× | "
               f"{r['sdpa_ms']:.3f} | {r['tflops']:.0f} ({r['pct_mm']:.0f}%) | {r['GBps']:.0f} ({r['pct_copy']:.0f}%) "
-              f"| {r['gdn_GB']:.2f} / {r['fla_GB']:.2f} |")
+              f"| {r['gdn_GB']:.2f} / {r['fla_GB']:.2f} | {r['first_s']:.2f} |")
+    if args.profile:
+        profile(8, 2048, 16, 16, "(8, 2048, 16, 128)")
+        profile(1, 32768, 16, 16, "(1, 32768, 16, 128)")
     dec = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_gpu.py")
-    if os.path.exists(dec):
+    if args.decode and os.path.exists(dec):
         spec = importlib.util.spec_from_file_location("decode_gpu", dec)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
