@@ -1,0 +1,72 @@
+"""Tier 3 on the CPU: the Triton KDA kernels under the Triton interpreter against the float64 recurrence
+(forward, decode with a state, packed sequences, backward through the checkpointed reverse pass)."""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from gdn.ops import kda_reference as KR  # noqa: E402
+from gdn.ops.triton import kda as TK  # noqa: E402
+
+from .helpers import rel_err  # noqa: E402
+from .test_kda import kda_inputs  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def _cast(d, dtype):
+    return {n: (x.to(torch.float32 if n == "initial_state" else dtype) if x is not None else None)
+            for n, x in d.items()}
+
+
+def _call(mod, d, **kw):
+    return mod.kimi_delta_attention(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
+                                    output_final_state=True, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 1, 1, 2, 16, 16), (1, 21, 1, 2, 20, 70), (1, 9, 2, 4, 32, 24)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_forward_matches_reference(shape, dtype):
+    B, T, H, HV, K, V = shape
+    d = _cast(kda_inputs(B, T, H, HV, K, V), dtype)
+    o, S = _call(TK, d)
+    o_ref, S_ref = _call(KR, {n: x.double() for n, x in d.items()})
+    assert o.dtype == dtype and S.dtype == torch.float32
+    assert rel_err(o, o_ref) < TOL[dtype] and rel_err(S, S_ref) < 1e-5
+
+
+def test_packed_and_no_state():
+    d = kda_inputs(1, 30, 1, 2, 16, 16, N=3, dtype=torch.float32)
+    cu = torch.tensor([0, 17, 17, 30])
+    o, S = _call(TK, d, cu_seqlens=cu)
+    o_ref, S_ref = _call(KR, {n: x.double() for n, x in d.items()}, cu_seqlens=cu)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
+    o2, S2 = TK.kimi_delta_attention(d["q"], d["k"], d["v"], d["g"], d["beta"])
+    assert S2 is None and rel_err(o2, KR.kimi_delta_attention(d["q"], d["k"], d["v"], d["g"], d["beta"])[0]) < 1e-5
+
+
+@pytest.mark.parametrize("cu", [None, [0, 7, 7, 20]], ids=["dense", "packed"])
+def test_backward_matches_reference(cu):
+    """Gradients of q, k, v, g, beta and the initial state, across several checkpoint stretches
+    (T > CK) and V tiles (V > BV)."""
+    B = 1
+    N = 3 if cu is not None else 1
+    d = kda_inputs(B, 20, 1, 2, 16, 72, N=N, dtype=torch.float32, requires_grad=True)
+    cu_t = torch.tensor(cu) if cu is not None else None
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    gen = torch.Generator().manual_seed(3)
+    w_o, w_s = torch.randn(1, 20, 2, 72, generator=gen), torch.randn(N, 2, 16, 72, generator=gen)
+    grads = []
+    for mod, dd in ((TK, d), (KR, {n: x.double() for n, x in d.items()})):
+        o, S = _call(mod, dd, cu_seqlens=cu_t)
+        loss = (o * w_o.to(o.dtype)).sum() + (S * w_s.to(S.dtype)).sum()
+        grads.append(torch.autograd.grad(loss, [dd[n] for n in names]))
+    for name, a, b in zip(names, *grads):
+        assert rel_err(a, b) < 1e-5, name
