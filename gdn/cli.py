@@ -1,29 +1,231 @@
-"""The ``gdn`` command line."""
+"""The ``gdn`` command line: ``train``, ``generate``, ``eval``, ``mqar``, ``bench``, ``tokenizer``, ``demo``.
+
+Every ``train``/``mqar`` option is also a config-file key (YAML or JSON, ``--config``); flags
+override the file and ``--set key=value`` overrides both (``--set model.hidden_size=256``).
+"""
 from __future__ import annotations
 
 import argparse
+import logging
+import subprocess
 import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("matplotlib", "PIL", "urllib3", "filelock", "httpx", "fsspec"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a language model", description="Train a causal LM. Without --data: "
+                       "a byte-level model on this Python's standard library sources.")
+    p.add_argument("--config", help="YAML or JSON file of TrainConfig keys")
+    p.add_argument("--preset", help="model preset: gdn, gdn-h1, gdn-h2, deltanet-transformer, qwen3next, transformer")
+    p.add_argument("--size", help="model size: tiny, 125m, 340m, 1.3b")
+    p.add_argument("--data", help="text file/folder, .jsonl, .bin, hf:NAME or hf:PATH (default: stdlib *.py)")
+    p.add_argument("--steps", type=int, help="optimizer steps")
+    p.add_argument("--out", help="run folder (config, metrics, checkpoints, loss curve)")
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="CKPT",
+                   help="continue from the newest checkpoint under --out, or from CKPT (a checkpoint or run folder)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key (repeatable)")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="sample text from a checkpoint")
+    p.add_argument("--ckpt", required=True, help="checkpoint folder or run folder (newest checkpoint)")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="perplexity / bits per byte, or lm-eval tasks, of a checkpoint")
+    p.add_argument("--ckpt", required=True, help="checkpoint folder or run folder (newest checkpoint)")
+    p.add_argument("--data", default=None,
+                   help="held-out text (a source as for train; its held-out split; default: the run's data)")
+    p.add_argument("--seq-len", type=int, default=None, help="window length (default: the run's)")
+    p.add_argument("--batches", type=int, default=16, help="packed rows to score")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per row (perplexity) / lm-eval batch size")
+    p.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks, e.g. lambada_openai,hellaswag")
+    p.add_argument("--include-path", default=None, help="folder of extra lm-eval task YAMLs")
+    p.add_argument("--limit", type=int, default=None, help="lm-eval: examples per task")
+    p.add_argument("--device", default=None, help="cpu or cuda")
+
+
+def _add_mqar(sub) -> None:
+    p = sub.add_parser("mqar", help="multi-query associative recall across mixers, widths and pair counts")
+    p.add_argument("--preset", default="cpu-small", help="cpu-small (<= 10 min on 2 CPU cores) or paper (GPU)")
+    p.add_argument("--config", help="YAML or JSON file of MQARConfig keys")
+    p.add_argument("--out", help="folder for results.json, the table and the plot")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any MQAR config key (repeatable)")
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="run a benchmark script of benchmarks/ and print its table")
+    p.add_argument("which", choices=["ops", "generation", "train"], help="ops (CPU or GPU op timings), "
+                   "generation (prefill + decode), train (training tokens/s and MFU)")
+    p.add_argument("--quick", action="store_true", help="ops: the short agreement/time table of every backend")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script (after --)")
+
+
+def _add_tokenizer(sub) -> None:
+    p = sub.add_parser("tokenizer", help="tokenizer tools")
+    tsub = p.add_subparsers(dest="tok_command", required=True)
+    t = tsub.add_parser("train", help="fit a byte-level BPE with `tokenizers` on local text")
+    t.add_argument("--data", default=None, help="a source as for train (default: stdlib *.py)")
+    t.add_argument("--vocab-size", type=int, default=8192, help="ids including the 256 bytes and <|endoftext|>")
+    t.add_argument("--text-field", default="text", help="JSONL / datasets text column")
+    t.add_argument("--out", required=True, help="tokenizer.json to write")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``gdn``."""
+    parser = argparse.ArgumentParser(prog="gdn", description="Gated DeltaNet toolkit")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command")
+    _add_train(sub)
+    _add_generate(sub)
+    _add_eval(sub)
+    _add_mqar(sub)
+    _add_bench(sub)
+    _add_tokenizer(sub)
+    sub.add_parser("demo", help="train the tiny model on the stdlib for a few minutes, report bits per byte, "
+                   "plot the loss and sample")
+    return parser
+
+
+def cmd_train(args) -> int:
+    from .train import build_config, train
+
+    flags = dict(preset=args.preset, size=args.size, data=args.data, steps=args.steps, out=args.out)
+    cfg = build_config(args.config, flags, args.set)
+    res = train(cfg, resume=args.resume)
+    if res.out is not None:
+        print(f"step {res.step}: train loss {res.train_loss:.4f}, val loss {res.val_loss:.4f}, "
+              f"val {res.val_bpb:.3f} bits/byte (unigram {res.unigram_bpb:.3f}); run folder {res.out}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from .generation import stream
+    from .train.checkpoint import load_model
+
+    model, tok, path = load_model(args.ckpt, args.device)
+    device = next(model.parameters()).device
+    ids = tok.encode(args.prompt) or [tok.eos_id if tok.eos_id is not None else ord("\n")]
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    print(args.prompt, end="", flush=True)
+    out = []
+    for t in stream(model, torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=tok.eos_id,
+                    generator=gen):
+        out.append(int(t[0]))
+    print(tok.decode(out))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .train.checkpoint import find_model_dir
+
+    path = find_model_dir(args.ckpt)
+    if args.tasks:
+        from .evaluation.harness import run_lm_eval
+
+        results = run_lm_eval(path, args.tasks.split(","), batch_size=args.batch_size, limit=args.limit,
+                              device=args.device, include_path=args.include_path)
+        for task, metrics in results.items():
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+            print(f"{task}: {shown}")
+        return 0
+    from .evaluation.perplexity import evaluate_checkpoint
+
+    res, unigram = evaluate_checkpoint(path, data=args.data, seq_len=args.seq_len, batches=args.batches,
+                                       batch_size=args.batch_size, device=args.device)
+    print(f"{path}: loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.3f}, {res.bits_per_byte:.4f} bits/byte "
+          f"over {res.tokens} tokens ({res.bytes} bytes); unigram baseline {unigram:.4f} bits/byte")
+    return 0
+
+
+def cmd_mqar(args) -> int:
+    from .train.mqar import format_table, mqar_config, run_mqar
+
+    cfg = mqar_config(args.preset, args.config, args.set, out=args.out)
+    results = run_mqar(cfg)
+    print(format_table(results))
+    print(f"results, table and plot in {cfg.out}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    extra = [a for a in args.args if a != "--"]
+    if args.which == "ops" and args.quick:
+        from .demo import print_op_table
+
+        print_op_table()
+        return 0
+    import torch
+
+    script = {"ops": "ops_gpu.py" if torch.cuda.is_available() else "ops_cpu.py",
+              "generation": "generation.py", "train": "train.py"}[args.which]
+    path = BENCHMARKS / script
+    if not path.is_file():
+        print(f"benchmark script {path} not found (run from a source checkout of gdn)", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(path), *extra])
+
+
+def cmd_tokenizer(args) -> int:
+    from .data import iter_texts, train_bpe
+
+    tok = train_bpe(iter_texts(args.data, args.text_field), args.vocab_size, args.out)
+    print(f"wrote {args.out}: {tok.vocab_size} ids")
+    return 0
 
 
 def main(argv=None) -> int:
     """Entry point of the ``gdn`` console script."""
-    parser = argparse.ArgumentParser(prog="gdn", description="Gated DeltaNet toolkit")
-    parser.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="command")
-    sub.add_parser("demo", help="run every op through every backend and print agreement and time")
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
         from . import __version__
 
         print(__version__)
         return 0
+    if args.command is None:
+        parser.print_help()
+        return 0
+    _setup_logging(args.verbose)
     if args.command == "demo":
         from .demo import main as demo
 
-        demo()
-        return 0
-    parser.print_help()
-    return 0
+        return demo()
+    handlers = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "mqar": cmd_mqar,
+                "bench": cmd_bench, "tokenizer": cmd_tokenizer}
+    try:
+        return handlers[args.command](args)
+    except ValueError as e:
+        if args.verbose:
+            raise
+        print(f"gdn {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # checkpoint errors and the like: a message, not a traceback
+        from .train.checkpoint import CheckpointError
+
+        if isinstance(e, CheckpointError) and not args.verbose:
+            print(f"gdn {args.command}: checkpoint error: {e}", file=sys.stderr)
+            return 3
+        raise
 
 
 if __name__ == "__main__":

@@ -1,0 +1,165 @@
+"""Training configuration: one flat dataclass, loaded from YAML/JSON, overridden by flags and
+``--set key=value`` (``model.KEY=VALUE`` sets a :class:`gdn.models.GDNConfig` field), saved
+beside every run."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of ``gdn train`` (each also a config-file key)."""
+
+    # model
+    preset: str = "gdn"  #: GDNConfig preset (gdn, gdn-h1, gdn-h2, deltanet-transformer, qwen3next, transformer)
+    size: str = "tiny"  #: GDNConfig size (tiny, 125m, 340m, 1.3b)
+    model: dict = field(default_factory=dict)  #: GDNConfig overrides, e.g. {hidden_size: 256}
+    # data
+    data: str | None = None  #: None = the interpreter's stdlib *.py; a file/folder, .jsonl, .bin or hf:NAME
+    tokenizer: str = "bytes"  #: "bytes" or a tokenizer.json from `gdn tokenizer train`
+    text_field: str = "text"  #: text column of JSONL / datasets sources
+    bin_dtype: str = "uint16"  #: id type of .bin memmaps
+    eos_id: int | None = None  #: document separator id inside .bin memmaps
+    val_fraction: float = 0.02  #: share of documents held out
+    seq_len: int = 512  #: tokens per training window
+    batch_size: int = 8  #: windows per optimizer step, over all ranks and micro-batches
+    grad_accum: int = 1  #: micro-batches per optimizer step
+    # optimisation
+    steps: int = 1000  #: optimizer steps
+    lr: float = 2e-3  #: peak learning rate
+    min_lr_ratio: float = 0.1  #: final lr = lr * min_lr_ratio (cosine)
+    warmup_steps: int = 100  #: linear warmup steps
+    weight_decay: float = 0.1  #: AdamW decay (never on norms, biases, A_log, dt_bias)
+    decay_embeddings: bool = True  #: apply weight decay to the embedding matrix
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  #: max global gradient norm (0 = off)
+    # runtime
+    seed: int = 0
+    device: str = "auto"  #: auto (cuda when available), cpu, cuda
+    dtype: str = "auto"  #: auto (bf16 autocast on CUDA, fp32 on CPU), bf16, fp32
+    compile: bool = False  #: torch.compile the model
+    activation_checkpointing: bool = False  #: recompute blocks in the backward pass
+    distributed: str = "ddp"  #: ddp or fsdp (FSDP2 fully_shard), used under torchrun
+    # logging, validation, checkpoints
+    out: str = "runs/default"  #: run directory (config, metrics, checkpoints, plots)
+    log_every: int = 10  #: steps between metric lines
+    eval_every: int = 200  #: steps between validations (and at the end)
+    eval_batches: int = 8  #: held-out packed rows per validation
+    save_every: int = 500  #: steps between checkpoints (and at the end)
+    keep_last: int = 3  #: checkpoints kept
+    tensorboard: bool = True  #: also write TensorBoard events
+    progress: bool = True  #: show a progress bar
+    time_limit: float | None = None  #: stop (with a checkpoint) after this many seconds
+    stop_after: int | None = None  #: stop (with a checkpoint) after this step: run a long schedule in pieces
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        pos = ("seq_len", "batch_size", "grad_accum", "steps", "log_every", "eval_every", "eval_batches",
+               "save_every", "keep_last")
+        for name in pos:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("lr", "weight_decay", "grad_clip", "min_lr_ratio", "adam_eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"{name} must be a non-negative number, got {v!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a non-negative int, got {self.warmup_steps!r}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of grad_accum ({self.grad_accum})")
+        choices = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "bf16", "fp32"), "distributed": ("ddp", "fsdp")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.stop_after is not None and (not isinstance(self.stop_after, int) or self.stop_after < 1):
+            raise ValueError(f"stop_after must be None or a positive int, got {self.stop_after!r}")
+        if not isinstance(self.model, dict):
+            raise ValueError(f"model must be a mapping of GDNConfig overrides, got {self.model!r}")
+
+    def to_dict(self) -> dict:
+        """Plain dict (YAML/JSON serialisable)."""
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        """Write the resolved config as YAML."""
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+_FLOAT_KEYS = {"lr", "lrs", "min_lr_ratio", "weight_decay", "adam_eps", "grad_clip", "val_fraction", "beta1", "beta2",
+               "alpha", "warmup_frac", "time_limit"}
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A YAML or JSON config file -> dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    data = {k: _numbers(v) if k in _FLOAT_KEYS else v for k, v in data.items()} if isinstance(data, dict) else data
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of keys to values, got {type(data).__name__}")
+    return data
+
+
+def _numbers(v):
+    """YAML 1.1 reads ``3e-3`` as a string: turn number-looking strings (also inside lists) into floats."""
+    if isinstance(v, list):
+        return [_numbers(x) for x in v]
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return v
+    return v
+
+
+def parse_set(items: list[str] | None) -> dict:
+    """``["lr=1e-3", "model.hidden_size=256"]`` -> ``{"lr": 0.001, "model": {"hidden_size": 256}}``
+    (values parsed as YAML scalars)."""
+    out: dict = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        value = _numbers(yaml.safe_load(raw)) if raw else None
+        parts = key.strip().split(".")
+        d = out
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+        d[parts[-1]] = value
+    return out
+
+
+def merge(base: dict, update: dict) -> dict:
+    """Recursive dict update (``model`` overrides merge key by key)."""
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def build_config(file: str | Path | None = None, flags: dict | None = None, sets: list[str] | None = None,
+                 cls=TrainConfig):
+    """Config file, then explicit flags (``None`` values ignored), then ``--set`` items."""
+    data = read_config_file(file) if file else {}
+    data = merge(data, {k: v for k, v in (flags or {}).items() if v is not None})
+    data = merge(data, parse_set(sets))
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown config keys {unknown}; valid keys: {sorted(names)}")
+    return cls(**data)
