@@ -13,7 +13,8 @@ class GDNCache:
     (conv tails + fp32 matrix state, constant in length) or a :class:`KVState` (keys/values;
     bounded by the window for sliding-window layers). ``seen`` counts the slots (tokens,
     padding included) processed; ``positions`` [B] the real tokens of each row, from which
-    the RoPE position of the next token follows.
+    the RoPE position of the next token follows. ``embeds_prefix`` counts the slots fed as
+    ``inputs_embeds`` rather than ids (``generate`` then keeps only the generated ids).
 
     It implements what ``transformers``' generation loop asks of a cache (``get_seq_length``,
     ``is_compileable``, ``reorder_cache`` for beam search) without subclassing ``Cache``, whose
@@ -31,6 +32,7 @@ class GDNCache:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         self.layers: list[RecurrentState | KVState | None] = [None] * num_layers
         self.seen = 0
+        self.embeds_prefix = 0
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=device)
         self._recurrent = list(recurrent_layers) if recurrent_layers is not None else [False] * num_layers
 

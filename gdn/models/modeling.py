@@ -312,9 +312,17 @@ class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
         inputs = {}
         if inputs_embeds is not None and seen == 0:
             inputs["inputs_embeds"] = inputs_embeds
+            if cache is not None:
+                cache.embeds_prefix = inputs_embeds.shape[1]
         else:
-            if cache is not None and seen and input_ids.shape[1] > seen:
-                input_ids = input_ids[:, seen:]
+            if cache is not None and seen:
+                # input_ids holds the tokens after the embedded prefix: the whole sequence, or only
+                # the generated tokens when the prompt came as inputs_embeds. Feed what is new.
+                consumed = seen - cache.embeds_prefix
+                if attention_mask is not None and 0 < attention_mask.shape[1] - seen <= input_ids.shape[1]:
+                    input_ids = input_ids[:, seen - attention_mask.shape[1]:]
+                elif input_ids.shape[1] > consumed:
+                    input_ids = input_ids[:, consumed:]
             inputs["input_ids"] = input_ids.contiguous()
         inputs.update(attention_mask=attention_mask, past_key_values=cache, use_cache=use_cache)
         if logits_to_keep is not None:

@@ -319,3 +319,11 @@ def test_beam_search_with_cache_equals_without():
     x = ids(2, 6)
     kw = dict(max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=0)
     assert torch.equal(m.generate(x, **kw), m.generate(x, use_cache=False, **kw))
+
+
+def test_generate_from_inputs_embeds_equals_from_ids():
+    m = tiny("qwen3next")
+    x = ids(2, 5)
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    from_embeds = m.generate(inputs_embeds=m.get_input_embeddings()(x), **kw)
+    assert torch.equal(from_embeds, m.generate(x, **kw)[:, 5:])
