@@ -23,7 +23,7 @@ from ._common import BT, INTERPRET, Chunks, launch, chunk_bounds, dot_precision,
 from .chunk_fwd import state_tiles
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV"])
 def dv_local_kernel(q, k, g, do, DVL, cu, chunk_idx, scale, H, HV, K: tl.constexpr,
                     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                     PREC: tl.constexpr):
@@ -85,7 +85,7 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
     return b_ds
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV", "max_nc"])
 def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_nc, scale, H,
                      HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
@@ -122,7 +122,7 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_n
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_ds, mask=mkv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV", "T"])
 def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, scale, T, H,
                HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
@@ -191,7 +191,7 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, s
         tl.store(DGAM + (i_k * T + rows) * HV + i_hv, b_dg, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV", "T"])
 def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx, T, H,
                   HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, NK: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr,

@@ -53,7 +53,7 @@ def _store_block(Ai, X, rows, m, HV, i_hv, col0: tl.constexpr):
     tl.store(Ai + (rows[:, None] * HV + i_hv) * 64 + col0 + o[None, :], X, mask=m[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV"])
 def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H, HV, K: tl.constexpr,
                      BK: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
     """Ai[t, hv, :] = rows of T = (I + A)⁻¹ for each chunk, built from four 16-row blocks."""
@@ -145,7 +145,7 @@ def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H, HV, K: tl.constexpr,
     _store_block(Ai, X33, r3, m3, HV, i_hv, 48)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV"])
 def wu_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr,
               V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
               PREC: tl.constexpr):
@@ -201,7 +201,7 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t
     return b_s + tl.dot(tl.trans(b_k), b_d, input_precision=PREC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV", "max_nc"])
 def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
@@ -242,7 +242,7 @@ def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV,
         tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s, mask=mkv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV"])
 def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H, HV,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
