@@ -30,13 +30,31 @@ def gated_delta_core(q, k, v, a, b, A_log, dt_bias, *, allow_neg_eigval=False, s
                                 cu_seqlens=cu_seqlens)
 
 
+def _fused_core():
+    """``gdn.ops.fused.gated_delta_rule_fused`` (the Triton-fused prologue + op), or None when absent."""
+    try:
+        from ..ops.fused import gated_delta_rule_fused  # noqa: PLC0415
+    except ImportError:
+        return None
+    return gated_delta_rule_fused
+
+
+def core_for(x: torch.Tensor):
+    """The function running :func:`gated_delta_core`'s contract for tensors like ``x``: the fused
+    entry point on CUDA when :mod:`gdn.ops.fused` exists, else :func:`gated_delta_core`."""
+    fused = _fused_core() if x.is_cuda else None
+    return fused if fused is not None else gated_delta_core
+
+
 class GatedDeltaNet(RecurrentMixer):
     """Gated DeltaNet token mixer (Yang, Kautz & Hatamizadeh, 2025).
 
     q/k/v projections → short conv + SiLU → L2 norm of q, k → gated delta rule with
     ``g = −exp(A_log)·softplus(a_proj x + dt_bias)`` and ``β = sigmoid(b_proj x)`` → RMSNorm per
     head × SiLU(g_proj x) → o_proj. ``A_log`` starts at log U(0.01, 16); ``dt_bias`` at the inverse
-    softplus of dt, log-uniform in [1e-3, 0.1]. Both are flagged ``_no_weight_decay``.
+    softplus of dt, log-uniform in [1e-3, 0.1]. Both are flagged ``_no_weight_decay``. Everything
+    after the short convolutions is one call with :func:`gated_delta_core`'s contract: on CUDA the
+    fused entry point :func:`gdn.ops.fused.gated_delta_rule_fused` when present (:func:`core_for`).
 
     Args: those of :class:`gdn.layers._recurrent.RecurrentMixer`, plus ``allow_neg_eigval``
     (β = 2·sigmoid, so the transition can have negative eigenvalues).
@@ -55,6 +73,5 @@ class GatedDeltaNet(RecurrentMixer):
         a, b = self.a_proj(x), self.b_proj(x)
         if mask is not None:
             a = a.masked_fill(~mask[..., None], MASKED_GATE_INPUT)
-        return gated_delta_core(q, k, v, a, b, self.A_log, self.dt_bias, allow_neg_eigval=self.allow_neg_eigval,
-                                initial_state=initial_state, output_final_state=output_final_state,
-                                cu_seqlens=cu_seqlens)
+        return core_for(q)(q, k, v, a, b, self.A_log, self.dt_bias, allow_neg_eigval=self.allow_neg_eigval,
+                           initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)

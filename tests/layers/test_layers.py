@@ -275,3 +275,17 @@ def test_masked_tokens_leave_recurrent_state_unchanged():
         _, s_pad = m(torch.randn(1, 3, D), attention_mask=torch.zeros(1, 3), state=s, use_cache=True)
     assert torch.equal(s.recurrent, s_pad.recurrent)
     assert math.isfinite(s_pad.recurrent.abs().max().item())
+
+
+def test_fused_entry_point_has_the_core_contract():
+    """On CUDA the layer swaps gated_delta_core for gdn.ops.fused's entry point: same arguments, same numbers."""
+    from gdn.ops import fused
+    torch.manual_seed(7)
+    B, T, H, HV, K, V = 1, 21, 2, 4, 8, 6
+    q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, HV, V)
+    a, b, A_log, dt_bias = torch.randn(B, T, HV), torch.randn(B, T, HV), torch.randn(HV), torch.randn(HV)
+    S0 = torch.randn(B, HV, K, V)
+    kw = dict(allow_neg_eigval=True, initial_state=S0, output_final_state=True)
+    o1, s1 = gated_delta_core(q, k, v, a, b, A_log, dt_bias, **kw)
+    o2, s2 = fused.gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, **kw)
+    assert rel(o2, o1) < 1e-5 and rel(s2, s1) < 1e-5
