@@ -7,7 +7,7 @@ from __future__ import annotations
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import GDNCache
-from .config import LAYER_TYPES, PRESETS, SIZES, GDNConfig
+from .config import LAYER_TYPES, PRESETS, RECURRENT_LETTERS, SIZES, GDNConfig
 from .modeling import (CACHE_KEY, GDNBlock, GDNForCausalLM, GDNModel, GDNPreTrainedModel, build_mixer,
                        no_weight_decay_names, output_cache, param_groups)
 
@@ -21,6 +21,7 @@ __all__ = [
     "GDNPreTrainedModel",
     "LAYER_TYPES",
     "PRESETS",
+    "RECURRENT_LETTERS",
     "SIZES",
     "build_mixer",
     "no_weight_decay_names",

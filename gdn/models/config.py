@@ -3,12 +3,16 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+#: Letters of the recurrent mixers (constant-size state); the others are softmax attention.
+RECURRENT_LETTERS = "GDMLK"
+
 #: Token mixer of each layer-pattern letter.
 LAYER_TYPES = {
     "G": "gated_deltanet",
     "D": "deltanet",
     "M": "gated_linear_attention",
     "L": "linear_attention",
+    "K": "kimi_delta_attention",
     "A": "attention",
     "S": "sliding_window_attention",
 }
@@ -64,13 +68,15 @@ class GDNConfig(PretrainedConfig):
 
     The stack is ``num_hidden_layers`` pre-norm blocks (mixer + SwiGLU); ``layer_pattern`` has one
     letter per layer: ``G`` Gated DeltaNet, ``D`` DeltaNet, ``M`` gated linear attention (Mamba2
-    decay), ``L`` linear attention, ``A`` global softmax attention, ``S`` sliding-window attention.
+    decay), ``L`` linear attention, ``K`` Kimi Delta Attention (per-channel decay), ``A`` global
+    softmax attention, ``S`` sliding-window attention.
 
     Args:
         vocab_size, hidden_size (D), num_hidden_layers (N), layer_pattern (str of length N).
         num_heads, head_dim, num_v_heads, expand_v: recurrent mixers' q/k heads H, key size K,
             value heads HV (default H, a multiple of H) and value size K·expand_v.
         use_short_conv, conv_size, use_gate, allow_neg_eigval: recurrent mixer options.
+        kda_gate_rank: rank of the low-rank gate projections of ``K`` layers (default head_dim).
         num_attention_heads, num_key_value_heads, attention_head_dim (default D / heads),
             window_size (needed by, and only allowed with, ``S`` layers), rope_theta: attention.
         intermediate_size: SwiGLU inner width (default 8/3·D rounded up to a multiple of 256).
@@ -87,6 +93,7 @@ class GDNConfig(PretrainedConfig):
                  layer_pattern: str | None = None, num_heads: int = 6, head_dim: int = 128,
                  num_v_heads: int | None = None, expand_v: float = 2.0, use_short_conv: bool = True,
                  conv_size: int = 4, use_gate: bool = True, allow_neg_eigval: bool = False,
+                 kda_gate_rank: int | None = None,
                  num_attention_heads: int = 16, num_key_value_heads: int | None = None,
                  attention_head_dim: int | None = None, window_size: int | None = None, rope_theta: float = 10000.0,
                  intermediate_size: int | None = None, norm_eps: float = 1e-6, initializer_range: float = 0.02,
@@ -104,6 +111,7 @@ class GDNConfig(PretrainedConfig):
         self.conv_size = conv_size
         self.use_gate = use_gate
         self.allow_neg_eigval = allow_neg_eigval
+        self.kda_gate_rank = kda_gate_rank
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
         self.attention_head_dim = attention_head_dim
@@ -134,9 +142,11 @@ class GDNConfig(PretrainedConfig):
         if len(pat) != self.num_hidden_layers:
             raise ValueError(f"layer_pattern has {len(pat)} letters but num_hidden_layers is {self.num_hidden_layers}; "
                              "give one letter per layer")
-        if any(c in "GDML" for c in pat):
+        if any(c in RECURRENT_LETTERS for c in pat):
             if self.num_v_heads % self.num_heads != 0:
                 raise ValueError(f"num_v_heads ({self.num_v_heads}) must be a multiple of num_heads ({self.num_heads})")
+            if "K" in pat and self.kda_gate_rank is not None:
+                _check_positive("kda_gate_rank", self.kda_gate_rank)
             v = self.head_dim * self.expand_v
             if not isinstance(self.expand_v, (int, float)) or self.expand_v <= 0 or v != int(v):
                 raise ValueError(f"head_dim * expand_v must be a positive integer, got {self.head_dim} * {self.expand_v!r}")

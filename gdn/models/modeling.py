@@ -14,6 +14,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from ..layers import (Attention, DeltaNet, GatedDeltaNet, GatedLinearAttention, LinearAttention, RMSNorm,
                       ShortConvolution, SwiGLU)
 from ..layers._recurrent import RecurrentMixer
+from ..layers.kda import KimiDeltaAttention
 from ..layers.conv import _seq_position
 from .cache import GDNCache
 from .config import GDNConfig
@@ -24,6 +25,11 @@ _RECURRENT = {"G": GatedDeltaNet, "D": DeltaNet, "M": GatedLinearAttention, "L":
 def build_mixer(config: GDNConfig, layer_idx: int) -> nn.Module:
     """The token mixer of layer ``layer_idx`` (from its ``layer_pattern`` letter)."""
     letter = config.layer_pattern[layer_idx]
+    if letter == "K":
+        return KimiDeltaAttention(config.hidden_size, config.num_heads, config.head_dim, num_v_heads=config.num_v_heads,
+                                  expand_v=config.expand_v, use_short_conv=config.use_short_conv,
+                                  conv_size=config.conv_size, norm_eps=config.norm_eps, layer_idx=layer_idx,
+                                  gate_low_rank_dim=config.kda_gate_rank)
     if letter in _RECURRENT:
         kw = dict(num_v_heads=config.num_v_heads, expand_v=config.expand_v, use_short_conv=config.use_short_conv,
                   conv_size=config.conv_size, use_gate=config.use_gate, norm_eps=config.norm_eps, layer_idx=layer_idx)

@@ -193,7 +193,7 @@ def test_generate_left_padded_batch_equals_alone():
 
 
 def test_every_parameter_gets_a_gradient():
-    m = tiny("gdn", num_hidden_layers=6, layer_pattern="GDMLAS", window_size=5).train()
+    m = tiny("gdn", num_hidden_layers=7, layer_pattern="GDMLKAS", window_size=5).train()
     x = ids(2, 20)
     mask = torch.ones_like(x)
     mask[1, :3] = 0
@@ -327,3 +327,17 @@ def test_generate_from_inputs_embeds_equals_from_ids():
     kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     from_embeds = m.generate(inputs_embeds=m.get_input_embeddings()(x), **kw)
     assert torch.equal(from_embeds, m.generate(x, **kw)[:, 5:])
+
+
+@torch.no_grad()
+def test_every_letter_decodes_like_the_full_forward():
+    """All six recurrent/attention letters plus K (Kimi Delta Attention) in one stack."""
+    m = tiny("gdn", num_hidden_layers=7, layer_pattern="KGDMLAS", window_size=6, kda_gate_rank=8)
+    x = ids(2, 30)
+    full = m(x, use_cache=False).logits
+    step, cache = step_through(m, x, [1] * 30)
+    assert rel(step, full) < 1e-5
+    assert cache.is_linear == [True] * 5 + [False] * 2
+    padded, _ = step_through(m, torch.cat([torch.zeros(2, 3, dtype=torch.long), x], 1), [33],
+                             mask=torch.cat([torch.zeros(2, 3, dtype=torch.long), torch.ones_like(x)], 1))
+    assert rel(padded[:, 3:], full) < 1e-5
