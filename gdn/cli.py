@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -109,7 +110,7 @@ def cmd_train(args) -> int:
     flags = dict(preset=args.preset, size=args.size, data=args.data, steps=args.steps, out=args.out)
     cfg = build_config(args.config, flags, args.set)
     res = train(cfg, resume=args.resume)
-    if res.out is not None:
+    if int(os.environ.get("RANK", "0")) == 0:
         print(f"step {res.step}: train loss {res.train_loss:.4f}, val loss {res.val_loss:.4f}, "
               f"val {res.val_bpb:.3f} bits/byte (unigram {res.unigram_bpb:.3f}); run folder {res.out}")
     return 0
