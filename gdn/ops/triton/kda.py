@@ -36,6 +36,15 @@ MAX_HEAD_DIM = 256
 
 
 @triton.jit
+def _sum(x, axis: tl.constexpr):
+    """``tl.sum`` as ``tl.reduce`` with triton's own sum combiner. ``tl.sum`` itself is decorated when
+    triton is first imported (torch imports it), so in a test process where that happened before
+    ``TRITON_INTERPRET=1`` was set it cannot be called from an interpreted kernel; the interpreter
+    recognises the combiner and sums with numpy, and the compiler sees a plain sum."""
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
 def _kda_fwd_kernel(q, k, v, g, beta, o, h0, ht, ckpt, cu, ck_off, scale,
                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, CKS: tl.constexpr,
@@ -60,7 +69,7 @@ def _kda_fwd_kernel(q, k, v, g, beta, o, h0, ht, ckpt, cu, ck_off, scale,
     if USE_H0:
         b_h = tl.load(h0 + p_state, mask=m_h, other=0.0).to(tl.float32)
     else:
-        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+        b_h = tl.full([BK, BV], 0.0, dtype=tl.float32)
     if STORE_CKPT:
         c0 = tl.load(ck_off + i_n).to(tl.int64)
 
@@ -76,9 +85,9 @@ def _kda_fwd_kernel(q, k, v, g, beta, o, h0, ht, ckpt, cu, ck_off, scale,
         b_g = tl.load(g + (i_t * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + i_t * HV + i_hv).to(tl.float32)
         b_h = b_h * tl.exp(b_g)[:, None]
-        b_e = b_v - tl.sum(b_h * b_k[:, None], axis=0)
+        b_e = b_v - _sum(b_h * b_k[:, None], axis=0)
         b_h = b_h + (b_beta * b_k)[:, None] * b_e[None, :]
-        b_o = tl.sum(b_h * b_q[:, None], axis=0) * scale
+        b_o = _sum(b_h * b_q[:, None], axis=0) * scale
         tl.store(o + (i_t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         i_t += 1
     if STORE_HT:
@@ -114,14 +123,14 @@ def _kda_bwd_kernel(q, k, v, g, beta, do, dht, ckpt, scratch, cu, ck_off,
     if USE_DHT:
         b_dh = tl.load(dht + p_state, mask=m_h, other=0.0).to(tl.float32)
     else:
-        b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+        b_dh = tl.full([BK, BV], 0.0, dtype=tl.float32)
     part = i_v.to(tl.int64) * TT  # row offset of this tile's partial sums
 
     n_ck = (eos - bos + CKS - 1) // CKS
     j = n_ck - 1
     while j >= 0:
         start = bos + j * CKS
-        end = tl.minimum(start + CKS, eos)
+        end = tl.where(start + CKS < eos, start + CKS, eos)
         # Recompute the states entering tokens start..end-1 from the checkpoint into the scratch.
         b_h = tl.load(ckpt + ((c0 + j) * HV + i_hv) * K * V + o_h, mask=m_h, other=0.0)
         i_t = start
@@ -132,7 +141,7 @@ def _kda_bwd_kernel(q, k, v, g, beta, do, dht, ckpt, scratch, cu, ck_off,
             b_g = tl.load(g + (i_t * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_beta = tl.load(beta + i_t * HV + i_hv).to(tl.float32)
             b_h = b_h * tl.exp(b_g)[:, None]
-            b_e = b_v - tl.sum(b_h * b_k[:, None], axis=0)
+            b_e = b_v - _sum(b_h * b_k[:, None], axis=0)
             b_h = b_h + (b_beta * b_k)[:, None] * b_e[None, :]
             i_t += 1
         tl.debug_barrier()
@@ -148,16 +157,16 @@ def _kda_bwd_kernel(q, k, v, g, beta, do, dht, ckpt, scratch, cu, ck_off,
             b_do = tl.load(do + (i_t * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
             b_a = tl.exp(b_g)
             b_A = b_hp * b_a[:, None]
-            b_e = b_v - tl.sum(b_A * b_k[:, None], axis=0)
+            b_e = b_v - _sum(b_A * b_k[:, None], axis=0)
             b_S = b_A + (b_beta * b_k)[:, None] * b_e[None, :]
-            b_dq = tl.sum(b_S * b_do[None, :], axis=1) * scale
+            b_dq = _sum(b_S * b_do[None, :], axis=1) * scale
             b_dh += (scale * b_q)[:, None] * b_do[None, :]
-            b_dSe = tl.sum(b_dh * b_e[None, :], axis=1)  # dS e: [BK]
-            b_db = tl.sum(b_dSe * b_k, axis=0)
-            b_de = b_beta * tl.sum(b_dh * b_k[:, None], axis=0)  # [BV]
-            b_dk = b_beta * b_dSe - tl.sum(b_A * b_de[None, :], axis=1)
+            b_dSe = _sum(b_dh * b_e[None, :], axis=1)  # dS e: [BK]
+            b_db = _sum(b_dSe * b_k, axis=0)
+            b_de = b_beta * _sum(b_dh * b_k[:, None], axis=0)  # [BV]
+            b_dk = b_beta * b_dSe - _sum(b_A * b_de[None, :], axis=1)
             b_dA = b_dh - b_k[:, None] * b_de[None, :]
-            b_dg = b_a * tl.sum(b_dA * b_hp, axis=1)
+            b_dg = b_a * _sum(b_dA * b_hp, axis=1)
             b_dh = b_dA * b_a[:, None]
             row = (part + i_t) * HV + i_hv
             tl.store(dq + row * K + o_k, b_dq, mask=m_k)
