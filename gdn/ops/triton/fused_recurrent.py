@@ -45,6 +45,16 @@ _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _sum(x, axis: tl.constexpr):
+    """``tl.sum`` spelled as ``tl.reduce`` with the standard sum combiner. ``tl.sum`` itself is a
+    jit function decorated when triton is first imported: in a test run where something imported
+    triton before ``TRITON_INTERPRET=1`` was set, an interpreted kernel cannot call it, while this
+    module's functions follow the setting at the time this module is imported (and the
+    interpreter recognises the standard combiner and sums in numpy)."""
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
 def _fused_recurrent_fwd_kernel(
     q, k, v, g, beta, o, h0, ht, slots, cu_seqlens,
     scale, T, P,
@@ -100,7 +110,7 @@ def _fused_recurrent_fwd_kernel(
     if USE_H0:
         b_h = tl.load(h0 + p_state, mask=m_state, other=0.0).to(tl.float32)
     else:
-        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+        b_h = tl.full([BK, BV], 0.0, dtype=tl.float32)
 
     p_q = q + i_b * s_qb + bos * s_qt + i_h * s_qh + o_k
     p_k = k + i_b * s_kb + bos * s_kt + i_h * s_kh + o_k
@@ -141,14 +151,14 @@ def _fused_recurrent_fwd_kernel(
         c_k = b_k.to(tl.float32)
         c_v = b_v.to(tl.float32)
         if USE_L2NORM:
-            c_q = c_q / tl.sqrt(tl.sum(c_q * c_q) + EPS)
-            c_k = c_k / tl.sqrt(tl.sum(c_k * c_k) + EPS)
+            c_q = c_q / tl.sqrt(_sum(c_q * c_q, 0) + EPS)
+            c_k = c_k / tl.sqrt(_sum(c_k * c_k, 0) + EPS)
         c_q = c_q * scale
         # Both reads use the state before this token, so they are independent reductions:
         # o = S_new^T q = decay * (S^T q) + (k . q) * u, with u the written value.
-        b_sq = tl.sum(b_h * c_q[:, None], axis=0)
+        b_sq = _sum(b_h * c_q[:, None], 0)
         if USE_BETA:
-            b_sk = tl.sum(b_h * c_k[:, None], axis=0)
+            b_sk = _sum(b_h * c_k[:, None], 0)
         if USE_G:
             decay = tl.exp(b_g.to(tl.float32))
             b_h = b_h * decay
@@ -160,7 +170,7 @@ def _fused_recurrent_fwd_kernel(
         else:
             b_u = c_v
         b_h = b_h + c_k[:, None] * b_u[None, :]
-        b_o = b_sq + tl.sum(c_k * c_q) * b_u
+        b_o = b_sq + _sum(c_k * c_q, 0) * b_u
         if USE_SLOTS:
             b_o = tl.where(valid, b_o, 0.0)
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
