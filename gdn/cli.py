@@ -74,7 +74,7 @@ def _add_bench(sub) -> None:
     p.add_argument("which", choices=["ops", "generation", "train"], help="ops (CPU or GPU op timings), "
                    "generation (prefill + decode), train (training tokens/s and MFU)")
     p.add_argument("--quick", action="store_true", help="ops: the short agreement/time table of every backend")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script (after --)")
+    p.epilog = "Other options are passed to the script, e.g. gdn bench train --preset gdn --size 340m."
 
 
 def _add_tokenizer(sub) -> None:
@@ -169,7 +169,7 @@ def cmd_mqar(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    extra = [a for a in args.args if a != "--"]
+    extra = [a for a in args.extra if a != "--"]
     if args.which == "ops" and args.quick:
         from .demo import print_op_table
 
@@ -197,7 +197,10 @@ def cmd_tokenizer(args) -> int:
 def main(argv=None) -> int:
     """Entry point of the ``gdn`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     if args.version:
         from . import __version__
 

@@ -148,7 +148,7 @@ def train_one(cfg: MQARConfig, letter: str, width: int, pairs: int, lr: float) -
             opt.zero_grad(set_to_none=True)
     with amp:
         acc = accuracy(model, xt, yt)
-    return dict(mixer=letter, width=width, num_pairs=pairs, lr=lr, accuracy=acc, final_loss=float(loss),
+    return dict(mixer=letter, width=width, num_pairs=pairs, lr=lr, accuracy=acc, final_loss=float(loss.detach()),
                 seconds=time.time() - t0)
 
 

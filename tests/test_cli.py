@@ -1,0 +1,126 @@
+"""The `gdn` command line: help of every subcommand, config precedence, and each command end to end
+on tiny inputs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from gdn.cli import build_parser, main
+from gdn.train import TrainConfig, build_config
+
+SUBCOMMANDS = ["train", "generate", "eval", "mqar", "bench", "tokenizer", "demo"]
+TINY = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.head_dim=16", "model.intermediate_size=64",
+        "seq_len=32", "batch_size=2", "eval_every=3", "eval_batches=1", "save_every=3", "tensorboard=false",
+        "progress=false", "val_fraction=0.25", "warmup_steps=1"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    for i in range(8):
+        (d / f"m{i}.py").write_text(f"import os\n\ndef g{i}(a):\n    return a + {i}\n" * (4 + i))
+    return d
+
+
+@pytest.mark.parametrize("cmd", SUBCOMMANDS)
+def test_every_subcommand_has_help(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"])
+    assert e.value.code == 0
+    assert "usage: gdn " + cmd in capsys.readouterr().out
+
+
+def test_train_flags_cover_the_issue():
+    helptext = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    for flag in ("--config", "--preset", "--size", "--data", "--steps", "--out", "--resume", "--set"):
+        assert flag in helptext
+
+
+def test_config_precedence_and_errors(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"lr": 1e-3, "steps": 50, "model": {"hidden_size": 64, "num_heads": 2}}))
+    cfg = build_config(f, {"steps": 70, "out": None}, ["lr=3e-4", "model.hidden_size=96", "data=null"])
+    assert (cfg.lr, cfg.steps, cfg.data) == (3e-4, 70, None)
+    assert cfg.model == {"hidden_size": 96, "num_heads": 2}
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"seq_len": 128}))
+    assert build_config(j).seq_len == 128
+    with pytest.raises(ValueError, match="unknown config keys"):
+        build_config(None, None, ["learning_rate=1"])
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainConfig(batch_size=0)
+    with pytest.raises(ValueError, match="key=value"):
+        build_config(None, None, ["lr"])
+    with pytest.raises(ValueError, match="distributed"):
+        TrainConfig(distributed="horovod")
+
+
+def test_train_generate_eval_end_to_end(tmp_path, corpus, capsys):
+    cfgfile = tmp_path / "run.yaml"
+    cfgfile.write_text(yaml.safe_dump({"lr": 0.003, "log_every": 1}))
+    out = tmp_path / "run"
+    args = ["train", "--config", str(cfgfile), "--data", str(corpus), "--steps", "3", "--out", str(out)]
+    for s in TINY:
+        args += ["--set", s]
+    assert main(args) == 0
+    assert "bits/byte" in capsys.readouterr().out
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["lr"] == 0.003 and saved["steps"] == 3 and saved["model"]["hidden_size"] == 32
+    assert (out / "loss_curve.png").stat().st_size > 1000
+    assert main(["generate", "--ckpt", str(out), "--prompt", "def ", "--max-new-tokens", "12", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+    assert main(["eval", "--ckpt", str(out), "--batches", "1", "--batch-size", "2", "--device", "cpu"]) == 0
+    assert "bits/byte" in capsys.readouterr().out
+    # a corrupted checkpoint is reported, not loaded
+    (next((out / "checkpoints").iterdir()) / "model.safetensors").write_bytes(b"garbage")
+    assert main(["generate", "--ckpt", str(out), "--device", "cpu"]) == 3
+    assert "checkpoint error" in capsys.readouterr().err
+
+
+def test_bad_option_is_an_error_message(tmp_path, capsys):
+    assert main(["train", "--out", str(tmp_path), "--set", "steps=-1"]) == 2
+    assert "steps must be a positive int" in capsys.readouterr().err
+
+
+def test_tokenizer_train_and_bpe_training(tmp_path, corpus, capsys):
+    tokf = tmp_path / "tok.json"
+    assert main(["tokenizer", "train", "--data", str(corpus), "--vocab-size", "300", "--out", str(tokf)]) == 0
+    args = ["train", "--data", str(corpus), "--steps", "1", "--out", str(tmp_path / "bpe"),
+            "--set", f"tokenizer={tokf}", "--set", "seq_len=16"]
+    for s in TINY[:4] + TINY[5:]:
+        args += ["--set", s]
+    assert main(args) == 0
+    cfg = json.loads((tmp_path / "bpe/model_config.json").read_text())
+    assert 256 < cfg["vocab_size"] <= 300
+
+
+def test_mqar_command(tmp_path, capsys):
+    sets = ["mixers=GA", "widths=[16]", "num_pairs=[2]", "lrs=[0.003]", "seq_len=16", "vocab_size=16",
+            "train_examples=64", "test_examples=32", "batch_size=32", "workers=1"]
+    args = ["mqar", "--out", str(tmp_path)]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Gated DeltaNet (G)" in out and "softmax attention (A)" in out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results) == 2 and all(0 <= r["accuracy"] <= 1 for r in results)
+    assert (tmp_path / "mqar.png").exists()
+
+
+def test_bench_ops_quick(capsys):
+    assert main(["bench", "ops", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "gated_delta_rule" in out and "chunk" in out
