@@ -1,0 +1,144 @@
+"""Training throughput: tokens/s and model-FLOPs utilisation of a gdn preset, and (on CUDA, when
+``fla`` is importable) flash-linear-attention's ``GatedDeltaNetForCausalLM`` at the same config
+and batch, side by side.
+
+One step = forward + backward + AdamW step on ``[batch, seq_len]`` random ids, bf16 autocast on
+CUDA (fp32 on CPU), median over ``--steps`` timed steps after ``--warmup``. Model FLOPs per token:
+6 x (matmul parameters) for the projections, plus 3 x the forward FLOPs of the token mixers
+(chunkwise delta rule: per value head ``2·(2·C·K + 2·C·V + 3·K·V)`` with chunk C = 64; causal
+softmax attention: ``2·T·d`` per head). MFU = achieved / ``--peak-tflops`` (default: 989 for an
+H200's dense bf16; none on CPU).
+
+    python benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 8   # the H200 target
+    python benchmarks/train.py --size tiny --seq-len 512 --batch 4                  # a quick CPU run
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from gdn.models import GDNConfig, GDNForCausalLM
+
+CHUNK = 64
+
+
+def parse_args(argv=None):
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="gdn", help="gdn preset")
+    p.add_argument("--size", default="340m" if cuda else "tiny", help="tiny, 125m, 340m, 1.3b")
+    p.add_argument("--seq-len", type=int, default=4096 if cuda else 512, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=8 if cuda else 4, help="sequences per step")
+    p.add_argument("--steps", type=int, default=10 if cuda else 3, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3 if cuda else 1, help="untimed steps first")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument("--compile", action="store_true", help="torch.compile the gdn model")
+    p.add_argument("--peak-tflops", type=float, default=989.0 if cuda else 0.0, help="for MFU (0 = not reported)")
+    p.add_argument("--no-fla", action="store_true", help="skip the FLA comparison")
+    return p.parse_args(argv)
+
+
+def model_flops_per_token(cfg: GDNConfig, T: int) -> float:
+    """Training FLOPs per token (see the module docstring)."""
+    D, n_layers = cfg.hidden_size, cfg.num_hidden_layers
+    mlp = 3 * D * cfg.intermediate_size
+    K, V = cfg.head_dim, int(cfg.head_dim * cfg.expand_v)
+    H, HV = cfg.num_heads, cfg.num_v_heads
+    rec_proj = D * (2 * H * K + HV * V) + 2 * D * HV + HV * V * D + (D * HV * V if cfg.use_gate else 0)
+    ad = cfg.resolved_attention_head_dim
+    att_proj = D * ad * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+    matmul = cfg.vocab_size * D  # lm head
+    mixer_fwd = 0.0
+    for letter in cfg.layer_pattern:
+        if letter in "GDML":
+            matmul += rec_proj + mlp
+            mixer_fwd += HV * 2 * (2 * CHUNK * K + 2 * CHUNK * V + 3 * K * V)
+        else:
+            matmul += att_proj + mlp
+            span = T if letter == "A" else min(T, cfg.window_size or T)
+            mixer_fwd += cfg.num_attention_heads * 2 * span * ad  # QK^T + PV, causal half of 2·2·span·d
+    return 6 * matmul + 3 * mixer_fwd
+
+
+def time_steps(model, B, T, vocab, steps, warmup, device, bf16, **fwd_kw):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, vocab, (B, T), device=device)
+    times = []
+    for i in range(warmup + steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=ids, labels=ids, **fwd_kw).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    return statistics.median(times), mem
+
+
+def fla_model(cfg: GDNConfig):
+    """FLA's GatedDeltaNetForCausalLM at the same width, depth, heads and vocabulary (None if absent)."""
+    try:
+        from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+    except ImportError:
+        return None
+    fcfg = GatedDeltaNetConfig(hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
+                               num_heads=cfg.num_heads, head_dim=cfg.head_dim, expand_v=cfg.expand_v,
+                               intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
+                               use_short_conv=cfg.use_short_conv, conv_size=cfg.conv_size, use_gate=cfg.use_gate,
+                               norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_word_embeddings)
+    return GatedDeltaNetForCausalLM(fcfg)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bf16 = device.type == "cuda"
+    cfg = GDNConfig.from_preset(a.preset, a.size)
+    flops_tok = model_flops_per_token(cfg, a.seq_len)
+    rows = []
+    torch.manual_seed(0)
+    model = GDNForCausalLM(cfg).to(device)
+    if a.checkpointing:
+        model.model.gradient_checkpointing = True
+    run = torch.compile(model) if a.compile else model
+    s, mem = time_steps(run, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, use_cache=False)
+    rows.append(("gdn", sum(p.numel() for p in model.parameters()), s, mem))
+    del model, run
+    if device.type == "cuda" and not a.no_fla:
+        fm = fla_model(cfg)
+        if fm is None:
+            print("(fla not importable: no FLA comparison)")
+        elif a.preset != "gdn":
+            print("(FLA comparison only for the gdn preset)")
+        else:
+            fm = fm.to(device)
+            if a.checkpointing:
+                fm.gradient_checkpointing_enable()
+            torch.cuda.reset_peak_memory_stats(device)
+            s, mem = time_steps(fm, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16)
+            rows.append(("fla", sum(p.numel() for p in fm.parameters()), s, mem))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"training step (fwd+bwd+AdamW): preset {a.preset}, size {a.size}, batch {a.batch} x {a.seq_len}, "
+          f"{'bf16 autocast' if bf16 else 'fp32'}, {name}; {flops_tok / 1e9:.2f} GFLOP/token")
+    print("| model | params | step ms | tokens/s | TFLOP/s | MFU | peak GiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for label, n, s, mem in rows:
+        tps = a.batch * a.seq_len / s
+        tf = tps * flops_tok / 1e12
+        mfu = f"{100 * tf / a.peak_tflops:.1f}%" if a.peak_tflops else "—"
+        print(f"| {label} | {n / 1e6:.1f}M | {s * 1e3:.1f} | {tps:,.0f} | {tf:.2f} | {mfu} | {mem:.1f} |")
+    if len(rows) == 2:
+        print(f"gdn / fla tokens/s: {a.batch * a.seq_len / rows[0][2] / (a.batch * a.seq_len / rows[1][2]):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
