@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import mqar_batch
-from .config import build_config
+from .config import merge, parse_set, read_config_file
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class MQARConfig:
 #: Named grids. cpu-small: <= 10 minutes on 2 CPU cores. paper: Zoology's scale, for a GPU.
 PRESETS = {
     "cpu-small": dict(mixers="LMDGA", widths=[32, 64], num_pairs=[4, 8], lrs=[3e-3, 1e-2], seq_len=64,
-                      vocab_size=64, train_examples=6144, test_examples=512, epochs=1, batch_size=64),
+                      vocab_size=64, train_examples=8192, test_examples=512, epochs=2, batch_size=64),
     "paper": dict(mixers="LMDGA", widths=[64, 128, 256, 512], num_pairs=[4, 8, 16, 32, 64],
                   lrs=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2], seq_len=256, vocab_size=8192, train_examples=100_000,
                   test_examples=3000, epochs=64, batch_size=256, workers=1),
@@ -80,12 +80,16 @@ PRESETS = {
 
 
 def mqar_config(preset: str = "cpu-small", file=None, sets=None, **flags) -> MQARConfig:
-    """A preset, then a config file, then flags (``None`` ignored), then ``--set`` items."""
+    """The preset's grid, overridden by a config file, then flags (``None`` ignored), then ``--set`` items."""
     if preset not in PRESETS:
         raise ValueError(f"unknown MQAR preset {preset!r}; choose one of {sorted(PRESETS)}")
-    base = build_config(file, flags, sets, cls=MQARConfig)
-    given = {k: v for k, v in dataclasses.asdict(base).items() if v != getattr(MQARConfig(), k)}
-    return MQARConfig(**{**dataclasses.asdict(MQARConfig()), **PRESETS[preset], **given})
+    data = merge(dict(PRESETS[preset]), read_config_file(file) if file else {})
+    data = merge(data, {k: v for k, v in flags.items() if v is not None})
+    data = merge(data, parse_set(sets))
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(MQARConfig)})
+    if unknown:
+        raise ValueError(f"unknown MQAR config keys {unknown}")
+    return MQARConfig(**data)
 
 
 def model_config(letter: str, width: int, cfg: MQARConfig):
