@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..ops import kda_chunk, kda_reference
+from ..layers.kda import kimi_delta_attention as _kimi_delta_attention
 
 logger = logging.getLogger(__name__)
 
@@ -206,11 +206,8 @@ def _kda(name, q, k, v, g, beta, scale, initial_state, output_final_state, use_q
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     S0 = _state_in(initial_state, state_v_first)
-    dims = kda_reference.check_kda(q, k, v, g, beta, S0, cu_seqlens, scale)
-    decode = dims.T == 1 if cu_seqlens is None else dims.T == dims.N
-    fn = kda_reference.kimi_delta_attention if decode else kda_chunk.kimi_delta_attention
-    o, S = fn(q, k, v, g, beta, scale=scale, initial_state=S0, output_final_state=output_final_state,
-              cu_seqlens=cu_seqlens)
+    o, S = _kimi_delta_attention(q, k, v, g, beta, scale=scale, initial_state=S0,
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     return o.to(q.dtype), _state_out(S, state_v_first)
 
 
