@@ -387,11 +387,12 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("src", help="folder with config.json and model.safetensors (or a sharded index)")
     p.add_argument("dst", help="output folder (created)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="keep", help="cast the weights (default: keep)")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=run_from_args)
     return p
 
 
-def _run(args) -> int:
+def run_from_args(args) -> int:
+    """Run a parsed ``convert`` command (``args.family``, ``args.src``, ``args.dst``, ``args.dtype``); returns 0."""
     direction = convert(args.family, args.src, args.dst, _DTYPES[args.dtype])
     print(f"{args.src} -> {args.dst} ({direction})")
     return 0

@@ -83,6 +83,19 @@ def test_gdn_cache_decode_matches_one_pass(tmp_path):
     assert rel(torch.cat(steps, 1), full) < 1e-5
 
 
+def test_subparser_hooks_into_a_cli():
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="gdn")
+    convert.add_subparser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["convert", "hf-qwen3-next", "a", "b", "--dtype", "bfloat16"])
+    assert (args.command, args.family, args.src, args.dst, args.dtype) == ("convert", "hf-qwen3-next", "a", "b",
+                                                                           "bfloat16")
+    assert args.func is convert.run_from_args
+    with pytest.raises(SystemExit):
+        parser.parse_args(["convert", "hf-llama", "a", "b"])
+
+
 def test_refusals(tmp_path):
     moe = transformers.Qwen3NextConfig(**{**qwen3_next_config().to_dict(), "num_experts": 4})
     with pytest.raises(ValueError, match="mixture-of-experts"):
