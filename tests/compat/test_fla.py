@@ -144,9 +144,20 @@ def _layer_outputs(layer, x, mask=None):
     return ref, out
 
 
+def _qwen3_5_moe_layer():
+    tq35m = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    from transformers import Qwen3_5MoeTextConfig
+
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "linear_conv_kernel_dim",
+            "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+            "layer_types", "num_hidden_layers")
+    base = qwen3_5_config()
+    return tq35m.Qwen3_5MoeGatedDeltaNet(Qwen3_5MoeTextConfig(**{k: getattr(base, k) for k in keys}), 0)
+
+
 @pytest.mark.parametrize("make", [lambda: tq35.Qwen3_5GatedDeltaNet(qwen3_5_config(), 0),
-                                  lambda: tqn.Qwen3NextGatedDeltaNet(qwen3_next_config(), 0)],
-                         ids=["qwen3.5", "qwen3-next"])
+                                  lambda: tqn.Qwen3NextGatedDeltaNet(qwen3_next_config(), 0), _qwen3_5_moe_layer],
+                         ids=["qwen3.5", "qwen3-next", "qwen3.5-moe"])
 def test_transformers_gated_delta_layer_equivalence(make):
     torch.manual_seed(0)
     layer = randomize(make()).eval()
