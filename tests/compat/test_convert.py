@@ -143,3 +143,20 @@ def test_apply_attention_options_noop_for_plain_configs():
     cfg = GDNConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, layer_pattern="GA", num_heads=2, head_dim=8,
                     num_attention_heads=4, intermediate_size=48)
     assert apply_attention_options(GDNForCausalLM(cfg)) == 0
+
+
+def test_multimodal_qwen3_5_checkpoint_text_part(tmp_path):
+    """Published Qwen3.5 checkpoints are image-text models: the language model converts, the vision
+    tower is left out, and text logits agree."""
+    cfg = transformers.Qwen3_5Config(
+        text_config=qwen3_5_config().to_dict(),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3))
+    torch.manual_seed(0)
+    hf = randomize(transformers.Qwen3_5ForConditionalGeneration(cfg), seed=3, std=0.3).eval()
+    hf.save_pretrained(tmp_path / "src")
+    convert.convert("hf-qwen3.5", tmp_path / "src", tmp_path / "gdn")
+    model = convert.load_gdn(tmp_path / "gdn")
+    ids = torch.randint(3, 96, (2, 15), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert rel(model(ids).logits, hf(input_ids=ids).logits) < 1e-4
