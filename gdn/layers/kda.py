@@ -31,8 +31,8 @@ def _triton_kda():
 def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                          cu_seqlens=None):
     """Validated KDA, on the fastest backend that runs the call: the public op
-    ``gdn.ops.kimi_delta_attention`` where the op layer exports it, else Triton for CUDA tensors,
-    the recurrence for a decode step, the chunk form otherwise. Shapes as in
+    ``gdn.ops.kimi_delta_attention`` where the op layer exports it, else Triton for CUDA tensors
+    (K ≤ 256), the recurrence for a decode step, the chunk form otherwise. Shapes as in
     :func:`gdn.ops.kda_reference.kimi_delta_attention` (g: [B, T, HV, K])."""
     public = getattr(ops, "kimi_delta_attention", None)
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
@@ -40,7 +40,7 @@ def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, ou
         return public(q, k, v, g, beta, **kw)
     dims = kda_reference.check_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale)
     tri = _triton_kda() if q.is_cuda else None
-    if tri is not None:
+    if tri is not None and dims.K <= tri.MAX_HEAD_DIM:
         return tri.kimi_delta_attention(q, k, v, g, beta, **kw)
     decode = dims.T == 1 if cu_seqlens is None else dims.T == dims.N
     return (kda_reference if decode else kda_chunk).kimi_delta_attention(q, k, v, g, beta, **kw)
