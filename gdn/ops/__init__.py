@@ -16,14 +16,19 @@ import torch
 
 from . import attention as _attention
 from . import chunk as _chunk
+from . import kda_chunk as _kda_chunk
+from . import kda_reference as _kda_reference
 from . import reference as _reference
 from ._checks import check_attention, check_recurrent
+
+_KDA = "kimi_delta_attention"
 
 __all__ = [
     "linear_attention",
     "gated_linear_attention",
     "delta_rule",
     "gated_delta_rule",
+    "kimi_delta_attention",
     "softmax_attention",
     "available_backends",
 ]
@@ -50,33 +55,50 @@ def _is_decode_step(dims, cu_seqlens) -> bool:
     return dims.T == 1 if cu_seqlens is None else dims.T == dims.N
 
 
+def _triton_fn(op: str):
+    """The Triton implementation of ``op``, or None when it cannot be imported."""
+    mod = _triton_module()
+    if mod is None:
+        return None
+    if op == _KDA:
+        try:
+            from .triton import kda  # noqa: PLC0415
+        except ImportError:
+            return None
+        return getattr(kda, op, None)
+    return getattr(mod, op, None)
+
+
 def _dispatch(op: str, backend, q, dims, cu_seqlens):
-    """Return the function implementing ``op`` for ``backend`` (None: pick)."""
+    """Return ``(backend, function)`` implementing ``op`` (backend None: pick)."""
     if backend is None:
-        if q.is_cuda and _triton_module() is not None and hasattr(_triton_module(), op):
+        if q.is_cuda and _triton_fn(op) is not None:
             backend = "triton"
         elif _is_decode_step(dims, cu_seqlens):
             backend = "naive"
         else:
             backend = "chunk"
     if backend == "naive":
-        return getattr(_reference, op)
+        return backend, getattr(_kda_reference if op == _KDA else _reference, op)
     if backend == "chunk":
-        return getattr(_chunk, op)
-    mod = _triton_module()
-    if not q.is_cuda or mod is None or not hasattr(mod, op):
+        return backend, getattr(_kda_chunk if op == _KDA else _chunk, op)
+    fn = _triton_fn(op)
+    if not q.is_cuda or fn is None:
         raise ValueError(
             f"backend='triton' cannot run {op} here: it needs CUDA tensors (q is on {q.device}) and the "
-            f"Triton kernels ({'not importable' if mod is None else 'importable'}); use backend='chunk'"
+            f"Triton kernels ({'not importable' if fn is None else 'importable'}); use backend='chunk'"
         )
-    return getattr(mod, op)
+    return backend, fn
 
 
 def _recurrent_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, backend):
-    dims = check_recurrent(q, k, v, g, beta, initial_state, cu_seqlens, scale, backend)
-    fn = _dispatch(op, backend, q, dims, cu_seqlens)
+    if op == _KDA:
+        dims = _kda_reference.check_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale, backend)
+    else:
+        dims = check_recurrent(q, k, v, g, beta, initial_state, cu_seqlens, scale, backend)
+    backend, fn = _dispatch(op, backend, q, dims, cu_seqlens)
     args = [x for x in (g, beta) if x is not None]
-    if fn.__module__ == _reference.__name__ and cu_seqlens is not None and dims.T == dims.N:
+    if backend == "naive" and cu_seqlens is not None and dims.T == dims.N:
         # A decode step of N packed one-token sequences is a batch of N: no per-sequence loop.
         def as_batch(x):
             return x.transpose(0, 1)
@@ -137,6 +159,16 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     """
     return _recurrent_call("gated_delta_rule", q, k, v, g, beta, scale, initial_state, output_final_state,
                            cu_seqlens, backend)
+
+
+def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                         cu_seqlens=None, backend=None):
+    """Kimi Delta Attention: the gated delta rule with a per-channel gate,
+    ``S_t = diag(exp g_t) (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ`` (decay along K).
+
+    ``g``: [B, T, HV, K] log decay per key channel (≤ 0); other shapes as in :func:`gated_delta_rule`.
+    """
+    return _recurrent_call(_KDA, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, backend)
 
 
 def softmax_attention(q, k, v, *, scale=None, causal=True, window_size=None, cu_seqlens=None, backend=None):

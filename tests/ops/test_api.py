@@ -112,3 +112,22 @@ def test_bad_backend_and_scale():
         _gdn(d, backend="cuda")
     with pytest.raises(TypeError, match="scale"):
         _gdn(d, scale="0.5")
+
+
+def test_kimi_delta_attention_dispatch_and_validation():
+    d = make_inputs(1, 20, 2, 4, 8, 6)
+    g = -torch.rand(1, 20, 4, 8, dtype=torch.float64) * 0.5
+    o, S = ops.kimi_delta_attention(d["q"], d["k"], d["v"], g, d["beta"], initial_state=d["initial_state"],
+                                    output_final_state=True)
+    o_r, S_r = ops.kimi_delta_attention(d["q"], d["k"], d["v"], g, d["beta"], initial_state=d["initial_state"],
+                                        output_final_state=True, backend="naive")
+    assert rel_err(o, o_r) < 1e-10 and rel_err(S, S_r) < 1e-10
+    # a per-channel gate equal across channels is the scalar gated delta rule
+    gs = g[..., :1].expand_as(g)
+    o_k, _ = ops.kimi_delta_attention(d["q"], d["k"], d["v"], gs, d["beta"], initial_state=d["initial_state"])
+    o_g, _ = ops.gated_delta_rule(d["q"], d["k"], d["v"], gs[..., 0], d["beta"], initial_state=d["initial_state"])
+    assert rel_err(o_k, o_g) < 1e-10
+    with pytest.raises(ValueError, match=r"g must have shape \[B, T, HV, K\]"):
+        ops.kimi_delta_attention(d["q"], d["k"], d["v"], g[..., 0], d["beta"])
+    with pytest.raises(ValueError, match="triton"):
+        ops.kimi_delta_attention(d["q"], d["k"], d["v"], g, d["beta"], backend="triton")
