@@ -94,7 +94,9 @@ def main(argv=None):
     for preset in args.presets:
         torch.manual_seed(args.seed)
         cfg = GDNConfig.from_preset(preset, args.size)
-        model = GDNForCausalLM(cfg).to(device=device, dtype=args.dtype).eval()
+        with torch.device(device):  # initialise on the device: much faster than on CPU for 340m+
+            model = GDNForCausalLM(cfg)
+        model = model.to(dtype=args.dtype).eval()
         params = sum(p.numel() for p in model.parameters())
         warm = torch.randint(0, cfg.vocab_size, (args.batch, min(256, min(args.contexts))), device=device)
         _, c = prefill(model, warm)  # compile / autotune kernels outside the timings
