@@ -289,7 +289,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
     DVL = torch.empty(T, HV, V, device=dev, dtype=f32)
     launch(dv_local_kernel, (triton.cdiv(V, BV), ch.NT, HV),
         q, k, gp, do, DVL, ch.cu, ch.chunk_idx, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        USE_G=gated, PREC=prec, num_warps=4)
+        USE_G=gated, PREC=prec, num_warps=8)
     dh = torch.empty(ch.NT, HV, K, V, device=dev, dtype=f32)
     DD = torch.empty(T, HV, V, device=dev, dtype=f32)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
@@ -298,7 +298,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
         q, k, gp, W if delta else dummy, do, DVL, dht if dht is not None else dummy, dh, DD,
         dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, ch.max_nc, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK,
         BV=SV, USE_G=gated, DELTA=delta, USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec, WHILE=INTERPRET,
-        num_warps=4, stages=(2, 1))
+        num_warps=8, stages=(2, 1))
     del DVL
     DQ = torch.empty(T, HV, K, device=dev, dtype=f32)
     DK = torch.empty(T, HV, K, device=dev, dtype=f32)
@@ -307,7 +307,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
     launch(dqk_kernel, (NK, ch.NT, HV),
         q, k, v, gp, VN if delta else dummy, do, h, dh, DD if delta else dummy, DQ, DK,
         DW if delta else dummy, DGAM if gated else dummy, ch.cu, ch.chunk_idx, scale, T, H=H, HV=HV, K=K,
-        V=V, BT=BT, BK=BK, BV=BV, USE_G=gated, DELTA=delta, PREC=prec, num_warps=4)
+        V=V, BT=BT, BK=BK, BV=min(BV, 32), USE_G=gated, DELTA=delta, PREC=prec, num_warps=8)
     del h, dh
     DV = torch.empty(T, HV, V, device=dev, dtype=f32) if delta else DD
     DB = torch.empty(T, HV, device=dev, dtype=f32) if delta else None
@@ -317,5 +317,5 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
             k, v, gp, beta if delta else dummy, Ai if delta else dummy, DD, DW if delta else dummy, DK,
             DV, DB if delta else dummy, DGAM if gated else dummy, DG if gated else dummy, ch.cu, ch.chunk_idx,
             T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, NK=NK, USE_G=gated, DELTA=delta, PREC=prec,
-            num_warps=4)
+            num_warps=8)
     return DQ, DK, DV, DG, DB, dh0

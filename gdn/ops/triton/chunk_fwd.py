@@ -287,9 +287,14 @@ STATE_PREC = "tf32x3"
 
 
 def state_tiles(K: int, V: int) -> tuple[int, int]:
-    """(BK, BV) of the state passes: the whole K in one tile, V split so a tile holds ≤ 4096 fp32."""
+    """(BK, BV) of the state passes: the whole K in one tile, V split so a tile holds ≤ 2048 fp32.
+
+    Warps, tiles and pipelining depth of every kernel were picked by compiling for sm_90 offline
+    (``triton.compile`` with a GPUTarget, then ``cuobjdump --dump-resource-usage``) to keep the
+    register spills (stack frame) small at K = V = 128: with 4 warps and BV = 32 every kernel
+    spilled 0.2–2.2 KB per thread; see docs/TRITON.md."""
     BK = pow2(K)
-    BV = min(pow2(V), max(16, 4096 // BK))
+    BV = min(pow2(V), max(16, 2048 // BK))
     return BK, BV
 
 
@@ -312,9 +317,9 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool):
         VN = torch.empty(T, HV, V, device=dev, dtype=f32)
         gp = g if g is not None else beta
         launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, BK=BK,
-                                      USE_G=g is not None, PREC=prec, num_warps=4)
+                                      USE_G=g is not None, PREC=prec, num_warps=8)
         launch(wu_kernel, (ch.NT, HV), k, v, gp, beta, Ai, W, U, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, V=V, BT=BT,
-                               BK=BK, BV=BV, USE_G=g is not None, PREC=STATE_PREC, num_warps=4)
+                               BK=BK, BV=BV, USE_G=g is not None, PREC=STATE_PREC, num_warps=8)
     h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=f32)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if want_final else None
     SK, SV = state_tiles(K, V)
@@ -323,7 +328,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool):
         k, v, g if g is not None else dummy, W if delta else dummy, U if delta else dummy,
         h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy,
         ch.cu, ch.chunk_off, ch.max_nc, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=delta,
-        USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=STATE_PREC, WHILE=INTERPRET, num_warps=4, stages=(2, 1))
+        USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=STATE_PREC, WHILE=INTERPRET, num_warps=8 if SK > 128 else 4)
     return h, VN, ht, Ai, W
 
 
@@ -337,5 +342,5 @@ def output(q, k, v, g, h, VN, ch: Chunks, scale: float, out_dtype):
     launch(output_kernel, (triton.cdiv(V, BV), ch.NT, HV),
         q, k, v, g if g is not None else v, h, VN if VN is not None else v, o, ch.cu, ch.chunk_idx, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, DELTA=VN is not None,
-        PREC=dot_precision(v.dtype), num_warps=4)
+        PREC=dot_precision(v.dtype), num_warps=8)
     return o
