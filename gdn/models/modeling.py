@@ -86,6 +86,7 @@ class GDNPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["GDNBlock"]
     _supports_cache_class = True
     _is_stateful = True
+    _keep_in_fp32_modules_strict = ["A_log", "dt_bias"]
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

@@ -341,3 +341,16 @@ def test_every_letter_decodes_like_the_full_forward():
     padded, _ = step_through(m, torch.cat([torch.zeros(2, 3, dtype=torch.long), x], 1), [33],
                              mask=torch.cat([torch.zeros(2, 3, dtype=torch.long), torch.ones_like(x)], 1))
     assert rel(padded[:, 3:], full) < 1e-5
+
+
+def test_from_pretrained_in_bf16_keeps_gate_parameters_fp32(tmp_path):
+    m = tiny("gdn-h2")
+    m.save_pretrained(tmp_path)
+    low = GDNForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    mixer = low.model.layers[1].mixer  # G
+    assert mixer.A_log.dtype == mixer.dt_bias.dtype == torch.float32
+    assert torch.equal(mixer.A_log, m.model.layers[1].mixer.A_log)
+    assert low.model.layers[1].mixer.q_proj.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        ref, out = m(ids(1, 12)).logits, low(ids(1, 12)).logits.float()
+    assert torch.isfinite(out).all() and rel(out, ref) < 0.05
