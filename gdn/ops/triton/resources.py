@@ -1,0 +1,113 @@
+"""Developer tool: compile every chunk kernel for Hopper (sm_90) on any machine, no GPU needed,
+and report compile time, shared memory, registers and register spills (stack frame).
+
+It runs the real launchers of :mod:`.chunk_fwd` / :mod:`.chunk_bwd` (forward and backward of one
+small call) with the launch intercepted: each launch is compiled ahead of time with
+``triton.compile`` for a ``GPUTarget("cuda", 90, 32)`` with the same compile-time arguments,
+warps and pipelining depth, and its cubin is read with the ``cuobjdump`` bundled with Triton.
+
+    python -m gdn.ops.triton.resources [--K 128] [--V 128] [--dtype bf16] [--member gated_delta_rule]
+
+Needs a Triton with the NVIDIA backend (not the interpreter: run without TRITON_INTERPRET).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+import time
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import chunk_bwd, chunk_fwd
+from .chunk import chunk_op
+
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+          torch.int64: "i64"}
+
+
+def _signature(kernel, args, meta):
+    names = [p.name for p in kernel.params]
+    bound = dict(zip(names, args))
+    bound.update(meta)
+    sig, consts = {}, {}
+    for i, p in enumerate(kernel.params):
+        x = bound[p.name]
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+            consts[(i,)] = x
+        elif isinstance(x, torch.Tensor):
+            sig[p.name] = "*" + _TYPES[x.dtype]
+        elif isinstance(x, bool) or isinstance(x, int):
+            sig[p.name] = "i32"
+        else:
+            sig[p.name] = "fp32"
+    return sig, consts
+
+
+def compile_report(kernel, args, meta, num_warps, num_stages):
+    """(seconds, shared bytes, 'REG:n STACK:n') of one kernel compiled for sm_90."""
+    sig, consts = _signature(kernel, args, meta)
+    t0 = time.perf_counter()
+    c = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps, "num_stages": num_stages})
+    secs = time.perf_counter() - t0
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    usage = next((" ".join(line.split()[0:2]) for line in out.splitlines() if "REG:" in line), "?")
+    return secs, c.metadata.shared, usage
+
+
+def report(K=128, V=128, dtype=torch.bfloat16, member="gated_delta_rule", H=1, HV=1, T=64):
+    """Compile the kernels of one forward + backward and return one row per launch."""
+    rows = []
+
+    def fake_launch(kernel, grid, *args, stages=(1,), **meta):
+        warps = meta.pop("num_warps", 4)
+        secs, shared, usage = compile_report(kernel, args, meta, warps, stages[0])
+        rows.append((kernel.fn.__name__, warps, stages[0], secs, shared, usage))
+
+    saved = chunk_fwd.launch, chunk_bwd.launch
+    chunk_fwd.launch = chunk_bwd.launch = fake_launch
+    try:
+        q = torch.randn(1, T, H, K, dtype=dtype, requires_grad=True)
+        k = torch.randn(1, T, H, K, dtype=dtype, requires_grad=True)
+        v = torch.randn(1, T, HV, V, dtype=dtype, requires_grad=True)
+        g = -torch.rand(1, T, HV, requires_grad=True) if "gated" in member else None
+        beta = torch.rand(1, T, HV, requires_grad=True) if "delta" in member else None
+        h0 = torch.zeros(1, HV, K, V, requires_grad=True)
+        o, S = chunk_op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        (o.float().sum() + S.sum()).backward()
+    finally:
+        chunk_fwd.launch, chunk_bwd.launch = saved
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--K", type=int, default=128, help="key head dim")
+    ap.add_argument("--V", type=int, default=128, help="value head dim")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="input dtype")
+    ap.add_argument("--member", default="gated_delta_rule",
+                    choices=["gated_delta_rule", "delta_rule", "gated_linear_attention", "linear_attention"],
+                    help="which member's kernels")
+    a = ap.parse_args(argv)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
+    rows = report(a.K, a.V, dt, a.member)
+    print(f"{a.member} K={a.K} V={a.V} {a.dtype}, sm_90, triton {triton.__version__}")
+    print("| kernel | warps | stages | compile s | shared KB | registers / stack bytes |")
+    print("|---|---|---|---|---|---|")
+    for name, w, st, secs, shared, usage in rows:
+        print(f"| {name} | {w} | {st} | {secs:.1f} | {shared / 1024:.1f} | {usage} |")
+    print(f"total compile {sum(r[3] for r in rows):.1f} s (kernels compiled once per process here)")
+
+
+if __name__ == "__main__":
+    main()
