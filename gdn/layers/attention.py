@@ -10,6 +10,9 @@ from ._recurrent import _positive_int
 from .conv import _seq_position
 from .state import KVState
 
+#: Query block of the explicit-mask path (padded batches, continuations from a cache).
+QUERY_BLOCK = 1024
+
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary position embedding (rotate-half form), computed in fp32.
@@ -116,18 +119,29 @@ class Attention(nn.Module):
         return o, KVState(keys.contiguous(), values.contiguous(), kvalid.contiguous(), self.window_size, seen)
 
     def _masked(self, q, keys, values, kvalid):
-        """q: [B, Tq, HQ, D] (the last Tq of Tk slots); keys/values: [B, Tk, HKV, D]; kvalid: [B, Tk]."""
+        """q: [B, Tq, HQ, D] (the last Tq of Tk slots); keys/values: [B, Tk, HKV, D]; kvalid: [B, Tk].
+
+        Queries go in blocks of :data:`QUERY_BLOCK` against only the keys they can see, so the
+        explicit mask is at most [B, QUERY_BLOCK, QUERY_BLOCK + window] (or + Tk for global)."""
         Tq, Tk = q.shape[1], keys.shape[1]
-        qs = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
-        ks = torch.arange(Tk, device=q.device)[None, :]
-        allowed = ks <= qs
-        if self.window_size is not None:
-            allowed &= (qs - ks) < self.window_size
-        # Padded keys are never seen; every query sees itself, so a row is never empty (no NaN).
-        mask = (allowed[None] & kvalid[:, None, :]) | (ks == qs)[None]
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                           attn_mask=mask[:, None], enable_gqa=self.num_heads != self.num_kv_heads)
-        return o.transpose(1, 2)
+        W = self.window_size
+        outs = []
+        for s in range(0, Tq, QUERY_BLOCK):
+            e = min(Tq, s + QUERY_BLOCK)
+            lo = 0 if W is None else max(0, Tk - Tq + s - W + 1)
+            hi = Tk - Tq + e
+            qs = torch.arange(Tk - Tq + s, hi, device=q.device)[:, None]
+            ks = torch.arange(lo, hi, device=q.device)[None, :]
+            allowed = ks <= qs
+            if W is not None:
+                allowed &= (qs - ks) < W
+            # Padded keys are never seen; every query sees itself, so a row is never empty (no NaN).
+            mask = (allowed[None] & kvalid[:, None, lo:hi]) | (ks == qs)[None]
+            o = F.scaled_dot_product_attention(q[:, s:e].transpose(1, 2), keys[:, lo:hi].transpose(1, 2),
+                                               values[:, lo:hi].transpose(1, 2), attn_mask=mask[:, None],
+                                               enable_gqa=self.num_heads != self.num_kv_heads)
+            outs.append(o.transpose(1, 2))
+        return torch.cat(outs, 1)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "

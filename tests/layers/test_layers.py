@@ -289,3 +289,21 @@ def test_fused_entry_point_has_the_core_contract():
     o1, s1 = gated_delta_core(q, k, v, a, b, A_log, dt_bias, **kw)
     o2, s2 = fused.gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, **kw)
     assert rel(o2, o1) < 1e-5 and rel(s2, s1) < 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_attention_masked_path_in_query_blocks(monkeypatch, window):
+    """The explicit-mask path (padding, cache) gives the same output in blocks of 4 queries."""
+    import gdn.layers.attention as attn_mod
+
+    m = make(Attention, window_size=window)
+    x = torch.randn(2, 19, D)
+    mask = torch.ones(2, 19, dtype=torch.long)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        ref, st = m(x[:, :7], attention_mask=mask[:, :7], use_cache=True)
+        ref2, _ = m(x[:, 7:], attention_mask=mask[:, 7:], state=st, use_cache=True)
+        monkeypatch.setattr(attn_mod, "QUERY_BLOCK", 4)
+        out, st = m(x[:, :7], attention_mask=mask[:, :7], use_cache=True)
+        out2, _ = m(x[:, 7:], attention_mask=mask[:, 7:], state=st, use_cache=True)
+    assert rel(out, ref) < 1e-6 and rel(out2, ref2) < 1e-6
