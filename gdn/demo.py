@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 
 import torch
@@ -91,6 +92,7 @@ def main(out: str = "runs/demo") -> int:
 
     logging.basicConfig(level=logging.WARNING)
     start = time.time()
+    shutil.rmtree(out, ignore_errors=True)  # the demo's own folder: a fresh run every time
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     cfg = TrainConfig(out=out, seq_len=256, batch_size=8, lr=3e-3, warmup_steps=30, min_lr_ratio=0.05,
                       weight_decay=0.1, steps=1000, eval_every=100, eval_batches=6, save_every=10**6,

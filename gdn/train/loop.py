@@ -248,6 +248,9 @@ class Trainer:
         if self.resume:
             resumed_from = ckpt.resolve(self.resume, self.out)
             self.load(resumed_from)
+        elif ckpt.list_checkpoints(self.out):
+            raise ValueError(f"{self.out} already holds checkpoints: pass --resume to continue that run, or choose "
+                             "another --out")
         if main:
             self.out.mkdir(parents=True, exist_ok=True)
             cfg.save(self.out / "config.yaml")

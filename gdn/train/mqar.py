@@ -71,8 +71,8 @@ class MQARConfig:
 
 #: Named grids. cpu-small: <= 10 minutes on 2 CPU cores. paper: Zoology's scale, for a GPU.
 PRESETS = {
-    "cpu-small": dict(mixers="LMDGA", widths=[32, 64], num_pairs=[4, 8], lrs=[3e-3, 1e-2], seq_len=64,
-                      vocab_size=64, train_examples=8192, test_examples=512, epochs=2, batch_size=64),
+    "cpu-small": dict(mixers="LMDGA", widths=[32, 64], num_pairs=[8], lrs=[3e-3, 1e-2], seq_len=64,
+                      vocab_size=64, train_examples=12288, test_examples=512, epochs=2, batch_size=64),
     "paper": dict(mixers="LMDGA", widths=[64, 128, 256, 512], num_pairs=[4, 8, 16, 32, 64],
                   lrs=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2], seq_len=256, vocab_size=8192, train_examples=100_000,
                   test_examples=3000, epochs=64, batch_size=256, workers=1),

@@ -82,8 +82,8 @@ def test_keep_last_and_fresh_run_is_not_resumed(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_00000004", "step_00000005"]
     assert res.checkpoint.name == "step_00000005"
     assert not list((tmp_path / "run/checkpoints").glob(".*"))  # no temporary folders left
-    trainer = Trainer(small_config(tmp_path / "run", data, steps=5))
-    assert trainer.step == 0
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        Trainer(small_config(tmp_path / "run", data, steps=5)).run()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
