@@ -138,9 +138,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": float(weight_decay)}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _check_ids(name, x, B=None):
-    if x is not None and (not isinstance(x, torch.Tensor) or x.dim() != 2):
-        raise ValueError(f"{name} must be a [B, T] tensor, got {type(x).__name__ if not isinstance(x, torch.Tensor) else list(x.shape)}")
+def _check_ids(name, x):
+    if x is None:
+        return
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a [B, T] torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must have shape [B, T], got {list(x.shape)}")
 
 
 class GDNModel(GDNPreTrainedModel):
