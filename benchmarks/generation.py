@@ -4,7 +4,8 @@ For each preset (default: gdn, gdn-h1, transformer at size 340m) and context len
 prefilled in one chunked pass (:func:`gdn.generation.prefill`), then ``--decode-tokens`` tokens are
 decoded one at a time on the recurrent path. Prints two markdown tables: throughput and memory,
 and the decoding state held per layer type (constant in the context for the recurrent mixers,
-growing for global attention, bounded by the window for sliding-window attention).
+growing for global attention, bounded by the window for sliding-window attention). ``--check T``
+(default 128) adds the relative error of prefill + token-by-token decode against one forward pass.
 
     python benchmarks/generation.py                                   # 340m, 2k/8k/32k, CUDA if present
     python benchmarks/generation.py --size tiny --contexts 256,1024   # a quick CPU run
@@ -32,6 +33,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="auto", help="bfloat16, float16, float32 or auto (bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--repeats", type=int, default=1, help="timed repetitions (the best is reported)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    p.add_argument("--check", type=int, default=128, metavar="T",
+                   help="also report the relative error between prefill + token-by-token decode and one full "
+                        "forward over T tokens (0: skip)")
     args = p.parse_args(argv)
     args.presets = [s for s in args.presets.split(",") if s]
     args.contexts = [int(s) for s in args.contexts.split(",") if s]
@@ -87,10 +91,24 @@ def run_one(model, ctx, args, device):
     return best
 
 
+@torch.no_grad()
+def decode_error(model, T: int, device, seed: int) -> float:
+    """Relative RMS error of the logits of prefill(T/2) + decode(T/2 tokens) against one forward pass
+    over the same T tokens (positions T/2 − 1 .. T − 1)."""
+    ids = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(seed)).to(device)
+    full = model(ids, use_cache=False).logits[0, T // 2 - 1:].float()
+    logits, cache = prefill(model, ids[:, :T // 2])
+    steps = [logits[0]]  # the prediction at position T/2 - 1, then one per decoded token
+    for t in range(T // 2, T):
+        steps.append(decode_step(model, ids[:, t], cache)[0])
+    got = torch.stack(steps)
+    return ((got - full).norm() / full.norm()).item()
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
-    rows, state_rows = [], []
+    rows, state_rows, checks = [], [], []
     for preset in args.presets:
         torch.manual_seed(args.seed)
         cfg = GDNConfig.from_preset(preset, args.size)
@@ -101,6 +119,7 @@ def main(argv=None):
         warm = torch.randint(0, cfg.vocab_size, (args.batch, min(256, min(args.contexts))), device=device)
         _, c = prefill(model, warm)  # compile / autotune kernels outside the timings
         decode_step(model, warm[:, -1], c)
+        err = decode_error(model, args.check, device, args.seed) if args.check else None
         per_letter: dict[str, list] = {}
         for ctx in args.contexts:
             r = run_one(model, ctx, args, device)
@@ -113,6 +132,8 @@ def main(argv=None):
         for letter, sizes in per_letter.items():
             state_rows.append(f"| {preset} | {letter} ({LAYER_TYPES[letter]}) | "
                               + " | ".join(_mib(s) for s in sizes) + " |")
+        if err is not None:
+            checks.append(f"| {preset} | {args.check} | {err:.2e} |")
         del model
     dt = str(args.dtype).replace("torch.", "")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -124,6 +145,11 @@ def main(argv=None):
     print("| preset | layer | " + " | ".join(f"{c:,}" for c in args.contexts) + " |")
     print("|---|---|" + "---|" * len(args.contexts))
     print("\n".join(state_rows))
+    if checks:
+        print("\n### Prefill + decode against one forward pass (logits, relative RMS error)\n")
+        print("| preset | tokens | rel. error |")
+        print("|---|---|---|")
+        print("\n".join(checks))
     print("\nstate = conv tails + fp32 recurrent state (G/D/M/L) or keys/values (A, S); "
           "peak = CUDA peak allocation above the weights during prefill + decode.")
 

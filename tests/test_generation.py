@@ -97,3 +97,22 @@ def test_zero_new_tokens_and_bad_prompt(model):
         G.generate(model, x, max_new_tokens=-1)
     with pytest.raises(ValueError, match="input_ids"):
         G.prefill(model, x[0])
+
+
+def test_generation_benchmark_runs_on_cpu(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "generation.py"
+    spec = importlib.util.spec_from_file_location("bench_generation", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--size", "tiny", "--presets", "gdn,transformer", "--contexts", "16,48", "--decode-tokens", "2",
+                "--check", "20", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "| gdn | G (gated_deltanet) |" in out and "| transformer | A (attention) |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| gdn | G")]
+    sizes = rows[0].split("|")[3:5]
+    assert sizes[0] == sizes[1]  # the recurrent state does not grow with the context
+    errs = [float(line.split("|")[3]) for line in out.splitlines() if line.startswith(("| gdn | 20", "| transformer | 20"))]
+    assert len(errs) == 2 and max(errs) < 1e-4
