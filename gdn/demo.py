@@ -95,7 +95,7 @@ def main(out: str = "runs/demo") -> int:
     shutil.rmtree(out, ignore_errors=True)  # the demo's own folder: a fresh run every time
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     cfg = TrainConfig(out=out, seq_len=256, batch_size=8, lr=3e-3, warmup_steps=30, min_lr_ratio=0.05,
-                      weight_decay=0.1, steps=1000, eval_every=100, eval_batches=6, save_every=10**6,
+                      weight_decay=0.1, steps=1000, eval_every=100, eval_batches=4, save_every=10**6,
                       log_every=5, keep_last=1, tensorboard=False, time_limit=TRAIN_SECONDS * 1.3)
     trainer = Trainer(cfg)
     tr, va = trainer.train_data, trainer.val_data
@@ -104,7 +104,7 @@ def main(out: str = "runs/demo") -> int:
     n_params = sum(p.numel() for p in trainer.model.parameters())
     per_step = _step_seconds(trainer)
     cfg.steps = int(max(60, min(3000, TRAIN_SECONDS / per_step)))
-    cfg.eval_every = max(1, cfg.steps // 4)
+    cfg.eval_every = max(1, cfg.steps // 8)
     print(f"model: preset {cfg.preset}, size {cfg.size} ({n_params / 1e6:.2f}M parameters, layers "
           f"{trainer.model_config.layer_pattern}); {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} bytes "
           f"(~{per_step:.2f} s/step on {torch.get_num_threads()} threads)")
