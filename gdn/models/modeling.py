@@ -193,7 +193,7 @@ class GDNModel(GDNPreTrainedModel):
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         if use_cache is None:
             use_cache = cache is not None or (self.config.use_cache and not self.training and cu_seqlens is None)
-        use_cache = bool(use_cache) and not checkpointing
+        use_cache = bool(use_cache)
         if cu_seqlens is not None:
             if B != 1:
                 raise ValueError(f"cu_seqlens needs batch size 1 (sequences packed along T), got B = {B}")
@@ -232,7 +232,8 @@ class GDNModel(GDNPreTrainedModel):
                 hidden.append(x)
             state = cache.layers[i] if cache is not None else None
             if checkpointing:
-                x, new_state = checkpoint(block, x, mask, cu_seqlens, None, False, position_ids, use_reentrant=False)
+                x, new_state = checkpoint(block, x, mask, cu_seqlens, state, use_cache, position_ids,
+                                          use_reentrant=False)
             else:
                 x, new_state = block(x, mask, cu_seqlens, state, use_cache, position_ids)
             if use_cache:
