@@ -22,11 +22,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Two pytest workers on two cores: one BLAS/OpenMP thread each, or they fight for the cores.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 tests
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 -m "" tests
 
 demo: $(STAMP)
 	$(PY) -m gdn.demo
