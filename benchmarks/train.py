@@ -87,9 +87,11 @@ def time_steps(model, B, T, vocab, steps, warmup, device, bf16, **fwd_kw):
 def fla_model(cfg: GDNConfig):
     """FLA's GatedDeltaNetForCausalLM at the same width, depth, heads and vocabulary (None if absent)."""
     try:
+        import fla.ops.common.chunk_o as fla_chunk_o
         from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
     except ImportError:
         return None
+    fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # FLA refuses its gated backward on triton 3.6 / Hopper otherwise
     fcfg = GatedDeltaNetConfig(hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
                                num_heads=cfg.num_heads, head_dim=cfg.head_dim, expand_v=cfg.expand_v,
                                intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call that checks and times everything on the H200 (docs/BENCHMARKS.md's GPU figures
+# come from this script's logs). Run from the repository root on the GPU machine, with FLA's
+# wheels in .whl/ (../shared/tools/peer-wheels) and $OUT set to a folder for the logs.
+#   bash benchmarks/h200_all.sh [seconds-per-step...]
+set -u
+OUT=${OUT:-/tmp/gdn-h200}
+mkdir -p "$OUT"
+SITE=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl 2>&1 | tail -1
+export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name ($(date -u +%H:%M:%S))"
+  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+  echo "rc=$? $name"; tail -n 40 "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+step gpu_check "${GPU_CHECK_S:-170}" python3 benchmarks/gpu_check.py --quick
+step ops_gpu "${OPS_S:-150}" python3 benchmarks/ops_gpu.py --decode
+step generation "${GEN_S:-100}" python3 benchmarks/generation.py --size 340m --contexts 2048,8192,32768
+step train "${TRAIN_S:-100}" python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4
