@@ -284,7 +284,8 @@ class Trainer:
                                   f"(unigram {self.unigram_bpb:.3f})")
                 over_time = cfg.time_limit is not None and time.time() - t0 > cfg.time_limit
                 paused = cfg.stop_after is not None and self.step >= cfg.stop_after
-                flag = D.all_reduce(torch.tensor([float(bool(stop.signum) or over_time or paused)]), "max")
+                flag = D.all_reduce(torch.tensor([float(bool(stop.signum) or over_time or paused)], device=self.device),
+                                    "max")
                 interrupted = bool(flag.item())
                 if self.step % cfg.save_every == 0 or self.step == cfg.steps or interrupted:
                     last_saved = self.save()
