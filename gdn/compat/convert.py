@@ -13,7 +13,7 @@ Qwen (transformers)                        gdn
 ``linear_attn.conv1d`` over [q; k; v]      ``q_conv`` / ``k_conv`` / ``v_conv`` (depthwise: split channels)
 ``in_proj_z`` / ``in_proj_b`` / ``_a``     ``g_proj`` / ``b_proj`` / ``a_proj``
 ``A_log``, ``dt_bias``, ``norm``, ``out_proj``  ``A_log``, ``dt_bias``, ``o_norm``, ``o_proj``
-``self_attn.q_proj`` ([q | gate] per head)  ``mixer.q_proj`` + ``mixer.g_proj`` (GatedAttention)
+``self_attn.q_proj`` ([q | gate] per head)  ``mixer.q_proj`` + ``mixer.g_proj`` (attention output gate)
 ``self_attn.q_norm`` / ``k_norm``           ``mixer.q_norm`` / ``k_norm`` (weight 1 + w)
 ``input_layernorm``, ``post_attention_layernorm``, ``model.norm``  ``mixer_norm``, ``mlp_norm``, ``model.norm`` (1 + w)
 ``mlp.*``, ``embed_tokens``, ``lm_head``    the same names
@@ -21,10 +21,10 @@ Qwen (transformers)                        gdn
 
 Qwen's RMSNorms are zero-centred (they scale by ``1 + w``); gdn's scale by ``w``, so those
 weights are offset by one, in fp32 (kept in fp32 in the converted checkpoint, since
-``1 + w`` in bf16 would round). The attention layers become
-:class:`gdn.compat.qwen_layers.GatedAttention` (q/k norm, partial rotary, sigmoid output gate),
-selected by the config keys ``attention_output_gate``, ``attention_qk_norm`` and
-``partial_rotary_factor``; :func:`load_gdn` builds such a model from a converted folder.
+``1 + w`` in bf16 would round). The attention layers are :class:`gdn.layers.Attention` with
+the gdn config options ``attention_output_gate``, ``attention_qk_norm`` and ``partial_rotary_factor``
+(q/k norm, partial rotary, sigmoid output gate), so a converted folder loads with
+``GDNForCausalLM.from_pretrained`` (or ``AutoModelForCausalLM`` after ``import gdn``).
 Mixture-of-experts layers, attention biases and non-default RoPE scaling are refused.
 """
 from __future__ import annotations
@@ -130,15 +130,12 @@ def gdn_config_to_hf(cfg, family: str):
     Raises ``ValueError`` when the gdn model has something the Qwen layers cannot express."""
     import transformers
 
-    from .qwen_layers import attention_options
-
     pat = cfg.layer_pattern
     if set(pat) - {"G", "A"}:
         raise ValueError(f"layer_pattern {pat!r}: {family} has only Gated DeltaNet (G) and full attention (A) layers")
     if not (cfg.use_short_conv and cfg.use_gate) or cfg.allow_neg_eigval:
         raise ValueError(f"{family}'s Gated DeltaNet needs use_short_conv=True, use_gate=True, allow_neg_eigval=False")
-    opts = attention_options(cfg)
-    if "A" in pat and not (opts["attention_output_gate"] and opts["attention_qk_norm"]):
+    if "A" in pat and not (cfg.attention_output_gate and cfg.attention_qk_norm):
         raise ValueError(f"{family}'s attention has q/k norms and an output gate: the gdn config needs "
                          "attention_output_gate=True and attention_qk_norm=True")
     V = int(round(cfg.head_dim * cfg.expand_v))
@@ -150,7 +147,7 @@ def gdn_config_to_hf(cfg, family: str):
         max_position_embeddings=cfg.max_position_embeddings, initializer_range=cfg.initializer_range,
         rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
-                         "partial_rotary_factor": opts["partial_rotary_factor"]},
+                         "partial_rotary_factor": cfg.partial_rotary_factor},
         linear_conv_kernel_dim=cfg.conv_size, linear_key_head_dim=cfg.head_dim, linear_value_head_dim=V,
         linear_num_key_heads=cfg.num_heads, linear_num_value_heads=cfg.num_v_heads,
         layer_types=["linear_attention" if c == "G" else "full_attention" for c in pat],
@@ -308,23 +305,12 @@ def gdn_to_hf_state(sd: dict, cfg, family: str, dtype: torch.dtype | None = None
 
 # ----------------------------------------------------------------------------- whole folders
 
-def load_gdn(path: str | Path, device: str | torch.device = "cpu"):
-    """A :class:`gdn.models.GDNForCausalLM` from a folder written by :func:`convert` (or ``save_pretrained``),
-    with :class:`gdn.compat.qwen_layers.GatedAttention` layers where its config asks for them. Eval mode."""
-    from ..models import GDNConfig, GDNForCausalLM
-    from .qwen_layers import apply_attention_options
+def load_gdn(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """``GDNForCausalLM.from_pretrained(path)`` on ``device``, in eval mode: a model of a folder written
+    by :func:`convert` (or ``save_pretrained``). ``dtype``: that of the weights (default: as saved)."""
+    from ..models import GDNForCausalLM
 
-    config = GDNConfig.from_pretrained(str(path))
-    model = GDNForCausalLM(config)
-    apply_attention_options(model)
-    sd = load_state_dict(path)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if config.tie_word_embeddings:
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise ValueError(f"{path}: checkpoint does not fit its config: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    model.tie_weights()
-    return model.to(device).eval()
+    return GDNForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
 
 
 def _cast(sd: dict, dtype: torch.dtype | None, keep_fp32: set[str] = frozenset()) -> dict:
@@ -336,7 +322,7 @@ def _cast(sd: dict, dtype: torch.dtype | None, keep_fp32: set[str] = frozenset()
 def convert(family: str, src: str | Path, dst: str | Path, dtype: torch.dtype | None = None) -> str:
     """Convert the saved model in ``src`` into ``dst``, in the direction ``src`` tells.
 
-    ``src`` a transformers checkpoint of ``family`` -> a gdn checkpoint (load it with :func:`load_gdn`);
+    ``src`` a transformers checkpoint of ``family`` -> a gdn checkpoint (``GDNForCausalLM.from_pretrained``);
     ``src`` a gdn checkpoint -> a transformers checkpoint of ``family`` (``AutoModelForCausalLM``).
     ``dtype``: cast weights (default: keep). Returns ``"to-gdn"`` or ``"to-hf"``."""
     if family not in FAMILIES:

@@ -1,4 +1,5 @@
-"""Softmax attention layer: RoPE, grouped query heads, optional sliding window, SDPA, KV cache."""
+"""Softmax attention layer: RoPE, grouped query heads, optional sliding window, SDPA, KV cache,
+and the options of Qwen3-Next / Qwen3.5's gated attention (q/k norm, partial rotary, output gate)."""
 from __future__ import annotations
 
 import torch
@@ -8,31 +9,39 @@ from torch import nn
 from .. import ops
 from ._recurrent import _positive_int
 from .conv import _seq_position
+from .norm import RMSNorm
 from .state import KVState
 
 #: Query block of the explicit-mask path (padded batches, continuations from a cache).
 QUERY_BLOCK = 1024
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None = None) -> torch.Tensor:
     """Rotary position embedding (rotate-half form), computed in fp32.
 
-    x: [B, T, H, D] (D even); positions: [B, T] or [T] integer. Returns [B, T, H, D] in x.dtype.
+    x: [B, T, H, D]; positions: [B, T] or [T] integer; rotary_dim: the leading channels of each head
+    that rotate (even; default all D, which must then be even), the rest pass through unchanged.
+    Returns [B, T, H, D] in x.dtype.
     """
     D = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
+    R = D if rotary_dim is None else rotary_dim
+    if R % 2 or not 0 < R <= D:
+        raise ValueError(f"rotary_dim must be even and in [2, {D}], got {R}")
+    inv_freq = theta ** (-torch.arange(0, R, 2, device=x.device, dtype=torch.float32) / R)
     pos = positions.to(x.device, torch.float32)
     if pos.dim() == 1:
         pos = pos[None]
-    ang = pos[..., None] * inv_freq  # [B, T, D/2]
+    ang = pos[..., None] * inv_freq  # [B, T, R/2]
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, :, None], torch.cat([ang.sin(), ang.sin()], -1)[:, :, None]
-    xf = x.float()
-    x1, x2 = xf[..., : D // 2], xf[..., D // 2:]
-    return (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+    xf = x[..., :R].float()
+    x1, x2 = xf[..., : R // 2], xf[..., R // 2:]
+    out = (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+    return out if R == D else torch.cat([out, x[..., R:]], -1)
 
 
 class Attention(nn.Module):
-    """Causal softmax attention with RoPE and grouped query heads; global or sliding-window.
+    """Causal softmax attention with RoPE and grouped query heads; global or sliding-window;
+    optionally Qwen3-Next / Qwen3.5's gated attention (q/k RMSNorm, partial rotary, output gate).
 
     Args:
         hidden_size: model width D.
@@ -42,6 +51,13 @@ class Attention(nn.Module):
         window_size: None (global) or W: query t sees keys t−W+1..t.
         rope_theta: RoPE base.
         layer_idx: index in the stack (informational).
+        output_gate: multiply the attention output [B, T, HQ·head_dim] by ``sigmoid(g_proj x)``
+            before ``o_proj`` (adds ``g_proj``: D -> HQ·head_dim).
+        qk_norm: RMSNorm over the head dim of every query and key head, before RoPE (adds
+            ``q_norm`` / ``k_norm``, weight [head_dim], epsilon ``norm_eps``).
+        partial_rotary_factor: fraction of each head's channels that RoPE rotates (the leading
+            ``int(head_dim · factor)`` = ``rotary_dim`` channels, an even number >= 2); 1.0 = all.
+        norm_eps: epsilon of the q/k norms.
 
     Forward: ``x`` [B, T, D]; ``attention_mask`` [B, T] (1 token / 0 padding; padded keys are
     never attended); ``cu_seqlens`` [N+1] (B == 1); ``state``: :class:`KVState` from the previous
@@ -52,7 +68,9 @@ class Attention(nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 window_size: int | None = None, rope_theta: float = 10000.0, layer_idx: int | None = None):
+                 window_size: int | None = None, rope_theta: float = 10000.0, layer_idx: int | None = None, *,
+                 output_gate: bool = False, qk_norm: bool = False, partial_rotary_factor: float = 1.0,
+                 norm_eps: float = 1e-6):
         super().__init__()
         self.hidden_size = _positive_int("hidden_size", hidden_size)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -65,16 +83,30 @@ class Attention(nn.Module):
                                  "or give head_dim")
             head_dim = hidden_size // num_heads
         self.head_dim = _positive_int("head_dim", head_dim)
-        if head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+        for name, flag in (("output_gate", output_gate), ("qk_norm", qk_norm)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if (isinstance(partial_rotary_factor, bool) or not isinstance(partial_rotary_factor, (int, float))
+                or not 0 < partial_rotary_factor <= 1):
+            raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got {partial_rotary_factor!r}")
+        self.rotary_dim = int(head_dim * partial_rotary_factor)
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"head_dim * partial_rotary_factor ({head_dim} * {partial_rotary_factor}) must give an "
+                             f"even number >= 2 of rotary channels for RoPE, got {self.rotary_dim}")
         if window_size is not None:
             _positive_int("window_size", window_size)
         self.window_size, self.rope_theta, self.layer_idx = window_size, float(rope_theta), layer_idx
+        self.output_gate, self.qk_norm, self.partial_rotary_factor = output_gate, qk_norm, float(partial_rotary_factor)
         D, HQ, HKV = hidden_size, self.num_heads, self.num_kv_heads
         self.q_proj = nn.Linear(D, HQ * head_dim, bias=False)
         self.k_proj = nn.Linear(D, HKV * head_dim, bias=False)
         self.v_proj = nn.Linear(D, HKV * head_dim, bias=False)
         self.o_proj = nn.Linear(HQ * head_dim, D, bias=False)
+        if output_gate:
+            self.g_proj = nn.Linear(D, HQ * head_dim, bias=False)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps=norm_eps)
+            self.k_norm = RMSNorm(head_dim, eps=norm_eps)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, state: KVState | None = None, use_cache: bool = False,
@@ -94,8 +126,12 @@ class Attention(nn.Module):
             else:
                 offset = 0 if state is None else state.seen
                 positions = (torch.arange(T, device=x.device) + offset)[None].expand(B, T)
-        q = rotary(self.q_proj(x).view(B, T, self.num_heads, self.head_dim), positions, self.rope_theta)
-        k = rotary(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim), positions, self.rope_theta)
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotary(q, positions, self.rope_theta, self.rotary_dim)
+        k = rotary(k, positions, self.rope_theta, self.rotary_dim)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         valid = attention_mask.bool() if attention_mask is not None else torch.ones(B, T, dtype=torch.bool,
                                                                                     device=x.device)
@@ -109,7 +145,10 @@ class Attention(nn.Module):
             else:
                 keys, values, kvalid = k, v, valid
             o = self._masked(q, keys, values, kvalid)
-        o = self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
+        o = o.reshape(B, T, self.num_heads * self.head_dim)
+        if self.output_gate:
+            o = o * torch.sigmoid(self.g_proj(x))
+        o = self.o_proj(o)
         if not use_cache:
             return o, None
         if self.window_size is not None:
@@ -145,4 +184,5 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"window={self.window_size}, rope_theta={self.rope_theta}")
+                f"window={self.window_size}, rope_theta={self.rope_theta}, rotary_dim={self.rotary_dim}, "
+                f"output_gate={self.output_gate}, qk_norm={self.qk_norm}")

@@ -79,6 +79,10 @@ class GDNConfig(PretrainedConfig):
         kda_gate_rank: rank of the low-rank gate projections of ``K`` layers (default head_dim).
         num_attention_heads, num_key_value_heads, attention_head_dim (default D / heads),
             window_size (needed by, and only allowed with, ``S`` layers), rope_theta: attention.
+        attention_output_gate, attention_qk_norm, partial_rotary_factor: the options of Qwen3-Next /
+            Qwen3.5's gated attention for ``A`` / ``S`` layers (a sigmoid output gate, an RMSNorm on
+            every query and key head, RoPE on the leading fraction of each head); see
+            :class:`gdn.layers.Attention`. Defaults: plain attention.
         intermediate_size: SwiGLU inner width (default 8/3·D rounded up to a multiple of 256).
         norm_eps, initializer_range (std of the normal init), tie_word_embeddings.
         max_position_embeddings: the context the model is meant for (informational; RoPE has no limit).
@@ -98,7 +102,8 @@ class GDNConfig(PretrainedConfig):
                  attention_head_dim: int | None = None, window_size: int | None = None, rope_theta: float = 10000.0,
                  intermediate_size: int | None = None, norm_eps: float = 1e-6, initializer_range: float = 0.02,
                  tie_word_embeddings: bool = False, max_position_embeddings: int = 4096, use_cache: bool = True,
-                 **kwargs):
+                 attention_output_gate: bool = False, attention_qk_norm: bool = False,
+                 partial_rotary_factor: float = 1.0, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -117,6 +122,9 @@ class GDNConfig(PretrainedConfig):
         self.attention_head_dim = attention_head_dim
         self.window_size = window_size
         self.rope_theta = rope_theta
+        self.attention_output_gate = attention_output_gate
+        self.attention_qk_norm = attention_qk_norm
+        self.partial_rotary_factor = partial_rotary_factor
         if intermediate_size is None and isinstance(hidden_size, int):
             intermediate_size = -(-(8 * hidden_size // 3) // 256) * 256
         self.intermediate_size = intermediate_size
@@ -150,6 +158,12 @@ class GDNConfig(PretrainedConfig):
             v = self.head_dim * self.expand_v
             if not isinstance(self.expand_v, (int, float)) or self.expand_v <= 0 or v != int(v):
                 raise ValueError(f"head_dim * expand_v must be a positive integer, got {self.head_dim} * {self.expand_v!r}")
+        for name in ("attention_output_gate", "attention_qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got {f!r}")
         if any(c in "AS" for c in pat):
             if self.num_attention_heads % self.num_key_value_heads != 0:
                 raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -162,9 +176,11 @@ class GDNConfig(PretrainedConfig):
             else:
                 _check_positive("attention_head_dim", self.attention_head_dim)
                 hd = self.attention_head_dim
-            if hd % 2:
-                raise ValueError(f"the attention head size ({hd}) must be even for RoPE; change num_attention_heads "
-                                 "or attention_head_dim")
+            rot = int(hd * self.partial_rotary_factor)
+            if rot < 2 or rot % 2:
+                raise ValueError(f"the attention head size times partial_rotary_factor ({hd} * "
+                                 f"{self.partial_rotary_factor} = {rot} channels) must be even and >= 2 for RoPE; "
+                                 "change num_attention_heads, attention_head_dim or partial_rotary_factor")
         if "S" in pat:
             if self.window_size is None:
                 raise ValueError(f"layer_pattern {pat!r} has sliding-window (S) layers: set window_size")

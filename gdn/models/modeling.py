@@ -38,7 +38,9 @@ def build_mixer(config: GDNConfig, layer_idx: int) -> nn.Module:
         return _RECURRENT[letter](config.hidden_size, config.num_heads, config.head_dim, **kw)
     return Attention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                      config.resolved_attention_head_dim, window_size=config.window_size if letter == "S" else None,
-                     rope_theta=config.rope_theta, layer_idx=layer_idx)
+                     rope_theta=config.rope_theta, layer_idx=layer_idx, output_gate=config.attention_output_gate,
+                     qk_norm=config.attention_qk_norm, partial_rotary_factor=config.partial_rotary_factor,
+                     norm_eps=config.norm_eps)
 
 
 class GDNBlock(nn.Module):

@@ -1,4 +1,5 @@
-"""Qwen3.5 / Qwen3-Next checkpoints to gdn and back: same logits, same greedy generations."""
+"""Qwen3.5 / Qwen3-Next checkpoints to gdn and back: same logits, same greedy generations; a converted
+folder loads with the ordinary ``from_pretrained`` (the gated attention is part of gdn's own layers)."""
 from __future__ import annotations
 
 import json
@@ -6,8 +7,9 @@ import json
 import pytest
 import torch
 
+import gdn  # noqa: F401  (registers the gdn model type with the Auto classes)
 from gdn.compat import convert
-from gdn.compat.qwen_layers import GatedAttention
+from gdn.layers import Attention
 from gdn.models import GDNConfig, GDNForCausalLM
 
 from .tiny import qwen3_5_config, qwen3_next_config, randomize, rel
@@ -32,8 +34,11 @@ def test_round_trip_logits_and_generation(family, tmp_path):
     hf.save_pretrained(tmp_path / "src")
     assert convert.convert(family, tmp_path / "src", tmp_path / "gdn") == "to-gdn"
     assert json.loads((tmp_path / "gdn" / "config.json").read_text())["model_type"] == "gdn"
-    model = convert.load_gdn(tmp_path / "gdn")
-    assert sum(isinstance(b.mixer, GatedAttention) for b in model.model.layers) == 1
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gdn", output_loading_info=True)
+    model.eval()
+    assert type(model) is GDNForCausalLM and not info["missing_keys"] and not info["unexpected_keys"]
+    attn = [b.mixer for b in model.model.layers if isinstance(b.mixer, Attention)]
+    assert len(attn) == 1 and attn[0].output_gate and attn[0].qk_norm and attn[0].rotary_dim == 4
     ids = torch.randint(3, 96, (2, 23), generator=torch.Generator().manual_seed(5))
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -56,6 +61,7 @@ def test_tied_embeddings_and_dtype_cast(tmp_path):
     hf.save_pretrained(tmp_path / "src")
     convert.main(["hf-qwen3.5", str(tmp_path / "src"), str(tmp_path / "gdn")])
     model = convert.load_gdn(tmp_path / "gdn")
+    assert not model.training and model.dtype == torch.float32
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     ids = torch.randint(3, 96, (1, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -71,7 +77,7 @@ def test_gdn_cache_decode_matches_one_pass(tmp_path):
     hf = _hf_model("hf-qwen3-next")
     hf.save_pretrained(tmp_path / "src")
     convert.convert("hf-qwen3-next", tmp_path / "src", tmp_path / "gdn")
-    model = convert.load_gdn(tmp_path / "gdn")
+    model = GDNForCausalLM.from_pretrained(tmp_path / "gdn").eval()
     ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full = model(ids).logits
@@ -115,36 +121,6 @@ def test_refusals(tmp_path):
         convert.convert("hf-qwen3.5", tmp_path, tmp_path / "x")
 
 
-def test_gated_attention_layer_contract():
-    """GatedAttention alone: chunked = token by token with the KV state; padding isolation; bad options."""
-    torch.manual_seed(0)
-    layer = GatedAttention(32, 4, 2, 16, partial_rotary_factor=0.25).eval()
-    x = torch.randn(2, 9, 32)
-    with torch.no_grad():
-        full, _ = layer(x)
-        o, st = layer(x[:, :4], use_cache=True)
-        outs = [o]
-        for t in range(4, 9):
-            o, st = layer(x[:, t : t + 1], state=st, use_cache=True)
-            outs.append(o)
-        assert rel(torch.cat(outs, 1), full) < 1e-5
-        mask = torch.ones(2, 9, dtype=torch.long)
-        mask[0, :3] = 0
-        padded, _ = layer(x, attention_mask=mask)
-        alone, _ = layer(x[:1, 3:], positions=torch.arange(6)[None])
-        assert rel(padded[:1, 3:], alone) < 1e-5
-    with pytest.raises(ValueError, match="partial_rotary_factor"):
-        GatedAttention(32, 4, 2, 16, partial_rotary_factor=0.1)
-
-
-def test_apply_attention_options_noop_for_plain_configs():
-    from gdn.compat.qwen_layers import apply_attention_options
-
-    cfg = GDNConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, layer_pattern="GA", num_heads=2, head_dim=8,
-                    num_attention_heads=4, intermediate_size=48)
-    assert apply_attention_options(GDNForCausalLM(cfg)) == 0
-
-
 def test_multimodal_qwen3_5_checkpoint_text_part(tmp_path):
     """Published Qwen3.5 checkpoints are image-text models: the language model converts, the vision
     tower is left out, and text logits agree."""
@@ -156,7 +132,7 @@ def test_multimodal_qwen3_5_checkpoint_text_part(tmp_path):
     hf = randomize(transformers.Qwen3_5ForConditionalGeneration(cfg), seed=3, std=0.3).eval()
     hf.save_pretrained(tmp_path / "src")
     convert.convert("hf-qwen3.5", tmp_path / "src", tmp_path / "gdn")
-    model = convert.load_gdn(tmp_path / "gdn")
+    model = GDNForCausalLM.from_pretrained(tmp_path / "gdn").eval()
     ids = torch.randint(3, 96, (2, 15), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert rel(model(ids).logits, hf(input_ids=ids).logits) < 1e-4

@@ -34,6 +34,8 @@ MIXERS = [(cls, {}) for cls in RECURRENT] + [
     (GatedDeltaNet, {"allow_neg_eigval": True}),
     (Attention, {}),
     (Attention, {"window_size": 7}),
+    (Attention, {"output_gate": True, "qk_norm": True, "partial_rotary_factor": 0.5}),
+    (Attention, {"output_gate": True, "qk_norm": True, "partial_rotary_factor": 0.25, "window_size": 7}),
 ]
 IDS = [f"{c.__name__}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for c, kw in MIXERS]
 
@@ -121,9 +123,10 @@ def test_packed_equals_separate(cls, kw):
                     assert torch.allclose(a[i:i + 1], b, atol=1e-6)
 
 
-@pytest.mark.parametrize("cls", RECURRENT + [Attention])
-def test_gradients_reach_every_parameter(cls):
-    m = make(cls).train()
+@pytest.mark.parametrize("cls,kw", [(c, {}) for c in RECURRENT + [Attention]]
+                         + [(Attention, {"output_gate": True, "qk_norm": True, "partial_rotary_factor": 0.5})])
+def test_gradients_reach_every_parameter(cls, kw):
+    m = make(cls, **kw).train()
     x = torch.randn(2, 12, D, requires_grad=True)
     o, _ = m(x, attention_mask=torch.tensor([[0, 0] + [1] * 10, [1] * 12]))
     o.square().sum().backward()
@@ -171,6 +174,51 @@ def test_attention_matches_reference_softmax_with_rope():
     v = m.v_proj(x).view(B, T, 2, 8)
     ref = m.o_proj(ops.softmax_attention(q, k, v, window_size=5, backend="naive").reshape(B, T, 32))
     assert rel(o, ref) < 1e-5
+
+
+def test_gated_attention_matches_its_formula():
+    """q/k RMSNorm per head before RoPE on the first rotary_dim channels only, then
+    ``o_proj(attention ⊙ sigmoid(g_proj x))``."""
+    torch.manual_seed(5)
+    m = make(Attention, output_gate=True, qk_norm=True, partial_rotary_factor=0.5, norm_eps=1e-5)
+    with torch.no_grad():
+        for norm in (m.q_norm, m.k_norm):
+            norm.weight.uniform_(0.5, 1.5)
+    assert m.rotary_dim == 4
+    B, T = 2, 23
+    x = torch.randn(B, T, D)
+    with torch.no_grad():
+        o, _ = m(x)
+
+        def prep(proj, norm, H):
+            h = proj(x).view(B, T, H, 8)
+            h = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+            return torch.cat([rotary(h[..., :4], torch.arange(T), m.rope_theta), h[..., 4:]], -1)
+
+        q, k, v = prep(m.q_proj, m.q_norm, 4), prep(m.k_proj, m.k_norm, 2), m.v_proj(x).view(B, T, 2, 8)
+        att = ops.softmax_attention(q, k, v, backend="naive").reshape(B, T, 32)
+        assert rel(o, m.o_proj(att * torch.sigmoid(m.g_proj(x)))) < 1e-5
+        m.g_proj.weight.zero_()  # sigmoid(0) = 1/2: half the ungated output
+        assert rel(m(x)[0], m.o_proj(att / 2)) < 1e-5
+
+
+def test_rotary_partial_rotates_the_leading_channels_only():
+    torch.manual_seed(6)
+    x, pos = torch.randn(2, 5, 3, 16), torch.arange(5)
+    out = rotary(x, pos, 1e4, rotary_dim=6)
+    assert torch.equal(out[..., 6:], x[..., 6:])
+    assert torch.allclose(out[..., :6], rotary(x[..., :6], pos, 1e4), atol=1e-6)
+    assert torch.equal(rotary(x, pos, 1e4, rotary_dim=16), rotary(x, pos, 1e4))
+    for bad in (0, 5, 18):
+        with pytest.raises(ValueError, match="rotary_dim"):
+            rotary(x, pos, 1e4, rotary_dim=bad)
+
+
+def test_plain_attention_has_no_gate_or_qk_norm():
+    m = make(Attention)
+    assert m.rotary_dim == m.head_dim and not m.output_gate and not m.qk_norm
+    assert sorted(n for n, _ in m.named_parameters()) == ["k_proj.weight", "o_proj.weight", "q_proj.weight",
+                                                          "v_proj.weight"]
 
 
 def test_rotary_is_a_rotation_with_relative_scores():
@@ -251,6 +299,19 @@ def test_norms_and_swiglu_match_formulas():
 def test_invalid_layer_arguments_raise(build):
     with pytest.raises(ValueError):
         build()
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(partial_rotary_factor=0.1), ValueError, "partial_rotary_factor"),  # 8 * 0.1 -> 0 channels
+    (dict(partial_rotary_factor=0.375), ValueError, "partial_rotary_factor"),  # 3 channels: odd
+    (dict(partial_rotary_factor=1.5), ValueError, "partial_rotary_factor"),
+    (dict(partial_rotary_factor=True), ValueError, "partial_rotary_factor"),
+    (dict(output_gate=1), TypeError, "output_gate"),
+    (dict(qk_norm="yes"), TypeError, "qk_norm"),
+])
+def test_invalid_attention_options_raise(kw, err, match):
+    with pytest.raises(err, match=match):
+        Attention(32, 4, **kw)
 
 
 def test_invalid_forward_inputs_raise():

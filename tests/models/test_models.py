@@ -265,6 +265,11 @@ def test_hidden_states_output():
     (dict(layer_pattern="GGAG", num_key_value_heads=3), "num_key_value_heads"),
     (dict(layer_pattern="GGSG", window_size=None), "set window_size"),
     (dict(hidden_size=0), "hidden_size"),
+    (dict(partial_rotary_factor=0.0), "partial_rotary_factor"),
+    (dict(partial_rotary_factor=2), "partial_rotary_factor"),
+    (dict(layer_pattern="GGAG", partial_rotary_factor=0.05), "partial_rotary_factor"),  # 32 * 0.05 -> 1 channel
+    (dict(attention_output_gate=1), "attention_output_gate"),
+    (dict(attention_qk_norm="no"), "attention_qk_norm"),
 ])
 def test_invalid_configs_raise(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -354,3 +359,30 @@ def test_from_pretrained_in_bf16_keeps_gate_parameters_fp32(tmp_path):
     with torch.no_grad():
         ref, out = m(ids(1, 12)).logits, low(ids(1, 12)).logits.float()
     assert torch.isfinite(out).all() and rel(out, ref) < 0.05
+
+
+GATED = dict(attention_output_gate=True, attention_qk_norm=True, partial_rotary_factor=0.25)
+
+
+@torch.no_grad()
+def test_gated_attention_options_build_decode_and_reload(tmp_path):
+    """The Qwen3-Next / Qwen3.5 attention options reach every A and S layer, decode token by token
+    like the full forward, and survive save_pretrained / AutoModelForCausalLM.from_pretrained."""
+    m = tiny("gdn", num_hidden_layers=4, layer_pattern="GAGS", window_size=6, **GATED)
+    for i in (1, 3):
+        mixer = m.model.layers[i].mixer
+        assert mixer.output_gate and mixer.qk_norm and mixer.rotary_dim == mixer.head_dim // 4
+        assert {"g_proj.weight", "q_norm.weight", "k_norm.weight"} <= dict(mixer.named_parameters()).keys()
+        assert torch.equal(mixer.q_norm.weight, torch.ones_like(mixer.q_norm.weight))  # norms start at 1
+    x = ids(2, 30)
+    full = m(x, use_cache=False).logits
+    step, _ = step_through(m, x, [1] * 30)
+    assert rel(step, full) < 1e-5
+    m.save_pretrained(tmp_path)
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert {k: getattr(loaded.config, k) for k in GATED} == GATED
+    assert torch.equal(loaded.eval()(x).logits, full)
+    plain = tiny("gdn", num_hidden_layers=2, layer_pattern="GA")
+    assert not hasattr(plain.model.layers[1].mixer, "g_proj")
+    assert plain.model.layers[1].mixer.rotary_dim == plain.model.layers[1].mixer.head_dim
