@@ -23,7 +23,7 @@ from ._common import BT, INTERPRET, Chunks, launch, chunk_bounds, dot_precision,
 from .chunk_fwd import state_tiles
 
 
-@triton.jit(do_not_specialize=["H", "HV"])
+@triton.jit
 def dv_local_kernel(q, k, g, do, DVL, cu, chunk_idx, scale, H, HV, K: tl.constexpr,
                     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                     PREC: tl.constexpr):
@@ -85,7 +85,7 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
     return b_ds
 
 
-@triton.jit(do_not_specialize=["H", "HV", "max_nc"])
+@triton.jit
 def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_nc, scale, H,
                      HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
@@ -122,7 +122,7 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_n
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_ds, mask=mkv)
 
 
-@triton.jit(do_not_specialize=["H", "HV", "T"])
+@triton.jit
 def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, scale, T, H,
                HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
@@ -191,7 +191,7 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, s
         tl.store(DGAM + (i_k * T + rows) * HV + i_hv, b_dg, mask=m)
 
 
-@triton.jit(do_not_specialize=["H", "HV", "T"])
+@triton.jit
 def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx, T, H,
                   HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, NK: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr,
@@ -289,7 +289,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
     DVL = torch.empty(T, HV, V, device=dev, dtype=f32)
     launch(dv_local_kernel, (triton.cdiv(V, BV), ch.NT, HV),
         q, k, gp, do, DVL, ch.cu, ch.chunk_idx, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        USE_G=gated, PREC=prec, num_warps=8)
+        USE_G=gated, PREC=prec, num_warps=4)
     dh = torch.empty(ch.NT, HV, K, V, device=dev, dtype=f32)
     DD = torch.empty(T, HV, V, device=dev, dtype=f32)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
@@ -298,7 +298,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
         q, k, gp, W if delta else dummy, do, DVL, dht if dht is not None else dummy, dh, DD,
         dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, ch.max_nc, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK,
         BV=SV, USE_G=gated, DELTA=delta, USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec, WHILE=INTERPRET,
-        num_warps=8, stages=(2, 1))
+        num_warps=4, stages=(2, 1))
     del DVL
     DQ = torch.empty(T, HV, K, device=dev, dtype=f32)
     DK = torch.empty(T, HV, K, device=dev, dtype=f32)
@@ -307,7 +307,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
     launch(dqk_kernel, (NK, ch.NT, HV),
         q, k, v, gp, VN if delta else dummy, do, h, dh, DD if delta else dummy, DQ, DK,
         DW if delta else dummy, DGAM if gated else dummy, ch.cu, ch.chunk_idx, scale, T, H=H, HV=HV, K=K,
-        V=V, BT=BT, BK=BK, BV=min(BV, 32), USE_G=gated, DELTA=delta, PREC=prec, num_warps=8)
+        V=V, BT=BT, BK=BK, BV=BV, USE_G=gated, DELTA=delta, PREC=prec, num_warps=4)
     del h, dh
     DV = torch.empty(T, HV, V, device=dev, dtype=f32) if delta else DD
     DB = torch.empty(T, HV, device=dev, dtype=f32) if delta else None
@@ -317,5 +317,5 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
             k, v, gp, beta if delta else dummy, Ai if delta else dummy, DD, DW if delta else dummy, DK,
             DV, DB if delta else dummy, DGAM if gated else dummy, DG if gated else dummy, ch.cu, ch.chunk_idx,
             T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, NK=NK, USE_G=gated, DELTA=delta, PREC=prec,
-            num_warps=8)
+            num_warps=4)
     return DQ, DK, DV, DG, DB, dh0

@@ -53,7 +53,7 @@ def _store_block(Ai, X, rows, m, HV, i_hv, col0: tl.constexpr):
     tl.store(Ai + (rows[:, None] * HV + i_hv) * 64 + col0 + o[None, :], X, mask=m[:, None])
 
 
-@triton.jit(do_not_specialize=["H", "HV"])
+@triton.jit
 def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H, HV, K: tl.constexpr,
                      BK: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
     """Ai[t, hv, :] = rows of T = (I + A)⁻¹ for each chunk, built from four 16-row blocks."""
@@ -145,7 +145,7 @@ def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H, HV, K: tl.constexpr,
     _store_block(Ai, X33, r3, m3, HV, i_hv, 48)
 
 
-@triton.jit(do_not_specialize=["H", "HV"])
+@triton.jit
 def wu_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr,
               V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
               PREC: tl.constexpr):
@@ -201,7 +201,7 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t
     return b_s + tl.dot(tl.trans(b_k), b_d, input_precision=PREC)
 
 
-@triton.jit(do_not_specialize=["H", "HV", "max_nc"])
+@triton.jit
 def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
@@ -242,7 +242,7 @@ def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV,
         tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s, mask=mkv)
 
 
-@triton.jit(do_not_specialize=["H", "HV"])
+@triton.jit
 def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H, HV,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
@@ -287,14 +287,9 @@ STATE_PREC = "tf32x3"
 
 
 def state_tiles(K: int, V: int) -> tuple[int, int]:
-    """(BK, BV) of the state passes: the whole K in one tile, V split so a tile holds ≤ 2048 fp32.
-
-    Warps, tiles and pipelining depth of every kernel were picked by compiling for sm_90 offline
-    (``triton.compile`` with a GPUTarget, then ``cuobjdump --dump-resource-usage``) to keep the
-    register spills (stack frame) small at K = V = 128: with 4 warps and BV = 32 every kernel
-    spilled 0.2–2.2 KB per thread; see docs/TRITON.md."""
+    """(BK, BV) of the state passes: the whole K in one tile, V split so a tile holds ≤ 4096 fp32."""
     BK = pow2(K)
-    BV = min(pow2(V), max(16, 2048 // BK))
+    BV = min(pow2(V), max(16, 4096 // BK))
     return BK, BV
 
 
@@ -317,9 +312,9 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool):
         VN = torch.empty(T, HV, V, device=dev, dtype=f32)
         gp = g if g is not None else beta
         launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, BK=BK,
-                                      USE_G=g is not None, PREC=prec, num_warps=8)
+                                      USE_G=g is not None, PREC=prec, num_warps=4)
         launch(wu_kernel, (ch.NT, HV), k, v, gp, beta, Ai, W, U, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, V=V, BT=BT,
-                               BK=BK, BV=BV, USE_G=g is not None, PREC=STATE_PREC, num_warps=8)
+                               BK=BK, BV=BV, USE_G=g is not None, PREC=STATE_PREC, num_warps=4)
     h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=f32)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if want_final else None
     SK, SV = state_tiles(K, V)
@@ -328,7 +323,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool):
         k, v, g if g is not None else dummy, W if delta else dummy, U if delta else dummy,
         h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy,
         ch.cu, ch.chunk_off, ch.max_nc, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=delta,
-        USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=STATE_PREC, WHILE=INTERPRET, num_warps=8 if SK > 128 else 4)
+        USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=STATE_PREC, WHILE=INTERPRET, num_warps=4, stages=(2, 1))
     return h, VN, ht, Ai, W
 
 
@@ -342,5 +337,5 @@ def output(q, k, v, g, h, VN, ch: Chunks, scale: float, out_dtype):
     launch(output_kernel, (triton.cdiv(V, BV), ch.NT, HV),
         q, k, v, g if g is not None else v, h, VN if VN is not None else v, o, ch.cu, ch.chunk_idx, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, DELTA=VN is not None,
-        PREC=dot_precision(v.dtype), num_warps=8)
+        PREC=dot_precision(v.dtype), num_warps=4)
     return o
