@@ -5,7 +5,8 @@
   the one-line switch that makes transformers' Qwen3-Next / Qwen3.5 / Kimi Linear layers use them.
 - :mod:`gdn.compat.convert`: Qwen3.5 / Qwen3-Next checkpoints to gdn models and back
   (``gdn convert hf-qwen3.5 SRC DST``).
-- :mod:`gdn.compat.qwen_layers`: the gated full-attention layer those checkpoints need.
+  Their gated full attention (q/k norm, partial rotary, sigmoid output gate) is an option of
+  :class:`gdn.layers.Attention`, so converted folders load with ``from_pretrained``.
 
 Submodules are imported on use (``import gdn.compat.fla``), so importing this package is cheap.
 """
