@@ -7,9 +7,12 @@ with the op, as one entry point (issue 3, item 3).
 
 computes ``q̂ = q·rsqrt(Σq² + 1e-6)`` (and k̂), ``g = −exp(A_log)·softplus(a + dt_bias)`` and
 ``β = sigmoid(b)`` (``2·sigmoid(b)`` with ``allow_neg_eigval``) in fp32, then the gated delta rule.
-``backend="triton"`` (the default for CUDA tensors when Triton is installed) runs the prologue in
-Triton kernels with their own backward (:mod:`gdn.ops.triton.prologue`); every other backend runs
-it in PyTorch (autograd) and then :func:`gdn.ops.gated_delta_rule` with that backend.
+``backend="triton"`` runs the prologue in Triton kernels with their own backward
+(:mod:`gdn.ops.triton.prologue`). Those kernels pass their interpreter tests but have not yet run
+on a GPU (DESIGN: a kernel proven only in the interpreter is not trusted), so they are opt-in:
+every other backend, ``None`` included, runs the prologue in PyTorch (autograd) and then
+:func:`gdn.ops.gated_delta_rule` with that backend (on CUDA, ``None`` picks its GPU-validated
+Triton chunk and decode kernels).
 """
 from __future__ import annotations
 
@@ -56,8 +59,8 @@ def gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, *, scale=None, initial
             :func:`gdn.ops.gated_delta_rule`.
         use_qk_l2norm: L2-normalise q and k over K (eps 1e-6).
         allow_neg_eigval: β = 2·sigmoid(b) (transition eigenvalues in [−1, 1]).
-        backend: ``None`` (Triton for CUDA tensors when available, else the op's own pick),
-            ``"triton"``, ``"chunk"`` or ``"naive"``.
+        backend: ``None`` (PyTorch prologue, then the op's own pick), ``"triton"`` (Triton
+            prologue kernels, opt-in until validated on a GPU), ``"chunk"`` or ``"naive"``.
 
     Returns:
         ``(o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] or None)``. Gradients reach q, k,
@@ -66,19 +69,17 @@ def gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, *, scale=None, initial
     check_backend(backend)
     check_recurrent(q, k, v, a, None, initial_state, cu_seqlens, scale, backend, name_g="a")
     _check_params(a, b, A_log, dt_bias)
-    if backend in (None, "triton"):
+    if backend == "triton":
         from . import _triton_module  # noqa: PLC0415
 
-        mod = _triton_module() if q.is_cuda else None
-        if mod is not None:
-            from .triton.prologue import gated_delta_rule_fused as tri  # noqa: PLC0415
-
-            return tri(q, k, v, a, b, A_log, dt_bias, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
-                       allow_neg_eigval=allow_neg_eigval)
-        if backend == "triton":
+        if not q.is_cuda or _triton_module() is None:
             raise ValueError(f"backend='triton' needs CUDA tensors (q is on {q.device}) and Triton installed; "
                              "use backend='chunk'")
+        from .triton.prologue import gated_delta_rule_fused as tri  # noqa: PLC0415
+
+        return tri(q, k, v, a, b, A_log, dt_bias, scale=scale, initial_state=initial_state,
+                   output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+                   allow_neg_eigval=allow_neg_eigval)
     g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
     beta = torch.sigmoid(b.float()) * (2.0 if allow_neg_eigval else 1.0)
     if use_qk_l2norm:
