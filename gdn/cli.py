@@ -1,4 +1,5 @@
-"""The ``gdn`` command line: ``train``, ``generate``, ``eval``, ``mqar``, ``bench``, ``tokenizer``, ``demo``.
+"""The ``gdn`` command line: ``train``, ``generate``, ``eval``, ``mqar``, ``bench``, ``tokenizer``, ``convert``,
+``demo``.
 
 Every ``train``/``mqar`` option is also a config-file key (YAML or JSON, ``--config``); flags
 override the file and ``--set key=value`` overrides both (``--set model.hidden_size=256``).
@@ -99,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mqar(sub)
     _add_bench(sub)
     _add_tokenizer(sub)
+    from .compat.convert import add_subparser as _add_convert
+
+    _add_convert(sub)
     sub.add_parser("demo", help="train the tiny model on the stdlib for a few minutes, report bits per byte, "
                    "plot the loss and sample")
     return parser
@@ -215,7 +219,7 @@ def main(argv=None) -> int:
 
         return demo()
     handlers = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "mqar": cmd_mqar,
-                "bench": cmd_bench, "tokenizer": cmd_tokenizer}
+                "bench": cmd_bench, "tokenizer": cmd_tokenizer, "convert": lambda a: a.func(a)}
     try:
         return handlers[args.command](args)
     except ValueError as e:

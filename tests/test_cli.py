@@ -11,7 +11,7 @@ import yaml
 from gdn.cli import build_parser, main
 from gdn.train import TrainConfig, build_config
 
-SUBCOMMANDS = ["train", "generate", "eval", "mqar", "bench", "tokenizer", "demo"]
+SUBCOMMANDS = ["train", "generate", "eval", "mqar", "bench", "tokenizer", "demo", "convert"]
 TINY = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.head_dim=16", "model.intermediate_size=64",
         "seq_len=32", "batch_size=2", "eval_every=3", "eval_batches=1", "save_every=3", "tensorboard=false",
         "progress=false", "val_fraction=0.25", "warmup_steps=1"]
@@ -124,3 +124,10 @@ def test_bench_ops_quick(capsys):
     assert main(["bench", "ops", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "gated_delta_rule" in out and "chunk" in out
+
+
+def test_convert_is_a_gdn_subcommand(tmp_path):
+    """``gdn convert`` reaches gdn.compat.convert (a source that is no model folder is refused)."""
+    args = build_parser().parse_args(["convert", "hf-qwen3.5", str(tmp_path), str(tmp_path / "out")])
+    with pytest.raises((ValueError, OSError)):
+        args.func(args)
