@@ -27,6 +27,24 @@ from .reference import _compute_dtype
 DEFAULT_CHUNK_SIZE = 64
 
 
+def _mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Batched ``x @ y`` for [..., m, k] × [..., k, n] (same leading dims), through ``bmm``.
+
+    When both operands are row-major the product is taken as ``(yᵀ xᵀ)ᵀ``: on the CPU, MKL's
+    batched kernel for two row-major operands ran ~2× slower than for any transposed variant at
+    these sizes (64×64, batch 256: 2.4 ms against 1.05 ms), and ``torch.matmul``'s folding of
+    4-D operands added copies. On CUDA every variant costs the same, so nothing is lost there.
+    """
+    lead = x.shape[:-2]
+    x3 = x.reshape(-1, x.shape[-2], x.shape[-1])
+    y3 = y.reshape(-1, y.shape[-2], y.shape[-1])
+    if x3.stride(-1) == 1 and y3.stride(-1) == 1:
+        out = torch.bmm(y3.mT, x3.mT).mT
+    else:
+        out = torch.bmm(x3, y3)
+    return out.reshape(*lead, out.shape[-2], out.shape[-1])
+
+
 def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     """``(I + A)⁻¹`` for strictly lower-triangular ``A`` [..., C, C], by blockwise doubling.
 
@@ -47,7 +65,7 @@ def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
         blocks = torch.diagonal(A.reshape(*batch, nb, 2 * b, nb, 2 * b), dim1=-4, dim2=-2)
         L21 = blocks.movedim(-1, -3)[..., b:, :b]  # [..., nb, b, b]
         T11, T22 = T[..., 0::2, :, :], T[..., 1::2, :, :]
-        X21 = -(T22 @ (L21 @ T11))
+        X21 = -_mm(T22, _mm(L21, T11))
         top = torch.cat([T11, torch.zeros_like(T11)], dim=-1)
         bottom = torch.cat([X21, T22], dim=-1)
         T = torch.cat([top, bottom], dim=-2)  # [..., nb, 2b, 2b]
@@ -65,8 +83,8 @@ def _chunk_core(q, k, v, g, beta, scale, S0, C, starts=None, ends=None, N=None):
     is reset to ``S0[n]`` where sequence n starts and recorded where it ends.
     Returns o [B, T, HV, V] and the final states [N, HV, K, V].
 
-    Internally every tensor is laid out ``[NC, B·HV, C, D]`` (chunk index first), so each
-    batched matmul sees contiguous matrices and the state pass slices one contiguous chunk.
+    Internally every tensor is laid out ``[NC·B·HV, C, D]`` (chunk index outermost), so the
+    batched products are plain ``bmm`` calls and the state pass slices one contiguous chunk.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -75,43 +93,41 @@ def _chunk_core(q, k, v, g, beta, scale, S0, C, starts=None, ends=None, N=None):
     NC, BH = T // C, B * HV
     dt, dev = v.dtype, v.device
 
-    def chunks(x):  # [B, T, HV, *D] -> [NC, B·HV, C, *D]
-        y = x.reshape(B, NC, C, HV, -1).permute(1, 0, 3, 2, 4).reshape(NC, BH, C, -1)
+    def chunks(x):  # [B, T, HV, *D] -> [NC·B·HV, C, *D]
+        y = x.reshape(B, NC, C, HV, -1).permute(1, 0, 3, 2, 4).reshape(NC * BH, C, -1)
         return y if x.dim() == 4 else y.squeeze(-1)
 
     qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    kT = kc.mT
 
     incl = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
     if g is not None:
-        gamma = chunks(g).cumsum(-1)  # γ: [NC, BH, C]
+        gamma = chunks(g).cumsum(-1)  # γ: [NB, C]
         decay = torch.exp((gamma[..., :, None] - gamma[..., None, :]).masked_fill(~incl, -math.inf))
         Gam = torch.exp(gamma)  # Γ_i
         to_end = torch.exp(gamma[..., -1:] - gamma)  # exp(γ_C − γ_i)
-        chunk_decay = Gam[..., -1]  # Γ_C: [NC, BH]
+        chunk_decay = Gam[..., -1]  # Γ_C: [NB]
     else:
         decay = incl.to(dt)
         Gam = to_end = chunk_decay = None
 
     Qg = qc if Gam is None else qc * Gam[..., None]  # diag(Γ) Q
-    Kt = kc if to_end is None else kc * to_end[..., None]  # K̃ = diag(exp(γ_C − γ)) K
+    KtT = (kc if to_end is None else kc * to_end[..., None]).mT  # K̃ᵀ, K̃ = diag(exp(γ_C − γ)) K
+    P = _mm(qc, kT) * decay
     if beta is not None:
         bc = chunks(beta)
-        kT = kc.transpose(-1, -2)
-        P = (qc @ kT) * decay
         strict = torch.ones(C, C, dtype=torch.bool, device=dev).tril(-1)
-        A = ((kc @ kT) * decay * bc[..., :, None]).masked_fill(~strict, 0.0)
+        A = (_mm(kc, kT) * decay * bc[..., :, None]).masked_fill(~strict, 0.0)
         Tinv = unit_lower_inverse(A)
         kb = kc * (bc if Gam is None else bc * Gam)[..., None]  # diag(β Γ) K
-        U, W = Tinv @ (vc * bc[..., None]), Tinv @ kb  # [NC, BH, C, V], [NC, BH, C, K]
-        KtT = Kt.transpose(-1, -2)
-        Qw = Qg - P @ W  # O = scale (P U + (diag(Γ) Q − P W) S)
-        b, KW = KtT @ U, KtT @ W
-        M = -KW  # M = Γ_C I − K̃ᵀ W: add Γ_C on the diagonal in place (no K×K broadcast product)
+        U, W = _mm(Tinv, vc * bc[..., None]), _mm(Tinv, kb)  # [NB, C, V], [NB, C, K]
+        Qw = Qg - _mm(P, W)  # O = scale (P U + (diag(Γ) Q − P W) S)
+        b = _mm(KtT, U)
+        M = -_mm(KtT, W)  # M = Γ_C I − K̃ᵀ W: add Γ_C on the diagonal in place (no K×K broadcast product)
         M.diagonal(dim1=-2, dim2=-1).add_(1.0 if chunk_decay is None else chunk_decay[..., None])
     else:
-        P = (qc @ kc.transpose(-1, -2)) * decay
         U, Qw, M = vc, Qg, None
-        b = Kt.transpose(-1, -2) @ vc
+        b = _mm(KtT, vc)
 
     # Sequential state pass over chunks: S <- M S + b (M the scalar Γ_C for non-delta members).
     if S0 is None or starts is not None:
@@ -120,9 +136,9 @@ def _chunk_core(q, k, v, g, beta, scale, S0, C, starts=None, ends=None, N=None):
         S = S0.reshape(BH, K, V)
     finals = [None] * (N or 0)
     before = []
-    Ms = M.unbind(0) if M is not None else None
-    bs = b.unbind(0)
-    decays = chunk_decay.unbind(0) if chunk_decay is not None else None
+    Ms = M.view(NC, BH, K, K).unbind(0) if M is not None else None
+    bs = b.reshape(NC, BH, K, V).unbind(0)
+    decays = chunk_decay.view(NC, BH).unbind(0) if chunk_decay is not None else None
     for n in range(NC):
         if starts is not None and n in starts:
             i = starts[n]
@@ -136,9 +152,8 @@ def _chunk_core(q, k, v, g, beta, scale, S0, C, starts=None, ends=None, N=None):
             S = S + bs[n]
         if ends is not None and n in ends:
             finals[ends[n]] = S
-    states = torch.stack(before)  # [NC, BH, K, V]: the state entering each chunk
-    o = torch.baddbmm((P @ U).reshape(NC * BH, C, V), Qw.reshape(NC * BH, C, K),
-                      states.reshape(NC * BH, K, V), alpha=scale, beta=scale)  # scale (P U + Qw S)
+    states = torch.stack(before).reshape(NC * BH, K, V)  # the state entering each chunk
+    o = (_mm(P, U) + _mm(Qw, states)) * scale  # scale (P U + Qw S)
     o = o.reshape(NC, B, HV, C, V).permute(1, 0, 3, 2, 4).reshape(B, T, HV, V)
     final = S.reshape(B, HV, K, V) if starts is None else finals
     return o, final
