@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import _float_tensor, _shape, check_recurrent
-from .reference import _compute_dtype
+from .reference import _compute_dtype, _run
 
 
 def check_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale, backend=None):
@@ -68,17 +68,4 @@ def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, ou
     Returns:
         ``(o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] (compute dtype) or None)``.
     """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if cu_seqlens is None:
-        o, S = _recurrence(q, k, v, g, beta, scale, initial_state)
-    else:
-        bounds = cu_seqlens.tolist()
-        outs, states = [], []
-        for n in range(len(bounds) - 1):
-            s, e = bounds[n], bounds[n + 1]
-            S0 = None if initial_state is None else initial_state[n : n + 1]
-            o_n, S_n = _recurrence(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], scale, S0)
-            outs.append(o_n)
-            states.append(S_n)
-        o, S = torch.cat(outs, dim=1), torch.cat(states, dim=0)
-    return o.to(v.dtype), (S if output_final_state else None)
+    return _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, recurrence=_recurrence)

@@ -48,18 +48,19 @@ def _recurrence(q, k, v, g, beta, scale, S):
     return o, S
 
 
-def _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, recurrence=_recurrence):
+    """Run ``recurrence`` (one batch of whole sequences) on the call, sequence by sequence when packed."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if cu_seqlens is None:
-        o, S = _recurrence(q, k, v, g, beta, scale, initial_state)
+        o, S = recurrence(q, k, v, g, beta, scale, initial_state)
     else:
         bounds = cu_seqlens.tolist()
         outs, states = [], []
         for n in range(len(bounds) - 1):
             s, e = bounds[n], bounds[n + 1]
             S0 = None if initial_state is None else initial_state[n : n + 1]
-            o_n, S_n = _recurrence(
+            o_n, S_n = recurrence(
                 q[:, s:e], k[:, s:e], v[:, s:e],
                 None if g is None else g[:, s:e],
                 None if beta is None else beta[:, s:e],
