@@ -12,10 +12,9 @@ Everything is computed in ``promote(dtype, float32)``; the output comes back in 
 """
 from __future__ import annotations
 
-import torch
 
 from ._checks import _float_tensor, _shape, check_recurrent
-from .reference import _compute_dtype, _run
+from .reference import _run
 
 
 def check_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale, backend=None):
@@ -34,28 +33,6 @@ def check_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale, backend=None):
     return dims
 
 
-def _recurrence(q, k, v, g, beta, scale, S):
-    """q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]; S: [B, HV, K, V] or
-    None. Returns o [B, T, HV, V] and the final S, both in the compute dtype."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    dt = _compute_dtype(v)
-    group = HV // H
-    q = q.to(dt).repeat_interleave(group, dim=2)
-    k = k.to(dt).repeat_interleave(group, dim=2)
-    v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
-    S = torch.zeros(B, HV, K, V, dtype=dt, device=v.device) if S is None else S.to(dt)
-    out = []
-    for t in range(T):
-        kt = k[:, t]
-        S = S * torch.exp(g[:, t])[..., None]
-        err = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, kt)
-        S = S + (beta[:, t][..., None, None] * kt[..., :, None]) * err[..., None, :]
-        out.append(scale * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
-    o = torch.stack(out, dim=1) if out else v.new_zeros(B, 0, HV, V)
-    return o, S
-
-
 def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                          cu_seqlens=None):
     """KDA recurrence: ``S = diag(exp g_t) S; S += β_t k_t (v_t − Sᵀk_t)ᵀ; o_t = scale · Sᵀ q_t``.
@@ -68,4 +45,4 @@ def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, ou
     Returns:
         ``(o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] (compute dtype) or None)``.
     """
-    return _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, recurrence=_recurrence)
+    return _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)

@@ -23,8 +23,8 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _recurrence(q, k, v, g, beta, scale, S):
-    """One batch of sequences. q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV] or None;
-    S: [B, HV, K, V] or None. Returns o [B, T, HV, V] (compute dtype) and the final S."""
+    """One batch of sequences. q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV] (or [B, T, HV, K],
+    a per-channel gate) or None; beta: [B, T, HV] or None; S: [B, HV, K, V] or None. Returns o [B, T, HV, V] (compute dtype) and the final S."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dt = _compute_dtype(v)
@@ -36,8 +36,9 @@ def _recurrence(q, k, v, g, beta, scale, S):
     out = []
     for t in range(T):
         kt, vt = k[:, t], v[:, t]
-        if g is not None:
-            S = S * torch.exp(g[:, t].to(dt))[..., None, None]
+        if g is not None:  # scalar gate [B, HV] or per-channel gate [B, HV, K] (KDA): decay S along K
+            a = torch.exp(g[:, t].to(dt))
+            S = S * a.reshape(*a.shape, *([1] * (S.dim() - a.dim())))
         if beta is not None:
             err = vt - torch.einsum("bhkv,bhk->bhv", S, kt)
             S = S + (beta[:, t].to(dt)[..., None, None] * kt[..., :, None]) * err[..., None, :]
@@ -48,19 +49,19 @@ def _recurrence(q, k, v, g, beta, scale, S):
     return o, S
 
 
-def _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, recurrence=_recurrence):
-    """Run ``recurrence`` (one batch of whole sequences) on the call, sequence by sequence when packed."""
+def _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """Run the recurrence on the call, sequence by sequence when packed."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if cu_seqlens is None:
-        o, S = recurrence(q, k, v, g, beta, scale, initial_state)
+        o, S = _recurrence(q, k, v, g, beta, scale, initial_state)
     else:
         bounds = cu_seqlens.tolist()
         outs, states = [], []
         for n in range(len(bounds) - 1):
             s, e = bounds[n], bounds[n + 1]
             S0 = None if initial_state is None else initial_state[n : n + 1]
-            o_n, S_n = recurrence(
+            o_n, S_n = _recurrence(
                 q[:, s:e], k[:, s:e], v[:, s:e],
                 None if g is None else g[:, s:e],
                 None if beta is None else beta[:, s:e],
