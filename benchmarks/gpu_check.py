@@ -3,10 +3,13 @@
 For every member, at the awkward shapes of DESIGN §5 and at the benchmark shapes, in fp32 and
 bf16, the Triton backend's output, final state and every gradient (q, k, v, g, beta, initial
 state; through o and the final state) are compared with a float64 chunk-backend reference on
-the same inputs (drawn once, rounded to bf16 so that both precisions see the same values):
+the fp32 inputs as drawn:
 
 - fp32: relative RMS error ≤ 2e-3;
-- bf16: error ≤ 2 × the error of the bf16 chunk backend against the same reference.
+- bf16: the inputs are rounded to bf16 and given to the Triton kernels and to the PyTorch chunk
+  backend (which computes in fp32 from them); the Triton error against the fp64 reference must be
+  ≤ 2 × the chunk backend's. The bf16 budget is thus what bf16 inputs cost anyway (DESIGN §5
+  tier 3: "against the same fp32 reference"), which leaves room for bf16 intermediates.
 
 Prints one table row per (case, dtype) and exits non-zero if anything fails. If the decode
 kernels and ``benchmarks/gpu_check_decode.py`` exist, their ``main()`` runs too.
@@ -59,8 +62,7 @@ def make(B, T, H, HV, K, V, lens, member, state, seed):
         "beta": torch.sigmoid(r(B, T, HV)) if HAS_BETA[member] else None,
         "initial_state": r(N, HV, K, V) * 0.3 if state else None,
     }
-    d = {n: (None if x is None else (x.bfloat16().double() if n != "initial_state" else x.double()))
-         for n, x in d.items()}
+    d = {n: (None if x is None else x.double()) for n, x in d.items()}
     cu = None
     if lens:
         cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)  # on the CPU
@@ -130,7 +132,7 @@ def check_fused(B, T, H, HV, K, V, seed=99):
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def r(*s):
-        return torch.randn(*s, generator=gen, device="cuda").bfloat16().double()
+        return torch.randn(*s, generator=gen, device="cuda").double()
 
     d = {"q": r(B, T, H, K), "k": r(B, T, H, K), "v": r(B, T, HV, V), "a": r(B, T, HV), "b": r(B, T, HV),
          "A_log": r(HV) * 0.5, "dt_bias": r(HV) * 0.5, "initial_state": r(B, HV, K, V) * 0.3}
@@ -189,7 +191,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="awkward shapes and the smallest benchmark shape only")
     p.add_argument("--full", action="store_true", help="every member at every awkward shape")
+    p.add_argument("--shard", default="0/1", help="i/n: run every n-th case from the i-th (parallel processes)")
+    p.add_argument("--no-decode", action="store_true", help="skip benchmarks/gpu_check_decode.py")
     a = p.parse_args(argv)
+    si, sn = (int(x) for x in a.shard.split("/"))
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"triton {__import__('triton').__version__}")
     print("| case | member | dtype | first call s | rel. RMS error vs fp64 | worst / bound | |")
@@ -201,23 +206,28 @@ def main(argv=None):
         cases = [(c, "gated_delta_rule") for c in AWKWARD] + [(AWKWARD[3], m) for m in MEMBERS[1:]]
     bench = BENCH[:1] if a.quick else BENCH
     cases += [(c, "gated_delta_rule") for c in bench] + [(bench[0], m) for m in MEMBERS[1:]]
-    for i, ((name, B, T, H, HV, K, V, lens, state), member) in enumerate(cases):
+    fused = [(2, 300, 2, 4, 128, 128), (1, 65, 1, 2, 60, 100)]
+    jobs = [("case", i, c) for i, c in enumerate(cases)] + [("fused", i, f) for i, f in enumerate(fused)]
+    jobs = jobs[si::sn]
+    for kind, i, job in jobs:
+        if kind == "fused":
+            try:
+                rows, ok = check_fused(*job)
+            except Exception as e:  # report and continue
+                rows, ok = [f"| fused prologue {job} | - | - | - | {type(e).__name__}: {str(e)[:200]} | | FAIL |"], False
+            ok_all &= ok
+            print("\n".join(rows), flush=True)
+            continue
+        (name, B, T, H, HV, K, V, lens, state), member = job
         try:
             rows, ok = check_case(name, member, B, T, H, HV, K, V, lens, state, seed=i)
         except Exception as e:  # report and continue: the table is the deliverable
             rows, ok = [f"| {name} | {member} | - | - | {type(e).__name__}: {str(e)[:200]} | | FAIL |"], False
         ok_all &= ok
         print("\n".join(rows), flush=True)
-    for dims in ((2, 300, 2, 4, 128, 128), (1, 65, 1, 2, 60, 100)):
-        try:
-            rows, ok = check_fused(*dims)
-        except Exception as e:  # report and continue
-            rows, ok = [f"| fused prologue {dims} | - | - | - | {type(e).__name__}: {str(e)[:200]} | | FAIL |"], False
-        ok_all &= ok
-        print("\n".join(rows), flush=True)
     here = os.path.dirname(os.path.abspath(__file__))
     dec = os.path.join(here, "gpu_check_decode.py")
-    if os.path.exists(os.path.join(here, "..", "gdn", "ops", "triton", "fused_recurrent.py")) and os.path.exists(dec):
+    if not a.no_decode and si == 0 and os.path.exists(dec):
         spec = importlib.util.spec_from_file_location("gpu_check_decode", dec)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)

@@ -73,9 +73,41 @@ def make_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.d
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """Tensor-core mode for fp32 operands: 3-pass tf32 (≈ fp32) for fp32 inputs; plain tf32 for
-    half inputs, whose values are exact in tf32 (intermediates lose ≈ 2⁻¹¹, far below bf16's 2⁻⁸)."""
+    """Tensor-core mode of fp32 dot operands: 3-pass tf32 (≈ fp32) for fp32 inputs. For half
+    inputs every dot operand is cast to the input dtype first (native bf16/fp16 tensor-core dots with
+    fp32 accumulation), so the mode does not apply; "tf32" is passed for form's sake."""
     return "tf32x3" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The Triton element type of the kernels' intermediates for inputs of ``dtype``: the input's
+    own half type (as FLA), fp32 for fp32 inputs."""
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(dtype, tl.float32)
+
+
+#: Launch configuration of each chunk kernel (warps, pipelining depths tried in order, tiles).
+#: ``SV`` is the number of fp32 elements of one state tile in the sequential passes (the tile is
+#: the whole K × SV/K values). ``benchmarks/tune_gpu.py`` times alternatives on the H200.
+CONFIG = {
+    "kkt_solve": dict(num_warps=4, stages=(1,), BK=64, BV=64),
+    "wu": dict(num_warps=4, stages=(1,), BK=64, BV=64),
+    "state_fwd": dict(num_warps=4, stages=(2, 1), SV=4096),
+    "output": dict(num_warps=4, stages=(1,), BK=64, BV=64),
+    "dv_local": dict(num_warps=4, stages=(1,), BK=64, BV=64),
+    "state_bwd": dict(num_warps=4, stages=(2, 1), SV=4096),
+    "dqk": dict(num_warps=4, stages=(1,), BK=64, BV=64),
+    "wy_bwd": dict(num_warps=4, stages=(1,), BK=64, BV=64),
+}
+
+
+def tiles(name: str, K: int, V: int) -> tuple[int, int]:
+    """(BK, BV) of kernel ``name``: its configured tiles capped at the next power of two of K, V;
+    for the sequential passes the whole K and ``SV // BK`` values."""
+    c = CONFIG[name]
+    if "SV" in c:
+        BK = pow2(K)
+        return BK, min(pow2(V), max(16, c["SV"] // BK))
+    return min(c["BK"], pow2(K)), min(c["BV"], pow2(V))
 
 
 def pow2(n: int, lo: int = 16) -> int:
@@ -103,11 +135,15 @@ def gate_cumsum(g, rows, m, HV, i_hv):
 _STAGES: dict = {}
 
 
-def launch(kernel, grid, *args, stages=(1,), **meta):
-    """``kernel[grid](*args, **meta)`` with the first software-pipelining depth in ``stages`` whose
-    shared memory fits the card (a deeper pipeline is tried first; the choice is remembered per
-    kernel and compile-time arguments, so the fallback costs one failed load at most)."""
-    key = (kernel.fn.__name__, tuple(sorted((k, str(v)) for k, v in meta.items())))
+def launch(kernel, grid, *args, name: str, **meta):
+    """``kernel[grid](*args, **meta)`` with the warps of ``CONFIG[name]`` and the first of its
+    software-pipelining depths whose shared memory fits the card (a deeper pipeline is tried first;
+    the choice is remembered per kernel and compile-time arguments, so the fallback costs one
+    failed load at most)."""
+    cfg = CONFIG[name]
+    stages = cfg["stages"]
+    meta["num_warps"] = cfg["num_warps"]
+    key = (kernel.fn.__name__, tuple(sorted((k, str(v)) for k, v in meta.items())), stages)
     if key in _STAGES:
         return kernel[grid](*args, num_stages=_STAGES[key], **meta)
     for i, ns in enumerate(stages):

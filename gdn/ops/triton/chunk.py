@@ -4,7 +4,8 @@ Same contract as :mod:`gdn.ops.reference` (arguments already validated by :mod:`
 q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; initial_state [N, HV, K, V];
 cu_seqlens [N + 1] (B == 1). Returns ``(o [B, T, HV, V] in v.dtype, final state [N, HV, K, V]
 fp32 or None)``. Gradients flow to q, k, v, g, beta and initial_state, and from the final state.
-Inputs may be fp32, fp16 or bf16 (fp64 is computed in fp32); states and accumulation are fp32.
+Inputs may be fp32, fp16 or bf16 (fp64 is computed in fp32; mixed q/k/v dtypes are promoted to
+one); intermediates are kept in that dtype, the running and final states and accumulation in fp32.
 """
 from __future__ import annotations
 
@@ -31,16 +32,15 @@ class ChunkFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, h0, scale: float, want_final: bool, ch: Chunks):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
-        qk_dt = _kernel_dtype(q, k)
-        v_dt = _kernel_dtype(v)
-        qp = q.reshape(B * T, H, K).to(qk_dt).contiguous()
-        kp = k.reshape(B * T, H, K).to(qk_dt).contiguous()
-        vp = v.reshape(B * T, HV, V).to(v_dt).contiguous()
+        io = _kernel_dtype(q, k, v)  # one dtype for q, k, v and the intermediates
+        qp = q.reshape(B * T, H, K).to(io).contiguous()
+        kp = k.reshape(B * T, H, K).to(io).contiguous()
+        vp = v.reshape(B * T, HV, V).to(io).contiguous()
         gp = None if g is None else g.reshape(B * T, HV).float().contiguous()
         bp = None if beta is None else beta.reshape(B * T, HV).float().contiguous()
         h0p = None if h0 is None else h0.float().contiguous()
         h, VN, ht, _, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, h0p, ch, want_final)
-        o = chunk_fwd.output(qp, kp, vp, gp, h, VN, ch, scale, v_dt)
+        o = chunk_fwd.output(qp, kp, vp, gp, h, VN, ch, scale, io)
         ctx.save_for_backward(qp, kp, vp, gp, bp, h0p)
         ctx.meta = (B, T, H, HV, K, V, scale, ch, q.dtype, k.dtype, v.dtype,
                     None if g is None else g.dtype, None if beta is None else beta.dtype,

@@ -12,6 +12,9 @@ the next chunk, or the final-state gradient), S the state entering it and δ as 
     dV = β Tᵀ dδ ;  dK, dβ, dγ from W and A ;  dg = reverse cumsum of dγ in the chunk
 
 Without the delta term dδ is dV and the wy stage only turns dγ into dg.
+
+As in the forward, intermediates (dδ_loc, dδ, the per-chunk dS, dW) are stored in the input dtype
+and every dot takes operands of that dtype (fp32 accumulation); dQ, dK, dV, dβ, dγ are fp32.
 """
 from __future__ import annotations
 
@@ -19,14 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import BT, INTERPRET, Chunks, launch, chunk_bounds, dot_precision, gate_cumsum, pow2
-from .chunk_fwd import state_tiles
+from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, launch, tiles, tl_dtype
 
 
 @triton.jit
 def dv_local_kernel(q, k, g, do, DVL, cu, chunk_idx, scale, H, HV, K: tl.constexpr,
                     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
-                    PREC: tl.constexpr):
+                    PREC: tl.constexpr, DT: tl.constexpr):
     """DVL = scale · (Q Kᵀ ⊙ D)ᵀ dO for one chunk, value head and V tile."""
     i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -49,39 +51,41 @@ def dv_local_kernel(q, k, g, do, DVL, cu, chunk_idx, scale, H, HV, K: tl.constex
         b_pt = b_pt * tl.exp(tl.where(lower, b_gam[None, :] - b_gam[:, None], float("-inf")))
     else:
         b_pt = tl.where(lower, b_pt, 0.0)
-    b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
-    b_dv = scale * tl.dot(b_pt, b_do, input_precision=PREC)
-    tl.store(DVL + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_dv, mask=mv)
+    b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
+    b_dv = scale * tl.dot(b_pt.to(DT), b_do, input_precision=PREC)
+    tl.store(DVL + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_dv.to(DT), mask=mv)
 
 
 @triton.jit
 def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
                     scale, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+                    USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Step j of the reverse pass (chunk NC − 1 − j): store dS_out, compute dδ, return dS_in."""
     i_c = NC - 1 - j
-    tl.store(dh + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_ds, mask=mkv & (i_c >= 0))
+    b_dsd = b_ds.to(DT)
+    tl.store(dh + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_dsd, mask=mkv & (i_c >= 0))
     rows = bos + i_c * BT + o_t
     m = (rows >= bos) & (rows < eos)
     mk = m[:, None] & (o_k < K)[None, :]
     mv = m[:, None] & (o_v < V)[None, :]
     b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
     b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
-    b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
-    b_dd = tl.load(DVL + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
+    b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
+    b_dd = tl.load(DVL + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
     b_q = b_q * scale
     if USE_G:
         b_gam, b_gc = gate_cumsum(g, rows, m, HV, i_hv)
         b_k = b_k * tl.exp(b_gc - b_gam)[:, None]
         b_q = b_q * tl.exp(b_gam)[:, None]
-    b_dd += tl.dot(b_k, b_ds, input_precision=PREC)
-    tl.store(DD + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_dd, mask=mv)
+    b_dd += tl.dot(b_k.to(DT), b_dsd, input_precision=PREC)
+    b_ddd = b_dd.to(DT)
+    tl.store(DD + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_ddd, mask=mv)
     if USE_G:
         b_ds = b_ds * tl.exp(b_gc)
-    b_ds += tl.dot(tl.trans(b_q), b_do, input_precision=PREC)
+    b_ds += tl.dot(tl.trans(b_q.to(DT)), b_do, input_precision=PREC)
     if DELTA:
         b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
-        b_ds -= tl.dot(tl.trans(b_w), b_dd, input_precision=PREC)
+        b_ds -= tl.dot(tl.trans(b_w), b_ddd, input_precision=PREC)
     return b_ds
 
 
@@ -89,7 +93,7 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
 def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_nc, scale, H,
                      HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
-                     USE_INIT: tl.constexpr, PREC: tl.constexpr, WHILE: tl.constexpr):
+                     USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
     """Reverse pass over one sequence's chunks: dh[c] = dS_out of chunk c, DD = dδ, dh0 = dS_0.
     Runs ``max_nc`` steps like the forward pass; steps before the sequence's start are masked."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -112,12 +116,12 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_n
         j = 0
         while j < max_nc:
             b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC)
+                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
             j += 1
     else:
         for j in range(0, max_nc):
             b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC)
+                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
     if USE_INIT:
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_ds, mask=mkv)
 
@@ -125,7 +129,7 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_n
 @triton.jit
 def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, scale, T, H,
                HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-               BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+               BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """dQ, the O- and state-terms of dK, dW = −dδ Sᵀ and this K tile's part of dγ, per chunk."""
     i_k, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -148,8 +152,8 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, s
         if DELTA:
             b_d = tl.load(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
         else:
-            b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
-        b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+            b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
+        b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
         b_s = tl.load(h + base_h + o_k[:, None] * V + o_v[None, :], mask=mkv, other=0.0)
         b_ds = tl.load(dh + base_h + o_k[:, None] * V + o_v[None, :], mask=mkv, other=0.0)
         b_dod += tl.dot(b_do, tl.trans(b_d), input_precision=PREC)
@@ -159,7 +163,7 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, s
             b_dd = tl.load(DD + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
             b_dw -= tl.dot(b_dd, tl.trans(b_s), input_precision=PREC)
         if USE_G:
-            b_gcs += tl.sum(b_s * b_ds, axis=1)
+            b_gcs += tl.sum(b_s.to(tl.float32) * b_ds.to(tl.float32), axis=1)
     b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
     b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
     lower = o_t[:, None] >= o_t[None, :]
@@ -174,13 +178,13 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, s
         b_dqs = b_dqs * scale
     b_qf = b_q.to(tl.float32)
     b_kf = b_k.to(tl.float32)
-    b_dq = tl.dot(b_dsm, b_kf, input_precision=PREC) + b_dqs
-    b_dk = tl.dot(tl.trans(b_dsm), b_qf, input_precision=PREC) + b_dks
+    b_dq = tl.dot(b_dsm.to(DT), b_k, input_precision=PREC) + b_dqs
+    b_dk = tl.dot(tl.trans(b_dsm.to(DT)), b_q, input_precision=PREC) + b_dks
     p_out = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
     tl.store(DQ + p_out, b_dq, mask=mk)
     tl.store(DK + p_out, b_dk, mask=mk)
     if DELTA:
-        tl.store(DW + p_out, b_dw, mask=mk)
+        tl.store(DW + p_out, b_dw.to(DT), mask=mk)
     if USE_G:
         b_e = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * b_dsm
         b_a = tl.sum(b_kf * b_dks, axis=1)
@@ -195,7 +199,7 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, s
 def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx, T, H,
                   HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, NK: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr,
-                  PREC: tl.constexpr):
+                  PREC: tl.constexpr, DT: tl.constexpr):
     """Gradients through W = T diag(βΓ) K, U = T diag(β) V and T = (I + A)⁻¹; then dg."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -224,7 +228,7 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx
             p_v = (rows[:, None] * HV + i_hv) * V + o_v[None, :]
             b_du = tl.load(DD + p_v, mask=mv, other=0.0)
             b_v = tl.load(v + p_v, mask=mv, other=0.0).to(tl.float32)
-            b_dT += tl.dot(b_du, tl.trans(b_v * b_b[:, None]), input_precision=PREC)
+            b_dT += tl.dot(b_du, tl.trans((b_v * b_b[:, None]).to(DT)), input_precision=PREC)
             b_tdu = tl.dot(tl.trans(b_A), b_du, input_precision=PREC)
             tl.store(DV + p_v, b_tdu * b_b[:, None], mask=mv)
             b_db += tl.sum(b_v * b_tdu, axis=1)
@@ -236,14 +240,15 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx
             b_kr = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
             b_k = b_kr.to(tl.float32)
             b_kb = b_k * b_bg[:, None]
-            b_dT += tl.dot(b_dw, tl.trans(b_kb), input_precision=PREC)
+            b_dT += tl.dot(b_dw, tl.trans(b_kb.to(DT)), input_precision=PREC)
             b_tdw = tl.dot(tl.trans(b_A), b_dw, input_precision=PREC)
             b_db += tl.sum(b_k * b_tdw, axis=1) * b_G
             if USE_G:
                 b_dgam += tl.sum(b_kb * b_tdw, axis=1)
             b_kk += tl.dot(b_kr, tl.trans(b_kr), input_precision=PREC)
             tl.store(DK + p_k, tl.load(DK + p_k, mask=mk, other=0.0) + b_tdw * b_bg[:, None], mask=mk)
-        b_dA = -tl.dot(tl.dot(tl.trans(b_A), b_dT, input_precision=PREC), tl.trans(b_A), input_precision=PREC)
+        b_dA = -tl.dot(tl.dot(tl.trans(b_A), b_dT.to(DT), input_precision=PREC).to(DT), tl.trans(b_A),
+                       input_precision=PREC)
         strict = o_t[:, None] > o_t[None, :]
         if USE_G:
             b_dec = tl.exp(tl.where(strict, b_gam[:, None] - b_gam[None, :], float("-inf")))
@@ -259,8 +264,9 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx
             o_k = i_k * BK + tl.arange(0, BK)
             mk = m[:, None] & (o_k < K)[None, :]
             p_k = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
-            b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
-            b_add = tl.dot(b_mf, b_k, input_precision=PREC) + tl.dot(tl.trans(b_mf), b_k, input_precision=PREC)
+            b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+            b_add = (tl.dot(b_mf.to(DT), b_k, input_precision=PREC)
+                     + tl.dot(tl.trans(b_mf).to(DT), b_k, input_precision=PREC))
             tl.store(DK + p_k, tl.load(DK + p_k, mask=mk, other=0.0) + b_add, mask=mk)
         tl.store(DB + rows * HV + i_hv, b_db, mask=m)
     if USE_G:
@@ -269,53 +275,55 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx
 
 
 def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
-    """Gradients of the chunk op. Shapes in the packed layout: q, k [T, H, K]; v, do [T, HV, V];
-    g, beta [T, HV] or None; h0, dht [N, HV, K, V] or None. Returns fp32
-    (dq [T, HV, K], dk [T, HV, K], dv [T, HV, V], dg or None, dbeta or None, dh0 or None);
-    dq and dk are per value head (the caller sums each group)."""
+    """Gradients of the chunk op. Shapes in the packed layout: q, k [T, H, K]; v, do [T, HV, V]
+    (q, k, v, do of one dtype); g, beta [T, HV] fp32 or None; h0, dht [N, HV, K, V] fp32 or None.
+    Returns (dq [T, HV, K], dk [T, HV, K], dv [T, HV, V], dg or None, dbeta or None, dh0 or None),
+    fp32 except dv of the members without the delta term (input dtype); dq and dk are per value head
+    (the caller sums each group)."""
     from .chunk_fwd import forward_intermediates  # noqa: PLC0415
 
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     delta, gated = beta is not None, g is not None
-    prec = dot_precision(v.dtype)
+    prec, DT, io = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype
     dev, f32 = v.device, torch.float32
     h, VN, _, Ai, W = forward_intermediates(q, k, v, g, beta, h0, ch, False)
-    BK = min(64, pow2(K))
-    BV = min(64, pow2(V))
-    NK = triton.cdiv(K, BK)
     dummy = v
     gp = g if gated else dummy
-    DVL = torch.empty(T, HV, V, device=dev, dtype=f32)
+    DVL = torch.empty(T, HV, V, device=dev, dtype=io)
+    BK, BV = tiles("dv_local", K, V)
     launch(dv_local_kernel, (triton.cdiv(V, BV), ch.NT, HV),
-        q, k, gp, do, DVL, ch.cu, ch.chunk_idx, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        USE_G=gated, PREC=prec, num_warps=4)
-    dh = torch.empty(ch.NT, HV, K, V, device=dev, dtype=f32)
-    DD = torch.empty(T, HV, V, device=dev, dtype=f32)
+           q, k, gp, do, DVL, ch.cu, ch.chunk_idx, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
+           USE_G=gated, PREC=prec, DT=DT, name="dv_local")
+    dh = torch.empty(ch.NT, HV, K, V, device=dev, dtype=io)
+    DD = torch.empty(T, HV, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
-    SK, SV = state_tiles(K, V)
+    SK, SV = tiles("state_bwd", K, V)
     launch(state_bwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
-        q, k, gp, W if delta else dummy, do, DVL, dht if dht is not None else dummy, dh, DD,
-        dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, ch.max_nc, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK,
-        BV=SV, USE_G=gated, DELTA=delta, USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec, WHILE=INTERPRET,
-        num_warps=4, stages=(2, 1))
+           q, k, gp, W if delta else dummy, do, DVL, dht if dht is not None else dummy, dh, DD,
+           dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, ch.max_nc, scale, H=H, HV=HV, K=K, V=V, BT=BT,
+           BK=SK, BV=SV, USE_G=gated, DELTA=delta, USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec,
+           DT=DT, WHILE=INTERPRET, name="state_bwd")
     del DVL
+    BK, BV = tiles("dqk", K, V)
+    NK = triton.cdiv(K, BK)
     DQ = torch.empty(T, HV, K, device=dev, dtype=f32)
     DK = torch.empty(T, HV, K, device=dev, dtype=f32)
-    DW = torch.empty(T, HV, K, device=dev, dtype=f32) if delta else None
+    DW = torch.empty(T, HV, K, device=dev, dtype=io) if delta else None
     DGAM = torch.empty(NK, T, HV, device=dev, dtype=f32) if gated else None  # dγ of each K tile
     launch(dqk_kernel, (NK, ch.NT, HV),
-        q, k, v, gp, VN if delta else dummy, do, h, dh, DD if delta else dummy, DQ, DK,
-        DW if delta else dummy, DGAM if gated else dummy, ch.cu, ch.chunk_idx, scale, T, H=H, HV=HV, K=K,
-        V=V, BT=BT, BK=BK, BV=BV, USE_G=gated, DELTA=delta, PREC=prec, num_warps=4)
+           q, k, v, gp, VN if delta else dummy, do, h, dh, DD if delta else dummy, DQ, DK,
+           DW if delta else dummy, DGAM if gated else dummy, ch.cu, ch.chunk_idx, scale, T, H=H, HV=HV, K=K,
+           V=V, BT=BT, BK=BK, BV=BV, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, name="dqk")
     del h, dh
     DV = torch.empty(T, HV, V, device=dev, dtype=f32) if delta else DD
     DB = torch.empty(T, HV, device=dev, dtype=f32) if delta else None
     DG = torch.empty(T, HV, device=dev, dtype=f32) if gated else None
     if delta or gated:
-        launch(wy_bwd_kernel, (ch.NT, HV), 
-            k, v, gp, beta if delta else dummy, Ai if delta else dummy, DD, DW if delta else dummy, DK,
-            DV, DB if delta else dummy, DGAM if gated else dummy, DG if gated else dummy, ch.cu, ch.chunk_idx,
-            T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, NK=NK, USE_G=gated, DELTA=delta, PREC=prec,
-            num_warps=4)
+        WK, WV = tiles("wy_bwd", K, V)
+        launch(wy_bwd_kernel, (ch.NT, HV),
+               k, v, gp, beta if delta else dummy, Ai if delta else dummy, DD, DW if delta else dummy, DK,
+               DV, DB if delta else dummy, DGAM if gated else dummy, DG if gated else dummy, ch.cu, ch.chunk_idx,
+               T, H=H, HV=HV, K=K, V=V, BT=BT, BK=WK, BV=WV, NK=NK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT,
+               name="wy_bwd")
     return DQ, DK, DV, DG, DB, dh0

@@ -10,7 +10,10 @@ D_ij = exp(γ_i − γ_j) (j ≤ i) and S the state entering the chunk::
     O = scale · ((Q Kᵀ ⊙ D) δ + diag(Γ) Q S)             output
 
 The gate (``USE_G``) and the delta term (``DELTA``) are compile-time switches, so the four
-members share these kernels. Intermediates (T, W, U, δ, per-chunk states) are fp32.
+members share these kernels. Intermediates (T, W, U, δ, per-chunk states) are stored in the
+input dtype (bf16/fp16 for half inputs, as FLA does; fp32 for fp32 inputs) and every dot takes
+operands of that dtype with fp32 accumulation; the running state and the returned final state
+are fp32.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import BT, INTERPRET, Chunks, launch, chunk_bounds, dot_precision, gate_cumsum, pow2
+from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, launch, tiles, tl_dtype
 
 
 @triton.jit
@@ -50,7 +53,7 @@ def _block_a(Aij, b_i, gi, gj, DIAG: tl.constexpr, USE_G: tl.constexpr):
 @triton.jit
 def _store_block(Ai, X, rows, m, HV, i_hv, col0: tl.constexpr):
     o = tl.arange(0, 16)
-    tl.store(Ai + (rows[:, None] * HV + i_hv) * 64 + col0 + o[None, :], X, mask=m[:, None])
+    tl.store(Ai + (rows[:, None] * HV + i_hv) * 64 + col0 + o[None, :], X.to(Ai.dtype.element_ty), mask=m[:, None])
 
 
 @triton.jit
@@ -148,8 +151,8 @@ def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H, HV, K: tl.constexpr,
 @triton.jit
 def wu_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr,
               V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
-              PREC: tl.constexpr):
-    """W = T diag(βΓ) K and U = T diag(β) V for one chunk and value head."""
+              PREC: tl.constexpr, DT: tl.constexpr):
+    """W = T diag(βΓ) K and U = T diag(β) V for one chunk and value head (stored in DT)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, BT)
@@ -166,31 +169,32 @@ def wu_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr,
         o_k = i_k * BK + tl.arange(0, BK)
         mk = m[:, None] & (o_k < K)[None, :]
         b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
-        b_w = tl.dot(b_A, b_k * b_bg[:, None], input_precision=PREC)
-        tl.store(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], b_w, mask=mk)
+        b_w = tl.dot(b_A, (b_k * b_bg[:, None]).to(DT), input_precision=PREC)
+        tl.store(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], b_w.to(DT), mask=mk)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         mv = m[:, None] & (o_v < V)[None, :]
         b_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
-        b_u = tl.dot(b_A, b_v * b_b[:, None], input_precision=PREC)
-        tl.store(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_u, mask=mv)
+        b_u = tl.dot(b_A, (b_v * b_b[:, None]).to(DT), input_precision=PREC)
+        tl.store(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_u.to(DT), mask=mv)
 
 
 @triton.jit
 def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
                     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+                    USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """One chunk of the forward state pass: store S, compute δ, return the next S."""
     rows = bos + i_c * BT + o_t
-    tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_s, mask=mkv & (bos + i_c * BT < eos))
+    b_sd = b_s.to(DT)
+    tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_sd, mask=mkv & (bos + i_c * BT < eos))
     m = rows < eos
     mk = m[:, None] & (o_k < K)[None, :]
     mv = m[:, None] & (o_v < V)[None, :]
     if DELTA:
         b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
-        b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
-        b_d = b_u - tl.dot(b_w, b_s, input_precision=PREC)
-        tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_d, mask=mv)
+        b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+        b_d = b_u - tl.dot(b_w, b_sd, input_precision=PREC)
+        tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=mv)
     else:
         b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
     b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
@@ -198,14 +202,14 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t
         b_gam, b_gc = gate_cumsum(g, rows, m, HV, i_hv)
         b_k = b_k * tl.exp(b_gc - b_gam)[:, None]
         b_s = b_s * tl.exp(b_gc)
-    return b_s + tl.dot(tl.trans(b_k), b_d, input_precision=PREC)
+    return b_s + tl.dot(tl.trans(b_k.to(DT)), b_d.to(DT), input_precision=PREC)
 
 
 @triton.jit
 def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-                     PREC: tl.constexpr, WHILE: tl.constexpr):
+                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
     """Sequential pass over one sequence's chunks for one value head and one V tile.
 
     Stores the state entering each chunk in h [NT, HV, K, V] and, for delta members,
@@ -232,12 +236,12 @@ def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV,
         i_c = 0
         while i_c < max_nc:
             b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                  p_s, H, HV, K, V, BT, USE_G, DELTA, PREC)
+                                  p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
             i_c += 1
     else:
         for i_c in range(0, max_nc):
             b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                  p_s, H, HV, K, V, BT, USE_G, DELTA, PREC)
+                                  p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
     if STORE_FINAL:
         tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s, mask=mkv)
 
@@ -245,7 +249,7 @@ def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV,
 @triton.jit
 def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H, HV,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+                  USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """O = scale · ((Q Kᵀ ⊙ D) δ + diag(Γ) Q S) for one chunk, value head and V tile."""
     i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -265,7 +269,7 @@ def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H, HV,
         b_p += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         b_s = tl.load(h + (i_t.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
                       mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0)
-        b_o += tl.dot(b_q.to(tl.float32), b_s, input_precision=PREC)
+        b_o += tl.dot(b_q, b_s, input_precision=PREC)
     if USE_G:
         b_gam, _ = gate_cumsum(g, rows, m, HV, i_hv)
         b_o = b_o * tl.exp(b_gam)[:, None]
@@ -275,55 +279,43 @@ def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H, HV,
     if DELTA:
         b_d = tl.load(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
     else:
-        b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
-    b_o = scale * (b_o + tl.dot(b_p, b_d, input_precision=PREC))
+        b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
+    b_o = scale * (b_o + tl.dot(b_p.to(DT), b_d.to(DT), input_precision=PREC))
     tl.store(o + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=mv)
-
-
-# The state chain (W, U, δ and S itself) is computed at fp32 accuracy (3-pass tf32) whatever the
-# input dtype: the final state is returned in fp32 and must match an fp32 computation; plain tf32
-# (2⁻¹¹) there costs ~4e-4 relative error in S.
-STATE_PREC = "tf32x3"
-
-
-def state_tiles(K: int, V: int) -> tuple[int, int]:
-    """(BK, BV) of the state passes: the whole K in one tile, V split so a tile holds ≤ 4096 fp32."""
-    BK = pow2(K)
-    BV = min(pow2(V), max(16, 4096 // BK))
-    return BK, BV
 
 
 def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool):
     """Run the sequential part of the forward: returns (h [NT, HV, K, V], VN or None, ht or None,
-    Ai or None, W or None). q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, HV] or None."""
+    Ai or None, W or None); h, VN, Ai, W in the inputs' dtype, ht fp32. q, k: [T, H, K];
+    v: [T, HV, V] (q, k, v of one dtype); g, beta: [T, HV] fp32 or None."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     delta = beta is not None
-    prec = dot_precision(v.dtype)
+    prec, DT, io = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype
     dev = v.device
-    f32 = torch.float32
-    BK = min(64, pow2(K))
-    BV = min(64, pow2(V))
     Ai = W = U = VN = None
     if delta:
-        Ai = torch.empty(T, HV, BT, device=dev, dtype=f32)
-        W = torch.empty(T, HV, K, device=dev, dtype=f32)
-        U = torch.empty(T, HV, V, device=dev, dtype=f32)
-        VN = torch.empty(T, HV, V, device=dev, dtype=f32)
+        Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
+        W = torch.empty(T, HV, K, device=dev, dtype=io)
+        U = torch.empty(T, HV, V, device=dev, dtype=io)
+        VN = torch.empty(T, HV, V, device=dev, dtype=io)
         gp = g if g is not None else beta
+        BK, _ = tiles("kkt_solve", K, V)
         launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, BK=BK,
-                                      USE_G=g is not None, PREC=prec, num_warps=4)
+               USE_G=g is not None, PREC=prec, name="kkt_solve")
+        BK, BV = tiles("wu", K, V)
         launch(wu_kernel, (ch.NT, HV), k, v, gp, beta, Ai, W, U, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, V=V, BT=BT,
-                               BK=BK, BV=BV, USE_G=g is not None, PREC=STATE_PREC, num_warps=4)
-    h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=f32)
-    ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if want_final else None
-    SK, SV = state_tiles(K, V)
+               BK=BK, BV=BV, USE_G=g is not None, PREC=prec, DT=DT, name="wu")
+    h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=io)
+    ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
+    SK, SV = tiles("state_fwd", K, V)
     dummy = v
     launch(state_fwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
-        k, v, g if g is not None else dummy, W if delta else dummy, U if delta else dummy,
-        h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy,
-        ch.cu, ch.chunk_off, ch.max_nc, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=delta,
-        USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=STATE_PREC, WHILE=INTERPRET, num_warps=4, stages=(2, 1))
+           k, v, g if g is not None else dummy, W if delta else dummy, U if delta else dummy,
+           h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy,
+           ch.cu, ch.chunk_off, ch.max_nc, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None,
+           DELTA=delta, USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET,
+           name="state_fwd")
     return h, VN, ht, Ai, W
 
 
@@ -332,10 +324,9 @@ def output(q, k, v, g, h, VN, ch: Chunks, scale: float, out_dtype):
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     o = torch.empty(T, HV, V, device=v.device, dtype=out_dtype)
-    BK = min(64, pow2(K))
-    BV = min(64, pow2(V))
+    BK, BV = tiles("output", K, V)
     launch(output_kernel, (triton.cdiv(V, BV), ch.NT, HV),
-        q, k, v, g if g is not None else v, h, VN if VN is not None else v, o, ch.cu, ch.chunk_idx, scale,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, DELTA=VN is not None,
-        PREC=dot_precision(v.dtype), num_warps=4)
+           q, k, v, g if g is not None else v, h, VN if VN is not None else v, o, ch.cu, ch.chunk_idx, scale,
+           H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, DELTA=VN is not None,
+           PREC=dot_precision(v.dtype), DT=tl_dtype(v.dtype), name="output")
     return o

@@ -24,6 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import chunk_bwd, chunk_fwd
+from ._common import CONFIG
 from .chunk import chunk_op
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
@@ -34,7 +35,7 @@ def _signature(kernel, args, meta):
     names = [p.name for p in kernel.params]
     bound = dict(zip(names, args))
     bound.update(meta)
-    sig, consts = {}, {}
+    sig, consts, attrs = {}, {}, {}
     for i, p in enumerate(kernel.params):
         x = bound[p.name]
         if p.is_constexpr:
@@ -42,18 +43,21 @@ def _signature(kernel, args, meta):
             consts[(i,)] = x
         elif isinstance(x, torch.Tensor):
             sig[p.name] = "*" + _TYPES[x.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # what a launch specialises (16-byte aligned data)
         elif isinstance(x, bool) or isinstance(x, int):
             sig[p.name] = "i32"
+            if not isinstance(x, bool) and x % 16 == 0 and x != 0 and not p.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[p.name] = "fp32"
-    return sig, consts
+    return sig, consts, attrs
 
 
 def compile_report(kernel, args, meta, num_warps, num_stages):
     """(seconds, shared bytes, 'REG:n STACK:n') of one kernel compiled for sm_90."""
-    sig, consts = _signature(kernel, args, meta)
+    sig, consts, attrs = _signature(kernel, args, meta)
     t0 = time.perf_counter()
-    c = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+    c = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": num_warps, "num_stages": num_stages})
     secs = time.perf_counter() - t0
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -65,12 +69,12 @@ def compile_report(kernel, args, meta, num_warps, num_stages):
     return secs, c.metadata.shared, usage
 
 
-def report(K=128, V=128, dtype=torch.bfloat16, member="gated_delta_rule", H=1, HV=1, T=64):
+def report(K=128, V=128, dtype=torch.bfloat16, member="gated_delta_rule", H=16, HV=16, T=64):
     """Compile the kernels of one forward + backward and return one row per launch."""
     rows = []
 
-    def fake_launch(kernel, grid, *args, stages=(1,), **meta):
-        warps = meta.pop("num_warps", 4)
+    def fake_launch(kernel, grid, *args, name, **meta):
+        warps, stages = CONFIG[name]["num_warps"], CONFIG[name]["stages"]
         secs, shared, usage = compile_report(kernel, args, meta, warps, stages[0])
         rows.append((kernel.fn.__name__, warps, stages[0], secs, shared, usage))
 
