@@ -1,6 +1,11 @@
 """GPU validation of the Triton KDA kernels against the float64 chunk form (fp32 and bf16, outputs,
 states, all gradients) and their speed next to the PyTorch chunk form. Run on a CUDA machine from the
-repository root: ``PYTHONPATH=. python tests/compat/_kda_gpu_check.py`` (not collected by pytest)."""
+repository root: ``PYTHONPATH=. python tests/compat/_kda_gpu_check.py`` (not collected by pytest).
+Ends with ``KDA GPU check: PASS`` or the errors over their bound (relative error ≤ 1e-4 in fp32,
+≤ 5e-2 in bf16, whose inputs are rounded) and exit status 1. The comparison with FLA's KDA is in
+``benchmarks/kda_gpu.py``."""
+
+import sys
 
 import torch
 import triton
@@ -14,6 +19,9 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
+BOUND = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+NAMES = "o S dq dk dv dg db dh0".split()
+failures = []
 torch.manual_seed(0)
 dev = "cuda"
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
@@ -36,9 +44,11 @@ for (B, T, H, HV, K, V) in [(2, 300, 2, 4, 128, 128), (1, 777, 4, 8, 64, 100), (
             o, S = fn(*ys[:5], initial_state=ys[5], output_final_state=True)
             gt = torch.autograd.grad((o.float() * wo).sum() + (S * ws).sum(), ys)
             res[name] = [rel(o, o_r), rel(S, S_r)] + [rel(a, r) for a, r in zip(gt, gr)]
-        print((B, T, H, HV, K, V), dt, "o S dq dk dv dg db dh0")
+        print((B, T, H, HV, K, V), dt, " ".join(NAMES))
         for name, errs in res.items():
             print(f"  {name:6s}", " ".join(f"{e:.1e}" for e in errs))
+            failures += [f"{name} {dt} {(B, T, H, HV, K, V)} {n}: {e:.1e} > {BOUND[dt]:.0e}"
+                         for n, e in zip(NAMES, errs) if not e <= BOUND[dt]]
 
 B, T, HV, K, V = 4, 4096, 16, 128, 128
 q = torch.randn(B, T, HV, K, device=dev, dtype=torch.bfloat16)
@@ -54,3 +64,5 @@ q1, k1, v1 = q[:1, :1].expand(64, 1, HV, K).contiguous(), k[:1, :1].expand(64, 1
 g1, b1 = g[:1, :1].expand(64, 1, HV, K).contiguous(), b[:1, :1].expand(64, 1, HV).contiguous()
 ms = triton.testing.do_bench(lambda: TK.kimi_delta_attention(q1, k1, v1, g1, b1, initial_state=s1, output_final_state=True))
 print(f"decode step triton N=64 HV={HV} K=V=128: {ms * 1000:.0f} us")
+print("KDA GPU check: " + ("PASS" if not failures else "FAIL\n  " + "\n  ".join(failures)))
+sys.exit(1 if failures else 0)
