@@ -304,10 +304,10 @@ def shape_rows(spec, impls, clock, args, report, check):
             row["first_s"], out = res
             if refs is not None:
                 ref_o, ref_g = refs["scalar" if impl == "gdn scalar" else "kda"]
-                if p == "fwd":
-                    row["err"] = rel(out, ref_o)
-                else:
-                    row["err"] = grad_error(x, list(ref_g), ref_g)
+                row["err"], status = clock.guard(
+                    lambda: rel(out, ref_o) if p == "fwd" else grad_error(x, list(ref_g), ref_g), args.step_seconds)
+                if status:
+                    row["err_status"] = status
             del out
             timing, status = clock.guard(
                 lambda: bench_ms(fn, device, args.step_seconds * 0.8, tensors if p == "fwd+bwd" else None),
@@ -317,7 +317,9 @@ def shape_rows(spec, impls, clock, args, report, check):
                 continue
             row["ms"], row["how"] = timing
             row["peak_gib"], status = clock.guard(lambda: peak_gib(fn, device, tensors), args.step_seconds)
-            row["status"] = status or "ok"
+            if status:
+                row["peak_status"] = status
+            row["status"] = "ok"
             report(row)
     del x, do, refs
     if device == "cuda":
@@ -335,9 +337,10 @@ def copy_bandwidth():
     return 2 * x.numel() * 4 / (ms * 1e-3)
 
 
-def decode_bytes(B, H, HV, D):
+def decode_bytes(B, H, HV, D, per_channel_gate=True):
+    """State read and written (fp32), q, k, v, o (bf16), g (fp32, [HV, D] or [HV]) and beta (fp32) once."""
     state = B * HV * D * D * 4 * 2
-    return state + B * (2 * H * D * 2 + 2 * HV * D * 2 + HV * D * 4 + HV * 4)
+    return state + B * (2 * H * D * 2 + 2 * HV * D * 2 + HV * (D if per_channel_gate else 1) * 4 + HV * 4)
 
 
 def decode_set(B, H, HV, D, device, dtype, seed):
@@ -440,7 +443,7 @@ def decode_rows(impls, clock, args, report):
             ref = kda_reference.kimi_delta_attention(d["q"], d["k"], d["v"], d["g"], d["beta"],
                                                      initial_state=d["h0"], output_final_state=True)
         for impl in impls:
-            row = dict(B=B, impl=impl, bytes=decode_bytes(B, H, HV, D), copy_bw=copy_bw)
+            row = dict(B=B, impl=impl, bytes=decode_bytes(B, H, HV, D, impl != "gdn scalar"), copy_bw=copy_bw)
 
             def python_launch():
                 fns = [decode_fn(impl, s, on_cpu, False) for s in sets]
@@ -477,7 +480,8 @@ def times_x(x, spec):
 
 def chunk_table(rows, impls):
     head = ("| shape | pass | " + " | ".join(f"{i} ms" for i in impls)
-            + " | FLA chunk ms / gdn KDA ms | gdn KDA ms / gdn scalar ms | peak GiB " + " / ".join(impls)
+            + " | gdn KDA speed vs FLA chunk (FLA ms / gdn ms) | gdn KDA time / gdn scalar time"
+            + " | peak GiB " + " / ".join(impls)
             + " | rel. error vs fp32 chunk form, " + " / ".join(impls) + " |")
     lines = [head, "|" + "---|" * (len(impls) + 6)]
     keys = []
@@ -509,6 +513,8 @@ def chunk_table(rows, impls):
         lines.append(f"| {shape} | {p} | {times} | {times_x(ratio_fla, '.2f')} | {times_x(ratio_scal, '.1f')} "
                      f"| {peaks} | {errs} |")
         notes += [f"{shape} {p} {i}: {r['status']}" for i, r in by.items() if r.get("status", "").startswith("FAIL")]
+        notes += [f"{shape} {p} {i} ({what}): {r[key]}" for i, r in by.items()
+                  for what, key in (("error", "err_status"), ("peak memory", "peak_status")) if key in r]
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
@@ -537,7 +543,7 @@ def decode_table(rows, impls):
             us = get(i, "graph_us")
             r = by.get(i, {})
             gbps = r.get("bytes", 0) / (us * 1e-6) / 1e9 if us == us else math.nan
-            pct = 100 * gbps * 1e9 / r["copy_bw"] if gbps == gbps and r.get("copy_bw", math.nan) == r.get("copy_bw") else math.nan
+            pct = 100 * gbps * 1e9 / r.get("copy_bw", math.nan)
             cells.append(f"{fmt(gbps, '.0f')} ({fmt(pct, '.0f')}%)" if gbps == gbps else "")
         errs = " / ".join(fmt(get(i, "err"), ".1e") or "-" for i in ("gdn KDA", "FLA recurrent"))
         lines.append(f"| {B} | " + " | ".join(cells) + f" | {errs} |")
