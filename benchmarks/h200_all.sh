@@ -2,7 +2,9 @@
 # One device call that checks and times everything on the H200 (docs/BENCHMARKS.md's GPU figures
 # come from this script's logs). Run from the repository root on the GPU machine, with FLA's
 # wheels in .whl/ (../shared/tools/peer-wheels) and $OUT set to a folder for the logs.
-#   bash benchmarks/h200_all.sh [seconds-per-step...]
+# Seconds per step from the environment (0 skips the step):
+#   GPU_CHECK_S TUNE_S OPS_S KDA_S GEN_S TRAIN_S      e.g. GPU_CHECK_S=200 TUNE_S=0 bash benchmarks/h200_all.sh
+# gpu_check runs in SHARDS parallel processes (compilation is per process and CPU-bound).
 set -u
 OUT=${OUT:-/tmp/gdn-h200}
 mkdir -p "$OUT"
@@ -14,11 +16,26 @@ step() {  # step NAME SECONDS CMD...
   [ "$secs" -gt 0 ] || { echo "=== $name skipped"; return; }
   echo "=== $name ($(date -u +%H:%M:%S))"
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
-  echo "rc=$? $name"; tail -n 40 "$OUT/$name.log"
+  echo "rc=$? $name"; tail -n "${TAIL:-40}" "$OUT/$name.log"
 }
+check() {  # the GPU check in $SHARDS processes, logs concatenated
+  local n=${SHARDS:-8} i
+  for ((i = 0; i < n; i++)); do
+    python3 benchmarks/gpu_check.py ${CHECK_FLAGS:-} --shard "$i/$n" > "$OUT/check_$i.part" 2>&1 &
+  done
+  wait
+  cat "$OUT"/check_*.part; rm -f "$OUT"/check_*.part
+}
+export -f check
+export OUT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-step gpu_check "${GPU_CHECK_S:-170}" python3 benchmarks/gpu_check.py --quick
-step ops_gpu "${OPS_S:-150}" python3 benchmarks/ops_gpu.py --decode
-step generation "${GEN_S:-100}" python3 benchmarks/generation.py --size 340m --contexts 2048,8192,32768
-step train "${TRAIN_S:-100}" python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4
+CFG=()
+[ -f "$OUT/tuned.json" ] && CFG=(--config "$OUT/tuned.json")
+step gpu_check "${GPU_CHECK_S:-200}" bash -c check
+step tune "${TUNE_S:-0}" python3 benchmarks/tune_gpu.py --out "$OUT/tuned.json"
+[ -f "$OUT/tuned.json" ] && CFG=(--config "$OUT/tuned.json")
+step ops_gpu "${OPS_S:-150}" python3 benchmarks/ops_gpu.py --decode ${OPS_FLAGS:-} "${CFG[@]}"
+step kda "${KDA_S:-0}" python3 benchmarks/kda_gpu.py
+step generation "${GEN_S:-0}" python3 benchmarks/generation.py --size 340m --contexts 2048,8192,32768
+step train "${TRAIN_S:-0}" python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4

@@ -214,7 +214,22 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decode", action="store_true", help="also the decode rows of benchmarks/decode_gpu.py")
     ap.add_argument("--profile", action="store_true", help="per-kernel times at two shapes (torch.profiler)")
+    ap.add_argument("--only-profile", action="store_true", help="only the per-kernel profile")
+    ap.add_argument("--config", default=None,
+                    help="JSON file of kernel launch configurations (benchmarks/tune_gpu.py --out) to use")
     args = ap.parse_args()
+    if args.config:
+        import json
+
+        from gdn.ops.triton._common import CONFIG
+
+        with open(args.config) as f:
+            CONFIG.update({k: dict(v, stages=tuple(v["stages"])) for k, v in json.load(f).items()})
+        print("launch configuration:", CONFIG)
+    if args.only_profile:
+        profile(8, 2048, 16, 16, "(8, 2048, 16, 128)")
+        profile(1, 32768, 16, 16, "(1, 32768, 16, 128)")
+        return
     rs, mm_rate, copy_bw = rows()
     print()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "

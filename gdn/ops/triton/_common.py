@@ -87,14 +87,15 @@ def tl_dtype(dtype: torch.dtype):
 
 #: Launch configuration of each chunk kernel (warps, pipelining depths tried in order, tiles).
 #: ``SV`` is the number of fp32 elements of one state tile in the sequential passes (the tile is
-#: the whole K × SV/K values). ``benchmarks/tune_gpu.py`` times alternatives on the H200.
+#: the whole K × SV/K values). Chosen by ``benchmarks/tune_gpu.py`` on the H200 (2026-11-30; the
+#: candidates were within ±5 % of each other at K = V = 128 bf16).
 CONFIG = {
-    "kkt_solve": dict(num_warps=4, stages=(1,), BK=64, BV=64),
-    "wu": dict(num_warps=4, stages=(1,), BK=64, BV=64),
-    "state_fwd": dict(num_warps=4, stages=(2, 1), SV=4096),
-    "output": dict(num_warps=4, stages=(1,), BK=64, BV=64),
-    "dv_local": dict(num_warps=4, stages=(1,), BK=64, BV=64),
-    "state_bwd": dict(num_warps=4, stages=(2, 1), SV=4096),
+    "kkt_solve": dict(num_warps=2, stages=(1,), BK=64, BV=64),
+    "wu": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
+    "state_fwd": dict(num_warps=4, stages=(2, 1), SV=8192),
+    "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
+    "dv_local": dict(num_warps=8, stages=(1,), BK=64, BV=128),
+    "state_bwd": dict(num_warps=4, stages=(2, 1), SV=2048),
     "dqk": dict(num_warps=4, stages=(1,), BK=64, BV=64),
     "wy_bwd": dict(num_warps=4, stages=(1,), BK=64, BV=64),
 }

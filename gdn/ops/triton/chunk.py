@@ -10,9 +10,10 @@ one); intermediates are kept in that dtype, the running and final states and acc
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import chunk_bwd, chunk_fwd
-from ._common import Chunks, make_chunks
+from ._common import Chunks, make_chunks, pow2
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -26,7 +27,12 @@ def _kernel_dtype(*xs) -> torch.dtype:
 
 class ChunkFunction(torch.autograd.Function):
     """Autograd node of one chunk-kernel call. Saves only the inputs; the backward recomputes the
-    per-chunk states (one forward state pass) instead of keeping them."""
+    per-chunk states (one forward state pass) instead of keeping them.
+
+    K and V that are not powers of two (60, 100) are zero-padded to the next one (≥ 16) on the way
+    in and cut back on the way out: zero key/query columns and zero value columns change no result,
+    and the kernels then never mask a feature dimension (on the H200, masked odd feature tiles in
+    bf16 triggered an illegal memory access inside Triton-generated code)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, scale: float, want_final: bool, ch: Chunks):
@@ -39,29 +45,47 @@ class ChunkFunction(torch.autograd.Function):
         gp = None if g is None else g.reshape(B * T, HV).float().contiguous()
         bp = None if beta is None else beta.reshape(B * T, HV).float().contiguous()
         h0p = None if h0 is None else h0.float().contiguous()
+        Kp, Vp = pow2(K), pow2(V)
+        if Kp != K:
+            qp, kp = F.pad(qp, (0, Kp - K)), F.pad(kp, (0, Kp - K))
+        if Vp != V:
+            vp = F.pad(vp, (0, Vp - V))
+        if h0p is not None and (Kp, Vp) != (K, V):
+            h0p = F.pad(h0p, (0, Vp - V, 0, Kp - K))
         h, VN, ht, _, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, h0p, ch, want_final)
-        o = chunk_fwd.output(qp, kp, vp, gp, h, VN, ch, scale, io)
+        o = chunk_fwd.output(qp, kp, vp, gp, h, VN, ch, scale, io)[..., :V]
+        if ht is not None and (Kp, Vp) != (K, V):
+            ht = ht[..., :K, :V].contiguous()
         ctx.save_for_backward(qp, kp, vp, gp, bp, h0p)
         ctx.meta = (B, T, H, HV, K, V, scale, ch, q.dtype, k.dtype, v.dtype,
                     None if g is None else g.dtype, None if beta is None else beta.dtype,
                     None if h0 is None else h0.dtype)
-        o = o.view(B, T, HV, V).to(v.dtype)
+        o = o.reshape(B, T, HV, V).to(v.dtype)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         qp, kp, vp, gp, bp, h0p = ctx.saved_tensors
         B, T, H, HV, K, V, scale, ch, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
-        dop = do.reshape(B * T, HV, V).to(vp.dtype).contiguous()
-        dhtp = None if dht is None else dht.float().contiguous()
+        Kp, Vp = kp.shape[-1], vp.shape[-1]
+        dop = do.reshape(B * T, HV, V).to(vp.dtype)
+        dop = (F.pad(dop, (0, Vp - V)) if Vp != V else dop).contiguous()
+        dhtp = None if dht is None else dht.float()
+        if dhtp is not None and (Kp, Vp) != (K, V):
+            dhtp = F.pad(dhtp, (0, Vp - V, 0, Kp - K))
+        dhtp = None if dhtp is None else dhtp.contiguous()
         DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale)
         G = HV // H
-        dq = DQ.view(B, T, H, G, K).sum(3).to(q_dt)
-        dk = DK.view(B, T, H, G, K).sum(3).to(k_dt)
-        dv = DV.view(B, T, HV, V).to(v_dt)
+        if G == 1:  # no group to sum over
+            dq = DQ[..., :K].reshape(B, T, H, K).to(q_dt)
+            dk = DK[..., :K].reshape(B, T, H, K).to(k_dt)
+        else:
+            dq = DQ.view(B, T, H, G, Kp)[..., :K].sum(3).to(q_dt)
+            dk = DK.view(B, T, H, G, Kp)[..., :K].sum(3).to(k_dt)
+        dv = DV[..., :V].reshape(B, T, HV, V).to(v_dt)
         dg = None if DG is None else DG.view(B, T, HV).to(g_dt)
         db = None if DB is None else DB.view(B, T, HV).to(b_dt)
-        dh0 = None if dh0 is None else dh0.to(h0_dt)
+        dh0 = None if dh0 is None else dh0[..., :K, :V].to(h0_dt)
         return dq, dk, dv, dg, db, dh0, None, None, None
 
 

@@ -247,8 +247,9 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx
                 b_dgam += tl.sum(b_kb * b_tdw, axis=1)
             b_kk += tl.dot(b_kr, tl.trans(b_kr), input_precision=PREC)
             tl.store(DK + p_k, tl.load(DK + p_k, mask=mk, other=0.0) + b_tdw * b_bg[:, None], mask=mk)
-        b_dA = -tl.dot(tl.dot(tl.trans(b_A), b_dT.to(DT), input_precision=PREC).to(DT), tl.trans(b_A),
-                       input_precision=PREC)
+        # dA = −Tᵀ dT Tᵀ on fp32 operands (tf32 for half inputs): it feeds dβ and dγ directly.
+        b_Af = b_A.to(tl.float32)
+        b_dA = -tl.dot(tl.dot(tl.trans(b_Af), b_dT, input_precision=PREC), tl.trans(b_Af), input_precision=PREC)
         strict = o_t[:, None] > o_t[None, :]
         if USE_G:
             b_dec = tl.exp(tl.where(strict, b_gam[:, None] - b_gam[None, :], float("-inf")))

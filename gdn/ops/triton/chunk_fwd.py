@@ -26,13 +26,18 @@ from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cu
 
 @triton.jit
 def _inv_unit_lower16(A):
-    """(I + A)⁻¹ for a strictly lower-triangular 16×16 fp32 block, by forward substitution."""
+    """(I + A)⁻¹ for a strictly lower-triangular 16×16 fp32 block A, by the finite power series
+    Σ_{j<16} (−A)ʲ = (I − A)(I + A²)(I + A⁴)(I + A⁸) (A is nilpotent: A¹⁶ = 0): six fp32 dots, no
+    serial loop (a row-by-row substitution costs 15 dependent cross-warp reductions). The terms
+    stay small for the bounded entries here (|A_ij| ≤ β|k_i·k_j| ≤ 1 with unit keys); for the
+    worst case, every key equal and β = 1, the largest power entry is C(15, 7) = 6435, i.e. ≈ 13 of
+    fp32's 24 bits, far below bf16 rounding of T and within the fp32 tolerance (tested)."""
     o = tl.arange(0, 16)
-    X = (o[:, None] == o[None, :]).to(tl.float32)
-    for i in range(1, 16):
-        a_i = tl.sum(tl.where(o[:, None] == i, A, 0.0), axis=0)
-        x_i = tl.where(o == i, 1.0, 0.0) - tl.sum(a_i[:, None] * X, axis=0)
-        X = tl.where(o[:, None] == i, x_i[None, :], X)
+    M = -A
+    X = (o[:, None] == o[None, :]).to(tl.float32) + M
+    for _ in tl.static_range(3):
+        M = tl.dot(M, M, input_precision="ieee")
+        X = X + tl.dot(X, M, input_precision="ieee")
     return X
 
 
