@@ -31,7 +31,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=1, help="sequences per batch")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
     p.add_argument("--dtype", default="auto", help="bfloat16, float16, float32 or auto (bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--repeats", type=int, default=1, help="timed repetitions (the best is reported)")
+    p.add_argument("--repeats", type=int, default=2, help="timed repetitions (the best is reported)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--check", type=int, default=128, metavar="T",
                    help="also report the relative error between prefill + token-by-token decode and one full "

@@ -72,7 +72,11 @@ def _triton_fn(op: str):
 def _dispatch(op: str, backend, q, dims, cu_seqlens):
     """Return ``(backend, function)`` implementing ``op`` (backend None: pick)."""
     if backend is None:
-        if q.is_cuda and _triton_fn(op) is not None:
+        # Value heads narrower than 32 stay on the PyTorch chunk form under automatic dispatch: the
+        # H200 GPU check hit an illegal memory access in the bf16 chunk kernels at V = 16
+        # (docs/TRITON.md, "Known problems"); decode steps take the validated recurrent kernel.
+        narrow = op != _KDA and dims.V < 32 and not _is_decode_step(dims, cu_seqlens)
+        if q.is_cuda and _triton_fn(op) is not None and not narrow:
             backend = "triton"
         elif _is_decode_step(dims, cu_seqlens):
             backend = "naive"
