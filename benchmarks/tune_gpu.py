@@ -102,6 +102,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernels", default=",".join(FWD + BWD), help="comma-separated kernel names, in order")
     p.add_argument("--shapes", default="4x8192,1x32768", help="BxT list (H=16, D=128, bf16)")
+    p.add_argument("--out", default=None, help="also write the chosen CONFIG as JSON to this file")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--base", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -130,6 +131,9 @@ def main(argv=None):
             best[name] = win["cfg"]
             print(f"  -> {win['cfg']} ({win['ms']:.3f} ms)", flush=True)
     print("CONFIG = " + json.dumps(best, default=list, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(best, f, default=list, indent=1)
     return 0
 
 
