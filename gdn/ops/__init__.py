@@ -168,7 +168,9 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
 def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                          cu_seqlens=None, backend=None):
     """Kimi Delta Attention: the gated delta rule with a per-channel gate,
-    ``S_t = diag(exp g_t) (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ`` (decay along K).
+    ``S_t = (I − β_t k_t k_tᵀ) diag(exp g_t) S_{t-1} + β_t k_t v_tᵀ`` (decay along K first, then the delta
+    correction: the order of the reference, the chunk form and FLA; with a per-channel gate the two
+    orders differ).
 
     ``g``: [B, T, HV, K] log decay per key channel (≤ 0); other shapes as in :func:`gated_delta_rule`.
     """
