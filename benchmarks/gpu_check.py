@@ -193,7 +193,14 @@ def main(argv=None):
     p.add_argument("--full", action="store_true", help="every member at every awkward shape")
     p.add_argument("--shard", default="0/1", help="i/n: run every n-th case from the i-th (parallel processes)")
     p.add_argument("--no-decode", action="store_true", help="skip benchmarks/gpu_check_decode.py")
+    p.add_argument("--split", type=int, default=None,
+                   help="segment length in chunks of the split state passes (CONFIG['split']['L']: 0 off, -1 auto)")
     a = p.parse_args(argv)
+    if a.split is not None:
+        from gdn.ops.triton._common import CONFIG
+
+        CONFIG["split"]["L"] = a.split
+        print(f"split state passes: L = {a.split}")
     si, sn = (int(x) for x in a.shard.split("/"))
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"triton {__import__('triton').__version__}")

@@ -224,7 +224,8 @@ def main():
         from gdn.ops.triton._common import CONFIG
 
         with open(args.config) as f:
-            CONFIG.update({k: dict(v, stages=tuple(v["stages"])) for k, v in json.load(f).items()})
+            CONFIG.update({k: dict(v, stages=tuple(v["stages"])) if "stages" in v else dict(v)
+                           for k, v in json.load(f).items()})
         print("launch configuration:", CONFIG)
     if args.only_profile:
         profile(8, 2048, 16, 16, "(8, 2048, 16, 128)")

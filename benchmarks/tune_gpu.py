@@ -24,16 +24,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 FWD = ("kkt_solve", "wu", "state_fwd", "output")
-BWD = ("dv_local", "state_bwd", "dqk", "wy_bwd")
+BWD = ("split", "dv_local", "state_bwd", "dqk", "wy_bwd", "chain")
 
 
 def candidates(name):
     """Alternatives tried for one kernel (merged over its current entry)."""
+    if name == "split":  # the split state passes (not a kernel): off, automatic, fixed segment lengths
+        return [dict(L=x) for x in (0, -1, 16, 32, 64)]
     if name == "kkt_solve":
         return [dict(num_warps=w, BK=bk) for w in (2, 4) for bk in (32, 64)]
     if name in ("state_fwd", "state_bwd"):
         return ([dict(SV=sv, num_warps=w, stages=(2, 1)) for sv in (2048, 4096, 8192) for w in (4, 8)]
                 + [dict(SV=4096, num_warps=4, stages=st) for st in ((1,), (3, 2, 1))])
+    if name == "chain":
+        return [dict(num_warps=w, BC=bc, SV=sv) for w in (4, 8) for bc in (16, 32) for sv in (2048, 4096)]
     if name == "dqk":
         return [dict(num_warps=w, BK=bk, BV=bv) for w in (4, 8) for bk, bv in ((64, 64), (64, 32), (128, 64))]
     if name == "wy_bwd":
@@ -51,7 +55,8 @@ def sweep(name, base, shapes):
     from gdn import ops
     from gdn.ops.triton import _common
 
-    _common.CONFIG.update({k: dict(v, stages=tuple(v["stages"])) for k, v in base.items()})
+    _common.CONFIG.update({k: dict(v, stages=tuple(v["stages"])) if "stages" in v else dict(v)
+                           for k, v in base.items()})
     bwd = name in BWD
     data = []
     for B, T in shapes:

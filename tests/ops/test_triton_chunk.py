@@ -122,3 +122,45 @@ def test_degenerate_keys_stay_accurate(keys):
     for dt, tol in ((torch.float32, 1e-3), (torch.float16, 1e-2)):
         o, S = chunk_op(q.to(dt), k.to(dt), v.to(dt), g, beta, output_final_state=True)
         assert rel_err(o, ro) < tol and rel_err(S, rS) < tol, (dt, rel_err(o, ro), rel_err(S, rS))
+
+
+@pytest.mark.parametrize("member", MEMBERS)
+@pytest.mark.parametrize("L", [1, 2])
+def test_split_state_pass(member, L, monkeypatch):
+    """The split state passes (segments of L chunks: per-segment maps from [I | 0], the chain
+    along each sequence, the rerun from the true states), forward and backward, on packed sequences
+    with an empty, a one-token and a multi-chunk member and an initial state."""
+    monkeypatch.setitem(_common.CONFIG, "split", dict(_common.CONFIG["split"], L=L))
+    errs = _run_both(member, B=1, T=330, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 200, 64],
+                     seed=11)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
+    assert not bad, bad
+
+
+def test_split_fp16_batched(monkeypatch):
+    monkeypatch.setitem(_common.CONFIG, "split", dict(_common.CONFIG["split"], L=2))
+    errs = _run_both("gated_delta_rule", B=2, T=300, H=1, HV=2, K=32, V=16, dtype=torch.float16, seed=12)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float16]}
+    assert not bad, bad
+
+
+def test_segments_tile_the_stream():
+    ch = _common.make_chunks(1, 330, torch.tensor([0, 65, 66, 66, 266, 330]), torch.device("cpu"))
+    sg = _common.make_segments(ch, 2, torch.device("cpu"))
+    # chunks per sequence 2, 1, 0, 4, 1 -> segments 1, 1, 0, 2, 1
+    assert sg.count.tolist() == [1, 1, 0, 2, 1] and sg.first.tolist() == [0, 1, 2, 2, 4]
+    assert sg.cu.tolist() == [0, 65, 66, 194, 266, 330] and sg.off.tolist() == [0, 2, 3, 5, 7]
+    assert (sg.NS, sg.L, sg.max_ns) == (5, 2, 2)
+
+
+def test_split_len_rule(monkeypatch):
+    from gdn.ops.triton.chunk_fwd import split_len
+
+    ch = _common.make_chunks(1, 64 * 512, None, torch.device("cpu"))
+    monkeypatch.setitem(_common.CONFIG, "split", dict(L=0, min_L=8))
+    assert split_len(ch, 1, 1, torch.device("cpu")) == 0
+    monkeypatch.setitem(_common.CONFIG, "split", dict(L=16, min_L=8))
+    assert split_len(ch, 1, 1, torch.device("cpu")) == 16
+    monkeypatch.setitem(_common.CONFIG, "split", dict(L=-1, min_L=8))  # auto: 4 "SMs" on the CPU
+    assert split_len(ch, 1, 1, torch.device("cpu")) == 64  # 512 chunks in 8 parts
+    assert split_len(ch, 8, 1, torch.device("cpu")) == 0  # 8 programs already fill 2 x 4

@@ -35,6 +35,54 @@ class Chunks:
     NT: int
     T: int  # total tokens (B·T)
     max_nc: int  # chunks of the longest sequence
+    host_cu: torch.Tensor | None = None  # [N + 1] token offsets on the CPU (int64)
+    host_per: torch.Tensor | None = None  # [N] chunks per sequence on the CPU (int64)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Sequences cut into segments of at most ``L`` chunks, for the split state passes: each
+    segment is a "sequence" of the state kernels (``cu``, ``off``, ``max_nc = L``); ``first[n]``
+    and ``count[n]`` name sequence n's segments, in order. Tensors on the compute device (int32)."""
+
+    cu: torch.Tensor  # [NS + 1] token offsets of the segments
+    off: torch.Tensor  # [NS] global chunk index of each segment's first chunk
+    first: torch.Tensor  # [N] first segment of each sequence
+    count: torch.Tensor  # [N] segments of each sequence
+    NS: int
+    L: int  # chunks per segment (the last of a sequence may have fewer)
+    max_ns: int  # segments of the longest sequence
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An int32 copy on ``device``, asynchronous from pinned memory on CUDA (no host sync)."""
+    x = x.to(torch.int32).contiguous()
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
+def make_segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
+    """Cut every sequence of ``ch`` into segments of ``L`` chunks (built on the host; no sync)."""
+    per, cu = ch.host_per, ch.host_cu
+    count = (per + L - 1) // L
+    first = torch.zeros_like(count)
+    if count.numel() > 1:
+        first[1:] = torch.cumsum(count, 0)[:-1]
+    NS = int(count.sum())
+    seq = torch.repeat_interleave(torch.arange(per.numel()), count)
+    inner = torch.arange(NS) - torch.repeat_interleave(first, count)
+    chunk_first = torch.zeros_like(per)
+    if per.numel() > 1:
+        chunk_first[1:] = torch.cumsum(per, 0)[:-1]
+    off = chunk_first[seq] + inner * L
+    bos = cu[:-1][seq] + inner * L * BT
+    # a sequence's last segment ends at its own end, which is the next segment's start (or the total)
+    ends = torch.minimum(bos + L * BT, cu[1:][seq])
+    seg_cu = torch.cat([bos, ends[-1:]]) if NS else cu[-1:]
+    assert NS == 0 or bool((seg_cu[1:-1] == ends[:-1]).all()), "segments must tile the token stream"
+    return Segments(_to_device(seg_cu, device), _to_device(off, device), _to_device(first, device),
+                    _to_device(count, device), NS, L, int(count.max()) if NS else 0)
 
 
 def make_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> Chunks:
@@ -50,7 +98,7 @@ def make_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.d
         idx = torch.stack([ar // n_per, ar % n_per], dim=1).contiguous()
         cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
         off = torch.arange(B, device=device, dtype=torch.int32) * n_per
-        return Chunks(cu, idx, off, B, NT, B * T, n_per)
+        return Chunks(cu, idx, off, B, NT, B * T, n_per, torch.arange(B + 1) * T, torch.full((B,), n_per))
     host = cu_seqlens.detach().to("cpu", torch.int64)
     lens = host[1:] - host[:-1]
     per = (lens + BT - 1) // BT
@@ -63,13 +111,8 @@ def make_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.d
     inner = torch.arange(NT) - torch.repeat_interleave(off, per)
     idx = torch.stack([seq, inner], dim=1).to(torch.int32)
 
-    def dev(x):
-        x = x.to(torch.int32).contiguous()
-        if device.type == "cuda":
-            return x.pin_memory().to(device, non_blocking=True)
-        return x.to(device)
-
-    return Chunks(dev(host), dev(idx), dev(off), N, NT, int(host[-1]), int(per.max()))
+    return Chunks(_to_device(host, device), _to_device(idx, device), _to_device(off, device), N, NT, int(host[-1]),
+                  int(per.max()) if N else 0, host, per)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -98,6 +141,10 @@ CONFIG = {
     "state_bwd": dict(num_warps=4, stages=(2, 1), SV=2048),
     "dqk": dict(num_warps=4, stages=(1,), BK=64, BV=64),
     "wy_bwd": dict(num_warps=4, stages=(1,), BK=64, BV=64),
+    # The split state passes (chunk_fwd.split_len): L = 0 off, > 0 fixed segment length in chunks,
+    # -1 automatic. Off until the split kernels have passed the GPU check (benchmarks/gpu_check.py).
+    "split": dict(L=0, min_L=8),
+    "chain": dict(num_warps=4, stages=(1,), SV=4096, BC=32),
 }
 
 

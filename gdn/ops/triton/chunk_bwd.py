@@ -22,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, launch, tiles, tl_dtype
+from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, launch, make_segments,
+                      pow2, tiles, tl_dtype)
+from .chunk_fwd import chain, split_len
 
 
 @triton.jit
@@ -59,19 +61,27 @@ def dv_local_kernel(q, k, g, do, DVL, cu, chunk_idx, scale, H, HV, K: tl.constex
 @triton.jit
 def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
                     scale, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """Step j of the reverse pass (chunk NC − 1 − j): store dS_out, compute dδ, return dS_in."""
+                    USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+                    AUG: tl.constexpr):
+    """Step j of the reverse pass (chunk NC − 1 − j): store dS_out, compute dδ, return dS_in. With
+    ``AUG`` the first K columns read zero dO and dδ_loc and nothing is stored (see the kernel)."""
     i_c = NC - 1 - j
     b_dsd = b_ds.to(DT)
-    tl.store(dh + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_dsd, mask=mkv & (i_c >= 0))
+    if not AUG:
+        tl.store(dh + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_dsd, mask=mkv & (i_c >= 0))
     rows = bos + i_c * BT + o_t
     m = (rows >= bos) & (rows < eos)
     mk = m[:, None] & (o_k < K)[None, :]
-    mv = m[:, None] & (o_v < V)[None, :]
+    if AUG:
+        o_u = o_v - K
+        mv = m[:, None] & ((o_v >= K) & (o_u < V))[None, :]
+    else:
+        o_u = o_v
+        mv = m[:, None] & (o_v < V)[None, :]
     b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
     b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
-    b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
-    b_dd = tl.load(DVL + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+    b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0)
+    b_dd = tl.load(DVL + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
     b_q = b_q * scale
     if USE_G:
         b_gam, b_gc = gate_cumsum(g, rows, m, HV, i_hv)
@@ -79,7 +89,8 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
         b_q = b_q * tl.exp(b_gam)[:, None]
     b_dd += tl.dot(b_k.to(DT), b_dsd, input_precision=PREC)
     b_ddd = b_dd.to(DT)
-    tl.store(DD + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_ddd, mask=mv)
+    if not AUG:
+        tl.store(DD + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_ddd, mask=mv)
     if USE_G:
         b_ds = b_ds * tl.exp(b_gc)
     b_ds += tl.dot(tl.trans(b_q.to(DT)), b_do, input_precision=PREC)
@@ -93,9 +104,14 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
 def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_nc, scale, H,
                      HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
-                     USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
+                     USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr,
+                     AUG: tl.constexpr = False):
     """Reverse pass over one sequence's chunks: dh[c] = dS_out of chunk c, DD = dδ, dh0 = dS_0.
-    Runs ``max_nc`` steps like the forward pass; steps before the sequence's start are masked."""
+    Runs ``max_nc`` steps like the forward pass; steps before the sequence's start are masked.
+
+    ``AUG`` (first phase of the split pass): the "sequences" are segments, dS is K × (K + V) and
+    starts as [I | 0], the first K columns see zero dO and dδ_loc, nothing per chunk is stored, and
+    [Aᵀ | D] goes to ``dh0`` [N, HV, K, K + V]: the segment maps dS at its end to Aᵀ dS + D at its start."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -107,23 +123,26 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_n
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    mkv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    NV: tl.constexpr = K + V if AUG else V
+    mkv = (o_k < K)[:, None] & (o_v < NV)[None, :]
     p_s = o_k[:, None] * V + o_v[None, :]
     b_ds = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
+    if AUG:
+        b_ds = (o_k[:, None] == o_v[None, :]).to(tl.float32)
+    elif USE_DHT:
         b_ds = tl.load(dht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, mask=mkv, other=0.0).to(tl.float32)
     if WHILE:
         j = 0
         while j < max_nc:
             b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
+                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG)
             j += 1
     else:
         for j in range(0, max_nc):
             b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
+                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG)
     if USE_INIT:
-        tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_ds, mask=mkv)
+        tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_ds, mask=mkv)
 
 
 @triton.jit
@@ -300,11 +319,26 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
     DD = torch.empty(T, HV, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
     SK, SV = tiles("state_bwd", K, V)
-    launch(state_bwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
-           q, k, gp, W if delta else dummy, do, DVL, dht if dht is not None else dummy, dh, DD,
-           dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, ch.max_nc, scale, H=H, HV=HV, K=K, V=V, BT=BT,
-           BK=SK, BV=SV, USE_G=gated, DELTA=delta, USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec,
-           DT=DT, WHILE=INTERPRET, name="state_bwd")
+    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
+                  name="state_bwd")
+    Wp = W if delta else dummy
+    L = split_len(ch, HV, triton.cdiv(V, SV), dev)
+    if L:
+        # Split reverse pass, as in the forward: (1) each segment's map dS_end ↦ Aᵀ dS_end + D from
+        # [I | 0]; (2) chain the maps from each sequence's end; (3) each segment from its true dS_end.
+        sg = make_segments(ch, L, dev)
+        X = torch.empty(sg.NS, HV, K, K + V, device=dev, dtype=f32)
+        AV = min(pow2(K + V), max(16, CONFIG["state_bwd"]["SV"] // SK))
+        launch(state_bwd_kernel, (triton.cdiv(K + V, AV), sg.NS * HV), q, k, gp, Wp, do, DVL, dummy, dummy,
+               dummy, X, sg.cu, sg.off, L, scale, BV=AV, USE_DHT=False, USE_INIT=True, AUG=True, **common)
+        Send = chain(X, dht, dh0, sg, HV, K, V, True, prec)
+        launch(state_bwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), q, k, gp, Wp, do, DVL, Send, dh, DD, dummy,
+               sg.cu, sg.off, L, scale, BV=SV, USE_DHT=True, USE_INIT=False, **common)
+    else:
+        launch(state_bwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
+               q, k, gp, Wp, do, DVL, dht if dht is not None else dummy, dh, DD,
+               dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, ch.max_nc, scale, BV=SV,
+               USE_DHT=dht is not None, USE_INIT=h0 is not None, **common)
     del DVL
     BK, BV = tiles("dqk", K, V)
     NK = triton.cdiv(K, BK)

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, launch, tiles, tl_dtype
+from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, launch, make_segments,
+                      pow2, tiles, tl_dtype)
 
 
 @triton.jit
@@ -187,21 +188,31 @@ def wu_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr,
 @triton.jit
 def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
                     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """One chunk of the forward state pass: store S, compute δ, return the next S."""
+                    USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+                    AUG: tl.constexpr):
+    """One chunk of the forward state pass: store S, compute δ, return the next S. With ``AUG`` the
+    state's columns are [K transition columns | V value columns]: the first K read zero values and
+    nothing is stored (see ``state_fwd_kernel``)."""
     rows = bos + i_c * BT + o_t
     b_sd = b_s.to(DT)
-    tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_sd, mask=mkv & (bos + i_c * BT < eos))
+    if not AUG:
+        tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_sd, mask=mkv & (bos + i_c * BT < eos))
     m = rows < eos
     mk = m[:, None] & (o_k < K)[None, :]
-    mv = m[:, None] & (o_v < V)[None, :]
+    if AUG:
+        o_u = o_v - K
+        mv = m[:, None] & ((o_v >= K) & (o_u < V))[None, :]
+    else:
+        o_u = o_v
+        mv = m[:, None] & (o_v < V)[None, :]
     if DELTA:
         b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
-        b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+        b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
         b_d = b_u - tl.dot(b_w, b_sd, input_precision=PREC)
-        tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=mv)
+        if not AUG:
+            tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_d.to(DT), mask=mv)
     else:
-        b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+        b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
     b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
     if USE_G:
         b_gam, b_gc = gate_cumsum(g, rows, m, HV, i_hv)
@@ -214,13 +225,18 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t
 def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
+                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, AUG: tl.constexpr = False):
     """Sequential pass over one sequence's chunks for one value head and one V tile.
 
     Stores the state entering each chunk in h [NT, HV, K, V] and, for delta members,
     δ = U − W S in VN [T, HV, V]; the final state in ht [N, HV, K, V]. Every program runs
     ``max_nc`` (the longest sequence's chunk count) steps; steps past its own sequence are fully
     masked and leave the state unchanged (g = 0, k = δ = 0), so T is no compile-time key.
+
+    ``AUG`` (the first phase of the split pass, :func:`forward_intermediates`): the "sequences" are
+    segments, the state is K × (K + V) and starts as [I | 0], the first K columns see zero values,
+    nothing per chunk is stored, and the final state [A | B] is written to ``ht`` [N, HV, K, K + V]:
+    the segment maps an entering state S to A S + B.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
@@ -232,23 +248,107 @@ def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV,
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    mkv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    NV: tl.constexpr = K + V if AUG else V
+    mkv = (o_k < K)[:, None] & (o_v < NV)[None, :]
     p_s = (o_k[:, None] * V + o_v[None, :])
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_INIT:
+    if AUG:
+        b_s = (o_k[:, None] == o_v[None, :]).to(tl.float32)
+    elif USE_INIT:
         b_s = tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, mask=mkv, other=0.0).to(tl.float32)
     if WHILE:
         i_c = 0
         while i_c < max_nc:
             b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                  p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
+                                  p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG)
             i_c += 1
     else:
         for i_c in range(0, max_nc):
             b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                  p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
+                                  p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG)
     if STORE_FINAL:
-        tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s, mask=mkv)
+        tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_s, mask=mkv)
+
+
+@triton.jit
+def _chain_step(j, b_s, X, Sseg, s0, ns, i_hv, HV, o_k, o_v, mv, K: tl.constexpr, V: tl.constexpr,
+                BC: tl.constexpr, REVERSE: tl.constexpr, PREC: tl.constexpr):
+    """Store the state entering segment j of the walk, then apply its map: S ← A S + B."""
+    valid = j < ns
+    seg = s0 + (ns - 1 - j if REVERSE else j)
+    base = (seg * HV + i_hv).to(tl.int64)
+    NV: tl.constexpr = K + V
+    tl.store(Sseg + base * K * V + o_k[:, None] * V + o_v[None, :], b_s, mask=mv[None, :] & valid)
+    tl.debug_barrier()  # the blocks of S read back below were written by other threads
+    b_n = tl.load(X + base * K * NV + o_k[:, None] * NV + K + o_v[None, :], mask=mv[None, :] & valid, other=0.0)
+    o_c = tl.arange(0, BC)
+    for kk in tl.static_range(K // BC):
+        b_a = tl.load(X + base * K * NV + o_k[:, None] * NV + kk * BC + o_c[None, :], mask=valid, other=0.0)
+        b_p = tl.load(Sseg + base * K * V + (kk * BC + o_c)[:, None] * V + o_v[None, :],
+                      mask=mv[None, :] & valid, other=0.0)
+        b_n += tl.dot(b_a, b_p, input_precision=PREC)
+    tl.debug_barrier()  # every thread has read S before the next step overwrites nothing it needs
+    return tl.where(valid, b_n, b_s)
+
+
+@triton.jit
+def chain_kernel(X, S0, Sseg, Sfin, first, count, max_ns, HV, K: tl.constexpr, V: tl.constexpr,
+                 BV: tl.constexpr, BC: tl.constexpr, REVERSE: tl.constexpr, USE_S0: tl.constexpr,
+                 STORE_FIN: tl.constexpr, PREC: tl.constexpr, WHILE: tl.constexpr):
+    """Second phase of a split state pass, one program per (sequence, value head, V tile): walk the
+    sequence's segments in order (``REVERSE``: last to first), store the state entering each in
+    Sseg [NS, HV, K, V] and apply the segment's map S ← A S + B from X [NS, HV, K, K + V] = [A | B];
+    the state after the last segment goes to Sfin [N, HV, K, V]. S starts from S0 (or zero)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    s0 = tl.load(first + i_n)
+    ns = tl.load(count + i_n)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mv = o_v < V
+    p_n = (i_n * HV + i_hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.zeros([K, BV], dtype=tl.float32)
+    if USE_S0:
+        b_s = tl.load(S0 + p_n, mask=mv[None, :], other=0.0).to(tl.float32)
+    if WHILE:
+        j = 0
+        while j < max_ns:
+            b_s = _chain_step(j, b_s, X, Sseg, s0, ns, i_hv, HV, o_k, o_v, mv, K, V, BC, REVERSE, PREC)
+            j += 1
+    else:
+        for j in range(0, max_ns):
+            b_s = _chain_step(j, b_s, X, Sseg, s0, ns, i_hv, HV, o_k, o_v, mv, K, V, BC, REVERSE, PREC)
+    if STORE_FIN:
+        tl.store(Sfin + p_n, b_s, mask=mv[None, :])
+
+
+def chain(X, S0, Sfin, sg, HV: int, K: int, V: int, reverse: bool, prec: str):
+    """Run :func:`chain_kernel`: returns Sseg [NS, HV, K, V] fp32 (the state entering each segment
+    in the walk's direction); writes the state after the walk into ``Sfin`` when it is given."""
+    Sseg = torch.empty(sg.NS, HV, K, V, device=X.device, dtype=torch.float32)
+    N = sg.first.numel()
+    BV = min(pow2(V), max(16, CONFIG["chain"]["SV"] // K))
+    launch(chain_kernel, (triton.cdiv(V, BV), N * HV), X, S0 if S0 is not None else X, Sseg,
+           Sfin if Sfin is not None else X, sg.first, sg.count, sg.max_ns, HV, K=K, V=V, BV=BV,
+           BC=min(K, CONFIG["chain"]["BC"]), REVERSE=reverse, USE_S0=S0 is not None, STORE_FIN=Sfin is not None,
+           PREC=prec, WHILE=INTERPRET, name="chain")
+    return Sseg
+
+
+def split_len(ch: Chunks, HV: int, tiles: int, device) -> int:
+    """Chunks per segment of a split state pass, 0 for no split. ``CONFIG["split"]["L"]``: 0 never
+    splits, a positive number always splits into segments of that many chunks, -1 ("auto") splits
+    when the (sequence, head, tile) programs would not fill twice the card's multiprocessors."""
+    L = CONFIG["split"]["L"]
+    if L >= 0:
+        return L if L and ch.max_nc > L else 0
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    programs = ch.N * HV * tiles
+    if programs >= 2 * sms or ch.max_nc < 2 * CONFIG["split"]["min_L"]:
+        return 0
+    parts = triton.cdiv(2 * sms, programs)
+    return max(CONFIG["split"]["min_L"], triton.cdiv(ch.max_nc, parts))
 
 
 @triton.jit
@@ -315,12 +415,25 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool):
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SK, SV = tiles("state_fwd", K, V)
     dummy = v
+    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=g is not None, DELTA=delta, PREC=prec, DT=DT,
+                  WHILE=INTERPRET, name="state_fwd")
+    gp, Wp, Up = g if g is not None else dummy, W if delta else dummy, U if delta else dummy
+    L = split_len(ch, HV, triton.cdiv(V, SV), dev)
+    if L:
+        # Split pass: (1) every segment from [I | 0] gives its map S ↦ A S + B; (2) chain the maps
+        # along each sequence; (3) every segment again from its true entering state, storing h, δ.
+        sg = make_segments(ch, L, dev)
+        X = torch.empty(sg.NS, HV, K, K + V, device=dev, dtype=torch.float32)
+        AV = min(pow2(K + V), max(16, CONFIG["state_fwd"]["SV"] // SK))
+        launch(state_fwd_kernel, (triton.cdiv(K + V, AV), sg.NS * HV), k, v, gp, Wp, Up, dummy, dummy, dummy, X,
+               sg.cu, sg.off, L, BV=AV, USE_INIT=False, STORE_FINAL=True, AUG=True, **common)
+        Sin = chain(X, h0, ht, sg, HV, K, V, False, prec)
+        launch(state_fwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Sin, h,
+               VN if delta else dummy, dummy, sg.cu, sg.off, L, BV=SV, USE_INIT=True, STORE_FINAL=False, **common)
+        return h, VN, ht, Ai, W
     launch(state_fwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
-           k, v, g if g is not None else dummy, W if delta else dummy, U if delta else dummy,
-           h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy,
-           ch.cu, ch.chunk_off, ch.max_nc, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None,
-           DELTA=delta, USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET,
-           name="state_fwd")
+           k, v, gp, Wp, Up, h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy,
+           ch.cu, ch.chunk_off, ch.max_nc, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, **common)
     return h, VN, ht, Ai, W
 
 
