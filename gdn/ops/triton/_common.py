@@ -183,6 +183,20 @@ def gate_cumsum(g, rows, m, HV, i_hv):
     return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
 
 
+@triton.jit
+def value_cols(o_v, m, K: tl.constexpr, V: tl.constexpr, AUG: tl.constexpr):
+    """(value-column offsets, [BT, BV] mask) of a state tile's columns ``o_v``: o_v itself, or for
+    the augmented tiles of the split passes ([K transition columns | V value columns]) o_v − K
+    with the transition columns masked off (they read zeros)."""
+    if AUG:
+        o_u = o_v - K
+        mv = m[:, None] & ((o_v >= K) & (o_u < V))[None, :]
+    else:
+        o_u = o_v
+        mv = m[:, None] & (o_v < V)[None, :]
+    return o_u, mv
+
+
 _STAGES: dict = {}
 _RECORD: list | None = None  # launches collected instead of run, inside recording()
 log = logging.getLogger(__name__)

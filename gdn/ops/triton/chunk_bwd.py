@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, launch, make_segments,
-                      pow2, tiles, tl_dtype)
+                      pow2, tiles, tl_dtype, value_cols)
 from .chunk_fwd import chain, split_len
 
 
@@ -72,12 +72,7 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
     rows = bos + i_c * BT + o_t
     m = (rows >= bos) & (rows < eos)
     mk = m[:, None] & (o_k < K)[None, :]
-    if AUG:
-        o_u = o_v - K
-        mv = m[:, None] & ((o_v >= K) & (o_u < V))[None, :]
-    else:
-        o_u = o_v
-        mv = m[:, None] & (o_v < V)[None, :]
+    o_u, mv = value_cols(o_v, m, K, V, AUG)
     b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
     b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
     b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0)

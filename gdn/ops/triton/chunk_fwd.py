@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, launch, make_segments,
-                      pow2, tiles, tl_dtype)
+                      pow2, tiles, tl_dtype, value_cols)
 
 
 @triton.jit
@@ -199,12 +199,7 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t
         tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_sd, mask=mkv & (bos + i_c * BT < eos))
     m = rows < eos
     mk = m[:, None] & (o_k < K)[None, :]
-    if AUG:
-        o_u = o_v - K
-        mv = m[:, None] & ((o_v >= K) & (o_u < V))[None, :]
-    else:
-        o_u = o_v
-        mv = m[:, None] & (o_v < V)[None, :]
+    o_u, mv = value_cols(o_v, m, K, V, AUG)
     if DELTA:
         b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
         b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
