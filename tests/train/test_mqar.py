@@ -147,3 +147,13 @@ def test_mqar_config_rejects_bad_schedule(key, bad):
 
     with pytest.raises(ValueError, match=key):
         MQARConfig(**{key: bad})
+
+
+@pytest.mark.parametrize("preset", ["cpu-small", "paper"])
+def test_presets_turn_the_recipe_on_and_the_defaults_leave_it_off(preset):
+    from gdn.train.mqar import MQARConfig, mqar_config
+
+    cfg = mqar_config(preset)
+    assert cfg.beta_offset == -3.0 and list(cfg.decay_init) == [0.01, 1.0, 1e-3, 1e-2]
+    assert MQARConfig().beta_offset == 0.0 and MQARConfig().decay_init is None
+    assert mqar_config(preset, sets=["beta_offset=0", "decay_init=null"]).decay_init is None
