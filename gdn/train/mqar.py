@@ -123,8 +123,8 @@ def model_config(letter: str, width: int, cfg: MQARConfig):
     head = width // cfg.num_heads
     return GDNConfig(vocab_size=cfg.vocab_size, hidden_size=width, num_hidden_layers=2, layer_pattern=letter * 2,
                      num_heads=cfg.num_heads, head_dim=head, expand_v=1.0, num_attention_heads=cfg.num_heads,
-                     num_key_value_heads=cfg.num_heads, intermediate_size=2 * width, max_position_embeddings=cfg.seq_len,
-                     beta_offset=float(cfg.beta_offset) if letter in "DG" else 0.0)
+                     num_key_value_heads=cfg.num_heads, intermediate_size=2 * width,
+                     max_position_embeddings=cfg.seq_len, beta_offset=float(cfg.beta_offset) if letter in "DG" else 0.0)
 
 
 def build_model(letter: str, width: int, cfg: MQARConfig):
