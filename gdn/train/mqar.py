@@ -5,6 +5,11 @@
 width and number of key-value pairs, for every learning rate; the table reports, per cell, the
 test accuracy over query positions of the best learning rate. Runs are spread over worker
 processes (CPU) and written to ``OUT/results.json``, ``OUT/table.md`` and ``OUT/mqar.png``.
+
+The presets start the models with :data:`RECIPE` (``beta_offset``: β of D/G layers starts near
+0.05; ``decay_init``: slow M/G decay gates); with ``beta_offset=0`` and ``decay_init=None`` every
+layer starts as its published initialisation. Results at this scale depend strongly on the seed
+(docs/TRAINING.md, "MQAR").
 """
 from __future__ import annotations
 
