@@ -18,6 +18,13 @@ from ._common import Chunks, make_chunks, pow2, precompile
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _pad(x: torch.Tensor | None, *pads: int) -> torch.Tensor | None:
+    """``F.pad(x, pads)`` when any pad is non-zero, made contiguous; None stays None."""
+    if x is None:
+        return None
+    return (F.pad(x, pads) if any(pads) else x).contiguous()
+
+
 def _kernel_dtype(*xs) -> torch.dtype:
     dt = xs[0].dtype
     for x in xs[1:]:
@@ -31,27 +38,20 @@ class ChunkFunction(torch.autograd.Function):
 
     K and V that are not powers of two (60, 100) are zero-padded to the next one (≥ 16) on the way
     in and cut back on the way out: zero key/query columns and zero value columns change no result,
-    and the kernels then never mask a feature dimension (on the H200, masked odd feature tiles in
-    bf16 triggered an illegal memory access inside Triton-generated code)."""
+    and the kernels never mask a feature dimension (one mechanism for every size instead of masked
+    tails in every load and store)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, scale: float, want_final: bool, ch: Chunks):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         io = _kernel_dtype(q, k, v)  # one dtype for q, k, v and the intermediates
-        qp = q.reshape(B * T, H, K).to(io).contiguous()
-        kp = k.reshape(B * T, H, K).to(io).contiguous()
-        vp = v.reshape(B * T, HV, V).to(io).contiguous()
+        qp, kp, vp = q.reshape(B * T, H, K).to(io), k.reshape(B * T, H, K).to(io), v.reshape(B * T, HV, V).to(io)
         gp = None if g is None else g.reshape(B * T, HV).float().contiguous()
         bp = None if beta is None else beta.reshape(B * T, HV).float().contiguous()
-        h0p = None if h0 is None else h0.float().contiguous()
         Kp, Vp = pow2(K), pow2(V)
-        if Kp != K:
-            qp, kp = F.pad(qp, (0, Kp - K)), F.pad(kp, (0, Kp - K))
-        if Vp != V:
-            vp = F.pad(vp, (0, Vp - V))
-        if h0p is not None and (Kp, Vp) != (K, V):
-            h0p = F.pad(h0p, (0, Vp - V, 0, Kp - K))
+        qp, kp, vp = _pad(qp, 0, Kp - K), _pad(kp, 0, Kp - K), _pad(vp, 0, Vp - V)
+        h0p = _pad(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
             def dry_run():  # the launches of one forward + backward, recorded by precompile, not run
                 dht = torch.empty(ch.N, HV, Kp, Vp, device=qp.device) if want_final else None
@@ -76,12 +76,8 @@ class ChunkFunction(torch.autograd.Function):
         qp, kp, vp, gp, bp, h0p = ctx.saved_tensors
         B, T, H, HV, K, V, scale, ch, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
         Kp, Vp = kp.shape[-1], vp.shape[-1]
-        dop = do.reshape(B * T, HV, V).to(vp.dtype)
-        dop = (F.pad(dop, (0, Vp - V)) if Vp != V else dop).contiguous()
-        dhtp = None if dht is None else dht.float()
-        if dhtp is not None and (Kp, Vp) != (K, V):
-            dhtp = F.pad(dhtp, (0, Vp - V, 0, Kp - K))
-        dhtp = None if dhtp is None else dhtp.contiguous()
+        dop = _pad(do.reshape(B * T, HV, V).to(vp.dtype), 0, Vp - V)
+        dhtp = _pad(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
         DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale)
         G = HV // H
         if G == 1:  # no group to sum over
