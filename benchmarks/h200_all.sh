@@ -3,7 +3,7 @@
 # come from this script's logs). Run from the repository root on the GPU machine, with FLA's
 # wheels in .whl/ (../shared/tools/peer-wheels) and $OUT set to a folder for the logs.
 # Seconds per step from the environment (0 skips the step):
-#   GPU_CHECK_S TUNE_S OPS_S KDA_S GEN_S TRAIN_S      e.g. GPU_CHECK_S=200 TUNE_S=0 bash benchmarks/h200_all.sh
+#   REPRO_S GPU_CHECK_S TUNE_S OPS_S KDA_S GEN_S TRAIN_S      e.g. GPU_CHECK_S=200 TUNE_S=0 bash benchmarks/h200_all.sh
 # gpu_check runs in SHARDS parallel processes (compilation is per process and CPU-bound).
 set -u
 OUT=${OUT:-/tmp/gdn-h200}
@@ -32,6 +32,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 CFG=()
 [ -f "$OUT/tuned.json" ] && CFG=(--config "$OUT/tuned.json")
+step repro_v16 "${REPRO_S:-0}" python3 benchmarks/gpu_repro_v16.py
 step gpu_check "${GPU_CHECK_S:-200}" bash -c check
 step tune "${TUNE_S:-0}" python3 benchmarks/tune_gpu.py --out "$OUT/tuned.json"
 [ -f "$OUT/tuned.json" ] && CFG=(--config "$OUT/tuned.json")

@@ -1,0 +1,88 @@
+"""Reproduce and narrow down the open H200 fault of the Triton chunk kernels (docs/TRITON.md,
+"Known problems"): gated_delta_rule at B = 2, T = 63, H = 2, HV = 4, K = 60, V = 16 in bf16 ends in
+"an illegal memory access" (fp32 and V = 32 pass).
+
+Each variant runs forward + backward in its own process with CUDA_LAUNCH_BLOCKING=1 (a fault poisons
+the CUDA context, and blocking launches name the kernel that faulted); then the first failing
+variant runs again under compute-sanitizer when it is installed, which prints the faulting access.
+
+    python benchmarks/gpu_repro_v16.py            # a table of variants, then the sanitizer's report
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+#: (B, T, H, HV, K, V, dtype, member)
+VARIANTS = [
+    (2, 63, 2, 4, 60, 16, "bf16", "gated_delta_rule"),  # the failing case
+    (2, 63, 2, 4, 60, 16, "fp32", "gated_delta_rule"),
+    (2, 63, 2, 4, 64, 16, "bf16", "gated_delta_rule"),
+    (2, 63, 2, 4, 60, 32, "bf16", "gated_delta_rule"),
+    (2, 64, 2, 4, 60, 16, "bf16", "gated_delta_rule"),
+    (1, 63, 1, 1, 64, 16, "bf16", "gated_delta_rule"),
+    (2, 63, 2, 4, 64, 16, "bf16", "delta_rule"),
+    (2, 63, 2, 4, 64, 16, "bf16", "linear_attention"),
+    (2, 300, 2, 4, 128, 16, "bf16", "gated_delta_rule"),
+]
+
+
+def child(B, T, H, HV, K, V, dtype, member):
+    import torch
+
+    sys.path.insert(0, os.path.join(HERE, ".."))
+    from gdn import ops
+
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    torch.manual_seed(0)
+    q = torch.randn(B, T, H, K, device="cuda", dtype=dt, requires_grad=True)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).to(dt).requires_grad_()
+    v = torch.randn(B, T, HV, V, device="cuda", dtype=dt, requires_grad=True)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda") + 3).requires_grad_()
+    b = torch.rand(B, T, HV, device="cuda").requires_grad_()
+    h0 = torch.randn(B, HV, K, V, device="cuda", requires_grad=True)
+    args = {"gated_delta_rule": (q, k, v, g, b), "delta_rule": (q, k, v, b), "linear_attention": (q, k, v)}[member]
+    try:
+        o, S = getattr(ops, member)(*args, initial_state=h0, output_final_state=True, backend="triton")
+        torch.cuda.synchronize()
+        (o.float().sum() + S.sum()).backward()
+        torch.cuda.synchronize()
+        print("RESULT ok")
+    except Exception as e:  # noqa: BLE001 - the point is to report it
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "gdn/ops" in f.filename]
+        where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+        print(f"RESULT FAIL {type(e).__name__}: {str(e)[:120]} at {where}")
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        B, T, H, HV, K, V = (int(x) for x in sys.argv[2:8])
+        child(B, T, H, HV, K, V, sys.argv[8], sys.argv[9])
+        return 0
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", PYTHONUNBUFFERED="1")
+    print("| B | T | H | HV | K | V | dtype | member | result |\n|---|---|---|---|---|---|---|---|---|")
+    failing = None
+    for var in VARIANTS:
+        cmd = [sys.executable, __file__, "--child", *map(str, var)]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        line = next((s[7:] for s in r.stdout.splitlines() if s.startswith("RESULT ")), f"no result (rc {r.returncode})")
+        print("| " + " | ".join(map(str, var)) + f" | {line} |", flush=True)
+        if failing is None and not line.startswith("ok"):
+            failing = cmd
+    sanitizer = shutil.which("compute-sanitizer") or next(
+        (p for p in ("/usr/local/cuda/bin/compute-sanitizer", "/usr/local/cuda-13.0/bin/compute-sanitizer")
+         if os.path.exists(p)), None)
+    if failing and sanitizer:
+        print(f"\ncompute-sanitizer on {failing[3:]}:")
+        r = subprocess.run([sanitizer, "--print-limit", "5", *failing], capture_output=True, text=True, timeout=600)
+        print("\n".join((r.stdout + r.stderr).splitlines()[:60]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
