@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, launch, make_segments,
-                      pow2, tiles, tl_dtype)
+from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
+                      launch, make_segments, pow2, tiles, tl_dtype)
 
 
 @triton.jit
@@ -214,8 +214,9 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t
     else:
         b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
     b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
-    if USE_G:
-        b_gam, b_gc = gate_cumsum(g, rows, m, HV, i_hv)
+    if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
+        cs = bos + i_c * BT
+        b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
         b_k = b_k * tl.exp(b_gc - b_gam)[:, None]
         b_s = b_s * tl.exp(b_gc)
     return b_s + tl.dot(tl.trans(b_k.to(DT)), b_d.to(DT), input_precision=PREC)
@@ -417,7 +418,9 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool):
     dummy = v
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=g is not None, DELTA=delta, PREC=prec, DT=DT,
                   WHILE=INTERPRET, name="state_fwd")
-    gp, Wp, Up = g if g is not None else dummy, W if delta else dummy, U if delta else dummy
+    # the state passes read γ (the in-chunk cumulative decay), computed once here
+    gp = chunk_cumsum(g, ch) if g is not None else dummy
+    Wp, Up = (W, U) if delta else (dummy, dummy)
     L = split_len(ch, HV, triton.cdiv(V, SV), dev)
     if L:
         # Split pass: (1) every segment from [I | 0] gives its map S ↦ A S + B; (2) chain the maps
