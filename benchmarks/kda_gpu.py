@@ -60,6 +60,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gdn import ops  # noqa: E402
 from gdn.ops import kda_chunk  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_gpu import GRAPH_STEPS, per_step_in_graph_us  # noqa: E402  (one CUDA-graph timer for both)
+
 PACKED = [4096, 1000, 7000, 300, 2048, 5000, 64, 3000, 1500, 4260, 2500, 2000]
 #: (name, B, T, H, HV, D, packed lengths or None)
 SHAPES = [
@@ -76,7 +79,6 @@ DRY_SHAPES = [
 ]
 DECODE = dict(H=16, HV=32, D=128, batches=(1, 32, 256))
 DRY_DECODE = dict(H=1, HV=2, D=16, batches=(1, 3))
-GRAPH_STEPS = 100
 IMPLS = ["gdn KDA", "FLA chunk", "FLA recurrent", "gdn scalar"]
 
 
@@ -400,21 +402,6 @@ def kda_kernel_step(TK, q, k, v, g, beta, h0):
                                  BK=BK, BV=BV, CKS=TK.CK, USE_H0=True, STORE_HT=True, STORE_CKPT=False)
         return o, ht
     return step
-
-
-def per_step_in_graph_us(fns):
-    """GPU µs per step of a CUDA graph of GRAPH_STEPS steps cycling through ``fns``."""
-    from triton.testing import do_bench
-
-    with torch.inference_mode():
-        for fn in fns:
-            fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(GRAPH_STEPS):
-                fns[i % len(fns)]()
-    return do_bench(graph.replay, warmup=20, rep=200, return_mode="median") * 1e3 / GRAPH_STEPS
 
 
 def decode_rows(impls, clock, args, report):

@@ -5,6 +5,7 @@ import torch
 
 from .. import ops
 from ._recurrent import MASKED_GATE_INPUT, RecurrentMixer, l2_normalise, scalar_decay
+from .deltanet import check_beta_offset
 
 
 def gated_delta_core(q, k, v, a, b, A_log, dt_bias, *, allow_neg_eigval=False, scale=None, initial_state=None,
@@ -57,7 +58,8 @@ class GatedDeltaNet(RecurrentMixer):
     fused entry point :func:`gdn.ops.fused.gated_delta_rule_fused` when present (:func:`core_for`).
 
     Args: those of :class:`gdn.layers._recurrent.RecurrentMixer`, plus ``allow_neg_eigval``
-    (β = 2·sigmoid, so the transition can have negative eigenvalues).
+    (β = 2·sigmoid, so the transition can have negative eigenvalues) and ``beta_offset`` (a constant
+    added to ``b_proj x``, see :func:`gdn.layers.deltanet.check_beta_offset`; default 0).
 
     Forward: ``x`` [B, T, D] -> ``(o [B, T, D], RecurrentState or None)``; see the base class.
     """
@@ -65,12 +67,15 @@ class GatedDeltaNet(RecurrentMixer):
     has_decay = True
     has_delta = True
 
-    def __init__(self, *args, allow_neg_eigval: bool = False, **kwargs):
+    def __init__(self, *args, allow_neg_eigval: bool = False, beta_offset: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.allow_neg_eigval = bool(allow_neg_eigval)
+        self.beta_offset = check_beta_offset(beta_offset)
 
     def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens):
         a, b = self.a_proj(x), self.b_proj(x)
+        if self.beta_offset:
+            b = b + self.beta_offset
         if mask is not None:
             a = a.masked_fill(~mask[..., None], MASKED_GATE_INPUT)
         return core_for(q)(q, k, v, a, b, self.A_log, self.dt_bias, allow_neg_eigval=self.allow_neg_eigval,

@@ -1,6 +1,8 @@
 """Model configuration: width, depth, a layer pattern of token mixers, and named presets."""
 from __future__ import annotations
 
+import math
+
 from transformers import PretrainedConfig
 
 #: Letters of the recurrent mixers (constant-size state); the others are softmax attention.
@@ -76,6 +78,9 @@ class GDNConfig(PretrainedConfig):
         num_heads, head_dim, num_v_heads, expand_v: recurrent mixers' q/k heads H, key size K,
             value heads HV (default H, a multiple of H) and value size K·expand_v.
         use_short_conv, conv_size, use_gate, allow_neg_eigval: recurrent mixer options.
+        beta_offset: constant added to the β pre-activation of ``G`` and ``D`` layers (β starts near
+            sigmoid(beta_offset) instead of 0.5; no parameter, checkpoints unchanged). Default 0, the
+            published layers and Qwen3-Next / Qwen3.5; ``gdn mqar``'s presets turn it on.
         kda_gate_rank: rank of the low-rank gate projections of ``K`` layers (default head_dim).
         num_attention_heads, num_key_value_heads, attention_head_dim (default D / heads),
             window_size (needed by, and only allowed with, ``S`` layers), rope_theta: attention.
@@ -103,7 +108,7 @@ class GDNConfig(PretrainedConfig):
                  intermediate_size: int | None = None, norm_eps: float = 1e-6, initializer_range: float = 0.02,
                  tie_word_embeddings: bool = False, max_position_embeddings: int = 4096, use_cache: bool = True,
                  attention_output_gate: bool = False, attention_qk_norm: bool = False,
-                 partial_rotary_factor: float = 1.0, **kwargs):
+                 partial_rotary_factor: float = 1.0, beta_offset: float = 0.0, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -116,6 +121,7 @@ class GDNConfig(PretrainedConfig):
         self.conv_size = conv_size
         self.use_gate = use_gate
         self.allow_neg_eigval = allow_neg_eigval
+        self.beta_offset = beta_offset
         self.kda_gate_rank = kda_gate_rank
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
@@ -158,6 +164,9 @@ class GDNConfig(PretrainedConfig):
             v = self.head_dim * self.expand_v
             if not isinstance(self.expand_v, (int, float)) or self.expand_v <= 0 or v != int(v):
                 raise ValueError(f"head_dim * expand_v must be a positive integer, got {self.head_dim} * {self.expand_v!r}")
+        b = self.beta_offset
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+            raise ValueError(f"beta_offset must be a finite number, got {b!r}")
         for name in ("attention_output_gate", "attention_qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -35,6 +35,7 @@ def build_mixer(config: GDNConfig, layer_idx: int) -> nn.Module:
                   conv_size=config.conv_size, use_gate=config.use_gate, norm_eps=config.norm_eps, layer_idx=layer_idx)
         if letter in "GD":
             kw["allow_neg_eigval"] = config.allow_neg_eigval
+            kw["beta_offset"] = config.beta_offset
         return _RECURRENT[letter](config.hidden_size, config.num_heads, config.head_dim, **kw)
     return Attention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                      config.resolved_attention_head_dim, window_size=config.window_size if letter == "S" else None,

@@ -8,11 +8,9 @@ with the op, as one entry point (issue 3, item 3).
 computes ``q̂ = q·rsqrt(Σq² + 1e-6)`` (and k̂), ``g = −exp(A_log)·softplus(a + dt_bias)`` and
 ``β = sigmoid(b)`` (``2·sigmoid(b)`` with ``allow_neg_eigval``) in fp32, then the gated delta rule.
 ``backend="triton"`` runs the prologue in Triton kernels with their own backward
-(:mod:`gdn.ops.triton.prologue`). Those kernels pass their interpreter tests but have not yet run
-on a GPU (DESIGN: a kernel proven only in the interpreter is not trusted), so they are opt-in:
-every other backend, ``None`` included, runs the prologue in PyTorch (autograd) and then
-:func:`gdn.ops.gated_delta_rule` with that backend (on CUDA, ``None`` picks its GPU-validated
-Triton chunk and decode kernels).
+(:mod:`gdn.ops.triton.prologue`), checked on the H200 against the float64 reference
+(docs/TRITON.md); ``backend=None`` takes them on CUDA (value heads ≥ 32). The other backends run
+the prologue in PyTorch (autograd) and then :func:`gdn.ops.gated_delta_rule` with that backend.
 """
 from __future__ import annotations
 
@@ -59,8 +57,10 @@ def gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, *, scale=None, initial
             :func:`gdn.ops.gated_delta_rule`.
         use_qk_l2norm: L2-normalise q and k over K (eps 1e-6).
         allow_neg_eigval: β = 2·sigmoid(b) (transition eigenvalues in [−1, 1]).
-        backend: ``None`` (PyTorch prologue, then the op's own pick), ``"triton"`` (Triton
-            prologue kernels, opt-in until validated on a GPU), ``"chunk"`` or ``"naive"``.
+        backend: ``None`` picks: on CUDA with Triton the Triton prologue kernels (validated on the
+            H200 by ``benchmarks/gpu_check.py``; value heads narrower than 32 excepted, see
+            :mod:`gdn.ops`), elsewhere the PyTorch prologue and then the op's own pick;
+            ``"triton"``, ``"chunk"`` or ``"naive"`` force one.
 
     Returns:
         ``(o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] or None)``. Gradients reach q, k,
@@ -69,6 +69,10 @@ def gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, *, scale=None, initial
     check_backend(backend)
     check_recurrent(q, k, v, a, None, initial_state, cu_seqlens, scale, backend, name_g="a")
     _check_params(a, b, A_log, dt_bias)
+    if backend is None and q.is_cuda and v.shape[-1] >= 32:
+        from . import _triton_module  # noqa: PLC0415
+
+        backend = "triton" if _triton_module() is not None else None
     if backend == "triton":
         from . import _triton_module  # noqa: PLC0415
 

@@ -386,3 +386,20 @@ def test_gated_attention_options_build_decode_and_reload(tmp_path):
     plain = tiny("gdn", num_hidden_layers=2, layer_pattern="GA")
     assert not hasattr(plain.model.layers[1].mixer, "g_proj")
     assert plain.model.layers[1].mixer.rotary_dim == plain.model.layers[1].mixer.head_dim
+
+
+def test_beta_offset_reaches_the_layers_and_survives_save_load(tmp_path):
+    """GDNConfig.beta_offset (the MQAR recipe's β initialisation) is applied by every G and D layer
+    and restored by from_pretrained."""
+    m = GDNForCausalLM(GDNConfig.from_preset("gdn", size="tiny", layer_pattern="GD", num_hidden_layers=2, beta_offset=-3.0)).eval()
+    mixers = [blk.mixer for blk in m.model.layers]
+    assert [mx.beta_offset for mx in mixers] == [-3.0, -3.0]
+    x = ids(1, 9)
+    before = m(x).logits
+    m.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert [blk.mixer.beta_offset for blk in loaded.model.layers] == [-3.0, -3.0]
+    assert torch.equal(loaded(x).logits, before)
+    plain = GDNForCausalLM(GDNConfig.from_preset("gdn", size="tiny", layer_pattern="GD", num_hidden_layers=2)).eval()
+    plain.load_state_dict(m.state_dict())
+    assert not torch.equal(plain(x).logits, before)  # the offset changes the computation

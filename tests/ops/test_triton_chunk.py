@@ -164,3 +164,23 @@ def test_split_len_rule(monkeypatch):
     monkeypatch.setitem(_common.CONFIG, "split", dict(L=-1, min_L=8))  # auto: 4 "SMs" on the CPU
     assert split_len(ch, 1, 1, torch.device("cpu")) == 64  # 512 chunks in 8 parts
     assert split_len(ch, 8, 1, torch.device("cpu")) == 0  # 8 programs already fill 2 x 4
+
+
+def test_recording_collects_launches_without_running():
+    """precompile's dry run: inside recording() the launchers allocate but launch nothing."""
+    d = make_inputs(B=1, T=130, H=1, HV=2, K=16, V=16, dtype=torch.float32, state=True, seed=4)
+    ch = _common.make_chunks(1, 130, None, torch.device("cpu"))
+    from gdn.ops.triton import chunk_bwd, chunk_fwd
+
+    qp, kp = d["q"].reshape(130, 1, 16), d["k"].reshape(130, 1, 16)
+    vp, gp, bp = d["v"].reshape(130, 2, 16), d["g"].reshape(130, 2), d["beta"].reshape(130, 2)
+    with _common.recording() as rec:
+        h, vn, _, _, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, d["initial_state"], ch, True)
+        chunk_fwd.output(qp, kp, vp, gp, h, vn, ch, 0.25, torch.float32)
+        chunk_bwd.backward(qp, kp, vp, gp, bp, d["initial_state"], vp, None, ch, 0.25)
+    names = [k.fn.__name__ for k, _, _, _ in rec]
+    for n in ("kkt_solve_kernel", "wu_kernel", "state_fwd_kernel", "output_kernel", "dv_local_kernel",
+              "state_bwd_kernel", "dqk_kernel", "wy_bwd_kernel"):
+        assert n in names, n
+    assert all("num_warps" in meta and "num_stages" in meta for _, _, _, meta in rec)
+    assert _common._RECORD is None  # recording ends with the context

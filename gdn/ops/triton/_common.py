@@ -9,7 +9,10 @@ first chunk (where its states live in the per-chunk state buffer).
 """
 from __future__ import annotations
 
+import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -209,7 +212,23 @@ def chunk_cumsum(g: torch.Tensor, ch: "Chunks") -> torch.Tensor:
     return G
 
 
+@triton.jit
+def value_cols(o_v, m, K: tl.constexpr, V: tl.constexpr, AUG: tl.constexpr):
+    """(value-column offsets, [BT, BV] mask) of a state tile's columns ``o_v``: o_v itself, or for
+    the augmented tiles of the split passes ([K transition columns | V value columns]) o_v − K
+    with the transition columns masked off (they read zeros)."""
+    if AUG:
+        o_u = o_v - K
+        mv = m[:, None] & ((o_v >= K) & (o_u < V))[None, :]
+    else:
+        o_u = o_v
+        mv = m[:, None] & (o_v < V)[None, :]
+    return o_u, mv
+
+
 _STAGES: dict = {}
+_RECORD: list | None = None  # launches collected instead of run, inside recording()
+log = logging.getLogger(__name__)
 
 
 def launch(kernel, grid, *args, name: str, **meta):
@@ -221,6 +240,9 @@ def launch(kernel, grid, *args, name: str, **meta):
     stages = cfg["stages"]
     meta["num_warps"] = cfg["num_warps"]
     key = (kernel.fn.__name__, tuple(sorted((k, str(v)) for k, v in meta.items())), stages)
+    if _RECORD is not None:
+        _RECORD.append((kernel, grid, args, dict(meta, num_stages=_STAGES.get(key, stages[0]))))
+        return None
     if key in _STAGES:
         return kernel[grid](*args, num_stages=_STAGES[key], **meta)
     for i, ns in enumerate(stages):
@@ -232,3 +254,40 @@ def launch(kernel, grid, *args, name: str, **meta):
             continue
         _STAGES[key] = ns
         return out
+
+
+@contextmanager
+def recording():
+    """Inside this context :func:`launch` runs nothing and collects ``(kernel, grid, args, meta)``
+    instead (buffers are still allocated by the launchers, never written)."""
+    global _RECORD
+    saved, _RECORD = _RECORD, []
+    try:
+        yield _RECORD
+    finally:
+        _RECORD = saved
+
+
+_WARM: set = set()
+
+
+def precompile(key, dry_run) -> None:
+    """Compile, in parallel threads, every kernel that ``dry_run()`` would launch, once per ``key``.
+
+    A cold first call otherwise compiles the chunk kernels one after another (≈ 8 s for a
+    forward + backward on the H200's host, each kernel 0.3–2 s of LLVM and ptxas); Triton's
+    ``AsyncCompileMode`` takes ``warmup`` compiles on an executor. Nothing here is needed for
+    correctness: on any failure the kernels compile at their launch as before."""
+    if key in _WARM or INTERPRET:
+        return
+    _WARM.add(key)
+    try:
+        with recording() as launches:
+            dry_run()
+        workers = max(1, min(16, os.cpu_count() or 1, len(launches)))
+        with ThreadPoolExecutor(workers) as ex, triton.AsyncCompileMode(ex):
+            for kernel, grid, args, meta in launches:
+                kernel.warmup(*args, grid=grid, **meta)
+    except Exception as e:  # noqa: BLE001 - an optimisation only; the launches compile themselves
+        log.warning("parallel precompile of the chunk kernels failed (%s: %s); compiling at launch",
+                    type(e).__name__, e)

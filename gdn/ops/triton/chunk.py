@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import chunk_bwd, chunk_fwd
-from ._common import Chunks, make_chunks, pow2
+from ._common import Chunks, make_chunks, pow2, precompile
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -52,6 +52,14 @@ class ChunkFunction(torch.autograd.Function):
             vp = F.pad(vp, (0, Vp - V))
         if h0p is not None and (Kp, Vp) != (K, V):
             h0p = F.pad(h0p, (0, Vp - V, 0, Kp - K))
+        if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
+            def dry_run():  # the launches of one forward + backward, recorded by precompile, not run
+                dht = torch.empty(ch.N, HV, Kp, Vp, device=qp.device) if want_final else None
+                hh, vn, _, _, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, h0p, ch, want_final)
+                chunk_fwd.output(qp, kp, vp, gp, hh, vn, ch, scale, io)
+                chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale)
+
+            precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV), dry_run)
         h, VN, ht, _, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, h0p, ch, want_final)
         o = chunk_fwd.output(qp, kp, vp, gp, h, VN, ch, scale, io)[..., :V]
         if ht is not None and (Kp, Vp) != (K, V):

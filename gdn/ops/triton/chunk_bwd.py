@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
-                      launch, make_segments, pow2, tiles, tl_dtype)
+                      launch, make_segments, pow2, tiles, tl_dtype, value_cols)
 from .chunk_fwd import chain, split_len
 
 
@@ -72,12 +72,7 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
     rows = bos + i_c * BT + o_t
     m = (rows >= bos) & (rows < eos)
     mk = m[:, None] & (o_k < K)[None, :]
-    if AUG:
-        o_u = o_v - K
-        mv = m[:, None] & ((o_v >= K) & (o_u < V))[None, :]
-    else:
-        o_u = o_v
-        mv = m[:, None] & (o_v < V)[None, :]
+    o_u, mv = value_cols(o_v, m, K, V, AUG)
     b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
     b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
     b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0)
@@ -101,7 +96,7 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
     return b_ds
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['max_nc'])
 def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_nc, scale, H,
                      HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
@@ -146,7 +141,7 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_n
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_ds, mask=mkv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])
 def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, scale, T, H,
                HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
@@ -215,7 +210,7 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, s
         tl.store(DGAM + (i_k * T + rows) * HV + i_hv, b_dg, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])
 def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx, T, H,
                   HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, NK: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr,

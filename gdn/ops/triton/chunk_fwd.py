@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
-                      launch, make_segments, pow2, tiles, tl_dtype)
+                      launch, make_segments, pow2, tiles, tl_dtype, value_cols)
 
 
 @triton.jit
@@ -199,12 +199,7 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t
         tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_sd, mask=mkv & (bos + i_c * BT < eos))
     m = rows < eos
     mk = m[:, None] & (o_k < K)[None, :]
-    if AUG:
-        o_u = o_v - K
-        mv = m[:, None] & ((o_v >= K) & (o_u < V))[None, :]
-    else:
-        o_u = o_v
-        mv = m[:, None] & (o_v < V)[None, :]
+    o_u, mv = value_cols(o_v, m, K, V, AUG)
     if DELTA:
         b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
         b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
@@ -222,7 +217,7 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t
     return b_s + tl.dot(tl.trans(b_k.to(DT)), b_d.to(DT), input_precision=PREC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['max_nc'])
 def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
@@ -292,7 +287,7 @@ def _chain_step(j, b_s, X, Sseg, s0, ns, i_hv, HV, o_k, o_v, mv, K: tl.constexpr
     return tl.where(valid, b_n, b_s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['max_ns'])
 def chain_kernel(X, S0, Sseg, Sfin, first, count, max_ns, HV, K: tl.constexpr, V: tl.constexpr,
                  BV: tl.constexpr, BC: tl.constexpr, REVERSE: tl.constexpr, USE_S0: tl.constexpr,
                  STORE_FIN: tl.constexpr, PREC: tl.constexpr, WHILE: tl.constexpr):

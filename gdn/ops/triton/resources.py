@@ -37,7 +37,7 @@ def _signature(kernel, args, meta):
     bound.update(meta)
     sig, consts, attrs = {}, {}, {}
     for i, p in enumerate(kernel.params):
-        x = bound[p.name]
+        x = bound[p.name] if p.name in bound else p.default  # a constexpr left at its default
         if p.is_constexpr:
             sig[p.name] = "constexpr"
             consts[(i,)] = x

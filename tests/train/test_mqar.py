@@ -1,0 +1,159 @@
+"""``beta_offset`` (the β-initialisation option ``gdn mqar`` turns on) and the MQAR recipe plumbing.
+
+The option must leave the published layers unchanged by default, add exactly ``beta_offset`` to
+the β pre-activation when set, keep the state dict (Qwen-compatible weights) unchanged, be
+validated, and survive a config save/load.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gdn import ops
+from gdn.layers import DeltaNet, GatedDeltaNet
+from gdn.layers._recurrent import l2_normalise, scalar_decay
+from gdn.models import GDNConfig
+
+D = 32
+
+
+def make(cls, **kw):
+    torch.manual_seed(0)
+    return cls(D, 2, 16, num_v_heads=2, expand_v=1.0, use_short_conv=False, use_gate=False, **kw).eval()
+
+
+def by_hand(m, x, offset):
+    """The layer's recurrence with β = sigmoid(b_proj x + offset), written out (no short conv, no gate)."""
+    B, T, _ = x.shape
+    q = torch.nn.functional.silu(m.q_proj(x)).view(B, T, 2, 16)
+    k = torch.nn.functional.silu(m.k_proj(x)).view(B, T, 2, 16)
+    v = torch.nn.functional.silu(m.v_proj(x)).view(B, T, 2, 16)
+    beta = torch.sigmoid(m.b_proj(x).float() + offset)
+    if isinstance(m, GatedDeltaNet):
+        g = scalar_decay(m.a_proj(x), m.A_log, m.dt_bias)
+        o, _ = ops.gated_delta_rule(l2_normalise(q), l2_normalise(k), v, g, beta)
+    else:
+        o, _ = ops.delta_rule(l2_normalise(q), l2_normalise(k), v, beta)
+    return m.o_proj(m.o_norm(o).reshape(B, T, 32))
+
+
+@pytest.mark.parametrize("cls", [DeltaNet, GatedDeltaNet])
+@pytest.mark.parametrize("offset", [0.0, 3.0, -1.5])
+def test_beta_offset_shifts_the_beta_preactivation(cls, offset):
+    m = make(cls, beta_offset=offset)
+    x = torch.randn(2, 20, D)
+    with torch.no_grad():
+        out, _ = m(x)
+        ref = by_hand(m, x, offset)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [DeltaNet, GatedDeltaNet])
+def test_beta_offset_default_is_the_published_layer_and_keeps_the_state_dict(cls):
+    plain, shifted = make(cls), make(cls, beta_offset=3.0)
+    assert plain.beta_offset == 0.0
+    sd_plain, sd_shift = plain.state_dict(), shifted.state_dict()
+    assert sd_plain.keys() == sd_shift.keys()
+    assert all(torch.equal(sd_plain[k], sd_shift[k]) for k in sd_plain)
+    x = torch.randn(1, 12, D)
+    with torch.no_grad():
+        assert not torch.allclose(plain(x)[0], shifted(x)[0], atol=1e-4)  # the offset does change β
+
+
+@pytest.mark.parametrize("cls", [DeltaNet, GatedDeltaNet])
+@pytest.mark.parametrize("bad", ["3", True, math.nan, math.inf, None])
+def test_beta_offset_rejects_non_finite_numbers(cls, bad):
+    with pytest.raises(ValueError, match="beta_offset"):
+        make(cls, beta_offset=bad)
+
+
+@pytest.mark.parametrize("bad", ["3", True, math.inf])
+def test_config_rejects_bad_beta_offset(bad):
+    with pytest.raises(ValueError, match="beta_offset"):
+        GDNConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, layer_pattern="GD", num_heads=2, head_dim=16,
+                  beta_offset=bad)
+
+
+def test_config_beta_offset_saves_and_loads(tmp_path):
+    cfg = GDNConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, layer_pattern="GD", num_heads=2, head_dim=16,
+                    beta_offset=2.5)
+    cfg.save_pretrained(tmp_path)
+    assert GDNConfig.from_pretrained(tmp_path).beta_offset == 2.5
+    assert GDNConfig(vocab_size=16, hidden_size=32, num_hidden_layers=1, num_heads=2, head_dim=16).beta_offset == 0.0
+
+
+def test_mqar_model_applies_the_recipe():
+    from gdn.layers import GatedLinearAttention, LinearAttention
+    from gdn.train.mqar import MQARConfig, build_model
+
+    cfg = MQARConfig(widths=[16], num_pairs=[2], seq_len=16, vocab_size=16, beta_offset=-3.0,
+                     decay_init=[0.5, 1.0, 1e-3, 1e-2])
+    for letter, cls in (("D", DeltaNet), ("G", GatedDeltaNet), ("M", GatedLinearAttention), ("L", LinearAttention)):
+        model = build_model(letter, 16, cfg)
+        mixers = [b.mixer for b in model.model.layers]
+        assert all(type(m) is cls for m in mixers)
+        if letter in "DG":
+            assert model.config.beta_offset == -3.0 and all(m.beta_offset == -3.0 for m in mixers)
+        else:
+            assert model.config.beta_offset == 0.0
+        for m in mixers:
+            if letter in "MG":  # A = exp(A_log) in [0.5, 1]; dt = softplus(dt_bias) in [1e-3, 1e-2]
+                A, dt = m.A_log.exp(), torch.nn.functional.softplus(m.dt_bias)
+                assert ((A >= 0.5 - 1e-6) & (A <= 1 + 1e-6)).all()
+                assert ((dt >= 1e-3 * 0.999) & (dt <= 1e-2 * 1.001)).all()
+            else:
+                assert not hasattr(m, "A_log")
+
+
+def test_mqar_model_without_the_recipe_keeps_the_layers_defaults():
+    from gdn.train.mqar import MQARConfig, build_model
+
+    cfg = MQARConfig(widths=[16], num_pairs=[2], seq_len=16, vocab_size=16)
+    torch.manual_seed(0)
+    model = build_model("G", 16, cfg)
+    assert all(b.mixer.beta_offset == 0.0 for b in model.model.layers)
+    A = torch.cat([b.mixer.A_log.exp() for b in model.model.layers])
+    assert ((A >= 0.01 - 1e-6) & (A <= 16 + 1e-4)).all()
+
+
+@pytest.mark.parametrize("key,bad", [("beta_offset", "x"), ("beta_offset", math.nan), ("decay_init", [1, 2, 3]),
+                                     ("decay_init", [2.0, 1.0, 1e-3, 1e-2]), ("decay_init", [0.5, 1.0, 0.0, 1e-2]),
+                                     ("decay_init", "fast")])
+def test_mqar_config_rejects_bad_recipe_values(key, bad):
+    from gdn.train.mqar import MQARConfig
+
+    with pytest.raises(ValueError, match=key):
+        MQARConfig(**{key: bad})
+
+
+def test_lr_factor_warmup_constant_then_cosine():
+    from gdn.train.mqar import lr_factor
+
+    steps, warm = 200, 10
+    f = [lr_factor(s, steps, 0.05, 0.25) for s in range(steps)]
+    assert f[0] == pytest.approx(1 / warm) and f[warm - 1] == pytest.approx(1.0)
+    assert all(v == 1.0 for v in f[warm:150])  # constant until the last 25 % of the steps
+    assert all(a > b for a, b in zip(f[151:], f[152:])) and f[-1] < 1e-3
+    full = [lr_factor(s, steps, 0.05, 1.0) for s in range(steps)]  # decay_frac=1: warmup, then cosine at once
+    assert full[warm] == pytest.approx(1.0) and full[warm + 1] < 1.0
+    assert full[105] == pytest.approx(0.5 * (1 + math.cos(math.pi * 95 / 190)))
+
+
+@pytest.mark.parametrize("key,bad", [("warmup_frac", 1.5), ("decay_frac", -0.1), ("decay_frac", "all")])
+def test_mqar_config_rejects_bad_schedule(key, bad):
+    from gdn.train.mqar import MQARConfig
+
+    with pytest.raises(ValueError, match=key):
+        MQARConfig(**{key: bad})
+
+
+@pytest.mark.parametrize("preset", ["cpu-small", "paper"])
+def test_presets_turn_the_recipe_on_and_the_defaults_leave_it_off(preset):
+    from gdn.train.mqar import MQARConfig, mqar_config
+
+    cfg = mqar_config(preset)
+    assert cfg.beta_offset == -3.0 and list(cfg.decay_init) == [0.01, 1.0, 1e-3, 1e-2]
+    assert MQARConfig().beta_offset == 0.0 and MQARConfig().decay_init is None
+    assert mqar_config(preset, sets=["beta_offset=0", "decay_init=null"]).decay_init is None
