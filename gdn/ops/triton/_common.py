@@ -184,6 +184,35 @@ def gate_cumsum(g, rows, m, HV, i_hv):
 
 
 @triton.jit
+def gate_load(G, rows, m, HV, i_hv, last, valid):
+    """γ [BT] of one chunk read from the precomputed in-chunk cumulative log decay G [T, HV], and
+    γ_C = G at the chunk's last valid row ``last`` (0 when ``valid`` is false: a chunk outside its
+    sequence). The sequential passes use this instead of :func:`gate_cumsum`, keeping the scan off
+    their per-chunk critical path."""
+    b_g = tl.load(G + rows * HV + i_hv, mask=m, other=0.0)
+    b_c = tl.load(G + last * HV + i_hv, mask=valid, other=0.0)
+    return b_g, b_c
+
+
+@triton.jit
+def gate_cumsum_kernel(g, G, cu, chunk_idx, HV, BT: tl.constexpr):
+    """G[t, hv] = in-chunk cumulative sum of g (fp32), one program per chunk and value head."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, BT)
+    rows = t0 + tl.arange(0, BT)
+    m = rows < eos
+    b_g, _ = gate_cumsum(g, rows, m, HV, i_hv)
+    tl.store(G + rows * HV + i_hv, b_g, mask=m)
+
+
+def chunk_cumsum(g: torch.Tensor, ch: "Chunks") -> torch.Tensor:
+    """The in-chunk cumulative log decay of g [T, HV] (fp32), for the sequential passes."""
+    G = torch.empty_like(g)
+    gate_cumsum_kernel[(ch.NT, g.shape[1])](g, G, ch.cu, ch.chunk_idx, g.shape[1], BT=BT, num_warps=1)
+    return G
+
+
+@triton.jit
 def value_cols(o_v, m, K: tl.constexpr, V: tl.constexpr, AUG: tl.constexpr):
     """(value-column offsets, [BT, BV] mask) of a state tile's columns ``o_v``: o_v itself, or for
     the augmented tiles of the split passes ([K transition columns | V value columns]) o_v − K

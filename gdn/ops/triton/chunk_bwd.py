@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, launch, make_segments,
-                      pow2, tiles, tl_dtype, value_cols)
+from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
+                      launch, make_segments, pow2, tiles, tl_dtype, value_cols)
 from .chunk_fwd import chain, split_len
 
 
@@ -78,8 +78,9 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
     b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0)
     b_dd = tl.load(DVL + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
     b_q = b_q * scale
-    if USE_G:
-        b_gam, b_gc = gate_cumsum(g, rows, m, HV, i_hv)
+    if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
+        cs = bos + i_c * BT
+        b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, i_c >= 0)
         b_k = b_k * tl.exp(b_gc - b_gam)[:, None]
         b_q = b_q * tl.exp(b_gam)[:, None]
     b_dd += tl.dot(b_k.to(DT), b_dsd, input_precision=PREC)
@@ -95,7 +96,7 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
     return b_ds
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['max_nc'])
 def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_nc, scale, H,
                      HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
@@ -140,7 +141,7 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_n
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_ds, mask=mkv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])
 def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, scale, T, H,
                HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
@@ -209,7 +210,7 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, s
         tl.store(DGAM + (i_k * T + rows) * HV + i_hv, b_dg, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])
 def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx, T, H,
                   HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, NK: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr,
@@ -317,6 +318,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
                   name="state_bwd")
     Wp = W if delta else dummy
+    gs = chunk_cumsum(g, ch) if gated else dummy  # the state pass reads γ, not g
     L = split_len(ch, HV, triton.cdiv(V, SV), dev)
     if L:
         # Split reverse pass, as in the forward: (1) each segment's map dS_end ↦ Aᵀ dS_end + D from
@@ -324,14 +326,14 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
         sg = make_segments(ch, L, dev)
         X = torch.empty(sg.NS, HV, K, K + V, device=dev, dtype=f32)
         AV = min(pow2(K + V), max(16, CONFIG["state_bwd"]["SV"] // SK))
-        launch(state_bwd_kernel, (triton.cdiv(K + V, AV), sg.NS * HV), q, k, gp, Wp, do, DVL, dummy, dummy,
+        launch(state_bwd_kernel, (triton.cdiv(K + V, AV), sg.NS * HV), q, k, gs, Wp, do, DVL, dummy, dummy,
                dummy, X, sg.cu, sg.off, L, scale, BV=AV, USE_DHT=False, USE_INIT=True, AUG=True, **common)
         Send = chain(X, dht, dh0, sg, HV, K, V, True, prec)
-        launch(state_bwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), q, k, gp, Wp, do, DVL, Send, dh, DD, dummy,
+        launch(state_bwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL, Send, dh, DD, dummy,
                sg.cu, sg.off, L, scale, BV=SV, USE_DHT=True, USE_INIT=False, **common)
     else:
         launch(state_bwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
-               q, k, gp, Wp, do, DVL, dht if dht is not None else dummy, dh, DD,
+               q, k, gs, Wp, do, DVL, dht if dht is not None else dummy, dh, DD,
                dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, ch.max_nc, scale, BV=SV,
                USE_DHT=dht is not None, USE_INIT=h0 is not None, **common)
     del DVL

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, launch, make_segments,
-                      pow2, tiles, tl_dtype, value_cols)
+from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
+                      launch, make_segments, pow2, tiles, tl_dtype, value_cols)
 
 
 @triton.jit
@@ -209,14 +209,15 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t
     else:
         b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
     b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
-    if USE_G:
-        b_gam, b_gc = gate_cumsum(g, rows, m, HV, i_hv)
+    if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
+        cs = bos + i_c * BT
+        b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
         b_k = b_k * tl.exp(b_gc - b_gam)[:, None]
         b_s = b_s * tl.exp(b_gc)
     return b_s + tl.dot(tl.trans(b_k.to(DT)), b_d.to(DT), input_precision=PREC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['max_nc'])
 def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
@@ -286,7 +287,7 @@ def _chain_step(j, b_s, X, Sseg, s0, ns, i_hv, HV, o_k, o_v, mv, K: tl.constexpr
     return tl.where(valid, b_n, b_s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['max_ns'])
 def chain_kernel(X, S0, Sseg, Sfin, first, count, max_ns, HV, K: tl.constexpr, V: tl.constexpr,
                  BV: tl.constexpr, BC: tl.constexpr, REVERSE: tl.constexpr, USE_S0: tl.constexpr,
                  STORE_FIN: tl.constexpr, PREC: tl.constexpr, WHILE: tl.constexpr):
@@ -412,7 +413,9 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool):
     dummy = v
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=g is not None, DELTA=delta, PREC=prec, DT=DT,
                   WHILE=INTERPRET, name="state_fwd")
-    gp, Wp, Up = g if g is not None else dummy, W if delta else dummy, U if delta else dummy
+    # the state passes read γ (the in-chunk cumulative decay), computed once here
+    gp = chunk_cumsum(g, ch) if g is not None else dummy
+    Wp, Up = (W, U) if delta else (dummy, dummy)
     L = split_len(ch, HV, triton.cdiv(V, SV), dev)
     if L:
         # Split pass: (1) every segment from [I | 0] gives its map S ↦ A S + B; (2) chain the maps
