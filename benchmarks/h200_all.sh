@@ -9,7 +9,7 @@ set -u
 OUT=${OUT:-/tmp/gdn-h200}
 mkdir -p "$OUT"
 SITE=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl 2>&1 | tail -1
+[ -d "$SITE/fla" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl 2>&1 | tail -1
 export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 import time
@@ -186,6 +187,46 @@ def rows():
     return out, mm_rate, copy_bw
 
 
+def variants(specs):
+    """gdn alone at every shape under each launch-configuration variant (a JSON list of partial
+    ``CONFIG`` updates, e.g. ``[{}, {"split": {"L": -1}}, {"state_fwd": {"num_warps": 8}}]``): ms and
+    the largest relative difference of o and every gradient against the first variant."""
+    import copy
+
+    from gdn.ops.triton._common import CONFIG
+
+    base_cfg = copy.deepcopy(CONFIG)
+    print("\n| shape | variant | fwd ms | fwd+bwd ms | max rel diff vs first |")
+    print("|---|---|---|---|---|")
+    for name, B, T, H, HV, lens in SHAPES:
+        xs, cu = inputs(B, T, H, HV, lens)
+        do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
+        g = gdn_fn(xs, cu)
+        base = None
+        for spec in specs:
+            CONFIG.clear()
+            CONFIG.update(copy.deepcopy(base_cfg))
+            for kname, upd in spec.items():
+                CONFIG[kname].update({k: tuple(v) if k == "stages" else v for k, v in upd.items()})
+            for x in xs:
+                x.grad = None
+            o = g()
+            o.backward(do)
+            res = [o.float().clone()] + [x.grad.float().clone() for x in xs]
+            if base is None:
+                base, diff = res, 0.0
+            else:
+                diff = max(((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(res, base))
+            with torch.no_grad():
+                t_f = timed(g, False, do)
+            t_b = timed(g, True, do, xs)
+            print(f"| {name} | {json.dumps(spec)} | {t_f:.3f} | {t_b:.3f} | {diff:.1e} |", flush=True)
+        CONFIG.clear()
+        CONFIG.update(copy.deepcopy(base_cfg))
+        del xs
+        torch.cuda.empty_cache()
+
+
 def profile(B, T, H, HV, label):
     """Per-kernel GPU time (µs per call) of one fwd+bwd, gdn and FLA, from torch.profiler."""
     xs, cu = inputs(B, T, H, HV, None)
@@ -215,18 +256,30 @@ def main():
     ap.add_argument("--decode", action="store_true", help="also the decode rows of benchmarks/decode_gpu.py")
     ap.add_argument("--profile", action="store_true", help="per-kernel times at two shapes (torch.profiler)")
     ap.add_argument("--only-profile", action="store_true", help="only the per-kernel profile")
+    ap.add_argument("--variants", default=None, metavar="JSON",
+                    help="only gdn, timed under each of a JSON list of partial launch configurations")
+    ap.add_argument("--profile-config", default=None, metavar="JSON",
+                    help="a partial launch configuration applied before --only-profile / --profile")
     ap.add_argument("--config", default=None,
                     help="JSON file of kernel launch configurations (benchmarks/tune_gpu.py --out) to use")
     args = ap.parse_args()
     if args.config:
-        import json
-
         from gdn.ops.triton._common import CONFIG
 
         with open(args.config) as f:
             CONFIG.update({k: dict(v, stages=tuple(v["stages"])) if "stages" in v else dict(v)
                            for k, v in json.load(f).items()})
         print("launch configuration:", CONFIG)
+    if args.variants:
+        variants(json.loads(args.variants))
+        if not args.only_profile:
+            return
+    if args.profile_config:
+        from gdn.ops.triton._common import CONFIG
+
+        for kname, upd in json.loads(args.profile_config).items():
+            CONFIG[kname].update(upd)
+        print("profile under", CONFIG)
     if args.only_profile:
         profile(8, 2048, 16, 16, "(8, 2048, 16, 128)")
         profile(1, 32768, 16, 16, "(1, 32768, 16, 128)")

@@ -56,6 +56,8 @@ def _run_both(member, B, T, H, HV, K, V, dtype, lens=None, state=True, seed=0):
     assert o.dtype == dtype and o.shape == o_r.shape
     assert S.dtype == torch.float32 and S.shape == S_r.shape
     ((o.double() * do).sum() + (S.double() * dS).sum()).backward()
+    for n in names:  # every gradient comes back in its input's dtype
+        assert got_in[n].grad.dtype == got_in[n].dtype, (n, got_in[n].grad.dtype)
     errs = {"o": rel_err(o, o_r), "S": rel_err(S, S_r)}
     errs.update({"d" + n: rel_err(got_in[n].grad, ref_in[n].grad) for n in names})
     return errs
@@ -66,6 +68,14 @@ def _run_both(member, B, T, H, HV, K, V, dtype, lens=None, state=True, seed=0):
 def test_member_T65_grouped(member, dtype):
     errs = _run_both(member, B=1, T=65, H=1, HV=2, K=16, V=60, dtype=dtype, seed=1)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("member", MEMBERS)
+def test_member_fp16_ungrouped(member):
+    """HV = H in half precision: dq, dk, dv are written by the kernels in fp16 directly."""
+    errs = _run_both(member, B=2, T=63, H=2, HV=2, K=60, V=16, dtype=torch.float16, seed=2)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float16]}
     assert not bad, bad
 
 

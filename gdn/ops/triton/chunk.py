@@ -33,8 +33,8 @@ def _kernel_dtype(*xs) -> torch.dtype:
 
 
 class ChunkFunction(torch.autograd.Function):
-    """Autograd node of one chunk-kernel call. Saves only the inputs; the backward recomputes the
-    per-chunk states (one forward state pass) instead of keeping them.
+    """Autograd node of one chunk-kernel call. Saves the inputs and the in-chunk inverse; the
+    backward recomputes W, U and the per-chunk states (one forward state pass) instead of keeping them.
 
     K and V that are not powers of two (60, 100) are zero-padded to the next one (≥ 16) on the way
     in and cut back on the way out: zero key/query columns and zero value columns change no result,
@@ -52,20 +52,24 @@ class ChunkFunction(torch.autograd.Function):
         Kp, Vp = pow2(K), pow2(V)
         qp, kp, vp = _pad(qp, 0, Kp - K), _pad(kp, 0, Kp - K), _pad(vp, 0, Vp - V)
         h0p = _pad(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
+        # dq, dk, dv straight in the caller's dtype when nothing is summed or cast afterwards
+        gdt = io if HV == H and q.dtype == k.dtype == v.dtype == io else torch.float32
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
             def dry_run():  # the launches of one forward + backward, recorded by precompile, not run
                 dht = torch.empty(ch.N, HV, Kp, Vp, device=qp.device) if want_final else None
-                hh, vn, _, _, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, h0p, ch, want_final)
+                hh, vn, _, ai, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, h0p, ch, want_final)
                 chunk_fwd.output(qp, kp, vp, gp, hh, vn, ch, scale, io)
-                chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale)
+                chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt)
 
-            precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV), dry_run)
-        h, VN, ht, _, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, h0p, ch, want_final)
+            precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt), dry_run)
+        # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
+        # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
+        h, VN, ht, Ai, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, h0p, ch, want_final)
         o = chunk_fwd.output(qp, kp, vp, gp, h, VN, ch, scale, io)[..., :V]
         if ht is not None and (Kp, Vp) != (K, V):
             ht = ht[..., :K, :V].contiguous()
-        ctx.save_for_backward(qp, kp, vp, gp, bp, h0p)
-        ctx.meta = (B, T, H, HV, K, V, scale, ch, q.dtype, k.dtype, v.dtype,
+        ctx.save_for_backward(qp, kp, vp, gp, bp, h0p, Ai)
+        ctx.meta = (B, T, H, HV, K, V, scale, ch, gdt, q.dtype, k.dtype, v.dtype,
                     None if g is None else g.dtype, None if beta is None else beta.dtype,
                     None if h0 is None else h0.dtype)
         o = o.reshape(B, T, HV, V).to(v.dtype)
@@ -73,12 +77,12 @@ class ChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        qp, kp, vp, gp, bp, h0p = ctx.saved_tensors
-        B, T, H, HV, K, V, scale, ch, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
+        qp, kp, vp, gp, bp, h0p, Ai = ctx.saved_tensors
+        B, T, H, HV, K, V, scale, ch, gdt, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
         Kp, Vp = kp.shape[-1], vp.shape[-1]
         dop = _pad(do.reshape(B * T, HV, V).to(vp.dtype), 0, Vp - V)
         dhtp = _pad(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
-        DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale)
+        DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale, Ai, gdt)
         G = HV // H
         if G == 1:  # no group to sum over
             dq = DQ[..., :K].reshape(B, T, H, K).to(q_dt)

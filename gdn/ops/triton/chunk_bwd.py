@@ -73,23 +73,27 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
     m = (rows >= bos) & (rows < eos)
     mk = m[:, None] & (o_k < K)[None, :]
     o_u, mv = value_cols(o_v, m, K, V, AUG)
-    b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
-    b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0)
+    # Q and K feed the dots as loaded: the row scales of K̃ = diag(exp(γ_C − γ)) K and of
+    # scale·diag(Γ) Q go on the [BT, BV] products and dO instead of the [BT, K] tiles
+    b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+    b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
     b_dd = tl.load(DVL + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
-    b_q = b_q * scale
+    b_kds = tl.dot(b_k, b_dsd, input_precision=PREC)
     if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
         cs = bos + i_c * BT
         b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, i_c >= 0)
-        b_k = b_k * tl.exp(b_gc - b_gam)[:, None]
-        b_q = b_q * tl.exp(b_gam)[:, None]
-    b_dd += tl.dot(b_k.to(DT), b_dsd, input_precision=PREC)
+        b_kds = b_kds * tl.exp(b_gc - b_gam)[:, None]
+        b_do = b_do * (scale * tl.exp(b_gam))[:, None]
+    else:
+        b_do = b_do * scale
+    b_dd += b_kds
     b_ddd = b_dd.to(DT)
     if not AUG:
         tl.store(DD + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_ddd, mask=mv)
     if USE_G:
         b_ds = b_ds * tl.exp(b_gc)
-    b_ds += tl.dot(tl.trans(b_q.to(DT)), b_do, input_precision=PREC)
+    b_ds += tl.dot(tl.trans(b_q), b_do.to(DT), input_precision=PREC)
     if DELTA:
         b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
         b_ds -= tl.dot(tl.trans(b_w), b_ddd, input_precision=PREC)
@@ -196,8 +200,8 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, s
     b_dq = tl.dot(b_dsm.to(DT), b_k, input_precision=PREC) + b_dqs
     b_dk = tl.dot(tl.trans(b_dsm.to(DT)), b_q, input_precision=PREC) + b_dks
     p_out = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
-    tl.store(DQ + p_out, b_dq, mask=mk)
-    tl.store(DK + p_out, b_dk, mask=mk)
+    tl.store(DQ + p_out, b_dq.to(DQ.dtype.element_ty), mask=mk)
+    tl.store(DK + p_out, b_dk.to(DK.dtype.element_ty), mask=mk)
     if DELTA:
         tl.store(DW + p_out, b_dw.to(DT), mask=mk)
     if USE_G:
@@ -211,7 +215,7 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, s
 
 
 @triton.jit(do_not_specialize=['T'])
-def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx, T, H,
+def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DKO, DV, DB, DGAM, DG, cu, chunk_idx, T, H,
                   HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, NK: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr,
                   PREC: tl.constexpr, DT: tl.constexpr):
@@ -245,7 +249,7 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx
             b_v = tl.load(v + p_v, mask=mv, other=0.0).to(tl.float32)
             b_dT += tl.dot(b_du, tl.trans((b_v * b_b[:, None]).to(DT)), input_precision=PREC)
             b_tdu = tl.dot(tl.trans(b_A), b_du, input_precision=PREC)
-            tl.store(DV + p_v, b_tdu * b_b[:, None], mask=mv)
+            tl.store(DV + p_v, (b_tdu * b_b[:, None]).to(DV.dtype.element_ty), mask=mv)
             b_db += tl.sum(b_v * b_tdu, axis=1)
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
@@ -283,19 +287,21 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DV, DB, DGAM, DG, cu, chunk_idx
             b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
             b_add = (tl.dot(b_mf.to(DT), b_k, input_precision=PREC)
                      + tl.dot(tl.trans(b_mf).to(DT), b_k, input_precision=PREC))
-            tl.store(DK + p_k, tl.load(DK + p_k, mask=mk, other=0.0) + b_add, mask=mk)
+            tl.store(DKO + p_k, (tl.load(DK + p_k, mask=mk, other=0.0) + b_add).to(DKO.dtype.element_ty), mask=mk)
         tl.store(DB + rows * HV + i_hv, b_db, mask=m)
     if USE_G:
         b_dg = tl.cumsum(b_dgam, axis=0, reverse=True)
         tl.store(DG + rows * HV + i_hv, b_dg, mask=m)
 
 
-def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
+def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, grad_dtype=torch.float32):
     """Gradients of the chunk op. Shapes in the packed layout: q, k [T, H, K]; v, do [T, HV, V]
-    (q, k, v, do of one dtype); g, beta [T, HV] fp32 or None; h0, dht [N, HV, K, V] fp32 or None.
-    Returns (dq [T, HV, K], dk [T, HV, K], dv [T, HV, V], dg or None, dbeta or None, dh0 or None),
-    fp32 except dv of the members without the delta term (input dtype); dq and dk are per value head
-    (the caller sums each group)."""
+    (q, k, v, do of one dtype); g, beta [T, HV] fp32 or None; h0, dht [N, HV, K, V] fp32 or None;
+    ``Ai`` the forward's in-chunk inverse (recomputed when None).
+    Returns (dq [T, HV, K], dk [T, HV, K], dv [T, HV, V], dg or None, dbeta or None, dh0 or None):
+    dq, dk and dv in ``grad_dtype`` (each accumulated in fp32 and rounded once; dv of the members
+    without the delta term is dδ, in the input dtype), the rest fp32; dq and dk are per value head
+    (the caller sums each group, so it asks for fp32 then)."""
     from .chunk_fwd import forward_intermediates  # noqa: PLC0415
 
     T, H, K = k.shape
@@ -303,7 +309,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
     delta, gated = beta is not None, g is not None
     prec, DT, io = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype
     dev, f32 = v.device, torch.float32
-    h, VN, _, Ai, W = forward_intermediates(q, k, v, g, beta, h0, ch, False)
+    h, VN, _, Ai, W = forward_intermediates(q, k, v, g, beta, h0, ch, False, Ai)
     dummy = v
     gp = g if gated else dummy
     DVL = torch.empty(T, HV, V, device=dev, dtype=io)
@@ -339,8 +345,10 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
     del DVL
     BK, BV = tiles("dqk", K, V)
     NK = triton.cdiv(K, BK)
-    DQ = torch.empty(T, HV, K, device=dev, dtype=f32)
-    DK = torch.empty(T, HV, K, device=dev, dtype=f32)
+    DQ = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
+    # dK is final after dqk without the delta term; with it, wy_bwd adds two terms and writes DKO
+    DK = torch.empty(T, HV, K, device=dev, dtype=f32 if delta else grad_dtype)
+    DKO = torch.empty(T, HV, K, device=dev, dtype=grad_dtype) if delta and grad_dtype != f32 else DK
     DW = torch.empty(T, HV, K, device=dev, dtype=io) if delta else None
     DGAM = torch.empty(NK, T, HV, device=dev, dtype=f32) if gated else None  # dγ of each K tile
     launch(dqk_kernel, (NK, ch.NT, HV),
@@ -348,14 +356,14 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float):
            DW if delta else dummy, DGAM if gated else dummy, ch.cu, ch.chunk_idx, scale, T, H=H, HV=HV, K=K,
            V=V, BT=BT, BK=BK, BV=BV, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, name="dqk")
     del h, dh
-    DV = torch.empty(T, HV, V, device=dev, dtype=f32) if delta else DD
+    DV = torch.empty(T, HV, V, device=dev, dtype=grad_dtype) if delta else DD
     DB = torch.empty(T, HV, device=dev, dtype=f32) if delta else None
     DG = torch.empty(T, HV, device=dev, dtype=f32) if gated else None
     if delta or gated:
         WK, WV = tiles("wy_bwd", K, V)
         launch(wy_bwd_kernel, (ch.NT, HV),
-               k, v, gp, beta if delta else dummy, Ai if delta else dummy, DD, DW if delta else dummy, DK,
+               k, v, gp, beta if delta else dummy, Ai if delta else dummy, DD, DW if delta else dummy, DK, DKO,
                DV, DB if delta else dummy, DGAM if gated else dummy, DG if gated else dummy, ch.cu, ch.chunk_idx,
                T, H=H, HV=HV, K=K, V=V, BT=BT, BK=WK, BV=WV, NK=NK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT,
                name="wy_bwd")
-    return DQ, DK, DV, DG, DB, dh0
+    return DQ, DKO, DV, DG, DB, dh0

@@ -208,13 +208,15 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t
             tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_d.to(DT), mask=mv)
     else:
         b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
-    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
     if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
         cs = bos + i_c * BT
         b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
-        b_k = b_k * tl.exp(b_gc - b_gam)[:, None]
+        # K̃ᵀδ with K̃ = diag(exp(γ_C − γ)) K: the row scale goes on δ ([BT, BV]), so K feeds the dot
+        # as loaded (no conversion of the [BT, K] tile each step)
+        b_d = b_d * tl.exp(b_gc - b_gam)[:, None]
         b_s = b_s * tl.exp(b_gc)
-    return b_s + tl.dot(tl.trans(b_k.to(DT)), b_d.to(DT), input_precision=PREC)
+    return b_s + tl.dot(tl.trans(b_k), b_d.to(DT), input_precision=PREC)
 
 
 @triton.jit(do_not_specialize=['max_nc'])
@@ -385,25 +387,29 @@ def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H, HV,
     tl.store(o + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=mv)
 
 
-def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool):
+def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai=None):
     """Run the sequential part of the forward: returns (h [NT, HV, K, V], VN or None, ht or None,
     Ai or None, W or None); h, VN, Ai, W in the inputs' dtype, ht fp32. q, k: [T, H, K];
-    v: [T, HV, V] (q, k, v of one dtype); g, beta: [T, HV] fp32 or None."""
+    v: [T, HV, V] (q, k, v of one dtype); g, beta: [T, HV] fp32 or None. ``Ai`` [T, HV, BT], when
+    given (the backward passes the forward's), is used instead of being computed again."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     delta = beta is not None
     prec, DT, io = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype
     dev = v.device
-    Ai = W = U = VN = None
-    if delta:
-        Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
+    W = U = VN = None
+    if not delta:
+        Ai = None
+    else:
         W = torch.empty(T, HV, K, device=dev, dtype=io)
         U = torch.empty(T, HV, V, device=dev, dtype=io)
         VN = torch.empty(T, HV, V, device=dev, dtype=io)
         gp = g if g is not None else beta
-        BK, _ = tiles("kkt_solve", K, V)
-        launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, BK=BK,
-               USE_G=g is not None, PREC=prec, name="kkt_solve")
+        if Ai is None:
+            Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
+            BK, _ = tiles("kkt_solve", K, V)
+            launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, BK=BK,
+                   USE_G=g is not None, PREC=prec, name="kkt_solve")
         BK, BV = tiles("wu", K, V)
         launch(wu_kernel, (ch.NT, HV), k, v, gp, beta, Ai, W, U, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, V=V, BT=BT,
                BK=BK, BV=BV, USE_G=g is not None, PREC=prec, DT=DT, name="wu")

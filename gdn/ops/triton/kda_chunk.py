@@ -1,0 +1,94 @@
+"""Kimi Delta Attention on the chunk kernels (:mod:`.kda_chunk_fwd`, :mod:`.kda_chunk_bwd`), with autograd.
+
+Same contract as :func:`gdn.ops.kda_reference.kimi_delta_attention` (arguments validated by the
+caller): q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]; initial_state
+[N, HV, K, V]; cu_seqlens [N + 1] (B == 1). Returns ``(o [B, T, HV, V] in v.dtype, final state
+[N, HV, K, V] fp32 or None)``. Gradients flow to q, k, v, g, beta and initial_state, through o
+and the final state. q, k, v may be fp32, fp16 or bf16 (fp64 and mixed dtypes are computed in
+the promoted kernel dtype, fp32 for fp64); g, beta and the states are used in fp32.
+
+K and V that are not powers of two are zero-padded to the next one (≥ 16) on the way in and cut
+back on the way out: zero key, query and gate columns and zero value columns change no result.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import kda_chunk_bwd, kda_chunk_fwd
+from ._common import Chunks, make_chunks, pow2
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Largest K and V the kernels take (the sequential passes hold a whole K × BV state tile).
+MAX_HEAD_DIM = 256
+
+
+def _pad(x: torch.Tensor | None, *pads: int) -> torch.Tensor | None:
+    """``F.pad(x, pads)`` when any pad is non-zero, made contiguous; None stays None."""
+    if x is None:
+        return None
+    return (F.pad(x, pads) if any(pads) else x).contiguous()
+
+
+def _kernel_dtype(*xs) -> torch.dtype:
+    dt = xs[0].dtype
+    for x in xs[1:]:
+        dt = torch.promote_types(dt, x.dtype)
+    return dt if dt in _KERNEL_DTYPES else torch.float32
+
+
+class KDAChunkFunction(torch.autograd.Function):
+    """Autograd node of one chunk KDA call. Saves the (padded) inputs and γ; the backward
+    recomputes the per-chunk intermediates and states instead of keeping them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, scale: float, want_final: bool, ch: Chunks):
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        io = _kernel_dtype(q, k, v)
+        Kp, Vp = pow2(K), pow2(V)
+        qp = _pad(q.reshape(B * T, H, K).to(io), 0, Kp - K)
+        kp = _pad(k.reshape(B * T, H, K).to(io), 0, Kp - K)
+        vp = _pad(v.reshape(B * T, HV, V).to(io), 0, Vp - V)
+        gp = _pad(g.reshape(B * T, HV, K).float(), 0, Kp - K)
+        bp = beta.reshape(B * T, HV).float().contiguous()
+        h0p = _pad(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
+        G = kda_chunk_fwd.gamma(gp, ch)
+        _, P, _, h, VN, ht = kda_chunk_fwd.forward_intermediates(qp, kp, vp, G, bp, h0p, ch, want_final)
+        o = kda_chunk_fwd.output(qp, G, P, h, VN, ch, scale, io)[..., :V]
+        if ht is not None and (Kp, Vp) != (K, V):
+            ht = ht[..., :K, :V].contiguous()
+        ctx.save_for_backward(qp, kp, vp, G, bp, h0p)
+        ctx.meta = (B, T, H, HV, K, V, scale, ch, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
+                    None if h0 is None else h0.dtype)
+        return o.reshape(B, T, HV, V).to(v.dtype), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        qp, kp, vp, G, bp, h0p = ctx.saved_tensors
+        B, T, H, HV, K, V, scale, ch, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
+        Kp, Vp = kp.shape[-1], vp.shape[-1]
+        dop = _pad(do.reshape(B * T, HV, V).to(vp.dtype), 0, Vp - V)
+        dhtp = _pad(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
+        DQ, DK, DV, DG, DB, dh0 = kda_chunk_bwd.backward(qp, kp, vp, G, bp, h0p, dop, dhtp, ch, scale)
+        m = HV // H
+        dq = DQ.view(B, T, H, m, Kp)[..., :K].sum(3).to(q_dt)
+        dk = DK.view(B, T, H, m, Kp)[..., :K].sum(3).to(k_dt)
+        dv = DV[..., :V].reshape(B, T, HV, V).to(v_dt)
+        dg = DG[..., :K].reshape(B, T, HV, K).to(g_dt)
+        db = DB.view(B, T, HV).to(b_dt)
+        dh0 = None if dh0 is None else dh0[..., :K, :V].to(h0_dt)
+        return dq, dk, dv, dg, db, dh0, None, None, None
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """Chunkwise KDA on the GPU kernels (shapes in the module docstring; inputs validated).
+
+    Returns ``(o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32 or None)``."""
+    B, T, H, K = q.shape
+    if max(K, v.shape[-1]) > MAX_HEAD_DIM:
+        raise ValueError(f"the Triton KDA chunk kernels take K, V <= {MAX_HEAD_DIM}, got K = {K}, V = {v.shape[-1]}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    ch = make_chunks(B, T, cu_seqlens, q.device)
+    o, ht = KDAChunkFunction.apply(q, k, v, g, beta, initial_state, scale, bool(output_final_state), ch)
+    return o, (ht if output_final_state else None)

@@ -1,0 +1,327 @@
+"""Backward kernels of the chunkwise Kimi Delta Attention: the mirror of :mod:`.kda_chunk_fwd`.
+
+Per chunk, with dO the output gradient, dS' the gradient of the state leaving the chunk (from the
+next chunk, or the final-state gradient), S the state entering it, Q̃ = Q ⊙ Γ and
+K̃ = K ⊙ exp(γ_C − γ)::
+
+    dδ  = scale Pᵀ dO + K̃ dS'                                  dv_local, state pass (reverse)
+    dS  = diag(exp γ_C) dS' + scale Q̃ᵀ dO − Wᵀ dδ              state pass
+    dP  = scale dO δᵀ (j ≤ i);  dQ̃ = scale dO Sᵀ;  dK̃ = δ dS'ᵀ;  dW = −dδ Sᵀ        dqk
+    dT  = dδ (βV)ᵀ + dW (β K ⊙ Γ)ᵀ;  dA = −Tᵀ dT Tᵀ (j < i)                          wy_bwd
+    dV  = β Tᵀ dδ;  d(K ⊙ Γ) = β Tᵀ dW;  dβ gets vᵢ·(Tᵀdδ)ᵢ + (k ⊙ Γ)ᵢ·(TᵀdW)ᵢ        wy_bwd
+    through P and A (per channel c, pairs j ≤ i):                                     intra_bwd
+        dq_ic += Σ_j dP_ij k_jc e_ijc,   dk_jc += Σ_i dP_ij q_ic e_ijc,   e_ijc = exp(γ_ic − γ_jc)
+        r_ic   = Σ_j dA_ij k_jc e_ijc:   dk_i += β_i r_i,  dβ_i += k_i·r_i
+        dk_jc += Σ_i β_i dA_ij k_ic e_ijc
+
+Every γ-dependence is a product with exp(±γ), so dγ is read off the gradients of the rescaled
+factors: each term x ⊙ exp(γ) gives dγ += x ⊙ dx-term and each x ⊙ exp(−γ) gives dγ −= …; the
+state decay exp(γ_C) adds exp(γ_C) ⊙ rowsum(S ⊙ dS') to γ_C. dg is the reverse in-chunk cumsum of
+dγ (γ_C is γ at the chunk's last row). The pair sums over P and A use the same 16-row sub-blocks
+as the forward (:mod:`.kda_chunk_fwd`), so no exponent is positive.
+
+dQ, dK, dγ, dβ, dV are fp32; dq and dk are per value head (the caller sums each group).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, Chunks, chunk_bounds, dot_precision, tl_dtype
+from .kda_chunk_fwd import (after_ref, before_ref, diag_exponent, forward_intermediates, ktile, launch, load_rows,
+                            ref_row, vtile)
+
+
+@triton.jit
+def dv_local_kernel(P, do, DVL, cu, chunk_idx, scale, HV, V: tl.constexpr, BV: tl.constexpr,
+                    PREC: tl.constexpr, DT: tl.constexpr):
+    """DVL = scale · Pᵀ dO for one chunk, value head and V tile."""
+    i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
+    o_t = tl.arange(0, 64)
+    rows = t0 + o_t
+    m = rows < eos
+    o_v = i_v * BV + tl.arange(0, BV)
+    b_p = tl.load(P + (rows[:, None] * HV + i_hv) * 64 + o_t[None, :], mask=m[:, None], other=0.0)
+    b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=m[:, None], other=0.0)
+    b_dv = scale * tl.dot(tl.trans(b_p), b_do, input_precision=PREC)
+    tl.store(DVL + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_dv.to(DT), mask=m[:, None])
+
+
+@triton.jit
+def _state_bwd_step(j, b_ds, NC, q, k, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, p_s,
+                    scale, H, HV, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """Step j of the reverse pass (chunk NC − 1 − j): store dS', compute dδ, return dS."""
+    i_c = NC - 1 - j
+    b_dsd = b_ds.to(DT)
+    tl.store(dh + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_dsd, mask=i_c >= 0)
+    cs = bos + i_c * 64
+    rows = cs + o_t
+    m = (rows >= bos) & (rows < eos)
+    b_g = load_rows(G, rows, m, HV, i_hv, o_k, K)
+    last = tl.minimum(eos, cs + 64) - 1
+    b_gc = tl.load(G + (last * HV + i_hv) * K + o_k, mask=(i_c >= 0) & (o_k < K), other=0.0)
+    b_q = load_rows(q, rows, m, H, i_h, o_k, K) * (scale * tl.exp(b_g))
+    b_k = load_rows(k, rows, m, H, i_h, o_k, K) * tl.exp(b_gc[None, :] - b_g)
+    b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=m[:, None], other=0.0)
+    b_dd = load_rows(DVL, rows, m, HV, i_hv, o_v, V) + tl.dot(b_k.to(DT), b_dsd, input_precision=PREC)
+    b_ddd = b_dd.to(DT)
+    tl.store(DD + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_ddd, mask=m[:, None])
+    b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
+    b_ds = b_ds * tl.exp(b_gc)[:, None] + tl.dot(tl.trans(b_q.to(DT)), b_do, input_precision=PREC)
+    return b_ds - tl.dot(tl.trans(b_w), b_ddd, input_precision=PREC)
+
+
+@triton.jit(do_not_specialize=["max_nc"])
+def state_bwd_kernel(q, k, G, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_nc, scale, H, HV,
+                     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr,
+                     USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
+    """Reverse pass over one sequence's chunks: dh[c] = dS' of chunk c, DD = dδ, dh0 = dS_0."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + i_n).to(tl.int64)
+    NC = tl.cdiv(eos - bos, 64)
+    o_t = tl.arange(0, 64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    p_s = o_k[:, None] * V + o_v[None, :]
+    b_ds = tl.zeros([K, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_ds = tl.load(dht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s).to(tl.float32)
+    if WHILE:
+        j = 0
+        while j < max_nc:
+            b_ds = _state_bwd_step(j, b_ds, NC, q, k, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v,
+                                   p_s, scale, H, HV, K, V, PREC, DT)
+            j += 1
+    else:
+        for j in range(0, max_nc):
+            b_ds = _state_bwd_step(j, b_ds, NC, q, k, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v,
+                                   p_s, scale, H, HV, K, V, PREC, DT)
+    if USE_INIT:
+        tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_ds)
+
+
+@triton.jit
+def dqk_kernel(q, k, G, VN, do, h, dh, DD, DQ, DK, DW, DGAM, DP, cu, chunk_idx, scale, H, HV,
+               K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+               DT: tl.constexpr):
+    """Per chunk, value head and K tile: the state terms of dQ and dK, dW = −dδ Sᵀ, their dγ (the
+    γ_C terms on the chunk's last row) and, from the first K tile, dP = scale dO δᵀ (fp32)."""
+    i_k, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
+    o_t = tl.arange(0, 64)
+    rows = t0 + o_t
+    m = rows < eos
+    o_k = i_k * BK + tl.arange(0, BK)
+    base_h = (i_t.to(tl.int64) * HV + i_hv) * K * V
+    b_dp = tl.zeros([64, 64], dtype=tl.float32)
+    b_dqs = tl.zeros([64, BK], dtype=tl.float32)
+    b_dks = tl.zeros([64, BK], dtype=tl.float32)
+    b_dw = tl.zeros([64, BK], dtype=tl.float32)
+    b_gcs = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(0, V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        p_v = (rows[:, None] * HV + i_hv) * V + o_v[None, :]
+        b_d = tl.load(VN + p_v, mask=m[:, None], other=0.0)
+        b_do = tl.load(do + p_v, mask=m[:, None], other=0.0)
+        b_dd = tl.load(DD + p_v, mask=m[:, None], other=0.0)
+        b_s = tl.load(h + base_h + o_k[:, None] * V + o_v[None, :])
+        b_ds = tl.load(dh + base_h + o_k[:, None] * V + o_v[None, :])
+        b_dp += tl.dot(b_do, tl.trans(b_d), input_precision=PREC)
+        b_dqs += tl.dot(b_do, tl.trans(b_s), input_precision=PREC)
+        b_dks += tl.dot(b_d, tl.trans(b_ds), input_precision=PREC)
+        b_dw -= tl.dot(b_dd, tl.trans(b_s), input_precision=PREC)
+        b_gcs += tl.sum(b_s.to(tl.float32) * b_ds.to(tl.float32), axis=1)
+    b_g = load_rows(G, rows, m, HV, i_hv, o_k, K)
+    last = tl.minimum(eos, t0 + 64) - 1
+    b_gc = tl.load(G + (last * HV + i_hv) * K + o_k)
+    b_dq = b_dqs * (scale * tl.exp(b_g))
+    b_dk = b_dks * tl.exp(b_gc[None, :] - b_g)
+    b_q = load_rows(q, rows, m, H, i_h, o_k, K)
+    b_k = load_rows(k, rows, m, H, i_h, o_k, K)
+    b_kdk = b_k * b_dk
+    b_dgam = b_q * b_dq - b_kdk
+    b_end = tl.sum(b_kdk, axis=0) + tl.exp(b_gc) * b_gcs
+    b_dgam += tl.where((rows == last)[:, None], b_end[None, :], 0.0)
+    p_k = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
+    tl.store(DQ + p_k, b_dq, mask=m[:, None])
+    tl.store(DK + p_k, b_dk, mask=m[:, None])
+    tl.store(DW + p_k, b_dw.to(DT), mask=m[:, None])
+    tl.store(DGAM + p_k, b_dgam, mask=m[:, None])
+    if i_k == 0:
+        b_dp = tl.where((o_t[:, None] >= o_t[None, :]) & m[:, None], b_dp * scale, 0.0)
+        tl.store(DP + (rows[:, None] * HV + i_hv) * 64 + o_t[None, :], b_dp, mask=m[:, None])
+
+
+@triton.jit
+def wy_bwd_kernel(k, v, G, beta, Ai, DD, DW, DK, DGAM, DV, DB, DA, cu, chunk_idx, H, HV, K: tl.constexpr,
+                  V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """Gradients through W = T diag(β)(K ⊙ Γ), U = T diag(β) V: dV, the W/U part of dβ, the
+    d(K ⊙ Γ) part of dK and dγ, and dA = −Tᵀ dT Tᵀ (strictly lower, fp32) for :func:`intra_bwd_kernel`."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
+    o_t = tl.arange(0, 64)
+    rows = t0 + o_t
+    m = rows < eos
+    b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0)
+    b_A = tl.load(Ai + (rows[:, None] * HV + i_hv) * 64 + o_t[None, :], mask=m[:, None], other=0.0)
+    b_dT = tl.zeros([64, 64], dtype=tl.float32)
+    b_db = tl.zeros([64], dtype=tl.float32)
+    for i_v in range(0, V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        p_v = (rows[:, None] * HV + i_hv) * V + o_v[None, :]
+        b_du = tl.load(DD + p_v, mask=m[:, None], other=0.0)
+        b_v = load_rows(v, rows, m, HV, i_hv, o_v, V)
+        b_dT += tl.dot(b_du, tl.trans((b_v * b_b[:, None]).to(DT)), input_precision=PREC)
+        b_tdu = tl.dot(tl.trans(b_A), b_du, input_precision=PREC)
+        tl.store(DV + p_v, b_tdu * b_b[:, None], mask=m[:, None])
+        b_db += tl.sum(b_v * b_tdu, axis=1)
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        p_k = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
+        b_dw = tl.load(DW + p_k, mask=m[:, None], other=0.0)
+        b_kg = load_rows(k, rows, m, H, i_h, o_k, K) * tl.exp(load_rows(G, rows, m, HV, i_hv, o_k, K))
+        b_dT += tl.dot(b_dw, tl.trans((b_kg * b_b[:, None]).to(DT)), input_precision=PREC)
+        b_tdw = tl.dot(tl.trans(b_A), b_dw, input_precision=PREC)
+        b_db += tl.sum(b_kg * b_tdw, axis=1)
+        b_dkg = b_tdw * b_b[:, None]  # d(K ⊙ Γ)
+        tl.store(DK + p_k, tl.load(DK + p_k, mask=m[:, None], other=0.0) + b_dkg * tl.exp(
+            load_rows(G, rows, m, HV, i_hv, o_k, K)), mask=m[:, None])
+        tl.store(DGAM + p_k, tl.load(DGAM + p_k, mask=m[:, None], other=0.0) + b_kg * b_dkg, mask=m[:, None])
+    b_Af = b_A.to(tl.float32)
+    b_dA = -tl.dot(tl.dot(tl.trans(b_Af), b_dT, input_precision=PREC), tl.trans(b_Af), input_precision=PREC)
+    b_dA = tl.where((o_t[:, None] > o_t[None, :]) & m[:, None], b_dA, 0.0)
+    tl.store(DA + (rows[:, None] * HV + i_hv) * 64 + o_t[None, :], b_dA, mask=m[:, None])
+    tl.store(DB + rows * HV + i_hv, b_db, mask=m)
+
+
+@triton.jit
+def _pair_block(X_, r_i, m_i, col0, HV, i_hv):
+    """Rows r_i, columns col0 … col0 + 15 of a [T, HV, 64] fp32 buffer (0 off the sequence)."""
+    o = tl.arange(0, 16)
+    return tl.load(X_ + (r_i[:, None] * HV + i_hv) * 64 + col0 + o[None, :], mask=m_i[:, None], other=0.0)
+
+
+@triton.jit
+def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, cu, chunk_idx, T, H, HV,
+                     K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """Per chunk, value head and K tile: the gradients through P and A (see the module docstring),
+    added to DQ, DK and dγ, this K tile's part of dβ into DBK [NK, T, HV], then dg = the reverse
+    in-chunk cumsum of dγ into DG. Row blocks are visited last first, carrying the cumsum."""
+    i_k, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
+    o = tl.arange(0, 16)
+    o_k = i_k * BK + tl.arange(0, BK)
+    carry = tl.zeros([BK], dtype=tl.float32)
+    for ii in tl.static_range(4):
+        I: tl.constexpr = 3 - ii
+        r_i = t0 + I * 16 + o
+        m_i = r_i < eos
+        q_i = load_rows(q, r_i, m_i, H, i_h, o_k, K)
+        k_i = load_rows(k, r_i, m_i, H, i_h, o_k, K)
+        g_i = load_rows(G, r_i, m_i, HV, i_hv, o_k, K)
+        b_i = tl.load(beta + r_i * HV + i_hv, mask=m_i, other=0.0)
+        # rows of block I against columns j ≤ i: dq (through P) and r (through A)
+        dP_ii = _pair_block(DP, r_i, m_i, I * 16, HV, i_hv)
+        dA_ii = _pair_block(DA, r_i, m_i, I * 16, HV, i_hv)
+        e3 = diag_exponent(g_i, m_i, False)
+        b_dq = tl.sum(dP_ii[:, :, None] * k_i[None, :, :] * e3, axis=1)
+        b_r = tl.sum(dA_ii[:, :, None] * k_i[None, :, :] * e3, axis=1)
+        # columns of block I against rows i ≥ j: dk through P and through A
+        b_dkp = tl.sum(dP_ii[:, :, None] * q_i[:, None, :] * e3, axis=0)
+        b_dka = tl.sum((dA_ii * b_i[:, None])[:, :, None] * k_i[:, None, :] * e3, axis=0)
+        if I > 0:
+            g_r = ref_row(G, t0 + I * 16, eos, HV, i_hv, o_k, K)
+            e_i = after_ref(g_i, g_r, m_i)
+            acc_q = tl.zeros([16, BK], dtype=tl.float32)
+            acc_r = tl.zeros([16, BK], dtype=tl.float32)
+            for J in tl.static_range(I):
+                r_j = t0 + J * 16 + o
+                m_j = r_j < eos
+                k_j = load_rows(k, r_j, m_j, H, i_h, o_k, K) * before_ref(load_rows(G, r_j, m_j, HV, i_hv, o_k, K),
+                                                                         g_r)
+                acc_q += tl.dot(_pair_block(DP, r_i, m_i, J * 16, HV, i_hv), k_j, input_precision=PREC)
+                acc_r += tl.dot(_pair_block(DA, r_i, m_i, J * 16, HV, i_hv), k_j, input_precision=PREC)
+            b_dq += acc_q * e_i
+            b_r += acc_r * e_i
+        if I < 3:
+            acc_p = tl.zeros([16, BK], dtype=tl.float32)
+            acc_a = tl.zeros([16, BK], dtype=tl.float32)
+            for L in tl.static_range(I + 1, 4):
+                r_l = t0 + L * 16 + o
+                m_l = r_l < eos
+                g_r = ref_row(G, t0 + L * 16, eos, HV, i_hv, o_k, K)
+                e_l = after_ref(load_rows(G, r_l, m_l, HV, i_hv, o_k, K), g_r, m_l)
+                b_l = tl.load(beta + r_l * HV + i_hv, mask=m_l, other=0.0)
+                q_l = load_rows(q, r_l, m_l, H, i_h, o_k, K) * e_l
+                k_l = load_rows(k, r_l, m_l, H, i_h, o_k, K) * e_l
+                f_j = before_ref(g_i, g_r)
+                dP_li = _pair_block(DP, r_l, m_l, I * 16, HV, i_hv)
+                dA_li = _pair_block(DA, r_l, m_l, I * 16, HV, i_hv) * b_l[:, None]
+                acc_p += tl.dot(tl.trans(dP_li), q_l, input_precision=PREC) * f_j
+                acc_a += tl.dot(tl.trans(dA_li), k_l, input_precision=PREC) * f_j
+            b_dkp += acc_p
+            b_dka += acc_a
+        b_rb = b_r * b_i[:, None]
+        b_dkc = b_dkp + b_dka
+        p_k = (r_i[:, None] * HV + i_hv) * K + o_k[None, :]
+        tl.store(DQ + p_k, tl.load(DQ + p_k, mask=m_i[:, None], other=0.0) + b_dq, mask=m_i[:, None])
+        tl.store(DK + p_k, tl.load(DK + p_k, mask=m_i[:, None], other=0.0) + b_rb + b_dkc, mask=m_i[:, None])
+        b_dgam = tl.load(DGAM + p_k, mask=m_i[:, None], other=0.0) + q_i * b_dq + k_i * (b_rb - b_dkc)
+        tl.store(DG + p_k, tl.cumsum(b_dgam, axis=0, reverse=True) + carry[None, :], mask=m_i[:, None])
+        carry += tl.sum(b_dgam, axis=0)
+        tl.store(DBK + (i_k * T + r_i) * HV + i_hv, tl.sum(k_i * b_r, axis=1), mask=m_i)
+
+
+def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float):
+    """Gradients of the chunk KDA. Packed, padded shapes: q, k [T, H, K]; v, do [T, HV, V] (one
+    dtype); G [T, HV, K] fp32 (the forward's γ); beta [T, HV] fp32; h0, dht [N, HV, K, V] fp32 or
+    None. Returns (dq [T, HV, K], dk [T, HV, K], dv [T, HV, V], dg [T, HV, K], dbeta [T, HV],
+    dh0 [N, HV, K, V] or None), all fp32; dq and dk per value head."""
+    T, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    prec, DT, io, dev, f32 = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype, v.device, torch.float32
+    Ai, P, W, h, VN, _ = forward_intermediates(q, k, v, G, beta, h0, ch, False)
+    DVL = torch.empty(T, HV, V, device=dev, dtype=io)
+    BV = vtile("dv_local", K, V)
+    launch(dv_local_kernel, (V // BV, ch.NT, HV), P, do, DVL, ch.cu, ch.chunk_idx, scale, HV, V=V, BV=BV,
+           PREC=prec, DT=DT, name="dv_local")
+    dh = torch.empty(ch.NT, HV, K, V, device=dev, dtype=io)
+    DD = torch.empty(T, HV, V, device=dev, dtype=io)
+    dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
+    SV = vtile("state_bwd", K, V)
+    launch(state_bwd_kernel, (V // SV, ch.N * HV), q, k, G, W, do, DVL, dht if dht is not None else v, dh, DD,
+           dh0 if dh0 is not None else v, ch.cu, ch.chunk_off, ch.max_nc, scale, H, HV, K=K, V=V, BV=SV,
+           USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_bwd")
+    del DVL
+    BK, BV = ktile("dqk", K), vtile("dqk", K, V)
+    DQ = torch.empty(T, HV, K, device=dev, dtype=f32)
+    DK = torch.empty(T, HV, K, device=dev, dtype=f32)
+    DW = torch.empty(T, HV, K, device=dev, dtype=io)
+    DGAM = torch.empty(T, HV, K, device=dev, dtype=f32)
+    DP = torch.empty(T, HV, 64, device=dev, dtype=f32)
+    launch(dqk_kernel, (K // BK, ch.NT, HV), q, k, G, VN, do, h, dh, DD, DQ, DK, DW, DGAM, DP, ch.cu, ch.chunk_idx,
+           scale, H, HV, K=K, V=V, BK=BK, BV=BV, PREC=prec, DT=DT, name="dqk")
+    del h, dh, VN
+    DV = torch.empty(T, HV, V, device=dev, dtype=f32)
+    DB = torch.empty(T, HV, device=dev, dtype=f32)
+    DA = torch.empty(T, HV, 64, device=dev, dtype=f32)
+    launch(wy_bwd_kernel, (ch.NT, HV), k, v, G, beta, Ai, DD, DW, DK, DGAM, DV, DB, DA, ch.cu, ch.chunk_idx, H, HV,
+           K=K, V=V, BK=ktile("wy_bwd", K), BV=vtile("wy_bwd", K, V), PREC=prec, DT=DT, name="wy_bwd")
+    del DD, DW
+    BK = ktile("intra_bwd", K)
+    DG = torch.empty(T, HV, K, device=dev, dtype=f32)
+    DBK = torch.empty(K // BK, T, HV, device=dev, dtype=f32)
+    # the pair sums take fp32 operands (3-pass tf32 on the GPU): dP and dA feed dg directly
+    launch(intra_bwd_kernel, (K // BK, ch.NT, HV), q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, ch.cu,
+           ch.chunk_idx, T, H, HV, K=K, BK=BK, PREC="tf32x3", name="intra_bwd")
+    return DQ, DK, DV, DG, DB + DBK.sum(0), dh0

@@ -1,0 +1,436 @@
+"""Forward kernels of the chunkwise Kimi Delta Attention (the math of :mod:`gdn.ops.kda_chunk`).
+
+Per chunk of BT = 64 tokens and value head, with γ the in-chunk cumulative log decay per key
+channel ([BT, K], γ ≤ 0, non-increasing down the chunk), Γ = exp γ, γ_C its last valid row and S
+the state entering the chunk::
+
+    A_ij = β_i Σ_c k_ic k_jc exp(γ_ic − γ_jc)  (j < i)          kkt     (with the solve)
+    P_ij =     Σ_c q_ic k_jc exp(γ_ic − γ_jc)  (j ≤ i)          kkt
+    T = (I + A)⁻¹;  W = T diag(β) (K ⊙ Γ),  U = T diag(β) V     kkt, wu
+    δ = U − W S;  S ← diag(exp γ_C) S + (K ⊙ exp(γ_C − γ))ᵀ δ   state pass (sequential)
+    O = scale · (P δ + (Q ⊙ Γ) S)                                output
+
+The pairwise decay exp(γ_i − γ_j) is per channel, so A and P are no masked Q Kᵀ: they are built
+from 16-row sub-blocks. For a block of rows I after a block of columns J the factor splits at r,
+the first row of I: exp(γ_i − γ_r) · exp(γ_r − γ_j), both exponents ≤ 0 (so nothing overflows
+however strongly a channel decays), and the block is one dot of the two rescaled tiles. Inside a
+diagonal block the exponent is taken pairwise, exp(γ_i − γ_j) masked to j ≤ i before the exp, as a
+[16, 16, BK] product summed over channels. Rows past a sequence's end are masked to −∞ in the
+exponent and the reference row is clamped to the last valid row, so no 0 · ∞ arises.
+
+Intermediates (T, P, W, U, δ, per-chunk states) are stored in the input dtype; the running and
+final states are fp32; γ is fp32. Everything works on the packed layout of :mod:`._common` with
+K and V already padded to powers of two (≥ 16) by the caller.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, tl_dtype
+
+#: Launch configuration of each KDA chunk kernel: warps, pipelining depth and the K tile (``BK``;
+#: ``None`` = the whole padded K) or the V tile (``BV``). Not tuned on the GPU yet.
+CONFIG = {
+    "gamma": dict(num_warps=4, num_stages=1, BK=64),
+    "kkt": dict(num_warps=4, num_stages=1, BK=32),
+    "wu": dict(num_warps=4, num_stages=2, BK=64, BV=64),
+    "state_fwd": dict(num_warps=4, num_stages=1, SV=8192),
+    "output": dict(num_warps=4, num_stages=1, BK=64, BV=64),
+    "dv_local": dict(num_warps=4, num_stages=1, BV=64),
+    "state_bwd": dict(num_warps=4, num_stages=1, SV=4096),
+    "dqk": dict(num_warps=4, num_stages=1, BK=64, BV=64),
+    "wy_bwd": dict(num_warps=4, num_stages=1, BK=64, BV=64),
+    "intra_bwd": dict(num_warps=4, num_stages=1, BK=32),
+}
+
+
+def launch(kernel, grid, *args, name: str, **meta):
+    """``kernel[grid](*args, **meta)`` with the warps and pipelining depth of ``CONFIG[name]``."""
+    cfg = CONFIG[name]
+    return kernel[grid](*args, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
+
+
+def ktile(name: str, K: int) -> int:
+    """The K tile of kernel ``name`` for a padded K (a power of two ≥ 16)."""
+    return min(CONFIG[name]["BK"], K)
+
+
+def vtile(name: str, K: int, V: int) -> int:
+    """The V tile of kernel ``name`` (sequential passes: ``SV // K`` values, at least 16)."""
+    c = CONFIG[name]
+    return min(V, max(16, c["SV"] // K)) if "SV" in c else min(V, c["BV"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Sub-block helpers (16 rows; a, b, γ are fp32 [16, BK] tiles of one K tile)
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def load_rows(x, rows, m, stride_row, head, o_k, K: tl.constexpr):
+    """x[rows, head, o_k] as fp32 ([len(rows), BK]); rows outside the sequence read 0."""
+    return tl.load(x + (rows[:, None] * stride_row + head) * K + o_k[None, :], mask=m[:, None], other=0.0).to(
+        tl.float32)
+
+
+@triton.jit
+def ref_row(G, r, eos, HV, i_hv, o_k, K: tl.constexpr):
+    """γ [BK] at the reference row r clamped to the sequence's last row (every valid row of an
+    earlier block is ≤ it, every valid row of its own block ≥ it)."""
+    rr = tl.minimum(r, eos - 1)
+    return tl.load(G + (rr * HV + i_hv) * K + o_k)
+
+
+@triton.jit
+def after_ref(gam, gref, m):
+    """exp(γ_i − γ_r) for the rows of a block at or after its reference row r (0 off the sequence)."""
+    return tl.exp(tl.where(m[:, None], gam - gref[None, :], float("-inf")))
+
+
+@triton.jit
+def before_ref(gam, gref):
+    """exp(γ_r − γ_j) for the rows of an earlier block (≤ 1; rows off the sequence carry zeros)."""
+    return tl.exp(gref[None, :] - gam)
+
+
+@triton.jit
+def diag_exponent(gam, m, STRICT: tl.constexpr):
+    """[16, 16, BK]: exp(γ_ic − γ_jc) for j ≤ i (j < i when STRICT) inside one block, else 0."""
+    o = tl.arange(0, 16)
+    if STRICT:
+        keep = o[:, None] > o[None, :]
+    else:
+        keep = o[:, None] >= o[None, :]
+    keep = keep & m[:, None]
+    return tl.exp(tl.where(keep[:, :, None], gam[:, None, :] - gam[None, :, :], float("-inf")))
+
+
+@triton.jit
+def diag_pairs(a, b, gam, m, STRICT: tl.constexpr):
+    """[16, 16]: Σ_c a_ic b_jc exp(γ_ic − γ_jc) for j ≤ i (j < i when STRICT) in one block."""
+    return tl.sum(a[:, None, :] * b[None, :, :] * diag_exponent(gam, m, STRICT), axis=2)
+
+
+@triton.jit
+def _inv_unit_lower16(A):
+    """(I + A)⁻¹ of a strictly lower-triangular fp32 16×16 block: Σ_{j<16} (−A)ʲ =
+    (I − A)(I + A²)(I + A⁴)(I + A⁸), exact because A¹⁶ = 0 (six fp32 dots)."""
+    o = tl.arange(0, 16)
+    M = -A
+    X = (o[:, None] == o[None, :]).to(tl.float32) + M
+    for _ in tl.static_range(3):
+        M = tl.dot(M, M, input_precision="ieee")
+        X = X + tl.dot(X, M, input_precision="ieee")
+    return X
+
+
+@triton.jit
+def _store16(X_, X, rows, m, HV, i_hv, col0: tl.constexpr):
+    """Rows ``rows`` of a [T, HV, 64] buffer, columns col0 … col0 + 15."""
+    o = tl.arange(0, 16)
+    tl.store(X_ + (rows[:, None] * HV + i_hv) * 64 + col0 + o[None, :], X.to(X_.dtype.element_ty), mask=m[:, None])
+
+
+@triton.jit
+def _mm(a, b, DT: tl.constexpr, PREC: tl.constexpr):
+    """a @ bᵀ of two fp32 tiles, operands in DT, fp32 accumulation."""
+    return tl.dot(a.to(DT), tl.trans(b.to(DT)), input_precision=PREC)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def gamma_kernel(g, G, cu, chunk_idx, HV, K: tl.constexpr, BK: tl.constexpr):
+    """G[t, hv, :] = in-chunk cumulative sum of g (fp32), per key channel."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
+    rows = t0 + tl.arange(0, 64)
+    m = rows < eos
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        p = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
+        b = tl.load(g + p, mask=m[:, None], other=0.0)
+        tl.store(G + p, tl.cumsum(b, axis=0), mask=m[:, None])
+
+
+@triton.jit
+def kkt_kernel(q, k, G, beta, Ai, P, cu, chunk_idx, H, HV, K: tl.constexpr, BK: tl.constexpr,
+               PREC: tl.constexpr, DT: tl.constexpr):
+    """Ai = (I + A)⁻¹ and P (both [T, HV, 64], rows of each chunk) from 16-row sub-blocks."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
+    o = tl.arange(0, 16)
+    r0 = t0 + o
+    r1 = r0 + 16
+    r2 = r0 + 32
+    r3 = r0 + 48
+    m0, m1, m2, m3 = r0 < eos, r1 < eos, r2 < eos, r3 < eos
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    A00, A11, A22, A33, A10, A20, A21, A30, A31, A32 = z, z, z, z, z, z, z, z, z, z
+    P00, P11, P22, P33, P10, P20, P21, P30, P31, P32 = z, z, z, z, z, z, z, z, z, z
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        k0 = load_rows(k, r0, m0, H, i_h, o_k, K)
+        k1 = load_rows(k, r1, m1, H, i_h, o_k, K)
+        k2 = load_rows(k, r2, m2, H, i_h, o_k, K)
+        k3 = load_rows(k, r3, m3, H, i_h, o_k, K)
+        q0 = load_rows(q, r0, m0, H, i_h, o_k, K)
+        q1 = load_rows(q, r1, m1, H, i_h, o_k, K)
+        q2 = load_rows(q, r2, m2, H, i_h, o_k, K)
+        q3 = load_rows(q, r3, m3, H, i_h, o_k, K)
+        g0 = load_rows(G, r0, m0, HV, i_hv, o_k, K)
+        g1 = load_rows(G, r1, m1, HV, i_hv, o_k, K)
+        g2 = load_rows(G, r2, m2, HV, i_hv, o_k, K)
+        g3 = load_rows(G, r3, m3, HV, i_hv, o_k, K)
+        A00 += diag_pairs(k0, k0, g0, m0, True)
+        A11 += diag_pairs(k1, k1, g1, m1, True)
+        A22 += diag_pairs(k2, k2, g2, m2, True)
+        A33 += diag_pairs(k3, k3, g3, m3, True)
+        P00 += diag_pairs(q0, k0, g0, m0, False)
+        P11 += diag_pairs(q1, k1, g1, m1, False)
+        P22 += diag_pairs(q2, k2, g2, m2, False)
+        P33 += diag_pairs(q3, k3, g3, m3, False)
+        # row block 1 (reference: its first row)
+        gr = ref_row(G, t0 + 16, eos, HV, i_hv, o_k, K)
+        e = after_ref(g1, gr, m1)
+        kb = k0 * before_ref(g0, gr)
+        A10 += _mm(k1 * e, kb, DT, PREC)
+        P10 += _mm(q1 * e, kb, DT, PREC)
+        # row block 2
+        gr = ref_row(G, t0 + 32, eos, HV, i_hv, o_k, K)
+        e = after_ref(g2, gr, m2)
+        ka = k2 * e
+        qa = q2 * e
+        kb = k0 * before_ref(g0, gr)
+        A20 += _mm(ka, kb, DT, PREC)
+        P20 += _mm(qa, kb, DT, PREC)
+        kb = k1 * before_ref(g1, gr)
+        A21 += _mm(ka, kb, DT, PREC)
+        P21 += _mm(qa, kb, DT, PREC)
+        # row block 3
+        gr = ref_row(G, t0 + 48, eos, HV, i_hv, o_k, K)
+        e = after_ref(g3, gr, m3)
+        ka = k3 * e
+        qa = q3 * e
+        kb = k0 * before_ref(g0, gr)
+        A30 += _mm(ka, kb, DT, PREC)
+        P30 += _mm(qa, kb, DT, PREC)
+        kb = k1 * before_ref(g1, gr)
+        A31 += _mm(ka, kb, DT, PREC)
+        P31 += _mm(qa, kb, DT, PREC)
+        kb = k2 * before_ref(g2, gr)
+        A32 += _mm(ka, kb, DT, PREC)
+        P32 += _mm(qa, kb, DT, PREC)
+    b0 = tl.load(beta + r0 * HV + i_hv, mask=m0, other=0.0)[:, None]
+    b1 = tl.load(beta + r1 * HV + i_hv, mask=m1, other=0.0)[:, None]
+    b2 = tl.load(beta + r2 * HV + i_hv, mask=m2, other=0.0)[:, None]
+    b3 = tl.load(beta + r3 * HV + i_hv, mask=m3, other=0.0)[:, None]
+    X00 = _inv_unit_lower16(A00 * b0)
+    X11 = _inv_unit_lower16(A11 * b1)
+    X22 = _inv_unit_lower16(A22 * b2)
+    X33 = _inv_unit_lower16(A33 * b3)
+    A10 *= b1
+    A20 *= b2
+    A21 *= b2
+    A30 *= b3
+    A31 *= b3
+    A32 *= b3
+    # Block forward substitution: X_ij = −X_ii Σ_{j ≤ l < i} A_il X_lj.
+    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision="ieee"), input_precision="ieee")
+    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision="ieee"), input_precision="ieee")
+    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision="ieee") + tl.dot(A21, X10, input_precision="ieee"),
+                  input_precision="ieee")
+    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision="ieee"), input_precision="ieee")
+    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision="ieee") + tl.dot(A32, X21, input_precision="ieee"),
+                  input_precision="ieee")
+    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision="ieee") + tl.dot(A31, X10, input_precision="ieee")
+                  + tl.dot(A32, X20, input_precision="ieee"), input_precision="ieee")
+    _store16(Ai, X00, r0, m0, HV, i_hv, 0)
+    _store16(Ai, z, r0, m0, HV, i_hv, 16)
+    _store16(Ai, z, r0, m0, HV, i_hv, 32)
+    _store16(Ai, z, r0, m0, HV, i_hv, 48)
+    _store16(Ai, X10, r1, m1, HV, i_hv, 0)
+    _store16(Ai, X11, r1, m1, HV, i_hv, 16)
+    _store16(Ai, z, r1, m1, HV, i_hv, 32)
+    _store16(Ai, z, r1, m1, HV, i_hv, 48)
+    _store16(Ai, X20, r2, m2, HV, i_hv, 0)
+    _store16(Ai, X21, r2, m2, HV, i_hv, 16)
+    _store16(Ai, X22, r2, m2, HV, i_hv, 32)
+    _store16(Ai, z, r2, m2, HV, i_hv, 48)
+    _store16(Ai, X30, r3, m3, HV, i_hv, 0)
+    _store16(Ai, X31, r3, m3, HV, i_hv, 16)
+    _store16(Ai, X32, r3, m3, HV, i_hv, 32)
+    _store16(Ai, X33, r3, m3, HV, i_hv, 48)
+    _store16(P, P00, r0, m0, HV, i_hv, 0)
+    _store16(P, z, r0, m0, HV, i_hv, 16)
+    _store16(P, z, r0, m0, HV, i_hv, 32)
+    _store16(P, z, r0, m0, HV, i_hv, 48)
+    _store16(P, P10, r1, m1, HV, i_hv, 0)
+    _store16(P, P11, r1, m1, HV, i_hv, 16)
+    _store16(P, z, r1, m1, HV, i_hv, 32)
+    _store16(P, z, r1, m1, HV, i_hv, 48)
+    _store16(P, P20, r2, m2, HV, i_hv, 0)
+    _store16(P, P21, r2, m2, HV, i_hv, 16)
+    _store16(P, P22, r2, m2, HV, i_hv, 32)
+    _store16(P, z, r2, m2, HV, i_hv, 48)
+    _store16(P, P30, r3, m3, HV, i_hv, 0)
+    _store16(P, P31, r3, m3, HV, i_hv, 16)
+    _store16(P, P32, r3, m3, HV, i_hv, 32)
+    _store16(P, P33, r3, m3, HV, i_hv, 48)
+
+
+@triton.jit
+def wu_kernel(k, v, G, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr, V: tl.constexpr,
+              BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """W = T diag(β) (K ⊙ Γ) and U = T diag(β) V for one chunk and value head (stored in DT)."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
+    o_t = tl.arange(0, 64)
+    rows = t0 + o_t
+    m = rows < eos
+    b_A = tl.load(Ai + (rows[:, None] * HV + i_hv) * 64 + o_t[None, :], mask=m[:, None], other=0.0)
+    b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0)
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = load_rows(k, rows, m, H, i_h, o_k, K)
+        b_g = load_rows(G, rows, m, HV, i_hv, o_k, K)
+        b_w = tl.dot(b_A, (b_k * tl.exp(b_g) * b_b[:, None]).to(DT), input_precision=PREC)
+        tl.store(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], b_w.to(DT), mask=m[:, None])
+    for i_v in range(0, V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_v = load_rows(v, rows, m, HV, i_hv, o_v, V)
+        b_u = tl.dot(b_A, (b_v * b_b[:, None]).to(DT), input_precision=PREC)
+        tl.store(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_u.to(DT), mask=m[:, None])
+
+
+@triton.jit
+def _state_fwd_step(i_c, b_s, k, G, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, p_s, H, HV,
+                    K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """Chunk i_c of the forward state pass: store S, δ = U − W S, return the next S."""
+    cs = bos + i_c * 64
+    rows = cs + o_t
+    m = rows < eos
+    b_sd = b_s.to(DT)
+    tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_sd, mask=cs < eos)
+    b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
+    b_u = load_rows(U, rows, m, HV, i_hv, o_v, V)
+    b_d = b_u - tl.dot(b_w, b_sd, input_precision=PREC)
+    tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
+    b_k = load_rows(k, rows, m, H, i_h, o_k, K)
+    b_g = load_rows(G, rows, m, HV, i_hv, o_k, K)
+    last = tl.minimum(eos, cs + 64) - 1
+    b_gc = tl.load(G + (last * HV + i_hv) * K + o_k, mask=(cs < eos) & (o_k < K), other=0.0)
+    b_k = b_k * tl.exp(b_gc[None, :] - b_g)
+    return b_s * tl.exp(b_gc)[:, None] + tl.dot(tl.trans(b_k.to(DT)), b_d.to(DT), input_precision=PREC)
+
+
+@triton.jit(do_not_specialize=["max_nc"])
+def state_fwd_kernel(k, G, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV, K: tl.constexpr,
+                     V: tl.constexpr, BV: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
+                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
+    """Sequential pass over one sequence's chunks for one value head and V tile: h [NT, HV, K, V]
+    (state entering each chunk), VN = δ [T, HV, V], final state ht [N, HV, K, V] (fp32). Runs
+    ``max_nc`` steps; steps past the sequence are masked and leave the state unchanged."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + i_n).to(tl.int64)
+    o_t = tl.arange(0, 64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    p_s = o_k[:, None] * V + o_v[None, :]
+    b_s = tl.zeros([K, BV], dtype=tl.float32)
+    if USE_INIT:
+        b_s = tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s).to(tl.float32)
+    if WHILE:
+        i_c = 0
+        while i_c < max_nc:
+            b_s = _state_fwd_step(i_c, b_s, k, G, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, p_s, H, HV,
+                                  K, V, PREC, DT)
+            i_c += 1
+    else:
+        for i_c in range(0, max_nc):
+            b_s = _state_fwd_step(i_c, b_s, k, G, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, p_s, H, HV,
+                                  K, V, PREC, DT)
+    if STORE_FINAL:
+        tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s)
+
+
+@triton.jit
+def output_kernel(q, G, P, h, VN, o, cu, chunk_idx, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """O = scale · (P δ + (Q ⊙ Γ) S) for one chunk, value head and V tile."""
+    i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
+    o_t = tl.arange(0, 64)
+    rows = t0 + o_t
+    m = rows < eos
+    o_v = i_v * BV + tl.arange(0, BV)
+    b_o = tl.zeros([64, BV], dtype=tl.float32)
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_q = load_rows(q, rows, m, H, i_h, o_k, K) * tl.exp(load_rows(G, rows, m, HV, i_hv, o_k, K))
+        b_s = tl.load(h + (i_t.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :])
+        b_o += tl.dot(b_q.to(DT), b_s, input_precision=PREC)
+    b_p = tl.load(P + (rows[:, None] * HV + i_hv) * 64 + o_t[None, :], mask=m[:, None], other=0.0)
+    b_d = tl.load(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=m[:, None], other=0.0)
+    b_o = scale * (b_o + tl.dot(b_p, b_d, input_precision=PREC))
+    tl.store(o + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+def gamma(g: torch.Tensor, ch: Chunks) -> torch.Tensor:
+    """The in-chunk cumulative log decay of g [T, HV, K] (fp32, K padded)."""
+    T, HV, K = g.shape
+    G = torch.empty_like(g)
+    launch(gamma_kernel, (ch.NT, HV), g, G, ch.cu, ch.chunk_idx, HV, K=K, BK=ktile("gamma", K), name="gamma")
+    return G
+
+
+def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool):
+    """The sequential part of the forward. q, k: [T, H, K]; v: [T, HV, V] (one dtype, K and V
+    powers of two ≥ 16); G: [T, HV, K] fp32 (:func:`gamma`); beta: [T, HV] fp32; h0: [N, HV, K, V]
+    fp32 or None. Returns (Ai, P, W, h [NT, HV, K, V], VN = δ [T, HV, V], ht fp32 or None); Ai, P:
+    [T, HV, 64]; W: [T, HV, K]; all but ht in the inputs' dtype."""
+    T, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    prec, DT, io, dev = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype, v.device
+    Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
+    P = torch.empty(T, HV, BT, device=dev, dtype=io)
+    launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, ch.cu, ch.chunk_idx, H, HV, K=K, BK=ktile("kkt", K),
+           PREC=prec, DT=DT, name="kkt")
+    W = torch.empty(T, HV, K, device=dev, dtype=io)
+    U = torch.empty(T, HV, V, device=dev, dtype=io)
+    launch(wu_kernel, (ch.NT, HV), k, v, G, beta, Ai, W, U, ch.cu, ch.chunk_idx, H, HV, K=K, V=V,
+           BK=ktile("wu", K), BV=vtile("wu", K, V), PREC=prec, DT=DT, name="wu")
+    h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=io)
+    VN = torch.empty(T, HV, V, device=dev, dtype=io)
+    ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
+    SV = vtile("state_fwd", K, V)
+    launch(state_fwd_kernel, (V // SV, ch.N * HV), k, G, W, U, h0 if h0 is not None else v, h, VN,
+           ht if ht is not None else v, ch.cu, ch.chunk_off, ch.max_nc, H, HV, K=K, V=V, BV=SV,
+           USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_fwd")
+    return Ai, P, W, h, VN, ht
+
+
+def output(q, G, P, h, VN, ch: Chunks, scale: float, out_dtype) -> torch.Tensor:
+    """o [T, HV, V] in ``out_dtype`` from P, the per-chunk states h and δ."""
+    T, H, K = q.shape
+    HV, V = VN.shape[1], VN.shape[2]
+    o = torch.empty(T, HV, V, device=q.device, dtype=out_dtype)
+    BV = vtile("output", K, V)
+    launch(output_kernel, (V // BV, ch.NT, HV), q, G, P, h, VN, o, ch.cu, ch.chunk_idx, scale, H, HV, K=K, V=V,
+           BK=ktile("output", K), BV=BV, PREC=dot_precision(VN.dtype), DT=tl_dtype(VN.dtype), name="output")
+    return o
