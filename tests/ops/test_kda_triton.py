@@ -1,5 +1,7 @@
-"""Tier 3 on the CPU: the Triton KDA kernels under the Triton interpreter against the float64 recurrence
-(forward, decode with a state, packed sequences, backward through the checkpointed reverse pass)."""
+"""Tier 3 on the CPU: the token-recurrent Triton KDA kernels under the Triton interpreter against
+the float64 recurrence (forward, decode with a state, packed sequences, backward through the
+checkpointed reverse pass), and the op's choice between them and the chunk kernels (those are
+tested in tests/ops/test_kda_triton_chunk.py)."""
 from __future__ import annotations
 
 import os
@@ -26,7 +28,8 @@ def _cast(d, dtype):
 
 
 def _call(mod, d, **kw):
-    return mod.kimi_delta_attention(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
+    fn = TK.recurrent_kda if mod is TK else mod.kimi_delta_attention
+    return fn(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
                                     output_final_state=True, **kw)
 
 
@@ -48,7 +51,7 @@ def test_packed_and_no_state():
     o, S = _call(TK, d, cu_seqlens=cu)
     o_ref, S_ref = _call(KR, {n: x.double() for n, x in d.items()}, cu_seqlens=cu)
     assert rel_err(o, o_ref) < 1e-5 and rel_err(S, S_ref) < 1e-5
-    o2, S2 = TK.kimi_delta_attention(d["q"], d["k"], d["v"], d["g"], d["beta"])
+    o2, S2 = TK.recurrent_kda(d["q"], d["k"], d["v"], d["g"], d["beta"])
     assert S2 is None and rel_err(o2, KR.kimi_delta_attention(d["q"], d["k"], d["v"], d["g"], d["beta"])[0]) < 1e-5
 
 
@@ -70,3 +73,23 @@ def test_backward_matches_reference(cu):
         grads.append(torch.autograd.grad(loss, [dd[n] for n in names]))
     for name, a, b in zip(names, *grads):
         assert rel_err(a, b) < 1e-5, name
+
+
+@pytest.mark.parametrize("T,cu,grad,V,want", [
+    (1, None, False, 16, "recurrent"),  # decode step
+    (TK.DECODE_MAX_T, None, False, 16, "recurrent"),  # short prefill without gradients
+    (TK.DECODE_MAX_T + 1, None, False, 16, "chunk"),  # prefill
+    (2, None, True, 16, "chunk"),  # training, however short
+    (100, [0, 64, 64, 100], False, 16, "recurrent"),  # packed, longest sequence 64
+    (100, [0, 1, 100], False, 16, "chunk"),  # packed, longest sequence 99
+    (100, None, True, 300, "recurrent"),  # V beyond the chunk kernels
+])
+def test_dispatch_between_chunk_and_recurrent(monkeypatch, T, cu, grad, V, want):
+    calls = []
+    monkeypatch.setattr(TK, "chunk_kda", lambda *a, **kw: calls.append("chunk"))
+    monkeypatch.setattr(TK, "recurrent_kda", lambda *a, **kw: calls.append("recurrent"))
+    N = 1 if cu is None else len(cu) - 1
+    d = kda_inputs(1, T, 1, 1, 16, V, N=N, dtype=torch.float32, requires_grad=grad)
+    TK.kimi_delta_attention(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
+                            cu_seqlens=None if cu is None else torch.tensor(cu))
+    assert calls == [want]

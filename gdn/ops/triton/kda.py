@@ -20,13 +20,18 @@ them (``dS`` carried in registers)::
 
 dq, dk, dg and dβ are reductions over V: each V-tile writes its part, summed on the host (and
 over the value heads sharing a q/k head). Inputs are validated by the caller
-(:func:`gdn.ops.kda_reference.check_kda`); ``kimi_delta_attention`` has the op's signature.
+(:func:`gdn.ops.kda_reference.check_kda`); ``kimi_delta_attention`` has the op's signature and
+picks the kernels: the chunkwise ones (:mod:`.kda_chunk`) for training and prefill, these
+token-recurrent ones for decode (no gradient, every sequence at most ``DECODE_MAX_T`` tokens).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from .kda_chunk import MAX_HEAD_DIM as CHUNK_MAX
+from .kda_chunk import chunk_kda
 
 AVAILABLE = True
 #: Tokens between two state checkpoints of the forward pass (the backward recomputes this many).
@@ -256,9 +261,10 @@ class _KDAFunction(torch.autograd.Function):
                 dh0.to(ctx.h0_dtype) if dh0 is not None else None, None, None, None)
 
 
-def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                         cu_seqlens=None):
-    """KDA on the GPU (shapes of :func:`gdn.ops.kda_reference.kimi_delta_attention`; inputs validated).
+def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                  cu_seqlens=None):
+    """KDA on the token-recurrent kernels (shapes of :func:`gdn.ops.kda_reference.kimi_delta_attention`;
+    inputs validated).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]; initial_state:
     [N, HV, K, V]; cu_seqlens: [N + 1] (B == 1). Returns ``(o [B, T, HV, V] in v.dtype, final state
@@ -276,3 +282,33 @@ def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, ou
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     o, ht, _, _ = _forward(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, False)
     return o, ht
+
+
+#: Longest sequence (tokens) that a call without gradients still runs on the token-recurrent
+#: kernels; longer calls, and every call that needs gradients, take the chunk kernels.
+DECODE_MAX_T = 64
+
+
+def _longest(T: int, cu_seqlens) -> int:
+    if cu_seqlens is None:
+        return T
+    host = cu_seqlens.detach().to("cpu", torch.int64)
+    return int((host[1:] - host[:-1]).max()) if host.numel() > 1 else 0
+
+
+def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                         cu_seqlens=None):
+    """KDA on the GPU: :func:`gdn.ops.triton.kda_chunk.chunk_kda` for training and prefill,
+    :func:`recurrent_kda` for decode (no gradient needed and no sequence longer than
+    ``DECODE_MAX_T`` tokens) and for V > 256, which the chunk kernels do not take.
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]; initial_state:
+    [N, HV, K, V]; cu_seqlens: [N + 1] (B == 1). Returns ``(o [B, T, HV, V] in v.dtype, final state
+    fp32 or None)``; differentiable in q, k, v, g, beta and initial_state.
+    """
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
+    chunked = (needs_grad or _longest(q.shape[1], cu_seqlens) > DECODE_MAX_T) and v.shape[-1] <= CHUNK_MAX
+    fn = chunk_kda if chunked else recurrent_kda
+    return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+              cu_seqlens=cu_seqlens)

@@ -1,0 +1,115 @@
+"""Tier 3 on the CPU: the chunkwise Triton KDA kernels (gdn.ops.triton.kda_chunk) under Triton's
+interpreter against the float64 recurrence (gdn.ops.kda_reference).
+
+Outputs, final state and every gradient (q, k, v, g, beta, initial state; through o and the
+final state) at small awkward shapes: T ∈ {1, 63, 65, 130} (one token, a partial chunk, a chunk
+and a token, several chunks), K, V ∈ {16, 60} (60 is padded to 64), grouped value heads HV = 2H,
+packed sequences with empty and one-token members, strong per-channel decay (exponents that would
+overflow if the pairwise decay were factored through the chunk start). fp32 and fp16 (tl.dot on
+bf16 is broken in the 3.6 interpreter: bf16 is checked on the GPU by benchmarks/kda_gpu.py).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from gdn.ops import kda_reference as KR  # noqa: E402
+from gdn.ops.triton import _common  # noqa: E402
+
+from .helpers import rel_err  # noqa: E402
+from .test_kda import kda_inputs  # noqa: E402
+
+if not _common.INTERPRET and not torch.cuda.is_available():  # pragma: no cover
+    pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
+
+from gdn.ops.triton.kda_chunk import chunk_kda  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def _errors(B, T, H, HV, K, V, dtype, lens=None, state=True, g_scale=0.5, seed=0):
+    """Relative errors of o, the final state and every gradient against the float64 recurrence."""
+    N = len(lens) if lens else B
+    d = kda_inputs(B, T, H, HV, K, V, N=N, g_scale=g_scale, seed=seed)
+    names = [n for n in NAMES if state or n != "initial_state"]
+    cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    ref = {n: d[n].detach().clone().requires_grad_(True) for n in names}
+    o_r, S_r = KR.kimi_delta_attention(ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"],
+                                       initial_state=ref.get("initial_state"), output_final_state=True, cu_seqlens=cu)
+    gen = torch.Generator().manual_seed(seed + 7)
+    do = torch.randn(o_r.shape, generator=gen, dtype=torch.float64)
+    dS = torch.randn(S_r.shape, generator=gen, dtype=torch.float64)
+    ((o_r * do).sum() + (S_r * dS).sum()).backward()
+    got = {n: d[n].detach().to(torch.float32 if n in ("initial_state", "g", "beta") else dtype)
+           .clone().requires_grad_(True) for n in names}
+    o, S = chunk_kda(got["q"], got["k"], got["v"], got["g"], got["beta"], initial_state=got.get("initial_state"),
+                     output_final_state=True, cu_seqlens=cu)
+    assert o.dtype == dtype and o.shape == o_r.shape
+    assert S.dtype == torch.float32 and S.shape == S_r.shape
+    ((o.double() * do).sum() + (S.double() * dS).sum()).backward()
+    errs = {"o": rel_err(o, o_r), "S": rel_err(S, S_r)}
+    errs.update({"d" + n: rel_err(got[n].grad, ref[n].grad) for n in names})
+    for n in names:
+        assert got[n].grad.dtype == got[n].dtype and got[n].grad.shape == got[n].shape, n
+    return errs
+
+
+def _check(errs, tol):
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_T65_grouped(dtype):
+    _check(_errors(1, 65, 1, 2, 16, 60, dtype, seed=1), TOL[dtype])
+
+
+@pytest.mark.parametrize("T,K,V", [(1, 60, 16), (63, 16, 60), (130, 60, 60)])
+def test_lengths_and_padded_dims(T, K, V):
+    _check(_errors(2 if T < 100 else 1, T, 1, 2, K, V, torch.float32, seed=T), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("state", [True, False], ids=["state", "no_state"])
+def test_packed_with_empty_and_one_token_sequences(state):
+    _check(_errors(1, 130, 1, 2, 16, 16, torch.float32, lens=[0, 1, 69, 0, 60], state=state, seed=2),
+           TOL[torch.float32])
+
+
+def test_packed_fp16():
+    _check(_errors(1, 130, 2, 4, 16, 16, torch.float16, lens=[64, 1, 65], seed=3), TOL[torch.float16])
+
+
+def test_strong_decay_stays_finite_and_accurate():
+    """g down to −40 per token and channel: the in-chunk cumulative decay reaches thousands of nats,
+    so any exp(−γ) factored through the chunk start would overflow; the sub-block form never
+    takes a positive exponent."""
+    errs = _errors(1, 130, 1, 1, 16, 16, torch.float32, g_scale=40.0, seed=4)
+    _check(errs, 1e-4)
+
+
+def test_no_final_state_and_no_grad():
+    d = kda_inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32)
+    with torch.no_grad():
+        o, S = chunk_kda(d["q"], d["k"], d["v"], d["g"], d["beta"])
+    o_r, _ = KR.kimi_delta_attention(*(d[n].double() for n in ("q", "k", "v", "g", "beta")))
+    assert S is None and rel_err(o, o_r) < TOL[torch.float32]
+
+
+def test_rejects_head_dims_beyond_256():
+    d = kda_inputs(1, 2, 1, 1, 16, 264, dtype=torch.float32)
+    with pytest.raises(ValueError, match="V <= 256"):
+        chunk_kda(d["q"], d["k"], d["v"], d["g"], d["beta"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("T,H,HV,K,V", [(200, 2, 4, 60, 60), (65, 1, 2, 128, 32), (130, 1, 1, 256, 16)])
+def test_sweep(T, H, HV, K, V, dtype):
+    _check(_errors(1, T, H, HV, K, V, dtype, seed=T + K), TOL[dtype])
