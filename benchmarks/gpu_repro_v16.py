@@ -6,10 +6,12 @@ Each variant runs forward + backward in its own process with CUDA_LAUNCH_BLOCKIN
 the CUDA context, and blocking launches name the kernel that faulted); then the first failing
 variant runs again under compute-sanitizer when it is installed, which prints the faulting access.
 
-    python benchmarks/gpu_repro_v16.py            # a table of variants, then the sanitizer's report
+    python benchmarks/gpu_repro_v16.py            # the sanitizer's report, then a table of variants
+    python benchmarks/gpu_repro_v16.py --configs '[{"wu": {"stages": [1]}}]'   # the case under overrides
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -32,11 +34,17 @@ VARIANTS = [
 ]
 
 
-def child(B, T, H, HV, K, V, dtype, member):
+def child(B, T, H, HV, K, V, dtype, member, cfg="{}"):
+    import json
+
     import torch
 
     sys.path.insert(0, os.path.join(HERE, ".."))
     from gdn import ops
+    from gdn.ops.triton._common import CONFIG
+
+    for name, upd in json.loads(cfg).items():  # launch-configuration overrides of this variant
+        CONFIG[name].update({k: tuple(v) if k == "stages" else v for k, v in upd.items()})
 
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     if member.endswith("+pad32"):  # every feature dimension padded to at least 32 by the wrapper
@@ -67,7 +75,16 @@ def child(B, T, H, HV, K, V, dtype, member):
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         B, T, H, HV, K, V = (int(x) for x in sys.argv[2:8])
-        child(B, T, H, HV, K, V, sys.argv[8], sys.argv[9])
+        child(B, T, H, HV, K, V, *sys.argv[8:11])
+        return 0
+    if len(sys.argv) > 2 and sys.argv[1] == "--configs":  # the failing case under each JSON override
+        env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", PYTHONUNBUFFERED="1")
+        print("| launch-configuration override | result |\n|---|---|")
+        for cfg in json.loads(sys.argv[2]):
+            cmd = [sys.executable, __file__, "--child", *map(str, VARIANTS[0]), json.dumps(cfg)]
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+            line = next((x[7:] for x in r.stdout.splitlines() if x.startswith("RESULT ")), f"no result (rc {r.returncode})")
+            print(f"| {json.dumps(cfg)} | {line[:150]} |", flush=True)
         return 0
     env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", PYTHONUNBUFFERED="1")
     sanitizer = shutil.which("compute-sanitizer") or next(

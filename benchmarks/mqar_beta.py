@@ -30,6 +30,7 @@ def main():
     p.add_argument("--decay-init", type=float, nargs=4, metavar=("A_MIN", "A_MAX", "DT_MIN", "DT_MAX"),
                    help="ranges of the M/G decay gates' initialisation")
     p.add_argument("--width", type=int, default=64, help="model width")
+    p.add_argument("--heads", type=int, default=2, help="heads of every mixer (head size = width / heads)")
     p.add_argument("--pairs", type=int, default=8, help="key-value pairs")
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (constant)")
     p.add_argument("--seq-len", type=int, default=64, help="sequence length")
@@ -40,7 +41,7 @@ def main():
     p.add_argument("--seed", type=int, default=0, help="model and data seed")
     a = p.parse_args()
     torch.set_num_threads(1)
-    cfg = MQARConfig(seq_len=a.seq_len, vocab_size=a.vocab, widths=[a.width], num_pairs=[a.pairs], num_heads=2,
+    cfg = MQARConfig(seq_len=a.seq_len, vocab_size=a.vocab, widths=[a.width], num_pairs=[a.pairs], num_heads=a.heads,
                      beta_offset=a.beta_offset, decay_init=a.decay_init, seed=a.seed)
     x, y = mqar_batch(a.steps * a.batch, a.seq_len, a.pairs, a.vocab, seed=a.seed * 1000 + a.pairs)
     xt, yt = mqar_batch(512, a.seq_len, a.pairs, a.vocab, seed=a.seed * 1000 + a.pairs + 10**6)

@@ -9,6 +9,7 @@ first chunk (where its states live in the per-chunk state buffer).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -137,7 +138,11 @@ def tl_dtype(dtype: torch.dtype):
 #: candidates were within ±5 % of each other at K = V = 128 bf16).
 CONFIG = {
     "kkt_solve": dict(num_warps=2, stages=(1,), BK=64, BV=64),
-    "wu": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
+    # wu: 8 warps. With 4, triton 3.6 on the H200 compiled a shared-memory access out of range at
+    # K = 60/64, T = 63 (compute-sanitizer, benchmarks/gpu_repro_v16.py); 8 warps time the same.
+    "wu": dict(num_warps=8, stages=(3, 2, 1), BK=64, BV=64),
+    # state_fwd: SV halves when the (sequence, head, tile) programs would not fill the card
+    # (chunk_fwd.forward_intermediates); measured on the H200: (1, 32768, 16, 128) fwd 1.78 → 1.63 ms
     "state_fwd": dict(num_warps=4, stages=(2, 1), SV=8192),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
     "dv_local": dict(num_warps=8, stages=(1,), BK=64, BV=128),
@@ -149,6 +154,18 @@ CONFIG = {
     "split": dict(L=0, min_L=8),
     "chain": dict(num_warps=4, stages=(1,), SV=4096, BC=32),
 }
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (4 off CUDA, e.g. under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def tiles(name: str, K: int, V: int) -> tuple[int, int]:

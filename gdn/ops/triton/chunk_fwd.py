@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
-                      launch, make_segments, pow2, tiles, tl_dtype, value_cols)
+                      launch, make_segments, pow2, sm_count, tiles, tl_dtype, value_cols)
 
 
 @triton.jit
@@ -341,7 +341,7 @@ def split_len(ch: Chunks, HV: int, tiles: int, device) -> int:
     L = CONFIG["split"]["L"]
     if L >= 0:
         return L if L and ch.max_nc > L else 0
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = sm_count(device)
     programs = ch.N * HV * tiles
     if programs >= 2 * sms or ch.max_nc < 2 * CONFIG["split"]["min_L"]:
         return 0
@@ -435,6 +435,8 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
         launch(state_fwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Sin, h,
                VN if delta else dummy, dummy, sg.cu, sg.off, L, BV=SV, USE_INIT=True, STORE_FINAL=False, **common)
         return h, VN, ht, Ai, W
+    if ch.N * HV * triton.cdiv(V, SV) < sm_count(dev) and SV > 16:
+        SV //= 2  # too few programs to fill the card: twice as many, each with half the values
     launch(state_fwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
            k, v, gp, Wp, Up, h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy,
            ch.cu, ch.chunk_off, ch.max_nc, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, **common)
