@@ -221,6 +221,16 @@ def train_one(cfg: MQARConfig, letter: str, width: int, pairs: int, lr: float) -
                 seconds=time.time() - t0)
 
 
+#: CPU seconds per training step relative to linear attention (width 32, 64 sequences of 64 tokens,
+#: one thread; measured with benchmarks/mqar_beta.py --time-steps): only used to start the longest runs first.
+STEP_COST = {"L": 1.0, "M": 1.3, "D": 2.0, "G": 2.2, "A": 0.8}
+
+
+def run_cost(letter: str, width: int, pairs: int) -> float:
+    """Relative CPU cost of one run (for ordering the jobs; every run of a grid has the same steps)."""
+    return STEP_COST[letter] * width ** 0.5
+
+
 def _worker_init(threads: int) -> None:
     torch.set_num_threads(threads)
 
@@ -239,8 +249,25 @@ def best_by_cell(results: list[dict]) -> dict:
     return best
 
 
+def delta_rule_ahead(results: list[dict]) -> dict:
+    """``{(width, pairs): True/False}``: whether both delta-rule mixers (``D`` and ``G``, those of them
+    that were run) reached a higher best accuracy than linear attention (``L``) in that column; empty
+    when ``L`` or both of ``D``/``G`` are missing. This is the claim ``--preset cpu-small`` is meant
+    to show in every column for every seed."""
+    best = best_by_cell(results)
+    out = {}
+    for w, p in sorted({(w, p) for _, w, p in best}):
+        if ("L", w, p) not in best:
+            continue
+        delta = [best[(m, w, p)]["accuracy"] for m in "DG" if (m, w, p) in best]
+        if delta:
+            out[(w, p)] = all(a > best[("L", w, p)]["accuracy"] for a in delta)
+    return out
+
+
 def format_table(results: list[dict]) -> str:
-    """Markdown table: a row per mixer, a column per (width, pairs), best accuracy over learning rates."""
+    """Markdown table: a row per mixer, a column per (width, pairs), best accuracy over learning
+    rates; then a line saying in which columns D and G are ahead of L (:func:`delta_rule_ahead`)."""
     best = best_by_cell(results)
     mixers = list(dict.fromkeys(r["mixer"] for r in results))
     cols = sorted({(w, p) for _, w, p in best})
@@ -249,6 +276,10 @@ def format_table(results: list[dict]) -> str:
     for m in mixers:
         cells = [f"{best[(m, w, p)]['accuracy']:.3f}" if (m, w, p) in best else "—" for w, p in cols]
         lines.append(f"| {MIXER_NAMES[m]} ({m}) | " + " | ".join(cells) + " |")
+    ahead = delta_rule_ahead(results)
+    if ahead:
+        verdict = ", ".join(f"d={w}, {p} kv: {'yes' if ok else 'NO'}" for (w, p), ok in ahead.items())
+        lines += ["", f"delta rule (D, G) ahead of linear attention (L): {verdict}"]
     return "\n".join(lines)
 
 
@@ -281,7 +312,8 @@ def run_mqar(cfg: MQARConfig) -> list[dict]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     Path(out, "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    jobs = [(cfg, m, w, p, lr) for w in cfg.widths for p in cfg.num_pairs for m in cfg.mixers for lr in cfg.lrs]
+    grid = [(cfg, m, w, p, lr) for w in cfg.widths for p in cfg.num_pairs for m in cfg.mixers for lr in cfg.lrs]
+    jobs = sorted(grid, key=lambda j: -run_cost(j[1], j[2], j[3]))  # longest first: the workers finish together
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     workers = cfg.workers or (1 if cuda else (os.cpu_count() or 1))
     t0 = time.time()
@@ -300,6 +332,8 @@ def run_mqar(cfg: MQARConfig) -> list[dict]:
                 results.append(r)
                 logger.info("mqar %s", r)
     logger.info("mqar: %d runs in %.0f s", len(results), time.time() - t0)
+    order = {(m, w, p, lr): i for i, (_, m, w, p, lr) in enumerate(grid)}
+    results.sort(key=lambda r: order[(r["mixer"], r["width"], r["num_pairs"], r["lr"])])
     Path(out, "results.json").write_text(json.dumps(results, indent=1))
     Path(out, "table.md").write_text(format_table(results) + "\n")
     plot(results, out / "mqar.png")

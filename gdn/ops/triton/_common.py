@@ -150,7 +150,7 @@ CONFIG = {
     "dqk": dict(num_warps=4, stages=(1,), BK=64, BV=64),
     "wy_bwd": dict(num_warps=4, stages=(1,), BK=64, BV=64),
     # The split state passes (chunk_fwd.split_len): L = 0 off, > 0 fixed segment length in chunks,
-    # -1 automatic. Off until the split kernels have passed the GPU check (benchmarks/gpu_check.py).
+    # -1 automatic. Off: it passes the GPU check but is slower on the H200 (docs/TRITON.md).
     "split": dict(L=0, min_L=8),
     "chain": dict(num_warps=4, stages=(1,), SV=4096, BC=32),
 }

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ._common import INTERPRET, Chunks, chunk_bounds, dot_precision, tl_dtype
 from .kda_chunk_fwd import (STATE_DTYPE, after_ref, before_ref, diag_exponent, forward_intermediates, ktile, launch, load_rows,
-                            ref_row, vtile)
+                            ref_row, state_vtile, vtile)
 
 
 @triton.jit
@@ -302,7 +302,7 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float):
     dh = torch.empty(ch.NT, HV, K, V, device=dev, dtype=STATE_DTYPE)
     DD = torch.empty(T, HV, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
-    SV = vtile("state_bwd", K, V)
+    SV = state_vtile("state_bwd", K, V, ch.N * HV, dev)
     launch(state_bwd_kernel, (V // SV, ch.N * HV), q, k, G, W, do, DVL, dht if dht is not None else v, dh, DD,
            dh0 if dh0 is not None else v, ch.cu, ch.chunk_off, ch.max_nc, scale, H, HV, K=K, V=V, BV=SV,
            USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_bwd")

@@ -28,21 +28,25 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, tl_dtype
+from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, sm_count, tl_dtype
 
-#: Launch configuration of each KDA chunk kernel: warps, pipelining depth and the K tile (``BK``;
-#: ``None`` = the whole padded K) or the V tile (``BV``). Not tuned on the GPU yet.
+#: Launch configuration of each KDA chunk kernel: warps, pipelining depth and the K tile (``BK``)
+#: or V tile (``BV``; ``SV`` for the sequential passes: fp32 elements of one K × BV state tile).
+#: Not tuned on the GPU yet. Warps from ptxas's report for sm_90 at K = V = 128 (offline compile):
+#: 8 warps cut the register spills of kkt, the state passes, dqk, wy_bwd and intra_bwd 3–17× against
+#: 4; wu takes 8 as the scalar-gate wu does (4 warps hit triton 3.6's out-of-range shared-memory
+#: access there on the H200, docs/TRITON.md).
 CONFIG = {
     "gamma": dict(num_warps=4, num_stages=1, BK=64),
-    "kkt": dict(num_warps=4, num_stages=1, BK=32),
-    "wu": dict(num_warps=4, num_stages=2, BK=64, BV=64),
-    "state_fwd": dict(num_warps=4, num_stages=1, SV=8192),
-    "output": dict(num_warps=4, num_stages=1, BK=64, BV=64),
+    "kkt": dict(num_warps=8, num_stages=1, BK=32),
+    "wu": dict(num_warps=8, num_stages=2, BK=64, BV=64),
+    "state_fwd": dict(num_warps=8, num_stages=1, SV=8192),
+    "output": dict(num_warps=8, num_stages=1, BK=64, BV=64),
     "dv_local": dict(num_warps=4, num_stages=1, BV=64),
-    "state_bwd": dict(num_warps=4, num_stages=1, SV=4096),
-    "dqk": dict(num_warps=4, num_stages=1, BK=64, BV=64),
-    "wy_bwd": dict(num_warps=4, num_stages=1, BK=64, BV=64),
-    "intra_bwd": dict(num_warps=4, num_stages=1, BK=32),
+    "state_bwd": dict(num_warps=8, num_stages=1, SV=8192),
+    "dqk": dict(num_warps=8, num_stages=1, BK=64, BV=64),
+    "wy_bwd": dict(num_warps=8, num_stages=1, BK=64, BV=64),
+    "intra_bwd": dict(num_warps=8, num_stages=1, BK=32),
 }
 
 
@@ -68,6 +72,16 @@ def vtile(name: str, K: int, V: int) -> int:
     """The V tile of kernel ``name`` (sequential passes: ``SV // K`` values, at least 16)."""
     c = CONFIG[name]
     return min(V, max(16, c["SV"] // K)) if "SV" in c else min(V, c["BV"])
+
+
+def state_vtile(name: str, K: int, V: int, programs: int, device) -> int:
+    """V tile of a sequential pass with ``programs`` (sequence, value head) pairs: :func:`vtile`,
+    halved (down to 16) while the programs would not fill the card's multiprocessors; each program
+    walks every chunk of its sequence, so idle multiprocessors are lost for the whole pass."""
+    BV = vtile(name, K, V)
+    while BV > 16 and programs * (V // BV) < sm_count(device):
+        BV //= 2
+    return BV
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,7 +439,7 @@ def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool):
     h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=STATE_DTYPE)
     VN = torch.empty(T, HV, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
-    SV = vtile("state_fwd", K, V)
+    SV = state_vtile("state_fwd", K, V, ch.N * HV, dev)
     launch(state_fwd_kernel, (V // SV, ch.N * HV), k, G, W, U, h0 if h0 is not None else v, h, VN,
            ht if ht is not None else v, ch.cu, ch.chunk_off, ch.max_nc, H, HV, K=K, V=V, BV=SV,
            USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_fwd")
