@@ -45,6 +45,8 @@ SHAPES = [
     ("(1, 8192, H=16, HV=32, 128)", 1, 8192, 16, 32, None),
     ("packed 12 seqs, 32768", 1, 32768, 16, 16,
      [4096, 1000, 7000, 300, 2048, 5000, 64, 3000, 1500, 4260, 2500, 2000]),
+    # one layer of the 340m model in training (benchmarks/train.py): 6 heads, K = 128, V = 256
+    ("340m layer (4, 4096, 6, K=128, V=256)", 4, 4096, 6, 6, None, 256),
 ]
 D = 128
 
@@ -60,18 +62,18 @@ def ceilings():
     return 2 * 8192**3 / mm, 2 * x.numel() * 4 / cp
 
 
-def counts(B, T, H, HV):
+def counts(B, T, H, HV, V=D):
     tokens = B * T
-    fwd_flops = tokens * HV * 2 * (3 * C * D + 2 * C * D + 3 * D * D)
-    ins = tokens * (2 * H * D * 2 + HV * D * 2 + HV * 4 * 2)  # q, k, v bf16; g, beta fp32
-    out = tokens * HV * D * 2
+    fwd_flops = tokens * HV * 2 * (3 * C * D + 2 * C * V + 3 * D * V)
+    ins = tokens * (2 * H * D * 2 + HV * V * 2 + HV * 4 * 2)  # q, k, v bf16; g, beta fp32
+    out = tokens * HV * V * 2
     return fwd_flops, 3 * fwd_flops, ins + out, 2 * ins + 2 * out + ins
 
 
-def inputs(B, T, H, HV, lens):
+def inputs(B, T, H, HV, lens, V=D):
     q = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16()
-    v = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda") + 3)
     beta = torch.rand(B, T, HV, device="cuda").sigmoid()
     cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
@@ -93,8 +95,8 @@ def fla_fn(xs, cu):
     return lambda: chunk_gated_delta_rule(*xs, cu_seqlens=cu_dev, cu_seqlens_cpu=None if cu is None else cu.long())[0]
 
 
-def sdpa_fn(B, T, HV, lens):
-    q, k, v = (torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+def sdpa_fn(B, T, HV, lens, V=D):
+    q, k, v = (torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     if lens is None:
         def f():
             return torch.nn.functional.scaled_dot_product_attention(
@@ -106,7 +108,7 @@ def sdpa_fn(B, T, HV, lens):
             return ops.softmax_attention(q, k, v, cu_seqlens=cu)
     flops = 0
     for L in (lens or [T] * B):
-        flops += 4 * HV * D * L * L / 2
+        flops += 4 * HV * V * L * L / 2
     return f, flops
 
 
@@ -133,11 +135,12 @@ def peak(f, backward, do):
 def rows():
     mm_rate, copy_bw = ceilings()
     out = []
-    for name, B, T, H, HV, lens in SHAPES:
-        xs, cu = inputs(B, T, H, HV, lens)
-        do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
-        f_fwd, f_all, b_fwd, b_all = counts(B, T, H, HV)
-        sd, sd_flops = sdpa_fn(B, T, HV, lens)
+    for name, B, T, H, HV, lens, *vd in SHAPES:
+        V = vd[0] if vd else D
+        xs, cu = inputs(B, T, H, HV, lens, V)
+        do = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
+        f_fwd, f_all, b_fwd, b_all = counts(B, T, H, HV, V)
+        sd, sd_flops = sdpa_fn(B, T, HV, lens, V)
         g = gdn_fn(xs, cu)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -198,9 +201,10 @@ def variants(specs):
     base_cfg = copy.deepcopy(CONFIG)
     print("\n| shape | variant | fwd ms | fwd+bwd ms | max rel diff vs first |")
     print("|---|---|---|---|---|")
-    for name, B, T, H, HV, lens in SHAPES:
-        xs, cu = inputs(B, T, H, HV, lens)
-        do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
+    for name, B, T, H, HV, lens, *vd in SHAPES:
+        V = vd[0] if vd else D
+        xs, cu = inputs(B, T, H, HV, lens, V)
+        do = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
         g = gdn_fn(xs, cu)
         base = None
         for spec in specs:
