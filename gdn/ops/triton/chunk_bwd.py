@@ -14,7 +14,8 @@ the next chunk, or the final-state gradient), S the state entering it and δ as 
 Without the delta term dδ is dV and the wy stage only turns dγ into dg.
 
 As in the forward, intermediates (dδ_loc, dδ, the per-chunk dS, dW) are stored in the input dtype
-and every dot takes operands of that dtype (fp32 accumulation); dQ, dK, dV, dβ, dγ are fp32.
+and every dot takes operands of that dtype (fp32 accumulation); dβ, dγ are fp32; dQ, dK, dV are
+accumulated in fp32 and stored once in the dtype the caller asks for.
 """
 from __future__ import annotations
 
