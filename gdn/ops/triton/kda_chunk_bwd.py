@@ -227,7 +227,10 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, cu, chunk_idx
     o = tl.arange(0, 16)
     o_k = i_k * BK + tl.arange(0, BK)
     carry = tl.zeros([BK], dtype=tl.float32)
-    for I in tl.static_range(3, -1, -1):
+    # run-time loops (statically unrolled, the kernel compiled 4× longer); ``while`` because the
+    # interpreter cannot take a loop bound that is itself a loop variable
+    I = 3
+    while I >= 0:
         r_i = t0 + I * 16 + o
         m_i = r_i < eos
         q_i = load_rows(q, r_i, m_i, H, i_h, o_k, K)
@@ -237,44 +240,43 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, cu, chunk_idx
         # rows of block I against columns j ≤ i: dq (through P) and r (through A)
         dP_ii = _pair_block(DP, r_i, m_i, I * 16, HV, i_hv)
         dA_ii = _pair_block(DA, r_i, m_i, I * 16, HV, i_hv)
-        e3 = diag_exponent(g_i, m_i, False)
+        e3 = diag_exponent(g_i, m_i)
         b_dq = tl.sum(dP_ii[:, :, None] * k_i[None, :, :] * e3, axis=1)
         b_r = tl.sum(dA_ii[:, :, None] * k_i[None, :, :] * e3, axis=1)
         # columns of block I against rows i ≥ j: dk through P and through A
         b_dkp = tl.sum(dP_ii[:, :, None] * q_i[:, None, :] * e3, axis=0)
         b_dka = tl.sum((dA_ii * b_i[:, None])[:, :, None] * k_i[:, None, :] * e3, axis=0)
-        if I > 0:
-            g_r = ref_row(G, t0 + I * 16, eos, HV, i_hv, o_k, K)
-            e_i = after_ref(g_i, g_r, m_i)
-            acc_q = tl.zeros([16, BK], dtype=tl.float32)
-            acc_r = tl.zeros([16, BK], dtype=tl.float32)
-            for J in tl.static_range(I):
-                r_j = t0 + J * 16 + o
-                m_j = r_j < eos
-                k_j = load_rows(k, r_j, m_j, H, i_h, o_k, K) * before_ref(load_rows(G, r_j, m_j, HV, i_hv, o_k, K),
-                                                                         g_r)
-                acc_q += tl.dot(_pair_block(DP, r_i, m_i, J * 16, HV, i_hv), k_j, input_precision=PREC)
-                acc_r += tl.dot(_pair_block(DA, r_i, m_i, J * 16, HV, i_hv), k_j, input_precision=PREC)
-            b_dq += acc_q * e_i
-            b_r += acc_r * e_i
-        if I < 3:
-            acc_p = tl.zeros([16, BK], dtype=tl.float32)
-            acc_a = tl.zeros([16, BK], dtype=tl.float32)
-            for L in tl.static_range(I + 1, 4):
-                r_l = t0 + L * 16 + o
-                m_l = r_l < eos
-                g_r = ref_row(G, t0 + L * 16, eos, HV, i_hv, o_k, K)
-                e_l = after_ref(load_rows(G, r_l, m_l, HV, i_hv, o_k, K), g_r, m_l)
-                b_l = tl.load(beta + r_l * HV + i_hv, mask=m_l, other=0.0)
-                q_l = load_rows(q, r_l, m_l, H, i_h, o_k, K) * e_l
-                k_l = load_rows(k, r_l, m_l, H, i_h, o_k, K) * e_l
-                f_j = before_ref(g_i, g_r)
-                dP_li = _pair_block(DP, r_l, m_l, I * 16, HV, i_hv)
-                dA_li = _pair_block(DA, r_l, m_l, I * 16, HV, i_hv) * b_l[:, None]
-                acc_p += tl.dot(tl.trans(dP_li), q_l, input_precision=PREC) * f_j
-                acc_a += tl.dot(tl.trans(dA_li), k_l, input_precision=PREC) * f_j
-            b_dkp += acc_p
-            b_dka += acc_a
+        # earlier column blocks J < I, through the reference row r = first row of I
+        g_r = ref_row(G, t0 + I * 16, eos, HV, i_hv, o_k, K)
+        acc_q = tl.zeros([16, BK], dtype=tl.float32)
+        acc_r = tl.zeros([16, BK], dtype=tl.float32)
+        J = 0
+        while J < I:
+            r_j = t0 + J * 16 + o
+            m_j = r_j < eos
+            k_j = load_rows(k, r_j, m_j, H, i_h, o_k, K) * before_ref(load_rows(G, r_j, m_j, HV, i_hv, o_k, K), g_r)
+            acc_q += tl.dot(_pair_block(DP, r_i, m_i, J * 16, HV, i_hv), k_j, input_precision=PREC)
+            acc_r += tl.dot(_pair_block(DA, r_i, m_i, J * 16, HV, i_hv), k_j, input_precision=PREC)
+            J += 1
+        e_i = after_ref(g_i, g_r, m_i)
+        b_dq += acc_q * e_i
+        b_r += acc_r * e_i
+        # later row blocks L > I, each through its own first row
+        L = I + 1
+        while L < 4:
+            r_l = t0 + L * 16 + o
+            m_l = r_l < eos
+            g_rl = ref_row(G, t0 + L * 16, eos, HV, i_hv, o_k, K)
+            e_l = after_ref(load_rows(G, r_l, m_l, HV, i_hv, o_k, K), g_rl, m_l)
+            b_l = tl.load(beta + r_l * HV + i_hv, mask=m_l, other=0.0)
+            q_l = load_rows(q, r_l, m_l, H, i_h, o_k, K) * e_l
+            k_l = load_rows(k, r_l, m_l, H, i_h, o_k, K) * e_l
+            f_j = before_ref(g_i, g_rl)
+            dP_li = _pair_block(DP, r_l, m_l, I * 16, HV, i_hv)
+            dA_li = _pair_block(DA, r_l, m_l, I * 16, HV, i_hv) * b_l[:, None]
+            b_dkp += tl.dot(tl.trans(dP_li), q_l, input_precision=PREC) * f_j
+            b_dka += tl.dot(tl.trans(dA_li), k_l, input_precision=PREC) * f_j
+            L += 1
         b_rb = b_r * b_i[:, None]
         b_dkc = b_dkp + b_dka
         p_k = (r_i[:, None] * HV + i_hv) * K + o_k[None, :]
@@ -284,6 +286,7 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, cu, chunk_idx
         tl.store(DG + p_k, tl.cumsum(b_dgam, axis=0, reverse=True) + carry[None, :], mask=m_i[:, None])
         carry += tl.sum(b_dgam, axis=0)
         tl.store(DBK + (i_k * T + r_i) * HV + i_hv, tl.sum(k_i * b_r, axis=1), mask=m_i)
+        I -= 1
 
 
 def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float):

@@ -15,7 +15,7 @@ from 16-row sub-blocks. For a block of rows I after a block of columns J the fac
 the first row of I: exp(γ_i − γ_r) · exp(γ_r − γ_j), both exponents ≤ 0 (so nothing overflows
 however strongly a channel decays), and the block is one dot of the two rescaled tiles. Inside a
 diagonal block the exponent is taken pairwise, exp(γ_i − γ_j) masked to j ≤ i before the exp, as a
-[16, 16, BK] product summed over channels. Rows past a sequence's end are masked to −∞ in the
+[16, 16, BK] product summed over channels (one exponent tensor serves A and P). Rows past a sequence's end are masked to −∞ in the
 exponent and the reference row is clamped to the last valid row, so no 0 · ∞ arises.
 
 Intermediates (T, P, W, U, δ, per-chunk states) are stored in the input dtype; the running and
@@ -116,21 +116,24 @@ def before_ref(gam, gref):
 
 
 @triton.jit
-def diag_exponent(gam, m, STRICT: tl.constexpr):
-    """[16, 16, BK]: exp(γ_ic − γ_jc) for j ≤ i (j < i when STRICT) inside one block, else 0."""
+def diag_exponent(gam, m):
+    """[16, 16, BK]: exp(γ_ic − γ_jc) for j ≤ i inside one block (rows i on the sequence), else 0."""
     o = tl.arange(0, 16)
-    if STRICT:
-        keep = o[:, None] > o[None, :]
-    else:
-        keep = o[:, None] >= o[None, :]
-    keep = keep & m[:, None]
+    keep = (o[:, None] >= o[None, :]) & m[:, None]
     return tl.exp(tl.where(keep[:, :, None], gam[:, None, :] - gam[None, :, :], float("-inf")))
 
 
 @triton.jit
-def diag_pairs(a, b, gam, m, STRICT: tl.constexpr):
-    """[16, 16]: Σ_c a_ic b_jc exp(γ_ic − γ_jc) for j ≤ i (j < i when STRICT) in one block."""
-    return tl.sum(a[:, None, :] * b[None, :, :] * diag_exponent(gam, m, STRICT), axis=2)
+def diag_pairs(a, b, e3):
+    """[16, 16]: Σ_c a_ic b_jc e3_ijc (e3 from :func:`diag_exponent`)."""
+    return tl.sum(a[:, None, :] * b[None, :, :] * e3, axis=2)
+
+
+@triton.jit
+def strict(X):
+    """X with its diagonal and upper triangle zeroed (16 × 16)."""
+    o = tl.arange(0, 16)
+    return tl.where(o[:, None] > o[None, :], X, 0.0)
 
 
 @triton.jit
@@ -207,14 +210,18 @@ def kkt_kernel(q, k, G, beta, Ai, P, cu, chunk_idx, H, HV, K: tl.constexpr, BK: 
         g1 = load_rows(G, r1, m1, HV, i_hv, o_k, K)
         g2 = load_rows(G, r2, m2, HV, i_hv, o_k, K)
         g3 = load_rows(G, r3, m3, HV, i_hv, o_k, K)
-        A00 += diag_pairs(k0, k0, g0, m0, True)
-        A11 += diag_pairs(k1, k1, g1, m1, True)
-        A22 += diag_pairs(k2, k2, g2, m2, True)
-        A33 += diag_pairs(k3, k3, g3, m3, True)
-        P00 += diag_pairs(q0, k0, g0, m0, False)
-        P11 += diag_pairs(q1, k1, g1, m1, False)
-        P22 += diag_pairs(q2, k2, g2, m2, False)
-        P33 += diag_pairs(q3, k3, g3, m3, False)
+        e3 = diag_exponent(g0, m0)
+        A00 += diag_pairs(k0, k0, e3)
+        P00 += diag_pairs(q0, k0, e3)
+        e3 = diag_exponent(g1, m1)
+        A11 += diag_pairs(k1, k1, e3)
+        P11 += diag_pairs(q1, k1, e3)
+        e3 = diag_exponent(g2, m2)
+        A22 += diag_pairs(k2, k2, e3)
+        P22 += diag_pairs(q2, k2, e3)
+        e3 = diag_exponent(g3, m3)
+        A33 += diag_pairs(k3, k3, e3)
+        P33 += diag_pairs(q3, k3, e3)
         # row block 1 (reference: its first row)
         gr = ref_row(G, t0 + 16, eos, HV, i_hv, o_k, K)
         e = after_ref(g1, gr, m1)
@@ -250,10 +257,10 @@ def kkt_kernel(q, k, G, beta, Ai, P, cu, chunk_idx, H, HV, K: tl.constexpr, BK: 
     b1 = tl.load(beta + r1 * HV + i_hv, mask=m1, other=0.0)[:, None]
     b2 = tl.load(beta + r2 * HV + i_hv, mask=m2, other=0.0)[:, None]
     b3 = tl.load(beta + r3 * HV + i_hv, mask=m3, other=0.0)[:, None]
-    X00 = _inv_unit_lower16(A00 * b0)
-    X11 = _inv_unit_lower16(A11 * b1)
-    X22 = _inv_unit_lower16(A22 * b2)
-    X33 = _inv_unit_lower16(A33 * b3)
+    X00 = _inv_unit_lower16(strict(A00) * b0)
+    X11 = _inv_unit_lower16(strict(A11) * b1)
+    X22 = _inv_unit_lower16(strict(A22) * b2)
+    X33 = _inv_unit_lower16(strict(A33) * b3)
     A10 *= b1
     A20 *= b2
     A21 *= b2
