@@ -152,6 +152,8 @@ CONFIG = {
     # The split state passes (chunk_fwd.split_len): L = 0 off, > 0 fixed segment length in chunks,
     # -1 automatic. Off: it passes the GPU check but is slower on the H200 (docs/TRITON.md).
     "split": dict(L=0, min_L=8),
+    # the split passes' first phase (K + V columns per state; SV = K · columns of one program's tile)
+    "state_aug": dict(num_warps=4, stages=(2, 1), SV=8192),
     "chain": dict(num_warps=4, stages=(1,), SV=4096, BC=32),
 }
 

@@ -332,9 +332,10 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         # [I | 0]; (2) chain the maps from each sequence's end; (3) each segment from its true dS_end.
         sg = make_segments(ch, L, dev)
         X = torch.empty(sg.NS, HV, K, K + V, device=dev, dtype=f32)
-        AV = min(pow2(K + V), max(16, CONFIG["state_bwd"]["SV"] // SK))
+        AV = min(pow2(K + V), max(16, CONFIG["state_aug"]["SV"] // SK))
         launch(state_bwd_kernel, (triton.cdiv(K + V, AV), sg.NS * HV), q, k, gs, Wp, do, DVL, dummy, dummy,
-               dummy, X, sg.cu, sg.off, L, scale, BV=AV, USE_DHT=False, USE_INIT=True, AUG=True, **common)
+               dummy, X, sg.cu, sg.off, L, scale, BV=AV, USE_DHT=False, USE_INIT=True, AUG=True,
+               **dict(common, name="state_aug"))
         Send = chain(X, dht, dh0, sg, HV, K, V, True, prec)
         launch(state_bwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL, Send, dh, DD, dummy,
                sg.cu, sg.off, L, scale, BV=SV, USE_DHT=True, USE_INIT=False, **common)

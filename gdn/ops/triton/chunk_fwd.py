@@ -428,9 +428,9 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
         # along each sequence; (3) every segment again from its true entering state, storing h, δ.
         sg = make_segments(ch, L, dev)
         X = torch.empty(sg.NS, HV, K, K + V, device=dev, dtype=torch.float32)
-        AV = min(pow2(K + V), max(16, CONFIG["state_fwd"]["SV"] // SK))
+        AV = min(pow2(K + V), max(16, CONFIG["state_aug"]["SV"] // SK))
         launch(state_fwd_kernel, (triton.cdiv(K + V, AV), sg.NS * HV), k, v, gp, Wp, Up, dummy, dummy, dummy, X,
-               sg.cu, sg.off, L, BV=AV, USE_INIT=False, STORE_FINAL=True, AUG=True, **common)
+               sg.cu, sg.off, L, BV=AV, USE_INIT=False, STORE_FINAL=True, AUG=True, **dict(common, name="state_aug"))
         Sin = chain(X, h0, ht, sg, HV, K, V, False, prec)
         launch(state_fwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Sin, h,
                VN if delta else dummy, dummy, sg.cu, sg.off, L, BV=SV, USE_INIT=True, STORE_FINAL=False, **common)
