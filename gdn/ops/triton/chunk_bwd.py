@@ -266,7 +266,6 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DKO, DV, DB, DGAM, DG, cu, chun
             if USE_G:
                 b_dgam += tl.sum(b_kb * b_tdw, axis=1)
             b_kk += tl.dot(b_kr, tl.trans(b_kr), input_precision=PREC)
-            tl.store(DK + p_k, tl.load(DK + p_k, mask=mk, other=0.0) + b_tdw * b_bg[:, None], mask=mk)
         # dA = −Tᵀ dT Tᵀ on fp32 operands (tf32 for half inputs): it feeds dβ and dγ directly.
         b_Af = b_A.to(tl.float32)
         b_dA = -tl.dot(tl.dot(tl.trans(b_Af), b_dT, input_precision=PREC), tl.trans(b_Af), input_precision=PREC)
@@ -285,9 +284,12 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DKO, DV, DB, DGAM, DG, cu, chun
             o_k = i_k * BK + tl.arange(0, BK)
             mk = m[:, None] & (o_k < K)[None, :]
             p_k = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
+            # dK = (dqk's terms) + diag(βΓ) Tᵀ dW + (M + Mᵀ) K with M = dA ⊙ β: Tᵀ dW is recomputed
+            # here from dW (half the bytes of a stored fp32 term), and dK is read and written once
             b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
-            b_add = (tl.dot(b_mf.to(DT), b_k, input_precision=PREC)
-                     + tl.dot(tl.trans(b_mf).to(DT), b_k, input_precision=PREC))
+            b_dw = tl.load(DW + p_k, mask=mk, other=0.0)
+            b_add = tl.dot((b_mf + tl.trans(b_mf)).to(DT), b_k, input_precision=PREC)
+            b_add += tl.dot(tl.trans(b_A), b_dw, input_precision=PREC) * b_bg[:, None]
             tl.store(DKO + p_k, (tl.load(DK + p_k, mask=mk, other=0.0) + b_add).to(DKO.dtype.element_ty), mask=mk)
         tl.store(DB + rows * HV + i_hv, b_db, mask=m)
     if USE_G:
