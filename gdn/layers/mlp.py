@@ -6,14 +6,52 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class _SwiGLUDownFn(torch.autograd.Function):
+    """``F.linear(SiLU(gate) · up, weight)`` keeping gate, up and the weight itself for the backward,
+    not SiLU(gate) nor the product: the backward recomputes them.
+
+    gate, up: [..., I]; weight: [D, I], cast to ``dtype`` (the dtype the product runs in).
+    Returns [..., D] in ``dtype``."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, dtype: torch.dtype):
+        with torch.autocast(gate.device.type, enabled=False):
+            h = F.silu(gate.to(dtype)) * up.to(dtype)
+            y = F.linear(h, weight.to(dtype))
+        ctx.save_for_backward(gate, up, weight)
+        ctx.dtype = dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up, weight = ctx.saved_tensors
+        dt = ctx.dtype
+        with torch.autocast(gate.device.type, enabled=False):
+            g, u, w, dy = gate.to(dt), up.to(dt), weight.to(dt), dy.to(dt)
+            act = F.silu(g)
+            dw = None
+            if ctx.needs_input_grad[2]:
+                h = act * u
+                dw = (dy.reshape(-1, dy.shape[-1]).t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)
+                del h
+            dh = dy @ w
+            dgate = torch.ops.aten.silu_backward(dh * u, g).to(gate.dtype)
+            dup = (dh * act).to(up.dtype)
+        return dgate, dup, dw, None
+
+
 class SwiGLU(nn.Module):
     """``down(SiLU(gate(x)) · up(x))``, no biases.
+
+    The activation, the product and ``down`` run as one autograd Function that keeps only the
+    outputs of ``gate`` and ``up`` for the backward (so ``down_proj`` is a plain weight holder:
+    module hooks on it do not fire).
 
     Args:
         hidden_size: model width D.
         intermediate_size: inner width I.
 
-    Shapes: ``x`` [B, T, D] -> [B, T, D].
+    Shapes: ``x`` [B, T, D] -> [B, T, D] (in the autocast dtype under autocast).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int):
@@ -27,4 +65,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        dev = gate.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else gate.dtype
+        return _SwiGLUDownFn.apply(gate, up, self.down_proj.weight, dtype)

@@ -1,9 +1,77 @@
-"""Normalisation blocks: RMSNorm and the output-gated RMSNorm of the recurrent mixers."""
+"""Normalisation blocks: RMSNorm and the output-gated RMSNorm of the recurrent mixers.
+
+Both run as autograd Functions that keep only the input (in its own dtype), the gate and the fp32
+``rstd`` per row for the backward, and recompute the normalised rows there: the fp32 upcasts of
+the forward never outlive it.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype active for ``x``'s device, or None when autocast is off there."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """``y = x · rstd · w`` with ``rstd = rsqrt(mean(x²) + eps)`` over the last dim, in fp32.
+
+    x: [..., D]; weight: [D]. Saves x, weight and rstd [..., 1] (fp32)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, out_dtype: torch.dtype):
+        with torch.autocast(x.device.type, enabled=False):
+            xf = x.float()
+            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            y = (xf * rstd * weight.float()).to(out_dtype)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        with torch.autocast(x.device.type, enabled=False):
+            xhat = x.float() * rstd
+            dyf = dy.float()
+            dw = (dyf * xhat).reshape(-1, xhat.shape[-1]).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+            dxhat = dyf * weight.float()
+            dx = (rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        return dx, dw, None, None
+
+
+class _GatedRMSNormFn(torch.autograd.Function):
+    """``y = x · rstd · w · SiLU(gate)`` in fp32, returned in x.dtype.
+
+    x, gate: [..., D]; weight: [D]. Saves x, gate, weight and rstd [..., 1] (fp32)."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps: float):
+        with torch.autocast(x.device.type, enabled=False):
+            xf = x.float()
+            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            y = (xf * rstd * weight.float() * F.silu(gate.float())).to(x.dtype)
+        ctx.save_for_backward(x, gate, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gate, weight, rstd = ctx.saved_tensors
+        with torch.autocast(x.device.type, enabled=False):
+            xhat = x.float() * rstd
+            gf = gate.float()
+            sig = torch.sigmoid(gf)
+            dyf = dy.float()
+            n = xhat * weight.float()
+            dgate = (dyf * n * sig * (1 + gf * (1 - sig))).to(gate.dtype)  # d SiLU(g)/dg = σ(g)(1 + g(1 − σ(g)))
+            dn = dyf * gf * sig
+            dw = (dn * xhat).reshape(-1, xhat.shape[-1]).sum(0).to(weight.dtype) if ctx.needs_input_grad[2] else None
+            dxhat = dn * weight.float()
+            dx = (rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        return dx, dgate, dw, None
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +81,9 @@ class RMSNorm(nn.Module):
         dim: size D of the normalised (last) dimension.
         eps: added to the mean square before the square root.
 
-    Shapes: ``x`` [..., D] -> [..., D] in ``x.dtype``.
+    Shapes: ``x`` [..., D] -> [..., D] in ``x.dtype``, or in the autocast dtype when autocast is on
+    for ``x``'s device (its consumers are the projections, which would cast it anyway; one
+    low-precision copy is then shared by all of them instead of one per projection).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -24,13 +94,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.weight._no_weight_decay = True
 
+    def _check(self, name: str, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [..., {self.weight.shape[0]}], got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.weight.shape[0]:
+            raise ValueError(f"{name} must have shape [..., {self.weight.shape[0]}], got {tuple(x.shape)}")
+
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., D] -> ``x · rstd · weight`` [..., D] in fp32, through plain autograd (for a caller
+        that goes on combining it in fp32, as the KDA output gate does)."""
         xf = x.float()
         return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., D] -> [..., D]."""
-        return self._normalise(x).to(x.dtype)
+        self._check("x", x)
+        return _RMSNormFn.apply(x, self.weight, self.eps, _autocast_dtype(x) or x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -44,6 +123,8 @@ class GatedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """x, gate: [..., D] -> [..., D]."""
-        if gate.shape != x.shape:
-            raise ValueError(f"gate must have the shape of x {tuple(x.shape)}, got {tuple(gate.shape)}")
-        return (self._normalise(x) * F.silu(gate.float())).to(x.dtype)
+        self._check("x", x)
+        if not isinstance(gate, torch.Tensor) or gate.shape != x.shape:
+            raise ValueError(f"gate must have the shape of x {tuple(x.shape)}, got "
+                             f"{tuple(gate.shape) if isinstance(gate, torch.Tensor) else type(gate).__name__}")
+        return _GatedRMSNormFn.apply(x, gate, self.weight, self.eps)

@@ -18,6 +18,7 @@ from ..layers.kda import KimiDeltaAttention
 from ..layers.conv import _seq_position
 from .cache import GDNCache
 from .config import GDNConfig
+from .loss import linear_cross_entropy
 
 _RECURRENT = {"G": GatedDeltaNet, "D": DeltaNet, "M": GatedLinearAttention, "L": LinearAttention}
 
@@ -258,6 +259,9 @@ class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
     sequence is never trained to predict the first of the next) and ``logits_to_keep`` (int n: the
     last n positions, 0 = all; or a 1-D tensor of positions). Returns ``transformers``'
     ``CausalLMOutputWithPast`` (cache under :data:`CACHE_KEY`; logits in fp32 when a loss is computed).
+    In training mode with gradients on, a loss comes from :func:`gdn.models.loss.linear_cross_entropy`
+    (head and cross entropy over chunks of tokens, no [B·T, vocab] logits kept) and ``logits`` is None;
+    in eval mode or under ``torch.no_grad()`` the full logits come back beside it.
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -298,8 +302,7 @@ class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
                 h = h[:, -logits_to_keep:]
         else:
             h = h[:, logits_to_keep]
-        logits = self.lm_head(h)
-        loss = None
+        loss = logits = None
         if labels is not None:
             if labels.shape != h.shape[:2]:
                 raise ValueError(f"labels must have shape [B, T] = {list(h.shape[:2])}, got {list(labels.shape)}")
@@ -308,9 +311,14 @@ class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
                 ends = cu_seqlens.long()[1:-1] - 1  # last token of every sequence but the final one
                 target = target.clone()
                 target[:, ends[ends >= 0]] = -100
-            logits = logits.float()
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).to(logits.device),
-                                   ignore_index=-100)
+            target = target.reshape(-1).to(h.device)
+            if self.training and torch.is_grad_enabled():
+                loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, target)
+            else:
+                logits = self.lm_head(h).float()
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target, ignore_index=-100)
+        else:
+            logits = self.lm_head(h)
         res = CausalLMOutputWithPast(loss, logits, output_cache(out), out.hidden_states)
         return res if return_dict is not False else res.to_tuple()
 

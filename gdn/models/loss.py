@@ -1,0 +1,97 @@
+"""Language-model head and cross entropy in one autograd Function, over chunks of tokens.
+
+``F.cross_entropy(F.linear(h, W).float(), target)`` keeps the [N, vocab] fp32 log-probabilities
+for the backward and builds an fp32 gradient of the same size there (2 GiB each at 16k tokens and
+a 32k vocabulary). :func:`linear_cross_entropy` computes the same mean loss chunk by chunk,
+keeping only h, the weight, the targets and one log-sum-exp per token; the backward recomputes the
+logits of one chunk at a time. The full logits never exist.
+"""
+from __future__ import annotations
+
+import torch
+
+#: Logit elements per chunk (×4 bytes in fp32): bounds the transient memory of both passes.
+CHUNK_ELEMENTS = 2**25
+
+
+def _chunk_rows(n: int, vocab: int) -> int:
+    return max(1, min(n, CHUNK_ELEMENTS // vocab))
+
+
+class _LinearCrossEntropyFn(torch.autograd.Function):
+    """Mean over the kept tokens of ``logsumexp(z) − z[target]`` with ``z = h Wᵀ`` (fp32 softmax).
+
+    h: [N, D]; weight: [V, D]; target: [N] int (``ignore_index`` skipped); matmuls in ``dtype``."""
+
+    @staticmethod
+    def forward(ctx, h, weight, target, ignore_index: int, dtype: torch.dtype):
+        N = h.shape[0]
+        rows = _chunk_rows(N, weight.shape[0])
+        keep = target != ignore_index
+        tgt = torch.where(keep, target, 0)
+        lse = torch.empty(N, device=h.device, dtype=torch.float32)
+        picked = torch.empty(N, device=h.device, dtype=torch.float32)
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(dtype)
+            for s in range(0, N, rows):
+                z = (h[s:s + rows].to(dtype) @ w.t()).float()
+                lse[s:s + rows] = torch.logsumexp(z, -1)
+                picked[s:s + rows] = z.gather(1, tgt[s:s + rows, None])[:, 0]
+                del z
+        n_kept = keep.sum()
+        loss = torch.where(keep, lse - picked, 0.0).sum() / n_kept  # NaN when nothing is kept, as F.cross_entropy
+        ctx.save_for_backward(h, weight, tgt, keep, lse, n_kept)
+        ctx.dtype = dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        h, weight, tgt, keep, lse, n_kept = ctx.saved_tensors
+        dt = ctx.dtype
+        N = h.shape[0]
+        rows = _chunk_rows(N, weight.shape[0])
+        scale = (dloss / n_kept).float()
+        dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(dt)
+            for s in range(0, N, rows):
+                e = min(N, s + rows)
+                hc = h[s:e].to(dt)
+                p = torch.exp((hc @ w.t()).float() - lse[s:e, None])  # softmax, fp32
+                p[torch.arange(e - s, device=p.device), tgt[s:e]] -= 1.0
+                p *= (keep[s:e].to(p.dtype) * scale)[:, None]
+                pc = p.to(dt)
+                del p
+                if dh is not None:
+                    dh[s:e] = (pc @ w).to(h.dtype)
+                if dw is not None:
+                    dw += (pc.t() @ hc).float()
+        return dh, None if dw is None else dw.to(weight.dtype), None, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token cross entropy of the logits ``h Wᵀ`` without materialising them.
+
+    Args:
+        h: [N, D] hidden states (the head's input).
+        weight: [V, D] head weight.
+        target: [N] integer classes in [0, V), or ``ignore_index`` (not counted).
+        ignore_index: target value to skip.
+
+    The matmuls run in the autocast dtype when autocast is on for ``h``'s device (as ``F.linear``
+    would), else in ``h.dtype``; the softmax and the loss in fp32. Returns a 0-d fp32 tensor, NaN
+    when every target is ignored (as ``F.cross_entropy``).
+    """
+    if not isinstance(h, torch.Tensor) or h.dim() != 2:
+        raise ValueError(f"h must be a [N, D] tensor, got {tuple(h.shape) if isinstance(h, torch.Tensor) else h!r}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != h.shape[1]:
+        raise ValueError(f"weight must have shape [V, {h.shape[1]}], got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else weight!r}")
+    if not isinstance(target, torch.Tensor) or target.shape != h.shape[:1] or target.is_floating_point():
+        raise ValueError(f"target must be an integer tensor of shape [N] = [{h.shape[0]}], got "
+                         f"{(target.dtype, tuple(target.shape)) if isinstance(target, torch.Tensor) else target!r}")
+    dev = h.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    return _LinearCrossEntropyFn.apply(h, weight, target.to(h.device), ignore_index, dtype)
