@@ -137,7 +137,9 @@ def tl_dtype(dtype: torch.dtype):
 #: the whole K × SV/K values). Chosen by ``benchmarks/tune_gpu.py`` on the H200 (2026-11-30; the
 #: candidates were within ±5 % of each other at K = V = 128 bf16).
 CONFIG = {
-    "kkt_solve": dict(num_warps=2, stages=(1,), BK=64, BV=64),
+    # kkt_solve: INV is the precision of the in-chunk inverse's fp32 dots for half inputs ("ieee":
+    # FMA, exact fp32; "tf32x3": three tensor-core passes, ≈ fp32; "tf32": one); fp32 inputs: "ieee"
+    "kkt_solve": dict(num_warps=2, stages=(1,), BK=64, BV=64, INV="ieee"),
     # wu: 8 warps. With 4, triton 3.6 on the H200 compiled a shared-memory access out of range at
     # K = 60/64, T = 63 (compute-sanitizer, benchmarks/gpu_repro_v16.py); 8 warps time the same.
     "wu": dict(num_warps=8, stages=(3, 2, 1), BK=64, BV=64),
@@ -151,6 +153,7 @@ CONFIG = {
     "wy_bwd": dict(num_warps=4, stages=(1,), BK=64, BV=64),
     # The split state passes (chunk_fwd.split_len): L = 0 off, > 0 fixed segment length in chunks,
     # -1 automatic. Off: it passes the GPU check but is slower on the H200 (docs/TRITON.md).
+    "cumsum": dict(num_warps=1, stages=(1,)),
     "split": dict(L=0, min_L=8),
     # the split passes' first phase (K + V columns per state; SV = K · columns of one program's tile)
     "state_aug": dict(num_warps=4, stages=(2, 1), SV=8192),
@@ -227,7 +230,7 @@ def gate_cumsum_kernel(g, G, cu, chunk_idx, HV, BT: tl.constexpr):
 def chunk_cumsum(g: torch.Tensor, ch: "Chunks") -> torch.Tensor:
     """The in-chunk cumulative log decay of g [T, HV] (fp32), for the sequential passes."""
     G = torch.empty_like(g)
-    gate_cumsum_kernel[(ch.NT, g.shape[1])](g, G, ch.cu, ch.chunk_idx, g.shape[1], BT=BT, num_warps=1)
+    launch(gate_cumsum_kernel, (ch.NT, g.shape[1]), g, G, ch.cu, ch.chunk_idx, g.shape[1], BT=BT, name="cumsum")
     return G
 
 

@@ -26,7 +26,7 @@ from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, chunk_cumsum,
 
 
 @triton.jit
-def _inv_unit_lower16(A):
+def _inv_unit_lower16(A, INV: tl.constexpr):
     """(I + A)⁻¹ for a strictly lower-triangular 16×16 fp32 block A, by the finite power series
     Σ_{j<16} (−A)ʲ = (I − A)(I + A²)(I + A⁴)(I + A⁸) (A is nilpotent: A¹⁶ = 0): six fp32 dots, no
     serial loop (a row-by-row substitution costs 15 dependent cross-warp reductions). The terms
@@ -37,8 +37,8 @@ def _inv_unit_lower16(A):
     M = -A
     X = (o[:, None] == o[None, :]).to(tl.float32) + M
     for _ in tl.static_range(3):
-        M = tl.dot(M, M, input_precision="ieee")
-        X = X + tl.dot(X, M, input_precision="ieee")
+        M = tl.dot(M, M, input_precision=INV)
+        X = X + tl.dot(X, M, input_precision=INV)
     return X
 
 
@@ -64,7 +64,7 @@ def _store_block(Ai, X, rows, m, HV, i_hv, col0: tl.constexpr):
 
 @triton.jit
 def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H, HV, K: tl.constexpr,
-                     BK: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr):
+                     BK: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr, INV: tl.constexpr):
     """Ai[t, hv, :] = rows of T = (I + A)⁻¹ for each chunk, built from four 16-row blocks."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -122,20 +122,20 @@ def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H, HV, K: tl.constexpr,
     A30 = _block_a(A30, b3, g3, g0, False, USE_G)
     A31 = _block_a(A31, b3, g3, g1, False, USE_G)
     A32 = _block_a(A32, b3, g3, g2, False, USE_G)
-    X00 = _inv_unit_lower16(A00)
-    X11 = _inv_unit_lower16(A11)
-    X22 = _inv_unit_lower16(A22)
-    X33 = _inv_unit_lower16(A33)
+    X00 = _inv_unit_lower16(A00, INV)
+    X11 = _inv_unit_lower16(A11, INV)
+    X22 = _inv_unit_lower16(A22, INV)
+    X33 = _inv_unit_lower16(A33, INV)
     # Block forward substitution: X_ij = −X_ii Σ_{j ≤ l < i} A_il X_lj.
-    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision="ieee"), input_precision="ieee")
-    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision="ieee"), input_precision="ieee")
-    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision="ieee") + tl.dot(A21, X10, input_precision="ieee"),
-                  input_precision="ieee")
-    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision="ieee"), input_precision="ieee")
-    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision="ieee") + tl.dot(A32, X21, input_precision="ieee"),
-                  input_precision="ieee")
-    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision="ieee") + tl.dot(A31, X10, input_precision="ieee")
-                  + tl.dot(A32, X20, input_precision="ieee"), input_precision="ieee")
+    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision=INV), input_precision=INV)
+    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision=INV), input_precision=INV)
+    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision=INV) + tl.dot(A21, X10, input_precision=INV),
+                  input_precision=INV)
+    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision=INV), input_precision=INV)
+    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision=INV) + tl.dot(A32, X21, input_precision=INV),
+                  input_precision=INV)
+    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision=INV) + tl.dot(A31, X10, input_precision=INV)
+                  + tl.dot(A32, X20, input_precision=INV), input_precision=INV)
     _store_block(Ai, X00, r0, m0, HV, i_hv, 0)
     _store_block(Ai, z, r0, m0, HV, i_hv, 16)
     _store_block(Ai, z, r0, m0, HV, i_hv, 32)
@@ -409,7 +409,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
             Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
             BK, _ = tiles("kkt_solve", K, V)
             launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, BK=BK,
-                   USE_G=g is not None, PREC=prec, name="kkt_solve")
+                   USE_G=g is not None, PREC=prec, INV=CONFIG["kkt_solve"]["INV"] if DT != tl.float32 else "ieee", name="kkt_solve")
         BK, BV = tiles("wu", K, V)
         launch(wu_kernel, (ch.NT, HV), k, v, gp, beta, Ai, W, U, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, V=V, BT=BT,
                BK=BK, BV=BV, USE_G=g is not None, PREC=prec, DT=DT, name="wu")

@@ -37,6 +37,18 @@ def _kernel_dtype(*xs) -> torch.dtype:
     return dt if dt in _KERNEL_DTYPES else torch.float32
 
 
+def dry_run(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float) -> None:
+    """Every launch of one forward + backward on padded, packed inputs (q, k [T, H, K]; v [T, HV, V];
+    g [T, HV, K]; beta [T, HV]; h0 [N, HV, K, V] or None), for :func:`kda_chunk_fwd.precompile` to
+    record (outputs are uninitialised buffers)."""
+    HV, K, V = v.shape[1], k.shape[2], v.shape[2]
+    dht = torch.empty(ch.N, HV, K, V, device=v.device) if want_final else None
+    G = kda_chunk_fwd.gamma(g, ch)
+    _, P, _, h, VN, _ = kda_chunk_fwd.forward_intermediates(q, k, v, G, beta, h0, ch, want_final)
+    kda_chunk_fwd.output(q, G, P, h, VN, ch, scale, v.dtype)
+    kda_chunk_bwd.backward(q, k, v, G, beta, h0, v, dht, ch, scale)
+
+
 class KDAChunkFunction(torch.autograd.Function):
     """Autograd node of one chunk KDA call. Saves the (padded) inputs and γ; the backward
     recomputes the per-chunk intermediates and states instead of keeping them."""
@@ -53,6 +65,9 @@ class KDAChunkFunction(torch.autograd.Function):
         gp = _pad(g.reshape(B * T, HV, K).float(), 0, Kp - K)
         bp = beta.reshape(B * T, HV).float().contiguous()
         h0p = _pad(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
+        if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
+            kda_chunk_fwd.precompile((Kp, Vp, io, h0p is None, want_final, qp.device, H, HV),
+                                     lambda: dry_run(qp, kp, vp, gp, bp, h0p, ch, want_final, scale))
         G = kda_chunk_fwd.gamma(gp, ch)
         _, P, _, h, VN, ht = kda_chunk_fwd.forward_intermediates(qp, kp, vp, G, bp, h0p, ch, want_final)
         o = kda_chunk_fwd.output(qp, G, P, h, VN, ch, scale, io)[..., :V]

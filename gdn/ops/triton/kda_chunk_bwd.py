@@ -215,7 +215,7 @@ def _pair_block(X_, r_i, m_i, col0, HV, i_hv):
     return tl.load(X_ + (r_i[:, None] * HV + i_hv) * 64 + col0 + o[None, :], mask=m_i[:, None], other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, cu, chunk_idx, T, H, HV,
                      K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """Per chunk, value head and K tile: the gradients through P and A (see the module docstring),

@@ -24,6 +24,10 @@ K and V already padded to powers of two (≥ 16) by the caller.
 """
 from __future__ import annotations
 
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import triton
 import triton.language as tl
@@ -57,10 +61,44 @@ CONFIG = {
 STATE_DTYPE = torch.float32
 
 
+_RECORD: list | None = None  # launches collected instead of run, inside precompile's dry run
+_WARM: set = set()
+log = logging.getLogger(__name__)
+
+
 def launch(kernel, grid, *args, name: str, **meta):
-    """``kernel[grid](*args, **meta)`` with the warps and pipelining depth of ``CONFIG[name]``."""
+    """``kernel[grid](*args, **meta)`` with the warps and pipelining depth of ``CONFIG[name]``
+    (recorded, not run, during :func:`precompile`'s dry run)."""
     cfg = CONFIG[name]
-    return kernel[grid](*args, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
+    meta = dict(meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if _RECORD is not None:
+        _RECORD.append((kernel, grid, args, meta))
+        return None
+    return kernel[grid](*args, **meta)
+
+
+def precompile(key, dry_run) -> None:
+    """Compile, in parallel threads, every kernel that ``dry_run()`` launches, once per ``key``
+    (Triton's ``AsyncCompileMode``; the scalar-gate kernels do the same, ``_common.precompile``).
+    A cold forward + backward otherwise compiles ten kernels one after another. Only an
+    optimisation: on any failure the kernels compile at their launch."""
+    global _RECORD
+    if key in _WARM or INTERPRET:
+        return
+    _WARM.add(key)
+    try:
+        _RECORD = []
+        try:
+            dry_run()
+        finally:
+            launches, _RECORD = _RECORD, None
+        workers = max(1, min(16, os.cpu_count() or 1, len(launches)))
+        with ThreadPoolExecutor(workers) as ex, triton.AsyncCompileMode(ex):
+            for kernel, grid, args, meta in launches:
+                kernel.warmup(*args, grid=grid, **meta)
+    except Exception as e:  # noqa: BLE001 - an optimisation only; the launches compile themselves
+        log.warning("parallel precompile of the KDA chunk kernels failed (%s: %s); compiling at launch",
+                    type(e).__name__, e)
 
 
 def ktile(name: str, K: int) -> int:
