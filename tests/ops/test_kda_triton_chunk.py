@@ -10,6 +10,7 @@ bf16 is broken in the 3.6 interpreter: bf16 is checked on the GPU by benchmarks/
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -113,3 +114,32 @@ def test_rejects_head_dims_beyond_256():
 @pytest.mark.parametrize("T,H,HV,K,V", [(200, 2, 4, 60, 60), (65, 1, 2, 128, 32), (130, 1, 1, 256, 16)])
 def test_sweep(T, H, HV, K, V, dtype):
     _check(_errors(1, T, H, HV, K, V, dtype, seed=T + K), TOL[dtype])
+
+
+
+def test_precompile_records_every_kernel_once_per_kind(monkeypatch):
+    """The first CUDA call's dry run (kda_chunk.dry_run under kda_chunk_fwd.precompile) reaches every
+    kernel of a forward and backward, launches none of them, and runs once per key; the compile
+    step is replaced by a recorder here (the interpreter has nothing to compile)."""
+    from gdn.ops.triton import kda_chunk_bwd as Bw
+    from gdn.ops.triton import kda_chunk_fwd as F
+    from gdn.ops.triton._common import make_chunks
+    from gdn.ops.triton.kda_chunk import dry_run
+
+    warmed = []
+    monkeypatch.setattr(F, "INTERPRET", False)
+    monkeypatch.setattr(F, "_WARM", set())
+    monkeypatch.setattr(triton, "AsyncCompileMode", lambda ex: contextlib.nullcontext())
+    for kernel in {k for mod in (F, Bw) for k in vars(mod).values() if hasattr(k, "warmup")}:
+        monkeypatch.setattr(kernel, "warmup", lambda *a, _k=kernel, **kw: warmed.append(_k.fn.__name__))
+    d = kda_inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32)
+    T, HV = 70, 2
+    args = (d["q"].reshape(T, 1, 16), d["k"].reshape(T, 1, 16), d["v"].reshape(T, HV, 16),
+            d["g"].reshape(T, HV, 16), d["beta"].reshape(T, HV), d["initial_state"],
+            make_chunks(1, T, None, torch.device("cpu")), True, 0.25)
+    for _ in range(2):
+        F.precompile("key", lambda: dry_run(*args))
+    assert F._RECORD is None
+    expected = {"gamma_kernel", "kkt_kernel", "wu_kernel", "state_fwd_kernel", "output_kernel", "dv_local_kernel",
+                "state_bwd_kernel", "dqk_kernel", "wy_bwd_kernel", "intra_bwd_kernel"}
+    assert set(warmed) == expected and len(warmed) == 13  # the backward recomputes kkt, wu and the state pass
