@@ -11,6 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or kept in fp64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype active for ``x``'s device, or None when autocast is off there."""
     dev = x.device.type
@@ -18,16 +23,16 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 
 class _RMSNormFn(torch.autograd.Function):
-    """``y = x · rstd · w`` with ``rstd = rsqrt(mean(x²) + eps)`` over the last dim, in fp32.
+    """``y = x · rstd · w`` with ``rstd = rsqrt(mean(x²) + eps)`` over the last dim, in fp32 (fp64 stays fp64).
 
     x: [..., D]; weight: [D]. Saves x, weight and rstd [..., 1] (fp32)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, out_dtype: torch.dtype):
         with torch.autocast(x.device.type, enabled=False):
-            xf = x.float()
+            xf = _f32(x)
             rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-            y = (xf * rstd * weight.float()).to(out_dtype)
+            y = (xf * rstd * weight.to(xf.dtype)).to(out_dtype)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -35,10 +40,10 @@ class _RMSNormFn(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         with torch.autocast(x.device.type, enabled=False):
-            xhat = x.float() * rstd
-            dyf = dy.float()
+            xhat = _f32(x) * rstd
+            dyf = dy.to(xhat.dtype)
             dw = (dyf * xhat).reshape(-1, xhat.shape[-1]).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-            dxhat = dyf * weight.float()
+            dxhat = dyf * weight.to(xhat.dtype)
             dx = (rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
         return dx, dw, None, None
 
@@ -51,9 +56,9 @@ class _GatedRMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, weight, eps: float):
         with torch.autocast(x.device.type, enabled=False):
-            xf = x.float()
+            xf = _f32(x)
             rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-            y = (xf * rstd * weight.float() * F.silu(gate.float())).to(x.dtype)
+            y = (xf * rstd * weight.to(xf.dtype) * F.silu(gate.to(xf.dtype))).to(x.dtype)
         ctx.save_for_backward(x, gate, weight, rstd)
         return y
 
@@ -61,15 +66,15 @@ class _GatedRMSNormFn(torch.autograd.Function):
     def backward(ctx, dy):
         x, gate, weight, rstd = ctx.saved_tensors
         with torch.autocast(x.device.type, enabled=False):
-            xhat = x.float() * rstd
-            gf = gate.float()
+            xhat = _f32(x) * rstd
+            gf = gate.to(xhat.dtype)
             sig = torch.sigmoid(gf)
-            dyf = dy.float()
-            n = xhat * weight.float()
+            dyf = dy.to(xhat.dtype)
+            n = xhat * weight.to(xhat.dtype)
             dgate = (dyf * n * sig * (1 + gf * (1 - sig))).to(gate.dtype)  # d SiLU(g)/dg = σ(g)(1 + g(1 − σ(g)))
             dn = dyf * gf * sig
             dw = (dn * xhat).reshape(-1, xhat.shape[-1]).sum(0).to(weight.dtype) if ctx.needs_input_grad[2] else None
-            dxhat = dn * weight.float()
+            dxhat = dn * weight.to(xhat.dtype)
             dx = (rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
         return dx, dgate, dw, None
 

@@ -29,12 +29,13 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         rows = _chunk_rows(N, weight.shape[0])
         keep = target != ignore_index
         tgt = torch.where(keep, target, 0)
-        lse = torch.empty(N, device=h.device, dtype=torch.float32)
-        picked = torch.empty(N, device=h.device, dtype=torch.float32)
+        sdt = torch.promote_types(dtype, torch.float32)  # softmax dtype: fp32, or fp64
+        lse = torch.empty(N, device=h.device, dtype=sdt)
+        picked = torch.empty(N, device=h.device, dtype=sdt)
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(dtype)
             for s in range(0, N, rows):
-                z = (h[s:s + rows].to(dtype) @ w.t()).float()
+                z = (h[s:s + rows].to(dtype) @ w.t()).to(sdt)
                 lse[s:s + rows] = torch.logsumexp(z, -1)
                 picked[s:s + rows] = z.gather(1, tgt[s:s + rows, None])[:, 0]
                 del z
@@ -50,15 +51,16 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         dt = ctx.dtype
         N = h.shape[0]
         rows = _chunk_rows(N, weight.shape[0])
-        scale = (dloss / n_kept).float()
+        sdt = lse.dtype
+        scale = (dloss / n_kept).to(sdt)
         dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        dw = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        dw = torch.zeros(weight.shape, device=weight.device, dtype=sdt) if ctx.needs_input_grad[1] else None
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(dt)
             for s in range(0, N, rows):
                 e = min(N, s + rows)
                 hc = h[s:e].to(dt)
-                p = torch.exp((hc @ w.t()).float() - lse[s:e, None])  # softmax, fp32
+                p = torch.exp((hc @ w.t()).to(sdt) - lse[s:e, None])  # softmax, fp32 (or fp64)
                 p[torch.arange(e - s, device=p.device), tgt[s:e]] -= 1.0
                 p *= (keep[s:e].to(p.dtype) * scale)[:, None]
                 pc = p.to(dt)
@@ -66,7 +68,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 if dh is not None:
                     dh[s:e] = (pc @ w).to(h.dtype)
                 if dw is not None:
-                    dw += (pc.t() @ hc).float()
+                    dw += (pc.t() @ hc).to(sdt)
         return dh, None if dw is None else dw.to(weight.dtype), None, None, None
 
 
@@ -81,7 +83,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
         ignore_index: target value to skip.
 
     The matmuls run in the autocast dtype when autocast is on for ``h``'s device (as ``F.linear``
-    would), else in ``h.dtype``; the softmax and the loss in fp32. Returns a 0-d fp32 tensor, NaN
+    would), else in ``h.dtype``; the softmax and the loss in fp32 (fp64 for fp64). Returns a 0-d tensor, NaN
     when every target is ignored (as ``F.cross_entropy``).
     """
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
