@@ -44,8 +44,8 @@ def dry_run(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float) ->
     HV, K, V = v.shape[1], k.shape[2], v.shape[2]
     dht = torch.empty(ch.N, HV, K, V, device=v.device) if want_final else None
     G = kda_chunk_fwd.gamma(g, ch)
-    _, P, _, h, VN, _ = kda_chunk_fwd.forward_intermediates(q, k, v, G, beta, h0, ch, want_final)
-    kda_chunk_fwd.output(q, G, P, h, VN, ch, scale, v.dtype)
+    kda_chunk_fwd.output(kda_chunk_fwd.forward_intermediates(q, k, v, G, beta, h0, ch, want_final), ch, scale,
+                         v.dtype)
     kda_chunk_bwd.backward(q, k, v, G, beta, h0, v, dht, ch, scale)
 
 
@@ -69,8 +69,9 @@ class KDAChunkFunction(torch.autograd.Function):
             kda_chunk_fwd.precompile((Kp, Vp, io, h0p is None, want_final, qp.device, H, HV),
                                      lambda: dry_run(qp, kp, vp, gp, bp, h0p, ch, want_final, scale))
         G = kda_chunk_fwd.gamma(gp, ch)
-        _, P, _, h, VN, ht = kda_chunk_fwd.forward_intermediates(qp, kp, vp, G, bp, h0p, ch, want_final)
-        o = kda_chunk_fwd.output(qp, G, P, h, VN, ch, scale, io)[..., :V]
+        fw = kda_chunk_fwd.forward_intermediates(qp, kp, vp, G, bp, h0p, ch, want_final)
+        o, ht = kda_chunk_fwd.output(fw, ch, scale, io)[..., :V], fw.ht
+        del fw
         if ht is not None and (Kp, Vp) != (K, V):
             ht = ht[..., :K, :V].contiguous()
         ctx.save_for_backward(qp, kp, vp, G, bp, h0p)

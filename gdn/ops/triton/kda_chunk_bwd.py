@@ -50,8 +50,8 @@ def dv_local_kernel(P, do, DVL, cu, chunk_idx, scale, HV, V: tl.constexpr, BV: t
 
 
 @triton.jit
-def _state_bwd_step(j, b_ds, NC, q, k, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, p_s,
-                    scale, H, HV, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+def _state_bwd_step(j, b_ds, NC, QG, KT, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, o_t, o_k, o_v, p_s,
+                    scale, HV, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Step j of the reverse pass (chunk NC − 1 − j): store dS', compute dδ, return dS."""
     i_c = NC - 1 - j
     b_dsd = b_ds.to(DT)
@@ -59,29 +59,28 @@ def _state_bwd_step(j, b_ds, NC, q, k, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv
     cs = bos + i_c * 64
     rows = cs + o_t
     m = (rows >= bos) & (rows < eos)
-    b_g = load_rows(G, rows, m, HV, i_hv, o_k, K)
     last = tl.minimum(eos, cs + 64) - 1
     b_gc = tl.load(G + (last * HV + i_hv) * K + o_k, mask=(i_c >= 0) & (o_k < K), other=0.0)
-    b_q = load_rows(q, rows, m, H, i_h, o_k, K) * (scale * tl.exp(b_g))
-    b_k = load_rows(k, rows, m, H, i_h, o_k, K) * tl.exp(b_gc[None, :] - b_g)
+    p_k = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
+    b_qg = tl.load(QG + p_k, mask=m[:, None], other=0.0)
+    b_kt = tl.load(KT + p_k, mask=m[:, None], other=0.0)
     b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=m[:, None], other=0.0)
-    b_dd = load_rows(DVL, rows, m, HV, i_hv, o_v, V) + tl.dot(b_k.to(DT), b_dsd, input_precision=PREC)
+    b_dd = load_rows(DVL, rows, m, HV, i_hv, o_v, V) + tl.dot(b_kt, b_dsd, input_precision=PREC)
     b_ddd = b_dd.to(DT)
     tl.store(DD + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_ddd, mask=m[:, None])
-    b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
-    b_ds = b_ds * tl.exp(b_gc)[:, None] + tl.dot(tl.trans(b_q.to(DT)), b_do, input_precision=PREC)
+    b_w = tl.load(W + p_k, mask=m[:, None], other=0.0)
+    b_ds = b_ds * tl.exp(b_gc)[:, None] + scale * tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
     return b_ds - tl.dot(tl.trans(b_w), b_ddd, input_precision=PREC)
 
 
 @triton.jit(do_not_specialize=["max_nc"])
-def state_bwd_kernel(q, k, G, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_nc, scale, H, HV,
+def state_bwd_kernel(QG, KT, G, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_nc, scale, HV,
                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr,
                      USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
     """Reverse pass over one sequence's chunks: dh[c] = dS' of chunk c, DD = dδ, dh0 = dS_0."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
-    i_h = i_hv // (HV // H)
     bos = tl.load(cu + i_n).to(tl.int64)
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     c0 = tl.load(chunk_off + i_n).to(tl.int64)
@@ -96,13 +95,13 @@ def state_bwd_kernel(q, k, G, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_n
     if WHILE:
         j = 0
         while j < max_nc:
-            b_ds = _state_bwd_step(j, b_ds, NC, q, k, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v,
-                                   p_s, scale, H, HV, K, V, PREC, DT)
+            b_ds = _state_bwd_step(j, b_ds, NC, QG, KT, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, o_t, o_k, o_v,
+                                   p_s, scale, HV, K, V, PREC, DT)
             j += 1
     else:
         for j in range(0, max_nc):
-            b_ds = _state_bwd_step(j, b_ds, NC, q, k, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v,
-                                   p_s, scale, H, HV, K, V, PREC, DT)
+            b_ds = _state_bwd_step(j, b_ds, NC, QG, KT, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, o_t, o_k, o_v,
+                                   p_s, scale, HV, K, V, PREC, DT)
     if USE_INIT:
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_ds)
 
@@ -297,19 +296,20 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float):
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     prec, DT, io, dev, f32 = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype, v.device, torch.float32
-    Ai, P, W, h, VN, _ = forward_intermediates(q, k, v, G, beta, h0, ch, False)
+    fw = forward_intermediates(q, k, v, G, beta, h0, ch, False)
+    Ai, W, h, VN = fw.Ai, fw.W, fw.h, fw.VN
     DVL = torch.empty(T, HV, V, device=dev, dtype=io)
     BV = vtile("dv_local", K, V)
-    launch(dv_local_kernel, (V // BV, ch.NT, HV), P, do, DVL, ch.cu, ch.chunk_idx, scale, HV, V=V, BV=BV,
+    launch(dv_local_kernel, (V // BV, ch.NT, HV), fw.P, do, DVL, ch.cu, ch.chunk_idx, scale, HV, V=V, BV=BV,
            PREC=prec, DT=DT, name="dv_local")
     dh = torch.empty(ch.NT, HV, K, V, device=dev, dtype=STATE_DTYPE)
     DD = torch.empty(T, HV, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
     SV = state_vtile("state_bwd", K, V, ch.N * HV, dev)
-    launch(state_bwd_kernel, (V // SV, ch.N * HV), q, k, G, W, do, DVL, dht if dht is not None else v, dh, DD,
-           dh0 if dh0 is not None else v, ch.cu, ch.chunk_off, ch.max_nc, scale, H, HV, K=K, V=V, BV=SV,
+    launch(state_bwd_kernel, (V // SV, ch.N * HV), fw.QG, fw.KT, G, W, do, DVL, dht if dht is not None else v, dh,
+           DD, dh0 if dh0 is not None else v, ch.cu, ch.chunk_off, ch.max_nc, scale, HV, K=K, V=V, BV=SV,
            USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_bwd")
-    del DVL
+    del DVL, fw
     BK, BV = ktile("dqk", K), vtile("dqk", K, V)
     DQ = torch.empty(T, HV, K, device=dev, dtype=f32)
     DK = torch.empty(T, HV, K, device=dev, dtype=f32)

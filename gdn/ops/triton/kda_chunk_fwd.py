@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -350,9 +351,11 @@ def kkt_kernel(q, k, G, beta, Ai, P, cu, chunk_idx, H, HV, K: tl.constexpr, BK: 
 
 
 @triton.jit
-def wu_kernel(k, v, G, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr, V: tl.constexpr,
+def wu_kernel(q, k, v, G, beta, Ai, W, U, QG, KT, cu, chunk_idx, H, HV, K: tl.constexpr, V: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """W = T diag(β) (K ⊙ Γ) and U = T diag(β) V for one chunk and value head (stored in DT)."""
+    """W = T diag(β) (K ⊙ Γ) and U = T diag(β) V for one chunk and value head, and the decayed
+    operands of the state passes and the output, QG = Q ⊙ Γ and KT = K ⊙ exp(γ_C − γ) (all in DT;
+    the state passes then read one [64, K] tile per chunk each and take no exponential)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
@@ -361,12 +364,18 @@ def wu_kernel(k, v, G, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr, V:
     m = rows < eos
     b_A = tl.load(Ai + (rows[:, None] * HV + i_hv) * 64 + o_t[None, :], mask=m[:, None], other=0.0)
     b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0)
+    last = tl.minimum(eos, t0 + 64) - 1
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
+        p_k = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
         b_k = load_rows(k, rows, m, H, i_h, o_k, K)
         b_g = load_rows(G, rows, m, HV, i_hv, o_k, K)
-        b_w = tl.dot(b_A, (b_k * tl.exp(b_g) * b_b[:, None]).to(DT), input_precision=PREC)
-        tl.store(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], b_w.to(DT), mask=m[:, None])
+        b_gc = tl.load(G + (last * HV + i_hv) * K + o_k)
+        b_e = tl.exp(b_g)
+        b_w = tl.dot(b_A, (b_k * b_e * b_b[:, None]).to(DT), input_precision=PREC)
+        tl.store(W + p_k, b_w.to(DT), mask=m[:, None])
+        tl.store(KT + p_k, (b_k * tl.exp(b_gc[None, :] - b_g)).to(DT), mask=m[:, None])
+        tl.store(QG + p_k, (load_rows(q, rows, m, H, i_h, o_k, K) * b_e).to(DT), mask=m[:, None])
     for i_v in range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         b_v = load_rows(v, rows, m, HV, i_hv, o_v, V)
@@ -375,7 +384,7 @@ def wu_kernel(k, v, G, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr, V:
 
 
 @triton.jit
-def _state_fwd_step(i_c, b_s, k, G, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, p_s, H, HV,
+def _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, p_s, HV,
                     K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Chunk i_c of the forward state pass: store S, δ = U − W S, return the next S."""
     cs = bos + i_c * 64
@@ -387,16 +396,14 @@ def _state_fwd_step(i_c, b_s, k, G, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o
     b_u = load_rows(U, rows, m, HV, i_hv, o_v, V)
     b_d = b_u - tl.dot(b_w, b_sd, input_precision=PREC)
     tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
-    b_k = load_rows(k, rows, m, H, i_h, o_k, K)
-    b_g = load_rows(G, rows, m, HV, i_hv, o_k, K)
+    b_kt = tl.load(KT + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
     last = tl.minimum(eos, cs + 64) - 1
     b_gc = tl.load(G + (last * HV + i_hv) * K + o_k, mask=(cs < eos) & (o_k < K), other=0.0)
-    b_k = b_k * tl.exp(b_gc[None, :] - b_g)
-    return b_s * tl.exp(b_gc)[:, None] + tl.dot(tl.trans(b_k.to(DT)), b_d.to(DT), input_precision=PREC)
+    return b_s * tl.exp(b_gc)[:, None] + tl.dot(tl.trans(b_kt), b_d.to(DT), input_precision=PREC)
 
 
 @triton.jit(do_not_specialize=["max_nc"])
-def state_fwd_kernel(k, G, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV, K: tl.constexpr,
+def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, HV, K: tl.constexpr,
                      V: tl.constexpr, BV: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
     """Sequential pass over one sequence's chunks for one value head and V tile: h [NT, HV, K, V]
@@ -405,7 +412,6 @@ def state_fwd_kernel(k, G, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV, K:
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
-    i_h = i_hv // (HV // H)
     bos = tl.load(cu + i_n).to(tl.int64)
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     c0 = tl.load(chunk_off + i_n).to(tl.int64)
@@ -419,23 +425,22 @@ def state_fwd_kernel(k, G, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV, K:
     if WHILE:
         i_c = 0
         while i_c < max_nc:
-            b_s = _state_fwd_step(i_c, b_s, k, G, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, p_s, H, HV,
+            b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, p_s, HV,
                                   K, V, PREC, DT)
             i_c += 1
     else:
         for i_c in range(0, max_nc):
-            b_s = _state_fwd_step(i_c, b_s, k, G, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, p_s, H, HV,
+            b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, p_s, HV,
                                   K, V, PREC, DT)
     if STORE_FINAL:
         tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s)
 
 
 @triton.jit
-def output_kernel(q, G, P, h, VN, o, cu, chunk_idx, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
+def output_kernel(QG, P, h, VN, o, cu, chunk_idx, scale, HV, K: tl.constexpr, V: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """O = scale · (P δ + (Q ⊙ Γ) S) for one chunk, value head and V tile."""
     i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
     o_t = tl.arange(0, 64)
     rows = t0 + o_t
@@ -444,9 +449,9 @@ def output_kernel(q, G, P, h, VN, o, cu, chunk_idx, scale, H, HV, K: tl.constexp
     b_o = tl.zeros([64, BV], dtype=tl.float32)
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_q = load_rows(q, rows, m, H, i_h, o_k, K) * tl.exp(load_rows(G, rows, m, HV, i_hv, o_k, K))
+        b_q = tl.load(QG + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
         b_s = tl.load(h + (i_t.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :])
-        b_o += tl.dot(b_q.to(DT), b_s.to(DT), input_precision=PREC)
+        b_o += tl.dot(b_q, b_s.to(DT), input_precision=PREC)
     b_p = tl.load(P + (rows[:, None] * HV + i_hv) * 64 + o_t[None, :], mask=m[:, None], other=0.0)
     b_d = tl.load(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=m[:, None], other=0.0)
     b_o = scale * (b_o + tl.dot(b_p, b_d, input_precision=PREC))
@@ -465,11 +470,25 @@ def gamma(g: torch.Tensor, ch: Chunks) -> torch.Tensor:
     return G
 
 
-def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool):
-    """The sequential part of the forward. q, k: [T, H, K]; v: [T, HV, V] (one dtype, K and V
-    powers of two ≥ 16); G: [T, HV, K] fp32 (:func:`gamma`); beta: [T, HV] fp32; h0: [N, HV, K, V]
-    fp32 or None. Returns (Ai, P, W, h [NT, HV, K, V], VN = δ [T, HV, V], ht fp32 or None); Ai, P:
-    [T, HV, 64]; W: [T, HV, K]; all but ht in the inputs' dtype."""
+@dataclass
+class Intermediates:
+    """What the forward's first stages leave for the output and the backward (packed layout).
+    Ai, P: [T, HV, 64]; W, QG, KT: [T, HV, K]; VN = δ: [T, HV, V], all in the inputs' dtype;
+    h: [NT, HV, K, V] (``STATE_DTYPE``); ht: [N, HV, K, V] fp32 or None."""
+
+    Ai: torch.Tensor
+    P: torch.Tensor
+    W: torch.Tensor
+    QG: torch.Tensor
+    KT: torch.Tensor
+    h: torch.Tensor
+    VN: torch.Tensor
+    ht: torch.Tensor | None
+
+
+def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool) -> Intermediates:
+    """The forward up to the output. q, k: [T, H, K]; v: [T, HV, V] (one dtype, K and V powers of
+    two ≥ 16); G: [T, HV, K] fp32 (:func:`gamma`); beta: [T, HV] fp32; h0: [N, HV, K, V] fp32 or None."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     prec, DT, io, dev = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype, v.device
@@ -477,26 +496,27 @@ def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool):
     P = torch.empty(T, HV, BT, device=dev, dtype=io)
     launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, ch.cu, ch.chunk_idx, H, HV, K=K, BK=ktile("kkt", K),
            PREC=prec, DT=DT, name="kkt")
-    W = torch.empty(T, HV, K, device=dev, dtype=io)
+    W, QG, KT = (torch.empty(T, HV, K, device=dev, dtype=io) for _ in range(3))
     U = torch.empty(T, HV, V, device=dev, dtype=io)
-    launch(wu_kernel, (ch.NT, HV), k, v, G, beta, Ai, W, U, ch.cu, ch.chunk_idx, H, HV, K=K, V=V,
+    launch(wu_kernel, (ch.NT, HV), q, k, v, G, beta, Ai, W, U, QG, KT, ch.cu, ch.chunk_idx, H, HV, K=K, V=V,
            BK=ktile("wu", K), BV=vtile("wu", K, V), PREC=prec, DT=DT, name="wu")
     h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=STATE_DTYPE)
     VN = torch.empty(T, HV, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SV = state_vtile("state_fwd", K, V, ch.N * HV, dev)
-    launch(state_fwd_kernel, (V // SV, ch.N * HV), k, G, W, U, h0 if h0 is not None else v, h, VN,
-           ht if ht is not None else v, ch.cu, ch.chunk_off, ch.max_nc, H, HV, K=K, V=V, BV=SV,
+    launch(state_fwd_kernel, (V // SV, ch.N * HV), KT, G, W, U, h0 if h0 is not None else v, h, VN,
+           ht if ht is not None else v, ch.cu, ch.chunk_off, ch.max_nc, HV, K=K, V=V, BV=SV,
            USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_fwd")
-    return Ai, P, W, h, VN, ht
+    return Intermediates(Ai, P, W, QG, KT, h, VN, ht)
 
 
-def output(q, G, P, h, VN, ch: Chunks, scale: float, out_dtype) -> torch.Tensor:
-    """o [T, HV, V] in ``out_dtype`` from P, the per-chunk states h and δ."""
-    T, H, K = q.shape
-    HV, V = VN.shape[1], VN.shape[2]
-    o = torch.empty(T, HV, V, device=q.device, dtype=out_dtype)
+def output(fw: Intermediates, ch: Chunks, scale: float, out_dtype) -> torch.Tensor:
+    """o [T, HV, V] in ``out_dtype`` from the forward's intermediates (P, QG, h, δ)."""
+    T, HV, K = fw.QG.shape
+    V = fw.VN.shape[2]
+    o = torch.empty(T, HV, V, device=fw.VN.device, dtype=out_dtype)
     BV = vtile("output", K, V)
-    launch(output_kernel, (V // BV, ch.NT, HV), q, G, P, h, VN, o, ch.cu, ch.chunk_idx, scale, H, HV, K=K, V=V,
-           BK=ktile("output", K), BV=BV, PREC=dot_precision(VN.dtype), DT=tl_dtype(VN.dtype), name="output")
+    launch(output_kernel, (V // BV, ch.NT, HV), fw.QG, fw.P, fw.h, fw.VN, o, ch.cu, ch.chunk_idx, scale, HV, K=K,
+           V=V, BK=ktile("output", K), BV=BV, PREC=dot_precision(fw.VN.dtype), DT=tl_dtype(fw.VN.dtype),
+           name="output")
     return o
