@@ -226,13 +226,13 @@ def report(a, cfg, model, ledger):
         layer_total += mean
         f = fl.get(role)
         floor_total += f or 0
-        ratio = f"{mean / tokens / f:.2f}" if f else "—"
+        ratio = f"{mean / tokens / f:.2f}" if f else ("1.00" if f == 0 and mean == 0 else "—")
         print(f"| {role} | {','.join(sorted(ledger.dtypes[role]))} | {mean / MiB:.2f} | {mean / tokens:,.0f} | "
               f"{f if f is not None else '—'} | {ratio} |")
     missing = [r for r in fl if r not in per_role_layers]
     for role in missing:
         floor_total += fl[role]
-        print(f"| {role} | — | 0.00 | 0 | {fl[role]} | 0.00 |")
+        print(f"| {role} | — | 0.00 | 0 | {fl[role]} | {'1.00' if fl[role] == 0 else '0.00'} |")
     print(f"| **one layer** | | **{layer_total / MiB:.2f}** | **{layer_total / tokens:,.0f}** | "
           f"**{floor_total or '—'}** | {f'{layer_total / tokens / floor_total:.2f}' if floor_total else '—'} |")
     print()
