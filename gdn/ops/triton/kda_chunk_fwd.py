@@ -37,20 +37,21 @@ from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, sm_coun
 
 #: Launch configuration of each KDA chunk kernel: warps, pipelining depth and the K tile (``BK``)
 #: or V tile (``BV``; ``SV`` for the sequential passes: fp32 elements of one K × BV state tile).
-#: Not tuned on the GPU yet. Warps from ptxas's report for sm_90 at K = V = 128 (offline compile):
-#: 8 warps cut the register spills of kkt, the state passes, dqk, wy_bwd and intra_bwd 3–17× against
-#: 4; wu takes 8 as the scalar-gate wu does (4 warps hit triton 3.6's out-of-range shared-memory
+#: Not tuned on the GPU yet: chosen from ptxas's register report for sm_90 at K = V = 128 bf16
+#: (offline compile, docs/KDA.md). 8 warps cut the spills of kkt, the state passes, dqk, wy_bwd and
+#: intra_bwd 3–17× against 4, and the tiles below are the ones without (or with the fewest) spills;
+#: wu takes 8 warps as the scalar-gate wu does (4 warps hit triton 3.6's out-of-range shared-memory
 #: access there on the H200, docs/TRITON.md).
 CONFIG = {
     "gamma": dict(num_warps=4, num_stages=1, BK=64),
-    "kkt": dict(num_warps=8, num_stages=1, BK=32),
-    "wu": dict(num_warps=8, num_stages=2, BK=64, BV=64),
+    "kkt": dict(num_warps=8, num_stages=1, BK=16),
+    "wu": dict(num_warps=8, num_stages=2, BK=32, BV=32),
     "state_fwd": dict(num_warps=8, num_stages=1, SV=8192),
     "output": dict(num_warps=8, num_stages=1, BK=64, BV=64),
     "dv_local": dict(num_warps=4, num_stages=1, BV=64),
     "state_bwd": dict(num_warps=8, num_stages=1, SV=8192),
-    "dqk": dict(num_warps=8, num_stages=1, BK=64, BV=64),
-    "wy_bwd": dict(num_warps=8, num_stages=1, BK=64, BV=64),
+    "dqk": dict(num_warps=8, num_stages=1, BK=64, BV=32),
+    "wy_bwd": dict(num_warps=8, num_stages=1, BK=32, BV=32),
     "intra_bwd": dict(num_warps=8, num_stages=1, BK=32),
 }
 
