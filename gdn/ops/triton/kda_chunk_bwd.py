@@ -8,7 +8,7 @@ K̃ = K ⊙ exp(γ_C − γ)::
     dS  = diag(exp γ_C) dS' + scale Q̃ᵀ dO − Wᵀ dδ              state pass
     dP  = scale dO δᵀ (j ≤ i);  dQ̃ = scale dO Sᵀ;  dK̃ = δ dS'ᵀ;  dW = −dδ Sᵀ        dqk
     dT  = dδ (βV)ᵀ + dW (β K ⊙ Γ)ᵀ;  dA = −Tᵀ dT Tᵀ (j < i)                          wy_bwd
-    dV  = β Tᵀ dδ;  d(K ⊙ Γ) = β Tᵀ dW;  dβ gets vᵢ·(Tᵀdδ)ᵢ + (k ⊙ Γ)ᵢ·(TᵀdW)ᵢ        wy_bwd
+    dV  = β Tᵀ dδ;  d(K ⊙ Γ) = β Tᵀ dW;  dβ gets vᵢ·(Tᵀdδ)ᵢ + (k ⊙ Γ)ᵢ·(TᵀdW)ᵢ      wy_bwd
     through P and A (per channel c, pairs j ≤ i):                                     intra_bwd
         dq_ic += Σ_j dP_ij k_jc e_ijc,   dk_jc += Σ_i dP_ij q_ic e_ijc,   e_ijc = exp(γ_ic − γ_jc)
         r_ic   = Σ_j dA_ij k_jc e_ijc:   dk_i += β_i r_i,  dβ_i += k_i·r_i
@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRET, Chunks, chunk_bounds, dot_precision, tl_dtype
-from .kda_chunk_fwd import (STATE_DTYPE, after_ref, before_ref, diag_exponent, forward_intermediates, ktile, launch, load_rows,
-                            ref_row, state_vtile, vtile)
+from .kda_chunk_fwd import (STATE_DTYPE, after_ref, before_ref, diag_exponent, forward_intermediates, ktile, launch,
+                            load_rows, ref_row, state_vtile, vtile)
 
 
 @triton.jit

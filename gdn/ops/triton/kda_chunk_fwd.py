@@ -15,12 +15,14 @@ from 16-row sub-blocks. For a block of rows I after a block of columns J the fac
 the first row of I: exp(γ_i − γ_r) · exp(γ_r − γ_j), both exponents ≤ 0 (so nothing overflows
 however strongly a channel decays), and the block is one dot of the two rescaled tiles. Inside a
 diagonal block the exponent is taken pairwise, exp(γ_i − γ_j) masked to j ≤ i before the exp, as a
-[16, 16, BK] product summed over channels (one exponent tensor serves A and P). Rows past a sequence's end are masked to −∞ in the
-exponent and the reference row is clamped to the last valid row, so no 0 · ∞ arises.
+[16, 16, BK] product summed over channels (one exponent tensor serves A and P). Rows past a
+sequence's end are masked to −∞ in the exponent and the reference row is clamped to the last
+valid row, so no 0 · ∞ arises.
 
-Intermediates (T, P, W, U, δ, per-chunk states) are stored in the input dtype; the running and
-final states are fp32; γ is fp32. Everything works on the packed layout of :mod:`._common` with
-K and V already padded to powers of two (≥ 16) by the caller.
+Intermediates (T, P, W, U, δ, Q ⊙ Γ, K ⊙ exp(γ_C − γ)) are stored in the input dtype; γ, the
+per-chunk states (``STATE_DTYPE``), the running and the final states are fp32. Everything works on
+the packed layout of :mod:`._common` with K and V already padded to powers of two (≥ 16) by the
+caller.
 """
 from __future__ import annotations
 
