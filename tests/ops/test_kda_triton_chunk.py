@@ -103,6 +103,23 @@ def test_no_final_state_and_no_grad():
     assert S is None and rel_err(o, o_r) < TOL[torch.float32]
 
 
+def test_gradients_without_final_state_and_state():
+    """No final state asked for (the backward gets no state gradient), no initial state; T = 64,
+    exactly one chunk."""
+    d = kda_inputs(1, 64, 1, 2, 16, 16, dtype=torch.float64, seed=5)
+    names = ("q", "k", "v", "g", "beta")
+    ref = {n: d[n].clone().requires_grad_(True) for n in names}
+    got = {n: d[n].float().clone().requires_grad_(True) for n in names}
+    o_r, _ = KR.kimi_delta_attention(*(ref[n] for n in names))
+    o, S = chunk_kda(*(got[n] for n in names))
+    do = torch.randn(o_r.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    (o_r * do).sum().backward()
+    (o.double() * do).sum().backward()
+    assert S is None and rel_err(o, o_r) < TOL[torch.float32]
+    for n in names:
+        assert rel_err(got[n].grad, ref[n].grad) < TOL[torch.float32], n
+
+
 def test_rejects_head_dims_beyond_256():
     d = kda_inputs(1, 2, 1, 1, 16, 264, dtype=torch.float32)
     with pytest.raises(ValueError, match="V <= 256"):
