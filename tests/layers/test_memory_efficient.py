@@ -285,3 +285,32 @@ def test_bf16_autocast_training_loss_is_close_to_the_fp32_one():
     loss.backward()
     assert loss.dtype == torch.float32 and abs(loss.item() - ref.item()) < 2e-2
     assert rel(m.model.embed_tokens.weight.grad, g_ref) < 5e-2
+
+
+# ---------------------------------------------------------------- the whole model against its floor
+
+def test_memory_benchmark_every_layer_role_keeps_its_floor():
+    """benchmarks/memory.py on the tiny preset: each role of a Gated DeltaNet block keeps what its
+    floor says (the convs' zero history aside), and the loss keeps no vocabulary-sized tensor."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "memory.py"
+    spec = importlib.util.spec_from_file_location("bench_memory", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    B, T = 2, 64
+    a = bench.parse_args(["--size", "tiny", "--seq-len", str(T), "--batch", str(B), "--layers", "2"])
+    cfg, _, ledger = bench.measure(a)
+    floors = bench.floors(cfg, 2, 4)
+    W = cfg.conv_size - 1
+    for role, f in floors.items():
+        for layer in range(2):
+            got = ledger.bytes.get((role, layer), 0)
+            want = f * B * T
+            if role.endswith("_conv"):  # plus the zero history [B, D, K-1] it starts from (D = f / 2 bytes)
+                want += B * (f // 2) * W * 2
+            assert got == want, (role, layer, got, want)
+    head = bench.head_floor(cfg, 2, 4)
+    assert ledger.bytes[("(top)", -1)] == head["(top)"] * B * T + 8  # + the count of kept tokens
+    assert ledger.bytes[("model.norm", -1)] == head["model.norm"] * B * T
