@@ -6,7 +6,7 @@ Each variant runs forward + backward in its own process with CUDA_LAUNCH_BLOCKIN
 the CUDA context, and blocking launches name the kernel that faulted); then the first failing
 variant runs again under compute-sanitizer when it is installed, which prints the faulting access.
 
-    python benchmarks/gpu_repro_v16.py            # the sanitizer's report, then a table of variants
+    python benchmarks/gpu_repro_v16.py [--no-sanitizer]   # the sanitizer's report, then a table of variants
     python benchmarks/gpu_repro_v16.py --configs '[{"wu": {"stages": [1]}}]'   # the case under overrides
 """
 from __future__ import annotations
@@ -90,6 +90,8 @@ def main():
     sanitizer = shutil.which("compute-sanitizer") or next(
         (p for p in ("/usr/local/cuda/bin/compute-sanitizer", "/usr/local/cuda-13.0/bin/compute-sanitizer")
          if os.path.exists(p)), None)
+    if "--no-sanitizer" in sys.argv:
+        sanitizer = None
     if sanitizer:  # first, the failing case with one cudaMalloc per tensor, so any stray access is caught
         cmd = [sys.executable, __file__, "--child", *map(str, VARIANTS[0])]
         print(f"compute-sanitizer (no caching allocator) on {VARIANTS[0]}:", flush=True)
