@@ -229,12 +229,19 @@ def report(a, cfg, model, ledger):
         ratio = f"{mean / tokens / f:.2f}" if f else ("1.00" if f == 0 and mean == 0 else "—")
         print(f"| {role} | {','.join(sorted(ledger.dtypes[role]))} | {mean / MiB:.2f} | {mean / tokens:,.0f} | "
               f"{f if f is not None else '—'} | {ratio} |")
+    by_layer: dict[int, int] = defaultdict(int)
+    for (role, layer), nb in ledger.bytes.items():
+        if layer >= 0:
+            by_layer[layer] += nb
     missing = [r for r in fl if r not in per_role_layers]
     for role in missing:
         floor_total += fl[role]
         print(f"| {role} | — | 0.00 | 0 | {fl[role]} | {'1.00' if fl[role] == 0 else '0.00'} |")
     print(f"| **one layer** | | **{layer_total / MiB:.2f}** | **{layer_total / tokens:,.0f}** | "
           f"**{floor_total or '—'}** | {f'{layer_total / tokens / floor_total:.2f}' if floor_total else '—'} |")
+    if by_layer:
+        print(f"per layer: {min(by_layer.values()) / MiB:.2f} to {max(by_layer.values()) / MiB:.2f} MiB "
+              f"over layers {min(by_layer)}..{max(by_layer)}")
     print()
     print("| outside the layers | dtypes | MiB | bytes / token | floor |")
     print("|---|---|---:|---:|---:|")
