@@ -5,8 +5,10 @@ and prints query accuracy on 512 held-out sequences every ``--every`` steps. ``-
 added to the β pre-activation of D/G layers (``GDNConfig.beta_offset``: β starts near
 sigmoid(offset); 0 is the published layer, β ≈ 0.5; a large offset such as 10 is β ≈ 1);
 ``--decay-init A_min A_max dt_min dt_max`` draws the M/G decay gates from those ranges (default: the
-layers' own, A ∈ U(0.01, 16), dt log-uniform in [1e-3, 0.1]). This is the diagnostic behind the
-``gdn mqar`` presets' recipe (docs/TRAINING.md), not part of the suite:
+layers' own, A ∈ U(0.01, 16), dt log-uniform in [1e-3, 0.1]); ``--train-pairs 4 8 16`` trains on a
+mixture of pair counts (``gdn.data.mqar.mqar_mixture``) and still tests on ``--pairs``; ``--heads``
+sets the heads of every mixer. This is the diagnostic behind the ``gdn mqar`` presets' recipe
+(docs/TRAINING.md), not part of the suite:
 
     OMP_NUM_THREADS=1 python benchmarks/mqar_beta.py G --beta-offset -3 --decay-init 0.01 1 1e-3 1e-2
 """
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from gdn.data import mqar_batch
+from gdn.data.mqar import mqar_mixture
 from gdn.models import param_groups
 from gdn.train.mqar import MQARConfig, accuracy, build_model
 
@@ -31,7 +34,8 @@ def main():
                    help="ranges of the M/G decay gates' initialisation")
     p.add_argument("--width", type=int, default=64, help="model width")
     p.add_argument("--heads", type=int, default=2, help="heads of every mixer (head size = width / heads)")
-    p.add_argument("--pairs", type=int, default=8, help="key-value pairs")
+    p.add_argument("--pairs", type=int, default=8, help="key-value pairs of the test sequences")
+    p.add_argument("--train-pairs", type=int, nargs="+", help="pair counts of the training mixture (default: --pairs)")
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (constant)")
     p.add_argument("--seq-len", type=int, default=64, help="sequence length")
     p.add_argument("--vocab", type=int, default=64, help="vocabulary size")
@@ -43,7 +47,7 @@ def main():
     torch.set_num_threads(1)
     cfg = MQARConfig(seq_len=a.seq_len, vocab_size=a.vocab, widths=[a.width], num_pairs=[a.pairs], num_heads=a.heads,
                      beta_offset=a.beta_offset, decay_init=a.decay_init, seed=a.seed)
-    x, y = mqar_batch(a.steps * a.batch, a.seq_len, a.pairs, a.vocab, seed=a.seed * 1000 + a.pairs)
+    x, y = mqar_mixture(a.steps * a.batch, a.seq_len, a.train_pairs or [a.pairs], a.vocab, seed=a.seed)
     xt, yt = mqar_batch(512, a.seq_len, a.pairs, a.vocab, seed=a.seed * 1000 + a.pairs + 10**6)
     torch.manual_seed(a.seed)
     m = build_model(a.letter, a.width, cfg)

@@ -53,3 +53,24 @@ def mqar_batch(num_examples: int, seq_len: int, num_pairs: int, vocab_size: int,
         free[rows, qpos] = False
         inputs[free] = filler[free]
     return torch.from_numpy(inputs), torch.from_numpy(targets)
+
+
+def mqar_mixture(num_examples: int, seq_len: int, pairs: list[int], vocab_size: int, *, alpha: float = 0.01,
+                 seed: int = 0, random_fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs [N, T], targets [N, T])`` as :func:`mqar_batch`, but the ``N`` sequences hold
+    different numbers of key-value pairs: an equal share for every entry of ``pairs`` (the first
+    ``N % len(pairs)`` entries one more), in a random order fixed by ``seed``. Zoology trains on
+    such a mixture; the easy sequences teach the lookup early, the hard ones its capacity.
+    Every entry must fit ``seq_len`` and ``vocab_size`` as in :func:`mqar_batch`."""
+    if not isinstance(pairs, (list, tuple)) or not pairs:
+        raise ValueError(f"pairs must be a non-empty list of ints, got {pairs!r}")
+    if not isinstance(num_examples, int) or isinstance(num_examples, bool) or num_examples < len(pairs):
+        raise ValueError(f"num_examples must be an int >= len(pairs) ({len(pairs)}), got {num_examples!r}")
+    share, extra = divmod(num_examples, len(pairs))
+    parts = []
+    for i, p in enumerate(pairs):
+        sub_seed = int(np.random.SeedSequence([seed, i, p]).generate_state(1)[0])
+        parts.append(mqar_batch(share + (i < extra), seq_len, p, vocab_size, alpha=alpha, seed=sub_seed,
+                                random_fill=random_fill))
+    order = torch.from_numpy(np.random.default_rng(seed).permutation(num_examples))
+    return torch.cat([x for x, _ in parts])[order], torch.cat([y for _, y in parts])[order]

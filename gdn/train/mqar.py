@@ -6,10 +6,11 @@ width and number of key-value pairs, for every learning rate; the table reports,
 test accuracy over query positions of the best learning rate. Runs are spread over worker
 processes (CPU) and written to ``OUT/results.json``, ``OUT/table.md`` and ``OUT/mqar.png``.
 
-The presets start the models with :data:`RECIPE` (``beta_offset``: β of D/G layers starts near
-0.05; ``decay_init``: slow M/G decay gates); with ``beta_offset=0`` and ``decay_init=None`` every
-layer starts as its published initialisation. Results at this scale depend strongly on the seed
-(docs/TRAINING.md, "MQAR").
+The table ends with :func:`delta_rule_ahead`'s verdict: whether D and G are above L in every
+column. The presets start the models with :data:`RECIPE` (``beta_offset``: β of D/G layers starts
+near 0.05; ``decay_init``: slow M/G decay gates); with ``beta_offset=0`` and ``decay_init=None``
+every layer starts as its published initialisation. At the CPU preset's scale the ordering of L, D
+and G depends on the seed (docs/TRAINING.md, "MQAR").
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import mqar_batch
+from ..data.mqar import mqar_mixture
 from .config import merge, parse_set, read_config_file
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class MQARConfig:
     mixers: str = "LMDGA"  #: layer letters to compare
     widths: list = field(default_factory=lambda: [64])  #: model widths (hidden_size)
     num_pairs: list = field(default_factory=lambda: [4, 8])  #: key-value pairs per sequence
+    train_pairs: list | None = None  #: pair counts of a training mixture (None: each cell trains on its own)
     lrs: list = field(default_factory=lambda: [1e-3, 3e-3])  #: learning rates swept
     seq_len: int = 64  #: tokens per sequence
     vocab_size: int = 64  #: ids (keys from the lower half, values from the upper)
@@ -72,9 +75,14 @@ class MQARConfig:
         for w in self.widths:
             if w % self.num_heads or (w // self.num_heads) % 2:
                 raise ValueError(f"every width must be num_heads ({self.num_heads}) x an even head size, got {w}")
-        for p in self.num_pairs:
+        tp = self.train_pairs
+        if tp is not None and (not isinstance(tp, list) or not tp
+                               or not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in tp)):
+            raise ValueError(f"train_pairs must be a non-empty list of positive ints or None, got {tp!r}")
+        for p in self.num_pairs + (tp or []):
             if self.seq_len < 4 * p or self.vocab_size < 2 * (p + 1):
-                raise ValueError(f"num_pairs {p} needs seq_len >= {4 * p} and vocab_size >= {2 * (p + 1)}")
+                raise ValueError(f"num_pairs and train_pairs: {p} pairs need seq_len >= {4 * p} and "
+                                 f"vocab_size >= {2 * (p + 1)}")
         for name in ("warmup_frac", "decay_frac"):
             f = getattr(self, name)
             if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
@@ -96,11 +104,12 @@ class MQARConfig:
 #: dt log-uniform in [1e-3, 1e-2]: at most ≈ 1 % forgetting per token instead of up to 80 %).
 RECIPE = dict(beta_offset=-3.0, decay_init=(0.01, 1.0, 1e-3, 1e-2))
 
-#: Named grids. cpu-small: <= 10 minutes on 2 CPU cores (450 steps of 64 fresh sequences, constant lr
-#: after a 5 % warmup, then a cosine over the last 20 %). paper: Zoology's scale, for a GPU.
+#: Named grids. cpu-small: one column (width 32, 16 pairs) trained for 1200 steps of 64 fresh sequences
+#: (constant lr after a 5 % warmup, then a cosine over the last 20 %), ≈ 500 CPU-seconds, 5 minutes on
+#: 2 free cores. paper: Zoology's scale, for a GPU.
 PRESETS = {
-    "cpu-small": dict(mixers="LMDGA", widths=[32, 64], num_pairs=[16], lrs=[3e-3, 1e-2], seq_len=64,
-                      vocab_size=128, train_examples=28800, test_examples=512, epochs=1, batch_size=64,
+    "cpu-small": dict(mixers="LMDGA", widths=[32], num_pairs=[16], lrs=[3e-3], seq_len=64,
+                      vocab_size=128, train_examples=76800, test_examples=512, epochs=1, batch_size=64,
                       warmup_frac=0.05, decay_frac=0.2, **RECIPE),
     "paper": dict(mixers="LMDGA", widths=[64, 128, 256, 512], num_pairs=[4, 8, 16, 32, 64],
                   lrs=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2], seq_len=256, vocab_size=8192, train_examples=100_000,
@@ -191,7 +200,12 @@ def train_one(cfg: MQARConfig, letter: str, width: int, pairs: int, lr: float) -
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if cfg.device == "auto" else cfg.device))
     t0 = time.time()
-    x, y = mqar_batch(cfg.train_examples, cfg.seq_len, pairs, cfg.vocab_size, alpha=cfg.alpha, seed=cfg.seed * 1000 + pairs)
+    if cfg.train_pairs is None:
+        x, y = mqar_batch(cfg.train_examples, cfg.seq_len, pairs, cfg.vocab_size, alpha=cfg.alpha,
+                          seed=cfg.seed * 1000 + pairs)
+    else:
+        x, y = mqar_mixture(cfg.train_examples, cfg.seq_len, cfg.train_pairs, cfg.vocab_size, alpha=cfg.alpha,
+                            seed=cfg.seed)
     xt, yt = mqar_batch(cfg.test_examples, cfg.seq_len, pairs, cfg.vocab_size, alpha=cfg.alpha,
                         seed=cfg.seed * 1000 + pairs + 10**6)
     x, y, xt, yt = x.to(device), y.to(device), xt.to(device), yt.to(device)
@@ -221,9 +235,9 @@ def train_one(cfg: MQARConfig, letter: str, width: int, pairs: int, lr: float) -
                 seconds=time.time() - t0)
 
 
-#: CPU seconds per training step relative to linear attention (width 32, 64 sequences of 64 tokens,
-#: one thread; measured with benchmarks/mqar_beta.py --time-steps): only used to start the longest runs first.
-STEP_COST = {"L": 1.0, "M": 1.3, "D": 2.0, "G": 2.2, "A": 0.8}
+#: Seconds per training step relative to linear attention (width 32, 64 sequences of 64 tokens, one
+#: thread per run, the runs' times in a cpu-small grid on 2 cores): used only to start the longest runs first.
+STEP_COST = {"L": 1.0, "M": 1.2, "D": 1.5, "G": 1.7, "A": 0.3}
 
 
 def run_cost(letter: str, width: int, pairs: int) -> float:

@@ -157,3 +157,73 @@ def test_presets_turn_the_recipe_on_and_the_defaults_leave_it_off(preset):
     assert cfg.beta_offset == -3.0 and list(cfg.decay_init) == [0.01, 1.0, 1e-3, 1e-2]
     assert MQARConfig().beta_offset == 0.0 and MQARConfig().decay_init is None
     assert mqar_config(preset, sets=["beta_offset=0", "decay_init=null"]).decay_init is None
+
+
+def test_mqar_mixture_holds_every_pair_count_in_equal_shares():
+    from gdn.data.mqar import mqar_mixture
+
+    x, y = mqar_mixture(31, 64, [4, 8, 16], 128, seed=3)
+    assert x.shape == y.shape == (31, 64)
+    counts = (y != -100).sum(1).tolist()
+    assert sorted(set(counts)) == [4, 8, 16]
+    assert [counts.count(p) for p in (4, 8, 16)] == [11, 10, 10]  # 31 = 11 + 10 + 10, first share one more
+    assert counts[:11] != [4] * 11  # shuffled, not in blocks
+    for n in range(31):  # every sequence is a valid MQAR sequence: each query asks a key of its own context
+        p = counts[n]
+        pair = dict(zip(x[n, 0 : 2 * p : 2].tolist(), x[n, 1 : 2 * p : 2].tolist()))
+        q = (y[n] != -100).nonzero().flatten()
+        assert all(pair[int(x[n, t])] == int(y[n, t]) for t in q.tolist())
+    x2, _ = mqar_mixture(31, 64, [4, 8, 16], 128, seed=3)
+    assert torch.equal(x, x2) and not torch.equal(x, mqar_mixture(31, 64, [4, 8, 16], 128, seed=4)[0])
+    with pytest.raises(ValueError, match="pairs"):
+        mqar_mixture(8, 64, [], 128)
+    with pytest.raises(ValueError, match="num_examples"):
+        mqar_mixture(2, 64, [4, 8, 16], 128)
+    with pytest.raises(ValueError, match="seq_len"):
+        mqar_mixture(8, 32, [4, 16], 128)
+
+
+@pytest.mark.parametrize("bad", [[], [0], "16", [4, True], [40]])
+def test_mqar_config_rejects_bad_train_pairs(bad):
+    from gdn.train.mqar import MQARConfig
+
+    with pytest.raises(ValueError, match="train_pairs"):
+        MQARConfig(train_pairs=bad)
+
+
+def _result(m, w, acc, lr=1e-3, p=16):
+    return dict(mixer=m, width=w, num_pairs=p, lr=lr, accuracy=acc, final_loss=0.0, seconds=1.0)
+
+
+def test_delta_rule_ahead_compares_the_best_learning_rate_per_column():
+    from gdn.train.mqar import delta_rule_ahead, format_table
+
+    rs = [_result("L", 32, 0.80), _result("L", 32, 0.85, lr=3e-3), _result("D", 32, 0.84),
+          _result("D", 32, 0.90, lr=3e-3), _result("G", 32, 0.86), _result("A", 32, 0.99),
+          _result("L", 64, 0.95), _result("D", 64, 0.97), _result("G", 64, 0.95)]  # G ties L at 64: not ahead
+    assert delta_rule_ahead(rs) == {(32, 16): True, (64, 16): False}
+    table = format_table(rs)
+    assert "| DeltaNet (D) | 0.900 | 0.970 |" in table
+    assert table.splitlines()[-1] == ("delta rule (D, G) ahead of linear attention (L): "
+                                      "d=32, 16 kv: yes, d=64, 16 kv: NO")
+    assert delta_rule_ahead([_result("D", 32, 0.9), _result("A", 32, 0.5)]) == {}  # no L: nothing to say
+    assert "ahead" not in format_table([_result("D", 32, 0.9)])
+
+
+def test_run_mqar_starts_the_longest_runs_first_and_reports_in_grid_order(tmp_path, monkeypatch):
+    from gdn.train import mqar
+
+    calls = []
+
+    def fake(cfg, letter, width, pairs, lr):
+        calls.append(letter)
+        return _result(letter, width, 0.5, lr=lr, p=pairs)
+
+    monkeypatch.setattr(mqar, "train_one", fake)
+    monkeypatch.setattr(mqar, "plot", lambda results, png: png)
+    cfg = mqar.MQARConfig(mixers="LADG", widths=[16], num_pairs=[2], lrs=[1e-3], seq_len=16, vocab_size=16,
+                          workers=1, out=str(tmp_path))
+    results = mqar.run_mqar(cfg)
+    assert calls == sorted("LADG", key=lambda m: -mqar.STEP_COST[m])  # G, D (delta rule) before L, A
+    assert [r["mixer"] for r in results] == list("LADG")
+    assert "delta rule (D, G) ahead" in (tmp_path / "table.md").read_text()
