@@ -65,7 +65,16 @@ def child(B, T, H, HV, K, V, dtype, member, cfg="{}"):
         torch.cuda.synchronize()
         (o.float().sum() + S.sum()).backward()
         torch.cuda.synchronize()
-        print("RESULT ok")
+        leaves = [x for x in (*args, h0)]
+        got = [o.detach().double(), S.detach().double()] + [x.grad.double() for x in leaves]
+        ref_in = [x.detach().double().requires_grad_(True) for x in leaves]
+        o_r, S_r = getattr(ops, member)(*ref_in[:-1], initial_state=ref_in[-1], output_final_state=True,
+                                        backend="chunk")
+        (o_r.sum() + S_r.sum()).backward()
+        ref = [o_r.detach(), S_r.detach()] + [x.grad for x in ref_in]
+        errs = [float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(got, ref)]
+        print("RESULT " + ("ok" if max(errs) < 3e-2 else "WRONG") + " max rel err " +
+              " ".join(f"{e:.1e}" for e in errs))
     except Exception as e:  # noqa: BLE001 - the point is to report it
         frames = [f for f in traceback.extract_tb(e.__traceback__) if "gdn/ops" in f.filename]
         where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
@@ -80,11 +89,14 @@ def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--configs":  # the failing case under each JSON override
         env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", PYTHONUNBUFFERED="1")
         print("| launch-configuration override | result |\n|---|---|")
+        cases = [VARIANTS[0], (2, 1, 2, 4, 16, 60, "bf16", "gated_delta_rule")]
         for cfg in json.loads(sys.argv[2]):
-            cmd = [sys.executable, __file__, "--child", *map(str, VARIANTS[0]), json.dumps(cfg)]
-            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-            line = next((x[7:] for x in r.stdout.splitlines() if x.startswith("RESULT ")), f"no result (rc {r.returncode})")
-            print(f"| {json.dumps(cfg)} | {line[:150]} |", flush=True)
+            for case in cases:
+                cmd = [sys.executable, __file__, "--child", *map(str, case), json.dumps(cfg)]
+                r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+                line = next((x[7:] for x in r.stdout.splitlines() if x.startswith("RESULT ")),
+                            f"no result (rc {r.returncode})")
+                print(f"| {case[:6]} {json.dumps(cfg)} | {line[:230]} |", flush=True)
         return 0
     env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", PYTHONUNBUFFERED="1")
     sanitizer = shutil.which("compute-sanitizer") or next(

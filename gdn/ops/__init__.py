@@ -12,6 +12,8 @@ An explicit backend that cannot run the call raises; nothing falls back silently
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import attention as _attention
@@ -72,10 +74,11 @@ def _triton_fn(op: str):
 def _dispatch(op: str, backend, q, dims, cu_seqlens):
     """Return ``(backend, function)`` implementing ``op`` (backend None: pick)."""
     if backend is None:
-        # Value heads narrower than 32 stay on the PyTorch chunk form under automatic dispatch: the
-        # H200 GPU check hit an illegal memory access in the bf16 chunk kernels at V = 16
-        # (docs/TRITON.md, "Known problems"); decode steps take the validated recurrent kernel.
-        narrow = op != _KDA and dims.V < 32 and not _is_decode_step(dims, cu_seqlens)
+        # Heads narrower than 32 (K or V) stay on the PyTorch chunk form under automatic dispatch:
+        # on the H200, triton 3.6 compiled wrong chunk kernels there (V = 16 bf16: a wrong output;
+        # K = 16: an illegal memory access; docs/TRITON.md, "Known problems"); decode steps take the
+        # validated recurrent kernel.
+        narrow = op != _KDA and min(dims.K, dims.V) < 32 and not _is_decode_step(dims, cu_seqlens)
         if q.is_cuda and _triton_fn(op) is not None and not narrow:
             backend = "triton"
         elif _is_decode_step(dims, cu_seqlens):
@@ -87,6 +90,11 @@ def _dispatch(op: str, backend, q, dims, cu_seqlens):
     if backend == "chunk":
         return backend, getattr(_kda_chunk if op == _KDA else _chunk, op)
     fn = _triton_fn(op)
+    if (backend == "triton" and q.is_cuda and op != _KDA and min(dims.K, dims.V) < 32
+            and not _is_decode_step(dims, cu_seqlens)):
+        warnings.warn(f"{op}: backend='triton' with K = {dims.K}, V = {dims.V}: the chunk kernels are not "
+                      "validated on the GPU for heads narrower than 32 (a wrong output was measured at V = 16 "
+                      "in bf16, docs/TRITON.md); backend=None picks the PyTorch chunk form there", stacklevel=3)
     if not q.is_cuda or fn is None:
         raise ValueError(
             f"backend='triton' cannot run {op} here: it needs CUDA tensors (q is on {q.device}) and the "

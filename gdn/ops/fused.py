@@ -58,7 +58,7 @@ def gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, *, scale=None, initial
         use_qk_l2norm: L2-normalise q and k over K (eps 1e-6).
         allow_neg_eigval: β = 2·sigmoid(b) (transition eigenvalues in [−1, 1]).
         backend: ``None`` picks: on CUDA with Triton the Triton prologue kernels (validated on the
-            H200 by ``benchmarks/gpu_check.py``; value heads narrower than 32 excepted, see
+            H200 by ``benchmarks/gpu_check.py``; heads narrower than 32 (K or V) excepted, see
             :mod:`gdn.ops`), elsewhere the PyTorch prologue and then the op's own pick;
             ``"triton"``, ``"chunk"`` or ``"naive"`` force one.
 
@@ -69,7 +69,7 @@ def gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, *, scale=None, initial
     check_backend(backend)
     check_recurrent(q, k, v, a, None, initial_state, cu_seqlens, scale, backend, name_g="a")
     _check_params(a, b, A_log, dt_bias)
-    if backend is None and q.is_cuda and v.shape[-1] >= 32:
+    if backend is None and q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 32:
         from . import _triton_module  # noqa: PLC0415
 
         backend = "triton" if _triton_module() is not None else None
