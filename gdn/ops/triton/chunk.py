@@ -16,6 +16,8 @@ from . import chunk_bwd, chunk_fwd
 from ._common import Chunks, make_chunks, pow2, precompile
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Smallest K and V the kernels see: narrower heads are zero-padded up to it.
+MIN_DIM = 32
 
 
 def _pad(x: torch.Tensor | None, *pads: int) -> torch.Tensor | None:
@@ -36,8 +38,8 @@ class ChunkFunction(torch.autograd.Function):
     """Autograd node of one chunk-kernel call. Saves the inputs and the in-chunk inverse; the
     backward recomputes W, U and the per-chunk states (one forward state pass) instead of keeping them.
 
-    K and V that are not powers of two (60, 100) are zero-padded to the next one (≥ 16) on the way
-    in and cut back on the way out: zero key/query columns and zero value columns change no result,
+    K and V that are not powers of two (60, 100), or narrower than 32, are zero-padded to the next
+    power of two (≥ 32) on the way in and cut back on the way out: zero key/query columns and zero value columns change no result,
     and the kernels never mask a feature dimension (one mechanism for every size instead of masked
     tails in every load and store)."""
 
@@ -49,7 +51,8 @@ class ChunkFunction(torch.autograd.Function):
         qp, kp, vp = q.reshape(B * T, H, K).to(io), k.reshape(B * T, H, K).to(io), v.reshape(B * T, HV, V).to(io)
         gp = None if g is None else g.reshape(B * T, HV).float().contiguous()
         bp = None if beta is None else beta.reshape(B * T, HV).float().contiguous()
-        Kp, Vp = pow2(K), pow2(V)
+        # at least 32: triton 3.6 on the H200 mis-compiled dots whose N is 16 (docs/TRITON.md)
+        Kp, Vp = max(MIN_DIM, pow2(K)), max(MIN_DIM, pow2(V))
         qp, kp, vp = _pad(qp, 0, Kp - K), _pad(kp, 0, Kp - K), _pad(vp, 0, Vp - V)
         h0p = _pad(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
         # dq, dk, dv straight in the caller's dtype when nothing is summed or cast afterwards
