@@ -212,7 +212,17 @@ def main(argv=None):
     p.add_argument("--no-decode", action="store_true", help="skip benchmarks/gpu_check_decode.py")
     p.add_argument("--split", type=int, default=None,
                    help="segment length in chunks of the split state passes (CONFIG['split']['L']: 0 off, -1 auto)")
+    p.add_argument("--config", default=None, metavar="JSON",
+                   help='partial launch configuration to check, e.g. \'{"kkt_solve": {"INV": "tf32"}}\'')
     a = p.parse_args(argv)
+    if a.config:
+        import json
+
+        from gdn.ops.triton._common import CONFIG
+
+        for name, upd in json.loads(a.config).items():
+            CONFIG[name].update({k: tuple(v) if k == "stages" else v for k, v in upd.items()})
+        print(f"launch configuration overrides: {a.config}")
     if a.split is not None:
         from gdn.ops.triton._common import CONFIG
 
