@@ -9,7 +9,7 @@ computes ``q̂ = q·rsqrt(Σq² + 1e-6)`` (and k̂), ``g = −exp(A_log)·softpl
 ``β = sigmoid(b)`` (``2·sigmoid(b)`` with ``allow_neg_eigval``) in fp32, then the gated delta rule.
 ``backend="triton"`` runs the prologue in Triton kernels with their own backward
 (:mod:`gdn.ops.triton.prologue`), checked on the H200 against the float64 reference
-(docs/TRITON.md); ``backend=None`` takes them on CUDA (value heads ≥ 32). The other backends run
+(docs/TRITON.md); ``backend=None`` takes them on CUDA (K and V ≥ 32). The other backends run
 the prologue in PyTorch (autograd) and then :func:`gdn.ops.gated_delta_rule` with that backend.
 """
 from __future__ import annotations
