@@ -161,6 +161,23 @@ CONFIG = {
 }
 
 
+def pad_zeros(x: torch.Tensor | None, *pads: int) -> torch.Tensor | None:
+    """``F.pad(x, pads)`` when any pad is non-zero, made contiguous; None stays None (the autograd
+    wrappers zero-pad K and V to the kernels' sizes with it)."""
+    if x is None:
+        return None
+    return (torch.nn.functional.pad(x, pads) if any(pads) else x).contiguous()
+
+
+def kernel_dtype(*xs) -> torch.dtype:
+    """The one dtype the kernels compute q, k, v in: the promotion of the inputs' dtypes when it is
+    fp32, fp16 or bf16, else fp32 (fp64 inputs are computed in fp32)."""
+    dt = xs[0].dtype
+    for x in xs[1:]:
+        dt = torch.promote_types(dt, x.dtype)
+    return dt if dt in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+
+
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of ``device`` (4 off CUDA, e.g. under the interpreter)."""
     if device.type != "cuda":

@@ -10,28 +10,14 @@ one); intermediates are kept in that dtype, the running and final states and acc
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import chunk_bwd, chunk_fwd
-from ._common import Chunks, make_chunks, pow2, precompile
+from ._common import Chunks, kernel_dtype, make_chunks, pad_zeros, pow2, precompile
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Smallest K and V the kernels see: narrower heads are zero-padded up to it.
 MIN_DIM = 32
 
 
-def _pad(x: torch.Tensor | None, *pads: int) -> torch.Tensor | None:
-    """``F.pad(x, pads)`` when any pad is non-zero, made contiguous; None stays None."""
-    if x is None:
-        return None
-    return (F.pad(x, pads) if any(pads) else x).contiguous()
-
-
-def _kernel_dtype(*xs) -> torch.dtype:
-    dt = xs[0].dtype
-    for x in xs[1:]:
-        dt = torch.promote_types(dt, x.dtype)
-    return dt if dt in _KERNEL_DTYPES else torch.float32
 
 
 class ChunkFunction(torch.autograd.Function):
@@ -47,14 +33,14 @@ class ChunkFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, h0, scale: float, want_final: bool, ch: Chunks):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
-        io = _kernel_dtype(q, k, v)  # one dtype for q, k, v and the intermediates
+        io = kernel_dtype(q, k, v)  # one dtype for q, k, v and the intermediates
         qp, kp, vp = q.reshape(B * T, H, K).to(io), k.reshape(B * T, H, K).to(io), v.reshape(B * T, HV, V).to(io)
         gp = None if g is None else g.reshape(B * T, HV).float().contiguous()
         bp = None if beta is None else beta.reshape(B * T, HV).float().contiguous()
         # at least 32: triton 3.6 on the H200 mis-compiled dots whose N is 16 (docs/TRITON.md)
         Kp, Vp = max(MIN_DIM, pow2(K)), max(MIN_DIM, pow2(V))
-        qp, kp, vp = _pad(qp, 0, Kp - K), _pad(kp, 0, Kp - K), _pad(vp, 0, Vp - V)
-        h0p = _pad(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
+        qp, kp, vp = pad_zeros(qp, 0, Kp - K), pad_zeros(kp, 0, Kp - K), pad_zeros(vp, 0, Vp - V)
+        h0p = pad_zeros(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
         # dq, dk, dv straight in the caller's dtype when nothing is summed or cast afterwards
         gdt = io if HV == H and q.dtype == k.dtype == v.dtype == io else torch.float32
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
@@ -83,8 +69,8 @@ class ChunkFunction(torch.autograd.Function):
         qp, kp, vp, gp, bp, h0p, Ai = ctx.saved_tensors
         B, T, H, HV, K, V, scale, ch, gdt, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
         Kp, Vp = kp.shape[-1], vp.shape[-1]
-        dop = _pad(do.reshape(B * T, HV, V).to(vp.dtype), 0, Vp - V)
-        dhtp = _pad(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
+        dop = pad_zeros(do.reshape(B * T, HV, V).to(vp.dtype), 0, Vp - V)
+        dhtp = pad_zeros(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
         DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale, Ai, gdt)
         G = HV // H
         if G == 1:  # no group to sum over

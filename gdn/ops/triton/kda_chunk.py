@@ -13,28 +13,14 @@ back on the way out: zero key, query and gate columns and zero value columns cha
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import kda_chunk_bwd, kda_chunk_fwd
-from ._common import Chunks, make_chunks, pow2
+from ._common import Chunks, kernel_dtype, make_chunks, pad_zeros, pow2
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Largest K and V the kernels take (the sequential passes hold a whole K × BV state tile).
 MAX_HEAD_DIM = 256
 
 
-def _pad(x: torch.Tensor | None, *pads: int) -> torch.Tensor | None:
-    """``F.pad(x, pads)`` when any pad is non-zero, made contiguous; None stays None."""
-    if x is None:
-        return None
-    return (F.pad(x, pads) if any(pads) else x).contiguous()
-
-
-def _kernel_dtype(*xs) -> torch.dtype:
-    dt = xs[0].dtype
-    for x in xs[1:]:
-        dt = torch.promote_types(dt, x.dtype)
-    return dt if dt in _KERNEL_DTYPES else torch.float32
 
 
 def dry_run(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float) -> None:
@@ -57,14 +43,14 @@ class KDAChunkFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, h0, scale: float, want_final: bool, ch: Chunks):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
-        io = _kernel_dtype(q, k, v)
+        io = kernel_dtype(q, k, v)
         Kp, Vp = pow2(K), pow2(V)
-        qp = _pad(q.reshape(B * T, H, K).to(io), 0, Kp - K)
-        kp = _pad(k.reshape(B * T, H, K).to(io), 0, Kp - K)
-        vp = _pad(v.reshape(B * T, HV, V).to(io), 0, Vp - V)
-        gp = _pad(g.reshape(B * T, HV, K).float(), 0, Kp - K)
+        qp = pad_zeros(q.reshape(B * T, H, K).to(io), 0, Kp - K)
+        kp = pad_zeros(k.reshape(B * T, H, K).to(io), 0, Kp - K)
+        vp = pad_zeros(v.reshape(B * T, HV, V).to(io), 0, Vp - V)
+        gp = pad_zeros(g.reshape(B * T, HV, K).float(), 0, Kp - K)
         bp = beta.reshape(B * T, HV).float().contiguous()
-        h0p = _pad(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
+        h0p = pad_zeros(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
             kda_chunk_fwd.precompile((Kp, Vp, io, h0p is None, want_final, qp.device, H, HV),
                                      lambda: dry_run(qp, kp, vp, gp, bp, h0p, ch, want_final, scale))
@@ -84,8 +70,8 @@ class KDAChunkFunction(torch.autograd.Function):
         qp, kp, vp, G, bp, h0p = ctx.saved_tensors
         B, T, H, HV, K, V, scale, ch, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
         Kp, Vp = kp.shape[-1], vp.shape[-1]
-        dop = _pad(do.reshape(B * T, HV, V).to(vp.dtype), 0, Vp - V)
-        dhtp = _pad(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
+        dop = pad_zeros(do.reshape(B * T, HV, V).to(vp.dtype), 0, Vp - V)
+        dhtp = pad_zeros(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
         DQ, DK, DV, DG, DB, dh0 = kda_chunk_bwd.backward(qp, kp, vp, G, bp, h0p, dop, dhtp, ch, scale)
         m = HV // H
         dq = DQ.view(B, T, H, m, Kp)[..., :K].sum(3).to(q_dt)
