@@ -135,7 +135,7 @@ def test_sweep(T, H, HV, K, V, dtype):
 
 
 def test_precompile_records_every_kernel_once_per_kind(monkeypatch):
-    """The first CUDA call's dry run (kda_chunk.dry_run under kda_chunk_fwd.precompile) reaches every
+    """The first CUDA call's dry run (kda_chunk.dry_run under _common.precompile) reaches every
     kernel of a forward and backward, launches none of them, and runs once per key; the compile
     step is replaced by a recorder here (the interpreter has nothing to compile)."""
     from gdn.ops.triton import kda_chunk_bwd as Bw
@@ -143,9 +143,11 @@ def test_precompile_records_every_kernel_once_per_kind(monkeypatch):
     from gdn.ops.triton._common import make_chunks
     from gdn.ops.triton.kda_chunk import dry_run
 
+    from gdn.ops.triton import _common as C
+
     warmed = []
-    monkeypatch.setattr(F, "INTERPRET", False)
-    monkeypatch.setattr(F, "_WARM", set())
+    monkeypatch.setattr(C, "INTERPRET", False)
+    monkeypatch.setattr(C, "_WARM", set())
     monkeypatch.setattr(triton, "AsyncCompileMode", lambda ex: contextlib.nullcontext())
     for kernel in {k for mod in (F, Bw) for k in vars(mod).values() if hasattr(k, "warmup")}:
         monkeypatch.setattr(kernel, "warmup", lambda *a, _k=kernel, **kw: warmed.append(_k.fn.__name__))
@@ -155,8 +157,8 @@ def test_precompile_records_every_kernel_once_per_kind(monkeypatch):
             d["g"].reshape(T, HV, 16), d["beta"].reshape(T, HV), d["initial_state"],
             make_chunks(1, T, None, torch.device("cpu")), True, 0.25)
     for _ in range(2):
-        F.precompile("key", lambda: dry_run(*args))
-    assert F._RECORD is None
+        C.precompile("key", lambda: dry_run(*args))
+    assert C._RECORD is None
     expected = {"gamma_kernel", "kkt_kernel", "wu_kernel", "state_fwd_kernel", "output_kernel", "dv_local_kernel",
                 "state_bwd_kernel", "dqk_kernel", "wy_bwd_kernel", "intra_bwd_kernel"}
     assert set(warmed) == expected and len(warmed) == 13  # the backward recomputes kkt, wu and the state pass

@@ -270,12 +270,12 @@ _RECORD: list | None = None  # launches collected instead of run, inside recordi
 log = logging.getLogger(__name__)
 
 
-def launch(kernel, grid, *args, name: str, **meta):
-    """``kernel[grid](*args, **meta)`` with the warps of ``CONFIG[name]`` and the first of its
-    software-pipelining depths whose shared memory fits the card (a deeper pipeline is tried first;
-    the choice is remembered per kernel and compile-time arguments, so the fallback costs one
-    failed load at most)."""
-    cfg = CONFIG[name]
+def launch(kernel, grid, *args, name: str, config: dict | None = None, **meta):
+    """``kernel[grid](*args, **meta)`` with the warps of ``config[name]`` (default: this module's
+    ``CONFIG``) and the first of its software-pipelining depths whose shared memory fits the card (a
+    deeper pipeline is tried first; the choice is remembered per kernel and compile-time arguments,
+    so the fallback costs one failed load at most). Inside :func:`recording` nothing runs."""
+    cfg = (CONFIG if config is None else config)[name]
     stages = cfg["stages"]
     meta["num_warps"] = cfg["num_warps"]
     key = (kernel.fn.__name__, tuple(sorted((k, str(v)) for k, v in meta.items())), stages)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import kda_chunk_bwd, kda_chunk_fwd
-from ._common import Chunks, kernel_dtype, make_chunks, pad_zeros, pow2
+from ._common import Chunks, kernel_dtype, make_chunks, pad_zeros, pow2, precompile
 
 #: Largest K and V the kernels take (the sequential passes hold a whole K × BV state tile).
 MAX_HEAD_DIM = 256
@@ -25,7 +25,7 @@ MAX_HEAD_DIM = 256
 
 def dry_run(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float) -> None:
     """Every launch of one forward + backward on padded, packed inputs (q, k [T, H, K]; v [T, HV, V];
-    g [T, HV, K]; beta [T, HV]; h0 [N, HV, K, V] or None), for :func:`kda_chunk_fwd.precompile` to
+    g [T, HV, K]; beta [T, HV]; h0 [N, HV, K, V] or None), for :func:`._common.precompile` to
     record (outputs are uninitialised buffers)."""
     HV, K, V = v.shape[1], k.shape[2], v.shape[2]
     dht = torch.empty(ch.N, HV, K, V, device=v.device) if want_final else None
@@ -52,7 +52,7 @@ class KDAChunkFunction(torch.autograd.Function):
         bp = beta.reshape(B * T, HV).float().contiguous()
         h0p = pad_zeros(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
-            kda_chunk_fwd.precompile((Kp, Vp, io, h0p is None, want_final, qp.device, H, HV),
+            precompile(("kda", Kp, Vp, io, h0p is None, want_final, qp.device, H, HV),
                                      lambda: dry_run(qp, kp, vp, gp, bp, h0p, ch, want_final, scale))
         G = kda_chunk_fwd.gamma(gp, ch)
         fw = kda_chunk_fwd.forward_intermediates(qp, kp, vp, G, bp, h0p, ch, want_final)

@@ -26,9 +26,6 @@ caller.
 """
 from __future__ import annotations
 
-import logging
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, sm_count, tl_dtype
+from ._common import launch as _common_launch
 
 #: Launch configuration of each KDA chunk kernel: warps, pipelining depth and the K tile (``BK``)
 #: or V tile (``BV``; ``SV`` for the sequential passes: fp32 elements of one K × BV state tile).
@@ -45,16 +43,16 @@ from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, sm_coun
 #: wu takes 8 warps as the scalar-gate wu does (4 warps hit triton 3.6's out-of-range shared-memory
 #: access there on the H200, docs/TRITON.md).
 CONFIG = {
-    "gamma": dict(num_warps=4, num_stages=1, BK=64),
-    "kkt": dict(num_warps=8, num_stages=1, BK=16),
-    "wu": dict(num_warps=8, num_stages=2, BK=32, BV=32),
-    "state_fwd": dict(num_warps=8, num_stages=1, SV=8192),
-    "output": dict(num_warps=8, num_stages=1, BK=64, BV=64),
-    "dv_local": dict(num_warps=4, num_stages=1, BV=64),
-    "state_bwd": dict(num_warps=8, num_stages=1, SV=8192),
-    "dqk": dict(num_warps=8, num_stages=1, BK=64, BV=32),
-    "wy_bwd": dict(num_warps=8, num_stages=1, BK=32, BV=32),
-    "intra_bwd": dict(num_warps=8, num_stages=1, BK=32),
+    "gamma": dict(num_warps=4, stages=(1,), BK=64),
+    "kkt": dict(num_warps=8, stages=(1,), BK=16),
+    "wu": dict(num_warps=8, stages=(2,), BK=32, BV=32),
+    "state_fwd": dict(num_warps=8, stages=(1,), SV=8192),
+    "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
+    "dv_local": dict(num_warps=4, stages=(1,), BV=64),
+    "state_bwd": dict(num_warps=8, stages=(1,), SV=8192),
+    "dqk": dict(num_warps=8, stages=(1,), BK=64, BV=32),
+    "wy_bwd": dict(num_warps=8, stages=(1,), BK=32, BV=32),
+    "intra_bwd": dict(num_warps=8, stages=(1,), BK=32),
 }
 
 
@@ -65,44 +63,10 @@ CONFIG = {
 STATE_DTYPE = torch.float32
 
 
-_RECORD: list | None = None  # launches collected instead of run, inside precompile's dry run
-_WARM: set = set()
-log = logging.getLogger(__name__)
-
-
 def launch(kernel, grid, *args, name: str, **meta):
-    """``kernel[grid](*args, **meta)`` with the warps and pipelining depth of ``CONFIG[name]``
-    (recorded, not run, during :func:`precompile`'s dry run)."""
-    cfg = CONFIG[name]
-    meta = dict(meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if _RECORD is not None:
-        _RECORD.append((kernel, grid, args, meta))
-        return None
-    return kernel[grid](*args, **meta)
-
-
-def precompile(key, dry_run) -> None:
-    """Compile, in parallel threads, every kernel that ``dry_run()`` launches, once per ``key``
-    (Triton's ``AsyncCompileMode``; the scalar-gate kernels do the same, ``_common.precompile``).
-    A cold forward + backward otherwise compiles ten kernels one after another. Only an
-    optimisation: on any failure the kernels compile at their launch."""
-    global _RECORD
-    if key in _WARM or INTERPRET:
-        return
-    _WARM.add(key)
-    try:
-        _RECORD = []
-        try:
-            dry_run()
-        finally:
-            launches, _RECORD = _RECORD, None
-        workers = max(1, min(16, os.cpu_count() or 1, len(launches)))
-        with ThreadPoolExecutor(workers) as ex, triton.AsyncCompileMode(ex):
-            for kernel, grid, args, meta in launches:
-                kernel.warmup(*args, grid=grid, **meta)
-    except Exception as e:  # noqa: BLE001 - an optimisation only; the launches compile themselves
-        log.warning("parallel precompile of the KDA chunk kernels failed (%s: %s); compiling at launch",
-                    type(e).__name__, e)
+    """:func:`._common.launch` with this module's ``CONFIG`` (recorded, not run, inside
+    :func:`._common.precompile`'s dry run)."""
+    return _common_launch(kernel, grid, *args, name=name, config=CONFIG, **meta)
 
 
 def ktile(name: str, K: int) -> int:
