@@ -32,10 +32,30 @@ def _positive_int(name: str, val) -> int:
     return val
 
 
+class _L2Normalise(torch.autograd.Function):
+    """y = x · r with r = (Σ x² + eps)^(-1/2) over the last dim, computed in fp32 (fp64 stays fp64).
+    Keeps x (its own dtype) and r ([..., 1]) for the backward instead of fp32 copies of x:
+    dx = r · dy − r³ · x · Σ (x · dy)."""
+
+    @staticmethod
+    def forward(ctx, x, eps):
+        xf = x.double() if x.dtype == torch.float64 else x.float()
+        r = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, r)
+        return (xf * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, r = ctx.saved_tensors
+        xf, dyf = x.to(r.dtype), dy.to(r.dtype)
+        dx = r * dyf - (r ** 3) * xf * (xf * dyf).sum(-1, keepdim=True)
+        return dx.to(x.dtype), None
+
+
 def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / ‖x‖ over the last dim (fp32 inside); zero rows stay zero. [..., D] -> [..., D]."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+    """x / ‖x‖ over the last dim (fp32 inside); zero rows stay zero. [..., D] -> [..., D]. Keeps
+    only x and one fp32 number per row for the backward."""
+    return _L2Normalise.apply(x, eps)
 
 
 def mamba_gate_init(num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1,

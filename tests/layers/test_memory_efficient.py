@@ -314,3 +314,28 @@ def test_memory_benchmark_every_layer_role_keeps_its_floor():
     head = bench.head_floor(cfg, 2, 4)
     assert ledger.bytes[("(top)", -1)] == head["(top)"] * B * T + 8  # + the count of kept tokens
     assert ledger.bytes[("model.norm", -1)] == head["model.norm"] * B * T
+
+
+def test_l2_normalise_matches_plain_form_and_gradcheck():
+    """gdn.layers._recurrent.l2_normalise (a Function keeping x and the row scale): fp64 gradcheck,
+    and the same values and gradients as the plain autograd expression in fp32 and bf16."""
+    from gdn.layers._recurrent import l2_normalise
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: l2_normalise(t), (x,))
+    for dt, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        a = torch.randn(4, 7, 16).to(dt).requires_grad_(True)
+        b = a.detach().clone().requires_grad_(True)
+        dy = torch.randn(4, 7, 16).to(dt)
+        ya = l2_normalise(a)
+        bf = b.float()
+        yb = (bf * torch.rsqrt(bf.pow(2).sum(-1, keepdim=True) + 1e-6)).to(dt)
+        assert ya.dtype == dt and torch.allclose(ya.float(), yb.float(), atol=tol, rtol=tol)
+        (ya * dy).sum().backward()
+        (yb * dy).sum().backward()
+        assert torch.allclose(a.grad.float(), b.grad.float(), atol=tol, rtol=tol)
+    z = torch.zeros(2, 4, requires_grad=True)
+    out = l2_normalise(z)
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros(2, 4)) and torch.isfinite(z.grad).all()
