@@ -218,10 +218,9 @@ def main(argv=None):
     if a.config:
         import json
 
-        from gdn.ops.triton._common import CONFIG
+        from gdn.ops.triton._common import update_config
 
-        for name, upd in json.loads(a.config).items():
-            CONFIG[name].update({k: tuple(v) if k == "stages" else v for k, v in upd.items()})
+        update_config(json.loads(a.config))
         print(f"launch configuration overrides: {a.config}")
     if a.split is not None:
         from gdn.ops.triton._common import CONFIG

@@ -41,10 +41,9 @@ def child(B, T, H, HV, K, V, dtype, member, cfg="{}"):
 
     sys.path.insert(0, os.path.join(HERE, ".."))
     from gdn import ops
-    from gdn.ops.triton._common import CONFIG
+    from gdn.ops.triton._common import update_config
 
-    for name, upd in json.loads(cfg).items():  # launch-configuration overrides of this variant
-        CONFIG[name].update({k: tuple(v) if k == "stages" else v for k, v in upd.items()})
+    update_config(json.loads(cfg))  # launch-configuration overrides of this variant
 
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     if member.endswith("+pad32"):  # every feature dimension padded to at least 32 by the wrapper

@@ -196,7 +196,7 @@ def variants(specs):
     the largest relative difference of o and every gradient against the first variant."""
     import copy
 
-    from gdn.ops.triton._common import CONFIG
+    from gdn.ops.triton._common import CONFIG, update_config
 
     base_cfg = copy.deepcopy(CONFIG)
     print("\n| shape | variant | fwd ms | fwd+bwd ms | max rel diff vs first |")
@@ -210,8 +210,7 @@ def variants(specs):
         for spec in specs:
             CONFIG.clear()
             CONFIG.update(copy.deepcopy(base_cfg))
-            for kname, upd in spec.items():
-                CONFIG[kname].update({k: tuple(v) if k == "stages" else v for k, v in upd.items()})
+            update_config(spec)
             for x in xs:
                 x.grad = None
             o = g()
@@ -262,28 +261,23 @@ def main():
     ap.add_argument("--only-profile", action="store_true", help="only the per-kernel profile")
     ap.add_argument("--variants", default=None, metavar="JSON",
                     help="only gdn, timed under each of a JSON list of partial launch configurations")
-    ap.add_argument("--profile-config", default=None, metavar="JSON",
-                    help="a partial launch configuration applied before --only-profile / --profile")
-    ap.add_argument("--config", default=None,
-                    help="JSON file of kernel launch configurations (benchmarks/tune_gpu.py --out) to use")
+    ap.add_argument("--config", default=None, metavar="FILE|JSON",
+                    help="launch configurations to use: a JSON file (benchmarks/tune_gpu.py --out) or an inline "
+                         "partial configuration such as '{\"split\": {\"L\": -1}}'")
     args = ap.parse_args()
     if args.config:
-        from gdn.ops.triton._common import CONFIG
+        from gdn.ops.triton._common import CONFIG, update_config
 
-        with open(args.config) as f:
-            CONFIG.update({k: dict(v, stages=tuple(v["stages"])) if "stages" in v else dict(v)
-                           for k, v in json.load(f).items()})
+        if os.path.exists(args.config):
+            with open(args.config) as f:
+                update_config(json.load(f))
+        else:
+            update_config(json.loads(args.config))
         print("launch configuration:", CONFIG)
     if args.variants:
         variants(json.loads(args.variants))
         if not args.only_profile:
             return
-    if args.profile_config:
-        from gdn.ops.triton._common import CONFIG
-
-        for kname, upd in json.loads(args.profile_config).items():
-            CONFIG[kname].update(upd)
-        print("profile under", CONFIG)
     if args.only_profile:
         profile(8, 2048, 16, 16, "(8, 2048, 16, 128)")
         profile(1, 32768, 16, 16, "(1, 32768, 16, 128)")

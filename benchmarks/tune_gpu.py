@@ -55,8 +55,7 @@ def sweep(name, base, shapes):
     from gdn import ops
     from gdn.ops.triton import _common
 
-    _common.CONFIG.update({k: dict(v, stages=tuple(v["stages"])) if "stages" in v else dict(v)
-                           for k, v in base.items()})
+    _common.update_config(base)
     bwd = name in BWD
     data = []
     for B, T in shapes:

@@ -151,14 +151,21 @@ CONFIG = {
     "state_bwd": dict(num_warps=4, stages=(2, 1), SV=2048),
     "dqk": dict(num_warps=4, stages=(1,), BK=64, BV=64),
     "wy_bwd": dict(num_warps=4, stages=(1,), BK=64, BV=64),
+    "cumsum": dict(num_warps=1, stages=(1,)),
     # The split state passes (chunk_fwd.split_len): L = 0 off, > 0 fixed segment length in chunks,
     # -1 automatic. Off: it passes the GPU check but is slower on the H200 (docs/TRITON.md).
-    "cumsum": dict(num_warps=1, stages=(1,)),
     "split": dict(L=0, min_L=8),
     # the split passes' first phase (K + V columns per state; SV = K · columns of one program's tile)
     "state_aug": dict(num_warps=4, stages=(2, 1), SV=8192),
     "chain": dict(num_warps=4, stages=(1,), SV=4096, BC=32),
 }
+
+
+def update_config(partial: dict) -> None:
+    """Apply ``{kernel: {key: value}}`` (e.g. parsed JSON) to :data:`CONFIG` in place; ``stages``
+    lists become tuples. For benchmarks and checks that try launch configurations."""
+    for name, upd in partial.items():
+        CONFIG[name].update({k: tuple(v) if k == "stages" else v for k, v in upd.items()})
 
 
 def pad_zeros(x: torch.Tensor | None, *pads: int) -> torch.Tensor | None:

@@ -435,7 +435,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
         launch(state_fwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Sin, h,
                VN if delta else dummy, dummy, sg.cu, sg.off, L, BV=SV, USE_INIT=True, STORE_FINAL=False, **common)
         return h, VN, ht, Ai, W
-    if CONFIG["state_fwd"].get("halve", True) and ch.N * HV * triton.cdiv(V, SV) < sm_count(dev) and SV > 16:
+    if ch.N * HV * triton.cdiv(V, SV) < sm_count(dev) and SV > 16:
         SV //= 2  # too few programs to fill the card: twice as many, each with half the values
     launch(state_fwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
            k, v, gp, Wp, Up, h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy,
