@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Two lanes on an H200 x2 (one after the other on one GPU): lane A the GPU check, the KDA check and
 # the training throughput; lane B the ops table with FLA, gdn variants (VARIANTS, a JSON list of partial
-# launch configurations) and the narrow-head repro. Logs under $OUT. Used for the third session's last call.
+# launch configurations) and the narrow-head repro. Logs under $OUT. Knobs: CHECK_FLAGS (gpu_check), KDA_CMD,
+# TRAIN_FLAGS, VARIANTS, VAR_FLAGS (e.g. --profile), OPS_S (0 skips the ops table), *_S time slices.
 #   OUT=/tmp/x KDA_CMD="python3 benchmarks/kda_gpu.py --check-only" bash benchmarks/h200_lanes.sh
 set -u
 export SITE=/tmp/site PYTHONUNBUFFERED=1
@@ -13,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 check() {
   for ((i = 0; i < 8; i++)); do
-    CUDA_VISIBLE_DEVICES=0 timeout ${CHECK_S:-230} python3 benchmarks/gpu_check.py --shard "$i/8" > "$OUT/check_$i.part" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 timeout ${CHECK_S:-230} python3 benchmarks/gpu_check.py --shard "$i/8" ${CHECK_FLAGS:-} > "$OUT/check_$i.part" 2>&1 &
   done
   wait
   cat "$OUT"/check_*.part > "$OUT/gpu_check.log"; rm -f "$OUT"/check_*.part
@@ -21,17 +22,19 @@ check() {
 laneA() {
   check
   CUDA_VISIBLE_DEVICES=0 timeout ${KDA_S:-150} ${KDA_CMD:-true} > "$OUT/kda.log" 2>&1
-  CUDA_VISIBLE_DEVICES=0 timeout ${TRAIN_S:-170} python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4 > "$OUT/train.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout ${TRAIN_S:-170} python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4 ${TRAIN_FLAGS:-} > "$OUT/train.log" 2>&1
 }
 laneB() {
-  CUDA_VISIBLE_DEVICES=$G1 timeout ${OPS_S:-320} python3 benchmarks/ops_gpu.py --decode --profile > "$OUT/ops_gpu.log" 2>&1
-  CUDA_VISIBLE_DEVICES=$G1 timeout ${VAR_S:-190} python3 benchmarks/ops_gpu.py --variants "${VARIANTS:-[{}]}" > "$OUT/variants.log" 2>&1
-  CUDA_VISIBLE_DEVICES=$G1 timeout ${REPRO_S:-60} python3 benchmarks/gpu_repro_v16.py --no-sanitizer > "$OUT/repro.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$G1 timeout ${VAR_S:-190} python3 benchmarks/ops_gpu.py --variants "${VARIANTS:-[{}]}" ${VAR_FLAGS:-} > "$OUT/variants.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$G1 timeout ${REPRO_S:-60} python3 benchmarks/gpu_repro_v16.py --no-sanitizer ${REPRO_FLAGS:-} > "$OUT/repro.log" 2>&1
+  if [ "${OPS_S:-320}" -gt 0 ]; then
+    CUDA_VISIBLE_DEVICES=$G1 timeout ${OPS_S:-320} python3 benchmarks/ops_gpu.py --decode --profile > "$OUT/ops_gpu.log" 2>&1
+  fi
 }
 if [ "$NG" -gt 1 ]; then laneA & laneB & wait; else laneA; laneB; fi
 echo "=== check"; grep -h "FAIL\|SOME\|ALL OK" "$OUT/gpu_check.log" | head -20
 echo "=== repro"; grep "^|" "$OUT/repro.log" | tail -12
-echo "=== variants"; grep "^|" "$OUT/variants.log"
+echo "=== variants"; grep -v "^ \|^$\|^{" "$OUT/variants.log" | head -80
 echo "=== train"; tail -6 "$OUT/train.log"
 echo "=== kda"; tail -30 "$OUT/kda.log"
-echo "=== ops"; grep -v "^{" "$OUT/ops_gpu.log" | tail -75
+echo "=== ops"; [ -f "$OUT/ops_gpu.log" ] && grep -v "^{" "$OUT/ops_gpu.log" | tail -75

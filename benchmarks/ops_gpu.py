@@ -190,10 +190,11 @@ def rows():
     return out, mm_rate, copy_bw
 
 
-def variants(specs):
+def variants(specs, prof=False):
     """gdn alone at every shape under each launch-configuration variant (a JSON list of partial
     ``CONFIG`` updates, e.g. ``[{}, {"split": {"L": -1}}, {"state_fwd": {"num_warps": 8}}]``): ms and
-    the largest relative difference of o and every gradient against the first variant."""
+    the largest relative difference of o and every gradient against the first variant; with ``prof``
+    also the forward's per-kernel times under each."""
     import copy
 
     from gdn.ops.triton._common import CONFIG, update_config
@@ -224,10 +225,30 @@ def variants(specs):
                 t_f = timed(g, False, do)
             t_b = timed(g, True, do, xs)
             print(f"| {name} | {json.dumps(spec)} | {t_f:.3f} | {t_b:.3f} | {diff:.1e} |", flush=True)
+            if prof:
+                with torch.no_grad():
+                    kernel_times(g, f"gdn kernels at {name}, {json.dumps(spec)}, fwd", top=8)
         CONFIG.clear()
         CONFIG.update(copy.deepcopy(base_cfg))
         del xs
         torch.cuda.empty_cache()
+
+
+def kernel_times(run, label, n=5, top=14):
+    """Print the per-kernel GPU time (µs per call of ``run``, torch.profiler, mean of n calls)."""
+    for _ in range(2):
+        run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            run()
+        torch.cuda.synchronize()
+    evs = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    evs.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in evs) / n
+    print(f"\n{label}, µs per call (total {total:.0f} µs):")
+    for e in evs[:top]:
+        print(f"  {e.device_time_total / n:9.1f}  x{e.count // n:<3d} {e.key[:90]}")
 
 
 def profile(B, T, H, HV, label):
@@ -235,21 +256,8 @@ def profile(B, T, H, HV, label):
     xs, cu = inputs(B, T, H, HV, None)
     do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
     for name, f in (("gdn", gdn_fn(xs, cu)), ("FLA", fla_fn(xs, cu))):
-        if f is None:
-            continue
-        for _ in range(2):
-            f().backward(do)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                f().backward(do)
-            torch.cuda.synchronize()
-        evs = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        evs.sort(key=lambda e: -e.device_time_total)
-        total = sum(e.device_time_total for e in evs) / 5
-        print(f"\n{name} kernels at {label}, fwd+bwd, µs per call (total {total:.0f} µs):")
-        for e in evs[:14]:
-            print(f"  {e.device_time_total / 5:9.1f}  x{e.count // 5:<3d} {e.key[:90]}")
+        if f is not None:
+            kernel_times(lambda: f().backward(do), f"{name} kernels at {label}, fwd+bwd")
 
 
 def main():
@@ -275,7 +283,7 @@ def main():
             update_config(json.loads(args.config))
         print("launch configuration:", CONFIG)
     if args.variants:
-        variants(json.loads(args.variants))
+        variants(json.loads(args.variants), args.profile)
         if not args.only_profile:
             return
     if args.only_profile:

@@ -147,6 +147,16 @@ def test_split_state_pass(member, L, monkeypatch):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("member", MEMBERS)
+def test_unfused_forward(member, monkeypatch):
+    """The forward as two stages (state pass storing h and δ, then the output kernel) instead of the
+    fused pass, on packed sequences with an initial state: the same results."""
+    monkeypatch.setitem(_common.CONFIG, "state_out", dict(_common.CONFIG["state_out"], fused=False))
+    errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 128], seed=5)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
+    assert not bad, bad
+
+
 def test_split_fp16_batched(monkeypatch):
     monkeypatch.setitem(_common.CONFIG, "split", dict(_common.CONFIG["split"], L=2))
     errs = _run_both("gated_delta_rule", B=2, T=300, H=1, HV=2, K=32, V=16, dtype=torch.float16, seed=12)
@@ -187,9 +197,10 @@ def test_recording_collects_launches_without_running():
     with _common.recording() as rec:
         h, vn, _, _, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, d["initial_state"], ch, True)
         chunk_fwd.output(qp, kp, vp, gp, h, vn, ch, 0.25, torch.float32)
+        chunk_fwd.forward(qp, kp, vp, gp, bp, d["initial_state"], ch, True, 0.25, torch.float32)
         chunk_bwd.backward(qp, kp, vp, gp, bp, d["initial_state"], vp, None, ch, 0.25)
     names = [k.fn.__name__ for k, _, _, _ in rec]
-    for n in ("kkt_solve_kernel", "wu_kernel", "state_fwd_kernel", "output_kernel", "dv_local_kernel",
+    for n in ("kkt_solve_kernel", "wu_kernel", "state_fwd_kernel", "output_kernel", "state_out_kernel", "dv_local_kernel",
               "state_bwd_kernel", "dqk_kernel", "wy_bwd_kernel"):
         assert n in names, n
     assert all("num_warps" in meta and "num_stages" in meta for _, _, _, meta in rec)

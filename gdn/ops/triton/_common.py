@@ -146,6 +146,9 @@ CONFIG = {
     # state_fwd: SV halves when the (sequence, head, tile) programs would not fill the card
     # (chunk_fwd.forward_intermediates); measured on the H200: (1, 32768, 16, 128) fwd 1.78 → 1.63 ms
     "state_fwd": dict(num_warps=4, stages=(2, 1), SV=8192),
+    # state_out: the forward's fused pass (state and output, chunk_fwd.forward); fused=False runs the
+    # state pass storing h and δ, then the output kernel, instead
+    "state_out": dict(num_warps=4, stages=(2, 1), SV=4096, fused=True),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
     "dv_local": dict(num_warps=8, stages=(1,), BK=64, BV=128),
     "state_bwd": dict(num_warps=4, stages=(2, 1), SV=2048),

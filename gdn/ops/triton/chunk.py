@@ -12,12 +12,21 @@ from __future__ import annotations
 import torch
 
 from . import chunk_bwd, chunk_fwd
-from ._common import Chunks, kernel_dtype, make_chunks, pad_zeros, pow2, precompile
+from ._common import CONFIG, Chunks, kernel_dtype, make_chunks, pad_zeros, pow2, precompile
 
 #: Smallest K and V the kernels see: narrower heads are zero-padded up to it.
 MIN_DIM = 32
 
 
+
+
+def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io):
+    """(o, final state, Ai): the fused forward pass, or (``CONFIG["state_out"]["fused"]`` off) the
+    state pass storing h and δ followed by the output kernel."""
+    if CONFIG["state_out"]["fused"]:
+        return chunk_fwd.forward(q, k, v, g, beta, h0, ch, want_final, scale, io)
+    h, VN, ht, Ai, _ = chunk_fwd.forward_intermediates(q, k, v, g, beta, h0, ch, want_final)
+    return chunk_fwd.output(q, k, v, g, h, VN, ch, scale, io), ht, Ai
 
 
 class ChunkFunction(torch.autograd.Function):
@@ -46,15 +55,14 @@ class ChunkFunction(torch.autograd.Function):
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
             def dry_run():  # the launches of one forward + backward, recorded by precompile, not run
                 dht = torch.empty(ch.N, HV, Kp, Vp, device=qp.device) if want_final else None
-                hh, vn, _, ai, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, h0p, ch, want_final)
-                chunk_fwd.output(qp, kp, vp, gp, hh, vn, ch, scale, io)
+                _, _, ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io)
                 chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt)
 
             precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt), dry_run)
         # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
         # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
-        h, VN, ht, Ai, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, h0p, ch, want_final)
-        o = chunk_fwd.output(qp, kp, vp, gp, h, VN, ch, scale, io)[..., :V]
+        o, ht, Ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io)
+        o = o[..., :V]
         if ht is not None and (Kp, Vp) != (K, V):
             ht = ht[..., :K, :V].contiguous()
         ctx.save_for_backward(qp, kp, vp, gp, bp, h0p, Ai)

@@ -387,32 +387,146 @@ def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H, HV,
     tl.store(o + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=mv)
 
 
+@triton.jit
+def _state_out_step(i_c, b_s, q, k, v, g, W, U, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
+                    H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """One chunk of the fused forward pass: its output rows from the entering state, then the next
+    state. The same arithmetic as ``_state_fwd_step`` followed by ``output_kernel`` (S and δ rounded
+    to DT where those kernels store them), without S or δ leaving the chip."""
+    rows = bos + i_c * BT + o_t
+    m = rows < eos
+    mk = m[:, None] & (o_k < K)[None, :]
+    mv = m[:, None] & (o_v < V)[None, :]
+    b_sd = b_s.to(DT)
+    b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+    if DELTA:
+        b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
+        b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
+        b_d = (b_u - tl.dot(b_w, b_sd, input_precision=PREC)).to(DT)
+    else:
+        b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(DT)
+    b_o = tl.dot(b_q, b_sd, input_precision=PREC)
+    b_p = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+    if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
+        cs = bos + i_c * BT
+        b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
+        b_o = b_o * tl.exp(b_gam)[:, None]
+        b_p = b_p * tl.exp(tl.where(o_t[:, None] >= o_t[None, :], b_gam[:, None] - b_gam[None, :], float("-inf")))
+    else:
+        b_p = tl.where(o_t[:, None] >= o_t[None, :], b_p, 0.0)
+    b_o = scale * (b_o + tl.dot(b_p.to(DT), b_d, input_precision=PREC))
+    tl.store(o + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=mv)
+    if USE_G:
+        b_d = (b_d.to(tl.float32) * tl.exp(b_gc - b_gam)[:, None]).to(DT)
+        b_s = b_s * tl.exp(b_gc)
+    return b_s + tl.dot(tl.trans(b_k), b_d, input_precision=PREC)
+
+
+@triton.jit(do_not_specialize=['max_nc'])
+def state_out_kernel(q, k, v, g, W, U, h0, o, ht, cu, max_nc, scale, H, HV,
+                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
+                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
+    """The forward's sequential pass with the output fused in, for one sequence, value head and V
+    tile: per chunk, O = scale · (diag(Γ) Q S + (Q Kᵀ ⊙ D) δ) from the entering state S, then
+    S ← Γ_C S + K̃ᵀ δ. Neither the per-chunk states nor δ are stored (the backward recomputes them);
+    o [T, HV, V], the final state in ht [N, HV, K, V]. Steps past a sequence's end are masked."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mkv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    p_s = (i_n * HV + i_hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INIT:
+        b_s = tl.load(h0 + p_s, mask=mkv, other=0.0).to(tl.float32)
+    if WHILE:
+        i_c = 0
+        while i_c < max_nc:
+            b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
+                                  H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
+            i_c += 1
+    else:
+        for i_c in range(0, max_nc):
+            b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
+                                  H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
+    if STORE_FINAL:
+        tl.store(ht + p_s, b_s, mask=mkv)
+
+
+def prepare(k, v, g, beta, ch: Chunks, Ai=None):
+    """The per-chunk factors of a delta member: (Ai [T, HV, BT] = T⁻¹ rows, W [T, HV, K], U [T, HV, V]),
+    in the inputs' dtype; (None, None, None) without the delta term. ``Ai``, when given (the
+    backward passes the forward's), is used instead of being computed again."""
+    if beta is None:
+        return None, None, None
+    T, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    prec, DT, io, dev = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype, v.device
+    gp = g if g is not None else beta
+    if Ai is None:
+        Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
+        BK, _ = tiles("kkt_solve", K, V)
+        launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, BK=BK,
+               USE_G=g is not None, PREC=prec, INV=CONFIG["kkt_solve"]["INV"] if DT != tl.float32 else "ieee",
+               name="kkt_solve")
+    W = torch.empty(T, HV, K, device=dev, dtype=io)
+    U = torch.empty(T, HV, V, device=dev, dtype=io)
+    BK, BV = tiles("wu", K, V)
+    launch(wu_kernel, (ch.NT, HV), k, v, gp, beta, Ai, W, U, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, V=V, BT=BT,
+           BK=BK, BV=BV, USE_G=g is not None, PREC=prec, DT=DT, name="wu")
+    return Ai, W, U
+
+
+def state_tile(name: str, ch: Chunks, HV: int, K: int, V: int, device) -> tuple[int, int]:
+    """(BK, BV) of a forward sequential pass: the configured tile, its value width halved when the
+    (sequence, head, tile) programs would not fill the card (twice as many, each with half the values)."""
+    SK, SV = tiles(name, K, V)
+    if ch.N * HV * triton.cdiv(V, SV) < sm_count(device) and SV >= 64:  # never below 32 (MIN_DIM)
+        SV //= 2
+    return SK, SV
+
+
+def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, out_dtype):
+    """The forward of one call: (o [T, HV, V] in ``out_dtype``, final state [N, HV, K, V] fp32 or
+    None, Ai or None). q, k: [T, H, K]; v: [T, HV, V] (one dtype); g, beta: [T, HV] fp32 or None.
+    kkt_solve and wu, then one fused sequential pass (:func:`state_out_kernel`)."""
+    T, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    dev = v.device
+    Ai, W, U = prepare(k, v, g, beta, ch)
+    o = torch.empty(T, HV, V, device=dev, dtype=out_dtype)
+    ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
+    SK, SV = state_tile("state_out", ch, HV, K, V, dev)
+    gp = chunk_cumsum(g, ch) if g is not None else v
+    launch(state_out_kernel, (triton.cdiv(V, SV), ch.N * HV), q, k, v, gp, W if W is not None else v,
+           U if U is not None else v, h0 if h0 is not None else v, o, ht if want_final else v, ch.cu, ch.max_nc,
+           scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=beta is not None,
+           USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=dot_precision(v.dtype), DT=tl_dtype(v.dtype),
+           WHILE=INTERPRET, name="state_out")
+    return o, ht, Ai
+
+
 def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai=None):
-    """Run the sequential part of the forward: returns (h [NT, HV, K, V], VN or None, ht or None,
-    Ai or None, W or None); h, VN, Ai, W in the inputs' dtype, ht fp32. q, k: [T, H, K];
-    v: [T, HV, V] (q, k, v of one dtype); g, beta: [T, HV] fp32 or None. ``Ai`` [T, HV, BT], when
-    given (the backward passes the forward's), is used instead of being computed again."""
+    """Run the sequential part of the forward, storing what the backward needs: returns
+    (h [NT, HV, K, V], VN or None, ht or None, Ai or None, W or None); h, VN, Ai, W in the inputs'
+    dtype, ht fp32. q, k: [T, H, K]; v: [T, HV, V] (q, k, v of one dtype); g, beta: [T, HV] fp32 or
+    None. ``Ai`` [T, HV, BT], when given (the backward passes the forward's), is used instead of
+    being computed again."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     delta = beta is not None
     prec, DT, io = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype
     dev = v.device
-    W = U = VN = None
-    if not delta:
-        Ai = None
-    else:
-        W = torch.empty(T, HV, K, device=dev, dtype=io)
-        U = torch.empty(T, HV, V, device=dev, dtype=io)
-        VN = torch.empty(T, HV, V, device=dev, dtype=io)
-        gp = g if g is not None else beta
-        if Ai is None:
-            Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
-            BK, _ = tiles("kkt_solve", K, V)
-            launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, BK=BK,
-                   USE_G=g is not None, PREC=prec, INV=CONFIG["kkt_solve"]["INV"] if DT != tl.float32 else "ieee", name="kkt_solve")
-        BK, BV = tiles("wu", K, V)
-        launch(wu_kernel, (ch.NT, HV), k, v, gp, beta, Ai, W, U, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, V=V, BT=BT,
-               BK=BK, BV=BV, USE_G=g is not None, PREC=prec, DT=DT, name="wu")
+    Ai, W, U = prepare(k, v, g, beta, ch, Ai)
+    VN = torch.empty(T, HV, V, device=dev, dtype=io) if delta else None
     h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SK, SV = tiles("state_fwd", K, V)
@@ -435,8 +549,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
         launch(state_fwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Sin, h,
                VN if delta else dummy, dummy, sg.cu, sg.off, L, BV=SV, USE_INIT=True, STORE_FINAL=False, **common)
         return h, VN, ht, Ai, W
-    if ch.N * HV * triton.cdiv(V, SV) < sm_count(dev) and SV > 16:
-        SV //= 2  # too few programs to fill the card: twice as many, each with half the values
+    SK, SV = state_tile("state_fwd", ch, HV, K, V, dev)
     launch(state_fwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
            k, v, gp, Wp, Up, h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy,
            ch.cu, ch.chunk_off, ch.max_nc, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, **common)
