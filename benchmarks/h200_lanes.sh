@@ -6,6 +6,7 @@
 #   OUT=/tmp/x KDA_CMD="python3 benchmarks/kda_gpu.py --check-only" bash benchmarks/h200_lanes.sh
 set -u
 export SITE=/tmp/site PYTHONUNBUFFERED=1
+NO_VARIANT='[{}]'  # (a literal default inside ${...:-} would end at its first brace)
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -1
 export PYTHONPATH="$PWD:$SITE"
 NG=$(nvidia-smi -L | wc -l)
@@ -20,21 +21,24 @@ check() {
   cat "$OUT"/check_*.part > "$OUT/gpu_check.log"; rm -f "$OUT"/check_*.part
 }
 laneA() {
-  check
+  if [ "${CHECK_S:-230}" -gt 0 ]; then check; fi
   CUDA_VISIBLE_DEVICES=0 timeout ${KDA_S:-150} ${KDA_CMD:-true} > "$OUT/kda.log" 2>&1
   CUDA_VISIBLE_DEVICES=0 timeout ${TRAIN_S:-170} python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4 ${TRAIN_FLAGS:-} > "$OUT/train.log" 2>&1
+  if [ -n "${TRAIN2_FLAGS:-}" ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout ${TRAIN2_S:-170} python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4 $TRAIN2_FLAGS > "$OUT/train2.log" 2>&1
+  fi
 }
 laneB() {
-  CUDA_VISIBLE_DEVICES=$G1 timeout ${VAR_S:-190} python3 benchmarks/ops_gpu.py --variants "${VARIANTS:-[{}]}" ${VAR_FLAGS:-} > "$OUT/variants.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$G1 timeout ${VAR_S:-190} python3 benchmarks/ops_gpu.py --variants "${VARIANTS:-$NO_VARIANT}" ${VAR_FLAGS:-} > "$OUT/variants.log" 2>&1
   CUDA_VISIBLE_DEVICES=$G1 timeout ${REPRO_S:-60} python3 benchmarks/gpu_repro_v16.py --no-sanitizer ${REPRO_FLAGS:-} > "$OUT/repro.log" 2>&1
   if [ "${OPS_S:-320}" -gt 0 ]; then
     CUDA_VISIBLE_DEVICES=$G1 timeout ${OPS_S:-320} python3 benchmarks/ops_gpu.py --decode --profile > "$OUT/ops_gpu.log" 2>&1
   fi
 }
 if [ "$NG" -gt 1 ]; then laneA & laneB & wait; else laneA; laneB; fi
-echo "=== check"; grep -h "FAIL\|SOME\|ALL OK" "$OUT/gpu_check.log" | head -20
+echo "=== check"; [ -f "$OUT/gpu_check.log" ] && grep -h "FAIL\|SOME\|ALL OK" "$OUT/gpu_check.log" | head -20
 echo "=== repro"; grep "^|" "$OUT/repro.log" | tail -12
 echo "=== variants"; grep -v "^ \|^$\|^{" "$OUT/variants.log" | head -80
-echo "=== train"; tail -6 "$OUT/train.log"
+echo "=== train"; grep "^|\|x$" "$OUT/train.log"; [ -f "$OUT/train2.log" ] && grep "^|\|x$" "$OUT/train2.log"
 echo "=== kda"; tail -30 "$OUT/kda.log"
 echo "=== ops"; [ -f "$OUT/ops_gpu.log" ] && grep -v "^{" "$OUT/ops_gpu.log" | tail -75

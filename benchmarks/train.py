@@ -38,6 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile the gdn model")
     p.add_argument("--peak-tflops", type=float, default=989.0 if cuda else 0.0, help="for MFU (0 = not reported)")
     p.add_argument("--no-fla", action="store_true", help="skip the FLA comparison")
+    p.add_argument("--profile", action="store_true", help="per-kernel GPU times of one step of each model (CUDA)")
     return p.parse_args(argv)
 
 
@@ -63,25 +64,44 @@ def model_flops_per_token(cfg: GDNConfig, T: int) -> float:
     return 6 * matmul + 3 * mixer_fwd
 
 
-def time_steps(model, B, T, vocab, steps, warmup, device, bf16, **fwd_kw):
+def time_steps(model, B, T, vocab, steps, warmup, device, bf16, label="", profile=False, **fwd_kw):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, vocab, (B, T), device=device)
     times = []
-    for i in range(warmup + steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
+
+    def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = model(input_ids=ids, labels=ids, **fwd_kw).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    for i in range(warmup + steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t)
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    if profile and device.type == "cuda":
+        kernel_profile(step, label)
     return statistics.median(times), mem
+
+
+def kernel_profile(step, label, top=30):
+    """Print the GPU time per kernel of one training step (torch.profiler), largest first."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    evs = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    evs.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in evs)
+    print(f"\n{label}: GPU time of one step by kernel, ms (total {total / 1e3:.1f} ms)")
+    for e in evs[:top]:
+        print(f"  {e.device_time_total / 1e3:8.2f}  x{e.count:<4d} {e.key[:100]}")
 
 
 def fla_model(cfg: GDNConfig):
@@ -112,7 +132,8 @@ def main(argv=None):
     if a.checkpointing:
         model.model.gradient_checkpointing = True
     run = torch.compile(model) if a.compile else model
-    s, mem = time_steps(run, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, use_cache=False)
+    s, mem = time_steps(run, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, "gdn", a.profile,
+                        use_cache=False)
     rows.append(("gdn", sum(p.numel() for p in model.parameters()), s, mem))
     del model, run
     if device.type == "cuda" and not a.no_fla:
@@ -126,7 +147,7 @@ def main(argv=None):
             if a.checkpointing:
                 fm.gradient_checkpointing_enable()
             torch.cuda.reset_peak_memory_stats(device)
-            s, mem = time_steps(fm, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16)
+            s, mem = time_steps(fm, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, "fla", a.profile)
             rows.append(("fla", sum(p.numel() for p in fm.parameters()), s, mem))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"training step (fwd+bwd+AdamW): preset {a.preset}, size {a.size}, batch {a.batch} x {a.seq_len}, "

@@ -12,7 +12,6 @@ An explicit backend that cannot run the call raises; nothing falls back silently
 """
 from __future__ import annotations
 
-import warnings
 
 import torch
 
@@ -71,24 +70,11 @@ def _triton_fn(op: str):
     return getattr(mod, op, None)
 
 
-#: Heads narrower than this (K or V) are not validated on the GPU for the Triton chunk kernels: on
-#: the H200, triton 3.6 compiled wrong kernels there (V = 16 bf16: a wrong output; K = 16: an
-#: illegal memory access; docs/TRITON.md, "Known problems").
-GPU_VALIDATED_MIN_DIM = 32
-
-
-def narrow_heads(K: int, V: int) -> bool:
-    """Whether the Triton chunk kernels are unvalidated at head sizes K, V (automatic dispatch then
-    keeps the PyTorch chunk form; decode steps take the validated recurrent kernel regardless)."""
-    return min(K, V) < GPU_VALIDATED_MIN_DIM
-
-
 def _dispatch(op: str, backend, q, dims, cu_seqlens):
     """Return ``(backend, function)`` implementing ``op`` (backend None: pick)."""
     decode = _is_decode_step(dims, cu_seqlens)
-    unvalidated = op != _KDA and narrow_heads(dims.K, dims.V) and not decode
     if backend is None:
-        if q.is_cuda and _triton_fn(op) is not None and not unvalidated:
+        if q.is_cuda and _triton_fn(op) is not None:
             backend = "triton"
         elif decode:
             backend = "naive"
@@ -99,11 +85,6 @@ def _dispatch(op: str, backend, q, dims, cu_seqlens):
     if backend == "chunk":
         return backend, getattr(_kda_chunk if op == _KDA else _chunk, op)
     fn = _triton_fn(op)
-    if backend == "triton" and q.is_cuda and unvalidated:
-        warnings.warn(f"{op}: backend='triton' with K = {dims.K}, V = {dims.V}: the chunk kernels are not "
-                      f"validated on the GPU for heads narrower than {GPU_VALIDATED_MIN_DIM} (a wrong output was "
-                      "measured at V = 16 in bf16, docs/TRITON.md); backend=None picks the PyTorch chunk form there",
-                      stacklevel=3)
     if not q.is_cuda or fn is None:
         raise ValueError(
             f"backend='triton' cannot run {op} here: it needs CUDA tensors (q is on {q.device}) and the "

@@ -70,10 +70,9 @@ def gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, *, scale=None, initial
     check_recurrent(q, k, v, a, None, initial_state, cu_seqlens, scale, backend, name_g="a")
     _check_params(a, b, A_log, dt_bias)
     if backend is None and q.is_cuda:
-        from . import _triton_module, narrow_heads  # noqa: PLC0415
+        from . import _triton_module  # noqa: PLC0415
 
-        # narrow heads keep the PyTorch prologue, then the op's own pick (the chunk form there)
-        if not narrow_heads(q.shape[-1], v.shape[-1]) and _triton_module() is not None:
+        if _triton_module() is not None:
             backend = "triton"
     if backend == "triton":
         from . import _triton_module  # noqa: PLC0415

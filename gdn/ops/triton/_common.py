@@ -138,8 +138,10 @@ def tl_dtype(dtype: torch.dtype):
 #: candidates were within ±5 % of each other at K = V = 128 bf16).
 CONFIG = {
     # kkt_solve: INV is the precision of the in-chunk inverse's fp32 dots for half inputs ("ieee":
-    # FMA, exact fp32; "tf32x3": three tensor-core passes, ≈ fp32; "tf32": one); fp32 inputs: "ieee"
-    "kkt_solve": dict(num_warps=2, stages=(1,), BK=64, BV=64, INV="ieee"),
+    # FMA, exact fp32; "tf32x3": three tensor-core passes, ≈ fp32; "tf32": one); fp32 inputs: "ieee".
+    # "tf32": 7–37 % faster forwards on the H200, results moved by ≈ 2e-3 relative (half of what bf16
+    # inputs cost), within DESIGN §5 tier 3 at every case of benchmarks/gpu_check.py (2026-11-30)
+    "kkt_solve": dict(num_warps=2, stages=(1,), BK=64, BV=64, INV="tf32"),
     # wu: 8 warps. With 4, triton 3.6 on the H200 compiled a shared-memory access out of range at
     # K = 60/64, T = 63 (compute-sanitizer, benchmarks/gpu_repro_v16.py); 8 warps time the same.
     "wu": dict(num_warps=8, stages=(3, 2, 1), BK=64, BV=64),
