@@ -148,10 +148,12 @@ def test_split_state_pass(member, L, monkeypatch):
 
 
 @pytest.mark.parametrize("member", MEMBERS)
-def test_unfused_forward(member, monkeypatch):
-    """The forward as two stages (state pass storing h and δ, then the output kernel) instead of the
-    fused pass, on packed sequences with an initial state: the same results."""
-    monkeypatch.setitem(_common.CONFIG, "state_out", dict(_common.CONFIG["state_out"], fused=False))
+@pytest.mark.parametrize("fill", [0, 10 ** 9], ids=["fused", "two-stage"])
+def test_forward_paths(member, fill, monkeypatch):
+    """Both forwards: the fused pass (state and output in one sequential kernel) and the two-stage
+    one (state pass storing h and δ, then the output kernel), forced by the fill rule of
+    ``chunk._forward``, on packed sequences with an initial state: the same results."""
+    monkeypatch.setitem(_common.CONFIG, "state_out", dict(_common.CONFIG["state_out"], fill=fill))
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 128], seed=5)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
     assert not bad, bad

@@ -47,6 +47,9 @@ if AVAILABLE:
             x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
         return not needs_grad
 
+    # torch.compile treats the kernels as opaque calls (a graph break): dynamo cannot trace their
+    # launch helpers, and there is nothing for it to fuse inside them
+    @torch.compiler.disable
     def _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
         if _use_recurrent(q, k, v, g, beta, initial_state):
             return _recurrent.fused_recurrent_gated_delta_rule(

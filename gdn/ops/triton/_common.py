@@ -89,6 +89,19 @@ def make_segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
                     _to_device(count, device), NS, L, int(count.max()) if NS else 0)
 
 
+@functools.lru_cache(maxsize=64)
+def _dense_chunks(B: int, T: int, device: torch.device) -> Chunks:
+    """The chunk layout of B rows of T tokens, built once per (B, T, device): a call at a shape seen
+    before launches no index kernels (the tensors are read-only to every kernel)."""
+    n_per = triton.cdiv(T, BT)
+    NT = B * n_per
+    ar = torch.arange(NT, device=device, dtype=torch.int32)
+    idx = torch.stack([ar // n_per, ar % n_per], dim=1).contiguous()
+    cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+    off = torch.arange(B, device=device, dtype=torch.int32) * n_per
+    return Chunks(cu, idx, off, B, NT, B * T, n_per, torch.arange(B + 1) * T, torch.full((B,), n_per))
+
+
 def make_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> Chunks:
     """Chunk layout for ``B`` rows of ``T`` tokens, or for packed ``cu_seqlens`` (then B == 1).
 
@@ -96,13 +109,9 @@ def make_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.d
     tensors are built on the host and copied asynchronously (from pinned memory on CUDA).
     """
     if cu_seqlens is None:
-        n_per = triton.cdiv(T, BT)
-        NT = B * n_per
-        ar = torch.arange(NT, device=device, dtype=torch.int32)
-        idx = torch.stack([ar // n_per, ar % n_per], dim=1).contiguous()
-        cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
-        off = torch.arange(B, device=device, dtype=torch.int32) * n_per
-        return Chunks(cu, idx, off, B, NT, B * T, n_per, torch.arange(B + 1) * T, torch.full((B,), n_per))
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return _dense_chunks.__wrapped__(B, T, device)  # made inside a graph: not reusable outside it
+        return _dense_chunks(B, T, device)
     host = cu_seqlens.detach().to("cpu", torch.int64)
     lens = host[1:] - host[:-1]
     per = (lens + BT - 1) // BT
@@ -148,9 +157,9 @@ CONFIG = {
     # state_fwd: SV halves when the (sequence, head, tile) programs would not fill the card
     # (chunk_fwd.forward_intermediates); measured on the H200: (1, 32768, 16, 128) fwd 1.78 → 1.63 ms
     "state_fwd": dict(num_warps=4, stages=(2, 1), SV=8192),
-    # state_out: the forward's fused pass (state and output, chunk_fwd.forward); fused=False runs the
-    # state pass storing h and δ, then the output kernel, instead
-    "state_out": dict(num_warps=4, stages=(2, 1), SV=4096, fused=True),
+    # state_out: the forward's fused pass (state and output, chunk_fwd.forward), taken when its
+    # programs number ≥ fill × the multiprocessors (chunk._forward); else state_fwd, then output
+    "state_out": dict(num_warps=4, stages=(2, 1), SV=4096, fill=2),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
     "dv_local": dict(num_warps=8, stages=(1,), BK=64, BV=128),
     "state_bwd": dict(num_warps=4, stages=(2, 1), SV=2048),
@@ -214,7 +223,7 @@ def tiles(name: str, K: int, V: int) -> tuple[int, int]:
 
 def pow2(n: int, lo: int = 16) -> int:
     """Smallest power of two ≥ max(n, lo) (tl.dot needs tiles of at least 16)."""
-    return max(lo, triton.next_power_of_2(n))
+    return max(lo, 1 << (int(n) - 1).bit_length()) if n > 1 else lo
 
 
 @triton.jit
@@ -290,7 +299,7 @@ def launch(kernel, grid, *args, name: str, config: dict | None = None, **meta):
     cfg = (CONFIG if config is None else config)[name]
     stages = cfg["stages"]
     meta["num_warps"] = cfg["num_warps"]
-    key = (kernel.fn.__name__, tuple(sorted((k, str(v)) for k, v in meta.items())), stages)
+    key = (kernel, tuple(meta.items()), stages)  # (callers pass their keywords in a fixed order)
     if _RECORD is not None:
         _RECORD.append((kernel, grid, args, dict(meta, num_stages=_STAGES.get(key, stages[0]))))
         return None

@@ -142,6 +142,7 @@ class Gate(torch.autograd.Function):
         return da, db, dA_log, ddt, None
 
 
+@torch.compiler.disable
 def gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, *, scale=None, initial_state=None,
                            output_final_state=False, cu_seqlens=None, use_qk_l2norm=True, allow_neg_eigval=False):
     """Gated DeltaNet from the layer's raw inputs, prologue on the GPU.
