@@ -228,6 +228,12 @@ def variants(specs, prof=False):
             if prof:
                 with torch.no_grad():
                     kernel_times(g, f"gdn kernels at {name}, {json.dumps(spec)}, fwd", top=8)
+
+                def fwd_bwd():
+                    for x in xs:
+                        x.grad = None
+                    g().backward(do)
+                kernel_times(fwd_bwd, f"gdn kernels at {name}, {json.dumps(spec)}, fwd+bwd", top=14)
         CONFIG.clear()
         CONFIG.update(copy.deepcopy(base_cfg))
         del xs
