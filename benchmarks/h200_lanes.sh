@@ -22,23 +22,29 @@ check() {
 }
 laneA() {
   if [ "${CHECK_S:-230}" -gt 0 ]; then check; fi
-  CUDA_VISIBLE_DEVICES=0 timeout ${KDA_S:-150} ${KDA_CMD:-true} > "$OUT/kda.log" 2>&1
-  CUDA_VISIBLE_DEVICES=0 timeout ${TRAIN_S:-170} python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4 ${TRAIN_FLAGS:-} > "$OUT/train.log" 2>&1
+  if [ -n "${KDA_CMD:-}" ]; then CUDA_VISIBLE_DEVICES=0 timeout ${KDA_S:-150} $KDA_CMD > "$OUT/kda.log" 2>&1; fi
+  if [ "${TRAIN_S:-170}" -gt 0 ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout ${TRAIN_S:-170} python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4 ${TRAIN_FLAGS:-} > "$OUT/train.log" 2>&1
+  fi
   if [ -n "${TRAIN2_FLAGS:-}" ]; then
     CUDA_VISIBLE_DEVICES=0 timeout ${TRAIN2_S:-170} python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4 $TRAIN2_FLAGS > "$OUT/train2.log" 2>&1
   fi
 }
 laneB() {
-  CUDA_VISIBLE_DEVICES=$G1 timeout ${VAR_S:-190} python3 benchmarks/ops_gpu.py --variants "${VARIANTS:-$NO_VARIANT}" ${VAR_FLAGS:-} > "$OUT/variants.log" 2>&1
-  CUDA_VISIBLE_DEVICES=$G1 timeout ${REPRO_S:-60} python3 benchmarks/gpu_repro_v16.py --no-sanitizer ${REPRO_FLAGS:-} > "$OUT/repro.log" 2>&1
+  if [ "${VAR_S:-190}" -gt 0 ]; then
+    CUDA_VISIBLE_DEVICES=$G1 timeout ${VAR_S:-190} python3 benchmarks/ops_gpu.py --variants "${VARIANTS:-$NO_VARIANT}" ${VAR_FLAGS:-} > "$OUT/variants.log" 2>&1
+  fi
+  if [ "${REPRO_S:-60}" -gt 0 ]; then
+    CUDA_VISIBLE_DEVICES=$G1 timeout ${REPRO_S:-60} python3 benchmarks/gpu_repro_v16.py --no-sanitizer ${REPRO_FLAGS:-} > "$OUT/repro.log" 2>&1
+  fi
   if [ "${OPS_S:-320}" -gt 0 ]; then
     CUDA_VISIBLE_DEVICES=$G1 timeout ${OPS_S:-320} python3 benchmarks/ops_gpu.py --decode --profile > "$OUT/ops_gpu.log" 2>&1
   fi
 }
 if [ "$NG" -gt 1 ]; then laneA & laneB & wait; else laneA; laneB; fi
 echo "=== check"; [ -f "$OUT/gpu_check.log" ] && grep -h "FAIL\|SOME\|ALL OK" "$OUT/gpu_check.log" | head -20
-echo "=== repro"; grep "^|" "$OUT/repro.log" | tail -12
-echo "=== variants"; grep -v "^ \|^$\|^{" "$OUT/variants.log" | head -80
-echo "=== train"; grep "^|\|x$" "$OUT/train.log"; [ -f "$OUT/train2.log" ] && grep "^|\|x$" "$OUT/train2.log"
-echo "=== kda"; tail -30 "$OUT/kda.log"
+echo "=== repro"; [ -f "$OUT/repro.log" ] && grep "^|" "$OUT/repro.log" | tail -12
+echo "=== variants"; [ -f "$OUT/variants.log" ] && grep "^|" "$OUT/variants.log" | head -80
+echo "=== train"; [ -f "$OUT/train.log" ] && grep "^|\|x$" "$OUT/train.log"; [ -f "$OUT/train2.log" ] && grep "^|\|x$" "$OUT/train2.log"
+echo "=== kda"; [ -f "$OUT/kda.log" ] && tail -30 "$OUT/kda.log"
 echo "=== ops"; [ -f "$OUT/ops_gpu.log" ] && grep -v "^{" "$OUT/ops_gpu.log" | tail -75
