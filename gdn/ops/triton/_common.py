@@ -160,7 +160,7 @@ CONFIG = {
     "state_fwd": dict(num_warps=4, stages=(2, 1), SV=8192),
     # state_out: the forward's fused pass (state and output, chunk_fwd.forward), taken when its
     # programs number ≥ fill × the multiprocessors (chunk._forward); else state_fwd, then output
-    "state_out": dict(num_warps=4, stages=(2, 1), SV=4096, fill=2),
+    "state_out": dict(num_warps=4, stages=(2, 1), SV=4096, fill=1.5),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
     "dv_local": dict(num_warps=8, stages=(1,), BK=64, BV=128),
     "state_bwd": dict(num_warps=4, stages=(2, 1), SV=2048),

@@ -22,10 +22,11 @@ MIN_DIM = 32
 
 def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io):
     """(o, final state, Ai): the fused forward pass when its (sequence, head, value tile) programs
-    number at least ``CONFIG["state_out"]["fill"]`` times the card's multiprocessors, else the state
-    pass storing h and δ followed by the fully parallel output kernel. Measured on the H200: the fused
-    pass's longer chunk step costs more than the stores it saves when its programs cannot hide each
-    other's latency (1 × 32768: 1.67 ms fused against 0.83 + 0.28 ms; 4 × 8192: 0.51 against 0.58)."""
+    number at least ``CONFIG["state_out"]["fill"]`` (1.5) times the card's multiprocessors, else the
+    state pass storing h and δ followed by the fully parallel output kernel. The fused pass's chunk
+    step is longer; with few programs nothing hides it. Measured on the H200 (132 SMs; GPU µs of the
+    pass(es), `ops_gpu.py --variants --profile`): 4 × 8192 (256 programs) 507 fused against 296 + 283;
+    grouped 1 × 8192, HV = 32 (128) 444 against 224 + 128; 1 × 32768 (64) 1669 against 832 + 284."""
     HV, V = v.shape[1], v.shape[2]
     _, SV = chunk_fwd.state_tile("state_out", ch, HV, k.shape[-1], V, v.device)
     if ch.N * HV * -(-V // SV) >= CONFIG["state_out"]["fill"] * sm_count(v.device):
