@@ -150,13 +150,10 @@ def test_split_state_pass(member, L, monkeypatch):
 @pytest.mark.parametrize("member", MEMBERS)
 @pytest.mark.parametrize("fill", [0, 10 ** 9], ids=["fused", "two-stage"])
 def test_forward_paths(member, fill, monkeypatch):
-    """Both forwards: the fused pass (state and output in one sequential kernel, W and U from
-    kkt_solve) and the two-stage one (state pass storing h and δ, then the output kernel; W and U
-    from the wu kernel), forced by the fill rule of
+    """Both forwards: the fused pass (state and output in one sequential kernel) and the two-stage
+    one (state pass storing h and δ, then the output kernel), forced by the fill rule of
     ``chunk._forward``, on packed sequences with an initial state: the same results."""
     monkeypatch.setitem(_common.CONFIG, "state_out", dict(_common.CONFIG["state_out"], fill=fill))
-    # the two-stage case also takes T⁻¹ alone from kkt_solve, then the wu kernel
-    monkeypatch.setitem(_common.CONFIG, "kkt_solve", dict(_common.CONFIG["kkt_solve"], WU=fill == 0))
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 128], seed=5)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
     assert not bad, bad
@@ -200,10 +197,10 @@ def test_recording_collects_launches_without_running():
     qp, kp = d["q"].reshape(130, 1, 16), d["k"].reshape(130, 1, 16)
     vp, gp, bp = d["v"].reshape(130, 2, 16), d["g"].reshape(130, 2), d["beta"].reshape(130, 2)
     with _common.recording() as rec:
-        h, vn, _, ai, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, d["initial_state"], ch, True)
+        h, vn, _, _, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, d["initial_state"], ch, True)
         chunk_fwd.output(qp, kp, vp, gp, h, vn, ch, 0.25, torch.float32)
         chunk_fwd.forward(qp, kp, vp, gp, bp, d["initial_state"], ch, True, 0.25, torch.float32)
-        chunk_bwd.backward(qp, kp, vp, gp, bp, d["initial_state"], vp, None, ch, 0.25, ai)  # Ai given: wu
+        chunk_bwd.backward(qp, kp, vp, gp, bp, d["initial_state"], vp, None, ch, 0.25)
     names = [k.fn.__name__ for k, _, _, _ in rec]
     for n in ("kkt_solve_kernel", "wu_kernel", "state_fwd_kernel", "output_kernel", "state_out_kernel", "dv_local_kernel",
               "state_bwd_kernel", "dqk_kernel", "wy_bwd_kernel"):

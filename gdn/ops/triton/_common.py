@@ -150,8 +150,7 @@ CONFIG = {
     # FMA, exact fp32; "tf32x3": three tensor-core passes, ≈ fp32; "tf32": one); fp32 inputs: "ieee".
     # "tf32": 7–37 % faster forwards on the H200, results moved by ≈ 2e-3 relative (half of what bf16
     # inputs cost), within DESIGN §5 tier 3 at every case of benchmarks/gpu_check.py (2026-11-30)
-    # WU: the forward's kkt_solve also computes W and U (no wu kernel, T⁻¹ not read back)
-    "kkt_solve": dict(num_warps=2, stages=(1,), BK=64, BV=64, INV="tf32", WU=True),
+    "kkt_solve": dict(num_warps=2, stages=(1,), BK=64, BV=64, INV="tf32"),
     # wu: 8 warps. With 4, triton 3.6 on the H200 compiled a shared-memory access out of range at
     # K = 60/64, T = 63 (compute-sanitizer, benchmarks/gpu_repro_v16.py); 8 warps time the same.
     "wu": dict(num_warps=8, stages=(3, 2, 1), BK=64, BV=64),

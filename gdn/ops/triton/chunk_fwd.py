@@ -63,40 +63,9 @@ def _store_block(Ai, X, rows, m, HV, i_hv, col0: tl.constexpr):
 
 
 @triton.jit
-def _wu_rows(src, dst, r0, r1, r2, r3, m0, m1, m2, m3, s0, s1, s2, s3, X00, X10, X11, X20, X21, X22, X30, X31,
-             X32, X33, NH, i_src, HV, i_hv, N: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """dst rows of one chunk = T diag(s) src, with T given as its ten non-zero 16 × 16 blocks (in DT)
-    and src [T, NH, N] read in four 16-row blocks; dst [T, HV, N] written in DT."""
-    for i_n in range(0, tl.cdiv(N, BN)):
-        o_n = i_n * BN + tl.arange(0, BN)
-        mn = (o_n < N)[None, :]
-        a0 = (tl.load(src + (r0[:, None] * NH + i_src) * N + o_n[None, :], mask=m0[:, None] & mn, other=0.0)
-              .to(tl.float32) * s0[:, None]).to(DT)
-        a1 = (tl.load(src + (r1[:, None] * NH + i_src) * N + o_n[None, :], mask=m1[:, None] & mn, other=0.0)
-              .to(tl.float32) * s1[:, None]).to(DT)
-        a2 = (tl.load(src + (r2[:, None] * NH + i_src) * N + o_n[None, :], mask=m2[:, None] & mn, other=0.0)
-              .to(tl.float32) * s2[:, None]).to(DT)
-        a3 = (tl.load(src + (r3[:, None] * NH + i_src) * N + o_n[None, :], mask=m3[:, None] & mn, other=0.0)
-              .to(tl.float32) * s3[:, None]).to(DT)
-        d0 = tl.dot(X00, a0, input_precision=PREC)
-        d1 = tl.dot(X10, a0, input_precision=PREC) + tl.dot(X11, a1, input_precision=PREC)
-        d2 = (tl.dot(X20, a0, input_precision=PREC) + tl.dot(X21, a1, input_precision=PREC)
-              + tl.dot(X22, a2, input_precision=PREC))
-        d3 = (tl.dot(X30, a0, input_precision=PREC) + tl.dot(X31, a1, input_precision=PREC)
-              + tl.dot(X32, a2, input_precision=PREC) + tl.dot(X33, a3, input_precision=PREC))
-        tl.store(dst + (r0[:, None] * HV + i_hv) * N + o_n[None, :], d0.to(DT), mask=m0[:, None] & mn)
-        tl.store(dst + (r1[:, None] * HV + i_hv) * N + o_n[None, :], d1.to(DT), mask=m1[:, None] & mn)
-        tl.store(dst + (r2[:, None] * HV + i_hv) * N + o_n[None, :], d2.to(DT), mask=m2[:, None] & mn)
-        tl.store(dst + (r3[:, None] * HV + i_hv) * N + o_n[None, :], d3.to(DT), mask=m3[:, None] & mn)
-
-
-@triton.jit
-def kkt_solve_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr, V: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr,
-                     INV: tl.constexpr, WU: tl.constexpr, DT: tl.constexpr):
-    """Ai[t, hv, :] = rows of T = (I + A)⁻¹ for each chunk, built from four 16-row blocks. With ``WU``
-    also W = T diag(βΓ) K and U = T diag(β) V from the blocks while they are on chip (the work of
-    ``wu_kernel`` without reading T back; K is read a second time, from cache)."""
+def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H, HV, K: tl.constexpr,
+                     BK: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr, INV: tl.constexpr):
+    """Ai[t, hv, :] = rows of T = (I + A)⁻¹ for each chunk, built from four 16-row blocks."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
@@ -183,17 +152,6 @@ def kkt_solve_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.conste
     _store_block(Ai, X31, r3, m3, HV, i_hv, 16)
     _store_block(Ai, X32, r3, m3, HV, i_hv, 32)
     _store_block(Ai, X33, r3, m3, HV, i_hv, 48)
-    if WU:
-        X00, X10, X11, X20, X21 = X00.to(DT), X10.to(DT), X11.to(DT), X20.to(DT), X21.to(DT)
-        X22, X30, X31, X32, X33 = X22.to(DT), X30.to(DT), X31.to(DT), X32.to(DT), X33.to(DT)
-        if USE_G:
-            s0, s1, s2, s3 = b0 * tl.exp(g0), b1 * tl.exp(g1), b2 * tl.exp(g2), b3 * tl.exp(g3)
-        else:
-            s0, s1, s2, s3 = b0, b1, b2, b3
-        _wu_rows(k, W, r0, r1, r2, r3, m0, m1, m2, m3, s0, s1, s2, s3, X00, X10, X11, X20, X21, X22, X30, X31,
-                 X32, X33, H, i_h, HV, i_hv, K, BK, PREC, DT)
-        _wu_rows(v, U, r0, r1, r2, r3, m0, m1, m2, m3, b0, b1, b2, b3, X00, X10, X11, X20, X21, X22, X30, X31,
-                 X32, X33, HV, i_hv, HV, i_hv, V, BV, PREC, DT)
 
 
 @triton.jit
@@ -513,17 +471,14 @@ def prepare(k, v, g, beta, ch: Chunks, Ai=None):
     HV, V = v.shape[1], v.shape[2]
     prec, DT, io, dev = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype, v.device
     gp = g if g is not None else beta
+    if Ai is None:
+        Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
+        BK, _ = tiles("kkt_solve", K, V)
+        launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, BK=BK,
+               USE_G=g is not None, PREC=prec, INV=CONFIG["kkt_solve"]["INV"] if DT != tl.float32 else "ieee",
+               name="kkt_solve")
     W = torch.empty(T, HV, K, device=dev, dtype=io)
     U = torch.empty(T, HV, V, device=dev, dtype=io)
-    if Ai is None:  # T⁻¹, W and U in one kernel (or, CONFIG["kkt_solve"]["WU"] off, T⁻¹ alone, then wu)
-        fused = CONFIG["kkt_solve"]["WU"]
-        Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
-        BK, BV = tiles("kkt_solve", K, V)
-        launch(kkt_solve_kernel, (ch.NT, HV), k, v, gp, beta, Ai, W, U, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, V=V,
-               BK=BK, BV=BV, USE_G=g is not None, PREC=prec,
-               INV=CONFIG["kkt_solve"]["INV"] if DT != tl.float32 else "ieee", WU=fused, DT=DT, name="kkt_solve")
-        if fused:
-            return Ai, W, U
     BK, BV = tiles("wu", K, V)
     launch(wu_kernel, (ch.NT, HV), k, v, gp, beta, Ai, W, U, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, V=V, BT=BT,
            BK=BK, BV=BV, USE_G=g is not None, PREC=prec, DT=DT, name="wu")
