@@ -154,7 +154,7 @@ def test_forward_paths(member, fill, monkeypatch):
     one (state pass storing h and δ, then the output kernel), forced by the fill rule of
     ``chunk._forward``, on packed sequences with an initial state: the same results."""
     monkeypatch.setitem(_common.CONFIG, "state_out", dict(_common.CONFIG["state_out"], fill=fill))
-    errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 128], seed=5)
+    errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=64, dtype=torch.float32, lens=[65, 1, 0, 128], seed=5)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
     assert not bad, bad
 
@@ -207,3 +207,20 @@ def test_recording_collects_launches_without_running():
         assert n in names, n
     assert all("num_warps" in meta and "num_stages" in meta for _, _, _, meta in rec)
     assert _common._RECORD is None  # recording ends with the context
+
+
+def test_narrow_values_take_the_fused_forward(monkeypatch):
+    """Value heads narrower than 64 never reach the output kernel (miscompiled for bf16 tiles of
+    16-32 on the H200), whatever the fill rule says."""
+    from gdn.ops.triton import chunk as chunk_mod
+
+    monkeypatch.setitem(_common.CONFIG, "state_out", dict(_common.CONFIG["state_out"], fill=10 ** 9))
+    ch = _common.make_chunks(1, 70, None, torch.device("cpu"))
+    for V, want, other in ((32, "state_out_kernel", "output_kernel"), (64, "output_kernel", "state_out_kernel")):
+        q = torch.randn(70, 1, 32)
+        v = torch.randn(70, 2, V)
+        g, b = -torch.rand(70, 2), torch.rand(70, 2)
+        with _common.recording() as rec:
+            chunk_mod._forward(q, q, v, g, b, None, ch, False, 0.25, torch.float32)
+        names = [k.fn.__name__ for k, _, _, _ in rec]
+        assert want in names and other not in names, (V, names)

@@ -29,7 +29,10 @@ def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io):
     grouped 1 × 8192, HV = 32 (128) 444 against 224 + 128; 1 × 32768 (64) 1669 against 832 + 284."""
     HV, V = v.shape[1], v.shape[2]
     _, SV = chunk_fwd.state_tile("state_out", ch, HV, k.shape[-1], V, v.device)
-    if ch.N * HV * -(-V // SV) >= CONFIG["state_out"]["fill"] * sm_count(v.device):
+    # value heads narrower than 64 always take the fused pass: triton 3.6 on the H200 compiles the
+    # output kernel wrong for bf16 value tiles of 16 and 32 (benchmarks/gpu_check.py, T = 63, V = 16
+    # padded to 32: o off by 180 %, everything else right; the fused pass is right there)
+    if V < 64 or ch.N * HV * -(-V // SV) >= CONFIG["state_out"]["fill"] * sm_count(v.device):
         return chunk_fwd.forward(q, k, v, g, beta, h0, ch, want_final, scale, io)
     h, VN, ht, Ai, _ = chunk_fwd.forward_intermediates(q, k, v, g, beta, h0, ch, want_final)
     return chunk_fwd.output(q, k, v, g, h, VN, ch, scale, io), ht, Ai
