@@ -6,9 +6,25 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _triton_swiglu():
+    """:mod:`gdn.ops.triton.swiglu` when Triton imports, else None."""
+    try:
+        from ..ops.triton import swiglu  # noqa: PLC0415
+    except ImportError:
+        return None
+    return swiglu
+
+
+def _product(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """SiLU(g) · u: one Triton pass on CUDA (fp32 math, rounded once), two PyTorch kernels elsewhere."""
+    tri = _triton_swiglu() if g.is_cuda else None
+    return tri.swiglu_forward(g, u) if tri is not None else F.silu(g) * u
+
+
 class _SwiGLUDownFn(torch.autograd.Function):
     """``F.linear(SiLU(gate) · up, weight)`` keeping gate, up and the weight itself for the backward,
-    not SiLU(gate) nor the product: the backward recomputes them.
+    not SiLU(gate) nor the product: the backward recomputes them. On CUDA the elementwise parts
+    run as one Triton pass each way (:mod:`gdn.ops.triton.swiglu`).
 
     gate, up: [..., I]; weight: [D, I], cast to ``dtype`` (the dtype the product runs in).
     Returns [..., D] in ``dtype``."""
@@ -16,7 +32,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, weight, dtype: torch.dtype):
         with torch.autocast(gate.device.type, enabled=False):
-            h = F.silu(gate.to(dtype)) * up.to(dtype)
+            h = _product(gate.to(dtype), up.to(dtype))
             y = F.linear(h, weight.to(dtype))
         ctx.save_for_backward(gate, up, weight)
         ctx.dtype = dtype
@@ -28,15 +44,19 @@ class _SwiGLUDownFn(torch.autograd.Function):
         dt = ctx.dtype
         with torch.autocast(gate.device.type, enabled=False):
             g, u, w, dy = gate.to(dt), up.to(dt), weight.to(dt), dy.to(dt)
-            act = F.silu(g)
+            tri = _triton_swiglu() if g.is_cuda else None
             dw = None
             if ctx.needs_input_grad[2]:
-                h = act * u
+                h = _product(g, u)
                 dw = (dy.reshape(-1, dy.shape[-1]).t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)
                 del h
             dh = dy @ w
-            dgate = torch.ops.aten.silu_backward(dh * u, g).to(gate.dtype)
-            dup = (dh * act).to(up.dtype)
+            if tri is not None:
+                dgate, dup = tri.swiglu_backward(dh, g, u)
+                dgate, dup = dgate.to(gate.dtype), dup.to(up.dtype)
+            else:
+                dgate = torch.ops.aten.silu_backward(dh * u, g).to(gate.dtype)
+                dup = (dh * F.silu(g)).to(up.dtype)
         return dgate, dup, dw, None
 
 
