@@ -14,6 +14,17 @@ import torch
 CHUNK_ELEMENTS = 2**25
 
 
+def _row_passes(z: torch.Tensor, sdt: torch.dtype):
+    """:mod:`gdn.ops.triton.cross_entropy` for CUDA logits with an fp32 softmax, else None (PyTorch)."""
+    if not z.is_cuda or sdt != torch.float32:
+        return None
+    try:
+        from ..ops.triton import cross_entropy  # noqa: PLC0415
+    except ImportError:
+        return None
+    return cross_entropy
+
+
 def _chunk_rows(n: int, vocab: int) -> int:
     return max(1, min(n, CHUNK_ELEMENTS // vocab))
 
@@ -35,9 +46,14 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(dtype)
             for s in range(0, N, rows):
-                z = (h[s:s + rows].to(dtype) @ w.t()).to(sdt)
-                lse[s:s + rows] = torch.logsumexp(z, -1)
-                picked[s:s + rows] = z.gather(1, tgt[s:s + rows, None])[:, 0]
+                z = h[s:s + rows].to(dtype) @ w.t()
+                tri = _row_passes(z, sdt)
+                if tri is not None:  # one pass over the half-precision logits
+                    lse[s:s + rows], picked[s:s + rows] = tri.logsumexp_pick(z, tgt[s:s + rows])
+                else:
+                    z = z.to(sdt)
+                    lse[s:s + rows] = torch.logsumexp(z, -1)
+                    picked[s:s + rows] = z.gather(1, tgt[s:s + rows, None])[:, 0]
                 del z
         n_kept = keep.sum()
         loss = torch.where(keep, lse - picked, 0.0).sum() / n_kept  # NaN when nothing is kept, as F.cross_entropy
@@ -60,11 +76,17 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             for s in range(0, N, rows):
                 e = min(N, s + rows)
                 hc = h[s:e].to(dt)
-                p = torch.exp((hc @ w.t()).to(sdt) - lse[s:e, None])  # softmax, fp32 (or fp64)
-                p[torch.arange(e - s, device=p.device), tgt[s:e]] -= 1.0
-                p *= (keep[s:e].to(p.dtype) * scale)[:, None]
-                pc = p.to(dt)
-                del p
+                z = hc @ w.t()
+                tri = _row_passes(z, sdt)
+                if tri is not None:  # (softmax − onehot) · coef in one pass, in dt
+                    pc = tri.softmax_grad(z, lse[s:e], tgt[s:e], keep[s:e].to(sdt) * scale)
+                else:
+                    p = torch.exp(z.to(sdt) - lse[s:e, None])  # softmax, fp32 (or fp64)
+                    p[torch.arange(e - s, device=p.device), tgt[s:e]] -= 1.0
+                    p *= (keep[s:e].to(p.dtype) * scale)[:, None]
+                    pc = p.to(dt)
+                    del p
+                del z
                 if dh is not None:
                     dh[s:e] = (pc @ w).to(h.dtype)
                 if dw is not None:
