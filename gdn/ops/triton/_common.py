@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -66,6 +67,20 @@ def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device)
 
 
+def _to_device_many(arrays, device: torch.device) -> list[torch.Tensor]:
+    """int32 copies of the host integer arrays on ``device`` in one transfer (one pinned buffer on
+    CUDA, copied asynchronously: no host sync), as views of one device buffer. Each view starts on a
+    16-byte boundary, so Triton sees the same pointer alignment whatever the sizes."""
+    sizes = [len(a) for a in arrays]
+    starts = np.cumsum([0] + [-(-n // 4) * 4 for n in sizes])
+    buf = np.zeros(int(starts[-1]), dtype=np.int32)
+    for a, s0, n in zip(arrays, starts, sizes):
+        buf[s0:s0 + n] = np.asarray(a).reshape(-1)
+    t = torch.from_numpy(buf)
+    t = t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+    return [t[s0:s0 + n] for s0, n in zip(starts, sizes)]
+
+
 def make_segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
     """Cut every sequence of ``ch`` into segments of ``L`` chunks (built on the host; no sync)."""
     per, cu = ch.host_per, ch.host_cu
@@ -74,8 +89,8 @@ def make_segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
     if count.numel() > 1:
         first[1:] = torch.cumsum(count, 0)[:-1]
     NS = int(count.sum())
-    seq = torch.repeat_interleave(torch.arange(per.numel()), count)
-    inner = torch.arange(NS) - torch.repeat_interleave(first, count)
+    seq = torch.from_numpy(np.repeat(np.arange(len(count)), count.numpy()))
+    inner = torch.arange(NS) - first[seq]
     chunk_first = torch.zeros_like(per)
     if per.numel() > 1:
         chunk_first[1:] = torch.cumsum(per, 0)[:-1]
@@ -112,20 +127,21 @@ def make_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.d
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return _dense_chunks.__wrapped__(B, T, device)  # made inside a graph: not reusable outside it
         return _dense_chunks(B, T, device)
+    # host-side index arithmetic in numpy: single-threaded and fast (torch's CPU ops on a dozen
+    # elements took milliseconds on a loaded many-core host, e.g. repeat_interleave)
     host = cu_seqlens.detach().to("cpu", torch.int64)
-    lens = host[1:] - host[:-1]
-    per = (lens + BT - 1) // BT
-    N = lens.numel()
-    off = torch.zeros(N, dtype=torch.int64)
+    h = host.numpy()
+    per = (np.diff(h) + BT - 1) // BT
+    N = len(per)
+    off = np.zeros(N, dtype=np.int64)
     if N > 1:
-        off[1:] = torch.cumsum(per, 0)[:-1]
+        off[1:] = np.cumsum(per)[:-1]
     NT = int(per.sum())
-    seq = torch.repeat_interleave(torch.arange(N), per)
-    inner = torch.arange(NT) - torch.repeat_interleave(off, per)
-    idx = torch.stack([seq, inner], dim=1).to(torch.int32)
-
-    return Chunks(_to_device(host, device), _to_device(idx, device), _to_device(off, device), N, NT, int(host[-1]),
-                  int(per.max()) if N else 0, host, per)
+    seq = np.repeat(np.arange(N), per)
+    idx = np.stack([seq, np.arange(NT) - off[seq]], axis=1)
+    d_cu, d_idx, d_off = _to_device_many([h, idx.reshape(-1), off], device)
+    return Chunks(d_cu, d_idx.view(NT, 2), d_off, N, NT, int(h[-1]), int(per.max()) if N else 0, host,
+                  torch.from_numpy(per))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
