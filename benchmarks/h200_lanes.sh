@@ -13,15 +13,18 @@ NG=$(nvidia-smi -L | wc -l)
 G1=$(( NG > 1 ? 1 : 0 ))
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# the check's eight processes keep to two CPU threads each, leaving the host's cores to lane B's
+# timings (torch's CPU ops on an oversubscribed host stretched host-bound rows tenfold)
 check() {
   for ((i = 0; i < 8; i++)); do
-    CUDA_VISIBLE_DEVICES=0 timeout ${CHECK_S:-230} python3 benchmarks/gpu_check.py --shard "$i/8" ${CHECK_FLAGS:-} > "$OUT/check_$i.part" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=2 timeout ${CHECK_S:-230} python3 benchmarks/gpu_check.py --shard "$i/8" ${CHECK_FLAGS:-} > "$OUT/check_$i.part" 2>&1 &
   done
   wait
   cat "$OUT"/check_*.part > "$OUT/gpu_check.log"; rm -f "$OUT"/check_*.part
 }
 laneA() {
   if [ "${CHECK_S:-230}" -gt 0 ]; then check; fi
+  if [ -n "${GLUE_CMD:-}" ]; then CUDA_VISIBLE_DEVICES=0 timeout ${GLUE_S:-150} $GLUE_CMD > "$OUT/glue.log" 2>&1; fi
   if [ -n "${KDA_CMD:-}" ]; then CUDA_VISIBLE_DEVICES=0 timeout ${KDA_S:-150} $KDA_CMD > "$OUT/kda.log" 2>&1; fi
   if [ "${TRAIN_S:-170}" -gt 0 ]; then
     CUDA_VISIBLE_DEVICES=0 timeout ${TRAIN_S:-170} python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4 ${TRAIN_FLAGS:-} > "$OUT/train.log" 2>&1
@@ -46,5 +49,6 @@ echo "=== check"; [ -f "$OUT/gpu_check.log" ] && grep -h "FAIL\|SOME\|ALL OK" "$
 echo "=== repro"; [ -f "$OUT/repro.log" ] && grep "^|" "$OUT/repro.log" | tail -12
 echo "=== variants"; [ -f "$OUT/variants.log" ] && grep "^|" "$OUT/variants.log" | head -80
 echo "=== train"; [ -f "$OUT/train.log" ] && grep "^|\|x$" "$OUT/train.log"; [ -f "$OUT/train2.log" ] && grep "^|\|x$" "$OUT/train2.log"
+echo "=== glue"; [ -f "$OUT/glue.log" ] && grep "^|\|OK\|FAIL" "$OUT/glue.log" | tail -40
 echo "=== kda"; [ -f "$OUT/kda.log" ] && tail -30 "$OUT/kda.log"
 echo "=== ops"; [ -f "$OUT/ops_gpu.log" ] && grep -v "^{" "$OUT/ops_gpu.log" | tail -75
