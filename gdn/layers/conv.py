@@ -1,4 +1,9 @@
-"""Causal depthwise short convolution with a rolling state for decoding."""
+"""Causal depthwise short convolution with a rolling state for decoding.
+
+On CUDA the convolution of T > 1 tokens runs as Triton kernels on the [B, T, D] layout
+(:mod:`gdn.ops.triton.short_conv`); the PyTorch code here is the CPU path, the one-token decode
+step and the reference of those kernels' tests.
+"""
 from __future__ import annotations
 
 import math
@@ -6,6 +11,15 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def _triton_conv():
+    """:mod:`gdn.ops.triton.short_conv` when Triton imports, else None."""
+    try:
+        from ..ops.triton import short_conv  # noqa: PLC0415
+    except ImportError:
+        return None
+    return short_conv
 
 
 def _seq_position(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +152,11 @@ class ShortConvolution(nn.Module):
             if state is not None and tuple(state.shape) != (B, D, W):
                 raise ValueError(f"state must have shape [B, D, K-1] = [{B}, {D}, {W}], got {tuple(state.shape)}")
             hist = state.to(x.dtype) if state is not None else x.new_zeros(B, D, W)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, hist)):
+        tri = _triton_conv() if x.is_cuda and (cu_seqlens is not None or T > 1) else None
+        if tri is not None:
+            y = tri.short_conv(x, self.weight, state.to(x.dtype) if state is not None else None, cu_seqlens,
+                               self.activation)
+        elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, hist)):
             y = _ConvActFn.apply(x, self.weight, hist, cu_seqlens, self.activation)
         else:
             y = _conv_act(x, self.weight, hist, cu_seqlens, self.activation)

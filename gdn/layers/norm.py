@@ -2,7 +2,9 @@
 
 Both run as autograd Functions that keep only the input (in its own dtype), the gate and the fp32
 ``rstd`` per row for the backward, and recompute the normalised rows there: the fp32 upcasts of
-the forward never outlive it.
+the forward never outlive it. On CUDA (fp16 / bf16 / fp32 inputs) both run as one Triton pass
+each way (:mod:`gdn.ops.triton.rmsnorm`, same math and saved tensors); these PyTorch Functions are
+the CPU path and the reference of its tests.
 """
 from __future__ import annotations
 
@@ -14,6 +16,17 @@ from torch import nn
 def _f32(t: torch.Tensor) -> torch.Tensor:
     """``t`` in fp32, or kept in fp64."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _triton_norm(x: torch.Tensor):
+    """:mod:`gdn.ops.triton.rmsnorm` for a CUDA ``x`` it supports when Triton imports, else None."""
+    if not x.is_cuda:
+        return None
+    try:
+        from ..ops.triton import rmsnorm  # noqa: PLC0415
+    except ImportError:
+        return None
+    return rmsnorm if x.dtype in rmsnorm.DTYPES else None
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -114,7 +127,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., D] -> [..., D]."""
         self._check("x", x)
-        return _RMSNormFn.apply(x, self.weight, self.eps, _autocast_dtype(x) or x.dtype)
+        out_dtype = _autocast_dtype(x) or x.dtype
+        tri = _triton_norm(x)
+        if tri is not None:
+            return tri.rms_norm(x, self.weight, self.eps, out_dtype)
+        return _RMSNormFn.apply(x, self.weight, self.eps, out_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -132,4 +149,7 @@ class GatedRMSNorm(RMSNorm):
         if not isinstance(gate, torch.Tensor) or gate.shape != x.shape:
             raise ValueError(f"gate must have the shape of x {tuple(x.shape)}, got "
                              f"{tuple(gate.shape) if isinstance(gate, torch.Tensor) else type(gate).__name__}")
+        tri = _triton_norm(x)
+        if tri is not None:
+            return tri.gated_rms_norm(x, gate, self.weight, self.eps)
         return _GatedRMSNormFn.apply(x, gate, self.weight, self.eps)

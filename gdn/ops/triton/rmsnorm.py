@@ -1,0 +1,171 @@
+"""RMSNorm and output-gated RMSNorm, one Triton pass each way (fp32 math).
+
+    y = x · rstd · w                 (rms_norm)         rstd = rsqrt(mean(x²) + eps) over the last dim
+    y = x · rstd · w · SiLU(gate)    (gated_rms_norm)
+
+PyTorch runs each as a chain of ~7 elementwise and reduction kernels per direction; here one
+program normalises a block of rows in registers. Like the PyTorch Functions of
+``gdn.layers.norm``, the autograd Functions save x (and the gate) in their own dtype and rstd
+[rows] in fp32, and the backward recomputes the normalised rows:
+
+    xhat = x · rstd;   dn = dy (· SiLU(gate));   dxhat = dn · w
+    dx = rstd · (dxhat − xhat · mean(dxhat · xhat));   dw = Σ_rows dn · xhat
+    dgate = dy · xhat · w · σ(g)(1 + g(1 − σ(g)))
+
+dw is reduced per program (each covers a run of row blocks) into fp32 partials [programs, D],
+summed in torch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _norm_fwd_kernel(x, g, w, y, rstd, R, D, eps, GATED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    m_r, m_d = o_r < R, o_d < D
+    m = m_r[:, None] & m_d[None, :]
+    offs = o_r[:, None] * D + o_d[None, :]
+    b_x = tl.load(x + offs, mask=m, other=0.0).to(tl.float32)
+    b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, 1) / D + eps)
+    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_y = b_x * b_rstd[:, None] * b_w[None, :]
+    if GATED:
+        b_g = tl.load(g + offs, mask=m, other=0.0).to(tl.float32)
+        b_y = b_y * b_g * tl.sigmoid(b_g)
+    tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=m)
+    tl.store(rstd + o_r, b_rstd, mask=m_r)
+
+
+@triton.jit
+def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, R, D, GATED: tl.constexpr, BR: tl.constexpr,
+                     BD: tl.constexpr, NLOOP: tl.constexpr):
+    """One program: NLOOP blocks of BR rows; writes dx (and dgate) and its dw partial [D]."""
+    i_p = tl.program_id(0)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_dw = tl.zeros([BD], dtype=tl.float32)
+    for l in tl.static_range(NLOOP):
+        o_r = (i_p * NLOOP + l).to(tl.int64) * BR + tl.arange(0, BR)
+        m_r = o_r < R
+        m = m_r[:, None] & m_d[None, :]
+        offs = o_r[:, None] * D + o_d[None, :]
+        b_rstd = tl.load(rstd + o_r, mask=m_r, other=0.0)
+        xhat = tl.load(x + offs, mask=m, other=0.0).to(tl.float32) * b_rstd[:, None]
+        dn = tl.load(dy + offs, mask=m, other=0.0).to(tl.float32)
+        if GATED:
+            b_g = tl.load(g + offs, mask=m, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(b_g)
+            b_dg = dn * xhat * b_w[None, :] * sig * (1.0 + b_g * (1.0 - sig))
+            tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m)
+            dn = dn * b_g * sig
+        b_dw += tl.sum(dn * xhat, 0)
+        dxhat = dn * b_w[None, :]
+        c = tl.sum(dxhat * xhat, 1) / D
+        b_dx = b_rstd[:, None] * (dxhat - xhat * c[:, None])
+        tl.store(dx + offs, b_dx.to(dx.dtype.element_ty), mask=m)
+    tl.store(dwp + i_p.to(tl.int64) * D + o_d, b_dw, mask=m_d)
+
+
+def _shape(D: int) -> tuple[int, int, int]:
+    """(rows a block, padded width, warps) for rows of D elements."""
+    BD = triton.next_power_of_2(D)
+    BR = max(1, min(64, (1024 if INTERPRET else 4096) // BD))
+    return BR, BD, 8 if BD >= 2048 else 4
+
+
+def _forward(x2, g2, weight, eps, out_dtype):
+    R, D = x2.shape
+    y = torch.empty(R, D, device=x2.device, dtype=out_dtype)
+    rstd = torch.empty(R, device=x2.device, dtype=torch.float32)
+    if R:
+        BR, BD, nw = _shape(D)
+        _norm_fwd_kernel[(triton.cdiv(R, BR),)](x2, g2 if g2 is not None else x2, weight, y, rstd, R, D, eps,
+                                                GATED=g2 is not None, BR=BR, BD=BD, num_warps=nw)
+    return y, rstd
+
+
+def _backward(dy2, x2, g2, weight, rstd):
+    """(dx, dgate or None, dw in fp32) for rows x2 [R, D]."""
+    R, D = x2.shape
+    dx = torch.empty_like(x2)
+    dg = torch.empty_like(g2) if g2 is not None else None
+    if not R:
+        return dx, dg, torch.zeros(D, device=x2.device, dtype=torch.float32)
+    BR, BD, nw = _shape(D)
+    nblocks = triton.cdiv(R, BR)
+    target = 4 if INTERPRET else 1024  # programs wanted: a few per SM on the GPU
+    nloop = min(64, triton.next_power_of_2(triton.cdiv(nblocks, target)))
+    nprog = triton.cdiv(nblocks, nloop)
+    dwp = torch.empty(nprog, D, device=x2.device, dtype=torch.float32)
+    _norm_bwd_kernel[(nprog,)](x2, g2 if g2 is not None else x2, weight, rstd, dy2, dx, dg if dg is not None else dx,
+                               dwp, R, D, GATED=g2 is not None, BR=BR, BD=BD, NLOOP=nloop, num_warps=nw)
+    return dx, dg, dwp.sum(0)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, out_dtype: torch.dtype):
+        D = x.shape[-1]
+        x2 = x.reshape(-1, D).contiguous()
+        y, rstd = _forward(x2, None, weight.contiguous(), eps, out_dtype)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        dx, _, dw = _backward(dy.reshape(x2.shape).contiguous(), x2, None, weight.contiguous(), rstd)
+        return dx.view(ctx.shape), dw.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None
+
+
+class _GatedRMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps: float):
+        D = x.shape[-1]
+        x2, g2 = x.reshape(-1, D).contiguous(), gate.reshape(-1, D).contiguous()
+        y, rstd = _forward(x2, g2, weight.contiguous(), eps, x.dtype)
+        ctx.save_for_backward(x2, g2, weight, rstd)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, g2, weight, rstd = ctx.saved_tensors
+        dx, dg, dw = _backward(dy.reshape(x2.shape).contiguous(), x2, g2, weight.contiguous(), rstd)
+        return (dx.view(ctx.shape), dg.view(ctx.shape), dw.to(weight.dtype) if ctx.needs_input_grad[2] else None,
+                None)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dtype not in DTYPES:
+        raise TypeError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    if x.dim() == 0 or weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"x must have shape [..., D] with weight [D], got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x · rstd · weight`` in fp32, returned in ``out_dtype`` (x's dtype when None); differentiable.
+
+    x: [..., D] fp16 / bf16 / fp32; weight: [D]. Returns [..., D]."""
+    _check(x, weight)
+    return _RMSNormFn.apply(x, weight, float(eps), out_dtype or x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x · rstd · weight · SiLU(gate)`` in fp32, returned in x's dtype; differentiable.
+
+    x, gate: [..., D] (same shape); weight: [D]. Returns [..., D]."""
+    _check(x, weight)
+    if gate.shape != x.shape:
+        raise ValueError(f"gate must have the shape of x {tuple(x.shape)}, got {tuple(gate.shape)}")
+    return _GatedRMSNormFn.apply(x, gate, weight, float(eps))

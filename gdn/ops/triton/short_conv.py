@@ -1,0 +1,240 @@
+"""Causal depthwise short convolution (optionally followed by SiLU) on the [B, T, D] layout, forward and backward.
+
+    y[b, t, d] = act(z[b, t, d]),   z[b, t, d] = Σ_{i<K} w[d, K-1-i] · x[b, t-i, d]
+
+with ``x`` before token 0 taken from ``hist`` [B, D, K-1] (zeros when None), or, for packed
+sequences (``cu_seqlens`` [N+1], B == 1), zero before each sequence's first token: a tap never
+reads across a sequence start. The semantics are those of ``gdn.layers.conv._conv_act``: the
+weight is rounded to x's dtype, the sum and the activation run in fp32 and y is rounded once
+to x's dtype.
+
+PyTorch runs this as a transpose, a concatenation with the history and a grouped conv1d on a
+[B, D, K-1+T] copy; these kernels read the [B, T, D] tensors in place (one program per tile of
+tokens × channels). The backward recomputes z (it saves only x, the weight and the history) and
+gives dx, dw (per-program fp32 partials [B, programs along T, D, K] summed in torch) and the
+history's gradient (a tiny PyTorch recomputation over the first K-1 tokens).
+
+    y = short_conv(x, weight, hist=None, cu_seqlens=None, activation="silu")   # autograd-aware
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, T, D,
+              J: tl.constexpr, K: tl.constexpr, HAS_HIST: tl.constexpr, PACKED: tl.constexpr):
+    """x[b, t - J, d] as fp32 [BT, BD] for the tokens ``o_t`` (zero where tap J reads before the
+    token's sequence start, the history where it reads before token 0)."""
+    src = o_t - J
+    if PACKED:
+        p = tl.load(pos + o_t, mask=m_t, other=0)
+        ok = m_t & (p >= J)
+    else:
+        ok = m_t & (src >= 0)
+    b_x = tl.load(x + b * T * D + src[:, None] * D + o_d[None, :], mask=ok[:, None] & m_d[None, :],
+                  other=0.0).to(tl.float32)
+    if HAS_HIST:
+        mh = m_t & (src < 0)
+        b_h = tl.load(hist + b * D * (K - 1) + o_d[None, :] * (K - 1) + (K - 1 + src)[:, None],
+                      mask=mh[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+        b_x += b_h
+    return b_x
+
+
+@triton.jit
+def _tap_weight(w, o_d, m_d, J: tl.constexpr, K: tl.constexpr, XT: tl.constexpr):
+    """w[d, K-1-J] rounded to x's dtype, as fp32 [BD]."""
+    return tl.load(w + o_d * K + (K - 1 - J), mask=m_d, other=0.0).to(XT).to(tl.float32)
+
+
+@triton.jit
+def _conv_fwd_kernel(x, w, hist, pos, y, T, D, K: tl.constexpr, HAS_HIST: tl.constexpr, PACKED: tl.constexpr,
+                     SILU: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    i_d, i_t, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_t, m_d = o_t < T, o_d < D
+    XT = x.dtype.element_ty
+    z = tl.zeros([BT, BD], dtype=tl.float32)
+    for j in tl.static_range(K):
+        b_x = _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, T, D, j, K, HAS_HIST, PACKED)
+        z += b_x * _tap_weight(w, o_d, m_d, j, K, XT)[None, :]
+    if SILU:
+        z = z * tl.sigmoid(z)
+    tl.store(y + b * T * D + o_t[:, None] * D + o_d[None, :], z.to(y.dtype.element_ty),
+             mask=m_t[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, NTB, K: tl.constexpr, KP: tl.constexpr,
+                     HAS_HIST: tl.constexpr, PACKED: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr,
+                     BD: tl.constexpr, NLOOP: tl.constexpr):
+    """One program: channels ``o_d`` over NLOOP tiles of BT tokens. For the tokens s of a tile,
+    dx[s] = Σ_i w[K-1-i] · dz[s+i] (where token s+i's tap i is valid); dw[K-1-j] gathers
+    Σ_t dz[t] · x[t-j] over the tile's tokens t, written as this program's partial [BD, K]."""
+    i_d, i_tb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    o_k = tl.arange(0, KP)
+    XT = x.dtype.element_ty
+    b_dw = tl.zeros([BD, KP], dtype=tl.float32)
+    for l in tl.static_range(NLOOP):
+        o_s = (i_tb * NLOOP + l) * BT + tl.arange(0, BT)
+        m_s = o_s < T
+        b_dx = tl.zeros([BT, BD], dtype=tl.float32)
+        for i in tl.static_range(K):
+            o_t = o_s + i  # the tokens whose tap i reads token s
+            m_t = o_t < T
+            z = tl.zeros([BT, BD], dtype=tl.float32)
+            for j in tl.static_range(K):
+                b_x = _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, T, D, j, K, HAS_HIST, PACKED)
+                z += b_x * _tap_weight(w, o_d, m_d, j, K, XT)[None, :]
+            dz = tl.load(dy + b * T * D + o_t[:, None] * D + o_d[None, :], mask=m_t[:, None] & m_d[None, :],
+                         other=0.0).to(tl.float32)
+            if SILU:
+                sig = tl.sigmoid(z)
+                dz = dz * sig * (1.0 + z * (1.0 - sig))
+            if i == 0:
+                for j in tl.static_range(K):
+                    b_x = _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, T, D, j, K, HAS_HIST, PACKED)
+                    part = tl.sum(dz * b_x, 0)
+                    b_dw += tl.where(o_k[None, :] == K - 1 - j, part[:, None], 0.0)
+            if PACKED:
+                p = tl.load(pos + o_t, mask=m_t, other=0)
+                ok = m_t & (p >= i)
+            else:
+                ok = m_t
+            b_dx += tl.where(ok[:, None], dz, 0.0) * _tap_weight(w, o_d, m_d, i, K, XT)[None, :]
+        tl.store(dx + b * T * D + o_s[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty),
+                 mask=m_s[:, None] & m_d[None, :])
+    tl.store(dwp + ((b * NTB + i_tb) * D + o_d[:, None]) * K + o_k[None, :], b_dw,
+             mask=m_d[:, None] & (o_k[None, :] < K))
+
+
+def _positions(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """Index of every token within its packed sequence [T] (int32), as ``gdn.layers.conv._seq_position``."""
+    t = torch.arange(T, device=cu_seqlens.device)
+    cu = cu_seqlens.long()
+    return (t - cu[torch.bucketize(t, cu[1:], right=True)]).to(torch.int32)
+
+
+def _blocks(D: int) -> int:
+    return min(128 if not INTERPRET else 64, triton.next_power_of_2(D))
+
+
+def _conv_fwd(x, weight, hist, pos, silu: bool) -> torch.Tensor:
+    B, T, D = x.shape
+    K = weight.shape[1]
+    y = torch.empty_like(x)
+    BT, BD = 32, _blocks(D)
+    has_hist = hist is not None and K > 1
+    grid = (triton.cdiv(D, BD), triton.cdiv(T, BT), B)
+    _conv_fwd_kernel[grid](x, weight, hist if has_hist else x, pos if pos is not None else x, y, T, D,
+                           K=K, HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD,
+                           num_warps=4)
+    return y
+
+
+def _conv_bwd(dy, x, weight, hist, pos, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [B, T, D] in x.dtype, dw [D, K] in fp32) of the convolution given dy."""
+    B, T, D = x.shape
+    K = weight.shape[1]
+    BT, BD = (32, _blocks(D)) if INTERPRET else (16, _blocks(D))
+    nloop = min(2 if INTERPRET else 16, triton.next_power_of_2(triton.cdiv(T, BT)))  # up to 256 tokens a program
+    ntb = triton.cdiv(T, BT * nloop)
+    dx = torch.empty_like(x)
+    dwp = torch.empty(B, ntb, D, K, device=x.device, dtype=torch.float32)
+    has_hist = hist is not None and K > 1
+    grid = (triton.cdiv(D, BD), ntb, B)
+    _conv_bwd_kernel[grid](x, weight, hist if has_hist else x, pos if pos is not None else x, dy, dx, dwp, T, D, ntb,
+                           K=K, KP=triton.next_power_of_2(K), HAS_HIST=has_hist, PACKED=pos is not None,
+                           SILU=silu, BT=BT, BD=BD, NLOOP=nloop, num_warps=4)
+    return dx, dwp.sum((0, 1))
+
+
+def _hist_grad(dy, x, weight, hist, silu: bool) -> torch.Tensor:
+    """d hist [B, D, K-1]: only the first K-1 outputs read the history; recomputed in fp32 PyTorch."""
+    K = weight.shape[1]
+    n = min(K - 1, x.shape[1])
+    with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
+        h = hist.detach().float().requires_grad_(True)
+        xp = torch.cat([h, x[:, :n].float().transpose(1, 2)], dim=-1)  # [B, D, K-1+n]
+        w = weight.to(x.dtype).float()
+        z = torch.nn.functional.conv1d(xp, w[:, None, :], groups=w.shape[0]).transpose(1, 2)
+        out = torch.nn.functional.silu(z) if silu else z
+        (dh,) = torch.autograd.grad(out, h, dy[:, :n].float())
+    return dh.to(hist.dtype)
+
+
+class _ShortConvFn(torch.autograd.Function):
+    """The Triton convolution; saves x, the weight, the history and the packed positions only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, hist, pos, silu: bool):
+        ctx.silu = silu
+        ctx.save_for_backward(x, weight, hist, pos)
+        return _conv_fwd(x, weight, hist, pos, silu)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, hist, pos = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx, dw = _conv_bwd(dy, x, weight, hist, pos, ctx.silu)
+        dhist = None
+        if hist is not None and ctx.needs_input_grad[2]:
+            dhist = _hist_grad(dy, x, weight, hist, ctx.silu) if weight.shape[1] > 1 else torch.zeros_like(hist)
+        return (dx if ctx.needs_input_grad[0] else None, dw.to(weight.dtype) if ctx.needs_input_grad[1] else None,
+                dhist, None, None)
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, hist: torch.Tensor | None = None,
+               cu_seqlens: torch.Tensor | None = None, activation: str | None = "silu") -> torch.Tensor:
+    """Causal depthwise convolution with optional SiLU, differentiable in x, weight and hist.
+
+    Args:
+        x: [B, T, D], fp16 / bf16 / fp32.
+        weight: [D, K] (any float dtype; rounded to x's dtype, as the PyTorch path does).
+        hist: [B, D, K-1], the inputs before x (cast to x's dtype); None means zeros.
+        cu_seqlens: [N+1] packed offsets (B == 1, no hist); every sequence starts from zeros.
+        activation: ``"silu"`` or None.
+
+    Returns y [B, T, D] in x's dtype. Under autocast on x's device, the unpacked path runs in the
+    autocast dtype, like the ``F.conv1d`` it replaces.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"x must be a [B, T, D] tensor, got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    B, T, D = x.shape
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
+        raise ValueError(f"weight must have shape [D, K] = [{D}, K ≥ 1], got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    if activation not in ("silu", None):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    K = weight.shape[1]
+    dev = x.device.type
+    if cu_seqlens is None and torch.is_autocast_enabled(dev):
+        x = x.to(torch.get_autocast_dtype(dev))
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    pos = None
+    if cu_seqlens is not None:
+        if hist is not None:
+            raise ValueError("hist cannot be combined with cu_seqlens: packed sequences start from zeros")
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs B == 1, got x of shape {tuple(x.shape)}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"cu_seqlens must be a 1-D tensor [N+1], got shape {tuple(cu_seqlens.shape)}")
+        pos = _positions(cu_seqlens.to(x.device), T)
+    if hist is not None:
+        if tuple(hist.shape) != (B, D, K - 1):
+            raise ValueError(f"hist must have shape [B, D, K-1] = [{B}, {D}, {K - 1}], got {tuple(hist.shape)}")
+        hist = hist.to(x.dtype).contiguous()
+    if T < 1:
+        raise ValueError(f"x must hold at least one token (T ≥ 1), got shape {tuple(x.shape)}")
+    return _ShortConvFn.apply(x.contiguous(), weight.contiguous(), hist, pos, activation == "silu")

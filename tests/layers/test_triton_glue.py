@@ -1,0 +1,172 @@
+"""The Triton short convolution and RMSNorm passes (gdn.ops.triton.short_conv, .rmsnorm) against the
+PyTorch Functions of gdn.layers.conv / gdn.layers.norm, on the CPU through Triton's interpreter.
+
+Every output and gradient (x, weight, history, gate) against the PyTorch path run in float64 on
+the same inputs: fp32 within ~1e-5, fp16 within a few 1e-3 (bf16 is checked on the GPU by
+benchmarks/glue_gpu.py). Shapes are awkward on purpose: T ∈ {1, 3, 5, 130}, D ∈ {7, 64, 100},
+packed sequences with a one-token and an empty member.
+
+TRITON_INTERPRET must be set before triton is first imported in the process; if an earlier
+module imported triton with it unset (and there is no GPU) the module is skipped.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from gdn.ops.triton import _common  # noqa: E402
+
+if not _common.INTERPRET and not torch.cuda.is_available():  # pragma: no cover
+    pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
+
+from gdn.layers.conv import _ConvActFn  # noqa: E402
+from gdn.layers.norm import _GatedRMSNormFn, _RMSNormFn  # noqa: E402
+from gdn.ops.triton.rmsnorm import gated_rms_norm, rms_norm  # noqa: E402
+from gdn.ops.triton.short_conv import short_conv  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def _check_conv(B, T, D, K, activation, with_hist, dtype, lens=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, D, generator=gen).to(dtype)
+    w = torch.randn(D, K, generator=gen) / K
+    h = torch.randn(B, D, K - 1, generator=gen).to(dtype) if with_hist else None
+    cu = None if lens is None else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    dy = torch.randn(B, T, D, generator=gen).to(dtype)
+
+    xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ht = h.clone().requires_grad_() if with_hist else None
+    y = short_conv(xt, wt, ht, cu, activation)
+    assert y.dtype == dtype and y.shape == x.shape
+    y.backward(dy)
+
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    hr = h.double().requires_grad_() if with_hist else (None if lens is not None else torch.zeros(B, D, K - 1).double())
+    yr = _ConvActFn.apply(xr, wr, hr, cu, activation)
+    yr.backward(dy.double())
+
+    pairs = [("y", y, yr), ("dx", xt.grad, xr.grad), ("dw", wt.grad, wr.grad)]
+    if with_hist:
+        pairs.append(("dhist", ht.grad, hr.grad))
+        assert ht.grad.dtype == dtype
+    assert xt.grad.dtype == dtype and wt.grad.dtype == torch.float32
+    for name, got, want in pairs:
+        err = _rel(got, want)
+        assert err <= TOL[dtype], (name, err)
+
+
+@pytest.mark.parametrize("T", [1, 3, 5])
+@pytest.mark.parametrize("D", [7, 64, 100])
+@pytest.mark.parametrize("with_hist", [True, False])
+def test_conv_short_sequences(T, D, with_hist):
+    _check_conv(2, T, D, 4, "silu" if (T + D) % 2 else None, with_hist, torch.float32, seed=T * D)
+
+
+@pytest.mark.parametrize("D,activation,with_hist", [(100, "silu", True), (7, None, False), (64, "silu", False)])
+def test_conv_long_sequence(D, activation, with_hist):
+    _check_conv(2, 130, D, 4, activation, with_hist, torch.float32)
+
+
+@pytest.mark.parametrize("lens,D,activation", [([3, 1, 0, 60], 100, "silu"), ([1, 0, 2], 7, None),
+                                               ([0, 5, 1], 64, "silu")])
+def test_conv_packed(lens, D, activation):
+    _check_conv(1, sum(lens), D, 4, activation, False, torch.float32, lens=lens)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_conv_kernel_sizes(K):
+    _check_conv(2, 9, 7, K, "silu", K > 1, torch.float32)
+    _check_conv(1, 9, 7, K, None, False, torch.float32, lens=[4, 0, 1, 4])
+
+
+@pytest.mark.parametrize("T,D,activation,with_hist,lens", [(130, 64, "silu", True, None), (5, 7, None, False, None),
+                                                           (1, 100, "silu", True, None), (7, 7, "silu", False, [1, 0, 6])])
+def test_conv_fp16(T, D, activation, with_hist, lens):
+    _check_conv(1 if lens else 2, T, D, 4, activation, with_hist, torch.float16, lens=lens)
+
+
+def test_conv_matches_the_module_semantics_without_grad():
+    """Under no_grad the conv still runs (no autograd graph needed) and equals the reference."""
+    x, w = torch.randn(2, 6, 7), torch.randn(7, 4)
+    with torch.no_grad():
+        y = short_conv(x, w, None, None, "silu")
+        ref = _ConvActFn.apply(x, w, torch.zeros(2, 7, 3), None, "silu")
+    assert _rel(y, ref.double()) <= 1e-6
+
+
+def test_conv_rejects_bad_input():
+    x, w = torch.zeros(1, 4, 8), torch.zeros(8, 4)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        short_conv(x, torch.zeros(7, 4))
+    with pytest.raises(ValueError, match="hist must have shape"):
+        short_conv(x, w, torch.zeros(1, 8, 2))
+    with pytest.raises(ValueError, match="hist cannot be combined"):
+        short_conv(x, w, torch.zeros(1, 8, 3), torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="B == 1"):
+        short_conv(torch.zeros(2, 4, 8), w, None, torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="activation"):
+        short_conv(x, w, activation="relu")
+    with pytest.raises(ValueError, match="T ≥ 1"):
+        short_conv(torch.zeros(1, 0, 8), w)
+    with pytest.raises(TypeError, match="fp16, bf16 or fp32"):
+        short_conv(x.double(), w)
+
+
+def _check_norm(shape, gated, dtype, out_dtype=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    D = shape[-1]
+    x = (2 * torch.randn(shape, generator=gen)).to(dtype)
+    g = (2 * torch.randn(shape, generator=gen)).to(dtype)
+    w = 1 + 0.5 * torch.randn(D, generator=gen)
+    out = out_dtype or dtype
+    dy = torch.randn(shape, generator=gen).to(out)
+
+    xt, gt, wt = x.clone().requires_grad_(), g.clone().requires_grad_(), w.clone().requires_grad_()
+    y = gated_rms_norm(xt, gt, wt, 1e-6) if gated else rms_norm(xt, wt, 1e-6, out_dtype)
+    assert y.dtype == out and y.shape == x.shape
+    y.backward(dy)
+
+    xr, gr, wr = x.double().requires_grad_(), g.double().requires_grad_(), w.double().requires_grad_()
+    yr = _GatedRMSNormFn.apply(xr, gr, wr, 1e-6) if gated else _RMSNormFn.apply(xr, wr, 1e-6, torch.float64)
+    yr.backward(dy.double())
+
+    pairs = [("y", y, yr), ("dx", xt.grad, xr.grad), ("dw", wt.grad, wr.grad)]
+    if gated:
+        pairs.append(("dgate", gt.grad, gr.grad))
+        assert gt.grad.dtype == dtype
+    assert xt.grad.dtype == dtype and wt.grad.dtype == torch.float32
+    for name, got, want in pairs:
+        err = _rel(got, want)
+        assert err <= TOL[torch.float16 if torch.float16 in (dtype, out) else torch.float32], (name, err)
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (3, 5, 64), (2, 70, 100), (300, 7)])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_norms(shape, gated, dtype):
+    _check_norm(shape, gated, dtype)
+
+
+def test_rms_norm_out_dtype():
+    """The autocast behaviour of RMSNorm: fp32 input, half output (the statistics stay fp32)."""
+    _check_norm((4, 9, 64), False, torch.float32, out_dtype=torch.float16)
+
+
+def test_norms_reject_bad_input():
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(torch.zeros(3, 8), torch.ones(7))
+    with pytest.raises(ValueError, match="gate must have the shape"):
+        gated_rms_norm(torch.zeros(3, 8), torch.zeros(3, 7), torch.ones(8))
+    with pytest.raises(TypeError, match="fp16, bf16 or fp32"):
+        rms_norm(torch.zeros(3, 8, dtype=torch.float64), torch.ones(8))
