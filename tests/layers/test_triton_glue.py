@@ -90,8 +90,8 @@ def test_conv_kernel_sizes(K):
     _check_conv(1, 9, 7, K, None, False, torch.float32, lens=[4, 0, 1, 4])
 
 
-@pytest.mark.parametrize("T,D,activation,with_hist,lens", [(130, 64, "silu", True, None), (5, 7, None, False, None),
-                                                           (1, 100, "silu", True, None), (7, 7, "silu", False, [1, 0, 6])])
+@pytest.mark.parametrize("T,D,activation,with_hist,lens", [
+    (130, 64, "silu", True, None), (5, 7, None, False, None), (1, 100, "silu", True, None), (7, 7, "silu", False, [1, 0, 6])])
 def test_conv_fp16(T, D, activation, with_hist, lens):
     _check_conv(1 if lens else 2, T, D, 4, activation, with_hist, torch.float16, lens=lens)
 

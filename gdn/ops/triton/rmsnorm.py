@@ -53,7 +53,7 @@ def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, R, D, GATED: tl.constexpr, 
     m_d = o_d < D
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_dw = tl.zeros([BD], dtype=tl.float32)
-    for l in tl.static_range(NLOOP):
+    for l in range(NLOOP):
         o_r = (i_p * NLOOP + l).to(tl.int64) * BR + tl.arange(0, BR)
         m_r = o_r < R
         m = m_r[:, None] & m_d[None, :]
@@ -150,10 +150,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dtype not in DTYPES:
         raise TypeError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
     if x.dim() == 0 or weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
-        raise ValueError(f"x must have shape [..., D] with weight [D], got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+        raise ValueError(f"x must have shape [..., D] with weight [D], got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x · rstd · weight`` in fp32, returned in ``out_dtype`` (x's dtype when None); differentiable.
 
     x: [..., D] fp16 / bf16 / fp32; weight: [D]. Returns [..., D]."""

@@ -49,9 +49,9 @@ def _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, T, D,
 
 
 @triton.jit
-def _tap_weight(w, o_d, m_d, J: tl.constexpr, K: tl.constexpr, XT: tl.constexpr):
+def _tap_weight(w, x, o_d, m_d, J: tl.constexpr, K: tl.constexpr):
     """w[d, K-1-J] rounded to x's dtype, as fp32 [BD]."""
-    return tl.load(w + o_d * K + (K - 1 - J), mask=m_d, other=0.0).to(XT).to(tl.float32)
+    return tl.load(w + o_d * K + (K - 1 - J), mask=m_d, other=0.0).to(x.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -61,11 +61,10 @@ def _conv_fwd_kernel(x, w, hist, pos, y, T, D, K: tl.constexpr, HAS_HIST: tl.con
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
     m_t, m_d = o_t < T, o_d < D
-    XT = x.dtype.element_ty
     z = tl.zeros([BT, BD], dtype=tl.float32)
     for j in tl.static_range(K):
         b_x = _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, T, D, j, K, HAS_HIST, PACKED)
-        z += b_x * _tap_weight(w, o_d, m_d, j, K, XT)[None, :]
+        z += b_x * _tap_weight(w, x, o_d, m_d, j, K)[None, :]
     if SILU:
         z = z * tl.sigmoid(z)
     tl.store(y + b * T * D + o_t[:, None] * D + o_d[None, :], z.to(y.dtype.element_ty),
@@ -83,9 +82,8 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, NTB, K: tl.constexpr, K
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     o_k = tl.arange(0, KP)
-    XT = x.dtype.element_ty
     b_dw = tl.zeros([BD, KP], dtype=tl.float32)
-    for l in tl.static_range(NLOOP):
+    for l in range(NLOOP):
         o_s = (i_tb * NLOOP + l) * BT + tl.arange(0, BT)
         m_s = o_s < T
         b_dx = tl.zeros([BT, BD], dtype=tl.float32)
@@ -95,7 +93,7 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, NTB, K: tl.constexpr, K
             z = tl.zeros([BT, BD], dtype=tl.float32)
             for j in tl.static_range(K):
                 b_x = _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, T, D, j, K, HAS_HIST, PACKED)
-                z += b_x * _tap_weight(w, o_d, m_d, j, K, XT)[None, :]
+                z += b_x * _tap_weight(w, x, o_d, m_d, j, K)[None, :]
             dz = tl.load(dy + b * T * D + o_t[:, None] * D + o_d[None, :], mask=m_t[:, None] & m_d[None, :],
                          other=0.0).to(tl.float32)
             if SILU:
@@ -111,7 +109,7 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, NTB, K: tl.constexpr, K
                 ok = m_t & (p >= i)
             else:
                 ok = m_t
-            b_dx += tl.where(ok[:, None], dz, 0.0) * _tap_weight(w, o_d, m_d, i, K, XT)[None, :]
+            b_dx += tl.where(ok[:, None], dz, 0.0) * _tap_weight(w, x, o_d, m_d, i, K)[None, :]
         tl.store(dx + b * T * D + o_s[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty),
                  mask=m_s[:, None] & m_d[None, :])
     tl.store(dwp + ((b * NTB + i_tb) * D + o_d[:, None]) * K + o_k[None, :], b_dw,
@@ -209,7 +207,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, hist: torch.Tensor | None 
     autocast dtype, like the ``F.conv1d`` it replaces.
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        raise ValueError(f"x must be a [B, T, D] tensor, got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a [B, T, D] tensor, got {got}")
     B, T, D = x.shape
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
         raise ValueError(f"weight must have shape [D, K] = [{D}, K ≥ 1], got "
