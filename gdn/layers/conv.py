@@ -151,18 +151,23 @@ class ShortConvolution(nn.Module):
         else:
             if state is not None and tuple(state.shape) != (B, D, W):
                 raise ValueError(f"state must have shape [B, D, K-1] = [{B}, {D}, {W}], got {tuple(state.shape)}")
-            hist = state.to(x.dtype) if state is not None else x.new_zeros(B, D, W)
+            hist = state.to(x.dtype) if state is not None else None
         tri = _triton_conv() if x.is_cuda and (cu_seqlens is not None or T > 1) else None
-        if tri is not None:
-            y = tri.short_conv(x, self.weight, state.to(x.dtype) if state is not None else None, cu_seqlens,
-                               self.activation)
-        elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, hist)):
-            y = _ConvActFn.apply(x, self.weight, hist, cu_seqlens, self.activation)
+        if tri is not None:  # reads no history when there is none
+            y = tri.short_conv(x, self.weight, hist, cu_seqlens, self.activation)
         else:
-            y = _conv_act(x, self.weight, hist, cu_seqlens, self.activation)
+            if hist is None and cu_seqlens is None:
+                hist = x.new_zeros(B, D, W)
+            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, hist)):
+                y = _ConvActFn.apply(x, self.weight, hist, cu_seqlens, self.activation)
+            else:
+                y = _conv_act(x, self.weight, hist, cu_seqlens, self.activation)
         new_state = None
         if output_state:
-            new_state = _packed_state(x, cu_seqlens, W) if cu_seqlens is not None else _tail_state(x, hist, W)
+            if cu_seqlens is not None:
+                new_state = _packed_state(x, cu_seqlens, W)
+            else:
+                new_state = _tail_state(x, hist if hist is not None else x.new_zeros(B, D, W), W)
         return y, new_state
 
     def extra_repr(self) -> str:
