@@ -144,8 +144,8 @@ def _conv_bwd(dy, x, weight, hist, pos, silu: bool) -> tuple[torch.Tensor, torch
     """(dx [B, T, D] in x.dtype, dw [D, K] in fp32) of the convolution given dy."""
     B, T, D = x.shape
     K = weight.shape[1]
-    BT, BD = (32, _blocks(D)) if INTERPRET else (16, _blocks(D))
-    nloop = min(2 if INTERPRET else 16, triton.next_power_of_2(triton.cdiv(T, BT)))  # up to 256 tokens a program
+    BT, BD = 32, min(64, triton.next_power_of_2(D))
+    nloop = min(2 if INTERPRET else 4, triton.next_power_of_2(triton.cdiv(T, BT)))  # up to 128 tokens a program
     ntb = triton.cdiv(T, BT * nloop)
     dx = torch.empty_like(x)
     dwp = torch.empty(B, ntb, D, K, device=x.device, dtype=torch.float32)
