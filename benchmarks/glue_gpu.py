@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
@@ -177,6 +178,7 @@ def timings(rep):
 
 
 def main() -> int:
+    start = time.perf_counter()
     rep = Report()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     for dtype in (torch.float32, torch.bfloat16):
@@ -195,6 +197,7 @@ def main() -> int:
     print("| case | dtype | rel. error (or ms) | torch's error (or ms) | bound | |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rep.rows))
+    print(f"{time.perf_counter() - start:.0f} s")
     print("SOME CHECKS FAILED" if rep.failed else "ALL OK")
     return 1 if rep.failed else 0
 
