@@ -7,8 +7,11 @@ caller): q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]; i
 and the final state. q, k, v may be fp32, fp16 or bf16 (fp64 and mixed dtypes are computed in
 the promoted kernel dtype, fp32 for fp64); g, beta and the states are used in fp32.
 
-K and V that are not powers of two are zero-padded to the next one (≥ 16) on the way in and cut
-back on the way out: zero key, query and gate columns and zero value columns change no result.
+K and V that are not powers of two ≥ ``MIN_DIM`` are zero-padded to the next one (at least 32) on
+the way in and cut back on the way out: zero key, query and gate columns and zero value columns
+change no result. 32, not 16: no kernel then takes a K or V tile 16 wide (triton 3.6 on the H200
+miscompiled such dots in the scalar kernels, docs/TRITON.md); the 16-row sub-blocks of kkt and
+intra_bwd are the only 16-wide dots left.
 """
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ from ._common import Chunks, kernel_dtype, make_chunks, pad_zeros, pow2, precomp
 
 #: Largest K and V the kernels take (the sequential passes hold a whole K × BV state tile).
 MAX_HEAD_DIM = 256
-
-
+#: Smallest padded K and V (see the module docstring).
+MIN_DIM = 32
 
 
 def dry_run(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float) -> None:
@@ -44,7 +47,7 @@ class KDAChunkFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         io = kernel_dtype(q, k, v)
-        Kp, Vp = pow2(K), pow2(V)
+        Kp, Vp = pow2(K, MIN_DIM), pow2(V, MIN_DIM)
         qp = pad_zeros(q.reshape(B * T, H, K).to(io), 0, Kp - K)
         kp = pad_zeros(k.reshape(B * T, H, K).to(io), 0, Kp - K)
         vp = pad_zeros(v.reshape(B * T, HV, V).to(io), 0, Vp - V)

@@ -46,10 +46,13 @@ CONFIG = {
     "gamma": dict(num_warps=4, stages=(1,), BK=64),
     "kkt": dict(num_warps=8, stages=(1,), BK=16),
     "wu": dict(num_warps=8, stages=(2,), BK=32, BV=32),
-    "state_fwd": dict(num_warps=8, stages=(1,), SV=8192),
+    # the sequential passes halve their V tile while the programs would not fill the card, never
+    # below min_BV: the first H200 check (4 programs at K = V = 128) halved it to 16, and every
+    # H200 fault of the scalar kernels so far was a dot 16 wide (docs/TRITON.md, docs/KDA.md)
+    "state_fwd": dict(num_warps=8, stages=(1,), SV=8192, min_BV=32),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
-    "state_bwd": dict(num_warps=8, stages=(1,), SV=8192),
+    "state_bwd": dict(num_warps=8, stages=(1,), SV=8192, min_BV=32),
     "dqk": dict(num_warps=8, stages=(1,), BK=64, BV=32),
     "wy_bwd": dict(num_warps=8, stages=(1,), BK=32, BV=32),
     "intra_bwd": dict(num_warps=8, stages=(1,), BK=32),
@@ -82,10 +85,11 @@ def vtile(name: str, K: int, V: int) -> int:
 
 def state_vtile(name: str, K: int, V: int, programs: int, device) -> int:
     """V tile of a sequential pass with ``programs`` (sequence, value head) pairs: :func:`vtile`,
-    halved (down to 16) while the programs would not fill the card's multiprocessors; each program
-    walks every chunk of its sequence, so idle multiprocessors are lost for the whole pass."""
+    halved (down to ``CONFIG[name]["min_BV"]``) while the programs would not fill the card's
+    multiprocessors; each program walks every chunk of its sequence, so idle multiprocessors are
+    lost for the whole pass."""
     BV = vtile(name, K, V)
-    while BV > 16 and programs * (V // BV) < sm_count(device):
+    while BV > CONFIG[name]["min_BV"] and programs * (V // BV) < sm_count(device):
         BV //= 2
     return BV
 
