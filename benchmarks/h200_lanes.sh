@@ -24,8 +24,8 @@ check() {
 }
 laneA() {
   if [ "${CHECK_S:-230}" -gt 0 ]; then check; fi
-  if [ -n "${GLUE_CMD:-}" ]; then CUDA_VISIBLE_DEVICES=0 timeout ${GLUE_S:-150} $GLUE_CMD > "$OUT/glue.log" 2>&1; fi
-  if [ -n "${KDA_CMD:-}" ]; then CUDA_VISIBLE_DEVICES=0 timeout ${KDA_S:-150} $KDA_CMD > "$OUT/kda.log" 2>&1; fi
+  if [ -n "${GLUE_CMD:-}" ]; then CUDA_VISIBLE_DEVICES=0 timeout ${GLUE_S:-150} bash -c "$GLUE_CMD" > "$OUT/glue.log" 2>&1; fi
+  if [ -n "${KDA_CMD:-}" ]; then CUDA_VISIBLE_DEVICES=0 timeout ${KDA_S:-150} bash -c "$KDA_CMD" > "$OUT/kda.log" 2>&1; fi
   if [ "${TRAIN_S:-170}" -gt 0 ]; then
     CUDA_VISIBLE_DEVICES=0 timeout ${TRAIN_S:-170} python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4 ${TRAIN_FLAGS:-} > "$OUT/train.log" 2>&1
   fi
