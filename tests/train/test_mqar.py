@@ -227,3 +227,25 @@ def test_run_mqar_starts_the_longest_runs_first_and_reports_in_grid_order(tmp_pa
     assert calls == sorted("LADG", key=lambda m: -mqar.STEP_COST[m])  # G, D (delta rule) before L, A
     assert [r["mixer"] for r in results] == list("LADG")
     assert "delta rule (D, G) ahead" in (tmp_path / "table.md").read_text()
+
+
+def test_cpu_small_preset_builds_every_mixer_with_one_head_of_the_full_width():
+    """cpu-small's models: one head per layer (head size = width), so each mixer's state is a single
+    32 x 32 matrix; every letter builds and maps a preset batch to logits over the 512 ids."""
+    from gdn.data import mqar_batch
+    from gdn.train.mqar import build_model, mqar_config
+
+    cfg = mqar_config("cpu-small")
+    (width,), (pairs,) = cfg.widths, cfg.num_pairs
+    assert (cfg.num_heads, width, pairs, cfg.vocab_size, cfg.seq_len) == (1, 32, 16, 512, 64)
+    assert cfg.epochs * cfg.train_examples // cfg.batch_size == 2000  # steps, each on fresh sequences
+    x, y = mqar_batch(2, cfg.seq_len, pairs, cfg.vocab_size, seed=0)
+    assert int((y != -100).sum()) == 2 * pairs
+    for letter in cfg.mixers:
+        torch.manual_seed(0)
+        model = build_model(letter, width, cfg).eval()
+        c = model.config
+        assert (c.num_heads, c.head_dim, c.num_attention_heads) == (1, 32, 1)
+        with torch.no_grad():
+            logits = model(input_ids=x, use_cache=False).logits
+        assert logits.shape == (2, cfg.seq_len, cfg.vocab_size) and torch.isfinite(logits).all()
