@@ -224,3 +224,20 @@ def test_narrow_values_take_the_fused_forward(monkeypatch):
             chunk_mod._forward(q, q, v, g, b, None, ch, False, 0.25, torch.float32)
         names = [k.fn.__name__ for k, _, _, _ in rec]
         assert want in names and other not in names, (V, names)
+
+
+def test_state_tile_and_long_sequences():
+    """The forward passes' value tile halves while the programs would not fill the card (4 "SMs"
+    off CUDA), down to the kernel's floor; a packed batch counts only its near-longest sequences."""
+    from gdn.ops.triton import chunk as chunk_mod
+    from gdn.ops.triton.chunk_fwd import state_tile
+
+    cpu = torch.device("cpu")
+    one = _common.make_chunks(1, 640, None, cpu)
+    assert state_tile("state_fwd", one, 1, 128, 128, cpu) == (128, 32)  # 64 → 32: 4 programs
+    assert state_tile("state_fwd", one, 1, 128, 32, cpu) == (128, 16)  # 32 → 16: 2 programs, floor 16
+    assert state_tile("state_out", one, 1, 128, 32, cpu) == (128, 32)  # floor 32
+    assert state_tile("state_fwd", _common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (128, 64)
+    assert chunk_mod._long_sequences(_common.make_chunks(3, 200, None, cpu)) == 3
+    packed = _common.make_chunks(1, 700, torch.tensor([0, 640, 641, 641, 700]), cpu)
+    assert chunk_mod._long_sequences(packed) == 1

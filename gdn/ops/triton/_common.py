@@ -170,12 +170,13 @@ CONFIG = {
     # wu: 8 warps. With 4, triton 3.6 on the H200 compiled a shared-memory access out of range at
     # K = 60/64, T = 63 (compute-sanitizer, benchmarks/gpu_repro_v16.py); 8 warps time the same.
     "wu": dict(num_warps=8, stages=(3, 2, 1), BK=64, BV=64),
-    # state_fwd: SV halves when the (sequence, head, tile) programs would not fill the card
+    # state_fwd: SV halves (down to value tiles of BV_min) while the (sequence, head, tile) programs
+    # would not fill the card (chunk_fwd.state_tile; tiles of 16 passed the GPU check, 2026-11-30)
     # (chunk_fwd.forward_intermediates); measured on the H200: (1, 32768, 16, 128) fwd 1.78 → 1.63 ms
-    "state_fwd": dict(num_warps=4, stages=(2, 1), SV=8192),
+    "state_fwd": dict(num_warps=4, stages=(2, 1), SV=8192, BV_min=16),
     # state_out: the forward's fused pass (state and output, chunk_fwd.forward), taken when its
     # programs number ≥ fill × the multiprocessors (chunk._forward); else state_fwd, then output
-    "state_out": dict(num_warps=4, stages=(2, 1), SV=4096, fill=1.5),
+    "state_out": dict(num_warps=4, stages=(2, 1), SV=4096, fill=1.5, BV_min=32),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
     "dv_local": dict(num_warps=8, stages=(1,), BK=64, BV=128),
     "state_bwd": dict(num_warps=4, stages=(2, 1), SV=2048),

@@ -18,21 +18,29 @@ from ._common import CONFIG, Chunks, kernel_dtype, make_chunks, pad_zeros, pow2,
 MIN_DIM = 32
 
 
+def _long_sequences(ch: Chunks) -> int:
+    """Sequences of at least 90 % of the longest one's chunks: those whose programs are still running
+    at the end of a sequential pass (all N of a dense batch; in a packed batch often one)."""
+    per = ch.host_per
+    return ch.N if per is None else int((per * 10 >= ch.max_nc * 9).sum())
 
 
 def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io):
     """(o, final state, Ai): the fused forward pass when its (sequence, head, value tile) programs
-    number at least ``CONFIG["state_out"]["fill"]`` (1.5) times the card's multiprocessors, else the
+    still running at the end of the pass (:func:`_long_sequences`; a packed batch's short sequences
+    finish early and leave the longest one's programs alone on the card) number at least
+    ``CONFIG["state_out"]["fill"]`` (1.5) times the card's multiprocessors, else the
     state pass storing h and δ followed by the fully parallel output kernel. The fused pass's chunk
     step is longer; with few programs nothing hides it. Measured on the H200 (132 SMs; GPU µs of the
     pass(es), `ops_gpu.py --variants --profile`): 4 × 8192 (256 programs) 507 fused against 296 + 283;
-    grouped 1 × 8192, HV = 32 (128) 444 against 224 + 128; 1 × 32768 (64) 1669 against 832 + 284."""
+    grouped 1 × 8192, HV = 32 (128) 444 against 224 + 128; 1 × 32768 (64) 1669 against 832 + 284;
+    packed, 12 sequences of 64-7000 tokens (one long): forward 1.63 ms fused against 1.31."""
     HV, V = v.shape[1], v.shape[2]
     _, SV = chunk_fwd.state_tile("state_out", ch, HV, k.shape[-1], V, v.device)
     # value heads narrower than 64 always take the fused pass: triton 3.6 on the H200 compiles the
     # output kernel wrong for bf16 value tiles of 16 and 32 (benchmarks/gpu_check.py, T = 63, V = 16
     # padded to 32: o off by 180 %, everything else right; the fused pass is right there)
-    if V < 64 or ch.N * HV * -(-V // SV) >= CONFIG["state_out"]["fill"] * sm_count(v.device):
+    if V < 64 or _long_sequences(ch) * HV * -(-V // SV) >= CONFIG["state_out"]["fill"] * sm_count(v.device):
         return chunk_fwd.forward(q, k, v, g, beta, h0, ch, want_final, scale, io)
     h, VN, ht, Ai, _ = chunk_fwd.forward_intermediates(q, k, v, g, beta, h0, ch, want_final)
     return chunk_fwd.output(q, k, v, g, h, VN, ch, scale, io), ht, Ai
