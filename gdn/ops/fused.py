@@ -58,8 +58,8 @@ def gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, *, scale=None, initial
         use_qk_l2norm: L2-normalise q and k over K (eps 1e-6).
         allow_neg_eigval: β = 2·sigmoid(b) (transition eigenvalues in [−1, 1]).
         backend: ``None`` picks: on CUDA with Triton the Triton prologue kernels (validated on the
-            H200 by ``benchmarks/gpu_check.py``; heads narrower than 32 (K or V) excepted, see
-            :mod:`gdn.ops`), elsewhere the PyTorch prologue and then the op's own pick;
+            H200 by ``benchmarks/gpu_check.py``), elsewhere the PyTorch prologue and then the op's
+            own pick;
             ``"triton"``, ``"chunk"`` or ``"naive"`` force one.
 
     Returns:
