@@ -2,9 +2,10 @@
 
 The first H200 check of ``gdn/ops/triton/kda_chunk*.py`` died with an illegal memory access at its
 first case (T = 130, K = 100, V = 128, HV = 2H) and every later case then failed in the poisoned
-context (docs/KDA.md). This script runs each check case and dtype (fp32, then bf16) in its own
-subprocess with ``CUDA_LAUNCH_BLOCKING=1``: the forward alone (no gradient), then forward and
-backward. Every kernel launch is logged (name, grid, tiles) and synchronised before the next, so a
+context (docs/KDA.md). This script runs each check case in its own subprocess with
+``CUDA_LAUNCH_BLOCKING=1``, fp32 then bf16, each the forward alone (no gradient), then forward and
+backward; when a process dies (a fault poisons its CUDA context) the dtypes it had left run in a
+new one. Every kernel launch is logged (name, grid, tiles) and synchronised before the next, so a
 fault names its kernel. One line per (case, stage, dtype)::
 
     <case> | <fwd|bwd> | <dtype> | ok / FAIL / ERR | worst relative error and bound, or the exception | last launch
@@ -13,13 +14,15 @@ Errors are relative RMS errors against gdn's float64 PyTorch chunk form on the s
 the final state for fwd; every gradient for bwd); bounds as ``benchmarks/kda_gpu.py``: fp32 ≤ 2e-3,
 bf16 ≤ 2 × the error of the PyTorch chunk form given the same bf16 inputs.
 
-The first row repeats the failing case with the launch configuration of the first H200 run
-(``--old``: state-pass V tiles down to 16 and K, V padded to 16 only), the rows after it run the
-current configuration. After the sweep, when a case failed, ``--variants`` (default on) repeats the
-first failing (case, dtype) with single configuration changes (fewer warps for the kernels with
-16-row sub-block dots, ...), so one call tells which change clears it. ``--sanitizer`` then runs the
-first failing case (or, if none failed, the first case) under ``compute-sanitizer --tool memcheck``
-with PyTorch's caching allocator off and prints the first 40 lines of its report.
+The first row repeats the failing case, fp32 only, with the launch configuration of the first H200
+run (state-pass V tiles halved down to 16, K and V padded to 16 only; ``--no-old`` leaves it out);
+the rows after it run the current configuration. After the sweep, when a case failed, the first
+failing (case, dtype) is repeated with single configuration changes (``VARIANTS``: fewer warps for
+the kernels with 16-row sub-block dots, ...; ``--no-variants`` leaves them out), so one call tells
+which change clears it. ``--sanitizer`` then runs the first failing case (the first-run row's if
+only it failed; the first case if none did) under ``compute-sanitizer --tool memcheck`` with
+PyTorch's caching allocator off and prints the first 40 lines of its report. The sanitizer's time
+(``--sanitizer-seconds``) is kept out of the sweep's.
 
     PYTHONPATH=. python benchmarks/kda_debug_gpu.py [--max-seconds 150] [--sanitizer] [--no-variants]
         [--cases SUBSTR ...] [--config JSON]
@@ -103,13 +106,19 @@ def log_launches(sync: bool) -> None:
         out = inner(kernel, grid, *args, name=name, **kw)
         if sync and _common._RECORD is None:
             torch.cuda.synchronize()
+            if out is not None:  # the compiled kernel: registers, spills, shared memory (bytes)
+                say(f"COMPILED {kernel.fn.__name__} regs={getattr(out, 'n_regs', '?')} "
+                    f"spills={getattr(out, 'n_spills', '?')} shared={getattr(out.metadata, 'shared', '?')}")
         return out
 
     kda_chunk_fwd._common_launch = logged
 
 
 def child(spec: dict) -> int:
+    """One case: for each dtype of ``spec["dtypes"]`` in turn, the forward alone, then forward +
+    backward. Prints STAGE / LAUNCH / COMPILED / RESULT / EXC lines for the parent."""
     import torch
+    import triton
 
     sys.path.insert(0, ROOT)
     from gdn.ops import kda_chunk as KC
@@ -117,9 +126,10 @@ def child(spec: dict) -> int:
 
     apply_config(spec.get("config") or {})
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    say(f"ENV torch {torch.__version__}, triton {triton.__version__}, "
+        f"{torch.cuda.get_device_name() if dev == 'cuda' else 'CPU (interpreter)'}")
     log_launches(dev == "cuda")
     name, B, T, H, HV, K, V, lens, g_scale = spec["case"]
-    dtype = getattr(torch, spec["dtype"])
     gen = torch.Generator().manual_seed(0)
 
     def r(*s):
@@ -152,35 +162,41 @@ def child(spec: dict) -> int:
             return math.inf
         return float((x - ref.double()).norm() / ref.double().norm().clamp_min(1e-300))
 
-    for stage, grad in (("fwd", False), ("bwd", True)):
-        say(f"STAGE {stage} start")
-        try:
-            ref = run(KC.kimi_delta_attention, torch.float64, grad)
-            if dtype == torch.float32:
-                bounds = {n: FP32_TOL for n in ref}
-            else:
-                base = run(KC.kimi_delta_attention, dtype, grad)
-                bounds = {n: 2 * rel(base[n], ref[n]) for n in ref}
-        except Exception as e:  # noqa: BLE001 - a failure of the script's reference, not of the kernels
-            say(f"EXC {stage} reference (PyTorch chunk form) failed: {type(e).__name__}: {e}")
-            return 4
-        try:
-            got = run(chunk_kda, dtype, grad)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - reported to the parent, which names the kernel
-            say(f"EXC {stage} {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            return 3
-        errs = {n: rel(got[n], ref[n]) for n in ref}
-        worst = max(ref, key=lambda n: errs[n] / max(bounds[n], 1e-30))
-        ok = all(errs[n] <= bounds[n] for n in ref)
-        say(f"RESULT {stage} {'ok' if ok else 'FAIL'} worst {worst} {errs[worst]:.2e} (bound {bounds[worst]:.1e}); "
-            + " ".join(f"{n} {errs[n]:.1e}" for n in ref))
+    refs = {}
+    for dt_name in spec["dtypes"]:
+        dtype = getattr(torch, dt_name)
+        for stage, grad in (("fwd", False), ("bwd", True)):
+            say(f"STAGE {stage} {dt_name} start")
+            try:
+                if stage not in refs:
+                    refs[stage] = run(KC.kimi_delta_attention, torch.float64, grad)
+                ref = refs[stage]
+                if dtype == torch.float32:
+                    bounds = {n: FP32_TOL for n in ref}
+                else:
+                    base = run(KC.kimi_delta_attention, dtype, grad)
+                    bounds = {n: 2 * rel(base[n], ref[n]) for n in ref}
+            except Exception as e:  # noqa: BLE001 - a failure of the script's reference, not of the kernels
+                say(f"EXC {stage} {dt_name} reference (PyTorch chunk form) failed: {type(e).__name__}: {e}")
+                return 4
+            try:
+                got = run(chunk_kda, dtype, grad)
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - reported to the parent, which names the kernel
+                say(f"EXC {stage} {dt_name} {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                return 3
+            errs = {n: rel(got[n], ref[n]) for n in ref}
+            worst = max(ref, key=lambda n: errs[n] / max(bounds[n], 1e-30))
+            ok = all(errs[n] <= bounds[n] for n in ref)
+            say(f"RESULT {stage} {dt_name} {'ok' if ok else 'FAIL'} worst {worst} {errs[worst]:.2e} "
+                f"(bound {bounds[worst]:.1e}); " + " ".join(f"{n} {errs[n]:.1e}" for n in ref))
+            del got
     return 0
 
 
 # ----------------------------------------------------------------------------------------------
-# Parent: one subprocess per (case, dtype)
+# Parent: one subprocess per case (a new one for the dtypes left when one dies)
 # ----------------------------------------------------------------------------------------------
 
 def child_cmd(spec: dict) -> list[str]:
@@ -194,8 +210,12 @@ def child_env(extra: dict | None = None) -> dict:
     return env
 
 
-def run_child(spec: dict, timeout: float) -> tuple[dict, str, str]:
-    """Run one child; returns ({stage: (status, detail)}, last launch, stderr tail)."""
+_ENV_SHOWN: list = []
+
+
+def run_child(spec: dict, timeout: float) -> tuple[dict, list, str]:
+    """Run one child; returns ({(stage, dtype): (status, detail, last launch)}, its LAUNCH / COMPILED
+    lines, stderr tail). A child that dies leaves the later (stage, dtype) pairs out."""
     try:
         p = subprocess.run(child_cmd(spec), env=child_env(), capture_output=True, text=True, timeout=timeout)
         out, err, rc = p.stdout, p.stderr, p.returncode
@@ -205,23 +225,63 @@ def run_child(spec: dict, timeout: float) -> tuple[dict, str, str]:
         rc = None
     stages, last, current = {}, "-", None
     for line in out.splitlines():
-        if line.startswith("LAUNCH "):
+        if line.startswith("ENV ") and not _ENV_SHOWN:
+            _ENV_SHOWN.append(line)
+            say(line[4:])
+        elif line.startswith("LAUNCH "):
             last = line[7:]
         elif line.startswith("STAGE "):
-            current = line.split()[1]
+            current = tuple(line.split()[1:3])
             last = "-"
         elif line.startswith("RESULT "):
-            _, st, status, detail = line.split(" ", 3)
-            stages[st] = (status, detail, last)
+            _, st, dt, status, detail = line.split(" ", 4)
+            stages[(st, dt)] = (status, detail, last)
         elif line.startswith("EXC "):
-            _, st, detail = line.split(" ", 2)
-            stages[st] = ("ERR", detail, last)
+            _, st, dt, detail = line.split(" ", 3)
+            stages[(st, dt)] = ("ERR", detail, last)
     tail = " / ".join(err.strip().splitlines()[-3:])
+    trail = [ln for ln in out.splitlines() if ln.startswith(("LAUNCH ", "COMPILED "))]
     if current is not None and current not in stages:  # died without a Python exception (or timed out)
         stages[current] = ("ERR", f"process ended (rc {rc}): {tail}", last)
-    if not stages:
-        stages["fwd"] = ("ERR", f"no stage started (rc {rc}): {tail}", last)
-    return stages, last, tail
+    if current is None:
+        stages[("fwd", spec["dtypes"][0])] = ("ERR", f"no stage started (rc {rc}): {tail}", last)
+    return stages, trail, tail
+
+
+def sweep(label, case, cfg, dtypes, args, left, reserve, show_compiled) -> list:
+    """Run one case over ``dtypes`` (one process, a new one after a process dies); print a line per
+    (stage, dtype); returns the failing dtypes."""
+    failed, todo = [], list(dtypes)
+    while todo:
+        budget = min(args.case_seconds, left() - reserve)
+        if budget < 8:
+            for dt in todo:
+                say(f"{label} | - | {dt} | SKIP | budget spent")
+            break
+        t0 = time.monotonic()
+        stages, trail, _ = run_child({"case": list(case), "dtypes": todo, "config": cfg}, budget)
+        done = []
+        for dt in todo:
+            if not any(k[1] == dt for k in stages):
+                break
+            done.append(dt)
+            for st in ("fwd", "bwd"):
+                status, detail, last = stages.get((st, dt), ("SKIP", "not reached (the process ended before)", "-"))
+                say(f"{label} | {st} | {dt} | {status} | {detail} | last launch: {last}")
+            if any(v[0] in ("ERR", "FAIL") for k, v in stages.items() if k[1] == dt):
+                failed.append(dt)
+        bad = len(done) < len(todo) or any(v[0] in ("ERR", "FAIL") for v in stages.values())
+        if bad:  # the launches before the failure
+            for ln in trail[-6:]:
+                say("    " + ln)
+        elif show_compiled:  # the kernels' registers, spills and shared memory
+            for ln in trail:
+                if ln.startswith("COMPILED"):
+                    say("    " + ln)
+        say(f"    ({time.monotonic() - t0:.1f} s)")
+        show_compiled = False
+        todo = todo[len(done):] if done else todo[1:]
+    return failed
 
 
 def find_sanitizer() -> str | None:
@@ -264,38 +324,21 @@ def main() -> int:
     runs = [] if args.no_old or not cases else [("[first-run config] " + cases[0][0], cases[0], {**base_cfg, **OLD})]
     runs += [(c[0], c, base_cfg) for c in cases]
     say(f"kda_debug_gpu: {len(runs)} runs x {len(dtypes)} dtypes, budget {args.max_seconds:.0f} s "
-        f"(CUDA_LAUNCH_BLOCKING=1, one subprocess per case and dtype)")
+        f"(CUDA_LAUNCH_BLOCKING=1, one subprocess per case; a new one for the dtypes left after a fault)")
     failed = []  # (label, case, config, dtype)
-    for label, case, cfg in runs:
-        for dt in dtypes:
-            budget = min(args.case_seconds, left() - reserve)
-            if budget < 8:
-                say(f"{label} | - | {dt} | SKIP | budget spent")
-                continue
-            t0 = time.monotonic()
-            stages, _, _ = run_child({"case": list(case), "dtype": dt, "config": cfg}, budget)
-            for st in ("fwd", "bwd"):
-                status, detail, last = stages.get(st, ("SKIP", "not reached (the process ended before)", "-"))
-                say(f"{label} | {st} | {dt} | {status} | {detail} | last launch: {last}")
-            say(f"    ({time.monotonic() - t0:.1f} s)")
-            if any(s[0] in ("ERR", "FAIL") for s in stages.values()):
-                failed.append((label, case, cfg, dt))
+    for i, (label, case, cfg) in enumerate(runs):
+        dts = dtypes[:1] if label.startswith("[first-run") else dtypes
+        for dt in sweep(label, case, cfg, dts, args, left, reserve, show_compiled=(i == len(runs) - len(cases))):
+            failed.append((label, case, cfg, dt))
     real = [f for f in failed if not f[0].startswith("[first-run")]
     if real and not args.no_variants:
         label, case, cfg, dt = real[0]
         say(f"--- variants on the first failing case: {label}, {dt}")
         for vname, vcfg in VARIANTS:
-            budget = min(args.case_seconds, left() - reserve)
-            if budget < 8:
-                say(f"variant {vname} | SKIP | budget spent")
-                continue
             merged = {**cfg}
             for k, v in vcfg.items():
                 merged[k] = {**merged.get(k, {}), **v} if isinstance(v, dict) else v
-            stages, _, _ = run_child({"case": list(case), "dtype": dt, "config": merged}, budget)
-            for st in ("fwd", "bwd"):
-                status, detail, last = stages.get(st, ("SKIP", "not reached", "-"))
-                say(f"variant {vname} | {st} | {dt} | {status} | {detail} | last launch: {last}")
+            sweep(f"variant {vname}: {label}", case, merged, [dt], args, left, reserve, False)
     if args.sanitizer:
         target = (real or failed or [(runs[0][0], runs[0][1], runs[0][2], dtypes[0])])[0] if runs else None
         tool = find_sanitizer()
@@ -306,7 +349,7 @@ def main() -> int:
             budget = max(10.0, left() - 5)
             say(f"--- compute-sanitizer memcheck: {label}, {dt} ({tool}, {budget:.0f} s)")
             cmd = [tool, "--tool", "memcheck", "--print-limit", "20"] + child_cmd(
-                {"case": list(case), "dtype": dt, "config": cfg})
+                {"case": list(case), "dtypes": [dt], "config": cfg})
             env = child_env({"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
             try:
                 p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=budget)
@@ -318,7 +361,7 @@ def main() -> int:
             report = [ln for ln in lines if ln.startswith("=========")] or lines
             for ln in report[:40]:
                 say(ln)
-            launches = [ln for ln in lines if ln.startswith(("LAUNCH", "RESULT", "EXC"))]
+            launches = [ln for ln in lines if ln.startswith(("LAUNCH", "COMPILED", "RESULT", "EXC"))]
             for ln in launches[-4:]:
                 say("  child: " + ln)
     say(f"done in {time.monotonic() - started:.1f} s; {len(failed)} failing (run, dtype) pairs")

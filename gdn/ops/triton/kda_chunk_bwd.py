@@ -284,7 +284,7 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, cu, chunk_idx
         b_dgam = tl.load(DGAM + p_k, mask=m_i[:, None], other=0.0) + q_i * b_dq + k_i * (b_rb - b_dkc)
         tl.store(DG + p_k, tl.cumsum(b_dgam, axis=0, reverse=True) + carry[None, :], mask=m_i[:, None])
         carry += tl.sum(b_dgam, axis=0)
-        tl.store(DBK + (i_k * T + r_i) * HV + i_hv, tl.sum(k_i * b_r, axis=1), mask=m_i)
+        tl.store(DBK + (i_k.to(tl.int64) * T + r_i) * HV + i_hv, tl.sum(k_i * b_r, axis=1), mask=m_i)
         I -= 1
 
 
