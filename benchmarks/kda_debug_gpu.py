@@ -36,6 +36,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -47,25 +48,27 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 CASES = [
     ("T=130 K=100 V=128 H=2 HV=4", 1, 130, 2, 4, 100, 128, None, None),
     ("T=130 K=100 V=128 B=3 H=16 HV=32 (state V tile 64)", 3, 130, 16, 32, 100, 128, None, None),
+    ("packed [1,200,64,0,135] K=V=128 H=2 HV=4", 1, 400, 2, 4, 128, 128, [1, 200, 64, 0, 135], None),
     ("T=63 K=60 V=60 B=2 H=1 HV=2", 2, 63, 1, 2, 60, 60, None, None),
     ("T=1 K=16 V=16 B=2 H=1 HV=2", 2, 1, 1, 2, 16, 16, None, None),
     ("T=65 K=128 V=32 H=1 HV=2 g>=-5", 1, 65, 1, 2, 128, 32, None, 5.0),
-    ("packed [1,200,64,0,135] K=V=128 H=2 HV=4", 1, 400, 2, 4, 128, 128, [1, 200, 64, 0, 135], None),
 ]
 DRY_CASES = [("T=65 K=20 V=16 H=1 HV=2", 1, 65, 1, 2, 20, 16, None, None)]
 #: The launch configuration of the first H200 run (commit 3adfe1a): state-pass V tiles halved down to
 #: 16 when the programs do not fill the card, K and V padded to powers of two ≥ 16.
 OLD = {"state_fwd": {"min_BV": 16}, "state_bwd": {"min_BV": 16}, "MIN_DIM": 16}
-#: Single changes tried on the first failing case (``--variants``).
+#: Single changes tried on the first failing case, those that touch the kernel launched last before
+#: the failure first.
 VARIANTS = [
-    ("old tiles (first run)", OLD),
+    ("kkt 2 warps (as the scalar kkt_solve)", {"kkt": {"num_warps": 2}}),
     ("kkt 4 warps", {"kkt": {"num_warps": 4}}),
-    ("kkt 2 warps", {"kkt": {"num_warps": 2}}),
+    ("kkt K tile 32", {"kkt": {"BK": 32}}),
+    ("state V tiles >= 64", {"state_fwd": {"min_BV": 64}, "state_bwd": {"min_BV": 64}}),
     ("intra_bwd 4 warps", {"intra_bwd": {"num_warps": 4}}),
-    ("state passes 4 warps", {"state_fwd": {"num_warps": 4}, "state_bwd": {"num_warps": 4}}),
     ("every kernel 4 warps", {n: {"num_warps": 4} for n in ("gamma", "kkt", "wu", "state_fwd", "output",
                                                            "dv_local", "state_bwd", "dqk", "wy_bwd",
                                                            "intra_bwd")}),
+    ("first-run tiles (state V tiles 16)", OLD),
 ]
 FP32_TOL = 2e-3
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -213,16 +216,24 @@ def child_env(extra: dict | None = None) -> dict:
 _ENV_SHOWN: list = []
 
 
+def run_group(cmd: list[str], env: dict, timeout: float) -> tuple[str, str, int | None]:
+    """(stdout, stderr, return code or None when timed out) of ``cmd`` run in its own process group,
+    the whole group killed on timeout (compute-sanitizer's target, ptxas processes included)."""
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+        return out, err, p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        return out, err + f"\ntimed out after {timeout:.0f} s", None
+
+
 def run_child(spec: dict, timeout: float) -> tuple[dict, list, str]:
     """Run one child; returns ({(stage, dtype): (status, detail, last launch)}, its LAUNCH / COMPILED
     lines, stderr tail). A child that dies leaves the later (stage, dtype) pairs out."""
-    try:
-        p = subprocess.run(child_cmd(spec), env=child_env(), capture_output=True, text=True, timeout=timeout)
-        out, err, rc = p.stdout, p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = (e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")) + f"\ntimed out after {timeout:.0f} s"
-        rc = None
+    out, err, rc = run_group(child_cmd(spec), child_env(), timeout)
     stages, last, current = {}, "-", None
     for line in out.splitlines():
         if line.startswith("ENV ") and not _ENV_SHOWN:
@@ -250,7 +261,7 @@ def run_child(spec: dict, timeout: float) -> tuple[dict, list, str]:
 
 def sweep(label, case, cfg, dtypes, args, left, reserve, show_compiled) -> list:
     """Run one case over ``dtypes`` (one process, a new one after a process dies); print a line per
-    (stage, dtype); returns the failing dtypes."""
+    (stage, dtype); returns the failing (dtype, kernel launched last before the failure)."""
     failed, todo = [], list(dtypes)
     while todo:
         budget = min(args.case_seconds, left() - reserve)
@@ -268,8 +279,9 @@ def sweep(label, case, cfg, dtypes, args, left, reserve, show_compiled) -> list:
             for st in ("fwd", "bwd"):
                 status, detail, last = stages.get((st, dt), ("SKIP", "not reached (the process ended before)", "-"))
                 say(f"{label} | {st} | {dt} | {status} | {detail} | last launch: {last}")
-            if any(v[0] in ("ERR", "FAIL") for k, v in stages.items() if k[1] == dt):
-                failed.append(dt)
+            bad_here = [v for k, v in sorted(stages.items()) if k[1] == dt and v[0] in ("ERR", "FAIL")]
+            if bad_here:
+                failed.append((dt, bad_here[0][2].split(" ")[0]))
         bad = len(done) < len(todo) or any(v[0] in ("ERR", "FAIL") for v in stages.values())
         if bad:  # the launches before the failure
             for ln in trail[-6:]:
@@ -302,7 +314,7 @@ def main() -> int:
     ap.add_argument("--max-seconds", type=float, default=150.0)
     ap.add_argument("--case-seconds", type=float, default=45.0, help="limit of one subprocess")
     ap.add_argument("--sanitizer", action="store_true", help="memcheck the first failing case")
-    ap.add_argument("--sanitizer-seconds", type=float, default=50.0, help="kept for the sanitizer run")
+    ap.add_argument("--sanitizer-seconds", type=float, default=45.0, help="kept for the sanitizer run")
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--no-old", action="store_true", help="leave out the first run's configuration row")
     ap.add_argument("--cases", nargs="*", help="only the cases whose name contains one of these")
@@ -328,36 +340,32 @@ def main() -> int:
     failed = []  # (label, case, config, dtype)
     for i, (label, case, cfg) in enumerate(runs):
         dts = dtypes[:1] if label.startswith("[first-run") else dtypes
-        for dt in sweep(label, case, cfg, dts, args, left, reserve, show_compiled=(i == len(runs) - len(cases))):
-            failed.append((label, case, cfg, dt))
+        for dt, kernel in sweep(label, case, cfg, dts, args, left, reserve, show_compiled=(i == len(runs) - len(cases))):
+            failed.append((label, case, cfg, dt, kernel))
     real = [f for f in failed if not f[0].startswith("[first-run")]
     if real and not args.no_variants:
-        label, case, cfg, dt = real[0]
-        say(f"--- variants on the first failing case: {label}, {dt}")
-        for vname, vcfg in VARIANTS:
+        label, case, cfg, dt, kernel = real[0]
+        short = kernel.removesuffix("_kernel")
+        say(f"--- variants on the first failing case: {label}, {dt} (last launch {kernel})")
+        for vname, vcfg in sorted(VARIANTS, key=lambda v: short not in v[1]):
             merged = {**cfg}
             for k, v in vcfg.items():
                 merged[k] = {**merged.get(k, {}), **v} if isinstance(v, dict) else v
             sweep(f"variant {vname}: {label}", case, merged, [dt], args, left, reserve, False)
     if args.sanitizer:
-        target = (real or failed or [(runs[0][0], runs[0][1], runs[0][2], dtypes[0])])[0] if runs else None
+        target = (real or failed or [(runs[0][0], runs[0][1], runs[0][2], dtypes[0], "-")])[0] if runs else None
         tool = find_sanitizer()
         if target is None or tool is None:
             say(f"sanitizer: {'compute-sanitizer not found' if tool is None else 'no case'}")
         else:
-            label, case, cfg, dt = target
+            label, case, cfg, dt = target[:4]
             budget = max(10.0, left() - 5)
             say(f"--- compute-sanitizer memcheck: {label}, {dt} ({tool}, {budget:.0f} s)")
             cmd = [tool, "--tool", "memcheck", "--print-limit", "20"] + child_cmd(
                 {"case": list(case), "dtypes": [dt], "config": cfg})
             env = child_env({"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
-            try:
-                p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=budget)
-                text = p.stdout + p.stderr
-            except subprocess.TimeoutExpired as e:
-                text = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
-                text += f"\n(timed out after {budget:.0f} s)"
-            lines = text.splitlines()
+            out, err, _ = run_group(cmd, env, budget)
+            lines = (out + err).splitlines()
             report = [ln for ln in lines if ln.startswith("=========")] or lines
             for ln in report[:40]:
                 say(ln)
