@@ -65,6 +65,7 @@ VARIANTS = [
     ("kkt K tile 32", {"kkt": {"BK": 32}}),
     ("state V tiles >= 64", {"state_fwd": {"min_BV": 64}, "state_bwd": {"min_BV": 64}}),
     ("intra_bwd 4 warps", {"intra_bwd": {"num_warps": 4}}),
+    ("state passes 4 warps", {"state_fwd": {"num_warps": 4}, "state_bwd": {"num_warps": 4}}),
     ("every kernel 4 warps", {n: {"num_warps": 4} for n in ("gamma", "kkt", "wu", "state_fwd", "output",
                                                            "dv_local", "state_bwd", "dqk", "wy_bwd",
                                                            "intra_bwd")}),

@@ -47,8 +47,9 @@ CONFIG = {
     "kkt": dict(num_warps=8, stages=(1,), BK=16),
     "wu": dict(num_warps=8, stages=(2,), BK=32, BV=32),
     # the sequential passes halve their V tile while the programs would not fill the card, never
-    # below min_BV: the first H200 check (4 programs at K = V = 128) halved it to 16, and every
-    # H200 fault of the scalar kernels so far was a dot 16 wide (docs/TRITON.md, docs/KDA.md)
+    # below min_BV: at the first H200 check's faulting case (4 programs, K = V = 128) it fell to 16,
+    # a tile no CPU test had run (docs/KDA.md). A precaution, not a confirmed cause: the scalar
+    # state passes have since passed the H200 check with tiles of 16 (docs/TRITON.md)
     "state_fwd": dict(num_warps=8, stages=(1,), SV=8192, min_BV=32),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
