@@ -87,7 +87,6 @@ def test_backward_matches_reference(cu):
 def test_dispatch_between_chunk_and_recurrent(monkeypatch, T, cu, grad, V, want):
     calls = []
     monkeypatch.setattr(TK, "chunk_kda", lambda *a, **kw: calls.append("chunk"))
-    monkeypatch.setattr(TK, "USE_CHUNK", True)  # the rule that applies once the chunk kernels pass the GPU check
     monkeypatch.setattr(TK, "recurrent_kda", lambda *a, **kw: calls.append("recurrent"))
     N = 1 if cu is None else len(cu) - 1
     d = kda_inputs(1, T, 1, 1, 16, V, N=N, dtype=torch.float32, requires_grad=grad)
@@ -95,13 +94,3 @@ def test_dispatch_between_chunk_and_recurrent(monkeypatch, T, cu, grad, V, want)
                             cu_seqlens=None if cu is None else torch.tensor(cu))
     assert calls == [want]
 
-
-def test_chunk_kernels_off_until_gpu_validated(monkeypatch):
-    """USE_CHUNK is off (the chunk kernels failed the H200 check): every call is token-recurrent."""
-    assert TK.USE_CHUNK is False
-    calls = []
-    monkeypatch.setattr(TK, "chunk_kda", lambda *a, **kw: calls.append("chunk"))
-    monkeypatch.setattr(TK, "recurrent_kda", lambda *a, **kw: calls.append("recurrent"))
-    d = kda_inputs(1, 200, 1, 1, 16, 16, dtype=torch.float32, requires_grad=True)
-    TK.kimi_delta_attention(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"])
-    assert calls == ["recurrent"]

