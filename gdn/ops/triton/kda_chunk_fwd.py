@@ -47,9 +47,8 @@ CONFIG = {
     "kkt": dict(num_warps=8, stages=(1,), BK=16),
     "wu": dict(num_warps=8, stages=(2,), BK=32, BV=32),
     # the sequential passes halve their V tile while the programs would not fill the card, never
-    # below min_BV: at the first H200 check's faulting case (4 programs, K = V = 128) it fell to 16,
-    # a tile no CPU test had run (docs/KDA.md). A precaution, not a confirmed cause: the scalar
-    # state passes have since passed the H200 check with tiles of 16 (docs/TRITON.md)
+    # below min_BV: at tiles of 16 triton 3.6 compiles this state_fwd_kernel (fp32, 8 warps) with an
+    # out-of-range shared-memory read on the H200 (compute-sanitizer, 2026-11-30; docs/KDA.md)
     "state_fwd": dict(num_warps=8, stages=(1,), SV=8192, min_BV=32),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
