@@ -59,14 +59,6 @@ class Segments:
     max_ns: int  # segments of the longest sequence
 
 
-def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An int32 copy on ``device``, asynchronous from pinned memory on CUDA (no host sync)."""
-    x = x.to(torch.int32).contiguous()
-    if device.type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True)
-    return x.to(device)
-
-
 def _to_device_many(arrays, device: torch.device) -> list[torch.Tensor]:
     """int32 copies of the host integer arrays on ``device`` in one transfer (one pinned buffer on
     CUDA, copied asynchronously: no host sync), as views of one device buffer. Each view starts on a
@@ -100,8 +92,8 @@ def make_segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
     ends = torch.minimum(bos + L * BT, cu[1:][seq])
     seg_cu = torch.cat([bos, ends[-1:]]) if NS else cu[-1:]
     assert NS == 0 or bool((seg_cu[1:-1] == ends[:-1]).all()), "segments must tile the token stream"
-    return Segments(_to_device(seg_cu, device), _to_device(off, device), _to_device(first, device),
-                    _to_device(count, device), NS, L, int(count.max()) if NS else 0)
+    d_cu, d_off, d_first, d_count = _to_device_many([t.numpy() for t in (seg_cu, off, first, count)], device)
+    return Segments(d_cu, d_off, d_first, d_count, NS, L, int(count.max()) if NS else 0)
 
 
 @functools.lru_cache(maxsize=64)
