@@ -135,6 +135,7 @@ def main(argv=None):
     s, mem = time_steps(run, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, "gdn", a.profile,
                         use_cache=False)
     rows.append(("gdn", sum(p.numel() for p in model.parameters()), s, mem))
+    print(f"gdn: {s * 1e3:.1f} ms per step, {a.batch * a.seq_len / s:,.0f} tokens/s, peak {mem:.1f} GiB", flush=True)
     del model, run
     if device.type == "cuda" and not a.no_fla:
         fm = fla_model(cfg)
@@ -149,6 +150,8 @@ def main(argv=None):
             torch.cuda.reset_peak_memory_stats(device)
             s, mem = time_steps(fm, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, "fla", a.profile)
             rows.append(("fla", sum(p.numel() for p in fm.parameters()), s, mem))
+            print(f"fla: {s * 1e3:.1f} ms per step, {a.batch * a.seq_len / s:,.0f} tokens/s, peak {mem:.1f} GiB",
+                  flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"training step (fwd+bwd+AdamW): preset {a.preset}, size {a.size}, batch {a.batch} x {a.seq_len}, "
           f"{'bf16 autocast' if bf16 else 'fp32'}, {name}; {flops_tok / 1e9:.2f} GFLOP/token")
