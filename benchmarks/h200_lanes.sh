@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Two lanes on an H200 x2 (one after the other on one GPU): lane A the GPU check, the KDA check and
-# the training throughput; lane B the ops table with FLA, gdn variants (VARIANTS, a JSON list of partial
-# launch configurations) and the narrow-head repro. Logs under $OUT. Knobs: CHECK_FLAGS (gpu_check), KDA_CMD,
-# TRAIN_FLAGS, VARIANTS, VAR_FLAGS (e.g. --profile), OPS_S (0 skips the ops table), *_S time slices.
-#   OUT=/tmp/x KDA_CMD="python3 benchmarks/kda_gpu.py --check-only" bash benchmarks/h200_lanes.sh
+# One device call, two lanes on an H200 x2 (one after the other on a single GPU). Logs under $OUT.
+# Lane A (GPU 0): the GPU check (8 shards, CHECK_FLAGS), GLUE_CMD, KDA_CMD, the training benchmark
+# (TRAIN_FLAGS; TRAIN2_FLAGS for a second run). Lane B (GPU 1): gdn variants (VARIANTS, a JSON list of
+# partial launch configurations; VAR_FLAGS e.g. --profile), the narrow-head repro, the ops table with
+# FLA (--decode --profile). Every step has a time slice *_S; a slice of 0 skips the step.
+#   OUT=/tmp/x GLUE_CMD="python3 benchmarks/glue_gpu.py" TRAIN_S=280 OPS_S=420 bash benchmarks/h200_lanes.sh
 set -u
 export SITE=/tmp/site PYTHONUNBUFFERED=1
 NO_VARIANT='[{}]'  # (a literal default inside ${...:-} would end at its first brace)
