@@ -12,14 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _triton_conv():
-    """:mod:`gdn.ops.triton.short_conv` when Triton imports, else None."""
-    try:
-        from ..ops.triton import short_conv  # noqa: PLC0415
-    except ImportError:
-        return None
-    return short_conv
+from ..ops import triton_kernels
 
 
 def _seq_position(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +145,7 @@ class ShortConvolution(nn.Module):
             if state is not None and tuple(state.shape) != (B, D, W):
                 raise ValueError(f"state must have shape [B, D, K-1] = [{B}, {D}, {W}], got {tuple(state.shape)}")
             hist = state.to(x.dtype) if state is not None else None
-        tri = _triton_conv() if x.is_cuda and (cu_seqlens is not None or T > 1) else None
+        tri = triton_kernels("short_conv", x) if cu_seqlens is not None or T > 1 else None
         if tri is not None:  # reads no history when there is none
             y = tri.short_conv(x, self.weight, hist, cu_seqlens, self.activation)
         else:

@@ -15,17 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..ops import kda_chunk, kda_reference
+from ..ops import kda_chunk, kda_reference, triton_kernels
 from ._recurrent import RecurrentMixer, _positive_int, l2_normalise, mamba_gate_init
 from .norm import RMSNorm
-
-
-def _triton_kda():
-    try:
-        from ..ops.triton import kda as triton_kda  # noqa: PLC0415
-    except ImportError:
-        return None
-    return triton_kda if getattr(triton_kda, "AVAILABLE", False) else None
 
 
 def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -39,7 +31,7 @@ def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, ou
     if public is not None:
         return public(q, k, v, g, beta, **kw)
     dims = kda_reference.check_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale)
-    tri = _triton_kda() if q.is_cuda else None
+    tri = triton_kernels("kda", q)
     if tri is not None and dims.K <= tri.MAX_HEAD_DIM:
         return tri.kimi_delta_attention(q, k, v, g, beta, **kw)
     decode = dims.T == 1 if cu_seqlens is None else dims.T == dims.N

@@ -5,19 +5,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _triton_swiglu():
-    """:mod:`gdn.ops.triton.swiglu` when Triton imports, else None."""
-    try:
-        from ..ops.triton import swiglu  # noqa: PLC0415
-    except ImportError:
-        return None
-    return swiglu
+from ..ops import triton_kernels
 
 
 def _product(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """SiLU(g) · u: one Triton pass on CUDA (fp32 math, rounded once), two PyTorch kernels elsewhere."""
-    tri = _triton_swiglu() if g.is_cuda else None
+    tri = triton_kernels("swiglu", g)
     return tri.swiglu_forward(g, u) if tri is not None else F.silu(g) * u
 
 
@@ -44,7 +37,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
         dt = ctx.dtype
         with torch.autocast(gate.device.type, enabled=False):
             g, u, w, dy = gate.to(dt), up.to(dt), weight.to(dt), dy.to(dt)
-            tri = _triton_swiglu() if g.is_cuda else None
+            tri = triton_kernels("swiglu", g)
             dw = None
             if ctx.needs_input_grad[2]:
                 h = _product(g, u)

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import triton_kernels
+
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
     """``t`` in fp32, or kept in fp64."""
@@ -19,14 +21,9 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _triton_norm(x: torch.Tensor):
-    """:mod:`gdn.ops.triton.rmsnorm` for a CUDA ``x`` it supports when Triton imports, else None."""
-    if not x.is_cuda:
-        return None
-    try:
-        from ..ops.triton import rmsnorm  # noqa: PLC0415
-    except ImportError:
-        return None
-    return rmsnorm if x.dtype in rmsnorm.DTYPES else None
+    """:mod:`gdn.ops.triton.rmsnorm` for a CUDA ``x`` of a dtype it takes, else None."""
+    tri = triton_kernels("rmsnorm", x)
+    return tri if tri is not None and x.dtype in tri.DTYPES else None
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:

@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import triton_kernels
+
 #: Logit elements per chunk (×4 bytes in fp32): bounds the transient memory of both passes.
 CHUNK_ELEMENTS = 2**25
 
 
 def _row_passes(z: torch.Tensor, sdt: torch.dtype):
     """:mod:`gdn.ops.triton.cross_entropy` for CUDA logits with an fp32 softmax, else None (PyTorch)."""
-    if not z.is_cuda or sdt != torch.float32:
-        return None
-    try:
-        from ..ops.triton import cross_entropy  # noqa: PLC0415
-    except ImportError:
-        return None
-    return cross_entropy
+    return triton_kernels("cross_entropy", z) if sdt == torch.float32 else None
 
 
 def _chunk_rows(n: int, vocab: int) -> int:

@@ -44,6 +44,20 @@ def _triton_module():
     return _triton if getattr(_triton, "AVAILABLE", False) else None
 
 
+def triton_kernels(name: str, x: torch.Tensor):
+    """The Triton kernel module ``gdn.ops.triton.<name>`` for work on ``x``: the module when ``x`` is a
+    CUDA tensor and Triton imports, else None (the caller takes its PyTorch path). The layers use it
+    for their GPU passes (short conv, norms, SwiGLU, the loss rows, KDA)."""
+    if not x.is_cuda or _triton_module() is None:
+        return None
+    import importlib  # noqa: PLC0415
+
+    try:
+        return importlib.import_module(f"{__name__}.triton.{name}")
+    except ImportError:
+        return None
+
+
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Backends that can run on ``device``."""
     out = ["naive", "chunk"]
