@@ -43,6 +43,18 @@ def torch_ce(z, t, coef):
     return lse, picked, (p * coef[:, None]).to(z.dtype)
 
 
+def compare(rows, label, names, ours, theirs, ref, dtype, tol) -> bool:
+    """Append one table row per output (error against the fp64 reference, bound: ``tol``, or 2× the
+    PyTorch form's own error when ``tol`` is None); True when any output fails."""
+    failed = False
+    for name, a, b, r in zip(names, ours, theirs, ref):
+        bound = tol if tol is not None else 2 * max(rel(b, r), 1e-7)
+        err = rel(a, r)
+        failed |= not err <= bound
+        rows.append(f"| {label} {name} | {dtype} | {err:.1e} | {bound:.1e} | {'ok' if err <= bound else 'FAIL'} |")
+    return failed
+
+
 def main() -> int:
     from triton.testing import do_bench
 
@@ -57,12 +69,7 @@ def main() -> int:
         ref = torch_swiglu(g.double(), u.double(), dh.double())
         ours = (swiglu_forward(g, u), *swiglu_backward(dh, g, u))
         theirs = torch_swiglu(g, u, dh)
-        for name, a, b, r in zip(("h", "dgate", "dup"), ours, theirs, ref):
-            bound = tol if tol is not None else 2 * max(rel(b, r), 1e-7)
-            err = rel(a, r)
-            ok = err <= bound
-            failed |= not ok
-            rows.append(f"| swiglu {name} | {dtype} | {err:.1e} | {bound:.1e} | {'ok' if ok else 'FAIL'} |")
+        failed |= compare(rows, "swiglu", ("h", "dgate", "dup"), ours, theirs, ref, dtype, tol)
         t_ours = do_bench(lambda: (swiglu_forward(g, u), swiglu_backward(dh, g, u)), return_mode="median")
         t_torch = do_bench(lambda: torch_swiglu(g, u, dh), return_mode="median")
         rows.append(f"| swiglu fwd + bwd ms | {dtype} | triton {t_ours:.3f} | torch {t_torch:.3f} | |")
@@ -74,12 +81,7 @@ def main() -> int:
         lse, picked = logsumexp_pick(z, t)
         ours = (lse, picked, softmax_grad(z, lse, t, coef))
         theirs = torch_ce(z, t, coef)
-        for name, a, b, r in zip(("lse", "picked", "dz"), ours, theirs, ref):
-            bound = tol if tol is not None else 2 * max(rel(b, r), 1e-7)
-            err = rel(a, r)
-            ok = err <= bound
-            failed |= not ok
-            rows.append(f"| cross entropy {name} | {dtype} | {err:.1e} | {bound:.1e} | {'ok' if ok else 'FAIL'} |")
+        failed |= compare(rows, "cross entropy", ("lse", "picked", "dz"), ours, theirs, ref, dtype, tol)
         t_ours = do_bench(lambda: softmax_grad(z, logsumexp_pick(z, t)[0], t, coef), return_mode="median")
         t_torch = do_bench(lambda: torch_ce(z, t, coef), return_mode="median")
         rows.append(f"| cross entropy passes ms (1048 x 32000) | {dtype} | triton {t_ours:.3f} | torch {t_torch:.3f} | |")
