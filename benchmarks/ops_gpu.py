@@ -257,13 +257,15 @@ def kernel_times(run, label, n=5, top=14):
         print(f"  {e.device_time_total / n:9.1f}  x{e.count // n:<3d} {e.key[:90]}")
 
 
-def profile(B, T, H, HV, label):
-    """Per-kernel GPU time (µs per call) of one fwd+bwd, gdn and FLA, from torch.profiler."""
-    xs, cu = inputs(B, T, H, HV, None)
-    do = torch.randn(B, T, HV, D, device="cuda", dtype=torch.bfloat16)
-    for name, f in (("gdn", gdn_fn(xs, cu)), ("FLA", fla_fn(xs, cu))):
-        if f is not None:
-            kernel_times(lambda: f().backward(do), f"{name} kernels at {label}, fwd+bwd")
+def profile():
+    """Per-kernel GPU time (µs per call) of one fwd+bwd at every shape, gdn and FLA, from torch.profiler."""
+    for label, B, T, H, HV, lens, *vd in SHAPES:
+        V = vd[0] if vd else D
+        xs, cu = inputs(B, T, H, HV, lens, V)
+        do = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
+        for name, f in (("gdn", gdn_fn(xs, cu)), ("FLA", fla_fn(xs, cu))):
+            if f is not None:
+                kernel_times(lambda: f().backward(do), f"{name} kernels at {label}, fwd+bwd", top=18)
 
 
 def main():
@@ -271,7 +273,7 @@ def main():
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decode", action="store_true", help="also the decode rows of benchmarks/decode_gpu.py")
-    ap.add_argument("--profile", action="store_true", help="per-kernel times at two shapes (torch.profiler)")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times at every shape (torch.profiler)")
     ap.add_argument("--only-profile", action="store_true", help="only the per-kernel profile")
     ap.add_argument("--variants", default=None, metavar="JSON",
                     help="only gdn, timed under each of a JSON list of partial launch configurations")
@@ -293,8 +295,7 @@ def main():
         if not args.only_profile:
             return
     if args.only_profile:
-        profile(8, 2048, 16, 16, "(8, 2048, 16, 128)")
-        profile(1, 32768, 16, 16, "(1, 32768, 16, 128)")
+        profile()
         return
     rs, mm_rate, copy_bw = rows()
     print()
@@ -311,8 +312,7 @@ def main():
               f"{r['sdpa_ms']:.3f} | {r['tflops']:.0f} ({r['pct_mm']:.0f}%) | {r['GBps']:.0f} ({r['pct_copy']:.0f}%) "
               f"| {r['gdn_GB']:.2f} / {r['fla_GB']:.2f} | {r['first_s']:.2f} |")
     if args.profile:
-        profile(8, 2048, 16, 16, "(8, 2048, 16, 128)")
-        profile(1, 32768, 16, 16, "(1, 32768, 16, 128)")
+        profile()
     dec = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_gpu.py")
     if args.decode and os.path.exists(dec):
         spec = importlib.util.spec_from_file_location("decode_gpu", dec)
