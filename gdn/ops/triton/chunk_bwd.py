@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
                       launch, make_segments, pow2, tiles, tl_dtype, value_cols)
-from .chunk_fwd import chain, split_len
+from .chunk_fwd import chain, split_len, state_tile
 
 
 @triton.jit
@@ -101,14 +101,14 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
     return b_ds
 
 
-@triton.jit(do_not_specialize=['max_nc'])
-def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_nc, scale, H,
+@triton.jit
+def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale, H,
                      HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
                      USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr,
                      AUG: tl.constexpr = False):
     """Reverse pass over one sequence's chunks: dh[c] = dS_out of chunk c, DD = dδ, dh0 = dS_0.
-    Runs ``max_nc`` steps like the forward pass; steps before the sequence's start are masked.
+    Runs the sequence's own chunk count of steps, last chunk first, like the forward pass.
 
     ``AUG`` (first phase of the split pass): the "sequences" are segments, dS is K × (K + V) and
     starts as [I | 0], the first K columns see zero dO and dδ_loc, nothing per chunk is stored, and
@@ -134,12 +134,12 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_n
         b_ds = tl.load(dht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, mask=mkv, other=0.0).to(tl.float32)
     if WHILE:
         j = 0
-        while j < max_nc:
+        while j < NC:
             b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
                                    p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG)
             j += 1
     else:
-        for j in range(0, max_nc):
+        for j in range(0, NC):
             b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
                                    p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG)
     if USE_INIT:
@@ -323,7 +323,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     dh = torch.empty(ch.NT, HV, K, V, device=dev, dtype=io)
     DD = torch.empty(T, HV, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
-    SK, SV = tiles("state_bwd", K, V)
+    SK, SV = state_tile("state_bwd", ch, HV, K, V, dev)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
                   name="state_bwd")
     Wp = W if delta else dummy
@@ -336,15 +336,15 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         X = torch.empty(sg.NS, HV, K, K + V, device=dev, dtype=f32)
         AV = min(pow2(K + V), max(16, CONFIG["state_aug"]["SV"] // SK))
         launch(state_bwd_kernel, (triton.cdiv(K + V, AV), sg.NS * HV), q, k, gs, Wp, do, DVL, dummy, dummy,
-               dummy, X, sg.cu, sg.off, L, scale, BV=AV, USE_DHT=False, USE_INIT=True, AUG=True,
+               dummy, X, sg.cu, sg.off, scale, BV=AV, USE_DHT=False, USE_INIT=True, AUG=True,
                **dict(common, name="state_aug"))
         Send = chain(X, dht, dh0, sg, HV, K, V, True, prec)
         launch(state_bwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL, Send, dh, DD, dummy,
-               sg.cu, sg.off, L, scale, BV=SV, USE_DHT=True, USE_INIT=False, **common)
+               sg.cu, sg.off, scale, BV=SV, USE_DHT=True, USE_INIT=False, **common)
     else:
         launch(state_bwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
                q, k, gs, Wp, do, DVL, dht if dht is not None else dummy, dh, DD,
-               dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, ch.max_nc, scale, BV=SV,
+               dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, scale, BV=SV,
                USE_DHT=dht is not None, USE_INIT=h0 is not None, **common)
     del DVL
     BK, BV = tiles("dqk", K, V)

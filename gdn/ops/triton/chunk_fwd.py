@@ -219,17 +219,18 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t
     return b_s + tl.dot(tl.trans(b_k), b_d.to(DT), input_precision=PREC)
 
 
-@triton.jit(do_not_specialize=['max_nc'])
-def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV,
+@triton.jit
+def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, H, HV,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, AUG: tl.constexpr = False):
     """Sequential pass over one sequence's chunks for one value head and one V tile.
 
     Stores the state entering each chunk in h [NT, HV, K, V] and, for delta members,
-    δ = U − W S in VN [T, HV, V]; the final state in ht [N, HV, K, V]. Every program runs
-    ``max_nc`` (the longest sequence's chunk count) steps; steps past its own sequence are fully
-    masked and leave the state unchanged (g = 0, k = δ = 0), so T is no compile-time key.
+    δ = U − W S in VN [T, HV, V]; the final state in ht [N, HV, K, V]. Each program runs its own
+    sequence's chunk count of steps (a runtime bound: T is no compile-time key, and in a packed
+    batch the programs of short sequences finish early instead of stepping through masked chunks);
+    the rows past the end of a last, partial chunk are masked.
 
     ``AUG`` (the first phase of the split pass, :func:`forward_intermediates`): the "sequences" are
     segments, the state is K × (K + V) and starts as [I | 0], the first K columns see zero values,
@@ -254,14 +255,15 @@ def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, H, HV,
         b_s = (o_k[:, None] == o_v[None, :]).to(tl.float32)
     elif USE_INIT:
         b_s = tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, mask=mkv, other=0.0).to(tl.float32)
+    nc = tl.cdiv(eos - bos, BT)
     if WHILE:
         i_c = 0
-        while i_c < max_nc:
+        while i_c < nc:
             b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
                                   p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG)
             i_c += 1
     else:
-        for i_c in range(0, max_nc):
+        for i_c in range(0, nc):
             b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
                                   p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG)
     if STORE_FINAL:
@@ -424,15 +426,16 @@ def _state_out_step(i_c, b_s, q, k, v, g, W, U, o, bos, eos, scale, i_hv, i_h, o
     return b_s + tl.dot(tl.trans(b_k), b_d, input_precision=PREC)
 
 
-@triton.jit(do_not_specialize=['max_nc'])
-def state_out_kernel(q, k, v, g, W, U, h0, o, ht, cu, max_nc, scale, H, HV,
+@triton.jit
+def state_out_kernel(q, k, v, g, W, U, h0, o, ht, cu, scale, H, HV,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
     """The forward's sequential pass with the output fused in, for one sequence, value head and V
     tile: per chunk, O = scale · (diag(Γ) Q S + (Q Kᵀ ⊙ D) δ) from the entering state S, then
     S ← Γ_C S + K̃ᵀ δ. Neither the per-chunk states nor δ are stored (the backward recomputes them);
-    o [T, HV, V], the final state in ht [N, HV, K, V]. Steps past a sequence's end are masked."""
+    o [T, HV, V], the final state in ht [N, HV, K, V]. Runs the sequence's own chunk count of steps
+    (as :func:`state_fwd_kernel`)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -447,14 +450,15 @@ def state_out_kernel(q, k, v, g, W, U, h0, o, ht, cu, max_nc, scale, H, HV,
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_INIT:
         b_s = tl.load(h0 + p_s, mask=mkv, other=0.0).to(tl.float32)
+    nc = tl.cdiv(eos - bos, BT)
     if WHILE:
         i_c = 0
-        while i_c < max_nc:
+        while i_c < nc:
             b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
                                   H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
             i_c += 1
     else:
-        for i_c in range(0, max_nc):
+        for i_c in range(0, nc):
             b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
                                   H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
     if STORE_FINAL:
@@ -486,12 +490,16 @@ def prepare(k, v, g, beta, ch: Chunks, Ai=None):
 
 
 def state_tile(name: str, ch: Chunks, HV: int, K: int, V: int, device) -> tuple[int, int]:
-    """(BK, BV) of a forward sequential pass: the configured tile, its value width halved (down to
-    ``CONFIG[name]["BV_min"]``) while the (sequence, head, tile) programs would not fill the card:
-    twice as many programs, each with half the values. Measured on the H200 for state_fwd, 1 × 32768
-    (16 sequence-heads): value tiles of 16 instead of 32, fwd 1.50 → 1.42 ms, fwd+bwd 5.20 → 5.03."""
+    """(BK, BV) of a sequential pass (state_fwd, state_out, state_bwd): the configured widest tile,
+    its value width halved (down to ``CONFIG[name]["BV_min"]``) while the (sequence, head, tile)
+    programs number fewer than ``CONFIG[name]["busy"]`` times the card's multiprocessors: twice as
+    many programs, each with half the values. Wide tiles read each chunk's [64, K] key-side tiles
+    (W, K, Q) once per tile; narrow tiles put more multiprocessors on a latency-bound pass.
+    Measured on the H200 for state_fwd, 1 × 32768 (16 sequence-heads): value tiles of 16 instead of
+    32, fwd 1.50 → 1.42 ms, fwd+bwd 5.20 → 5.03."""
     SK, SV = tiles(name, K, V)
-    while ch.N * HV * triton.cdiv(V, SV) < sm_count(device) and SV // 2 >= CONFIG[name]["BV_min"]:
+    busy = CONFIG[name].get("busy", 1.0) * sm_count(device)
+    while ch.N * HV * triton.cdiv(V, SV) < busy and SV // 2 >= CONFIG[name]["BV_min"]:
         SV //= 2
     return SK, SV
 
@@ -509,7 +517,7 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     SK, SV = state_tile("state_out", ch, HV, K, V, dev)
     gp = chunk_cumsum(g, ch) if g is not None else v
     launch(state_out_kernel, (triton.cdiv(V, SV), ch.N * HV), q, k, v, gp, W if W is not None else v,
-           U if U is not None else v, h0 if h0 is not None else v, o, ht if want_final else v, ch.cu, ch.max_nc,
+           U if U is not None else v, h0 if h0 is not None else v, o, ht if want_final else v, ch.cu,
            scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=beta is not None,
            USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=dot_precision(v.dtype), DT=tl_dtype(v.dtype),
            WHILE=INTERPRET, name="state_out")
@@ -546,15 +554,15 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
         X = torch.empty(sg.NS, HV, K, K + V, device=dev, dtype=torch.float32)
         AV = min(pow2(K + V), max(16, CONFIG["state_aug"]["SV"] // SK))
         launch(state_fwd_kernel, (triton.cdiv(K + V, AV), sg.NS * HV), k, v, gp, Wp, Up, dummy, dummy, dummy, X,
-               sg.cu, sg.off, L, BV=AV, USE_INIT=False, STORE_FINAL=True, AUG=True, **dict(common, name="state_aug"))
+               sg.cu, sg.off, BV=AV, USE_INIT=False, STORE_FINAL=True, AUG=True, **dict(common, name="state_aug"))
         Sin = chain(X, h0, ht, sg, HV, K, V, False, prec)
         launch(state_fwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Sin, h,
-               VN if delta else dummy, dummy, sg.cu, sg.off, L, BV=SV, USE_INIT=True, STORE_FINAL=False, **common)
+               VN if delta else dummy, dummy, sg.cu, sg.off, BV=SV, USE_INIT=True, STORE_FINAL=False, **common)
         return h, VN, ht, Ai, W
     SK, SV = state_tile("state_fwd", ch, HV, K, V, dev)
     launch(state_fwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
            k, v, gp, Wp, Up, h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy,
-           ch.cu, ch.chunk_off, ch.max_nc, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, **common)
+           ch.cu, ch.chunk_off, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, **common)
     return h, VN, ht, Ai, W
 
 
