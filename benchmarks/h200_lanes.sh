@@ -3,7 +3,7 @@
 # Lane A (GPU 0): the GPU check (8 shards, CHECK_FLAGS), GLUE_CMD, KDA_CMD, the training benchmark
 # (TRAIN_FLAGS; TRAIN2_FLAGS for a second run). Lane B (GPU 1): gdn variants (VARIANTS, a JSON list of
 # partial launch configurations; VAR_FLAGS e.g. --profile), the narrow-head repro, the ops table with
-# FLA (--decode --profile). Every step has a time slice *_S; a slice of 0 skips the step.
+# FLA (OPS_FLAGS, default --decode --profile). Every step has a time slice *_S; a slice of 0 skips the step.
 #   OUT=/tmp/x GLUE_CMD="python3 benchmarks/glue_gpu.py" TRAIN_S=280 OPS_S=420 bash benchmarks/h200_lanes.sh
 set -u
 export SITE=/tmp/site PYTHONUNBUFFERED=1
@@ -42,7 +42,7 @@ laneB() {
     CUDA_VISIBLE_DEVICES=$G1 timeout ${REPRO_S:-60} python3 benchmarks/gpu_repro_v16.py --no-sanitizer ${REPRO_FLAGS:-} > "$OUT/repro.log" 2>&1
   fi
   if [ "${OPS_S:-320}" -gt 0 ]; then
-    CUDA_VISIBLE_DEVICES=$G1 timeout ${OPS_S:-320} python3 benchmarks/ops_gpu.py --decode --profile > "$OUT/ops_gpu.log" 2>&1
+    CUDA_VISIBLE_DEVICES=$G1 timeout ${OPS_S:-320} python3 benchmarks/ops_gpu.py ${OPS_FLAGS:---decode --profile} > "$OUT/ops_gpu.log" 2>&1
   fi
 }
 if [ "$NG" -gt 1 ]; then laneA & laneB & wait; else laneA; laneB; fi

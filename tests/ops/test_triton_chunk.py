@@ -234,10 +234,12 @@ def test_state_tile_and_long_sequences():
 
     cpu = torch.device("cpu")
     one = _common.make_chunks(1, 640, None, cpu)
-    assert state_tile("state_fwd", one, 1, 128, 128, cpu) == (128, 32)  # 64 → 32: 4 programs
-    assert state_tile("state_fwd", one, 1, 128, 32, cpu) == (128, 16)  # 32 → 16: 2 programs, floor 16
-    assert state_tile("state_out", one, 1, 128, 32, cpu) == (128, 32)  # floor 32
-    assert state_tile("state_fwd", _common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (128, 64)
+    deep, shallow = _common.CONFIG["state_fwd"]["deep"], _common.CONFIG["state_fwd"]["stages"]
+    assert state_tile("state_fwd", one, 1, 128, 128, cpu) == (128, 32, deep)  # 64 → 32: 4 programs
+    assert state_tile("state_fwd", one, 1, 128, 32, cpu) == (128, 16, deep)  # 32 → 16: 2 programs, floor 16
+    assert state_tile("state_out", one, 1, 128, 32, cpu)[:2] == (128, 32)  # floor 32
+    # 8 programs of 64-wide tiles, two per "SM": the shallow pipeline
+    assert state_tile("state_fwd", _common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (128, 64, shallow)
     assert chunk_mod._long_sequences(_common.make_chunks(3, 200, None, cpu)) == 3
     packed = _common.make_chunks(1, 700, torch.tensor([0, 640, 641, 641, 700]), cpu)
     assert chunk_mod._long_sequences(packed) == 1

@@ -165,14 +165,15 @@ CONFIG = {
     # state_fwd: SV halves (down to value tiles of BV_min) while the (sequence, head, tile) programs
     # would not fill the card (chunk_fwd.state_tile; tiles of 16 passed the GPU check, 2026-11-30)
     # (chunk_fwd.forward_intermediates); measured on the H200: (1, 32768, 16, 128) fwd 1.78 → 1.63 ms
-    "state_fwd": dict(num_warps=4, stages=(2, 1), SV=8192, BV_min=16),
+    # deep: the pipeline depths when every program has a multiprocessor to itself (state_tile)
+    "state_fwd": dict(num_warps=4, stages=(2, 1), deep=(3, 2, 1), SV=8192, BV_min=16),
     # state_out: the forward's fused pass (state and output, chunk_fwd.forward), taken when its
     # programs number ≥ fill × the multiprocessors (chunk._forward); else state_fwd, then output
-    "state_out": dict(num_warps=4, stages=(2, 1), SV=4096, fill=1.5, BV_min=32),
+    "state_out": dict(num_warps=4, stages=(2, 1), deep=(3, 2, 1), SV=4096, fill=1.5, BV_min=32),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
     "dv_local": dict(num_warps=8, stages=(1,), BK=64, BV=128),
     # state_bwd: value tiles from 64 down to 16 as state_fwd's (chunk_fwd.state_tile)
-    "state_bwd": dict(num_warps=4, stages=(2, 1), SV=8192, BV_min=16),
+    "state_bwd": dict(num_warps=4, stages=(2, 1), deep=(3, 2, 1), SV=8192, BV_min=16),
     "dqk": dict(num_warps=4, stages=(1,), BK=64, BV=64),
     "wy_bwd": dict(num_warps=4, stages=(1,), BK=64, BV=64),
     "cumsum": dict(num_warps=1, stages=(1,)),
@@ -301,13 +302,14 @@ _RECORD: list | None = None  # launches collected instead of run, inside recordi
 log = logging.getLogger(__name__)
 
 
-def launch(kernel, grid, *args, name: str, config: dict | None = None, **meta):
+def launch(kernel, grid, *args, name: str, config: dict | None = None, stages: tuple | None = None, **meta):
     """``kernel[grid](*args, **meta)`` with the warps of ``config[name]`` (default: this module's
-    ``CONFIG``) and the first of its software-pipelining depths whose shared memory fits the card (a
-    deeper pipeline is tried first; the choice is remembered per kernel and compile-time arguments,
-    so the fallback costs one failed load at most). Inside :func:`recording` nothing runs."""
+    ``CONFIG``) and the first of its software-pipelining depths (``stages``, default the config's)
+    whose shared memory fits the card (a deeper pipeline is tried first; the choice is remembered
+    per kernel and compile-time arguments, so the fallback costs one failed load at most). Inside
+    :func:`recording` nothing runs."""
     cfg = (CONFIG if config is None else config)[name]
-    stages = cfg["stages"]
+    stages = cfg["stages"] if stages is None else tuple(stages)
     meta["num_warps"] = cfg["num_warps"]
     key = (kernel, tuple(meta.items()), stages)  # (callers pass their keywords in a fixed order)
     if _RECORD is not None:

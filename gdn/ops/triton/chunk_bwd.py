@@ -323,7 +323,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     dh = torch.empty(ch.NT, HV, K, V, device=dev, dtype=io)
     DD = torch.empty(T, HV, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
-    SK, SV = state_tile("state_bwd", ch, HV, K, V, dev)
+    SK, SV, stages = state_tile("state_bwd", ch, HV, K, V, dev)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
                   name="state_bwd")
     Wp = W if delta else dummy
@@ -345,7 +345,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         launch(state_bwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
                q, k, gs, Wp, do, DVL, dht if dht is not None else dummy, dh, DD,
                dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, scale, BV=SV,
-               USE_DHT=dht is not None, USE_INIT=h0 is not None, **common)
+               USE_DHT=dht is not None, USE_INIT=h0 is not None, stages=stages, **common)
     del DVL
     BK, BV = tiles("dqk", K, V)
     NK = triton.cdiv(K, BK)
