@@ -169,7 +169,7 @@ CONFIG = {
     "state_fwd": dict(num_warps=4, stages=(2, 1), deep=(3, 2, 1), SV=8192, BV_min=16),
     # state_out: the forward's fused pass (state and output, chunk_fwd.forward), taken when its
     # programs number ≥ fill × the multiprocessors (chunk._forward); else state_fwd, then output
-    "state_out": dict(num_warps=4, stages=(2, 1), deep=(3, 2, 1), SV=4096, fill=1.5, BV_min=32),
+    "state_out": dict(num_warps=4, stages=(2, 1), SV=4096, fill=1.5, BV_min=32),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
     "dv_local": dict(num_warps=8, stages=(1,), BK=64, BV=128),
     # state_bwd: value tiles from 64 down to 16 as state_fwd's (chunk_fwd.state_tile)

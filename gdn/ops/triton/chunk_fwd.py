@@ -155,16 +155,10 @@ def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H, HV, K: tl.constexpr,
 
 
 @triton.jit
-def wu_kernel(k, v, g, beta, Ai, W, U, q, QP, OL, scale, cu, chunk_idx, H, HV, K: tl.constexpr,
+def wu_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr,
               V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
-              PREC: tl.constexpr, DT: tl.constexpr, QO: tl.constexpr):
-    """W = T diag(βΓ) K and U = T diag(β) V for one chunk and value head (stored in DT).
-
-    With ``QO`` also the output's factors for the fused pass (:func:`state_out_kernel`): with
-    P = scale · (Q Kᵀ ⊙ D) (D the causal decay mask), the chunk's output is
-    O = scale · (diag(Γ) Q S + P δ) and δ = U − W S, so O = Q' S + O_loc with
-    Q' = scale · diag(Γ) Q − P W (QP [T, HV, K]) and O_loc = P U (OL [T, HV, V]). Both are fully
-    parallel here, which takes the Q Kᵀ and P δ products off the sequential pass's chunk step."""
+              PREC: tl.constexpr, DT: tl.constexpr):
+    """W = T diag(βΓ) K and U = T diag(β) V for one chunk and value head (stored in DT)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, BT)
@@ -174,43 +168,21 @@ def wu_kernel(k, v, g, beta, Ai, W, U, q, QP, OL, scale, cu, chunk_idx, H, HV, K
     b_A = tl.load(Ai + (rows[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
     b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
     b_bg = b_b
-    b_eg = tl.full([BT], 1.0, dtype=tl.float32)
     if USE_G:
         b_gam, _ = gate_cumsum(g, rows, m, HV, i_hv)
-        b_eg = tl.exp(b_gam)
-        b_bg = b_b * b_eg
-    if QO:
-        b_p = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_k in range(0, tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            mk = m[:, None] & (o_k < K)[None, :]
-            b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
-            b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
-            b_p += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-        if USE_G:
-            b_p = b_p * tl.exp(tl.where(o_t[:, None] >= o_t[None, :], b_gam[:, None] - b_gam[None, :], float("-inf")))
-        else:
-            b_p = tl.where(o_t[:, None] >= o_t[None, :], b_p, 0.0)
-        b_pd = (b_p * scale).to(DT)
+        b_bg = b_b * tl.exp(b_gam)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         mk = m[:, None] & (o_k < K)[None, :]
         b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
-        b_w = tl.dot(b_A, (b_k * b_bg[:, None]).to(DT), input_precision=PREC).to(DT)
-        tl.store(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], b_w, mask=mk)
-        if QO:
-            b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0).to(tl.float32)
-            b_qp = b_q * (scale * b_eg)[:, None] - tl.dot(b_pd, b_w, input_precision=PREC)
-            tl.store(QP + (rows[:, None] * HV + i_hv) * K + o_k[None, :], b_qp.to(DT), mask=mk)
+        b_w = tl.dot(b_A, (b_k * b_bg[:, None]).to(DT), input_precision=PREC)
+        tl.store(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], b_w.to(DT), mask=mk)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         mv = m[:, None] & (o_v < V)[None, :]
         b_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
-        b_u = tl.dot(b_A, (b_v * b_b[:, None]).to(DT), input_precision=PREC).to(DT)
-        tl.store(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_u, mask=mv)
-        if QO:
-            b_ol = tl.dot(b_pd, b_u, input_precision=PREC)
-            tl.store(OL + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_ol.to(DT), mask=mv)
+        b_u = tl.dot(b_A, (b_v * b_b[:, None]).to(DT), input_precision=PREC)
+        tl.store(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_u.to(DT), mask=mv)
 
 
 @triton.jit
@@ -418,41 +390,35 @@ def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H, HV,
 
 
 @triton.jit
-def _state_out_step(i_c, b_s, q, k, v, g, W, U, QP, OL, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
+def _state_out_step(i_c, b_s, q, k, v, g, W, U, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
                     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """One chunk of the fused forward pass: its output rows from the entering state, then the next
-    state, without S or δ leaving the chip. Delta members read the output's factors Q', O_loc made
-    by ``wu_kernel`` (O = Q' S + O_loc: one product on the chunk step instead of three); the others
-    compute O = scale · (diag(Γ) Q S + (Q Kᵀ ⊙ D) V) here."""
+    state. The same arithmetic as ``_state_fwd_step`` followed by ``output_kernel`` (S and δ rounded
+    to DT where those kernels store them), without S or δ leaving the chip."""
     rows = bos + i_c * BT + o_t
     m = rows < eos
     mk = m[:, None] & (o_k < K)[None, :]
     mv = m[:, None] & (o_v < V)[None, :]
     b_sd = b_s.to(DT)
+    b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
     b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
-    if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
-        cs = bos + i_c * BT
-        b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
     if DELTA:
-        b_qp = tl.load(QP + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
-        b_o = tl.load(OL + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
-        b_o += tl.dot(b_qp, b_sd, input_precision=PREC)
         b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
         b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
         b_d = (b_u - tl.dot(b_w, b_sd, input_precision=PREC)).to(DT)
     else:
-        b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
         b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(DT)
-        b_o = tl.dot(b_q, b_sd, input_precision=PREC)
-        b_p = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-        if USE_G:
-            b_o = b_o * tl.exp(b_gam)[:, None]
-            b_p = b_p * tl.exp(tl.where(o_t[:, None] >= o_t[None, :], b_gam[:, None] - b_gam[None, :],
-                                        float("-inf")))
-        else:
-            b_p = tl.where(o_t[:, None] >= o_t[None, :], b_p, 0.0)
-        b_o = scale * (b_o + tl.dot(b_p.to(DT), b_d, input_precision=PREC))
+    b_o = tl.dot(b_q, b_sd, input_precision=PREC)
+    b_p = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+    if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
+        cs = bos + i_c * BT
+        b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
+        b_o = b_o * tl.exp(b_gam)[:, None]
+        b_p = b_p * tl.exp(tl.where(o_t[:, None] >= o_t[None, :], b_gam[:, None] - b_gam[None, :], float("-inf")))
+    else:
+        b_p = tl.where(o_t[:, None] >= o_t[None, :], b_p, 0.0)
+    b_o = scale * (b_o + tl.dot(b_p.to(DT), b_d, input_precision=PREC))
     tl.store(o + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=mv)
     if USE_G:
         b_d = (b_d.to(tl.float32) * tl.exp(b_gc - b_gam)[:, None]).to(DT)
@@ -461,7 +427,7 @@ def _state_out_step(i_c, b_s, q, k, v, g, W, U, QP, OL, o, bos, eos, scale, i_hv
 
 
 @triton.jit
-def state_out_kernel(q, k, v, g, W, U, QP, OL, h0, o, ht, cu, scale, H, HV,
+def state_out_kernel(q, k, v, g, W, U, h0, o, ht, cu, scale, H, HV,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
@@ -488,24 +454,23 @@ def state_out_kernel(q, k, v, g, W, U, QP, OL, h0, o, ht, cu, scale, H, HV,
     if WHILE:
         i_c = 0
         while i_c < nc:
-            b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, QP, OL, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
+            b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
                                   H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
             i_c += 1
     else:
         for i_c in range(0, nc):
-            b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, QP, OL, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
+            b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
                                   H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
     if STORE_FINAL:
         tl.store(ht + p_s, b_s, mask=mkv)
 
 
-def prepare(k, v, g, beta, ch: Chunks, Ai=None, q=None, scale: float = 1.0):
-    """The per-chunk factors of a delta member: (Ai [T, HV, BT] = T⁻¹ rows, W [T, HV, K], U [T, HV, V],
-    QP, OL), in the inputs' dtype; all None without the delta term. ``Ai``, when given (the
-    backward passes the forward's), is used instead of being computed again. With ``q`` also the
-    fused pass's output factors QP [T, HV, K] and OL [T, HV, V] (``wu_kernel``), else those are None."""
+def prepare(k, v, g, beta, ch: Chunks, Ai=None):
+    """The per-chunk factors of a delta member: (Ai [T, HV, BT] = T⁻¹ rows, W [T, HV, K], U [T, HV, V]),
+    in the inputs' dtype; (None, None, None) without the delta term. ``Ai``, when given (the
+    backward passes the forward's), is used instead of being computed again."""
     if beta is None:
-        return None, None, None, None, None
+        return None, None, None
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     prec, DT, io, dev = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype, v.device
@@ -518,13 +483,10 @@ def prepare(k, v, g, beta, ch: Chunks, Ai=None, q=None, scale: float = 1.0):
                name="kkt_solve")
     W = torch.empty(T, HV, K, device=dev, dtype=io)
     U = torch.empty(T, HV, V, device=dev, dtype=io)
-    QP = torch.empty(T, HV, K, device=dev, dtype=io) if q is not None else None
-    OL = torch.empty(T, HV, V, device=dev, dtype=io) if q is not None else None
     BK, BV = tiles("wu", K, V)
-    launch(wu_kernel, (ch.NT, HV), k, v, gp, beta, Ai, W, U, k if q is None else q, W if q is None else QP,
-           U if q is None else OL, scale, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, V=V, BT=BT,
-           BK=BK, BV=BV, USE_G=g is not None, PREC=prec, DT=DT, QO=q is not None, name="wu")
-    return Ai, W, U, QP, OL
+    launch(wu_kernel, (ch.NT, HV), k, v, gp, beta, Ai, W, U, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, V=V, BT=BT,
+           BK=BK, BV=BV, USE_G=g is not None, PREC=prec, DT=DT, name="wu")
+    return Ai, W, U
 
 
 def state_tile(name: str, ch: Chunks, HV: int, K: int, V: int, device) -> tuple[int, int, tuple]:
@@ -533,8 +495,9 @@ def state_tile(name: str, ch: Chunks, HV: int, K: int, V: int, device) -> tuple[
     BV: the configured widest tile, its value width halved (down to ``CONFIG[name]["BV_min"]``)
     while the (sequence, head, tile) programs number fewer than the card's multiprocessors: twice
     as many programs, each with half the values (the pass is latency-bound: one chunk step after
-    another). Depths: ``CONFIG[name]["deep"]`` when every program has a multiprocessor to itself
-    (its shared memory then holds a third stage of the next chunks' tiles), else ``stages``.
+    another). Depths: ``CONFIG[name]["deep"]`` (where configured) when every program has a
+    multiprocessor to itself (its shared memory then holds a third stage of the next chunks'
+    tiles), else ``stages``.
     Measured on the H200 (`ops_gpu.py --variants --profile`, GPU µs, 2026-11-30): 1 × 32768 (128
     programs of 16-wide tiles) state_fwd 735 → 497, state_bwd 939 → 714 with three stages; with
     several programs per multiprocessor three stages cost (8 × 2048, 256 programs: state_bwd 293 →
@@ -544,7 +507,7 @@ def state_tile(name: str, ch: Chunks, HV: int, K: int, V: int, device) -> tuple[
     while ch.N * HV * triton.cdiv(V, SV) < sms and SV // 2 >= CONFIG[name]["BV_min"]:
         SV //= 2
     c = CONFIG[name]
-    return SK, SV, c["deep"] if ch.N * HV * triton.cdiv(V, SV) <= sms else c["stages"]
+    return SK, SV, c.get("deep", c["stages"]) if ch.N * HV * triton.cdiv(V, SV) <= sms else c["stages"]
 
 
 def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, out_dtype):
@@ -554,15 +517,14 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dev = v.device
-    Ai, W, U, QP, OL = prepare(k, v, g, beta, ch, q=q, scale=scale)
+    Ai, W, U = prepare(k, v, g, beta, ch)
     o = torch.empty(T, HV, V, device=dev, dtype=out_dtype)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SK, SV, stages = state_tile("state_out", ch, HV, K, V, dev)
     gp = chunk_cumsum(g, ch) if g is not None else v
     launch(state_out_kernel, (triton.cdiv(V, SV), ch.N * HV), q, k, v, gp, W if W is not None else v,
-           U if U is not None else v, QP if QP is not None else v, OL if OL is not None else v,
-           h0 if h0 is not None else v, o, ht if want_final else v, ch.cu, scale, H=H, HV=HV, K=K, V=V, BT=BT,
-           BK=SK, BV=SV, USE_G=g is not None, DELTA=beta is not None,
+           U if U is not None else v, h0 if h0 is not None else v, o, ht if want_final else v, ch.cu,
+           scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=beta is not None,
            USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=dot_precision(v.dtype), DT=tl_dtype(v.dtype),
            WHILE=INTERPRET, name="state_out", stages=stages)
     return o, ht, Ai
@@ -579,7 +541,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     delta = beta is not None
     prec, DT, io = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype
     dev = v.device
-    Ai, W, U, _, _ = prepare(k, v, g, beta, ch, Ai)
+    Ai, W, U = prepare(k, v, g, beta, ch, Ai)
     VN = torch.empty(T, HV, V, device=dev, dtype=io) if delta else None
     h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
