@@ -280,7 +280,11 @@ def main():
     ap.add_argument("--config", default=None, metavar="FILE|JSON",
                     help="launch configurations to use: a JSON file (benchmarks/tune_gpu.py --out) or an inline "
                          "partial configuration such as '{\"split\": {\"L\": -1}}'")
+    ap.add_argument("--shapes", default=None, metavar="I,J",
+                    help="only these rows of the shape list (0-based indices, comma-separated)")
     args = ap.parse_args()
+    if args.shapes:
+        SHAPES[:] = [SHAPES[int(i)] for i in args.shapes.split(",")]
     if args.config:
         from gdn.ops.triton._common import CONFIG, update_config
 
