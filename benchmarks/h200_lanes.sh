@@ -42,7 +42,7 @@ laneB() {
     CUDA_VISIBLE_DEVICES=$G1 timeout ${REPRO_S:-60} python3 benchmarks/gpu_repro_v16.py --no-sanitizer ${REPRO_FLAGS:-} > "$OUT/repro.log" 2>&1
   fi
   if [ "${OPS_S:-320}" -gt 0 ]; then
-    CUDA_VISIBLE_DEVICES=$G1 timeout ${OPS_S:-320} python3 benchmarks/ops_gpu.py ${OPS_FLAGS:---decode --profile} > "$OUT/ops_gpu.log" 2>&1
+    CUDA_VISIBLE_DEVICES=$G1 timeout ${OPS_S:-320} python3 benchmarks/ops_gpu.py --max-seconds $(( ${OPS_S:-320} - 60 )) ${OPS_FLAGS:---decode --profile} > "$OUT/ops_gpu.log" 2>&1
   fi
 }
 if [ "$NG" -gt 1 ]; then laneA & laneB & wait; else laneA; laneB; fi

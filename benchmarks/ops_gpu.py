@@ -26,6 +26,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import sys
 import time
 
@@ -132,10 +133,16 @@ def peak(f, backward, do):
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def rows():
+def rows(out, rates, deadline=float("inf")):
+    """Time every shape, appending each row to ``out`` as it is measured and the card's ceilings
+    (matmul FLOP/s, copy bytes/s) to ``rates`` first, so a run that is cut short keeps what it
+    measured; shapes not started before ``deadline`` (time.monotonic()) are skipped."""
     mm_rate, copy_bw = ceilings()
-    out = []
+    rates[:] = [mm_rate, copy_bw]
     for name, B, T, H, HV, lens, *vd in SHAPES:
+        if time.monotonic() > deadline:
+            print(f"skipped {name}: past --max-seconds", flush=True)
+            continue
         V = vd[0] if vd else D
         xs, cu = inputs(B, T, H, HV, lens, V)
         do = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
@@ -187,7 +194,23 @@ def rows():
             print(r, flush=True)
         del xs
         torch.cuda.empty_cache()
-    return out, mm_rate, copy_bw
+
+
+def table(rs, mm_rate, copy_bw):
+    """Print the markdown table of the rows measured."""
+    print()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"{datetime.date.today()}. Ceilings measured in this run: bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s, "
+          f"copy {copy_bw / 1e9:.0f} GB/s. Gated DeltaNet, bf16 q/k/v, fp32 g/beta, K = V = 128.")
+    print("FLA fwd+bwd timed with fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True (its guard for triton 3.6).")
+    print()
+    print("| shape | pass | gdn ms | FLA ms | speed-up vs FLA | SDPA (flash) ms | gdn TFLOP/s (% mm) "
+          "| gdn GB/s (% copy) | peak GiB gdn / FLA | gdn first call s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rs:
+        print(f"| {r['shape']} | {r['pass']} | {r['gdn_ms']:.3f} | {r['fla_ms']:.3f} | {r['speedup']:.2f}× | "
+              f"{r['sdpa_ms']:.3f} | {r['tflops']:.0f} ({r['pct_mm']:.0f}%) | {r['GBps']:.0f} ({r['pct_copy']:.0f}%) "
+              f"| {r['gdn_GB']:.2f} / {r['fla_GB']:.2f} | {r['first_s']:.2f} |", flush=True)
 
 
 def variants(specs, prof=False):
@@ -280,6 +303,8 @@ def main():
     ap.add_argument("--config", default=None, metavar="FILE|JSON",
                     help="launch configurations to use: a JSON file (benchmarks/tune_gpu.py --out) or an inline "
                          "partial configuration such as '{\"split\": {\"L\": -1}}'")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="start no new shape after this many seconds (the table and what was measured still print)")
     ap.add_argument("--shapes", default=None, metavar="I,J",
                     help="only these rows of the shape list (0-based indices, comma-separated)")
     args = ap.parse_args()
@@ -301,21 +326,16 @@ def main():
     if args.only_profile:
         profile()
         return
-    rs, mm_rate, copy_bw = rows()
-    print()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"{datetime.date.today()}. Ceilings measured in this run: bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s, "
-          f"copy {copy_bw / 1e9:.0f} GB/s. Gated DeltaNet, bf16 q/k/v, fp32 g/beta, K = V = 128.")
-    print("FLA fwd+bwd timed with fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True (its guard for triton 3.6).")
-    print()
-    print("| shape | pass | gdn ms | FLA ms | speed-up vs FLA | SDPA (flash) ms | gdn TFLOP/s (% mm) "
-          "| gdn GB/s (% copy) | peak GiB gdn / FLA | gdn first call s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rs:
-        print(f"| {r['shape']} | {r['pass']} | {r['gdn_ms']:.3f} | {r['fla_ms']:.3f} | {r['speedup']:.2f}× | "
-              f"{r['sdpa_ms']:.3f} | {r['tflops']:.0f} ({r['pct_mm']:.0f}%) | {r['GBps']:.0f} ({r['pct_copy']:.0f}%) "
-              f"| {r['gdn_GB']:.2f} / {r['fla_GB']:.2f} | {r['first_s']:.2f} |")
-    if args.profile:
+    start = time.monotonic()
+    deadline = start + args.max_seconds if args.max_seconds else float("inf")
+    # a `timeout` (SIGTERM) still prints the table of the rows measured so far
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    rs, rates = [], [float("nan"), float("nan")]
+    try:
+        rows(rs, rates, deadline)
+    finally:
+        table(rs, *rates)
+    if args.profile and time.monotonic() < deadline:
         profile()
     dec = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_gpu.py")
     if args.decode and os.path.exists(dec):
@@ -323,7 +343,7 @@ def main():
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         print()
-        print(mod.markdown(mod.rows(copy_bw)))
+        print(mod.markdown(mod.rows(rates[1])))
 
 
 if __name__ == "__main__":
