@@ -38,10 +38,15 @@ def candidates(name):
                 + [dict(SV=4096, num_warps=4, stages=st) for st in ((1,), (3, 2, 1))])
     if name == "chain":
         return [dict(num_warps=w, BC=bc, SV=sv) for w in (4, 8) for bc in (16, 32) for sv in (2048, 4096)]
+    # dqk and wy_bwd also with pipelined loops (2-3 stages): never timed before the fifth session;
+    # FLA autotunes its matching kernels over 2-4 stages (benchmarks/sass_cpu.py: both fit two
+    # programs per multiprocessor with 3 stages, by registers)
     if name == "dqk":
-        return [dict(num_warps=w, BK=bk, BV=bv) for w in (4, 8) for bk, bv in ((64, 64), (64, 32), (128, 64))]
+        return ([dict(num_warps=w, BK=bk, BV=bv, stages=(1,)) for w in (4, 8) for bk, bv in ((64, 64), (64, 32), (128, 64))]
+                + [dict(num_warps=4, BK=64, BV=64, stages=st) for st in ((2, 1), (3, 2, 1))])
     if name == "wy_bwd":
-        return [dict(num_warps=w, BK=b, BV=b) for w in (4, 8) for b in (32, 64)]
+        return ([dict(num_warps=w, BK=b, BV=b, stages=(1,)) for w in (4, 8) for b in (32, 64)]
+                + [dict(num_warps=w, BK=64, BV=64, stages=st) for w in (4, 8) for st in ((2, 1), (3, 2, 1))])
     # wu, output, dv_local
     return ([dict(num_warps=w, BK=bk, BV=bv, stages=(1,)) for w in (4, 8) for bk, bv in ((64, 64), (128, 64), (64, 128))]
             + [dict(num_warps=4, BK=64, BV=64, stages=(2, 1)), dict(num_warps=4, BK=64, BV=64, stages=(3, 2, 1))])

@@ -1,0 +1,150 @@
+"""What the chunk kernels compile to on the H200, measured without a GPU.
+
+Records the launches of one forward + backward of the Triton chunk op at a benchmark shape (on the
+CPU: ``_common.recording`` collects the launches instead of running them, with the card's 132
+multiprocessors assumed for the occupancy rules), compiles each kernel for sm_90 with the same
+compile-time arguments, warps and pipeline depth (Triton's bundled ptxas), and prints per kernel:
+registers, spills, shared memory, the programs one multiprocessor can hold (by shared memory,
+registers and warps), the number of waves of the grid, and the instruction mix of the innermost
+loop (a sequential pass's chunk step). Nothing here replaces timing on the card; it says why a
+configuration can or cannot overlap programs (e.g. the state passes' pipelined tiles take 119 KB of
+shared memory at value tiles of 32: one program per multiprocessor, so 256 programs run in two
+waves).
+
+    python benchmarks/sass_cpu.py --shape 4x8192 [--hv 32] [--kernels state_bwd,state_fwd] [--sass DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from gdn.ops.triton import _common, chunk, chunk_bwd, chunk_fwd  # noqa: E402
+
+SMS, SMEM, REGS, THREADS = 132, 227 * 1024, 65536, 2048  # H200 (sm_90) per multiprocessor
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+          torch.int64: "i64"}
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def record(B, T, H, HV, D):
+    """The launches (kernel, grid, args, meta) of one forward + backward, bf16, gated delta rule."""
+    for mod in (_common, chunk, chunk_fwd, chunk_bwd):
+        if hasattr(mod, "sm_count"):
+            mod.sm_count = lambda device: SMS
+    cpu = torch.device("cpu")
+    q = torch.empty(B * T, H, D, dtype=torch.bfloat16)
+    k, v = torch.empty_like(q), torch.empty(B * T, HV, D, dtype=torch.bfloat16)
+    g, beta = torch.empty(B * T, HV), torch.empty(B * T, HV)
+    ch = _common.make_chunks(B, T, None, cpu)
+    with _common.recording() as launches:
+        _, _, ai = chunk._forward(q, k, v, g, beta, None, ch, False, D ** -0.5, torch.bfloat16)
+        chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, D ** -0.5, ai, torch.bfloat16)
+    return launches
+
+
+def compile_sm90(kernel, args, meta):
+    """Compile ``kernel`` for sm_90 with the recorded arguments' types and compile-time values."""
+    names = kernel.arg_names
+    nostage = {k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")}
+    sig, consts, attrs = {}, {}, {}
+    for i, (n, a) in enumerate(zip(names, list(args) + [None] * (len(names) - len(args)))):
+        if n in nostage:
+            sig[n], consts[n] = "constexpr", nostage[n]
+        elif isinstance(a, torch.Tensor):
+            sig[n] = "*" + DTYPES[a.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(a, float):
+            sig[n] = "fp32"
+        elif isinstance(a, int):
+            sig[n] = "i32" if abs(a) < 2**31 else "i64"
+            if a % 16 == 0 and a != 0 and i not in kernel.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif a is None:
+            sig[n], consts[n] = "constexpr", None
+        else:
+            raise TypeError(f"argument {n}: {type(a).__name__}")
+    return triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=meta["num_warps"], num_stages=meta["num_stages"]))
+
+
+def loop_mix(sass: str):
+    """(instructions, Counter of opcodes) of the innermost loop (the last backward branch's body)."""
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s*(.*?);", sass)]
+    best = None
+    for addr, txt in ins:
+        m = re.search(r"BRA.*?0x([0-9a-f]+)", txt)
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            body = [t for a, t in ins if lo <= a <= addr]
+            if best is None or len(body) < len(best):
+                best = body
+    if not best:
+        return 0, collections.Counter()
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best)
+    return len(best), ops
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="4x8192", help="BxT (H = 16, K = V = 128 unless given)")
+    ap.add_argument("--h", type=int, default=16)
+    ap.add_argument("--hv", type=int, default=None, help="value heads (default H)")
+    ap.add_argument("--d", type=int, default=128, help="K = V")
+    ap.add_argument("--kernels", default=None, help="comma-separated names (default every launched kernel)")
+    ap.add_argument("--sass", default=None, metavar="DIR", help="also write each kernel's SASS there")
+    args = ap.parse_args()
+    B, T = (int(x) for x in args.shape.lower().split("x"))
+    HV = args.hv or args.h
+    want = None if args.kernels is None else {f"{n}_kernel" for n in args.kernels.split(",")}
+    print(f"H200 (sm_90) compile of the launches of one fwd+bwd at B={B}, T={T}, H={args.h}, HV={HV}, "
+          f"K=V={args.d}, bf16; {SMS} multiprocessors, {SMEM // 1024} KB shared each")
+    print("\n| kernel | BV | warps | stages | regs | spill B | shared KB | programs / SM | grid | waves "
+          "| loop instrs | loop mix (top 8) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    seen = set()
+    for kernel, grid, kargs, meta in record(B, T, args.h, HV, args.d):
+        name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+        key = (name, tuple(sorted((k, str(v)) for k, v in meta.items())))
+        if (want and name not in want) or key in seen:
+            continue
+        seen.add(key)
+        ck = compile_sm90(kernel, kargs, meta)
+        cubin = os.path.join("/tmp", f"sass_cpu_{os.getpid()}.cubin")
+        with open(cubin, "wb") as f:
+            f.write(ck.asm["cubin"])
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", cubin],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-sass", cubin],
+                              capture_output=True, text=True).stdout
+        os.unlink(cubin)
+        regs = int(re.search(r"REG:(\d+)", usage).group(1))
+        spill = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+        smem = ck.metadata.shared
+        threads = 32 * meta["num_warps"]
+        per_sm = min(SMEM // max(smem, 1), REGS // (regs * threads), THREADS // threads)
+        programs = 1
+        for d in grid:
+            programs *= d
+        waves = programs / (SMS * max(per_sm, 1))
+        n, mix = loop_mix(sass)
+        if args.sass:
+            os.makedirs(args.sass, exist_ok=True)
+            with open(os.path.join(args.sass, f"{name}_{len(seen)}.sass"), "w") as f:
+                f.write(sass)
+        top = ", ".join(f"{k} {v}" for k, v in mix.most_common(8))
+        print(f"| {name} | {meta.get('BV', '-')} | {meta['num_warps']} | {meta['num_stages']} | {regs} | {spill} "
+              f"| {smem / 1024:.0f} | {per_sm} | {programs} | {waves:.2f} | {n} | {top} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
