@@ -159,6 +159,22 @@ def test_forward_paths(member, fill, monkeypatch):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule", "gated_linear_attention"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_state_bwd_row_scale_on_q(member, dtype, monkeypatch):
+    """The experimental state_bwd variant (``CONFIG["state_bwd"]["QS"]``: the (ΓQ)ᵀ dO term's row
+    scale on Q instead of dO) gives the reference's gradients, packed, with an initial state, and
+    also inside the split pass."""
+    monkeypatch.setitem(_common.CONFIG, "state_bwd", dict(_common.CONFIG["state_bwd"], QS=True))
+    errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=32, dtype=dtype, lens=[65, 1, 0, 128], seed=7)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, bad
+    monkeypatch.setitem(_common.CONFIG, "split", dict(_common.CONFIG["split"], L=1))
+    errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=32, dtype=dtype, lens=[65, 1, 0, 128], seed=7)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, bad
+
+
 def test_split_fp16_batched(monkeypatch):
     monkeypatch.setitem(_common.CONFIG, "split", dict(_common.CONFIG["split"], L=2))
     errs = _run_both("gated_delta_rule", B=2, T=300, H=1, HV=2, K=32, V=16, dtype=torch.float16, seed=12)

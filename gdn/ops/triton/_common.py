@@ -172,8 +172,10 @@ CONFIG = {
     "state_out": dict(num_warps=4, stages=(2, 1), SV=4096, fill=1.5, BV_min=32),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
     "dv_local": dict(num_warps=8, stages=(1,), BK=64, BV=128),
-    # state_bwd: value tiles from 64 down to 16 as state_fwd's (chunk_fwd.state_tile)
-    "state_bwd": dict(num_warps=4, stages=(2, 1), deep=(3, 2, 1), SV=8192, BV_min=16),
+    # state_bwd: value tiles from 64 down to 16 as state_fwd's (chunk_fwd.state_tile). QS: the
+    # experimental row scale on Q (chunk_bwd.state_bwd_kernel; two programs per multiprocessor
+    # at value tiles of 32 by the sm_90 compile; not yet timed or checked on the GPU), off
+    "state_bwd": dict(num_warps=4, stages=(2, 1), deep=(3, 2, 1), SV=8192, BV_min=16, QS=False),
     "dqk": dict(num_warps=4, stages=(1,), BK=64, BV=64),
     "wy_bwd": dict(num_warps=4, stages=(1,), BK=64, BV=64),
     "cumsum": dict(num_warps=1, stages=(1,)),

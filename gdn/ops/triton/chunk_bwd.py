@@ -63,7 +63,7 @@ def dv_local_kernel(q, k, g, do, DVL, cu, chunk_idx, scale, H, HV, K: tl.constex
 def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
                     scale, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                    AUG: tl.constexpr):
+                    AUG: tl.constexpr, QS: tl.constexpr):
     """Step j of the reverse pass (chunk NC − 1 − j): store dS_out, compute dδ, return dS_in. With
     ``AUG`` the first K columns read zero dO and dδ_loc and nothing is stored (see the kernel)."""
     i_c = NC - 1 - j
@@ -78,14 +78,22 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
     # scale·diag(Γ) Q go on the [BT, BV] products and dO instead of the [BT, K] tiles
     b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
     b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
-    b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
+    b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0)
+    if not QS:
+        b_do = b_do.to(tl.float32)
     b_dd = tl.load(DVL + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
     b_kds = tl.dot(b_k, b_dsd, input_precision=PREC)
+    # the row scale scale·Γ of the (ΓQ)ᵀ dO term goes on dO, or with QS on Q (see state_bwd_kernel)
     if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
         cs = bos + i_c * BT
         b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, i_c >= 0)
         b_kds = b_kds * tl.exp(b_gc - b_gam)[:, None]
-        b_do = b_do * (scale * tl.exp(b_gam))[:, None]
+        if QS:
+            b_q = (b_q.to(tl.float32) * (scale * tl.exp(b_gam))[:, None]).to(DT)
+        else:
+            b_do = b_do * (scale * tl.exp(b_gam))[:, None]
+    elif QS:
+        b_q = (b_q.to(tl.float32) * scale).to(DT)
     else:
         b_do = b_do * scale
     b_dd += b_kds
@@ -106,13 +114,20 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale
                      HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
                      USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr,
-                     AUG: tl.constexpr = False):
+                     AUG: tl.constexpr = False, QS: tl.constexpr = False):
     """Reverse pass over one sequence's chunks: dh[c] = dS_out of chunk c, DD = dδ, dh0 = dS_0.
     Runs the sequence's own chunk count of steps, last chunk first, like the forward pass.
 
     ``AUG`` (first phase of the split pass): the "sequences" are segments, dS is K × (K + V) and
     starts as [I | 0], the first K columns see zero dO and dδ_loc, nothing per chunk is stored, and
-    [Aᵀ | D] goes to ``dh0`` [N, HV, K, K + V]: the segment maps dS at its end to Aᵀ dS + D at its start."""
+    [Aᵀ | D] goes to ``dh0`` [N, HV, K, K + V]: the segment maps dS at its end to Aᵀ dS + D at its start.
+
+    ``QS`` (experimental, ``CONFIG["state_bwd"]["QS"]``, off): the row scale scale·Γ of the
+    (ΓQ)ᵀ dO term goes on Q instead of dO. Compiled for sm_90 (`benchmarks/sass_cpu.py`) that
+    takes the kernel's shared memory from 116.5 to 112.5 KB at value tiles of 32 (Q single-buffered,
+    dO's staging copy gone): two programs per multiprocessor instead of one, one wave instead of
+    two at (4, 8192, 16, 128), at the price of scaling a [64, K] tile per step. Not yet timed or
+    checked on the GPU; off, the kernel compiles to the same machine code as before the switch."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -136,12 +151,12 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale
         j = 0
         while j < NC:
             b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG)
+                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, QS)
             j += 1
     else:
         for j in range(0, NC):
             b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG)
+                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, QS)
     if USE_INIT:
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_ds, mask=mkv)
 
@@ -325,7 +340,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
     SK, SV, stages = state_tile("state_bwd", ch, HV, K, V, dev)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
-                  name="state_bwd")
+                  QS=bool(CONFIG["state_bwd"].get("QS", False)), name="state_bwd")
     Wp = W if delta else dummy
     gs = chunk_cumsum(g, ch) if gated else dummy  # the state pass reads γ, not g
     L = split_len(ch, HV, triton.cdiv(V, SV), dev)
