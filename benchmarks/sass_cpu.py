@@ -12,6 +12,7 @@ shared memory at value tiles of 32: one program per multiprocessor, so 256 progr
 waves).
 
     python benchmarks/sass_cpu.py --shape 4x8192 [--hv 32] [--kernels state_bwd,state_fwd] [--sass DIR]
+    python benchmarks/sass_cpu.py --shape 4x4096 --h 6 --v 256 --depths   # each pass at 1, 2, 3 stages
 """
 from __future__ import annotations
 
@@ -30,26 +31,68 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from gdn.ops.triton import _common, chunk, chunk_bwd, chunk_fwd  # noqa: E402
 
-SMS, SMEM, REGS, THREADS = 132, 227 * 1024, 65536, 2048  # H200 (sm_90) per multiprocessor
+SMS, SMEM, REGS, THREADS = 132, 228 * 1024, 65536, 2048  # H200 (sm_90) per multiprocessor
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
           torch.int64: "i64"}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def record(B, T, H, HV, D):
+def record(B, T, H, HV, K, V=None):
     """The launches (kernel, grid, args, meta) of one forward + backward, bf16, gated delta rule."""
+    V = V or K
     for mod in (_common, chunk, chunk_fwd, chunk_bwd):
         if hasattr(mod, "sm_count"):
             mod.sm_count = lambda device: SMS
     cpu = torch.device("cpu")
-    q = torch.empty(B * T, H, D, dtype=torch.bfloat16)
-    k, v = torch.empty_like(q), torch.empty(B * T, HV, D, dtype=torch.bfloat16)
+    q = torch.empty(B * T, H, K, dtype=torch.bfloat16)
+    k, v = torch.empty_like(q), torch.empty(B * T, HV, V, dtype=torch.bfloat16)
     g, beta = torch.empty(B * T, HV), torch.empty(B * T, HV)
     ch = _common.make_chunks(B, T, None, cpu)
     with _common.recording() as launches:
-        _, _, ai = chunk._forward(q, k, v, g, beta, None, ch, False, D ** -0.5, torch.bfloat16)
-        chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, D ** -0.5, ai, torch.bfloat16)
+        _, _, ai = chunk._forward(q, k, v, g, beta, None, ch, False, K ** -0.5, torch.bfloat16)
+        chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, K ** -0.5, ai, torch.bfloat16)
     return launches
+
+
+def resources(ck, with_sass=False):
+    """(registers, spilled bytes, shared bytes[, SASS text]) of a compiled kernel."""
+    cubin = os.path.join("/tmp", f"sass_cpu_{os.getpid()}.cubin")
+    with open(cubin, "wb") as f:
+        f.write(ck.asm["cubin"])
+    tool = os.path.join(BIN, "cuobjdump")
+    usage = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
+    sass = subprocess.run([tool, "--dump-sass", cubin], capture_output=True, text=True).stdout if with_sass else None
+    os.unlink(cubin)
+    out = (int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+           ck.metadata.shared)
+    return out + (sass,) if with_sass else out
+
+
+def per_sm(regs, smem, warps):
+    """Programs one multiprocessor holds: shared memory (1 KB reserved per program), registers, threads."""
+    threads = 32 * warps
+    return min(SMEM // (smem + 1024), REGS // (regs * threads), THREADS // threads)
+
+
+def depths(launches):
+    """Each sequential pass compiled at 1, 2 and 3 pipeline stages: shared KB, registers, programs
+    per multiprocessor and waves of its grid."""
+    print("\n| pass | BV | programs | 1 stage: KB, regs, per SM, waves | 2 stages | 3 stages |")
+    print("|---|---|---|---|---|---|")
+    seen = set()
+    for kernel, grid, kargs, meta in launches:
+        name = kernel.fn.__name__
+        key = (name, meta.get("BV"))
+        if name not in ("state_fwd_kernel", "state_out_kernel", "state_bwd_kernel") or key in seen:
+            continue
+        seen.add(key)
+        programs = grid[0] * grid[1]
+        cells = []
+        for st in (1, 2, 3):
+            regs, _, smem = resources(compile_sm90(kernel, kargs, dict(meta, num_stages=st)))
+            n = per_sm(regs, smem, meta["num_warps"])
+            cells.append(f"{smem / 1024:.0f}, {regs}, {n}, {-(-programs // (SMS * max(n, 1)))}")
+        print(f"| {name[:-7]} | {meta['BV']} | {programs} | " + " | ".join(cells) + " |", flush=True)
 
 
 def compile_sm90(kernel, args, meta):
@@ -99,7 +142,9 @@ def main():
     ap.add_argument("--shape", default="4x8192", help="BxT (H = 16, K = V = 128 unless given)")
     ap.add_argument("--h", type=int, default=16)
     ap.add_argument("--hv", type=int, default=None, help="value heads (default H)")
-    ap.add_argument("--d", type=int, default=128, help="K = V")
+    ap.add_argument("--k", type=int, default=128, help="key width K")
+    ap.add_argument("--v", type=int, default=None, help="value width V (default K)")
+    ap.add_argument("--depths", action="store_true", help="the sequential passes at 1, 2 and 3 pipeline stages")
     ap.add_argument("--kernels", default=None, help="comma-separated names (default every launched kernel)")
     ap.add_argument("--sass", default=None, metavar="DIR", help="also write each kernel's SASS there")
     args = ap.parse_args()
@@ -107,35 +152,27 @@ def main():
     HV = args.hv or args.h
     want = None if args.kernels is None else {f"{n}_kernel" for n in args.kernels.split(",")}
     print(f"H200 (sm_90) compile of the launches of one fwd+bwd at B={B}, T={T}, H={args.h}, HV={HV}, "
-          f"K=V={args.d}, bf16; {SMS} multiprocessors, {SMEM // 1024} KB shared each")
+          f"K={args.k}, V={args.v or args.k}, bf16; {SMS} multiprocessors, {SMEM // 1024} KB shared each")
+    launches = record(B, T, args.h, HV, args.k, args.v)
+    if args.depths:
+        depths(launches)
+        return
     print("\n| kernel | BV | warps | stages | regs | spill B | shared KB | programs / SM | grid | waves "
           "| loop instrs | loop mix (top 8) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     seen = set()
-    for kernel, grid, kargs, meta in record(B, T, args.h, HV, args.d):
+    for kernel, grid, kargs, meta in launches:
         name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
         key = (name, tuple(sorted((k, str(v)) for k, v in meta.items())))
         if (want and name not in want) or key in seen:
             continue
         seen.add(key)
-        ck = compile_sm90(kernel, kargs, meta)
-        cubin = os.path.join("/tmp", f"sass_cpu_{os.getpid()}.cubin")
-        with open(cubin, "wb") as f:
-            f.write(ck.asm["cubin"])
-        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", cubin],
-                               capture_output=True, text=True).stdout
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-sass", cubin],
-                              capture_output=True, text=True).stdout
-        os.unlink(cubin)
-        regs = int(re.search(r"REG:(\d+)", usage).group(1))
-        spill = int(re.search(r"LOCAL:(\d+)", usage).group(1))
-        smem = ck.metadata.shared
-        threads = 32 * meta["num_warps"]
-        per_sm = min(SMEM // max(smem, 1), REGS // (regs * threads), THREADS // threads)
+        regs, spill, smem, sass = resources(compile_sm90(kernel, kargs, meta), with_sass=True)
+        n_sm = per_sm(regs, smem, meta["num_warps"])
         programs = 1
         for d in grid:
             programs *= d
-        waves = programs / (SMS * max(per_sm, 1))
+        waves = programs / (SMS * max(n_sm, 1))
         n, mix = loop_mix(sass)
         if args.sass:
             os.makedirs(args.sass, exist_ok=True)
@@ -143,7 +180,7 @@ def main():
                 f.write(sass)
         top = ", ".join(f"{k} {v}" for k, v in mix.most_common(8))
         print(f"| {name} | {meta.get('BV', '-')} | {meta['num_warps']} | {meta['num_stages']} | {regs} | {spill} "
-              f"| {smem / 1024:.0f} | {per_sm} | {programs} | {waves:.2f} | {n} | {top} |", flush=True)
+              f"| {smem / 1024:.0f} | {n_sm} | {programs} | {waves:.2f} | {n} | {top} |", flush=True)
 
 
 if __name__ == "__main__":
