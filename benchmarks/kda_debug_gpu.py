@@ -125,6 +125,8 @@ def child(spec: dict) -> int:
     import triton
 
     sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kda_gpu import check_inputs
     from gdn.ops import kda_chunk as KC
     from gdn.ops.triton.kda_chunk import chunk_kda
 
@@ -134,19 +136,7 @@ def child(spec: dict) -> int:
         f"{torch.cuda.get_device_name() if dev == 'cuda' else 'CPU (interpreter)'}")
     log_launches(dev == "cuda")
     name, B, T, H, HV, K, V, lens, g_scale = spec["case"]
-    gen = torch.Generator().manual_seed(0)
-
-    def r(*s):
-        return torch.randn(*s, generator=gen)
-
-    N = len(lens) if lens else B
-    g = (torch.nn.functional.logsigmoid(r(B, T, HV, K) + 3) if g_scale is None
-         else -g_scale * torch.rand(B, T, HV, K, generator=gen))
-    d = dict(q=r(B, T, H, K), k=torch.nn.functional.normalize(r(B, T, H, K), dim=-1), v=r(B, T, HV, V), g=g,
-             beta=torch.sigmoid(r(B, T, HV)), initial_state=r(N, HV, K, V) * 0.3)
-    d = {n: x.to(dev, torch.float64) for n, x in d.items()}
-    cu = None if not lens else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    do, dS = r(B, T, HV, V).to(dev, torch.float64), r(N, HV, K, V).to(dev, torch.float64)
+    d, cu, do, dS = check_inputs(B, T, H, HV, K, V, lens, g_scale, dev, seed=0)  # the benchmark's draws
 
     def run(fn, dt, grad):
         wide = torch.float64 if dt == torch.float64 else torch.float32
