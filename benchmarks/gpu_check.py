@@ -212,14 +212,18 @@ def main(argv=None):
     p.add_argument("--no-decode", action="store_true", help="skip benchmarks/gpu_check_decode.py")
     p.add_argument("--split", type=int, default=None,
                    help="segment length in chunks of the split state passes (CONFIG['split']['L']: 0 off, -1 auto)")
-    p.add_argument("--config", default=None, metavar="JSON",
-                   help='partial launch configuration to check, e.g. \'{"kkt_solve": {"INV": "tf32"}}\'')
+    p.add_argument("--config", default=None, metavar="FILE|JSON",
+                   help='partial launch configuration to check: a JSON file or inline JSON, e.g. '
+                        '\'{"kkt_solve": {"INV": "tf32"}}\'')
     a = p.parse_args(argv)
     if a.config:
         import json
 
         from gdn.ops.triton._common import update_config
 
+        if os.path.exists(a.config):
+            with open(a.config) as f:
+                a.config = f.read()
         update_config(json.loads(a.config))
         print(f"launch configuration overrides: {a.config}")
     if a.split is not None:

@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from gdn.ops.triton import _common, chunk, chunk_bwd, chunk_fwd  # noqa: E402
 
-SMS, SMEM, REGS, THREADS = 132, 228 * 1024, 65536, 2048  # H200 (sm_90) per multiprocessor
+SMS = 132  # H200 multiprocessors (per multiprocessor: _common.SM90)
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
           torch.int64: "i64"}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -69,9 +69,8 @@ def resources(ck, with_sass=False):
 
 
 def per_sm(regs, smem, warps):
-    """Programs one multiprocessor holds: shared memory (1 KB reserved per program), registers, threads."""
-    threads = 32 * warps
-    return min(SMEM // (smem + 1024), REGS // (regs * threads), THREADS // threads)
+    """Programs one multiprocessor holds (the rule the launcher decides pipeline depths with)."""
+    return _common.per_sm(smem, regs, warps, _common.SM90)
 
 
 def depths(launches):
@@ -152,7 +151,7 @@ def main():
     HV = args.hv or args.h
     want = None if args.kernels is None else {f"{n}_kernel" for n in args.kernels.split(",")}
     print(f"H200 (sm_90) compile of the launches of one fwd+bwd at B={B}, T={T}, H={args.h}, HV={HV}, "
-          f"K={args.k}, V={args.v or args.k}, bf16; {SMS} multiprocessors, {SMEM // 1024} KB shared each")
+          f"K={args.k}, V={args.v or args.k}, bf16; {SMS} multiprocessors, {_common.SM90['shared'] // 1024} KB shared each")
     launches = record(B, T, args.h, HV, args.k, args.v)
     if args.depths:
         depths(launches)

@@ -12,6 +12,7 @@ case the module is skipped rather than run on a GPU-less compiler.
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -240,6 +241,40 @@ def test_narrow_values_take_the_fused_forward(monkeypatch):
             chunk_mod._forward(q, q, v, g, b, None, ch, False, 0.25, torch.float32)
         names = [k.fn.__name__ for k, _, _, _ in rec]
         assert want in names and other not in names, (V, names)
+
+
+def test_pipeline_depth_by_waves():
+    """The sequential passes' depth rule: fewest waves of the grid, the deepest among equals; the
+    programs per multiprocessor from shared memory (1 KB reserved each), registers and threads."""
+    sm90 = _common.SM90
+    # state_bwd at (4, 8192) compiled for sm_90 (benchmarks/sass_cpu.py --depths): 1 stage 44 KB and
+    # 214 registers, 2 stages 117 KB, 3 stages 173 KB, 4 warps
+    fits = [(ns, _common.per_sm(kb * 1024, regs, 4, sm90)) for ns, kb, regs in ((3, 173, 183), (2, 117, 184), (1, 44, 214))]
+    assert [n for _, n in fits] == [1, 1, 2]
+    assert _common.pick_depth(fits, 256, 132) == 1  # one wave only at one stage
+    assert _common.pick_depth(fits, 128, 132) == 3  # one wave at every depth: the deepest
+    assert _common.pick_depth(fits, 1000, 132) == 1  # 4 waves against 8
+    assert _common.per_sm(0, 255, 4, sm90) == 2  # registers: 255 → 256 per thread, 32 K per program
+    assert _common.per_sm(0, 32, 32, sm90) == 2  # threads: 1024 per program
+    # a waves launch records every candidate depth (the parallel precompile compiles each), and
+    # state_tile hands the launch all of the configured depths
+    saved = copy.deepcopy(_common.CONFIG)
+    try:
+        _common.update_config({"state_fwd": {"waves": True, "stages": [3, 2, 1]}})
+        from gdn.ops.triton.chunk_fwd import state_tile
+
+        assert state_tile("state_fwd", _common.make_chunks(8, 64, None, torch.device("cpu")), 1, 128, 128,
+                          torch.device("cpu"))[2] == (3, 2, 1)
+        interp, _common.INTERPRET = _common.INTERPRET, False
+        try:
+            with _common.recording() as rec:
+                _common.launch(object(), (1,), name="state_fwd", BV=32)
+        finally:
+            _common.INTERPRET = interp
+        assert [m["num_stages"] for _, _, _, m in rec] == [3, 2, 1]
+    finally:
+        _common.CONFIG.clear()
+        _common.CONFIG.update(saved)
 
 
 def test_state_tile_and_long_sequences():

@@ -306,17 +306,25 @@ log = logging.getLogger(__name__)
 
 def launch(kernel, grid, *args, name: str, config: dict | None = None, stages: tuple | None = None, **meta):
     """``kernel[grid](*args, **meta)`` with the warps of ``config[name]`` (default: this module's
-    ``CONFIG``) and the first of its software-pipelining depths (``stages``, default the config's)
-    whose shared memory fits the card (a deeper pipeline is tried first; the choice is remembered
-    per kernel and compile-time arguments, so the fallback costs one failed load at most). Inside
-    :func:`recording` nothing runs."""
+    ``CONFIG``) and one of its software-pipelining depths (``stages``, default the config's).
+
+    Which depth: with ``waves`` set in the kernel's config (the sequential passes, whose grids
+    are about one wave of programs each walking a whole sequence), the depth whose compiled kernel
+    runs the grid in the fewest waves, the deepest among equals (:func:`depth_by_waves`); else the
+    first depth whose shared memory fits the card (the choice is remembered per kernel and
+    compile-time arguments, so the fallback costs one failed load at most). Inside
+    :func:`recording` nothing runs (a ``waves`` launch records each candidate depth)."""
     cfg = (CONFIG if config is None else config)[name]
     stages = cfg["stages"] if stages is None else tuple(stages)
     meta["num_warps"] = cfg["num_warps"]
     key = (kernel, tuple(meta.items()), stages)  # (callers pass their keywords in a fixed order)
+    by_waves = cfg.get("waves", False) and len(stages) > 1 and not INTERPRET
     if _RECORD is not None:
-        _RECORD.append((kernel, grid, args, dict(meta, num_stages=_STAGES.get(key, stages[0]))))
+        for ns in (stages if by_waves else (_STAGES.get(key, stages[0]),)):
+            _RECORD.append((kernel, grid, args, dict(meta, num_stages=ns)))
         return None
+    if by_waves:
+        return kernel[grid](*args, num_stages=depth_by_waves(kernel, grid, args, meta, stages, key), **meta)
     if key in _STAGES:
         return kernel[grid](*args, num_stages=_STAGES[key], **meta)
     for i, ns in enumerate(stages):
@@ -328,6 +336,72 @@ def launch(kernel, grid, *args, name: str, config: dict | None = None, stages: t
             continue
         _STAGES[key] = ns
         return out
+
+
+_FITS: dict = {}
+
+
+def depth_by_waves(kernel, grid, args, meta, stages, key) -> int:
+    """The pipeline depth of ``stages`` whose compiled kernel runs ``grid`` in the fewest waves on
+    the current card, the deepest among equals. Each depth is compiled once (``warmup``) and its
+    shared memory and registers give the programs one multiprocessor holds (:func:`per_sm`).
+
+    Why: a sequential pass's program walks a whole sequence, one chunk step after another, so a
+    second wave doubles the pass's time, while a deeper pipeline (the next chunks' tiles loaded
+    during this chunk's products) shortens each step but takes shared memory. Measured on the H200
+    (docs/TRITON.md "Waves"): where a third stage added a wave the pass got slower, where it kept
+    the waves it got faster, in nine of ten cases."""
+    fits = _FITS.get(key)
+    if fits is None:
+        fits = []
+        for ns in stages:
+            try:
+                ck = kernel.warmup(*args, grid=grid, num_stages=ns, **meta)
+                ck._init_handles()
+            except triton.runtime.errors.OutOfResources:
+                continue
+            fits.append((ns, per_sm(ck.metadata.shared, ck.n_regs, meta["num_warps"])))
+        if not fits:
+            raise triton.runtime.errors.OutOfResources(0, 0, f"shared memory at every depth of {stages}")
+        _FITS[key] = fits
+    return pick_depth(fits, _programs(grid), sm_count(torch.device("cuda")))
+
+
+def _programs(grid) -> int:
+    n = 1
+    for d in grid:
+        n *= d
+    return n
+
+
+def pick_depth(fits, programs: int, sms: int) -> int:
+    """From ``fits`` [(depth, programs per multiprocessor)], the depth with the fewest waves of
+    ``programs`` on ``sms`` multiprocessors, the deepest among equals."""
+    return min(fits, key=lambda f: (-(-programs // (sms * max(f[1], 1))), -f[0]))[0]
+
+
+#: Per multiprocessor on Hopper (sm_90), used where the card does not say: shared memory (bytes),
+#: 32-bit registers, resident threads
+SM90 = dict(shared=228 * 1024, regs=65536, threads=2048)
+
+
+def per_sm(shared: int, regs: int, warps: int, card: dict | None = None) -> int:
+    """Programs one multiprocessor holds, by shared memory (1 KB of it reserved per program),
+    registers (allocated per warp in units of 256) and threads. ``card``: :data:`SM90`'s keys
+    (default: read from the current CUDA device, else :data:`SM90`)."""
+    c = card or _card()
+    warp_regs = -(-regs * 32 // 256) * 256
+    return min(c["shared"] // (shared + 1024), c["regs"] // max(warp_regs * warps, 1), c["threads"] // (32 * warps))
+
+
+@functools.lru_cache(maxsize=None)
+def _card() -> dict:
+    if not torch.cuda.is_available():
+        return SM90
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return dict(shared=getattr(p, "shared_memory_per_multiprocessor", SM90["shared"]),
+                regs=getattr(p, "regs_per_multiprocessor", SM90["regs"]),
+                threads=getattr(p, "max_threads_per_multi_processor", SM90["threads"]))
 
 
 @contextmanager

@@ -506,6 +506,8 @@ def state_tile(name: str, ch: Chunks, HV: int, K: int, V: int, device) -> tuple[
     SK, SV = tiles(name, K, V)
     while ch.N * HV * triton.cdiv(V, SV) < sms and SV // 2 >= c["BV_min"]:
         SV //= 2
+    if c.get("waves"):
+        return SK, SV, c["stages"]  # the launch picks the depth by waves (_common.depth_by_waves)
     return SK, SV, c.get("deep", c["stages"]) if ch.N * HV * triton.cdiv(V, SV) <= sms else c["stages"]
 
 
