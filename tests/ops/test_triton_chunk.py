@@ -163,10 +163,10 @@ def test_forward_paths(member, fill, monkeypatch):
 @pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule", "gated_linear_attention"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_state_bwd_row_scale_on_q(member, dtype, monkeypatch):
-    """The experimental state_bwd variant (``CONFIG["state_bwd"]["QS"]``: the (ΓQ)ᵀ dO term's row
-    scale on Q instead of dO) gives the reference's gradients, packed, with an initial state, and
-    also inside the split pass."""
-    monkeypatch.setitem(_common.CONFIG, "state_bwd", dict(_common.CONFIG["state_bwd"], QS=True))
+    """state_bwd's second form (QS: the (ΓQ)ᵀ dO term's row scale on Q instead of dO; on the GPU
+    the launch picks it by waves) gives the reference's gradients, packed, with an initial state,
+    and also as the split pass's third phase."""
+    monkeypatch.setitem(_common.CONFIG, "state_bwd", dict(_common.CONFIG["state_bwd"], forms=({"QS": True},)))
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=32, dtype=dtype, lens=[65, 1, 0, 128], seed=7)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
     assert not bad, bad
@@ -244,34 +244,34 @@ def test_narrow_values_take_the_fused_forward(monkeypatch):
 
 
 def test_pipeline_depth_by_waves():
-    """The sequential passes' depth rule: fewest waves of the grid, the deepest among equals; the
-    programs per multiprocessor from shared memory (1 KB reserved each), registers and threads."""
+    """The sequential passes' launch rule: of the (depth, form) candidates, fewest waves of the
+    grid, the first among equals; programs per multiprocessor from shared memory (1 KB reserved
+    each), registers and threads."""
     sm90 = _common.SM90
-    # state_bwd at (4, 8192) compiled for sm_90 (benchmarks/sass_cpu.py --depths): 1 stage 44 KB and
-    # 214 registers, 2 stages 117 KB, 3 stages 173 KB, 4 warps
-    fits = [(ns, _common.per_sm(kb * 1024, regs, 4, sm90)) for ns, kb, regs in ((3, 173, 183), (2, 117, 184), (1, 44, 214))]
-    assert [n for _, n in fits] == [1, 1, 2]
-    assert _common.pick_depth(fits, 256, 132) == 1  # one wave only at one stage
-    assert _common.pick_depth(fits, 128, 132) == 3  # one wave at every depth: the deepest
-    assert _common.pick_depth(fits, 1000, 132) == 1  # 4 waves against 8
+    # state_bwd at (4, 8192) compiled for sm_90 (benchmarks/sass_cpu.py --depths): 3 stages 173 KB,
+    # 2 stages 117 KB (QS: 112.5), 1 stage 44 KB and 214 registers, 4 warps
+    compiled = [((3, {}), 173, 183), ((3, {"QS": True}), 169, 183), ((2, {}), 117, 184),
+                ((2, {"QS": True}), 112.5, 184), ((1, {}), 44, 214)]
+    fits = [(c, _common.per_sm(int(kb * 1024), regs, 4, sm90)) for c, kb, regs in compiled]
+    assert [n for _, n in fits] == [1, 1, 1, 2, 2]
+    assert _common.pick(fits, 256, 132) == (2, {"QS": True})  # one wave: two per multiprocessor
+    assert _common.pick(fits, 128, 132) == (3, {})  # one wave at every candidate: the first
+    assert _common.pick(fits, 1000, 132) == (2, {"QS": True})  # 4 waves against 8
+    assert _common.pick(fits[:3] + fits[4:], 256, 132) == (1, {})
     assert _common.per_sm(0, 255, 4, sm90) == 2  # registers: 255 → 256 per thread, 32 K per program
     assert _common.per_sm(0, 32, 32, sm90) == 2  # threads: 1024 per program
-    # a waves launch records every candidate depth (the parallel precompile compiles each), and
-    # state_tile hands the launch all of the configured depths
+    # a waves launch records every candidate (the parallel precompile compiles each)
     saved = copy.deepcopy(_common.CONFIG)
     try:
-        _common.update_config({"state_fwd": {"waves": True, "stages": [3, 2, 1]}})
-        from gdn.ops.triton.chunk_fwd import state_tile
-
-        assert state_tile("state_fwd", _common.make_chunks(8, 64, None, torch.device("cpu")), 1, 128, 128,
-                          torch.device("cpu"))[2] == (3, 2, 1)
+        _common.update_config({"state_fwd": {"stages": [3, 2, 1], "forms": [{}, {"X": 1}]}})
         interp, _common.INTERPRET = _common.INTERPRET, False
         try:
             with _common.recording() as rec:
                 _common.launch(object(), (1,), name="state_fwd", BV=32)
         finally:
             _common.INTERPRET = interp
-        assert [m["num_stages"] for _, _, _, m in rec] == [3, 2, 1]
+        assert [(m["num_stages"], m.get("X")) for _, _, _, m in rec] == [
+            (3, None), (3, 1), (2, None), (2, 1), (1, None), (1, 1)]
     finally:
         _common.CONFIG.clear()
         _common.CONFIG.update(saved)
@@ -285,12 +285,10 @@ def test_state_tile_and_long_sequences():
 
     cpu = torch.device("cpu")
     one = _common.make_chunks(1, 640, None, cpu)
-    deep, shallow = _common.CONFIG["state_fwd"]["deep"], _common.CONFIG["state_fwd"]["stages"]
-    assert state_tile("state_fwd", one, 1, 128, 128, cpu) == (128, 32, deep)  # 64 → 32: 4 programs
-    assert state_tile("state_fwd", one, 1, 128, 32, cpu) == (128, 16, deep)  # 32 → 16: 2 programs, floor 16
-    assert state_tile("state_out", one, 1, 128, 32, cpu)[:2] == (128, 32)  # floor 32
-    # 8 programs of 64-wide tiles, two per "SM": the shallow pipeline
-    assert state_tile("state_fwd", _common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (128, 64, shallow)
+    assert state_tile("state_fwd", one, 1, 128, 128, cpu) == (128, 32)  # 64 → 32: 4 programs
+    assert state_tile("state_fwd", one, 1, 128, 32, cpu) == (128, 16)  # 32 → 16: 2 programs, floor 16
+    assert state_tile("state_out", one, 1, 128, 32, cpu) == (128, 32)  # floor 32
+    assert state_tile("state_fwd", _common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (128, 64)
     assert chunk_mod._long_sequences(_common.make_chunks(3, 200, None, cpu)) == 3
     packed = _common.make_chunks(1, 700, torch.tensor([0, 640, 641, 641, 700]), cpu)
     assert chunk_mod._long_sequences(packed) == 1

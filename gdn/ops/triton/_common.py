@@ -163,21 +163,24 @@ CONFIG = {
     # K = 60/64, T = 63 (compute-sanitizer, benchmarks/gpu_repro_v16.py); 8 warps time the same.
     "wu": dict(num_warps=8, stages=(3, 2, 1), BK=64, BV=64),
     # state_fwd: SV halves (down to value tiles of BV_min) while the (sequence, head, tile) programs
-    # would not fill the card (chunk_fwd.state_tile; tiles of 16 passed the GPU check, 2026-11-30)
-    # (chunk_fwd.forward_intermediates); measured on the H200: (1, 32768, 16, 128) fwd 1.78 → 1.63 ms
-    # deep: the pipeline depths when every program has a multiprocessor to itself (state_tile)
-    "state_fwd": dict(num_warps=4, stages=(2, 1), deep=(3, 2, 1), SV=8192, BV_min=16),
+    # would not fill the card (chunk_fwd.state_tile; tiles of 16 passed the GPU check, 2026-11-30);
+    # measured on the H200: (1, 32768, 16, 128) fwd 1.78 → 1.63 ms. waves: the launch picks the
+    # pipeline depth (and form) whose grid runs in the fewest waves (_common.by_waves)
+    "state_fwd": dict(num_warps=4, stages=(3, 2, 1), waves=True, SV=8192, BV_min=16),
     # state_out: the forward's fused pass (state and output, chunk_fwd.forward), taken when its
-    # programs number ≥ fill × the multiprocessors (chunk._forward); else state_fwd, then output
-    "state_out": dict(num_warps=4, stages=(2, 1), SV=4096, fill=1.5, BV_min=32),
+    # programs number ≥ fill × the multiprocessors (chunk._forward); else state_fwd, then output.
+    # No third stage: with one, the GPU check failed at T = 63, V = 16 bf16 (docs/TRITON.md)
+    "state_out": dict(num_warps=4, stages=(2, 1), waves=True, SV=4096, fill=1.5, BV_min=32),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
     "dv_local": dict(num_warps=8, stages=(1,), BK=64, BV=128),
-    # state_bwd: value tiles from 64 down to 16 as state_fwd's (chunk_fwd.state_tile). QS: the
-    # experimental row scale on Q (chunk_bwd.state_bwd_kernel; two programs per multiprocessor
-    # at value tiles of 32 by the sm_90 compile; not yet timed or checked on the GPU), off
-    "state_bwd": dict(num_warps=4, stages=(2, 1), deep=(3, 2, 1), SV=8192, BV_min=16, QS=False),
-    "dqk": dict(num_warps=4, stages=(1,), BK=64, BV=64),
-    "wy_bwd": dict(num_warps=4, stages=(1,), BK=64, BV=64),
+    # state_bwd: value tiles from 64 down to 16 as state_fwd's (chunk_fwd.state_tile); depth and
+    # form by waves. forms: the plain kernel, and QS (chunk_bwd.state_bwd_kernel: the row scale on
+    # Q, 4 KB less shared memory for a [64, K] scaling per step)
+    "state_bwd": dict(num_warps=4, stages=(3, 2, 1), waves=True, forms=({}, {"QS": True}), SV=8192, BV_min=16),
+    # dqk, wy_bwd: pipelined loops over their value / key blocks (H200, sixth session, GPU µs at
+    # (4, 8192, 16, 128)): dqk 920 → 742 with two stages, wy_bwd 599 → 569 with three
+    "dqk": dict(num_warps=4, stages=(2, 1), BK=64, BV=64),
+    "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # The split state passes (chunk_fwd.split_len): L = 0 off, > 0 fixed segment length in chunks,
     # -1 automatic. Off: it passes the GPU check but is slower on the H200 (docs/TRITON.md).
@@ -308,23 +311,29 @@ def launch(kernel, grid, *args, name: str, config: dict | None = None, stages: t
     """``kernel[grid](*args, **meta)`` with the warps of ``config[name]`` (default: this module's
     ``CONFIG``) and one of its software-pipelining depths (``stages``, default the config's).
 
-    Which depth: with ``waves`` set in the kernel's config (the sequential passes, whose grids
-    are about one wave of programs each walking a whole sequence), the depth whose compiled kernel
-    runs the grid in the fewest waves, the deepest among equals (:func:`depth_by_waves`); else the
-    first depth whose shared memory fits the card (the choice is remembered per kernel and
-    compile-time arguments, so the fallback costs one failed load at most). Inside
-    :func:`recording` nothing runs (a ``waves`` launch records each candidate depth)."""
+    Which depth: with ``waves`` set in the kernel's config (the sequential passes, whose grids are
+    about one wave of programs, each walking a whole sequence), :func:`by_waves` picks the depth
+    and one of the config's ``forms`` (alternative compile-time switches of the kernel, e.g. one
+    that needs less shared memory for more arithmetic); else the first depth whose shared memory
+    fits the card (remembered per kernel and compile-time arguments, so the fallback costs one
+    failed load at most) and the first form. Inside :func:`recording` nothing runs (a ``waves``
+    launch records each of its candidates)."""
     cfg = (CONFIG if config is None else config)[name]
     stages = cfg["stages"] if stages is None else tuple(stages)
+    forms = cfg.get("forms", ({},))
     meta["num_warps"] = cfg["num_warps"]
-    key = (kernel, tuple(meta.items()), stages)  # (callers pass their keywords in a fixed order)
-    by_waves = cfg.get("waves", False) and len(stages) > 1 and not INTERPRET
+    cands = [(ns, f) for ns in stages for f in forms]
+    key = (kernel, tuple(meta.items()), stages, str(forms))  # (callers pass their keywords in a fixed order)
+    waves = cfg.get("waves", False) and len(cands) > 1 and not INTERPRET
+    if not waves:
+        meta.update(forms[0])
     if _RECORD is not None:
-        for ns in (stages if by_waves else (_STAGES.get(key, stages[0]),)):
-            _RECORD.append((kernel, grid, args, dict(meta, num_stages=ns)))
+        for ns, f in (cands if waves else [(_STAGES.get(key, stages[0]), {})]):
+            _RECORD.append((kernel, grid, args, dict(meta, **f, num_stages=ns)))
         return None
-    if by_waves:
-        return kernel[grid](*args, num_stages=depth_by_waves(kernel, grid, args, meta, stages, key), **meta)
+    if waves:
+        ns, f = by_waves(kernel, grid, args, meta, cands, key)
+        return kernel[grid](*args, num_stages=ns, **dict(meta, **f))
     if key in _STAGES:
         return kernel[grid](*args, num_stages=_STAGES[key], **meta)
     for i, ns in enumerate(stages):
@@ -341,30 +350,33 @@ def launch(kernel, grid, *args, name: str, config: dict | None = None, stages: t
 _FITS: dict = {}
 
 
-def depth_by_waves(kernel, grid, args, meta, stages, key) -> int:
-    """The pipeline depth of ``stages`` whose compiled kernel runs ``grid`` in the fewest waves on
-    the current card, the deepest among equals. Each depth is compiled once (``warmup``) and its
-    shared memory and registers give the programs one multiprocessor holds (:func:`per_sm`).
+def by_waves(kernel, grid, args, meta, cands, key) -> tuple:
+    """Of ``cands`` [(pipeline depth, form)] (deepest first, then the config's order of forms), the
+    one whose compiled kernel runs ``grid`` in the fewest waves on the current card, the first
+    among equals. Each candidate is compiled once (``warmup``); its shared memory and registers
+    give the programs one multiprocessor holds (:func:`per_sm`).
 
     Why: a sequential pass's program walks a whole sequence, one chunk step after another, so a
     second wave doubles the pass's time, while a deeper pipeline (the next chunks' tiles loaded
     during this chunk's products) shortens each step but takes shared memory. Measured on the H200
     (docs/TRITON.md "Waves"): where a third stage added a wave the pass got slower, where it kept
-    the waves it got faster, in nine of ten cases."""
+    the waves it got faster, in nine of ten cases; state_bwd's second form (QS) at (4, 8192)
+    runs two stages in one wave where the first needs two waves or one stage (446 against 568 or
+    536 µs), and is slower wherever it does not save a wave."""
     fits = _FITS.get(key)
     if fits is None:
         fits = []
-        for ns in stages:
+        for ns, f in cands:
             try:
-                ck = kernel.warmup(*args, grid=grid, num_stages=ns, **meta)
+                ck = kernel.warmup(*args, grid=grid, num_stages=ns, **dict(meta, **f))
                 ck._init_handles()
             except triton.runtime.errors.OutOfResources:
                 continue
-            fits.append((ns, per_sm(ck.metadata.shared, ck.n_regs, meta["num_warps"])))
+            fits.append(((ns, f), per_sm(ck.metadata.shared, ck.n_regs, meta["num_warps"])))
         if not fits:
-            raise triton.runtime.errors.OutOfResources(0, 0, f"shared memory at every depth of {stages}")
+            raise triton.runtime.errors.OutOfResources(0, 0, f"shared memory of every candidate {cands}")
         _FITS[key] = fits
-    return pick_depth(fits, _programs(grid), sm_count(torch.device("cuda")))
+    return pick(fits, _programs(grid), sm_count(torch.device("cuda")))
 
 
 def _programs(grid) -> int:
@@ -374,10 +386,10 @@ def _programs(grid) -> int:
     return n
 
 
-def pick_depth(fits, programs: int, sms: int) -> int:
-    """From ``fits`` [(depth, programs per multiprocessor)], the depth with the fewest waves of
-    ``programs`` on ``sms`` multiprocessors, the deepest among equals."""
-    return min(fits, key=lambda f: (-(-programs // (sms * max(f[1], 1))), -f[0]))[0]
+def pick(fits, programs: int, sms: int):
+    """From ``fits`` [(candidate, programs per multiprocessor)], the candidate with the fewest waves
+    of ``programs`` on ``sms`` multiprocessors, the first among equals."""
+    return min(enumerate(fits), key=lambda f: (-(-programs // (sms * max(f[1][1], 1))), f[0]))[1][0]
 
 
 #: Per multiprocessor on Hopper (sm_90), used where the card does not say: shared memory (bytes),

@@ -36,7 +36,7 @@ def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io):
     grouped 1 × 8192, HV = 32 (128) 444 against 224 + 128; 1 × 32768 (64) 1669 against 832 + 284;
     packed, 12 sequences of 64-7000 tokens (one long): forward 1.63 ms fused against 1.31."""
     HV, V = v.shape[1], v.shape[2]
-    _, SV, _ = chunk_fwd.state_tile("state_out", ch, HV, k.shape[-1], V, v.device)
+    _, SV = chunk_fwd.state_tile("state_out", ch, HV, k.shape[-1], V, v.device)
     # value heads narrower than 64 always take the fused pass: triton 3.6 on the H200 compiles the
     # output kernel wrong for bf16 value tiles of 16 and 32 (benchmarks/gpu_check.py, T = 63, V = 16
     # padded to 32: o off by 180 %, everything else right; the fused pass is right there)

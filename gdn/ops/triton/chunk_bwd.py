@@ -122,12 +122,13 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale
     starts as [I | 0], the first K columns see zero dO and dδ_loc, nothing per chunk is stored, and
     [Aᵀ | D] goes to ``dh0`` [N, HV, K, K + V]: the segment maps dS at its end to Aᵀ dS + D at its start.
 
-    ``QS`` (experimental, ``CONFIG["state_bwd"]["QS"]``, off): the row scale scale·Γ of the
-    (ΓQ)ᵀ dO term goes on Q instead of dO. Compiled for sm_90 (`benchmarks/sass_cpu.py`) that
-    takes the kernel's shared memory from 116.5 to 112.5 KB at value tiles of 32 (Q single-buffered,
-    dO's staging copy gone): two programs per multiprocessor instead of one, one wave instead of
-    two at (4, 8192, 16, 128), at the price of scaling a [64, K] tile per step. Not yet timed or
-    checked on the GPU; off, the kernel compiles to the same machine code as before the switch."""
+    ``QS`` (the second of ``CONFIG["state_bwd"]["forms"]``, chosen per launch by
+    :func:`_common.by_waves`): the row scale scale·Γ of the (ΓQ)ᵀ dO term goes on Q instead of dO.
+    Compiled for sm_90 (`benchmarks/sass_cpu.py`) that takes the kernel's shared memory from 116.5
+    to 112.5 KB at value tiles of 32 (Q single-buffered, dO's staging copy gone): two programs per
+    multiprocessor instead of one at two stages, at the price of scaling a [64, K] tile per step.
+    Measured on the H200 (sixth session, GPU µs): (4, 8192, 16, 128) 568 → 446 (one wave instead
+    of two); where it saves no wave it is slower (1 × 32768, three stages: 714 → 948)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -338,9 +339,9 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     dh = torch.empty(ch.NT, HV, K, V, device=dev, dtype=io)
     DD = torch.empty(T, HV, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
-    SK, SV, stages = state_tile("state_bwd", ch, HV, K, V, dev)
+    SK, SV = state_tile("state_bwd", ch, HV, K, V, dev)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
-                  QS=bool(CONFIG["state_bwd"].get("QS", False)), name="state_bwd")
+                  name="state_bwd")
     Wp = W if delta else dummy
     gs = chunk_cumsum(g, ch) if gated else dummy  # the state pass reads γ, not g
     L = split_len(ch, HV, triton.cdiv(V, SV), dev)
@@ -360,7 +361,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         launch(state_bwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
                q, k, gs, Wp, do, DVL, dht if dht is not None else dummy, dh, DD,
                dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, scale, BV=SV,
-               USE_DHT=dht is not None, USE_INIT=h0 is not None, stages=stages, **common)
+               USE_DHT=dht is not None, USE_INIT=h0 is not None, **common)
     del DVL
     BK, BV = tiles("dqk", K, V)
     NK = triton.cdiv(K, BK)

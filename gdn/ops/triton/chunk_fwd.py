@@ -489,26 +489,18 @@ def prepare(k, v, g, beta, ch: Chunks, Ai=None):
     return Ai, W, U
 
 
-def state_tile(name: str, ch: Chunks, HV: int, K: int, V: int, device) -> tuple[int, int, tuple]:
-    """(BK, BV, pipeline depths) of a sequential pass (state_fwd, state_out, state_bwd).
-
-    BV: the configured widest tile, its value width halved (down to ``CONFIG[name]["BV_min"]``)
-    while the (sequence, head, tile) programs number fewer than the card's multiprocessors: twice
-    as many programs, each with half the values (the pass is latency-bound: one chunk step after
-    another). Depths: ``CONFIG[name]["deep"]`` (where configured) when every program has a
-    multiprocessor to itself (its shared memory then holds a third stage of the next chunks'
-    tiles), else ``stages``.
-    Measured on the H200 (`ops_gpu.py --variants --profile`, GPU µs, 2026-11-30): 1 × 32768 (128
-    programs of 16-wide tiles) state_fwd 735 → 497, state_bwd 939 → 714 with three stages; with
-    several programs per multiprocessor three stages cost (8 × 2048, 256 programs: state_bwd 293 →
-    373). Value tiles of 16 instead of 32 at 1 × 32768: fwd 1.50 → 1.42 ms."""
+def state_tile(name: str, ch: Chunks, HV: int, K: int, V: int, device) -> tuple[int, int]:
+    """(BK, BV) of a sequential pass (state_fwd, state_out, state_bwd): the whole K, and the
+    configured widest value tile, its width halved (down to ``CONFIG[name]["BV_min"]``) while the
+    (sequence, head, tile) programs number fewer than the card's multiprocessors: twice as many
+    programs, each with half the values (the pass is latency-bound: one chunk step after another).
+    The pipeline depth is the launch's (:func:`_common.by_waves`).
+    Measured on the H200: value tiles of 16 instead of 32 at 1 × 32768: fwd 1.50 → 1.42 ms."""
     c, sms = CONFIG[name], sm_count(device)
     SK, SV = tiles(name, K, V)
     while ch.N * HV * triton.cdiv(V, SV) < sms and SV // 2 >= c["BV_min"]:
         SV //= 2
-    if c.get("waves"):
-        return SK, SV, c["stages"]  # the launch picks the depth by waves (_common.depth_by_waves)
-    return SK, SV, c.get("deep", c["stages"]) if ch.N * HV * triton.cdiv(V, SV) <= sms else c["stages"]
+    return SK, SV
 
 
 def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, out_dtype):
@@ -521,13 +513,13 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     Ai, W, U = prepare(k, v, g, beta, ch)
     o = torch.empty(T, HV, V, device=dev, dtype=out_dtype)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
-    SK, SV, stages = state_tile("state_out", ch, HV, K, V, dev)
+    SK, SV = state_tile("state_out", ch, HV, K, V, dev)
     gp = chunk_cumsum(g, ch) if g is not None else v
     launch(state_out_kernel, (triton.cdiv(V, SV), ch.N * HV), q, k, v, gp, W if W is not None else v,
            U if U is not None else v, h0 if h0 is not None else v, o, ht if want_final else v, ch.cu,
            scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=beta is not None,
            USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=dot_precision(v.dtype), DT=tl_dtype(v.dtype),
-           WHILE=INTERPRET, name="state_out", stages=stages)
+           WHILE=INTERPRET, name="state_out")
     return o, ht, Ai
 
 
@@ -566,10 +558,10 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
         launch(state_fwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Sin, h,
                VN if delta else dummy, dummy, sg.cu, sg.off, BV=SV, USE_INIT=True, STORE_FINAL=False, **common)
         return h, VN, ht, Ai, W
-    SK, SV, stages = state_tile("state_fwd", ch, HV, K, V, dev)
+    SK, SV = state_tile("state_fwd", ch, HV, K, V, dev)
     launch(state_fwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
            k, v, gp, Wp, Up, h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy,
-           ch.cu, ch.chunk_off, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, stages=stages, **common)
+           ch.cu, ch.chunk_off, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, **common)
     return h, VN, ht, Ai, W
 
 
