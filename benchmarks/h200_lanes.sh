@@ -3,7 +3,7 @@
 # Lane A (GPU 0): the GPU check (8 shards, CHECK_FLAGS), GLUE_CMD, KDA_CMD, the training benchmark
 # (TRAIN_FLAGS; TRAIN2_FLAGS for a second run). Lane B (GPU 1): gdn variants (VARIANTS, a JSON list of
 # partial launch configurations; VAR_FLAGS e.g. --profile), the narrow-head repro, the ops table with
-# FLA (OPS_FLAGS, default --decode --profile). Every step has a time slice *_S; a slice of 0 skips the step.
+# FLA (OPS_FLAGS, default --decode --profile), after B_DELAY seconds. Every step has a time slice *_S; a slice of 0 skips the step.
 #   OUT=/tmp/x GLUE_CMD="python3 benchmarks/glue_gpu.py" TRAIN_S=280 OPS_S=420 bash benchmarks/h200_lanes.sh
 set -u
 export SITE=/tmp/site PYTHONUNBUFFERED=1
@@ -35,6 +35,7 @@ laneA() {
   fi
 }
 laneB() {
+  sleep "${B_DELAY:-0}"  # e.g. to time the ops table after lane A's check has left the host's cores
   if [ "${VAR_S:-190}" -gt 0 ]; then
     CUDA_VISIBLE_DEVICES=$G1 timeout ${VAR_S:-190} python3 benchmarks/ops_gpu.py --variants "${VARIANTS:-$NO_VARIANT}" ${VAR_FLAGS:-} > "$OUT/variants.log" 2>&1
   fi

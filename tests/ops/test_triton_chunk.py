@@ -166,7 +166,7 @@ def test_state_bwd_row_scale_on_q(member, dtype, monkeypatch):
     """state_bwd's second form (QS: the (ΓQ)ᵀ dO term's row scale on Q instead of dO; on the GPU
     the launch picks it by waves) gives the reference's gradients, packed, with an initial state,
     and also as the split pass's third phase."""
-    monkeypatch.setitem(_common.CONFIG, "state_bwd", dict(_common.CONFIG["state_bwd"], forms=({"QS": True},)))
+    monkeypatch.setitem(_common.CONFIG, "state_bwd", dict(_common.CONFIG["state_bwd"], stages=((2, {"QS": True}),)))
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=32, dtype=dtype, lens=[65, 1, 0, 128], seed=7)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
     assert not bad, bad
@@ -263,15 +263,16 @@ def test_pipeline_depth_by_waves():
     # a waves launch records every candidate (the parallel precompile compiles each)
     saved = copy.deepcopy(_common.CONFIG)
     try:
-        _common.update_config({"state_fwd": {"stages": [3, 2, 1], "forms": [{}, {"X": 1}]}})
+        _common.update_config({"state_fwd": {"stages": [3, [3, {"X": 1}], 2, [1, {"X": 1}]]}})
+        assert _common.candidates(_common.CONFIG["state_fwd"]["stages"]) == [(3, {}), (3, {"X": 1}), (2, {}),
+                                                                             (1, {"X": 1})]
         interp, _common.INTERPRET = _common.INTERPRET, False
         try:
             with _common.recording() as rec:
                 _common.launch(object(), (1,), name="state_fwd", BV=32)
         finally:
             _common.INTERPRET = interp
-        assert [(m["num_stages"], m.get("X")) for _, _, _, m in rec] == [
-            (3, None), (3, 1), (2, None), (2, 1), (1, None), (1, 1)]
+        assert [(m["num_stages"], m.get("X")) for _, _, _, m in rec] == [(3, None), (3, 1), (2, None), (1, 1)]
     finally:
         _common.CONFIG.clear()
         _common.CONFIG.update(saved)

@@ -158,7 +158,8 @@ CONFIG = {
     # FMA, exact fp32; "tf32x3": three tensor-core passes, ≈ fp32; "tf32": one); fp32 inputs: "ieee".
     # "tf32": 7–37 % faster forwards on the H200, results moved by ≈ 2e-3 relative (half of what bf16
     # inputs cost), within DESIGN §5 tier 3 at every case of benchmarks/gpu_check.py (2026-11-30)
-    "kkt_solve": dict(num_warps=2, stages=(1,), BK=64, BV=64, INV="tf32"),
+    # two stages: 188 → 151 µs at (4, 8192, 16, 128) on the H200 (sixth session)
+    "kkt_solve": dict(num_warps=2, stages=(2, 1), BK=64, BV=64, INV="tf32"),
     # wu: 8 warps. With 4, triton 3.6 on the H200 compiled a shared-memory access out of range at
     # K = 60/64, T = 63 (compute-sanitizer, benchmarks/gpu_repro_v16.py); 8 warps time the same.
     "wu": dict(num_warps=8, stages=(3, 2, 1), BK=64, BV=64),
@@ -172,14 +173,18 @@ CONFIG = {
     # No third stage: with one, the GPU check failed at T = 63, V = 16 bf16 (docs/TRITON.md)
     "state_out": dict(num_warps=4, stages=(2, 1), waves=True, SV=4096, fill=1.5, BV_min=32),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
-    "dv_local": dict(num_warps=8, stages=(1,), BK=64, BV=128),
+    "dv_local": dict(num_warps=8, stages=(3, 2, 1), BK=64, BV=128),
     # state_bwd: value tiles from 64 down to 16 as state_fwd's (chunk_fwd.state_tile); depth and
-    # form by waves. forms: the plain kernel, and QS (chunk_bwd.state_bwd_kernel: the row scale on
-    # Q, 4 KB less shared memory for a [64, K] scaling per step)
-    "state_bwd": dict(num_warps=4, stages=(3, 2, 1), waves=True, forms=({}, {"QS": True}), SV=8192, BV_min=16),
-    # dqk, wy_bwd: pipelined loops over their value / key blocks (H200, sixth session, GPU µs at
-    # (4, 8192, 16, 128)): dqk 920 → 742 with two stages, wy_bwd 599 → 569 with three
-    "dqk": dict(num_warps=4, stages=(2, 1), BK=64, BV=64),
+    # form by waves: the plain kernel, or QS (chunk_bwd.state_bwd_kernel: the row scale on Q, 4 KB
+    # less shared memory for a [64, K] scaling per step). Never the plain kernel with one stage:
+    # triton 3.6 miscompiles it on the H200 (wrong dh0, dk, dv at 10 of the GPU check's cases,
+    # an illegal access at K = V = 256; docs/TRITON.md "Known problems")
+    "state_bwd": dict(num_warps=4, waves=True, SV=8192, BV_min=16,
+                      stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True}))),
+    # dqk, wy_bwd, dv_local: pipelined loops over their value / key blocks (H200, sixth session, GPU
+    # µs at (4, 8192, 16, 128)): dqk 920 → 742 with two stages (→ 700 with three at 1 × 32768),
+    # wy_bwd 599 → 569 with three, dv_local 170 → 158 with three
+    "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # The split state passes (chunk_fwd.split_len): L = 0 off, > 0 fixed segment length in chunks,
@@ -193,9 +198,11 @@ CONFIG = {
 
 def update_config(partial: dict) -> None:
     """Apply ``{kernel: {key: value}}`` (e.g. parsed JSON) to :data:`CONFIG` in place; ``stages``
-    lists become tuples. For benchmarks and checks that try launch configurations."""
+    lists become tuples (a [depth, form] entry a pair). For benchmarks and checks that try launch
+    configurations."""
     for name, upd in partial.items():
-        CONFIG[name].update({k: tuple(v) if k == "stages" else v for k, v in upd.items()})
+        CONFIG[name].update({k: tuple(x if isinstance(x, int) else (x[0], x[1]) for x in v) if k == "stages" else v
+                             for k, v in upd.items()})
 
 
 def pad_zeros(x: torch.Tensor | None, *pads: int) -> torch.Tensor | None:
@@ -309,60 +316,61 @@ log = logging.getLogger(__name__)
 
 def launch(kernel, grid, *args, name: str, config: dict | None = None, stages: tuple | None = None, **meta):
     """``kernel[grid](*args, **meta)`` with the warps of ``config[name]`` (default: this module's
-    ``CONFIG``) and one of its software-pipelining depths (``stages``, default the config's).
+    ``CONFIG``) and one of its candidates ``stages`` (default the config's): software-pipelining
+    depths, each an int or a pair (depth, form), a form being compile-time switches of the kernel
+    (e.g. one that needs less shared memory for more arithmetic).
 
-    Which depth: with ``waves`` set in the kernel's config (the sequential passes, whose grids are
-    about one wave of programs, each walking a whole sequence), :func:`by_waves` picks the depth
-    and one of the config's ``forms`` (alternative compile-time switches of the kernel, e.g. one
-    that needs less shared memory for more arithmetic); else the first depth whose shared memory
-    fits the card (remembered per kernel and compile-time arguments, so the fallback costs one
-    failed load at most) and the first form. Inside :func:`recording` nothing runs (a ``waves``
-    launch records each of its candidates)."""
+    Which candidate: with ``waves`` set in the kernel's config (the sequential passes, whose grids
+    are about one wave of programs, each walking a whole sequence), :func:`by_waves` picks; else
+    the first whose shared memory fits the card (remembered per kernel and compile-time arguments,
+    so the fallback costs one failed load at most). Inside :func:`recording` nothing runs (a
+    ``waves`` launch records each of its candidates)."""
     cfg = (CONFIG if config is None else config)[name]
-    stages = cfg["stages"] if stages is None else tuple(stages)
-    forms = cfg.get("forms", ({},))
+    cands = candidates(cfg["stages"] if stages is None else stages)
     meta["num_warps"] = cfg["num_warps"]
-    cands = [(ns, f) for ns in stages for f in forms]
-    key = (kernel, tuple(meta.items()), stages, str(forms))  # (callers pass their keywords in a fixed order)
+    key = (kernel, tuple(meta.items()), str(cands))  # (callers pass their keywords in a fixed order)
     waves = cfg.get("waves", False) and len(cands) > 1 and not INTERPRET
-    if not waves:
-        meta.update(forms[0])
     if _RECORD is not None:
-        for ns, f in (cands if waves else [(_STAGES.get(key, stages[0]), {})]):
+        for ns, f in (cands if waves else [_STAGES.get(key, cands[0])]):
             _RECORD.append((kernel, grid, args, dict(meta, **f, num_stages=ns)))
         return None
     if waves:
         ns, f = by_waves(kernel, grid, args, meta, cands, key)
         return kernel[grid](*args, num_stages=ns, **dict(meta, **f))
     if key in _STAGES:
-        return kernel[grid](*args, num_stages=_STAGES[key], **meta)
-    for i, ns in enumerate(stages):
+        ns, f = _STAGES[key]
+        return kernel[grid](*args, num_stages=ns, **dict(meta, **f))
+    for i, (ns, f) in enumerate(cands):
         try:
-            out = kernel[grid](*args, num_stages=ns, **meta)
+            out = kernel[grid](*args, num_stages=ns, **dict(meta, **f))
         except triton.runtime.errors.OutOfResources:
-            if i == len(stages) - 1:
+            if i == len(cands) - 1:
                 raise
             continue
-        _STAGES[key] = ns
+        _STAGES[key] = (ns, f)
         return out
+
+
+def candidates(stages) -> list:
+    """``stages`` (ints, or (depth, form) pairs) as a list of (depth, form dict) pairs."""
+    return [(s, {}) if isinstance(s, int) else (int(s[0]), dict(s[1])) for s in stages]
 
 
 _FITS: dict = {}
 
 
 def by_waves(kernel, grid, args, meta, cands, key) -> tuple:
-    """Of ``cands`` [(pipeline depth, form)] (deepest first, then the config's order of forms), the
-    one whose compiled kernel runs ``grid`` in the fewest waves on the current card, the first
-    among equals. Each candidate is compiled once (``warmup``); its shared memory and registers
+    """Of ``cands`` [(pipeline depth, form)] (in the config's order: deepest first), the one whose
+    compiled kernel runs ``grid`` in the fewest waves on the current card, the first among equals. Each candidate is compiled once (``warmup``); its shared memory and registers
     give the programs one multiprocessor holds (:func:`per_sm`).
 
     Why: a sequential pass's program walks a whole sequence, one chunk step after another, so a
     second wave doubles the pass's time, while a deeper pipeline (the next chunks' tiles loaded
     during this chunk's products) shortens each step but takes shared memory. Measured on the H200
     (docs/TRITON.md "Waves"): where a third stage added a wave the pass got slower, where it kept
-    the waves it got faster, in nine of ten cases; state_bwd's second form (QS) at (4, 8192)
-    runs two stages in one wave where the first needs two waves or one stage (446 against 568 or
-    536 µs), and is slower wherever it does not save a wave."""
+    the waves it got faster, in nine of ten cases; state_bwd's QS form at (4, 8192) runs two
+    stages in one wave where the plain form needs two waves (446 against 568 µs), and is slower
+    wherever it does not save a wave (1 × 32768: 948 against 714)."""
     fits = _FITS.get(key)
     if fits is None:
         fits = []

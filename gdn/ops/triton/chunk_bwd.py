@@ -122,7 +122,7 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale
     starts as [I | 0], the first K columns see zero dO and dδ_loc, nothing per chunk is stored, and
     [Aᵀ | D] goes to ``dh0`` [N, HV, K, K + V]: the segment maps dS at its end to Aᵀ dS + D at its start.
 
-    ``QS`` (the second of ``CONFIG["state_bwd"]["forms"]``, chosen per launch by
+    ``QS`` (a form of ``CONFIG["state_bwd"]["stages"]``'s candidates, chosen per launch by
     :func:`_common.by_waves`): the row scale scale·Γ of the (ΓQ)ᵀ dO term goes on Q instead of dO.
     Compiled for sm_90 (`benchmarks/sass_cpu.py`) that takes the kernel's shared memory from 116.5
     to 112.5 KB at value tiles of 32 (Q single-buffered, dO's staging copy gone): two programs per
