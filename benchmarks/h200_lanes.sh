@@ -36,6 +36,7 @@ laneA() {
 }
 laneB() {
   sleep "${B_DELAY:-0}"  # e.g. to time the ops table after lane A's check has left the host's cores
+  if [ -n "${B_CACHE:-}" ]; then export TRITON_CACHE_DIR="$B_CACHE"; fi  # a fresh cache: cold first calls
   if [ "${VAR_S:-190}" -gt 0 ]; then
     CUDA_VISIBLE_DEVICES=$G1 timeout ${VAR_S:-190} python3 benchmarks/ops_gpu.py --variants "${VARIANTS:-$NO_VARIANT}" ${VAR_FLAGS:-} > "$OUT/variants.log" 2>&1
   fi
