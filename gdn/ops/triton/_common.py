@@ -326,9 +326,9 @@ def launch(kernel, grid, *args, name: str, config: dict | None = None, stages: t
     so the fallback costs one failed load at most). Inside :func:`recording` nothing runs (a
     ``waves`` launch records each of its candidates)."""
     cfg = (CONFIG if config is None else config)[name]
-    cands = candidates(cfg["stages"] if stages is None else stages)
+    cands, ckey = _candidates(cfg["stages"] if stages is None else stages)
     meta["num_warps"] = cfg["num_warps"]
-    key = (kernel, tuple(meta.items()), str(cands))  # (callers pass their keywords in a fixed order)
+    key = (kernel, tuple(meta.items()), ckey)  # (callers pass their keywords in a fixed order)
     waves = cfg.get("waves", False) and len(cands) > 1 and not INTERPRET
     if _RECORD is not None:
         for ns, f in (cands if waves else [_STAGES.get(key, cands[0])]):
@@ -354,6 +354,19 @@ def launch(kernel, grid, *args, name: str, config: dict | None = None, stages: t
 def candidates(stages) -> list:
     """``stages`` (ints, or (depth, form) pairs) as a list of (depth, form dict) pairs."""
     return [(s, {}) if isinstance(s, int) else (int(s[0]), dict(s[1])) for s in stages]
+
+
+_CANDS: dict = {}
+
+
+def _candidates(stages) -> tuple:
+    """(:func:`candidates` of ``stages``, a hashable key of them), made once per ``stages`` object
+    (the entry holds the object, so its id is not reused): a launch costs no more host time."""
+    hit = _CANDS.get(id(stages))
+    if hit is None or hit[0] is not stages:
+        c = candidates(stages)
+        hit = _CANDS[id(stages)] = (stages, c, str(c))
+    return hit[1], hit[2]
 
 
 _FITS: dict = {}
