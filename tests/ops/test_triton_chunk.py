@@ -278,6 +278,46 @@ def test_pipeline_depth_by_waves():
         _common.CONFIG.update(saved)
 
 
+def test_launch_by_waves_picks_from_compiled_resources(monkeypatch):
+    """A waves launch compiles each candidate (``warmup``), skips those that do not fit, and runs the
+    one whose grid needs the fewest waves; the choice is remembered, and a new grid size re-decides
+    without compiling again. Fake kernel: state_bwd's sm_90 resources at value tiles of 32."""
+    import triton
+
+    res = {(3, False): (173, 183), (3, True): (169, 212), (2, False): (117, 184), (2, True): (113, 212),
+           (1, True): (32, 224)}
+    compiled, launched = [], []
+
+    class Compiled:
+        def __init__(self, ns, qs):
+            kb, self.n_regs = res[(ns, qs)]
+            self.metadata = type("M", (), {"shared": kb * 1024})()
+            self.ns = ns
+
+        def _init_handles(self):
+            if self.ns == 3:  # as if this card had too little shared memory for three stages
+                raise triton.runtime.errors.OutOfResources(self.metadata.shared, 0, "shared memory")
+
+    class Kernel:
+        def warmup(self, *args, grid, num_stages, **meta):
+            compiled.append((num_stages, meta.get("QS", False)))
+            return Compiled(num_stages, meta.get("QS", False))
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launched.append((grid, meta["num_stages"], meta.get("QS", False)))
+
+    monkeypatch.setattr(_common, "INTERPRET", False)
+    monkeypatch.setattr(_common, "sm_count", lambda device: 132)
+    k = Kernel()
+    _common.launch(k, (4, 64), name="state_bwd", BV=32)  # 256 programs
+    assert len(compiled) == 5
+    assert launched[-1] == ((4, 64), 2, True)  # two per multiprocessor: one wave
+    _common.launch(k, (4, 32), name="state_bwd", BV=32)  # 128 programs: one wave at every depth
+    assert len(compiled) == 5 and launched[-1] == ((4, 32), 2, False)  # the first that fits
+    _common.launch(k, (8, 64), name="state_bwd", BV=32)  # 512: two waves at two per multiprocessor
+    assert launched[-1] == ((8, 64), 2, True)
+
+
 def test_state_tile_and_long_sequences():
     """The forward passes' value tile halves while the programs would not fill the card (4 "SMs"
     off CUDA), down to the kernel's floor; a packed batch counts only its near-longest sequences."""
