@@ -330,6 +330,9 @@ def test_state_tile_and_long_sequences():
     assert state_tile("state_fwd", one, 1, 128, 32, cpu) == (128, 16)  # 32 → 16: 2 programs, floor 16
     assert state_tile("state_out", one, 1, 128, 32, cpu) == (128, 32)  # floor 32
     assert state_tile("state_fwd", _common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (128, 64)
+    # the layout (fused forward or not, the passes' tiles) keys the parallel first-call compile
+    assert chunk_mod._layout(one, 1, 128, 128, cpu) == (False, 32, 32, 32)
+    assert chunk_mod._layout(_common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (True, 32, 64, 64)
     assert chunk_mod._long_sequences(_common.make_chunks(3, 200, None, cpu)) == 3
     packed = _common.make_chunks(1, 700, torch.tensor([0, 640, 641, 641, 700]), cpu)
     assert chunk_mod._long_sequences(packed) == 1

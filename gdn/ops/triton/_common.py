@@ -335,7 +335,7 @@ def launch(kernel, grid, *args, name: str, config: dict | None = None, stages: t
             _RECORD.append((kernel, grid, args, dict(meta, **f, num_stages=ns)))
         return None
     if waves:
-        ns, f = by_waves(kernel, grid, args, meta, cands, key)
+        ns, f = by_waves(kernel, grid, args, meta, cands, key + (_device_index(),))
         return kernel[grid](*args, num_stages=ns, **dict(meta, **f))
     if key in _STAGES:
         ns, f = _STAGES[key]
@@ -374,7 +374,8 @@ _FITS: dict = {}
 
 def by_waves(kernel, grid, args, meta, cands, key) -> tuple:
     """Of ``cands`` [(pipeline depth, form)] (in the config's order: deepest first), the one whose
-    compiled kernel runs ``grid`` in the fewest waves on the current card, the first among equals. Each candidate is compiled once (``warmup``); its shared memory and registers
+    compiled kernel runs ``grid`` in the fewest waves on the CUDA device ``key[-1]``, the first
+    among equals. Each candidate is compiled once (``warmup``); its shared memory and registers
     give the programs one multiprocessor holds (:func:`per_sm`).
 
     Why: a sequential pass's program walks a whole sequence, one chunk step after another, so a
@@ -384,7 +385,7 @@ def by_waves(kernel, grid, args, meta, cands, key) -> tuple:
     the waves it got faster, in nine of ten cases; state_bwd's QS form at (4, 8192) runs two
     stages in one wave where the plain form needs two waves (446 against 568 µs), and is slower
     wherever it does not save a wave (1 × 32768: 948 against 714)."""
-    fits = _FITS.get(key)
+    fits, dev = _FITS.get(key), key[-1]
     if fits is None:
         fits = []
         for ns, f in cands:
@@ -393,11 +394,11 @@ def by_waves(kernel, grid, args, meta, cands, key) -> tuple:
                 ck._init_handles()
             except triton.runtime.errors.OutOfResources:
                 continue
-            fits.append(((ns, f), per_sm(ck.metadata.shared, ck.n_regs, meta["num_warps"])))
+            fits.append(((ns, f), per_sm(ck.metadata.shared, ck.n_regs, meta["num_warps"], _card(dev))))
         if not fits:
             raise triton.runtime.errors.OutOfResources(0, 0, f"shared memory of every candidate {cands}")
         _FITS[key] = fits
-    return pick(fits, _programs(grid), sm_count(torch.device("cuda")))
+    return pick(fits, _programs(grid), sm_count(torch.device("cuda", dev) if dev >= 0 else torch.device("cpu")))
 
 
 def _programs(grid) -> int:
@@ -421,17 +422,23 @@ SM90 = dict(shared=228 * 1024, regs=65536, threads=2048)
 def per_sm(shared: int, regs: int, warps: int, card: dict | None = None) -> int:
     """Programs one multiprocessor holds, by shared memory (1 KB of it reserved per program),
     registers (allocated per warp in units of 256) and threads. ``card``: :data:`SM90`'s keys
-    (default: read from the current CUDA device, else :data:`SM90`)."""
-    c = card or _card()
+    (default: the current CUDA device's, else :data:`SM90`)."""
+    c = card or _card(_device_index())
     warp_regs = -(-regs * 32 // 256) * 256
     return min(c["shared"] // (shared + 1024), c["regs"] // max(warp_regs * warps, 1), c["threads"] // (32 * warps))
 
 
+def _device_index() -> int:
+    """The current CUDA device's index, -1 without CUDA."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else -1
+
+
 @functools.lru_cache(maxsize=None)
-def _card() -> dict:
-    if not torch.cuda.is_available():
+def _card(index: int) -> dict:
+    """Per-multiprocessor limits of CUDA device ``index`` (:data:`SM90` for -1 or without CUDA)."""
+    if index < 0 or not torch.cuda.is_available():
         return SM90
-    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    p = torch.cuda.get_device_properties(index)
     return dict(shared=getattr(p, "shared_memory_per_multiprocessor", SM90["shared"]),
                 regs=getattr(p, "regs_per_multiprocessor", SM90["regs"]),
                 threads=getattr(p, "max_threads_per_multi_processor", SM90["threads"]))

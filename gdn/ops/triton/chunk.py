@@ -35,15 +35,22 @@ def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io):
     pass(es), `ops_gpu.py --variants --profile`): 4 × 8192 (256 programs) 507 fused against 296 + 283;
     grouped 1 × 8192, HV = 32 (128) 444 against 224 + 128; 1 × 32768 (64) 1669 against 832 + 284;
     packed, 12 sequences of 64-7000 tokens (one long): forward 1.63 ms fused against 1.31."""
-    HV, V = v.shape[1], v.shape[2]
-    _, SV = chunk_fwd.state_tile("state_out", ch, HV, k.shape[-1], V, v.device)
-    # value heads narrower than 64 always take the fused pass: triton 3.6 on the H200 compiles the
-    # output kernel wrong for bf16 value tiles of 16 and 32 (benchmarks/gpu_check.py, T = 63, V = 16
-    # padded to 32: o off by 180 %, everything else right; the fused pass is right there)
-    if V < 64 or _long_sequences(ch) * HV * -(-V // SV) >= CONFIG["state_out"]["fill"] * sm_count(v.device):
+    if _layout(ch, v.shape[1], k.shape[-1], v.shape[2], v.device)[0]:
         return chunk_fwd.forward(q, k, v, g, beta, h0, ch, want_final, scale, io)
     h, VN, ht, Ai, _ = chunk_fwd.forward_intermediates(q, k, v, g, beta, h0, ch, want_final)
     return chunk_fwd.output(q, k, v, g, h, VN, ch, scale, io), ht, Ai
+
+
+def _layout(ch: Chunks, HV: int, K: int, V: int, device) -> tuple:
+    """(fused forward?, value tiles of state_out, state_fwd, state_bwd) of a call: what decides
+    which kernels and tile widths it compiles (part of the parallel first-call compile's key, so a
+    new shape that needs other tiles compiles them in parallel too)."""
+    tiles = tuple(chunk_fwd.state_tile(n, ch, HV, K, V, device)[1] for n in ("state_out", "state_fwd", "state_bwd"))
+    # value heads narrower than 64 always take the fused pass: triton 3.6 on the H200 compiles the
+    # output kernel wrong for bf16 value tiles of 16 and 32 (benchmarks/gpu_check.py, T = 63, V = 16
+    # padded to 32: o off by 180 %, everything else right; the fused pass is right there)
+    fused = V < 64 or _long_sequences(ch) * HV * -(-V // tiles[0]) >= CONFIG["state_out"]["fill"] * sm_count(device)
+    return (fused,) + tiles
 
 
 class ChunkFunction(torch.autograd.Function):
@@ -75,7 +82,8 @@ class ChunkFunction(torch.autograd.Function):
                 _, _, ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io)
                 chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt)
 
-            precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt), dry_run)
+            precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt,
+                        _layout(ch, HV, Kp, Vp, qp.device)), dry_run)
         # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
         # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
         o, ht, Ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io)
