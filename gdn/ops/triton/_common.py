@@ -314,11 +314,11 @@ _RECORD: list | None = None  # launches collected instead of run, inside recordi
 log = logging.getLogger(__name__)
 
 
-def launch(kernel, grid, *args, name: str, config: dict | None = None, stages: tuple | None = None, **meta):
+def launch(kernel, grid, *args, name: str, config: dict | None = None, **meta):
     """``kernel[grid](*args, **meta)`` with the warps of ``config[name]`` (default: this module's
-    ``CONFIG``) and one of its candidates ``stages`` (default the config's): software-pipelining
-    depths, each an int or a pair (depth, form), a form being compile-time switches of the kernel
-    (e.g. one that needs less shared memory for more arithmetic).
+    ``CONFIG``) and one of its candidates ``stages``: software-pipelining depths, each an int or a
+    pair (depth, form), a form being compile-time switches of the kernel (e.g. one that needs less
+    shared memory for more arithmetic).
 
     Which candidate: with ``waves`` set in the kernel's config (the sequential passes, whose grids
     are about one wave of programs, each walking a whole sequence), :func:`by_waves` picks; else
@@ -326,7 +326,7 @@ def launch(kernel, grid, *args, name: str, config: dict | None = None, stages: t
     so the fallback costs one failed load at most). Inside :func:`recording` nothing runs (a
     ``waves`` launch records each of its candidates)."""
     cfg = (CONFIG if config is None else config)[name]
-    cands, ckey = _candidates(cfg["stages"] if stages is None else stages)
+    cands, ckey = _candidates(cfg["stages"])
     meta["num_warps"] = cfg["num_warps"]
     key = (kernel, tuple(meta.items()), ckey)  # (callers pass their keywords in a fixed order)
     waves = cfg.get("waves", False) and len(cands) > 1 and not INTERPRET
