@@ -12,7 +12,7 @@ shared memory at value tiles of 32: one program per multiprocessor, so 256 progr
 waves).
 
     python benchmarks/sass_cpu.py --shape 4x8192 [--hv 32] [--kernels state_bwd,state_fwd] [--sass DIR]
-    python benchmarks/sass_cpu.py --shape 4x4096 --h 6 --v 256 --depths   # each pass at 1, 2, 3 stages
+    python benchmarks/sass_cpu.py --shape 4x4096 --h 6 --v 256 --depths   # each pass's candidates and choice
 """
 from __future__ import annotations
 
@@ -74,24 +74,30 @@ def per_sm(regs, smem, warps):
 
 
 def depths(launches):
-    """Each sequential pass compiled at 1, 2 and 3 pipeline stages: shared KB, registers, programs
-    per multiprocessor and waves of its grid."""
-    print("\n| pass | BV | programs | 1 stage: KB, regs, per SM, waves | 2 stages | 3 stages |")
-    print("|---|---|---|---|---|---|")
-    seen = set()
+    """Each launch of a sequential pass with its candidates (``CONFIG[...]["stages"]``: pipeline
+    depths and forms): shared KB, registers, programs per multiprocessor, waves of its grid, and
+    the candidate the launcher's fewest-waves rule (``_common.pick``) takes on the H200."""
+    print("\n| pass | BV | programs | candidate (stages, form) | shared KB | regs | per SM | waves | chosen |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    groups = {}
     for kernel, grid, kargs, meta in launches:
         name = kernel.fn.__name__
-        key = (name, meta.get("BV"))
-        if name not in ("state_fwd_kernel", "state_out_kernel", "state_bwd_kernel") or key in seen:
+        if name not in ("state_fwd_kernel", "state_out_kernel", "state_bwd_kernel"):
             continue
-        seen.add(key)
+        groups.setdefault((name, meta.get("BV"), tuple(grid)), (kernel, grid, kargs, meta))
+    for (name, bv, grid), (kernel, _, kargs, meta) in groups.items():
         programs = grid[0] * grid[1]
-        cells = []
-        for st in (1, 2, 3):
-            regs, _, smem = resources(compile_sm90(kernel, kargs, dict(meta, num_stages=st)))
-            n = per_sm(regs, smem, meta["num_warps"])
-            cells.append(f"{smem / 1024:.0f}, {regs}, {n}, {-(-programs // (SMS * max(n, 1)))}")
-        print(f"| {name[:-7]} | {meta['BV']} | {programs} | " + " | ".join(cells) + " |", flush=True)
+        base = {k: v for k, v in meta.items() if k not in ("num_stages", "QS")}
+        pname = name[:-7]
+        rows = []
+        for ns, form in _common.candidates(_common.CONFIG[pname]["stages"]):
+            regs, _, smem = resources(compile_sm90(kernel, kargs, dict(base, **form, num_stages=ns)))
+            rows.append(((ns, form), smem, regs, per_sm(regs, smem, meta["num_warps"])))
+        chosen = _common.pick([(c, n) for c, _, _, n in rows], programs, SMS)
+        for c, smem, regs, n in rows:
+            label = f"{c[0]}" + (" " + ",".join(k for k, v in c[1].items() if v) if c[1] else "")
+            print(f"| {pname} | {bv} | {programs} | {label} | {smem / 1024:.0f} | {regs} | {n} | "
+                  f"{-(-programs // (SMS * max(n, 1)))} | {'**yes**' if c == chosen else ''} |", flush=True)
 
 
 def compile_sm90(kernel, args, meta):
@@ -143,7 +149,8 @@ def main():
     ap.add_argument("--hv", type=int, default=None, help="value heads (default H)")
     ap.add_argument("--k", type=int, default=128, help="key width K")
     ap.add_argument("--v", type=int, default=None, help="value width V (default K)")
-    ap.add_argument("--depths", action="store_true", help="the sequential passes at 1, 2 and 3 pipeline stages")
+    ap.add_argument("--depths", action="store_true",
+                    help="the sequential passes at each of their launch candidates, and the one the launcher takes")
     ap.add_argument("--kernels", default=None, help="comma-separated names (default every launched kernel)")
     ap.add_argument("--sass", default=None, metavar="DIR", help="also write each kernel's SASS there")
     args = ap.parse_args()
