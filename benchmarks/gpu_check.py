@@ -217,14 +217,9 @@ def main(argv=None):
                         '\'{"kkt_solve": {"INV": "tf32"}}\'')
     a = p.parse_args(argv)
     if a.config:
-        import json
+        from gdn.ops.triton._common import update_config_from
 
-        from gdn.ops.triton._common import update_config
-
-        if os.path.exists(a.config):
-            with open(a.config) as f:
-                a.config = f.read()
-        update_config(json.loads(a.config))
+        update_config_from(a.config)
         print(f"launch configuration overrides: {a.config}")
     if a.split is not None:
         from gdn.ops.triton._common import CONFIG

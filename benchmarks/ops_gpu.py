@@ -311,13 +311,9 @@ def main():
     if args.shapes:
         SHAPES[:] = [SHAPES[int(i)] for i in args.shapes.split(",")]
     if args.config:
-        from gdn.ops.triton._common import CONFIG, update_config
+        from gdn.ops.triton._common import CONFIG, update_config_from
 
-        if os.path.exists(args.config):
-            with open(args.config) as f:
-                update_config(json.load(f))
-        else:
-            update_config(json.loads(args.config))
+        update_config_from(args.config)
         print("launch configuration:", CONFIG)
     if args.variants:
         variants(json.loads(args.variants), args.profile)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -203,6 +204,16 @@ def update_config(partial: dict) -> None:
     for name, upd in partial.items():
         CONFIG[name].update({k: tuple(x if isinstance(x, int) else (x[0], x[1]) for x in v) if k == "stages" else v
                              for k, v in upd.items()})
+
+
+def update_config_from(arg: str) -> None:
+    """:func:`update_config` from a JSON file's path or an inline JSON text (benchmarks' --config)."""
+    import json
+
+    if os.path.exists(arg):
+        with open(arg) as f:
+            arg = f.read()
+    update_config(json.loads(arg))
 
 
 def pad_zeros(x: torch.Tensor | None, *pads: int) -> torch.Tensor | None:
@@ -398,14 +409,7 @@ def by_waves(kernel, grid, args, meta, cands, key) -> tuple:
         if not fits:
             raise triton.runtime.errors.OutOfResources(0, 0, f"shared memory of every candidate {cands}")
         _FITS[key] = fits
-    return pick(fits, _programs(grid), sm_count(torch.device("cuda", dev) if dev >= 0 else torch.device("cpu")))
-
-
-def _programs(grid) -> int:
-    n = 1
-    for d in grid:
-        n *= d
-    return n
+    return pick(fits, math.prod(grid), sm_count(torch.device("cuda", dev) if dev >= 0 else torch.device("cpu")))
 
 
 def pick(fits, programs: int, sms: int):

@@ -25,7 +25,7 @@ def _long_sequences(ch: Chunks) -> int:
     return ch.N if per is None else int((per * 10 >= ch.max_nc * 9).sum())
 
 
-def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io):
+def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None):
     """(o, final state, Ai): the fused forward pass when its (sequence, head, value tile) programs
     still running at the end of the pass (:func:`_long_sequences`; a packed batch's short sequences
     finish early and leave the longest one's programs alone on the card) number at least
@@ -35,7 +35,9 @@ def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io):
     pass(es), `ops_gpu.py --variants --profile`): 4 × 8192 (256 programs) 507 fused against 296 + 283;
     grouped 1 × 8192, HV = 32 (128) 444 against 224 + 128; 1 × 32768 (64) 1669 against 832 + 284;
     packed, 12 sequences of 64-7000 tokens (one long): forward 1.63 ms fused against 1.31."""
-    if _layout(ch, v.shape[1], k.shape[-1], v.shape[2], v.device)[0]:
+    if fused is None:  # (the caller passes _layout's decision when it has made it already)
+        fused = _layout(ch, v.shape[1], k.shape[-1], v.shape[2], v.device)[0]
+    if fused:
         return chunk_fwd.forward(q, k, v, g, beta, h0, ch, want_final, scale, io)
     h, VN, ht, Ai, _ = chunk_fwd.forward_intermediates(q, k, v, g, beta, h0, ch, want_final)
     return chunk_fwd.output(q, k, v, g, h, VN, ch, scale, io), ht, Ai
@@ -76,17 +78,18 @@ class ChunkFunction(torch.autograd.Function):
         h0p = pad_zeros(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
         # dq, dk, dv straight in the caller's dtype when nothing is summed or cast afterwards
         gdt = io if HV == H and q.dtype == k.dtype == v.dtype == io else torch.float32
+        layout = _layout(ch, HV, Kp, Vp, qp.device)
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
             def dry_run():  # the launches of one forward + backward, recorded by precompile, not run
                 dht = torch.empty(ch.N, HV, Kp, Vp, device=qp.device) if want_final else None
-                _, _, ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io)
+                _, _, ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, layout[0])
                 chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt)
 
-            precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt,
-                        _layout(ch, HV, Kp, Vp, qp.device)), dry_run)
+            precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt, layout),
+                       dry_run)
         # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
         # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
-        o, ht, Ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io)
+        o, ht, Ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, layout[0])
         o = o[..., :V]
         if ht is not None and (Kp, Vp) != (K, V):
             ht = ht[..., :K, :V].contiguous()
