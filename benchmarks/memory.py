@@ -28,7 +28,8 @@ from collections import defaultdict
 
 import torch
 
-import gdn.layers.gated_deltanet as gdn_layer
+from gdn import ops
+from gdn.ops.delta.fused import gated_delta_rule_fused
 from gdn.models import GDNConfig, GDNForCausalLM
 
 MiB = 2**20
@@ -50,14 +51,14 @@ def parse_args(argv=None):
 
 
 class _TritonCoreStandIn(torch.autograd.Function):
-    """Output of :func:`gdn.layers.gated_deltanet.gated_delta_core`; saves what the Triton fused
-    path saves (gdn/ops/triton/prologue.py and chunk.py). Forward only: this script never runs a
+    """Output of :func:`gdn.ops.gated_delta_rule_fused`; saves what its Triton path saves
+    (gdn/ops/delta/triton/prologue.py and chunk.py). Forward only: this script never runs a
     backward, it counts what one would need."""
 
     @staticmethod
     def forward(ctx, q, k, v, a, b, A_log, dt_bias, kw):
         with torch.no_grad():
-            o, S = gdn_layer.gated_delta_core(q, k, v, a, b, A_log, dt_bias, **kw)
+            o, S = gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, **kw)
         B, T, H, K = q.shape
         HV = v.shape[2]
         qc, kc = q.contiguous(), k.contiguous()  # L2Norm saves its input, made contiguous, and rstd
@@ -175,25 +176,21 @@ def measure(a):
     model = GDNForCausalLM(cfg).train()
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq_len))
     ledger = SavedTensorLedger(model)
-    real_core = gdn_layer.core_for
+    real_core = ops.gated_delta_rule_fused
 
-    def traced_core_for(x):
-        fn = real_core(x)
+    def core(q, k, v, a_, b_, A_log, dt_bias, **kw):
+        with ledger.scope("core"):
+            if a.core == "triton":
+                return _TritonCoreStandIn.apply(q, k, v, a_, b_, A_log, dt_bias, kw)
+            return real_core(q, k, v, a_, b_, A_log, dt_bias, **kw)
 
-        def core(q, k, v, a_, b_, A_log, dt_bias, **kw):
-            with ledger.scope("core"):
-                if a.core == "triton":
-                    return _TritonCoreStandIn.apply(q, k, v, a_, b_, A_log, dt_bias, kw)
-                return fn(q, k, v, a_, b_, A_log, dt_bias, **kw)
-        return core
-
-    gdn_layer.core_for = traced_core_for
+    ops.gated_delta_rule_fused = core
     try:
         with torch.autograd.graph.saved_tensors_hooks(ledger.pack, lambda t: t):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
                 model(input_ids=ids, labels=ids, use_cache=False)
     finally:
-        gdn_layer.core_for = real_core
+        ops.gated_delta_rule_fused = real_core
         ledger.close()
     return cfg, model, ledger
 

@@ -27,10 +27,9 @@ import importlib
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from .. import ops
-from ..layers.kda import kimi_delta_attention as _kimi_delta_attention
+from ..ops import gates
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +48,10 @@ _KERNEL_HINTS = {"chunk_size", "cu_seqlens_cpu", "chunk_indices", "safe_gate", "
                  "disable_recompute", "inplace_final_state"}
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """FLA's L2 normalisation ``x / sqrt(Σ x² + eps)`` over the last dim, in fp32, back in x.dtype. [..., D] -> [..., D]."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+def l2norm(x: torch.Tensor, eps: float = gates.L2NORM_EPS) -> torch.Tensor:
+    """FLA's L2 normalisation ``x / sqrt(Σ x² + eps)`` over the last dim, in fp32, back in x.dtype
+    (:func:`gdn.ops.gates.l2_normalise`). [..., D] -> [..., D]."""
+    return gates.l2_normalise(x, eps)
 
 
 def _check_hints(name: str, kwargs: dict) -> None:
@@ -76,7 +75,7 @@ def _beta(beta, q, HV, use_sigmoid: bool, allow_neg_eigval: bool, name: str):
     if beta is None:
         return torch.ones(*q.shape[:2], HV, dtype=q.dtype, device=q.device)
     if use_sigmoid:
-        beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)
+        beta = gates.write_strength(beta, allow_neg_eigval)
     return beta
 
 
@@ -97,8 +96,7 @@ def _scalar_gate(g, A_log, dt_bias, name: str):
     """FLA's in-kernel scalar gate ``−exp(A_log)·softplus(g + dt_bias)``; g: [B, T, HV]."""
     if A_log is None:
         raise ValueError(f"{name}: use_gate_in_kernel=True needs A_log [HV]")
-    x = g.float() + (dt_bias.float() if dt_bias is not None else 0.0)
-    return -torch.exp(A_log.float()) * F.softplus(x)
+    return gates.scalar_decay(g, A_log, dt_bias if dt_bias is not None else torch.zeros_like(A_log))
 
 
 def _gated_delta(name, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -192,7 +190,7 @@ def _kda_gate(g, A_log, dt_bias, lower_bound, name):
         return lower_bound * torch.sigmoid(x)
     if A_log is None:
         raise ValueError(f"{name}: use_gate_in_kernel=True needs A_log [HV] (or a lower_bound)")
-    return -torch.exp(A_log.float()).view(HV, 1) * F.softplus(x)
+    return gates.kda_gate(g, A_log, dt_bias if dt_bias is not None else g.new_zeros(HV * K))
 
 
 def _kda(name, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -206,8 +204,8 @@ def _kda(name, q, k, v, g, beta, scale, initial_state, output_final_state, use_q
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     S0 = _state_in(initial_state, state_v_first)
-    o, S = _kimi_delta_attention(q, k, v, g, beta, scale=scale, initial_state=S0,
-                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    o, S = ops.kimi_delta_attention(q, k, v, g, beta, scale=scale, initial_state=S0,
+                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     return o.to(q.dtype), _state_out(S, state_v_first)
 
 

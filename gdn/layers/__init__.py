@@ -10,11 +10,13 @@ from __future__ import annotations
 from .attention import Attention, rotary
 from .conv import ShortConvolution
 from .deltanet import DeltaNet
-from .gated_deltanet import GatedDeltaNet, gated_delta_core
+from .gated_deltanet import GatedDeltaNet
 from .gated_linear_attention import GatedLinearAttention
+from .kda import KimiDeltaAttention
 from .linear_attention import LinearAttention
 from .mlp import SwiGLU
 from .norm import GatedRMSNorm, RMSNorm
+from .recurrent import RecurrentMixer, mamba_gate_init
 from .state import KVState, RecurrentState
 
 __all__ = [
@@ -23,12 +25,14 @@ __all__ = [
     "GatedDeltaNet",
     "GatedLinearAttention",
     "GatedRMSNorm",
+    "KimiDeltaAttention",
     "KVState",
     "LinearAttention",
     "RMSNorm",
+    "RecurrentMixer",
     "RecurrentState",
     "ShortConvolution",
     "SwiGLU",
-    "gated_delta_core",
+    "mamba_gate_init",
     "rotary",
 ]

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ._recurrent import _positive_int
-from .conv import _seq_position
+from .recurrent import positive_int
+from ..ops.conv import seq_position
 from .norm import RMSNorm
 from .state import KVState
 
@@ -72,9 +72,9 @@ class Attention(nn.Module):
                  output_gate: bool = False, qk_norm: bool = False, partial_rotary_factor: float = 1.0,
                  norm_eps: float = 1e-6):
         super().__init__()
-        self.hidden_size = _positive_int("hidden_size", hidden_size)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+        self.hidden_size = positive_int("hidden_size", hidden_size)
+        self.num_heads = positive_int("num_heads", num_heads)
+        self.num_kv_heads = num_heads if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if head_dim is None:
@@ -82,7 +82,7 @@ class Attention(nn.Module):
                 raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}), "
                                  "or give head_dim")
             head_dim = hidden_size // num_heads
-        self.head_dim = _positive_int("head_dim", head_dim)
+        self.head_dim = positive_int("head_dim", head_dim)
         for name, flag in (("output_gate", output_gate), ("qk_norm", qk_norm)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -94,7 +94,7 @@ class Attention(nn.Module):
             raise ValueError(f"head_dim * partial_rotary_factor ({head_dim} * {partial_rotary_factor}) must give an "
                              f"even number >= 2 of rotary channels for RoPE, got {self.rotary_dim}")
         if window_size is not None:
-            _positive_int("window_size", window_size)
+            positive_int("window_size", window_size)
         self.window_size, self.rope_theta, self.layer_idx = window_size, float(rope_theta), layer_idx
         self.output_gate, self.qk_norm, self.partial_rotary_factor = output_gate, qk_norm, float(partial_rotary_factor)
         D, HQ, HKV = hidden_size, self.num_heads, self.num_kv_heads
@@ -122,7 +122,7 @@ class Attention(nn.Module):
                              "for cached generation")
         if positions is None:
             if cu_seqlens is not None:
-                positions = _seq_position(cu_seqlens, T)[0][None].expand(B, T)
+                positions = seq_position(cu_seqlens, T)[0][None].expand(B, T)
             else:
                 offset = 0 if state is None else state.seen
                 positions = (torch.arange(T, device=x.device) + offset)[None].expand(B, T)

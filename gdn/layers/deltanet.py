@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from .. import ops
-from ._recurrent import RecurrentMixer, l2_normalise
+from ..ops.gates import l2_normalise, write_strength
+from .recurrent import RecurrentMixer
 
 
 def check_beta_offset(beta_offset) -> float:
@@ -23,7 +22,7 @@ class DeltaNet(RecurrentMixer):
     """DeltaNet token mixer: the Gated DeltaNet skeleton without the decay gate.
 
     β = sigmoid(b_proj x + beta_offset) (``allow_neg_eigval``: 2·sigmoid). Args as
-    :class:`gdn.layers._recurrent.RecurrentMixer`, plus ``beta_offset`` (see
+    :class:`gdn.layers.recurrent.RecurrentMixer`, plus ``beta_offset`` (see
     :func:`check_beta_offset`; default 0, the published layer). Forward: ``x`` [B, T, D] ->
     ``(o [B, T, D], RecurrentState or None)``.
     """
@@ -37,8 +36,6 @@ class DeltaNet(RecurrentMixer):
 
     def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens):
         b = self.b_proj(x).float()
-        beta = torch.sigmoid(b + self.beta_offset if self.beta_offset else b)
-        if self.allow_neg_eigval:
-            beta = beta * 2.0
+        beta = write_strength(b + self.beta_offset if self.beta_offset else b, self.allow_neg_eigval)
         return ops.delta_rule(l2_normalise(q), l2_normalise(k), v, beta, initial_state=initial_state,
                               output_final_state=output_final_state, cu_seqlens=cu_seqlens)

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 from .. import ops
-from ._recurrent import MASKED_GATE_INPUT, RecurrentMixer, l2_normalise, scalar_decay
+from ..ops.gates import l2_normalise, scalar_decay
+from .recurrent import MASKED_GATE_INPUT, RecurrentMixer
 
 
 class GatedLinearAttention(RecurrentMixer):
     """Gated linear attention with one decay per head and token, ``g = −exp(A_log)·softplus(a_proj x + dt_bias)``
     (Mamba2's parameterisation, initialised as in :class:`GatedDeltaNet`); q and k are L2-normalised.
 
-    Args as :class:`gdn.layers._recurrent.RecurrentMixer`. Forward: ``x`` [B, T, D] ->
+    Args as :class:`gdn.layers.recurrent.RecurrentMixer`. Forward: ``x`` [B, T, D] ->
     ``(o [B, T, D], RecurrentState or None)``.
     """
 

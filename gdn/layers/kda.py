@@ -5,52 +5,24 @@
     x ─ b_proj ─ sigmoid ─ β ─────────────────────┼─ KDA recurrence ─ RMSNorm per head × sigmoid(g_b(g_a x)) ─ o_proj
 
 The skeleton (projections, short convolutions, padding and packing rules, decoding state) is
-:class:`gdn.layers._recurrent.RecurrentMixer`'s; the decay is per key channel and the output gate
+:class:`gdn.layers.recurrent.RecurrentMixer`'s; the decay is per key channel and the output gate
 a low-rank sigmoid gate. The layer-pattern letter is ``K``.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..ops import kda_chunk, kda_reference, triton_kernels
-from ._recurrent import RecurrentMixer, _positive_int, l2_normalise, mamba_gate_init
+from ..ops.gates import kda_gate, l2_normalise, write_strength
+from .recurrent import RecurrentMixer, mamba_gate_init, positive_int
 from .norm import RMSNorm
-
-
-def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                         cu_seqlens=None):
-    """Validated KDA, on the fastest backend that runs the call: the public op
-    ``gdn.ops.kimi_delta_attention`` where the op layer exports it, else Triton for CUDA tensors
-    (K ≤ 256), the recurrence for a decode step, the chunk form otherwise. Shapes as in
-    :func:`gdn.ops.kda_reference.kimi_delta_attention` (g: [B, T, HV, K])."""
-    public = getattr(ops, "kimi_delta_attention", None)
-    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    if public is not None:
-        return public(q, k, v, g, beta, **kw)
-    dims = kda_reference.check_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale)
-    tri = triton_kernels("kda", q)
-    if tri is not None and dims.K <= tri.MAX_HEAD_DIM:
-        return tri.kimi_delta_attention(q, k, v, g, beta, **kw)
-    decode = dims.T == 1 if cu_seqlens is None else dims.T == dims.N
-    return (kda_reference if decode else kda_chunk).kimi_delta_attention(q, k, v, g, beta, **kw)
-
-
-def kda_gate(f, A_log, dt_bias):
-    """Per-channel log decay ``g = −exp(A_log_h) · softplus(f + dt_bias)``, in fp32 (fp64 for fp64 f).
-
-    f: [B, T, HV, K]; A_log: [HV]; dt_bias: [HV·K]. Returns [B, T, HV, K]."""
-    HV, K = f.shape[-2], f.shape[-1]
-    dt = torch.promote_types(f.dtype, torch.float32)
-    return -torch.exp(A_log.to(dt)).view(HV, 1) * F.softplus(f.to(dt) + dt_bias.to(dt).view(HV, K))
 
 
 class KimiDeltaAttention(RecurrentMixer):
     """Kimi Delta Attention token mixer (Kimi Linear, 2025): the delta rule with a per-channel decay.
 
-    Args: those of :class:`gdn.layers._recurrent.RecurrentMixer` (``use_gate`` is replaced by the
+    Args: those of :class:`gdn.layers.recurrent.RecurrentMixer` (``use_gate`` is replaced by the
     low-rank sigmoid output gate, always on), plus ``gate_low_rank_dim`` (rank of the forget- and
     output-gate projections; default ``head_dim``).
 
@@ -71,7 +43,7 @@ class KimiDeltaAttention(RecurrentMixer):
         super().__init__(hidden_size, num_heads, head_dim, num_v_heads=num_v_heads, expand_v=expand_v,
                          use_short_conv=use_short_conv, conv_size=conv_size, use_gate=False, norm_eps=norm_eps,
                          layer_idx=layer_idx)
-        r = head_dim if gate_low_rank_dim is None else _positive_int("gate_low_rank_dim", gate_low_rank_dim)
+        r = head_dim if gate_low_rank_dim is None else positive_int("gate_low_rank_dim", gate_low_rank_dim)
         self.gate_low_rank_dim = r
         D, HV, K = hidden_size, self.num_v_heads, head_dim
         self.f_a_proj = nn.Linear(D, r, bias=False)
@@ -99,8 +71,8 @@ class KimiDeltaAttention(RecurrentMixer):
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, HV, K), self.A_log, self.dt_bias)
         if mask is not None:
             g = g.masked_fill(~mask[..., None, None], 0.0)
-        beta = torch.sigmoid(self.b_proj(x).to(g.dtype))
-        o, S = kimi_delta_attention(l2_normalise(q), l2_normalise(k), v, g, beta, initial_state=initial_state,
+        beta = write_strength(self.b_proj(x)).to(g.dtype)
+        o, S = ops.kimi_delta_attention(l2_normalise(q), l2_normalise(k), v, g, beta, initial_state=initial_state,
                                     output_final_state=output_final_state, cu_seqlens=cu_seqlens)
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, HV, V)
         o = (self.out_norm._normalise(o) * torch.sigmoid(gate.to(g.dtype))).to(o.dtype)

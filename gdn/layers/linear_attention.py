@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 from .. import ops
-from ._recurrent import RecurrentMixer, l2_normalise
+from ..ops.gates import l2_normalise
+from .recurrent import RecurrentMixer
 
 
 class LinearAttention(RecurrentMixer):
     """Linear attention token mixer with L2-normalised q and k (the per-head output RMSNorm keeps
     the growing state's read-out in scale).
 
-    Args as :class:`gdn.layers._recurrent.RecurrentMixer`. Forward: ``x`` [B, T, D] ->
+    Args as :class:`gdn.layers.recurrent.RecurrentMixer`. Forward: ``x`` [B, T, D] ->
     ``(o [B, T, D], RecurrentState or None)``.
     """
 

@@ -13,12 +13,12 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from ..layers import (Attention, DeltaNet, GatedDeltaNet, GatedLinearAttention, LinearAttention, RMSNorm,
                       ShortConvolution, SwiGLU)
-from ..layers._recurrent import RecurrentMixer
+from ..layers.recurrent import RecurrentMixer
 from ..layers.kda import KimiDeltaAttention
-from ..layers.conv import _seq_position
+from ..ops.conv import seq_position
 from .cache import GDNCache
 from .config import GDNConfig
-from .loss import linear_cross_entropy
+from ..ops.loss import linear_cross_entropy
 
 _RECURRENT = {"G": GatedDeltaNet, "D": DeltaNet, "M": GatedLinearAttention, "L": LinearAttention}
 
@@ -228,7 +228,7 @@ class GDNModel(GDNPreTrainedModel):
             else:
                 position_ids = start + torch.arange(T, device=x.device)[None]
         if position_ids is None and cu_seqlens is not None:
-            position_ids = _seq_position(cu_seqlens, T)[0][None]
+            position_ids = seq_position(cu_seqlens, T)[0][None]
 
         hidden = [] if output_hidden_states else None
         for i, block in enumerate(self.layers):
@@ -259,7 +259,7 @@ class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
     sequence is never trained to predict the first of the next) and ``logits_to_keep`` (int n: the
     last n positions, 0 = all; or a 1-D tensor of positions). Returns ``transformers``'
     ``CausalLMOutputWithPast`` (cache under :data:`CACHE_KEY`; logits in fp32 when a loss is computed).
-    In training mode with gradients on, a loss comes from :func:`gdn.models.loss.linear_cross_entropy`
+    In training mode with gradients on, a loss comes from :func:`gdn.ops.loss.linear_cross_entropy`
     (head and cross entropy over chunks of tokens, no [B·T, vocab] logits kept) and ``logits`` is None;
     in eval mode or under ``torch.no_grad()`` the full logits come back beside it.
     """

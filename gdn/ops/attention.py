@@ -1,4 +1,5 @@
-"""Softmax attention through ``torch.nn.functional.scaled_dot_product_attention``.
+"""Softmax attention: through ``torch.nn.functional.scaled_dot_product_attention``, and the
+explicit masked-scores form (:func:`softmax_attention_naive`, the spec).
 
 Causal or not, sliding window, packed sequences (``cu_seqlens``) and grouped query heads.
 A sliding window is evaluated in query blocks against only the keys they can see, so memory is
@@ -6,8 +7,12 @@ O(T·window), never a T×T mask; packed sequences run one by one so no mask span
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+
+from .delta.reference import compute_dtype
 
 
 def _sdpa(q, k, v, scale, causal, mask=None):
@@ -52,3 +57,39 @@ def softmax_attention(q, k, v, *, scale=None, causal=True, window_size=None, cu_
         if e > s
     ]
     return torch.cat(outs, dim=1)
+
+
+def attention_mask(T: int, *, causal: bool = True, window_size=None, cu_seqlens=None, device=None) -> torch.Tensor:
+    """Boolean ``[T, T]`` mask, True where query t may attend to key s: ``s <= t`` (causal),
+    ``t - s < window_size`` (sliding window: the window counts the query itself), and both in
+    the same packed sequence."""
+    t = torch.arange(T, device=device)
+    allowed = torch.ones(T, T, dtype=torch.bool, device=device)
+    if causal:
+        allowed &= t[None, :] <= t[:, None]
+    if window_size is not None:
+        allowed &= (t[:, None] - t[None, :]) < window_size
+    if cu_seqlens is not None:
+        seq = torch.bucketize(t, cu_seqlens.to(device=device, dtype=torch.long)[1:], right=True)
+        allowed &= seq[:, None] == seq[None, :]
+    return allowed
+
+
+def softmax_attention_naive(q, k, v, *, scale=None, causal=True, window_size=None, cu_seqlens=None):
+    """Masked softmax attention with an explicit ``[T, T]`` score matrix (the spec, not fast).
+
+    q: [B, T, HQ, K]; k: [B, T, HKV, K]; v: [B, T, HKV, V]; HQ a multiple of HKV (query head j
+    reads key/value head ``j // (HQ // HKV)``). Returns o: [B, T, HQ, V] in v.dtype.
+    """
+    B, T, HQ, K = q.shape
+    HKV = k.shape[2]
+    dt = compute_dtype(v)
+    scale = K ** -0.5 if scale is None else scale
+    group = HQ // HKV
+    kk = k.to(dt).repeat_interleave(group, dim=2)
+    vv = v.to(dt).repeat_interleave(group, dim=2)
+    scores = torch.einsum("bthk,bshk->bhts", q.to(dt), kk) * scale
+    mask = attention_mask(T, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, device=q.device)
+    scores = scores.masked_fill(~mask, -math.inf)
+    p = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhts,bshv->bthv", p, vv).to(v.dtype)

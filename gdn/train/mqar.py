@@ -146,9 +146,9 @@ def build_model(letter: str, width: int, cfg: MQARConfig):
     """The 2-layer model of one mixer at one width, with the recipe's initialisation: every ``D``/``G``
     layer's ``beta_offset`` set to ``cfg.beta_offset`` (as its config records), and with
     ``cfg.decay_init`` the decay gates of ``M``/``G`` layers drawn as
-    :func:`gdn.layers._recurrent.mamba_gate_init` does from those ranges."""
+    :func:`gdn.layers.recurrent.mamba_gate_init` does from those ranges."""
     from ..layers import DeltaNet, GatedDeltaNet
-    from ..layers._recurrent import RecurrentMixer, mamba_gate_init
+    from ..layers.recurrent import RecurrentMixer, mamba_gate_init
     from ..models import GDNForCausalLM
 
     config = model_config(letter, width, cfg)

@@ -10,8 +10,8 @@ import sys
 import torch
 import triton
 
-from gdn.ops import kda_chunk as C
-from gdn.ops.triton import kda as TK
+from gdn.ops.kda import chunk as C
+from gdn.ops.kda.triton import recurrent as TK
 
 
 def rel(a, b):

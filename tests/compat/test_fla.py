@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from gdn.compat import fla
-from gdn.ops import kda_reference, reference
+from gdn.ops.delta import reference
+from gdn.ops.kda import reference as kda_reference
 
 from .tiny import qwen3_5_config, qwen3_next_config, randomize, rel
 

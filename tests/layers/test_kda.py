@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gdn.layers.kda import KimiDeltaAttention, kda_gate
-from gdn.ops import kda_reference
+from gdn.layers import KimiDeltaAttention
+from gdn.ops.gates import kda_gate
+from gdn.ops.kda import reference as kda_reference
 
 
 def rel(x, ref):

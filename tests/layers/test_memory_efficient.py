@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from gdn.layers import GatedRMSNorm, RMSNorm, ShortConvolution, SwiGLU
-from gdn.layers.conv import _ConvActFn
-from gdn.layers.mlp import _SwiGLUDownFn
-from gdn.layers.norm import _GatedRMSNormFn, _RMSNormFn
+from gdn.ops.conv import ConvActFn as _ConvActFn
+from gdn.ops.swiglu import SwiGLUDownFn
+from gdn.ops.norm import GatedRMSNormFn as _GatedRMSNormFn
+from gdn.ops.norm import RMSNormFn as _RMSNormFn
 from gdn.models import GDNConfig, GDNForCausalLM
-from gdn.models import loss as L
+from gdn.ops import loss as L
 
 
 def gen(seed=0):
@@ -84,7 +85,7 @@ def test_conv_gradcheck(activation, packed):
 
 def test_swiglu_down_gradcheck():
     gate, up, w = rnd(2, 3, 6), rnd(2, 3, 6, seed=1), rnd(4, 6, seed=2)
-    assert torch.autograd.gradcheck(lambda g, u, w: _SwiGLUDownFn.apply(g, u, w, torch.float64), (gate, up, w))
+    assert torch.autograd.gradcheck(lambda g, u, w: SwiGLUDownFn.apply(g, u, w, torch.float64), (gate, up, w))
 
 
 def test_linear_cross_entropy_gradcheck(monkeypatch):
@@ -195,7 +196,7 @@ def test_each_function_keeps_only_its_inputs_and_rstd():
 
     gate, up = rnd(B, T, I, dtype=torch.float32), rnd(B, T, I, seed=1, dtype=torch.float32)
     w = rnd(D, I, seed=2, dtype=torch.float32)
-    nb, _ = saved_bytes(_SwiGLUDownFn.apply, gate, up, w, torch.float32)
+    nb, _ = saved_bytes(SwiGLUDownFn.apply, gate, up, w, torch.float32)
     assert nb == gate.nbytes + up.nbytes + w.nbytes
 
 
@@ -317,9 +318,9 @@ def test_memory_benchmark_every_layer_role_keeps_its_floor():
 
 
 def test_l2_normalise_matches_plain_form_and_gradcheck():
-    """gdn.layers._recurrent.l2_normalise (a Function keeping x and the row scale): fp64 gradcheck,
+    """gdn.layers.recurrent.l2_normalise (a Function keeping x and the row scale): fp64 gradcheck,
     and the same values and gradients as the plain autograd expression in fp32 and bf16."""
-    from gdn.layers._recurrent import l2_normalise
+    from gdn.ops.gates import l2_normalise
 
     torch.manual_seed(0)
     x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)

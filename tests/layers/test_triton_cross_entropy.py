@@ -11,9 +11,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from gdn.ops.triton import _common  # noqa: E402
+from gdn.ops.tuning import INTERPRET  # noqa: E402
 
-if not _common.INTERPRET and not torch.cuda.is_available():  # pragma: no cover
+if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
 
 from gdn.ops.triton.cross_entropy import logsumexp_pick, softmax_grad  # noqa: E402

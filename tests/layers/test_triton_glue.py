@@ -20,13 +20,14 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from gdn.ops.triton import _common  # noqa: E402
+from gdn.ops.tuning import INTERPRET  # noqa: E402
 
-if not _common.INTERPRET and not torch.cuda.is_available():  # pragma: no cover
+if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
 
-from gdn.layers.conv import _ConvActFn  # noqa: E402
-from gdn.layers.norm import _GatedRMSNormFn, _RMSNormFn  # noqa: E402
+from gdn.ops.conv import ConvActFn as _ConvActFn  # noqa: E402
+from gdn.ops.norm import GatedRMSNormFn as _GatedRMSNormFn
+from gdn.ops.norm import RMSNormFn as _RMSNormFn  # noqa: E402
 from gdn.ops.triton.rmsnorm import gated_rms_norm, rms_norm  # noqa: E402
 from gdn.ops.triton.short_conv import short_conv  # noqa: E402
 

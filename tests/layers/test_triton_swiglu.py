@@ -12,9 +12,9 @@ import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton")
 
-from gdn.ops.triton import _common  # noqa: E402
+from gdn.ops.tuning import INTERPRET  # noqa: E402
 
-if not _common.INTERPRET and not torch.cuda.is_available():  # pragma: no cover
+if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
 
 from gdn.ops.triton.swiglu import swiglu_backward, swiglu_forward  # noqa: E402

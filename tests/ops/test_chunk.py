@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gdn.ops import chunk as Ch
-from gdn.ops import reference as R
+from gdn.ops.delta import chunk as Ch
+from gdn.ops.delta import reference as R
 
 from .helpers import HAS_BETA, HAS_G, MEMBERS, call, make_inputs, rel_err
 

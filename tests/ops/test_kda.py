@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gdn.ops import kda_chunk as KC
-from gdn.ops import kda_reference as KR
-from gdn.ops import reference as R
+from gdn.ops.kda import chunk as KC
+from gdn.ops.kda import reference as KR
+from gdn.ops.delta import reference as R
 
 from .helpers import make_inputs, rel_err
 

@@ -29,16 +29,21 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from gdn.ops import kda_reference as KR  # noqa: E402
-from gdn.ops.triton import _common  # noqa: E402
+from gdn.ops.kda import reference as KR  # noqa: E402
+from gdn.ops import tuning  # noqa: E402
+from gdn.ops.tuning import INTERPRET  # noqa: E402
 
 from .helpers import rel_err  # noqa: E402
 from .test_kda import kda_inputs  # noqa: E402
 
-if not _common.INTERPRET and not torch.cuda.is_available():  # pragma: no cover
+if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
 
-from gdn.ops.triton import kda_chunk, kda_chunk_bwd, kda_chunk_fwd  # noqa: E402
+from gdn.ops.kda.triton import chunk as kda_chunk  # noqa: E402
+from gdn.ops.triton import common as _common  # noqa: E402
+from gdn.ops.triton import launch as L  # noqa: E402
+from gdn.ops.kda.triton import chunk_bwd as kda_chunk_bwd  # noqa: E402
+from gdn.ops.kda.triton import chunk_fwd as kda_chunk_fwd  # noqa: E402
 
 #: Guard bit patterns per float dtype: (integer view, quiet-NaN base, payload bits, finite base). The
 #: n-th buffer's guards hold base | (n mod payload), so a value read out of one buffer's guard and
@@ -258,11 +263,11 @@ def test_no_tile_narrower_than_32_but_the_sub_blocks(monkeypatch, K, V, sms):
     card (4 programs at the failing case: T = 130, H = 2, HV = 4, K = 100, V = 128)."""
     monkeypatch.setattr(kda_chunk_fwd, "sm_count", lambda device: sms)
     T, H, HV = 130, 2, 4
-    Kp, Vp = _common.pow2(K, kda_chunk.MIN_DIM), _common.pow2(V, kda_chunk.MIN_DIM)
+    Kp, Vp = _common.pow2(K, tuning.MIN_DIM), _common.pow2(V, tuning.MIN_DIM)
     q, k = torch.zeros(T, H, Kp), torch.zeros(T, H, Kp)
     v, g, beta = torch.zeros(T, HV, Vp), torch.zeros(T, HV, Kp), torch.zeros(T, HV)
     ch = _common.make_chunks(1, T, None, torch.device("cpu"))
-    with _common.recording() as launches:
+    with L.recording() as launches:
         kda_chunk.dry_run(q, k, v, g, beta, torch.zeros(1, HV, Kp, Vp), ch, True, 1.0)
     assert Kp >= 32 and Vp >= 32
     seen = set()

@@ -13,8 +13,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from gdn.ops import kda_reference as KR  # noqa: E402
-from gdn.ops.triton import kda as TK  # noqa: E402
+from gdn.ops import tuning  # noqa: E402
+from gdn.ops.kda import reference as KR  # noqa: E402
+from gdn.ops.kda.triton import recurrent as TK  # noqa: E402
 
 from .helpers import rel_err  # noqa: E402
 from .test_kda import kda_inputs  # noqa: E402
@@ -76,21 +77,22 @@ def test_backward_matches_reference(cu):
 
 
 @pytest.mark.parametrize("T,cu,grad,V,want", [
-    (1, None, False, 16, "recurrent"),  # decode step
-    (TK.DECODE_MAX_T, None, False, 16, "recurrent"),  # short prefill without gradients
-    (TK.DECODE_MAX_T + 1, None, False, 16, "chunk"),  # prefill
-    (2, None, True, 16, "chunk"),  # training, however short
-    (100, [0, 64, 64, 100], False, 16, "recurrent"),  # packed, longest sequence 64
-    (100, [0, 1, 100], False, 16, "chunk"),  # packed, longest sequence 99
-    (100, None, True, 300, "recurrent"),  # V beyond the chunk kernels
+    (1, None, False, 16, "triton-recurrent"),  # decode step
+    (tuning.RECURRENT_MAX_T, None, False, 16, "triton-recurrent"),  # short prefill without gradients
+    (tuning.RECURRENT_MAX_T + 1, None, False, 16, "triton-chunk"),  # prefill
+    (2, None, True, 16, "triton-chunk"),  # training, however short
+    (40, [0, 20, 20, 40], False, 16, "triton-recurrent"),  # packed, 40 tokens in all
+    (100, [0, 64, 64, 100], False, 16, "triton-chunk"),  # packed, 100 tokens in all
+    (100, None, True, 300, "triton-recurrent"),  # V beyond the chunk kernels
 ])
-def test_dispatch_between_chunk_and_recurrent(monkeypatch, T, cu, grad, V, want):
-    calls = []
-    monkeypatch.setattr(TK, "chunk_kda", lambda *a, **kw: calls.append("chunk"))
-    monkeypatch.setattr(TK, "recurrent_kda", lambda *a, **kw: calls.append("recurrent"))
+def test_router_picks_kda_kernels(monkeypatch, T, cu, grad, V, want):
+    """The router's rule for KDA on a CUDA device with Triton (simulated: the rule reads only the
+    call's shapes, dtypes and gradient needs)."""
+    from gdn.ops import router
+
+    monkeypatch.setattr(router, "use_triton", lambda x: True)
     N = 1 if cu is None else len(cu) - 1
     d = kda_inputs(1, T, 1, 1, 16, V, N=N, dtype=torch.float32, requires_grad=grad)
-    TK.kimi_delta_attention(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
-                            cu_seqlens=None if cu is None else torch.tensor(cu))
-    assert calls == [want]
-
+    got = router.route("kimi_delta_attention", None, d["q"], d["k"], d["v"], decode_step=T == N, kda=True,
+                       grad=router.needs_grad(*d.values()))
+    assert got == want

@@ -20,16 +20,19 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from gdn.ops import kda_reference as KR  # noqa: E402
-from gdn.ops.triton import _common  # noqa: E402
+from gdn.ops.kda import reference as KR  # noqa: E402
+from gdn.ops import tuning  # noqa: E402
+from gdn.ops.tuning import INTERPRET  # noqa: E402
 
 from .helpers import rel_err  # noqa: E402
 from .test_kda import kda_inputs  # noqa: E402
 
-if not _common.INTERPRET and not torch.cuda.is_available():  # pragma: no cover
+if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
 
-from gdn.ops.triton.kda_chunk import chunk_kda  # noqa: E402
+from gdn.ops.kda.triton.chunk import chunk_kda  # noqa: E402
+from gdn.ops.triton import common as _common  # noqa: E402
+from gdn.ops.triton import launch as L  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -138,12 +141,12 @@ def test_precompile_records_every_kernel_once_per_kind(monkeypatch):
     """The first CUDA call's dry run (kda_chunk.dry_run under _common.precompile) reaches every
     kernel of a forward and backward, launches none of them, and runs once per key; the compile
     step is replaced by a recorder here (the interpreter has nothing to compile)."""
-    from gdn.ops.triton import kda_chunk_bwd as Bw
-    from gdn.ops.triton import kda_chunk_fwd as F
-    from gdn.ops.triton._common import make_chunks
-    from gdn.ops.triton.kda_chunk import dry_run
+    from gdn.ops.kda.triton import chunk_bwd as Bw
+    from gdn.ops.kda.triton import chunk_fwd as F
+    from gdn.ops.triton.common import make_chunks
+    from gdn.ops.kda.triton.chunk import dry_run
 
-    from gdn.ops.triton import _common as C
+    from gdn.ops.triton import launch as C
 
     warmed = []
     monkeypatch.setattr(C, "INTERPRET", False)

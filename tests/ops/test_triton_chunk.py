@@ -23,15 +23,18 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from gdn.ops import reference  # noqa: E402
-from gdn.ops.triton import _common  # noqa: E402
+from gdn.ops.delta import reference  # noqa: E402
+from gdn.ops import tuning  # noqa: E402
+from gdn.ops.tuning import INTERPRET  # noqa: E402
 
 from .helpers import HAS_BETA, HAS_G, MEMBERS, make_inputs, rel_err  # noqa: E402
 
-if not _common.INTERPRET and not torch.cuda.is_available():  # pragma: no cover
+if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
 
-from gdn.ops.triton.chunk import chunk_op  # noqa: E402
+from gdn.ops.delta.triton.chunk import chunk_op  # noqa: E402
+from gdn.ops.triton import common as _common  # noqa: E402
+from gdn.ops.triton import launch as L  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 
@@ -45,7 +48,7 @@ def _run_both(member, B, T, H, HV, K, V, dtype, lens=None, state=True, seed=0):
         names.append("initial_state")
     gen = torch.Generator().manual_seed(seed + 7)
     ref_in = {n: d[n].detach().clone().requires_grad_(True) for n in names}
-    o_r, S_r = reference._run(ref_in["q"], ref_in["k"], ref_in["v"], ref_in.get("g"), ref_in.get("beta"), None,
+    o_r, S_r = reference.run(ref_in["q"], ref_in["k"], ref_in["v"], ref_in.get("g"), ref_in.get("beta"), None,
                               ref_in.get("initial_state"), True, cu)
     do = torch.randn(o_r.shape, generator=gen, dtype=torch.float64)
     dS = torch.randn(S_r.shape, generator=gen, dtype=torch.float64)
@@ -108,12 +111,19 @@ def _ref_no_state():
     return reference.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"])
 
 
-def test_dispatch_module_contract():
-    from gdn.ops import triton as T
+def test_triton_entry_points_run_every_member():
+    """The family's Triton entry points take every member (g / beta None for what it lacks) and agree
+    with each other on a short call (chunk kernels and token-recurrent kernel)."""
+    from gdn.ops.delta import triton as T
 
-    assert T.AVAILABLE
     for op in MEMBERS:
-        assert callable(getattr(T, op))
+        d = make_inputs(B=1, T=5, H=1, HV=2, K=16, V=16, dtype=torch.float32, seed=9)
+        g = d["g"] if HAS_G[op] else None
+        beta = d["beta"] if HAS_BETA[op] else None
+        o1, s1 = T.run_chunk(d["q"], d["k"], d["v"], g, beta, initial_state=d["initial_state"], output_final_state=True)
+        o2, s2 = T.run_recurrent(d["q"], d["k"], d["v"], g, beta, initial_state=d["initial_state"],
+                                 output_final_state=True)
+        assert rel_err(o1, o2) < 1e-4 and rel_err(s1, s2) < 1e-4, op
     assert "triton" not in sys.modules.get("gdn.ops").available_backends("cpu")
 
 
@@ -141,7 +151,7 @@ def test_split_state_pass(member, L, monkeypatch):
     """The split state passes (segments of L chunks: per-segment maps from [I | 0], the chain
     along each sequence, the rerun from the true states), forward and backward, on packed sequences
     with an empty, a one-token and a multi-chunk member and an initial state."""
-    monkeypatch.setitem(_common.CONFIG, "split", dict(_common.CONFIG["split"], L=L))
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=L))
     errs = _run_both(member, B=1, T=330, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 200, 64],
                      seed=11)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
@@ -154,7 +164,7 @@ def test_forward_paths(member, fill, monkeypatch):
     """Both forwards: the fused pass (state and output in one sequential kernel) and the two-stage
     one (state pass storing h and δ, then the output kernel), forced by the fill rule of
     ``chunk._forward``, on packed sequences with an initial state: the same results."""
-    monkeypatch.setitem(_common.CONFIG, "state_out", dict(_common.CONFIG["state_out"], fill=fill))
+    monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=fill))
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=64, dtype=torch.float32, lens=[65, 1, 0, 128], seed=5)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
     assert not bad, bad
@@ -166,18 +176,18 @@ def test_state_bwd_row_scale_on_q(member, dtype, monkeypatch):
     """state_bwd's second form (QS: the (ΓQ)ᵀ dO term's row scale on Q instead of dO; on the GPU
     the launch picks it by waves) gives the reference's gradients, packed, with an initial state,
     and also as the split pass's third phase."""
-    monkeypatch.setitem(_common.CONFIG, "state_bwd", dict(_common.CONFIG["state_bwd"], stages=((2, {"QS": True}),)))
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], stages=((2, {"QS": True}),)))
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=32, dtype=dtype, lens=[65, 1, 0, 128], seed=7)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
     assert not bad, bad
-    monkeypatch.setitem(_common.CONFIG, "split", dict(_common.CONFIG["split"], L=1))
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=1))
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=32, dtype=dtype, lens=[65, 1, 0, 128], seed=7)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
     assert not bad, bad
 
 
 def test_split_fp16_batched(monkeypatch):
-    monkeypatch.setitem(_common.CONFIG, "split", dict(_common.CONFIG["split"], L=2))
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=2))
     errs = _run_both("gated_delta_rule", B=2, T=300, H=1, HV=2, K=32, V=16, dtype=torch.float16, seed=12)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float16]}
     assert not bad, bad
@@ -193,14 +203,14 @@ def test_segments_tile_the_stream():
 
 
 def test_split_len_rule(monkeypatch):
-    from gdn.ops.triton.chunk_fwd import split_len
+    from gdn.ops.delta.triton.chunk_fwd import split_len
 
     ch = _common.make_chunks(1, 64 * 512, None, torch.device("cpu"))
-    monkeypatch.setitem(_common.CONFIG, "split", dict(L=0, min_L=8))
+    monkeypatch.setitem(tuning.DELTA, "split", dict(L=0, min_L=8))
     assert split_len(ch, 1, 1, torch.device("cpu")) == 0
-    monkeypatch.setitem(_common.CONFIG, "split", dict(L=16, min_L=8))
+    monkeypatch.setitem(tuning.DELTA, "split", dict(L=16, min_L=8))
     assert split_len(ch, 1, 1, torch.device("cpu")) == 16
-    monkeypatch.setitem(_common.CONFIG, "split", dict(L=-1, min_L=8))  # auto: 4 "SMs" on the CPU
+    monkeypatch.setitem(tuning.DELTA, "split", dict(L=-1, min_L=8))  # auto: 4 "SMs" on the CPU
     assert split_len(ch, 1, 1, torch.device("cpu")) == 64  # 512 chunks in 8 parts
     assert split_len(ch, 8, 1, torch.device("cpu")) == 0  # 8 programs already fill 2 x 4
 
@@ -209,11 +219,11 @@ def test_recording_collects_launches_without_running():
     """precompile's dry run: inside recording() the launchers allocate but launch nothing."""
     d = make_inputs(B=1, T=130, H=1, HV=2, K=16, V=16, dtype=torch.float32, state=True, seed=4)
     ch = _common.make_chunks(1, 130, None, torch.device("cpu"))
-    from gdn.ops.triton import chunk_bwd, chunk_fwd
+    from gdn.ops.delta.triton import chunk_bwd, chunk_fwd
 
     qp, kp = d["q"].reshape(130, 1, 16), d["k"].reshape(130, 1, 16)
     vp, gp, bp = d["v"].reshape(130, 2, 16), d["g"].reshape(130, 2), d["beta"].reshape(130, 2)
-    with _common.recording() as rec:
+    with L.recording() as rec:
         h, vn, _, _, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, d["initial_state"], ch, True)
         chunk_fwd.output(qp, kp, vp, gp, h, vn, ch, 0.25, torch.float32)
         chunk_fwd.forward(qp, kp, vp, gp, bp, d["initial_state"], ch, True, 0.25, torch.float32)
@@ -223,21 +233,21 @@ def test_recording_collects_launches_without_running():
               "state_bwd_kernel", "dqk_kernel", "wy_bwd_kernel"):
         assert n in names, n
     assert all("num_warps" in meta and "num_stages" in meta for _, _, _, meta in rec)
-    assert _common._RECORD is None  # recording ends with the context
+    assert L._RECORD is None  # recording ends with the context
 
 
 def test_narrow_values_take_the_fused_forward(monkeypatch):
     """Value heads narrower than 64 never reach the output kernel (miscompiled for bf16 tiles of
     16-32 on the H200), whatever the fill rule says."""
-    from gdn.ops.triton import chunk as chunk_mod
+    from gdn.ops.delta.triton import chunk as chunk_mod
 
-    monkeypatch.setitem(_common.CONFIG, "state_out", dict(_common.CONFIG["state_out"], fill=10 ** 9))
+    monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=10 ** 9))
     ch = _common.make_chunks(1, 70, None, torch.device("cpu"))
     for V, want, other in ((32, "state_out_kernel", "output_kernel"), (64, "output_kernel", "state_out_kernel")):
         q = torch.randn(70, 1, 32)
         v = torch.randn(70, 2, V)
         g, b = -torch.rand(70, 2), torch.rand(70, 2)
-        with _common.recording() as rec:
+        with L.recording() as rec:
             chunk_mod._forward(q, q, v, g, b, None, ch, False, 0.25, torch.float32)
         names = [k.fn.__name__ for k, _, _, _ in rec]
         assert want in names and other not in names, (V, names)
@@ -247,35 +257,35 @@ def test_pipeline_depth_by_waves():
     """The sequential passes' launch rule: of the (depth, form) candidates, fewest waves of the
     grid, the first among equals; programs per multiprocessor from shared memory (1 KB reserved
     each), registers and threads."""
-    sm90 = _common.SM90
+    sm90 = L.SM90
     # state_bwd at (4, 8192) compiled for sm_90 (benchmarks/sass_cpu.py --depths): 3 stages 173 KB,
     # 2 stages 117 KB (QS: 112.5), 1 stage 44 KB and 214 registers, 4 warps
     compiled = [((3, {}), 173, 183), ((3, {"QS": True}), 169, 183), ((2, {}), 117, 184),
                 ((2, {"QS": True}), 112.5, 184), ((1, {}), 44, 214)]
-    fits = [(c, _common.per_sm(int(kb * 1024), regs, 4, sm90)) for c, kb, regs in compiled]
+    fits = [(c, L.per_sm(int(kb * 1024), regs, 4, sm90)) for c, kb, regs in compiled]
     assert [n for _, n in fits] == [1, 1, 1, 2, 2]
-    assert _common.pick(fits, 256, 132) == (2, {"QS": True})  # one wave: two per multiprocessor
-    assert _common.pick(fits, 128, 132) == (3, {})  # one wave at every candidate: the first
-    assert _common.pick(fits, 1000, 132) == (2, {"QS": True})  # 4 waves against 8
-    assert _common.pick(fits[:3] + fits[4:], 256, 132) == (1, {})
-    assert _common.per_sm(0, 255, 4, sm90) == 2  # registers: 255 → 256 per thread, 32 K per program
-    assert _common.per_sm(0, 32, 32, sm90) == 2  # threads: 1024 per program
+    assert L.pick(fits, 256, 132) == (2, {"QS": True})  # one wave: two per multiprocessor
+    assert L.pick(fits, 128, 132) == (3, {})  # one wave at every candidate: the first
+    assert L.pick(fits, 1000, 132) == (2, {"QS": True})  # 4 waves against 8
+    assert L.pick(fits[:3] + fits[4:], 256, 132) == (1, {})
+    assert L.per_sm(0, 255, 4, sm90) == 2  # registers: 255 → 256 per thread, 32 K per program
+    assert L.per_sm(0, 32, 32, sm90) == 2  # threads: 1024 per program
     # a waves launch records every candidate (the parallel precompile compiles each)
-    saved = copy.deepcopy(_common.CONFIG)
+    saved = copy.deepcopy(tuning.DELTA)
     try:
-        _common.update_config({"state_fwd": {"stages": [3, [3, {"X": 1}], 2, [1, {"X": 1}]]}})
-        assert _common.candidates(_common.CONFIG["state_fwd"]["stages"]) == [(3, {}), (3, {"X": 1}), (2, {}),
+        tuning.update({"state_fwd": {"stages": [3, [3, {"X": 1}], 2, [1, {"X": 1}]]}})
+        assert L.candidates(tuning.DELTA["state_fwd"]["stages"]) == [(3, {}), (3, {"X": 1}), (2, {}),
                                                                              (1, {"X": 1})]
-        interp, _common.INTERPRET = _common.INTERPRET, False
+        interp, L.INTERPRET = L.INTERPRET, False
         try:
-            with _common.recording() as rec:
-                _common.launch(object(), (1,), name="state_fwd", BV=32)
+            with L.recording() as rec:
+                L.launch(object(), (1,), name="state_fwd", BV=32)
         finally:
-            _common.INTERPRET = interp
+            L.INTERPRET = interp
         assert [(m["num_stages"], m.get("X")) for _, _, _, m in rec] == [(3, None), (3, 1), (2, None), (1, 1)]
     finally:
-        _common.CONFIG.clear()
-        _common.CONFIG.update(saved)
+        tuning.DELTA.clear()
+        tuning.DELTA.update(saved)
 
 
 def test_launch_by_waves_picks_from_compiled_resources(monkeypatch):
@@ -306,23 +316,23 @@ def test_launch_by_waves_picks_from_compiled_resources(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **meta: launched.append((grid, meta["num_stages"], meta.get("QS", False)))
 
-    monkeypatch.setattr(_common, "INTERPRET", False)
-    monkeypatch.setattr(_common, "sm_count", lambda device: 132)
+    monkeypatch.setattr(L, "INTERPRET", False)
+    monkeypatch.setattr(L, "sm_count", lambda device: 132)
     k = Kernel()
-    _common.launch(k, (4, 64), name="state_bwd", BV=32)  # 256 programs
+    L.launch(k, (4, 64), name="state_bwd", BV=32)  # 256 programs
     assert len(compiled) == 5
     assert launched[-1] == ((4, 64), 2, True)  # two per multiprocessor: one wave
-    _common.launch(k, (4, 32), name="state_bwd", BV=32)  # 128 programs: one wave at every depth
+    L.launch(k, (4, 32), name="state_bwd", BV=32)  # 128 programs: one wave at every depth
     assert len(compiled) == 5 and launched[-1] == ((4, 32), 2, False)  # the first that fits
-    _common.launch(k, (8, 64), name="state_bwd", BV=32)  # 512: two waves at two per multiprocessor
+    L.launch(k, (8, 64), name="state_bwd", BV=32)  # 512: two waves at two per multiprocessor
     assert launched[-1] == ((8, 64), 2, True)
 
 
 def test_state_tile_and_long_sequences():
     """The forward passes' value tile halves while the programs would not fill the card (4 "SMs"
     off CUDA), down to the kernel's floor; a packed batch counts only its near-longest sequences."""
-    from gdn.ops.triton import chunk as chunk_mod
-    from gdn.ops.triton.chunk_fwd import state_tile
+    from gdn.ops.delta.triton import chunk as chunk_mod
+    from gdn.ops.delta.triton.chunk_fwd import state_tile
 
     cpu = torch.device("cpu")
     one = _common.make_chunks(1, 640, None, cpu)
@@ -331,8 +341,8 @@ def test_state_tile_and_long_sequences():
     assert state_tile("state_out", one, 1, 128, 32, cpu) == (128, 32)  # floor 32
     assert state_tile("state_fwd", _common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (128, 64)
     # the layout (fused forward or not, the passes' tiles) keys the parallel first-call compile
-    assert chunk_mod._layout(one, 1, 128, 128, cpu) == (False, 32, 32, 32)
-    assert chunk_mod._layout(_common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (True, 32, 64, 64)
+    assert chunk_mod.layout(one, 1, 128, 128, cpu) == (False, 32, 32, 32)
+    assert chunk_mod.layout(_common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (True, 32, 64, 64)
     assert chunk_mod._long_sequences(_common.make_chunks(3, 200, None, cpu)) == 3
     packed = _common.make_chunks(1, 700, torch.tensor([0, 640, 641, 641, 700]), cpu)
     assert chunk_mod._long_sequences(packed) == 1

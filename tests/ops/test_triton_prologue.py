@@ -1,4 +1,5 @@
-"""Fused prologue (gdn.ops.triton.prologue) under Triton's interpreter, and gdn.ops.fused on the CPU.
+"""Fused prologue (gdn.ops.delta.triton.prologue) under Triton's interpreter, and gdn.ops.gated_delta_rule_fused
+on the CPU.
 
 The Triton entry point (L2-norm, gate and β in kernels, then the chunk kernels) must match the
 PyTorch prologue + float64 recurrence in outputs, final state and the gradients of q, k, v, a, b,
@@ -15,15 +16,15 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from gdn.ops.fused import gated_delta_rule_fused  # noqa: E402
-from gdn.ops.triton import _common  # noqa: E402
+from gdn.ops import gated_delta_rule_fused  # noqa: E402
+from gdn.ops.tuning import INTERPRET  # noqa: E402
 
 from .helpers import rel_err  # noqa: E402
 
-if not _common.INTERPRET and not torch.cuda.is_available():  # pragma: no cover
+if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
 
-from gdn.ops.triton.prologue import gated_delta_rule_fused as triton_fused  # noqa: E402
+from gdn.ops.delta.fused import run_fused  # noqa: E402
 
 
 def _inputs(B, T, H, HV, K, V, N, seed):
@@ -51,7 +52,7 @@ def test_triton_prologue_matches_reference(neg, lens):
     args = ("q", "k", "v", "a", "b", "A_log", "dt_bias")
     o_r, S_r = gated_delta_rule_fused(*[ref[n] for n in args], **{**kw, "initial_state": ref["initial_state"]},
                                       backend="naive")
-    o, S = triton_fused(*[got[n] for n in args], **{**kw, "initial_state": got["initial_state"]})
+    o, S = run_fused("triton-chunk", *[got[n] for n in args], **{**kw, "initial_state": got["initial_state"]})
     gen = torch.Generator().manual_seed(3)
     do, dS = torch.randn(o_r.shape, generator=gen, dtype=torch.float64), torch.randn(S_r.shape, generator=gen,
                                                                                       dtype=torch.float64)

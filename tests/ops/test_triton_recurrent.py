@@ -16,9 +16,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from gdn.ops import reference as R  # noqa: E402
-from gdn.ops.triton import fused_recurrent as FR  # noqa: E402
-from gdn.ops.triton import recurrent_pool as RP  # noqa: E402
+from gdn.ops.delta import reference as R  # noqa: E402
+from gdn.ops.delta.triton import recurrent as FR  # noqa: E402
+from gdn.ops.delta.triton import pool as RP  # noqa: E402
 
 from .helpers import HAS_BETA, HAS_G, MEMBERS, make_inputs, rel_err  # noqa: E402
 

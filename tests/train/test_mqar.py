@@ -13,7 +13,7 @@ import torch
 
 from gdn import ops
 from gdn.layers import DeltaNet, GatedDeltaNet
-from gdn.layers._recurrent import l2_normalise, scalar_decay
+from gdn.ops.gates import l2_normalise, scalar_decay
 from gdn.models import GDNConfig
 
 D = 32

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 4096
+from ..tuning import OTHER
+
 
 
 @triton.jit
@@ -67,8 +68,10 @@ def logsumexp_pick(z: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor,
     R, V = z.shape
     lse = torch.empty(R, device=z.device, dtype=torch.float32)
     picked = torch.empty(R, device=z.device, dtype=torch.float32)
+    c = OTHER["cross_entropy"]
     if R:
-        _lse_pick_kernel[(R,)](z, target, lse, picked, V, BLOCK=min(BLOCK, triton.next_power_of_2(V)), num_warps=8)
+        _lse_pick_kernel[(R,)](z, target, lse, picked, V, BLOCK=min(c["BLOCK"], triton.next_power_of_2(V)),
+                                 num_warps=c["num_warps"])
     return lse, picked
 
 
@@ -77,8 +80,9 @@ def softmax_grad(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, coef:
     z, target = _rows(z, target)
     R, V = z.shape
     dz = torch.empty_like(z)
+    c = OTHER["cross_entropy"]
     if R:
-        B = min(BLOCK, triton.next_power_of_2(V))
+        B = min(c["BLOCK"], triton.next_power_of_2(V))
         _softmax_grad_kernel[(R, triton.cdiv(V, B))](z, lse.float().contiguous(), target, coef.float().contiguous(),
-                                                     dz, V, BLOCK=B, num_warps=8)
+                                                     dz, V, BLOCK=B, num_warps=c["num_warps"])
     return dz

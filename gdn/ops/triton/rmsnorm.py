@@ -5,7 +5,7 @@
 
 PyTorch runs each as a chain of ~7 elementwise and reduction kernels per direction; here one
 program normalises a block of rows in registers. Like the PyTorch Functions of
-``gdn.layers.norm``, the autograd Functions save x (and the gate) in their own dtype and rstd
+:mod:`gdn.ops.norm`, the autograd Functions save x (and the gate) in their own dtype and rstd
 [rows] in fp32, and the backward recomputes the normalised rows:
 
     xhat = x · rstd;   dn = dy (· SiLU(gate));   dxhat = dn · w
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET
+from ..tuning import INTERPRET, OTHER, norm_tiles
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -75,19 +75,12 @@ def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, R, D, GATED: tl.constexpr, 
     tl.store(dwp + i_p.to(tl.int64) * D + o_d, b_dw, mask=m_d)
 
 
-def _shape(D: int) -> tuple[int, int, int]:
-    """(rows a block, padded width, warps) for rows of D elements."""
-    BD = triton.next_power_of_2(D)
-    BR = max(1, min(64, (1024 if INTERPRET else 4096) // BD))
-    return BR, BD, 8 if BD >= 2048 else 4
-
-
 def _forward(x2, g2, weight, eps, out_dtype):
     R, D = x2.shape
     y = torch.empty(R, D, device=x2.device, dtype=out_dtype)
     rstd = torch.empty(R, device=x2.device, dtype=torch.float32)
     if R:
-        BR, BD, nw = _shape(D)
+        BR, BD, nw = norm_tiles(D)
         _norm_fwd_kernel[(triton.cdiv(R, BR),)](x2, g2 if g2 is not None else x2, weight, y, rstd, R, D, eps,
                                                 GATED=g2 is not None, BR=BR, BD=BD, num_warps=nw)
     return y, rstd
@@ -100,9 +93,9 @@ def _backward(dy2, x2, g2, weight, rstd):
     dg = torch.empty_like(g2) if g2 is not None else None
     if not R:
         return dx, dg, torch.zeros(D, device=x2.device, dtype=torch.float32)
-    BR, BD, nw = _shape(D)
+    BR, BD, nw = norm_tiles(D)
     nblocks = triton.cdiv(R, BR)
-    target = 4 if INTERPRET else 1024  # programs wanted: a few per SM on the GPU
+    target = 4 if INTERPRET else OTHER["rmsnorm"]["programs"]  # programs wanted: a few per SM on the GPU
     nloop = min(64, triton.next_power_of_2(triton.cdiv(nblocks, target)))
     nprog = triton.cdiv(nblocks, nloop)
     dwp = torch.empty(nprog, D, device=x2.device, dtype=torch.float32)

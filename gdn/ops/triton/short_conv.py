@@ -4,7 +4,7 @@
 
 with ``x`` before token 0 taken from ``hist`` [B, D, K-1] (zeros when None), or, for packed
 sequences (``cu_seqlens`` [N+1], B == 1), zero before each sequence's first token: a tap never
-reads across a sequence start. The semantics are those of ``gdn.layers.conv._conv_act``: the
+reads across a sequence start. The semantics are those of :func:`gdn.ops.conv.conv_act`: the
 weight is rounded to x's dtype, the sum and the activation run in fp32 and y is rounded once
 to x's dtype.
 
@@ -22,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET
+from ..tuning import INTERPRET, OTHER
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: Input dtypes the kernels take.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -117,26 +118,27 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, NTB, K: tl.constexpr, K
 
 
 def _positions(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
-    """Index of every token within its packed sequence [T] (int32), as ``gdn.layers.conv._seq_position``."""
+    """Index of every token within its packed sequence [T] (int32), as :func:`gdn.ops.conv.seq_position`."""
     t = torch.arange(T, device=cu_seqlens.device)
     cu = cu_seqlens.long()
     return (t - cu[torch.bucketize(t, cu[1:], right=True)]).to(torch.int32)
 
 
 def _blocks(D: int) -> int:
-    return min(128 if not INTERPRET else 64, triton.next_power_of_2(D))
+    return min(64 if INTERPRET else OTHER["short_conv"]["BD"], triton.next_power_of_2(D))
 
 
 def _conv_fwd(x, weight, hist, pos, silu: bool) -> torch.Tensor:
     B, T, D = x.shape
     K = weight.shape[1]
     y = torch.empty_like(x)
-    BT, BD = 32, _blocks(D)
+    c = OTHER["short_conv"]
+    BT, BD = c["BT"], _blocks(D)
     has_hist = hist is not None and K > 1
     grid = (triton.cdiv(D, BD), triton.cdiv(T, BT), B)
     _conv_fwd_kernel[grid](x, weight, hist if has_hist else x, pos if pos is not None else x, y, T, D,
                            K=K, HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD,
-                           num_warps=4)
+                           num_warps=c["num_warps"])
     return y
 
 
@@ -144,8 +146,9 @@ def _conv_bwd(dy, x, weight, hist, pos, silu: bool) -> tuple[torch.Tensor, torch
     """(dx [B, T, D] in x.dtype, dw [D, K] in fp32) of the convolution given dy."""
     B, T, D = x.shape
     K = weight.shape[1]
-    BT, BD = 32, min(64, triton.next_power_of_2(D))
-    nloop = min(2 if INTERPRET else 4, triton.next_power_of_2(triton.cdiv(T, BT)))  # up to 128 tokens a program
+    c = OTHER["short_conv"]
+    BT, BD = c["BT"], min(c["BD_bwd"], triton.next_power_of_2(D))
+    nloop = min(2 if INTERPRET else c["loop"], triton.next_power_of_2(triton.cdiv(T, BT)))  # token blocks a program
     ntb = triton.cdiv(T, BT * nloop)
     dx = torch.empty_like(x)
     dwp = torch.empty(B, ntb, D, K, device=x.device, dtype=torch.float32)
@@ -153,7 +156,7 @@ def _conv_bwd(dy, x, weight, hist, pos, silu: bool) -> tuple[torch.Tensor, torch
     grid = (triton.cdiv(D, BD), ntb, B)
     _conv_bwd_kernel[grid](x, weight, hist if has_hist else x, pos if pos is not None else x, dy, dx, dwp, T, D, ntb,
                            K=K, KP=triton.next_power_of_2(K), HAS_HIST=has_hist, PACKED=pos is not None,
-                           SILU=silu, BT=BT, BD=BD, NLOOP=nloop, num_warps=4)
+                           SILU=silu, BT=BT, BD=BD, NLOOP=nloop, num_warps=c["num_warps"])
     return dx, dwp.sum((0, 1))
 
 
@@ -219,7 +222,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, hist: torch.Tensor | None 
     dev = x.device.type
     if cu_seqlens is None and torch.is_autocast_enabled(dev):
         x = x.to(torch.get_autocast_dtype(dev))
-    if x.dtype not in _DTYPES:
+    if x.dtype not in DTYPES:
         raise TypeError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
     pos = None
     if cu_seqlens is not None:

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048
+from ..tuning import OTHER
+
 
 
 @triton.jit
@@ -52,7 +53,8 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     h = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, h, n, BLOCK=BLOCK, num_warps=8)
+        c = OTHER["swiglu"]
+        _swiglu_fwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](gate, up, h, n, BLOCK=c["BLOCK"], num_warps=c["num_warps"])
     return h
 
 
@@ -63,5 +65,7 @@ def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> t
     dg, du = torch.empty_like(gate), torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](dh, gate, up, dg, du, n, BLOCK=BLOCK, num_warps=8)
+        c = OTHER["swiglu"]
+        _swiglu_bwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](dh, gate, up, dg, du, n, BLOCK=c["BLOCK"],
+                                                          num_warps=c["num_warps"])
     return dg, du

@@ -10,7 +10,7 @@ and ``Sᵀq`` reduce over K), so tiling V is exact. Per token::
     o_t = scale · Sᵀ q_t
 
 Backward walks the tokens in reverse. The state before token t is needed there, so the forward
-pass checkpoints the state every ``CK`` tokens; the backward pass recomputes the ``CK`` states of
+pass checkpoints the state every ``CK`` tokens (:mod:`gdn.ops.tuning`); the backward recomputes the ``CK`` states of
 one stretch from its checkpoint into a scratch buffer, then runs the adjoint of the step over
 them (``dS`` carried in registers)::
 
@@ -20,9 +20,8 @@ them (``dS`` carried in registers)::
 
 dq, dk, dg and dβ are reductions over V: each V-tile writes its part, summed on the host (and
 over the value heads sharing a q/k head). Inputs are validated by the caller
-(:func:`gdn.ops.kda_reference.check_kda`); ``kimi_delta_attention`` has the op's signature and
-picks the kernels: the chunkwise ones (:mod:`.kda_chunk`) for training and prefill, these
-token-recurrent ones for decode (no gradient, every sequence at most ``DECODE_MAX_T`` tokens).
+(:func:`gdn.ops.kda.reference.check_kda`); :mod:`gdn.ops.router` sends decode steps here (and
+value heads wider than the chunk kernels take), everything else to :mod:`.chunk`.
 """
 from __future__ import annotations
 
@@ -30,14 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .kda_chunk import MAX_HEAD_DIM as CHUNK_MAX
-from .kda_chunk import chunk_kda
-
-AVAILABLE = True
-#: Tokens between two state checkpoints of the forward pass (the backward recomputes this many).
-CK = 16
-#: Largest K the kernels hold in one tile.
-MAX_HEAD_DIM = 256
+from ...router import needs_grad
+from ...tuning import MAX_HEAD_DIM, OTHER, kda_recurrent_tiles
 
 
 @triton.jit
@@ -186,19 +179,14 @@ def _kda_bwd_kernel(q, k, v, g, beta, do, dht, ckpt, scratch, cu, ck_off,
         tl.store(dh0 + p_state, b_dh, mask=m_h)
 
 
-def _tiles(K: int, V: int) -> tuple[int, int]:
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(max(16, triton.next_power_of_2(V)), 32 if BK > 128 else 64)
-    return BK, BV
-
-
-def _layout(B: int, T: int, cu_seqlens, device):
+def _checkpoints(B: int, T: int, cu_seqlens, device):
     """Packed offsets [N+1] (int32, on device), checkpoint offsets [N] and the checkpoint count."""
     if cu_seqlens is None:
         host = torch.arange(B + 1, dtype=torch.int64) * T
     else:
         host = cu_seqlens.detach().to("cpu", torch.int64)
-    n_ck = (host[1:] - host[:-1] + CK - 1) // CK
+    ck = OTHER["kda_recurrent"]["CK"]
+    n_ck = (host[1:] - host[:-1] + ck - 1) // ck
     off = torch.zeros_like(n_ck)
     off[1:] = torch.cumsum(n_ck, 0)[:-1]
     dev = lambda x: x.to(device=device, dtype=torch.int32)  # noqa: E731
@@ -209,15 +197,15 @@ def _forward(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep_c
     """Launch the forward kernel; returns o, the final state (or None), the checkpoints (or None), the layout."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    cu, ck_off, n_ck, N = _layout(B, T, cu_seqlens, q.device)
-    BK, BV = _tiles(K, V)
+    cu, ck_off, n_ck, N = _checkpoints(B, T, cu_seqlens, q.device)
+    BK, BV = kda_recurrent_tiles(K, V)
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=v.device) if output_final_state else None
     ckpt = torch.empty(max(n_ck, 1), HV, K, V, dtype=torch.float32, device=v.device) if keep_ckpt else None
     grid = (triton.cdiv(V, BV), N * HV)
     _kda_fwd_kernel[grid](q, k, v, g, beta, o, h0 if h0 is not None else o, ht if ht is not None else o,
                           ckpt if ckpt is not None else o, cu, ck_off, scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-                          CKS=CK, USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_CKPT=ckpt is not None)
+                          CKS=OTHER["kda_recurrent"]["CK"], USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_CKPT=ckpt is not None)
     return o, ht, ckpt, (cu, ck_off, N)
 
 
@@ -238,7 +226,7 @@ class _KDAFunction(torch.autograd.Function):
         cu, ck_off, N = ctx.layout
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
-        BK, BV = _tiles(K, V)
+        BK, BV = kda_recurrent_tiles(K, V)
         NV, TT = triton.cdiv(V, BV), B * T
         f32 = dict(dtype=torch.float32, device=q.device)
         dq = torch.empty(NV, TT, HV, K, **f32)
@@ -247,11 +235,11 @@ class _KDAFunction(torch.autograd.Function):
         db = torch.empty(NV, TT, HV, **f32)
         dv = torch.empty(B, T, HV, V, dtype=torch.float32, device=q.device)
         dh0 = torch.empty(N, HV, K, V, **f32) if ctx.has_h0 else None
-        scratch = torch.empty(NV * N * HV, CK, BK, BV, **f32)
+        scratch = torch.empty(NV * N * HV, OTHER["kda_recurrent"]["CK"], BK, BV, **f32)
         _kda_bwd_kernel[(NV, N * HV)](
             q, k, v, g, beta, do.contiguous(), dht.contiguous() if dht is not None else dq, ckpt, scratch, cu,
             ck_off, dq, dk, dv, dg, db, dh0 if dh0 is not None else dq, ctx.scale, TT, H=H, HV=HV, K=K, V=V,
-            BK=BK, BV=BV, CKS=CK, USE_DHT=dht is not None, STORE_DH0=dh0 is not None)
+            BK=BK, BV=BV, CKS=OTHER["kda_recurrent"]["CK"], USE_DHT=dht is not None, STORE_DH0=dh0 is not None)
         m = HV // H
         dq = dq.sum(0).view(B, T, H, m, K).sum(3)
         dk = dk.sum(0).view(B, T, H, m, K).sum(3)
@@ -263,7 +251,7 @@ class _KDAFunction(torch.autograd.Function):
 
 def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None):
-    """KDA on the token-recurrent kernels (shapes of :func:`gdn.ops.kda_reference.kimi_delta_attention`;
+    """KDA on the token-recurrent kernels (shapes of :func:`gdn.ops.kimi_delta_attention`;
     inputs validated).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]; initial_state:
@@ -274,42 +262,9 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"the Triton KDA kernels hold K <= {MAX_HEAD_DIM}, got K = {q.shape[-1]}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    needs_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
-    if needs_grad:
+    if needs_grad(q, k, v, g, beta, initial_state):
         return _KDAFunction.apply(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     o, ht, _, _ = _forward(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, False)
     return o, ht
-
-
-#: Longest sequence (tokens) that a call without gradients still runs on the token-recurrent
-#: kernels; longer calls, and every call that needs gradients, take the chunk kernels.
-DECODE_MAX_T = 64
-
-
-def _longest(T: int, cu_seqlens) -> int:
-    if cu_seqlens is None:
-        return T
-    host = cu_seqlens.detach().to("cpu", torch.int64)
-    return int((host[1:] - host[:-1]).max()) if host.numel() > 1 else 0
-
-
-def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                         cu_seqlens=None):
-    """KDA on the GPU: :func:`gdn.ops.triton.kda_chunk.chunk_kda` for training and prefill (GPU-checked
-    on the H200, ``benchmarks/kda_gpu.py``, 2026-11-30), :func:`recurrent_kda` for decode (no gradient
-    needed and no sequence longer than ``DECODE_MAX_T`` tokens) and for V > 256, which the chunk
-    kernels do not take.
-
-    q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]; initial_state:
-    [N, HV, K, V]; cu_seqlens: [N + 1] (B == 1). Returns ``(o [B, T, HV, V] in v.dtype, final state
-    fp32 or None)``; differentiable in q, k, v, g, beta and initial_state.
-    """
-    needs_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
-    chunked = (needs_grad or _longest(q.shape[1], cu_seqlens) > DECODE_MAX_T) and v.shape[-1] <= CHUNK_MAX
-    fn = chunk_kda if chunked else recurrent_kda
-    return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-              cu_seqlens=cu_seqlens)

@@ -12,7 +12,7 @@ read ``S^T q`` reduce over K only), so tiling V is exact. Per token::
 
 The same kernel serves four launchers: the plain op (this module), the state pool updated in place,
 the speculative step that keeps the state after every token, and (through the pool) CUDA-graph
-replay (:mod:`gdn.ops.triton.recurrent_pool`).
+replay (:mod:`gdn.ops.delta.triton.pool`).
 
 These entry points are **inference only**: they build no autograd graph, and raise ``ValueError``
 when grad mode is on and an input requires grad. A router may send a call here exactly when::
@@ -26,21 +26,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import _float_tensor, _shape, check_recurrent, check_scale
+from ...checks import check_recurrent, check_scale, float_tensor, shape_str
+from ...gates import L2NORM_EPS
+from ...tuning import MAX_HEAD_DIM, recurrent_tiles
 
 __all__ = [
     "fused_recurrent_gated_delta_rule",
     "fused_recurrent_delta_rule",
     "fused_recurrent_gated_linear_attention",
     "fused_recurrent_linear_attention",
-    "L2NORM_EPS",
-    "MAX_HEAD_DIM",
 ]
 
-#: ``use_qk_l2norm`` normalises ``x -> x / sqrt(sum(x^2) + L2NORM_EPS)`` over the head dimension, in fp32.
-L2NORM_EPS = 1e-6
-#: Largest K (and V) the kernel holds in one tile.
-MAX_HEAD_DIM = 256
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -191,23 +187,6 @@ def _fused_recurrent_fwd_kernel(
         tl.store(ht + p_state, b_h, mask=m_state)
 
 
-def _tiles(n_heads: int, K: int, V: int) -> tuple[int, int, int]:
-    """(BK, BV, num_warps) for ``n_heads`` = N * HV (sequence, value head) pairs.
-
-    BK covers K. BV is the widest tile (at most 64) that still gives at least 128 programs (about
-    one per multiprocessor of an H100/H200), so a single sequence is spread over the card and a
-    large batch moves the state in wide tiles. Warps keep ~64 state elements per thread. Chosen on
-    an H200 (benchmarks/decode_gpu.py --sweep): at B = 256, HV = 32, K = V = 128, BV = 64 with 4
-    warps reached 93 % of the copy bandwidth, 8 warps 74 %; at B = 1 the tile hardly matters (3.3-3.9 µs).
-    """
-    BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), 64)
-    while BV > 8 and n_heads * triton.cdiv(V, BV) < 128:
-        BV //= 2
-    num_warps = max(1, min(8, BK * BV // 2048))
-    return BK, BV, num_warps
-
-
 def launch(q, k, v, g, beta, o, h0, ht, *, scale, slots=None, pool_size=0, cu_seqlens=None, store_ht=False,
            store_all=False, use_qk_l2norm=False, num_sequences, tiles=None):
     """Launch the kernel on validated arguments (no checks here).
@@ -220,7 +199,7 @@ def launch(q, k, v, g, beta, o, h0, ht, *, scale, slots=None, pool_size=0, cu_se
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    BK, BV, num_warps = _tiles(num_sequences * HV, K, V)
+    BK, BV, num_warps = recurrent_tiles(num_sequences * HV, K, V)
     if tiles is not None:
         BV, num_warps = tiles
     dummy = o
@@ -273,7 +252,7 @@ def check_kernel_inputs(q, k, v, g, beta, scale, cu_seqlens, initial_state=None,
     if dev_offsets:
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"cu_seqlens must be an int32/int64 tensor of shape [N+1], N >= 1, got "
-                             f"{cu_seqlens.dtype} {_shape(cu_seqlens)}")
+                             f"{cu_seqlens.dtype} {shape_str(cu_seqlens)}")
         if B != 1:
             raise ValueError(f"cu_seqlens requires batch size B == 1 (sequences packed along T), got B = {B}")
         if cu_seqlens.device != q.device:
@@ -286,10 +265,10 @@ def check_kernel_inputs(q, k, v, g, beta, scale, cu_seqlens, initial_state=None,
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"the fused recurrent kernel supports K, V <= {MAX_HEAD_DIM}, got K = {K}, V = {V}")
     if initial_state is not None:
-        _float_tensor(state_name, initial_state)
+        float_tensor(state_name, initial_state)
         if tuple(initial_state.shape) != (N, HV, K, V):
             raise ValueError(f"{state_name} must have shape [N, HV, K, V] = [{N}, {HV}, {K}, {V}], "
-                             f"got {_shape(initial_state)}")
+                             f"got {shape_str(initial_state)}")
         if initial_state.device != q.device:
             raise ValueError(f"{state_name} is on {initial_state.device} but q is on {q.device}")
     return B, T, H, HV, K, V, N
@@ -306,7 +285,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_st
                                      cu_seqlens=None, use_qk_l2norm=False):
     """Gated delta rule by the fused recurrent kernel: decode and short prefills, inference only.
 
-    Contract of :func:`gdn.ops.reference.gated_delta_rule`:
+    Contract of :func:`gdn.ops.gated_delta_rule`:
 
     Args:
         q, k: [B, T, H, K] (float32 / float16 / bfloat16).
@@ -318,7 +297,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_st
         output_final_state: also return the final state [N, HV, K, V] float32.
         cu_seqlens: [N + 1] offsets of sequences packed along T (B == 1). On the GPU it is used as
             is (no host sync; its values are then not checked); on the CPU it is validated and copied.
-        use_qk_l2norm: L2-normalise q and k over K inside the kernel (``eps`` = :data:`L2NORM_EPS`).
+        use_qk_l2norm: L2-normalise q and k over K inside the kernel (eps: :data:`gdn.ops.gates.L2NORM_EPS`).
 
     Returns:
         ``(o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] float32 or None)``.

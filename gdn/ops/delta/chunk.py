@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .reference import _compute_dtype
+from .reference import compute_dtype
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -159,12 +159,12 @@ def _chunk_core(q, k, v, g, beta, scale, S0, C, starts=None, ends=None, N=None):
     return o, final
 
 
-def _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
+def run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size=DEFAULT_CHUNK_SIZE):
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    dt, out_dtype = _compute_dtype(v), v.dtype
+    dt, out_dtype = compute_dtype(v), v.dtype
     scale = K ** -0.5 if scale is None else scale
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     g = None if g is None else g.to(dt)
@@ -229,19 +229,19 @@ def _run_packed(q, k, v, g, beta, scale, S0, cu_seqlens, chunk_size):
 def linear_attention(q, k, v, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                      chunk_size=DEFAULT_CHUNK_SIZE):
     """Chunkwise ``S += k vᵀ``, ``o = scale Sᵀ q``. Shapes as in :func:`gated_delta_rule`."""
-    return _run(q, k, v, None, None, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+    return run(q, k, v, None, None, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
 
 
 def gated_linear_attention(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, chunk_size=DEFAULT_CHUNK_SIZE):
     """Chunkwise Mamba2-style ``S = exp(g) S + k vᵀ``. ``g``: [B, T, HV]."""
-    return _run(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+    return run(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
 
 
 def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                chunk_size=DEFAULT_CHUNK_SIZE):
     """Chunkwise DeltaNet ``S = (I − β k kᵀ) S + β k vᵀ``. ``beta``: [B, T, HV]."""
-    return _run(q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+    return run(q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -251,4 +251,4 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; initial_state: [N, HV, K, V];
     cu_seqlens: [N + 1] (B == 1). Returns ``(o in v.dtype, final state or None)``.
     """
-    return _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+    return run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)

@@ -13,12 +13,10 @@ functions assume a valid call.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
@@ -27,7 +25,7 @@ def _recurrence(q, k, v, g, beta, scale, S):
     a per-channel gate) or None; beta: [B, T, HV] or None; S: [B, HV, K, V] or None. Returns o [B, T, HV, V] (compute dtype) and the final S."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    dt = _compute_dtype(v)
+    dt = compute_dtype(v)
     group = HV // H
     q = q.to(dt).repeat_interleave(group, dim=2)
     k = k.to(dt).repeat_interleave(group, dim=2)
@@ -49,7 +47,7 @@ def _recurrence(q, k, v, g, beta, scale, S):
     return o, S
 
 
-def _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
     """Run the recurrence on the call, sequence by sequence when packed."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -75,17 +73,17 @@ def _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 def linear_attention(q, k, v, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
     """``S += k v^T``; ``o = scale S^T q``. Shapes as in :func:`gated_delta_rule`."""
-    return _run(q, k, v, None, None, scale, initial_state, output_final_state, cu_seqlens)
+    return run(q, k, v, None, None, scale, initial_state, output_final_state, cu_seqlens)
 
 
 def gated_linear_attention(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
     """Mamba2-style scalar decay: ``S = exp(g) S + k v^T``. ``g``: [B, T, HV], log of the decay."""
-    return _run(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens)
+    return run(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens)
 
 
 def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
     """DeltaNet: ``S = (I - beta k k^T) S + beta k v^T``. ``beta``: [B, T, HV]."""
-    return _run(q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens)
+    return run(q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
@@ -95,40 +93,4 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
     initial_state: [N, HV, K, V]; cu_seqlens: [N + 1] offsets (B == 1). Returns
     ``(o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] or None)``.
     """
-    return _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
-
-
-def attention_mask(T: int, *, causal: bool = True, window_size=None, cu_seqlens=None, device=None) -> torch.Tensor:
-    """Boolean ``[T, T]`` mask, True where query t may attend to key s: ``s <= t`` (causal),
-    ``t - s < window_size`` (sliding window: the window counts the query itself), and both in
-    the same packed sequence."""
-    t = torch.arange(T, device=device)
-    allowed = torch.ones(T, T, dtype=torch.bool, device=device)
-    if causal:
-        allowed &= t[None, :] <= t[:, None]
-    if window_size is not None:
-        allowed &= (t[:, None] - t[None, :]) < window_size
-    if cu_seqlens is not None:
-        seq = torch.bucketize(t, cu_seqlens.to(device=device, dtype=torch.long)[1:], right=True)
-        allowed &= seq[:, None] == seq[None, :]
-    return allowed
-
-
-def softmax_attention(q, k, v, *, scale=None, causal=True, window_size=None, cu_seqlens=None):
-    """Masked softmax attention with an explicit ``[T, T]`` score matrix (the spec, not fast).
-
-    q: [B, T, HQ, K]; k: [B, T, HKV, K]; v: [B, T, HKV, V]; HQ a multiple of HKV (query head j
-    reads key/value head ``j // (HQ // HKV)``). Returns o: [B, T, HQ, V] in v.dtype.
-    """
-    B, T, HQ, K = q.shape
-    HKV = k.shape[2]
-    dt = _compute_dtype(v)
-    scale = K ** -0.5 if scale is None else scale
-    group = HQ // HKV
-    kk = k.to(dt).repeat_interleave(group, dim=2)
-    vv = v.to(dt).repeat_interleave(group, dim=2)
-    scores = torch.einsum("bthk,bshk->bhts", q.to(dt), kk) * scale
-    mask = attention_mask(T, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens, device=q.device)
-    scores = scores.masked_fill(~mask, -math.inf)
-    p = torch.softmax(scores, dim=-1)
-    return torch.einsum("bhts,bshv->bthv", p, vv).to(v.dtype)
+    return run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)

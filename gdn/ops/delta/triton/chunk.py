@@ -12,10 +12,9 @@ from __future__ import annotations
 import torch
 
 from . import chunk_bwd, chunk_fwd
-from ._common import CONFIG, Chunks, kernel_dtype, make_chunks, pad_zeros, pow2, precompile, sm_count
-
-#: Smallest K and V the kernels see: narrower heads are zero-padded up to it.
-MIN_DIM = 32
+from ...triton.common import Chunks, kernel_dtype, make_chunks, pad_zeros, pow2, sm_count
+from ...triton.launch import precompile
+from ...tuning import DELTA, MIN_DIM
 
 
 def _long_sequences(ch: Chunks) -> int:
@@ -29,21 +28,21 @@ def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None):
     """(o, final state, Ai): the fused forward pass when its (sequence, head, value tile) programs
     still running at the end of the pass (:func:`_long_sequences`; a packed batch's short sequences
     finish early and leave the longest one's programs alone on the card) number at least
-    ``CONFIG["state_out"]["fill"]`` (1.5) times the card's multiprocessors, else the
+    ``DELTA["state_out"]["fill"]`` (1.5) times the card's multiprocessors, else the
     state pass storing h and δ followed by the fully parallel output kernel. The fused pass's chunk
     step is longer; with few programs nothing hides it. Measured on the H200 (132 SMs; GPU µs of the
     pass(es), `ops_gpu.py --variants --profile`): 4 × 8192 (256 programs) 507 fused against 296 + 283;
     grouped 1 × 8192, HV = 32 (128) 444 against 224 + 128; 1 × 32768 (64) 1669 against 832 + 284;
     packed, 12 sequences of 64-7000 tokens (one long): forward 1.63 ms fused against 1.31."""
-    if fused is None:  # (the caller passes _layout's decision when it has made it already)
-        fused = _layout(ch, v.shape[1], k.shape[-1], v.shape[2], v.device)[0]
+    if fused is None:  # (the caller passes layout()'s decision when it has made it already)
+        fused = layout(ch, v.shape[1], k.shape[-1], v.shape[2], v.device)[0]
     if fused:
         return chunk_fwd.forward(q, k, v, g, beta, h0, ch, want_final, scale, io)
     h, VN, ht, Ai, _ = chunk_fwd.forward_intermediates(q, k, v, g, beta, h0, ch, want_final)
     return chunk_fwd.output(q, k, v, g, h, VN, ch, scale, io), ht, Ai
 
 
-def _layout(ch: Chunks, HV: int, K: int, V: int, device) -> tuple:
+def layout(ch: Chunks, HV: int, K: int, V: int, device) -> tuple:
     """(fused forward?, value tiles of state_out, state_fwd, state_bwd) of a call: what decides
     which kernels and tile widths it compiles (part of the parallel first-call compile's key, so a
     new shape that needs other tiles compiles them in parallel too)."""
@@ -51,7 +50,7 @@ def _layout(ch: Chunks, HV: int, K: int, V: int, device) -> tuple:
     # value heads narrower than 64 always take the fused pass: triton 3.6 on the H200 compiles the
     # output kernel wrong for bf16 value tiles of 16 and 32 (benchmarks/gpu_check.py, T = 63, V = 16
     # padded to 32: o off by 180 %, everything else right; the fused pass is right there)
-    fused = V < 64 or _long_sequences(ch) * HV * -(-V // tiles[0]) >= CONFIG["state_out"]["fill"] * sm_count(device)
+    fused = V < 64 or _long_sequences(ch) * HV * -(-V // tiles[0]) >= DELTA["state_out"]["fill"] * sm_count(device)
     return (fused,) + tiles
 
 
@@ -72,24 +71,23 @@ class ChunkFunction(torch.autograd.Function):
         qp, kp, vp = q.reshape(B * T, H, K).to(io), k.reshape(B * T, H, K).to(io), v.reshape(B * T, HV, V).to(io)
         gp = None if g is None else g.reshape(B * T, HV).float().contiguous()
         bp = None if beta is None else beta.reshape(B * T, HV).float().contiguous()
-        # at least 32: triton 3.6 on the H200 mis-compiled dots whose N is 16 (docs/TRITON.md)
         Kp, Vp = max(MIN_DIM, pow2(K)), max(MIN_DIM, pow2(V))
         qp, kp, vp = pad_zeros(qp, 0, Kp - K), pad_zeros(kp, 0, Kp - K), pad_zeros(vp, 0, Vp - V)
         h0p = pad_zeros(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
         # dq, dk, dv straight in the caller's dtype when nothing is summed or cast afterwards
         gdt = io if HV == H and q.dtype == k.dtype == v.dtype == io else torch.float32
-        layout = _layout(ch, HV, Kp, Vp, qp.device)
+        lay = layout(ch, HV, Kp, Vp, qp.device)
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
             def dry_run():  # the launches of one forward + backward, recorded by precompile, not run
                 dht = torch.empty(ch.N, HV, Kp, Vp, device=qp.device) if want_final else None
-                _, _, ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, layout[0])
+                _, _, ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])
                 chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt)
 
-            precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt, layout),
+            precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt, lay),
                        dry_run)
         # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
         # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
-        o, ht, Ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, layout[0])
+        o, ht, Ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])
         o = o[..., :V]
         if ht is not None and (Kp, Vp) != (K, V):
             ht = ht[..., :K, :V].contiguous()

@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from .chunk import unit_lower_inverse
-from .reference import _compute_dtype
+from ..delta.chunk import unit_lower_inverse
+from ..delta.reference import compute_dtype
 
 DEFAULT_CHUNK_SIZE = 64
 SUB_CHUNK = 16
@@ -116,7 +116,7 @@ def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, ou
     for name, val in (("chunk_size", chunk_size), ("sub_chunk", sub_chunk)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
-    dt, out_dtype = _compute_dtype(v), v.dtype
+    dt, out_dtype = compute_dtype(v), v.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
     S0 = None if initial_state is None else initial_state.to(dt)

@@ -1,4 +1,4 @@
-"""Backward kernels of the chunkwise Kimi Delta Attention: the mirror of :mod:`.kda_chunk_fwd`.
+"""Backward kernels of the chunkwise Kimi Delta Attention: the mirror of :mod:`.chunk_fwd`.
 
 Per chunk, with dO the output gradient, dS' the gradient of the state leaving the chunk (from the
 next chunk, or the final-state gradient), S the state entering it, Q̃ = Q ⊙ Γ and
@@ -18,7 +18,7 @@ Every γ-dependence is a product with exp(±γ), so dγ is read off the gradient
 factors: each term x ⊙ exp(γ) gives dγ += x ⊙ dx-term and each x ⊙ exp(−γ) gives dγ −= …; the
 state decay exp(γ_C) adds exp(γ_C) ⊙ rowsum(S ⊙ dS') to γ_C. dg is the reverse in-chunk cumsum of
 dγ (γ_C is γ at the chunk's last row). The pair sums over P and A use the same 16-row sub-blocks
-as the forward (:mod:`.kda_chunk_fwd`), so no exponent is positive.
+as the forward (:mod:`.chunk_fwd`), so no exponent is positive.
 
 dQ, dK, dγ, dβ, dV are fp32; dq and dk are per value head (the caller sums each group).
 """
@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, Chunks, chunk_bounds, dot_precision, tl_dtype
-from .kda_chunk_fwd import (STATE_DTYPE, after_ref, before_ref, diag_exponent, forward_intermediates, ktile, launch,
+from ...triton.common import INTERPRET, Chunks, chunk_bounds, dot_precision, tl_dtype
+from .chunk_fwd import (STATE_DTYPE, after_ref, before_ref, diag_exponent, forward_intermediates, ktile, launch,
                             load_rows, ref_row, state_vtile, vtile)
 
 

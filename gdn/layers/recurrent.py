@@ -26,36 +26,10 @@ from .state import RecurrentState
 MASKED_GATE_INPUT = -1e4
 
 
-def _positive_int(name: str, val) -> int:
+def positive_int(name: str, val) -> int:
     if isinstance(val, bool) or not isinstance(val, int) or val < 1:
         raise ValueError(f"{name} must be a positive int, got {val!r}")
     return val
-
-
-class _L2Normalise(torch.autograd.Function):
-    """y = x · r with r = (Σ x² + eps)^(-1/2) over the last dim, computed in fp32 (fp64 stays fp64).
-    Keeps x (its own dtype) and r ([..., 1]) for the backward instead of fp32 copies of x:
-    dx = r · dy − r³ · x · Σ (x · dy)."""
-
-    @staticmethod
-    def forward(ctx, x, eps):
-        xf = x.double() if x.dtype == torch.float64 else x.float()
-        r = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, r)
-        return (xf * r).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, r = ctx.saved_tensors
-        xf, dyf = x.to(r.dtype), dy.to(r.dtype)
-        dx = r * dyf - (r ** 3) * xf * (xf * dyf).sum(-1, keepdim=True)
-        return dx.to(x.dtype), None
-
-
-def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / ‖x‖ over the last dim (fp32 inside); zero rows stay zero. [..., D] -> [..., D]. Keeps
-    only x and one fp32 number per row for the backward."""
-    return _L2Normalise.apply(x, eps)
 
 
 def mamba_gate_init(num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1,
@@ -66,11 +40,6 @@ def mamba_gate_init(num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1,
     dt = torch.exp(torch.rand(num_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
     dt = dt.clamp(min=1e-4)
     return torch.log(A), dt + torch.log(-torch.expm1(-dt))
-
-
-def scalar_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """Mamba2-style log decay ``g = −exp(A_log) · softplus(a + dt_bias)`` in fp32. a: [B, T, HV] -> [B, T, HV]."""
-    return -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
 
 
 class RecurrentMixer(nn.Module):
@@ -100,10 +69,10 @@ class RecurrentMixer(nn.Module):
                  expand_v: float = 1.0, use_short_conv: bool = True, conv_size: int = 4, use_gate: bool = True,
                  norm_eps: float = 1e-6, layer_idx: int | None = None):
         super().__init__()
-        self.hidden_size = _positive_int("hidden_size", hidden_size)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.head_dim = _positive_int("head_dim", head_dim)
-        self.num_v_heads = num_heads if num_v_heads is None else _positive_int("num_v_heads", num_v_heads)
+        self.hidden_size = positive_int("hidden_size", hidden_size)
+        self.num_heads = positive_int("num_heads", num_heads)
+        self.head_dim = positive_int("head_dim", head_dim)
+        self.num_v_heads = num_heads if num_v_heads is None else positive_int("num_v_heads", num_v_heads)
         if self.num_v_heads % self.num_heads != 0:
             raise ValueError(f"num_v_heads ({self.num_v_heads}) must be a multiple of num_heads ({num_heads})")
         v_dim = head_dim * expand_v
@@ -111,7 +80,7 @@ class RecurrentMixer(nn.Module):
             raise ValueError(f"expand_v must be positive with head_dim * expand_v an integer, got {head_dim} * {expand_v!r}")
         self.head_v_dim = int(round(v_dim))
         self.use_short_conv, self.use_gate, self.layer_idx = bool(use_short_conv), bool(use_gate), layer_idx
-        self.conv_size = _positive_int("conv_size", conv_size)
+        self.conv_size = positive_int("conv_size", conv_size)
         D, H, HV, K, V = hidden_size, num_heads, self.num_v_heads, head_dim, self.head_v_dim
         self.key_dim, self.value_dim = H * K, HV * V
         self.q_proj = nn.Linear(D, self.key_dim, bias=False)

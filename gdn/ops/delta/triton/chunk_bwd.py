@@ -23,8 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
-                      launch, make_segments, pow2, tiles, tl_dtype, value_cols)
+from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
+                              launch, make_segments, pow2, tl_dtype, value_cols)
+from ...tuning import DELTA
+from ...tuning import chunk_tiles as tiles
 from .chunk_fwd import chain, split_len, state_tile
 
 
@@ -122,7 +124,7 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale
     starts as [I | 0], the first K columns see zero dO and dδ_loc, nothing per chunk is stored, and
     [Aᵀ | D] goes to ``dh0`` [N, HV, K, K + V]: the segment maps dS at its end to Aᵀ dS + D at its start.
 
-    ``QS`` (a form of ``CONFIG["state_bwd"]["stages"]``'s candidates, chosen per launch by
+    ``QS`` (a form of ``DELTA["state_bwd"]["stages"]``'s candidates, chosen per launch by
     :func:`_common.by_waves`): the row scale scale·Γ of the (ΓQ)ᵀ dO term goes on Q instead of dO.
     Compiled for sm_90 (`benchmarks/sass_cpu.py`) that takes the kernel's shared memory from 116.5
     to 112.5 KB at value tiles of 32 (Q single-buffered, dO's staging copy gone): two programs per
@@ -350,7 +352,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         # [I | 0]; (2) chain the maps from each sequence's end; (3) each segment from its true dS_end.
         sg = make_segments(ch, L, dev)
         X = torch.empty(sg.NS, HV, K, K + V, device=dev, dtype=f32)
-        AV = min(pow2(K + V), max(16, CONFIG["state_aug"]["SV"] // SK))
+        AV = min(pow2(K + V), max(16, DELTA["state_aug"]["SV"] // SK))
         launch(state_bwd_kernel, (triton.cdiv(K + V, AV), sg.NS * HV), q, k, gs, Wp, do, DVL, dummy, dummy,
                dummy, X, sg.cu, sg.off, scale, BV=AV, USE_DHT=False, USE_INIT=True, AUG=True,
                **dict(common, name="state_aug"))

@@ -7,8 +7,8 @@ The layer's raw inputs go in once; what the chunk kernels need comes out once::
     β = sigmoid(b)   (2·sigmoid(b) with ``allow_neg_eigval``)        (fp32)
 
 each with its backward (dq, dk through the norm; da, db, dA_log, ddt_bias), as autograd
-Functions. :func:`gated_delta_rule_fused` chains them with the chunk kernels (or, for a decode
-step that needs no gradient, the fused recurrent kernel, which normalises q and k itself).
+Functions; :func:`prologue` applies them. :func:`gdn.ops.gated_delta_rule_fused` chains them with
+the kernels the router picks.
 """
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import pow2
-
-L2NORM_EPS = 1e-6
+from ...gates import L2NORM_EPS
+from ...tuning import OTHER, pow2
 
 
 @triton.jit
@@ -81,9 +80,6 @@ def gate_bwd_kernel(a, b, A_log, dt_bias, g, dg, dbeta, da, db, dgg, n, HV, BLOC
     tl.store(dgg + o, b_dg * tl.load(g + o, mask=m, other=0.0), mask=m)
 
 
-_BR = 16
-
-
 class L2Norm(torch.autograd.Function):
     """x̂ = x · rsqrt(Σ x² + eps) over the last dim, in x.dtype (computed in fp32). x: [..., D]."""
 
@@ -94,7 +90,9 @@ class L2Norm(torch.autograd.Function):
         n = xc.numel() // D
         y = torch.empty_like(xc)
         r = torch.empty(n, device=x.device, dtype=torch.float32)
-        l2norm_fwd_kernel[(triton.cdiv(n, _BR),)](xc, y, r, n, D=D, BD=pow2(D, 1), BR=_BR, eps=eps, num_warps=4)
+        c = OTHER["l2norm"]
+        l2norm_fwd_kernel[(triton.cdiv(n, c["BR"]),)](xc, y, r, n, D=D, BD=pow2(D, 1), BR=c["BR"], eps=eps,
+                                                       num_warps=c["num_warps"])
         ctx.save_for_backward(xc, r)
         return y
 
@@ -104,8 +102,9 @@ class L2Norm(torch.autograd.Function):
         D = xc.shape[-1]
         n = xc.numel() // D
         dx = torch.empty_like(xc)
-        l2norm_bwd_kernel[(triton.cdiv(n, _BR),)](xc, r, dy.contiguous(), dx, n, D=D, BD=pow2(D, 1), BR=_BR,
-                                                   num_warps=4)
+        c = OTHER["l2norm"]
+        l2norm_bwd_kernel[(triton.cdiv(n, c["BR"]),)](xc, r, dy.contiguous(), dx, n, D=D, BD=pow2(D, 1), BR=c["BR"],
+                                                       num_warps=c["num_warps"])
         return dx, None
 
 
@@ -119,8 +118,9 @@ class Gate(torch.autograd.Function):
         n = ac.numel()
         g = torch.empty(a.shape, device=a.device, dtype=torch.float32)
         beta = torch.empty(a.shape, device=a.device, dtype=torch.float32)
-        gate_fwd_kernel[(triton.cdiv(n, 1024),)](ac, bc, A_log.contiguous(), dt_bias.contiguous(), g, beta, n, HV,
-                                                 BLOCK=1024, NEG=neg, num_warps=4)
+        c = OTHER["gate"]
+        gate_fwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](ac, bc, A_log.contiguous(), dt_bias.contiguous(), g, beta, n,
+                                                       HV, BLOCK=c["BLOCK"], NEG=neg, num_warps=c["num_warps"])
         ctx.save_for_backward(ac, bc, A_log, dt_bias, g)
         ctx.neg = neg
         return g, beta
@@ -134,34 +134,22 @@ class Gate(torch.autograd.Function):
         dbeta = torch.zeros_like(g) if dbeta is None else dbeta.contiguous()
         da, db = torch.empty_like(ac), torch.empty_like(bc)
         dgg = torch.empty_like(g)
-        gate_bwd_kernel[(triton.cdiv(n, 1024),)](ac, bc, A_log.contiguous(), dt_bias.contiguous(), g, dg, dbeta, da,
-                                                 db, dgg, n, HV, BLOCK=1024, NEG=ctx.neg, num_warps=4)
+        c = OTHER["gate"]
+        gate_bwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](ac, bc, A_log.contiguous(), dt_bias.contiguous(), g, dg,
+                                                       dbeta, da, db, dgg, n, HV, BLOCK=c["BLOCK"], NEG=ctx.neg,
+                                                       num_warps=c["num_warps"])
         # d dt_bias = Σ da over tokens; d A_log = Σ dg · g (g is linear in exp(A_log)).
         dA_log = dgg.view(-1, HV).sum(0).to(A_log.dtype)
         ddt = da.float().view(-1, HV).sum(0).to(dt_bias.dtype)
         return da, db, dA_log, ddt, None
 
 
-@torch.compiler.disable
-def gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, *, scale=None, initial_state=None,
-                           output_final_state=False, cu_seqlens=None, use_qk_l2norm=True, allow_neg_eigval=False):
-    """Gated DeltaNet from the layer's raw inputs, prologue on the GPU.
+def prologue(q, k, a, b, A_log, dt_bias, use_qk_l2norm: bool, allow_neg_eigval: bool):
+    """(q̂, k̂, g, β) from the layer's raw inputs on the GPU, differentiable.
 
-    Args:
-        q, k: [B, T, H, K] (un-normalised when ``use_qk_l2norm``); v: [B, T, HV, V].
-        a, b: [B, T, HV] gate and write-strength pre-activations.
-        A_log, dt_bias: [HV] per-head decay parameters.
-        scale, initial_state [N, HV, K, V], output_final_state, cu_seqlens [N + 1]: as in
-            :func:`gdn.ops.gated_delta_rule`.
-        use_qk_l2norm: L2-normalise q and k over K (eps = 1e-6) first.
-        allow_neg_eigval: β = 2·sigmoid(b) instead of sigmoid(b).
-
-    Returns ``(o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32 or None)``; gradients
-    flow to q, k, v, a, b, A_log, dt_bias and initial_state.
-    """
-    from . import _run  # noqa: PLC0415 - the package routes decode steps to the recurrent kernel
-
+    q, k: [B, T, H, K]; a, b: [B, T, HV]; A_log, dt_bias: [HV]. q̂, k̂ in q's and k's dtype
+    (normalised only with ``use_qk_l2norm``); g, β: [B, T, HV] fp32."""
     g, beta = Gate.apply(a, b, A_log, dt_bias, bool(allow_neg_eigval))
     if use_qk_l2norm:
         q, k = L2Norm.apply(q, L2NORM_EPS), L2Norm.apply(k, L2NORM_EPS)
-    return _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    return q, k, g, beta

@@ -22,7 +22,7 @@ slot values (a slot outside ``[0, P)`` other than negatives is treated as paddin
 memory outside the pool is ever touched, but it is a caller bug), distinct slots within one call
 (two entries on one slot race), ``cu_seqlens`` values, and ``accepted_len`` range (values outside
 ``[0, T_n]`` leave the slot unchanged). :func:`check_slot_indices` checks slots on demand (it syncs).
-All entry points are inference only (see :mod:`gdn.ops.triton.fused_recurrent`).
+All entry points are inference only (see :mod:`gdn.ops.delta.triton.recurrent`).
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import _shape
-from .fused_recurrent import (
+from ...checks import shape_str
+from ...tuning import OTHER
+from .recurrent import (
     check_kernel_inputs,
     check_no_grad,
     contiguous_last,
@@ -52,7 +53,7 @@ def _check_pool(state_pool, HV, K, V, device, name="state_pool") -> int:
     if not isinstance(state_pool, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(state_pool).__name__}")
     if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (HV, K, V):
-        raise ValueError(f"{name} must have shape [P, HV, K, V] = [P, {HV}, {K}, {V}], got {_shape(state_pool)}")
+        raise ValueError(f"{name} must have shape [P, HV, K, V] = [P, {HV}, {K}, {V}], got {shape_str(state_pool)}")
     if state_pool.dtype != torch.float32:
         raise TypeError(f"{name} must be float32, got {state_pool.dtype}")
     if not state_pool.is_contiguous():
@@ -68,7 +69,7 @@ def _check_index(name, x, N, device) -> None:
     if x.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
     if x.dim() != 1 or x.numel() != N:
-        raise ValueError(f"{name} must have shape [N] = [{N}] (one entry per sequence), got {_shape(x)}")
+        raise ValueError(f"{name} must have shape [N] = [{N}] (one entry per sequence), got {shape_str(x)}")
     if x.device != device:
         raise ValueError(f"{name} is on {x.device} but q is on {device}; it must live with the inputs")
 
@@ -89,7 +90,7 @@ def _check_out(out, B, T, HV, V, dtype, device):
     if out is None:
         return torch.empty(B, T, HV, V, dtype=dtype, device=device)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (B, T, HV, V) or out.dtype != dtype:
-        got = f"{out.dtype} {_shape(out)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        got = f"{out.dtype} {shape_str(out)}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"out must be a {dtype} tensor of shape [B, T, HV, V] = [{B}, {T}, {HV}, {V}], got {got}")
     if not out.is_contiguous() or out.device != device:
         raise ValueError(f"out must be contiguous and on {device}")
@@ -102,7 +103,7 @@ def fused_recurrent_gated_delta_rule_pool(q, k, v, g, beta, *, state_pool, slot_
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV] or None (as in
-            :func:`gdn.ops.triton.fused_recurrent.fused_recurrent_gated_delta_rule`). A decode
+            :func:`gdn.ops.delta.triton.recurrent.fused_recurrent_gated_delta_rule`). A decode
             step is ``B = N, T = 1``, or ``B = 1`` with ``cu_seqlens``.
         state_pool: [P, HV, K, V] float32, contiguous; ``state_pool[slot_indices[n]]`` is sequence
             n's state before the call and is overwritten with its state after the call's tokens.
@@ -225,17 +226,18 @@ def commit_spec_states(state_pool, slot_indices, states, accepted_len, *, cu_seq
     B, T, HV, K, V = states.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if cu_seqlens is not None and B != 1:
-        raise ValueError(f"cu_seqlens requires states with B == 1, got {_shape(states)}")
+        raise ValueError(f"cu_seqlens requires states with B == 1, got {shape_str(states)}")
     P = _check_pool(state_pool, HV, K, V, states.device)
     _check_index("slot_indices", slot_indices, N, states.device)
     _check_index("accepted_len", accepted_len, N, states.device)
     if cu_seqlens is not None:
         _check_index("cu_seqlens", cu_seqlens, N + 1, states.device)
-    BLOCK = min(4096, triton.next_power_of_2(K * V))
+    c = OTHER["pool_commit"]
+    BLOCK = min(c["BLOCK"], triton.next_power_of_2(K * V))
     grid = (N * HV, triton.cdiv(K * V, BLOCK))
     _commit_kernel[grid](states, state_pool, slot_indices, accepted_len,
                          states if cu_seqlens is None else cu_seqlens, T, P,
-                         HV=HV, KV=K * V, BLOCK=BLOCK, IS_VARLEN=cu_seqlens is not None, num_warps=4)
+                         HV=HV, KV=K * V, BLOCK=BLOCK, IS_VARLEN=cu_seqlens is not None, num_warps=c["num_warps"])
 
 
 class DecodeGraph:
@@ -262,7 +264,7 @@ class DecodeGraph:
         if not isinstance(state_pool, torch.Tensor) or not state_pool.is_cuda:
             raise ValueError("DecodeGraph needs a CUDA state_pool")
         if state_pool.dim() != 4:
-            raise ValueError(f"state_pool must have shape [P, HV, K, V], got {_shape(state_pool)}")
+            raise ValueError(f"state_pool must have shape [P, HV, K, V], got {shape_str(state_pool)}")
         _, HV, K, V = state_pool.shape
         dev, N, T, H = state_pool.device, batch_size, tokens, num_heads
         self.state_pool = state_pool
@@ -303,6 +305,6 @@ class DecodeGraph:
                 raise ValueError(f"{name} must be {'None' if dst is None else 'given'} for this captured member")
             if dst is not None:
                 if tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(f"{name} must have shape {_shape(dst)}, got {_shape(src)}")
+                    raise ValueError(f"{name} must have shape {shape_str(dst)}, got {shape_str(src)}")
                 dst.copy_(src)
         return self.replay()

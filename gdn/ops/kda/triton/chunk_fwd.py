@@ -1,4 +1,4 @@
-"""Forward kernels of the chunkwise Kimi Delta Attention (the math of :mod:`gdn.ops.kda_chunk`).
+"""Forward kernels of the chunkwise Kimi Delta Attention (the math of :mod:`gdn.ops.kda.chunk`).
 
 Per chunk of BT = 64 tokens and value head, with γ the in-chunk cumulative log decay per key
 channel ([BT, K], γ ≤ 0, non-increasing down the chunk), Γ = exp γ, γ_C its last valid row and S
@@ -21,7 +21,7 @@ valid row, so no 0 · ∞ arises.
 
 Intermediates (T, P, W, U, δ, Q ⊙ Γ, K ⊙ exp(γ_C − γ)) are stored in the input dtype; γ, the
 per-chunk states (``STATE_DTYPE``), the running and the final states are fp32. Everything works on
-the packed layout of :mod:`._common` with K and V already padded to powers of two (≥ 16) by the
+the packed layout of :mod:`gdn.ops.triton.common` with K and V already padded to powers of two (≥ 16) by the
 caller.
 """
 from __future__ import annotations
@@ -32,32 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, sm_count, tl_dtype
-from ._common import launch as _common_launch
-
-#: Launch configuration of each KDA chunk kernel: warps, pipelining depth and the K tile (``BK``)
-#: or V tile (``BV``; ``SV`` for the sequential passes: fp32 elements of one K × BV state tile).
-#: Not tuned on the GPU yet: chosen from ptxas's register report for sm_90 at K = V = 128 bf16
-#: (offline compile, docs/KDA.md). 8 warps cut the spills of kkt, the state passes, dqk, wy_bwd and
-#: intra_bwd 3–17× against 4, and the tiles below are the ones without (or with the fewest) spills;
-#: wu takes 8 warps as the scalar-gate wu does (4 warps hit triton 3.6's out-of-range shared-memory
-#: access there on the H200, docs/TRITON.md).
-CONFIG = {
-    "gamma": dict(num_warps=4, stages=(1,), BK=64),
-    "kkt": dict(num_warps=8, stages=(1,), BK=16),
-    "wu": dict(num_warps=8, stages=(2,), BK=32, BV=32),
-    # the sequential passes halve their V tile while the programs would not fill the card, never
-    # below min_BV: at tiles of 16 triton 3.6 compiles this state_fwd_kernel (fp32, 8 warps) with an
-    # out-of-range shared-memory read on the H200 (compute-sanitizer, 2026-11-30; docs/KDA.md)
-    "state_fwd": dict(num_warps=8, stages=(1,), SV=8192, min_BV=32),
-    "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
-    "dv_local": dict(num_warps=4, stages=(1,), BV=64),
-    "state_bwd": dict(num_warps=8, stages=(1,), SV=8192, min_BV=32),
-    "dqk": dict(num_warps=8, stages=(1,), BK=64, BV=32),
-    "wy_bwd": dict(num_warps=8, stages=(1,), BK=32, BV=32),
-    "intra_bwd": dict(num_warps=8, stages=(1,), BK=32),
-}
-
+from ...triton.common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, sm_count, tl_dtype
+from ...triton.launch import launch as triton_launch
+from ...tuning import KDA
 
 #: dtype of the per-chunk states h and state gradients dh: fp32 for every input dtype. Stored in
 #: bf16/fp16 they cost the per-channel dg ~2× the error that bf16 inputs cost anyway (measured with
@@ -67,29 +44,28 @@ STATE_DTYPE = torch.float32
 
 
 def launch(kernel, grid, *args, name: str, **meta):
-    """:func:`._common.launch` with this module's ``CONFIG`` (recorded, not run, inside
-    :func:`._common.precompile`'s dry run)."""
-    return _common_launch(kernel, grid, *args, name=name, config=CONFIG, **meta)
+    """:func:`gdn.ops.triton.launch.launch` with the KDA table of :mod:`gdn.ops.tuning`."""
+    return triton_launch(kernel, grid, *args, name=name, config=KDA, **meta)
 
 
 def ktile(name: str, K: int) -> int:
     """The K tile of kernel ``name`` for a padded K (a power of two ≥ 16)."""
-    return min(CONFIG[name]["BK"], K)
+    return min(KDA[name]["BK"], K)
 
 
 def vtile(name: str, K: int, V: int) -> int:
     """The V tile of kernel ``name`` (sequential passes: ``SV // K`` values, at least 16)."""
-    c = CONFIG[name]
+    c = KDA[name]
     return min(V, max(16, c["SV"] // K)) if "SV" in c else min(V, c["BV"])
 
 
 def state_vtile(name: str, K: int, V: int, programs: int, device) -> int:
     """V tile of a sequential pass with ``programs`` (sequence, value head) pairs: :func:`vtile`,
-    halved (down to ``CONFIG[name]["min_BV"]``) while the programs would not fill the card's
+    halved (down to ``KDA[name]["BV_min"]``) while the programs would not fill the card's
     multiprocessors; each program walks every chunk of its sequence, so idle multiprocessors are
     lost for the whole pass."""
     BV = vtile(name, K, V)
-    while BV > CONFIG[name]["min_BV"] and programs * (V // BV) < sm_count(device):
+    while BV > KDA[name]["BV_min"] and programs * (V // BV) < sm_count(device):
         BV //= 2
     return BV
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import triton_kernels
+from .router import HAS_TRITON, use_triton
+
+if HAS_TRITON:
+    from .triton import cross_entropy as kernels
 
 #: Logit elements per chunk (×4 bytes in fp32): bounds the transient memory of both passes.
 CHUNK_ELEMENTS = 2**25
@@ -18,7 +21,7 @@ CHUNK_ELEMENTS = 2**25
 
 def _row_passes(z: torch.Tensor, sdt: torch.dtype):
     """:mod:`gdn.ops.triton.cross_entropy` for CUDA logits with an fp32 softmax, else None (PyTorch)."""
-    return triton_kernels("cross_entropy", z) if sdt == torch.float32 else None
+    return kernels if use_triton(z) and sdt == torch.float32 else None
 
 
 def _chunk_rows(n: int, vocab: int) -> int:

@@ -21,8 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (BT, CONFIG, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
-                      launch, make_segments, pow2, sm_count, tiles, tl_dtype, value_cols)
+from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
+                              launch, make_segments, pow2, sm_count, tl_dtype, value_cols)
+from ...tuning import DELTA
+from ...tuning import chunk_tiles as tiles
 
 
 @triton.jit
@@ -328,27 +330,27 @@ def chain(X, S0, Sfin, sg, HV: int, K: int, V: int, reverse: bool, prec: str):
     in the walk's direction); writes the state after the walk into ``Sfin`` when it is given."""
     Sseg = torch.empty(sg.NS, HV, K, V, device=X.device, dtype=torch.float32)
     N = sg.first.numel()
-    BV = min(pow2(V), max(16, CONFIG["chain"]["SV"] // K))
+    BV = min(pow2(V), max(16, DELTA["chain"]["SV"] // K))
     launch(chain_kernel, (triton.cdiv(V, BV), N * HV), X, S0 if S0 is not None else X, Sseg,
            Sfin if Sfin is not None else X, sg.first, sg.count, sg.max_ns, HV, K=K, V=V, BV=BV,
-           BC=min(K, CONFIG["chain"]["BC"]), REVERSE=reverse, USE_S0=S0 is not None, STORE_FIN=Sfin is not None,
+           BC=min(K, DELTA["chain"]["BC"]), REVERSE=reverse, USE_S0=S0 is not None, STORE_FIN=Sfin is not None,
            PREC=prec, WHILE=INTERPRET, name="chain")
     return Sseg
 
 
 def split_len(ch: Chunks, HV: int, tiles: int, device) -> int:
-    """Chunks per segment of a split state pass, 0 for no split. ``CONFIG["split"]["L"]``: 0 never
+    """Chunks per segment of a split state pass, 0 for no split. ``DELTA["split"]["L"]``: 0 never
     splits, a positive number always splits into segments of that many chunks, -1 ("auto") splits
     when the (sequence, head, tile) programs would not fill twice the card's multiprocessors."""
-    L = CONFIG["split"]["L"]
+    L = DELTA["split"]["L"]
     if L >= 0:
         return L if L and ch.max_nc > L else 0
     sms = sm_count(device)
     programs = ch.N * HV * tiles
-    if programs >= 2 * sms or ch.max_nc < 2 * CONFIG["split"]["min_L"]:
+    if programs >= 2 * sms or ch.max_nc < 2 * DELTA["split"]["min_L"]:
         return 0
     parts = triton.cdiv(2 * sms, programs)
-    return max(CONFIG["split"]["min_L"], triton.cdiv(ch.max_nc, parts))
+    return max(DELTA["split"]["min_L"], triton.cdiv(ch.max_nc, parts))
 
 
 @triton.jit
@@ -479,7 +481,7 @@ def prepare(k, v, g, beta, ch: Chunks, Ai=None):
         Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
         BK, _ = tiles("kkt_solve", K, V)
         launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, BK=BK,
-               USE_G=g is not None, PREC=prec, INV=CONFIG["kkt_solve"]["INV"] if DT != tl.float32 else "ieee",
+               USE_G=g is not None, PREC=prec, INV=DELTA["kkt_solve"]["INV"] if DT != tl.float32 else "ieee",
                name="kkt_solve")
     W = torch.empty(T, HV, K, device=dev, dtype=io)
     U = torch.empty(T, HV, V, device=dev, dtype=io)
@@ -491,12 +493,12 @@ def prepare(k, v, g, beta, ch: Chunks, Ai=None):
 
 def state_tile(name: str, ch: Chunks, HV: int, K: int, V: int, device) -> tuple[int, int]:
     """(BK, BV) of a sequential pass (state_fwd, state_out, state_bwd): the whole K, and the
-    configured widest value tile, its width halved (down to ``CONFIG[name]["BV_min"]``) while the
+    configured widest value tile, its width halved (down to ``DELTA[name]["BV_min"]``) while the
     (sequence, head, tile) programs number fewer than the card's multiprocessors: twice as many
     programs, each with half the values (the pass is latency-bound: one chunk step after another).
     The pipeline depth is the launch's (:func:`_common.by_waves`).
     Measured on the H200: value tiles of 16 instead of 32 at 1 × 32768: fwd 1.50 → 1.42 ms."""
-    c, sms = CONFIG[name], sm_count(device)
+    c, sms = DELTA[name], sm_count(device)
     SK, SV = tiles(name, K, V)
     while ch.N * HV * triton.cdiv(V, SV) < sms and SV // 2 >= c["BV_min"]:
         SV //= 2
@@ -551,7 +553,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
         # along each sequence; (3) every segment again from its true entering state, storing h, δ.
         sg = make_segments(ch, L, dev)
         X = torch.empty(sg.NS, HV, K, K + V, device=dev, dtype=torch.float32)
-        AV = min(pow2(K + V), max(16, CONFIG["state_aug"]["SV"] // SK))
+        AV = min(pow2(K + V), max(16, DELTA["state_aug"]["SV"] // SK))
         launch(state_fwd_kernel, (triton.cdiv(K + V, AV), sg.NS * HV), k, v, gp, Wp, Up, dummy, dummy, dummy, X,
                sg.cu, sg.off, BV=AV, USE_INIT=False, STORE_FINAL=True, AUG=True, **dict(common, name="state_aug"))
         Sin = chain(X, h0, ht, sg, HV, K, V, False, prec)

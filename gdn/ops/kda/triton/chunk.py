@@ -1,6 +1,6 @@
-"""Kimi Delta Attention on the chunk kernels (:mod:`.kda_chunk_fwd`, :mod:`.kda_chunk_bwd`), with autograd.
+"""Kimi Delta Attention on the chunk kernels (:mod:`.chunk_fwd`, :mod:`.chunk_bwd`), with autograd.
 
-Same contract as :func:`gdn.ops.kda_reference.kimi_delta_attention` (arguments validated by the
+Same contract as :func:`gdn.ops.kimi_delta_attention` (arguments validated by the
 caller): q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]; initial_state
 [N, HV, K, V]; cu_seqlens [N + 1] (B == 1). Returns ``(o [B, T, HV, V] in v.dtype, final state
 [N, HV, K, V] fp32 or None)``. Gradients flow to q, k, v, g, beta and initial_state, through o
@@ -17,25 +17,22 @@ from __future__ import annotations
 
 import torch
 
-from . import kda_chunk_bwd, kda_chunk_fwd
-from ._common import Chunks, kernel_dtype, make_chunks, pad_zeros, pow2, precompile
-
-#: Largest K and V the kernels take (the sequential passes hold a whole K × BV state tile).
-MAX_HEAD_DIM = 256
-#: Smallest padded K and V (see the module docstring).
-MIN_DIM = 32
+from ...triton.common import Chunks, kernel_dtype, make_chunks, pad_zeros, pow2
+from ...triton.launch import precompile
+from ...tuning import MAX_HEAD_DIM, MIN_DIM
+from . import chunk_bwd, chunk_fwd
 
 
 def dry_run(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float) -> None:
     """Every launch of one forward + backward on padded, packed inputs (q, k [T, H, K]; v [T, HV, V];
-    g [T, HV, K]; beta [T, HV]; h0 [N, HV, K, V] or None), for :func:`._common.precompile` to
+    g [T, HV, K]; beta [T, HV]; h0 [N, HV, K, V] or None), for :func:`gdn.ops.triton.launch.precompile` to
     record (outputs are uninitialised buffers)."""
     HV, K, V = v.shape[1], k.shape[2], v.shape[2]
     dht = torch.empty(ch.N, HV, K, V, device=v.device) if want_final else None
-    G = kda_chunk_fwd.gamma(g, ch)
-    kda_chunk_fwd.output(kda_chunk_fwd.forward_intermediates(q, k, v, G, beta, h0, ch, want_final), ch, scale,
+    G = chunk_fwd.gamma(g, ch)
+    chunk_fwd.output(chunk_fwd.forward_intermediates(q, k, v, G, beta, h0, ch, want_final), ch, scale,
                          v.dtype)
-    kda_chunk_bwd.backward(q, k, v, G, beta, h0, v, dht, ch, scale)
+    chunk_bwd.backward(q, k, v, G, beta, h0, v, dht, ch, scale)
 
 
 class KDAChunkFunction(torch.autograd.Function):
@@ -57,9 +54,9 @@ class KDAChunkFunction(torch.autograd.Function):
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
             precompile(("kda", Kp, Vp, io, h0p is None, want_final, qp.device, H, HV),
                                      lambda: dry_run(qp, kp, vp, gp, bp, h0p, ch, want_final, scale))
-        G = kda_chunk_fwd.gamma(gp, ch)
-        fw = kda_chunk_fwd.forward_intermediates(qp, kp, vp, G, bp, h0p, ch, want_final)
-        o, ht = kda_chunk_fwd.output(fw, ch, scale, io)[..., :V], fw.ht
+        G = chunk_fwd.gamma(gp, ch)
+        fw = chunk_fwd.forward_intermediates(qp, kp, vp, G, bp, h0p, ch, want_final)
+        o, ht = chunk_fwd.output(fw, ch, scale, io)[..., :V], fw.ht
         del fw
         if ht is not None and (Kp, Vp) != (K, V):
             ht = ht[..., :K, :V].contiguous()
@@ -75,7 +72,7 @@ class KDAChunkFunction(torch.autograd.Function):
         Kp, Vp = kp.shape[-1], vp.shape[-1]
         dop = pad_zeros(do.reshape(B * T, HV, V).to(vp.dtype), 0, Vp - V)
         dhtp = pad_zeros(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
-        DQ, DK, DV, DG, DB, dh0 = kda_chunk_bwd.backward(qp, kp, vp, G, bp, h0p, dop, dhtp, ch, scale)
+        DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, G, bp, h0p, dop, dhtp, ch, scale)
         m = HV // H
         dq = DQ.view(B, T, H, m, Kp)[..., :K].sum(3).to(q_dt)
         dk = DK.view(B, T, H, m, Kp)[..., :K].sum(3).to(k_dt)

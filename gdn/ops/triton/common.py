@@ -1,0 +1,220 @@
+"""Shared pieces of the Triton chunk kernels: chunk bookkeeping for packed sequences, dot precision.
+
+Every launcher works on the packed layout: ``[B, T, ...]`` inputs are viewed as one stream of
+``B·T`` tokens with offsets ``cu = [0, T, 2T, …]``, so batched and packed calls run the same
+kernels. Sequences are cut into chunks of ``BT = 64`` tokens starting at each sequence's first
+token (no chunk straddles two sequences); ``chunk_idx[i] = (n, c)`` names the sequence and the
+chunk inside it of global chunk ``i``, and ``chunk_off[n]`` is the global index of sequence n's
+first chunk (where its states live in the per-chunk state buffer).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ..tuning import BT, INTERPRET, chunk_tiles, pow2  # noqa: F401  (re-exported to the kernels)
+from .launch import launch, sm_count  # noqa: F401  (re-exported to the kernels)
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Chunk layout of one call. Tensors live on the compute device (int32)."""
+
+    cu: torch.Tensor  # [N + 1] token offsets
+    chunk_idx: torch.Tensor  # [NT, 2] (sequence, chunk in sequence)
+    chunk_off: torch.Tensor  # [N] first global chunk of each sequence
+    N: int
+    NT: int
+    T: int  # total tokens (B·T)
+    max_nc: int  # chunks of the longest sequence
+    host_cu: torch.Tensor | None = None  # [N + 1] token offsets on the CPU (int64)
+    host_per: torch.Tensor | None = None  # [N] chunks per sequence on the CPU (int64)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Sequences cut into segments of at most ``L`` chunks, for the split state passes: each
+    segment is a "sequence" of the state kernels (``cu``, ``off``, ``max_nc = L``); ``first[n]``
+    and ``count[n]`` name sequence n's segments, in order. Tensors on the compute device (int32)."""
+
+    cu: torch.Tensor  # [NS + 1] token offsets of the segments
+    off: torch.Tensor  # [NS] global chunk index of each segment's first chunk
+    first: torch.Tensor  # [N] first segment of each sequence
+    count: torch.Tensor  # [N] segments of each sequence
+    NS: int
+    L: int  # chunks per segment (the last of a sequence may have fewer)
+    max_ns: int  # segments of the longest sequence
+
+
+def _to_device_many(arrays, device: torch.device) -> list[torch.Tensor]:
+    """int32 copies of the host integer arrays on ``device`` in one transfer (one pinned buffer on
+    CUDA, copied asynchronously: no host sync), as views of one device buffer. Each view starts on a
+    16-byte boundary, so Triton sees the same pointer alignment whatever the sizes."""
+    sizes = [len(a) for a in arrays]
+    starts = np.cumsum([0] + [-(-n // 4) * 4 for n in sizes])
+    buf = np.zeros(int(starts[-1]), dtype=np.int32)
+    for a, s0, n in zip(arrays, starts, sizes):
+        buf[s0:s0 + n] = np.asarray(a).reshape(-1)
+    t = torch.from_numpy(buf)
+    t = t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+    return [t[s0:s0 + n] for s0, n in zip(starts, sizes)]
+
+
+def make_segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
+    """Cut every sequence of ``ch`` into segments of ``L`` chunks (built on the host; no sync)."""
+    per, cu = ch.host_per, ch.host_cu
+    count = (per + L - 1) // L
+    first = torch.zeros_like(count)
+    if count.numel() > 1:
+        first[1:] = torch.cumsum(count, 0)[:-1]
+    NS = int(count.sum())
+    seq = torch.from_numpy(np.repeat(np.arange(len(count)), count.numpy()))
+    inner = torch.arange(NS) - first[seq]
+    chunk_first = torch.zeros_like(per)
+    if per.numel() > 1:
+        chunk_first[1:] = torch.cumsum(per, 0)[:-1]
+    off = chunk_first[seq] + inner * L
+    bos = cu[:-1][seq] + inner * L * BT
+    # a sequence's last segment ends at its own end, which is the next segment's start (or the total)
+    ends = torch.minimum(bos + L * BT, cu[1:][seq])
+    seg_cu = torch.cat([bos, ends[-1:]]) if NS else cu[-1:]
+    assert NS == 0 or bool((seg_cu[1:-1] == ends[:-1]).all()), "segments must tile the token stream"
+    d_cu, d_off, d_first, d_count = _to_device_many([t.numpy() for t in (seg_cu, off, first, count)], device)
+    return Segments(d_cu, d_off, d_first, d_count, NS, L, int(count.max()) if NS else 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_chunks(B: int, T: int, device: torch.device) -> Chunks:
+    """The chunk layout of B rows of T tokens, built once per (B, T, device): a call at a shape seen
+    before launches no index kernels (the tensors are read-only to every kernel)."""
+    n_per = triton.cdiv(T, BT)
+    NT = B * n_per
+    ar = torch.arange(NT, device=device, dtype=torch.int32)
+    idx = torch.stack([ar // n_per, ar % n_per], dim=1).contiguous()
+    cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+    off = torch.arange(B, device=device, dtype=torch.int32) * n_per
+    return Chunks(cu, idx, off, B, NT, B * T, n_per, torch.arange(B + 1) * T, torch.full((B,), n_per))
+
+
+def make_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> Chunks:
+    """Chunk layout for ``B`` rows of ``T`` tokens, or for packed ``cu_seqlens`` (then B == 1).
+
+    Needs no host synchronisation when ``cu_seqlens`` is None or lives on the CPU: the index
+    tensors are built on the host and copied asynchronously (from pinned memory on CUDA).
+    """
+    if cu_seqlens is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return _dense_chunks.__wrapped__(B, T, device)  # made inside a graph: not reusable outside it
+        return _dense_chunks(B, T, device)
+    # host-side index arithmetic in numpy: single-threaded and fast (torch's CPU ops on a dozen
+    # elements took milliseconds on a loaded many-core host, e.g. repeat_interleave)
+    host = cu_seqlens.detach().to("cpu", torch.int64)
+    h = host.numpy()
+    per = (np.diff(h) + BT - 1) // BT
+    N = len(per)
+    off = np.zeros(N, dtype=np.int64)
+    if N > 1:
+        off[1:] = np.cumsum(per)[:-1]
+    NT = int(per.sum())
+    seq = np.repeat(np.arange(N), per)
+    idx = np.stack([seq, np.arange(NT) - off[seq]], axis=1)
+    d_cu, d_idx, d_off = _to_device_many([h, idx.reshape(-1), off], device)
+    return Chunks(d_cu, d_idx.view(NT, 2), d_off, N, NT, int(h[-1]), int(per.max()) if N else 0, host,
+                  torch.from_numpy(per))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Tensor-core mode of fp32 dot operands: 3-pass tf32 (≈ fp32) for fp32 inputs. For half
+    inputs every dot operand is cast to the input dtype first (native bf16/fp16 tensor-core dots with
+    fp32 accumulation), so the mode does not apply; "tf32" is passed for form's sake."""
+    return "tf32x3" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The Triton element type of the kernels' intermediates for inputs of ``dtype``: the input's
+    own half type (as FLA), fp32 for fp32 inputs."""
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(dtype, tl.float32)
+
+
+
+def pad_zeros(x: torch.Tensor | None, *pads: int) -> torch.Tensor | None:
+    """``F.pad(x, pads)`` when any pad is non-zero, made contiguous; None stays None (the autograd
+    wrappers zero-pad K and V to the kernels' sizes with it)."""
+    if x is None:
+        return None
+    return (torch.nn.functional.pad(x, pads) if any(pads) else x).contiguous()
+
+
+def kernel_dtype(*xs) -> torch.dtype:
+    """The one dtype the kernels compute q, k, v in: the promotion of the inputs' dtypes when it is
+    fp32, fp16 or bf16, else fp32 (fp64 inputs are computed in fp32)."""
+    dt = xs[0].dtype
+    for x in xs[1:]:
+        dt = torch.promote_types(dt, x.dtype)
+    return dt if dt in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+
+
+@triton.jit
+def chunk_bounds(cu, chunk_idx, i_t, BT: tl.constexpr):
+    """(sequence n, first token of chunk i_t, end of its sequence) as int64 token indices."""
+    i_n = tl.load(chunk_idx + 2 * i_t)
+    i_c = tl.load(chunk_idx + 2 * i_t + 1).to(tl.int64)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    return i_n, bos + i_c * BT, eos
+
+
+@triton.jit
+def gate_cumsum(g, rows, m, HV, i_hv):
+    """In-chunk cumulative log decay γ [BT] (fp32) and its total γ_C (0 on padded rows)."""
+    b_g = tl.load(g + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
+    return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
+
+
+@triton.jit
+def gate_load(G, rows, m, HV, i_hv, last, valid):
+    """γ [BT] of one chunk read from the precomputed in-chunk cumulative log decay G [T, HV], and
+    γ_C = G at the chunk's last valid row ``last`` (0 when ``valid`` is false: a chunk outside its
+    sequence). The sequential passes use this instead of :func:`gate_cumsum`, keeping the scan off
+    their per-chunk critical path."""
+    b_g = tl.load(G + rows * HV + i_hv, mask=m, other=0.0)
+    b_c = tl.load(G + last * HV + i_hv, mask=valid, other=0.0)
+    return b_g, b_c
+
+
+@triton.jit
+def gate_cumsum_kernel(g, G, cu, chunk_idx, HV, BT: tl.constexpr):
+    """G[t, hv] = in-chunk cumulative sum of g (fp32), one program per chunk and value head."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, BT)
+    rows = t0 + tl.arange(0, BT)
+    m = rows < eos
+    b_g, _ = gate_cumsum(g, rows, m, HV, i_hv)
+    tl.store(G + rows * HV + i_hv, b_g, mask=m)
+
+
+def chunk_cumsum(g: torch.Tensor, ch: "Chunks") -> torch.Tensor:
+    """The in-chunk cumulative log decay of g [T, HV] (fp32), for the sequential passes."""
+    G = torch.empty_like(g)
+    launch(gate_cumsum_kernel, (ch.NT, g.shape[1]), g, G, ch.cu, ch.chunk_idx, g.shape[1], BT=BT, name="cumsum")
+    return G
+
+
+@triton.jit
+def value_cols(o_v, m, K: tl.constexpr, V: tl.constexpr, AUG: tl.constexpr):
+    """(value-column offsets, [BT, BV] mask) of a state tile's columns ``o_v``: o_v itself, or for
+    the augmented tiles of the split passes ([K transition columns | V value columns]) o_v − K
+    with the transition columns masked off (they read zeros)."""
+    if AUG:
+        o_u = o_v - K
+        mv = m[:, None] & ((o_v >= K) & (o_u < V))[None, :]
+    else:
+        o_u = o_v
+        mv = m[:, None] & (o_v < V)[None, :]
+    return o_u, mv
+

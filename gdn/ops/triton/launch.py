@@ -1,0 +1,193 @@
+"""How the chunk kernels launch: one mechanism that picks among the candidates of a kernel's
+entry in :mod:`gdn.ops.tuning`, and the parallel first-call compile.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+import triton
+
+from ..tuning import DELTA, INTERPRET
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (4 off CUDA, e.g. under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_STAGES: dict = {}
+_RECORD: list | None = None  # launches collected instead of run, inside recording()
+log = logging.getLogger(__name__)
+
+
+def launch(kernel, grid, *args, name: str, config: dict | None = None, **meta):
+    """``kernel[grid](*args, **meta)`` with the warps of ``config[name]`` (default: this module's
+    tuning's ``DELTA`` table) and one of its candidates ``stages``: software-pipelining depths, each an int or a
+    pair (depth, form), a form being compile-time switches of the kernel (e.g. one that needs less
+    shared memory for more arithmetic).
+
+    Which candidate: with ``waves`` set in the kernel's config (the sequential passes, whose grids
+    are about one wave of programs, each walking a whole sequence), :func:`by_waves` picks; else
+    the first whose shared memory fits the card (remembered per kernel and compile-time arguments,
+    so the fallback costs one failed load at most). Inside :func:`recording` nothing runs (a
+    ``waves`` launch records each of its candidates)."""
+    cfg = (DELTA if config is None else config)[name]
+    cands, ckey = _candidates(cfg["stages"])
+    meta["num_warps"] = cfg["num_warps"]
+    key = (kernel, tuple(meta.items()), ckey)  # (callers pass their keywords in a fixed order)
+    waves = cfg.get("waves", False) and len(cands) > 1 and not INTERPRET
+    if _RECORD is not None:
+        for ns, f in (cands if waves else [_STAGES.get(key, cands[0])]):
+            _RECORD.append((kernel, grid, args, dict(meta, **f, num_stages=ns)))
+        return None
+    if waves:
+        ns, f = by_waves(kernel, grid, args, meta, cands, key + (_device_index(),))
+        return kernel[grid](*args, num_stages=ns, **dict(meta, **f))
+    if key in _STAGES:
+        ns, f = _STAGES[key]
+        return kernel[grid](*args, num_stages=ns, **dict(meta, **f))
+    for i, (ns, f) in enumerate(cands):
+        try:
+            out = kernel[grid](*args, num_stages=ns, **dict(meta, **f))
+        except triton.runtime.errors.OutOfResources:
+            if i == len(cands) - 1:
+                raise
+            continue
+        _STAGES[key] = (ns, f)
+        return out
+
+
+def candidates(stages) -> list:
+    """``stages`` (ints, or (depth, form) pairs) as a list of (depth, form dict) pairs."""
+    return [(s, {}) if isinstance(s, int) else (int(s[0]), dict(s[1])) for s in stages]
+
+
+_CANDS: dict = {}
+
+
+def _candidates(stages) -> tuple:
+    """(:func:`candidates` of ``stages``, a hashable key of them), made once per ``stages`` object
+    (the entry holds the object, so its id is not reused): a launch costs no more host time."""
+    hit = _CANDS.get(id(stages))
+    if hit is None or hit[0] is not stages:
+        c = candidates(stages)
+        hit = _CANDS[id(stages)] = (stages, c, str(c))
+    return hit[1], hit[2]
+
+
+_FITS: dict = {}
+
+
+def by_waves(kernel, grid, args, meta, cands, key) -> tuple:
+    """Of ``cands`` [(pipeline depth, form)] (in the config's order: deepest first), the one whose
+    compiled kernel runs ``grid`` in the fewest waves on the CUDA device ``key[-1]``, the first
+    among equals. Each candidate is compiled once (``warmup``); its shared memory and registers
+    give the programs one multiprocessor holds (:func:`per_sm`).
+
+    Why: a sequential pass's program walks a whole sequence, one chunk step after another, so a
+    second wave doubles the pass's time, while a deeper pipeline (the next chunks' tiles loaded
+    during this chunk's products) shortens each step but takes shared memory. Measured on the H200
+    (docs/TRITON.md "Waves"): where a third stage added a wave the pass got slower, where it kept
+    the waves it got faster, in nine of ten cases; state_bwd's QS form at (4, 8192) runs two
+    stages in one wave where the plain form needs two waves (446 against 568 µs), and is slower
+    wherever it does not save a wave (1 × 32768: 948 against 714)."""
+    fits, dev = _FITS.get(key), key[-1]
+    if fits is None:
+        fits = []
+        for ns, f in cands:
+            try:
+                ck = kernel.warmup(*args, grid=grid, num_stages=ns, **dict(meta, **f))
+                ck._init_handles()
+            except triton.runtime.errors.OutOfResources:
+                continue
+            fits.append(((ns, f), per_sm(ck.metadata.shared, ck.n_regs, meta["num_warps"], _card(dev))))
+        if not fits:
+            raise triton.runtime.errors.OutOfResources(0, 0, f"shared memory of every candidate {cands}")
+        _FITS[key] = fits
+    return pick(fits, math.prod(grid), sm_count(torch.device("cuda", dev) if dev >= 0 else torch.device("cpu")))
+
+
+def pick(fits, programs: int, sms: int):
+    """From ``fits`` [(candidate, programs per multiprocessor)], the candidate with the fewest waves
+    of ``programs`` on ``sms`` multiprocessors, the first among equals."""
+    return min(enumerate(fits), key=lambda f: (-(-programs // (sms * max(f[1][1], 1))), f[0]))[1][0]
+
+
+#: Per multiprocessor on Hopper (sm_90), used where the card does not say: shared memory (bytes),
+#: 32-bit registers, resident threads
+SM90 = dict(shared=228 * 1024, regs=65536, threads=2048)
+
+
+def per_sm(shared: int, regs: int, warps: int, card: dict | None = None) -> int:
+    """Programs one multiprocessor holds, by shared memory (1 KB of it reserved per program),
+    registers (allocated per warp in units of 256) and threads. ``card``: :data:`SM90`'s keys
+    (default: the current CUDA device's, else :data:`SM90`)."""
+    c = card or _card(_device_index())
+    warp_regs = -(-regs * 32 // 256) * 256
+    return min(c["shared"] // (shared + 1024), c["regs"] // max(warp_regs * warps, 1), c["threads"] // (32 * warps))
+
+
+def _device_index() -> int:
+    """The current CUDA device's index, -1 without CUDA."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else -1
+
+
+@functools.lru_cache(maxsize=None)
+def _card(index: int) -> dict:
+    """Per-multiprocessor limits of CUDA device ``index`` (:data:`SM90` for -1 or without CUDA)."""
+    if index < 0 or not torch.cuda.is_available():
+        return SM90
+    p = torch.cuda.get_device_properties(index)
+    return dict(shared=getattr(p, "shared_memory_per_multiprocessor", SM90["shared"]),
+                regs=getattr(p, "regs_per_multiprocessor", SM90["regs"]),
+                threads=getattr(p, "max_threads_per_multi_processor", SM90["threads"]))
+
+
+@contextmanager
+def recording():
+    """Inside this context :func:`launch` runs nothing and collects ``(kernel, grid, args, meta)``
+    instead (buffers are still allocated by the launchers, never written)."""
+    global _RECORD
+    saved, _RECORD = _RECORD, []
+    try:
+        yield _RECORD
+    finally:
+        _RECORD = saved
+
+
+_WARM: set = set()
+
+
+def precompile(key, dry_run) -> None:
+    """Compile, in parallel threads, every kernel that ``dry_run()`` would launch, once per ``key``.
+
+    A cold first call otherwise compiles the chunk kernels one after another (≈ 8 s for a
+    forward + backward on the H200's host, each kernel 0.3–2 s of LLVM and ptxas); Triton's
+    ``AsyncCompileMode`` takes ``warmup`` compiles on an executor. Nothing here is needed for
+    correctness: on any failure the kernels compile at their launch as before."""
+    if key in _WARM or INTERPRET:
+        return
+    _WARM.add(key)
+    try:
+        with recording() as launches:
+            dry_run()
+        workers = max(1, min(16, os.cpu_count() or 1, len(launches)))
+        with ThreadPoolExecutor(workers) as ex, triton.AsyncCompileMode(ex):
+            for kernel, grid, args, meta in launches:
+                kernel.warmup(*args, grid=grid, **meta)
+    except Exception as e:  # noqa: BLE001 - an optimisation only; the launches compile themselves
+        log.warning("parallel precompile of the chunk kernels failed (%s: %s); compiling at launch",
+                    type(e).__name__, e)
+

@@ -1,0 +1,179 @@
+"""Every kernel's launch settings, in one table, and the rules that size their tiles.
+
+This module imports neither Triton nor the kernels: it is the one place to read or change how a
+kernel launches. The chunk kernels launch through :func:`gdn.ops.triton.launch.launch`, which
+takes ``num_warps`` and the candidates ``stages`` of the kernel's entry here and picks one
+candidate per launch (the rule is in that function's docstring); the other kernels read their
+tiles and warps from the entries and rules below.
+
+Entry keys: ``num_warps``; ``stages``, the software-pipelining depths tried, each an int or a
+pair (depth, form), a form being compile-time switches of the kernel; ``waves`` (pick the
+candidate whose grid runs in the fewest waves, for the sequential passes); ``BK``/``BV``, the
+K and V tiles; ``SV``, the fp32 elements of one K × BV state tile of a sequential pass;
+``BV_min``, the narrowest value tile a pass may halve down to. Every value was chosen on an
+H200 with triton 3.6 by ``tools/tune_gpu.py`` (the candidates were within ±5 % of each other at
+K = V = 128 bf16) unless its comment says why it differs.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+#: Triton's CPU interpreter runs the kernels (``TRITON_INTERPRET=1``): smaller blocks keep it fast,
+#: and the sequential passes loop with ``while`` (it cannot run ``for`` with run-time bounds).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+#: Chunk size of every chunk kernel (tokens); also the size of the in-chunk triangular solve.
+BT = 64
+
+#: Smallest K and V the chunk kernels see: narrower heads are zero-padded to it. Triton 3.6 on the
+#: H200 miscompiles dots 16 wide in the scalar kernels, so no K or V tile is narrower than 32.
+MIN_DIM = 32
+#: Largest K and V of the KDA chunk kernels and of the token-recurrent kernels (one K × BV tile).
+MAX_HEAD_DIM = 256
+#: Calls without gradients of at most this many tokens (the whole packed stream) run the
+#: token-recurrent kernels: below it the sequential kernel beats the chunk pipeline.
+RECURRENT_MAX_T = 64
+
+#: The scalar-gate (delta family) chunk kernels.
+DELTA = {
+    # INV is the precision of the in-chunk inverse's fp32 dots for half inputs ("ieee": FMA, exact
+    # fp32; "tf32x3": three tensor-core passes; "tf32": one); fp32 inputs always take "ieee". "tf32"
+    # makes the forward 7–37 % faster on the H200 and moves results by ≈ 2e-3 relative (half of
+    # what bf16 inputs cost), within tier 3 at every case of tests/gpu. Two stages: 188 → 151 µs
+    # at (4, 8192, 16, 128).
+    "kkt_solve": dict(num_warps=2, stages=(2, 1), BK=64, BV=64, INV="tf32"),
+    # 8 warps: with 4, triton 3.6 on the H200 compiles an out-of-range shared-memory access at
+    # K = 60/64, T = 63 (compute-sanitizer); 8 warps time the same.
+    "wu": dict(num_warps=8, stages=(3, 2, 1), BK=64, BV=64),
+    # The value tile halves (down to BV_min) while the (sequence, head, tile) programs would not
+    # fill the card (chunk_fwd.state_tile): (1, 32768, 16, 128) forward 1.78 → 1.63 ms.
+    "state_fwd": dict(num_warps=4, stages=(3, 2, 1), waves=True, SV=8192, BV_min=16),
+    # The forward's fused state-and-output pass, taken when its programs number at least ``fill``
+    # times the multiprocessors (delta.triton.chunk.layout); else state_fwd then output. No third
+    # stage: with it the GPU tests fail at T = 63, V = 16 bf16.
+    "state_out": dict(num_warps=4, stages=(2, 1), waves=True, SV=4096, fill=1.5, BV_min=32),
+    "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
+    # Pipelined loops over value/key blocks, GPU µs at (4, 8192, 16, 128): dv_local 170 → 158 with
+    # three stages, dqk 920 → 742 with two (→ 700 with three at 1 × 32768), wy_bwd 599 → 569 with three.
+    "dv_local": dict(num_warps=8, stages=(3, 2, 1), BK=64, BV=128),
+    # Value tiles as state_fwd's; depth and form by waves: the plain kernel or QS (the row scale on
+    # Q: 4 KB less shared memory for a [64, K] scaling per step), which saves a wave at (4, 8192)
+    # (446 against 568 µs) and is slower where it saves none. Never the plain kernel at one stage:
+    # triton 3.6 miscompiles it on the H200 (wrong dh0, dk, dv; an illegal access at K = V = 256).
+    "state_bwd": dict(num_warps=4, waves=True, SV=8192, BV_min=16,
+                      stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True}))),
+    "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
+    "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
+    "cumsum": dict(num_warps=1, stages=(1,)),
+    # The split state passes (chunk_fwd.split_len): L = 0 off, > 0 a fixed segment length in
+    # chunks, -1 automatic. Off: correct on the H200 but slower there (docs/TRITON.md).
+    "split": dict(L=0, min_L=8),
+    # The split passes' first phase (K + V columns per state; SV = K · columns of one tile).
+    "state_aug": dict(num_warps=4, stages=(2, 1), SV=8192),
+    "chain": dict(num_warps=4, stages=(1,), SV=4096, BC=32),
+}
+
+#: The per-channel-gate (KDA) chunk kernels. Chosen from ptxas's register report for sm_90 at
+#: K = V = 128 bf16: 8 warps cut the spills of kkt, the state passes, dqk, wy_bwd and intra_bwd
+#: 3–17× against 4, and the tiles are those without (or with the fewest) spills. wu takes 8 warps
+#: for the reason the scalar-gate wu does.
+KDA = {
+    "gamma": dict(num_warps=4, stages=(1,), BK=64),
+    "kkt": dict(num_warps=8, stages=(1,), BK=16),
+    "wu": dict(num_warps=8, stages=(2,), BK=32, BV=32),
+    # BV_min 32: at tiles of 16 triton 3.6 compiles this state_fwd kernel (fp32, 8 warps) with an
+    # out-of-range shared-memory read on the H200 (compute-sanitizer).
+    "state_fwd": dict(num_warps=8, stages=(1,), SV=8192, BV_min=32),
+    "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
+    "dv_local": dict(num_warps=4, stages=(1,), BV=64),
+    "state_bwd": dict(num_warps=8, stages=(1,), SV=8192, BV_min=32),
+    "dqk": dict(num_warps=8, stages=(1,), BK=64, BV=32),
+    "wy_bwd": dict(num_warps=8, stages=(1,), BK=32, BV=32),
+    "intra_bwd": dict(num_warps=8, stages=(1,), BK=32),
+}
+
+#: The token-recurrent and glue kernels (no candidates: one setting each, or a rule below).
+OTHER = {
+    # Scalar-gate recurrent kernel (recurrent_tiles): value tiles of at most BV_max, halved while
+    # fewer than ``programs`` (about one per multiprocessor of an H100/H200) would run; warps keep
+    # ~``per_warp`` state elements per thread-group. At B = 256, HV = 32, K = V = 128 on the H200,
+    # BV = 64 with 4 warps reached 93 % of the copy bandwidth (8 warps 74 %).
+    "recurrent": dict(BV_max=64, BV_min=8, programs=128, per_warp=2048, max_warps=8),
+    # KDA recurrent kernel: a checkpoint of the state every CK tokens (the backward recomputes a
+    # stretch of CK states); value tiles of 64, 32 when K > 128 (registers).
+    "kda_recurrent": dict(CK=16, BV=64, BV_wide_K=32),
+    # L2 norm and gate prologue of the fused Gated DeltaNet entry point.
+    "l2norm": dict(num_warps=4, BR=16),
+    "gate": dict(num_warps=4, BLOCK=1024),
+    # RMSNorm (norm_tiles): rows per block so a block holds ``elements`` values (1024 under the
+    # interpreter); 8 warps from rows of 2048. The backward aims at ``programs`` programs.
+    "rmsnorm": dict(elements=4096, max_rows=64, wide=2048, programs=1024),
+    # Short convolution: token blocks of BT, feature blocks of BD (64 under the interpreter).
+    "short_conv": dict(num_warps=4, BT=32, BD=128, BD_bwd=64, loop=4),
+    "swiglu": dict(num_warps=8, BLOCK=2048),
+    "cross_entropy": dict(num_warps=8, BLOCK=4096),
+    "pool_commit": dict(num_warps=4, BLOCK=4096),
+}
+
+#: The tables by name, for :func:`update` (``{"delta": …, "kda": …, "other": …}``).
+TABLES = {"delta": DELTA, "kda": KDA, "other": OTHER}
+
+
+def pow2(n: int, lo: int = 16) -> int:
+    """Smallest power of two ≥ max(n, lo) (tl.dot needs tiles of at least 16)."""
+    return max(lo, 1 << (int(n) - 1).bit_length()) if n > 1 else lo
+
+
+def chunk_tiles(name: str, K: int, V: int, table: dict = DELTA) -> tuple[int, int]:
+    """(BK, BV) of chunk kernel ``name``: its tiles capped at the next power of two of K and V;
+    for a sequential pass (an ``SV`` entry) the whole K and ``SV // BK`` values."""
+    c = table[name]
+    if "SV" in c:
+        BK = pow2(K)
+        return BK, min(pow2(V), max(16, c["SV"] // BK))
+    return min(c.get("BK", 1 << 30), pow2(K)), min(c.get("BV", 1 << 30), pow2(V))
+
+
+def recurrent_tiles(n_heads: int, K: int, V: int) -> tuple[int, int, int]:
+    """(BK, BV, num_warps) of the scalar-gate recurrent kernel for ``n_heads`` (sequence, value
+    head) pairs: BK covers K; BV the widest tile (≤ BV_max) that still gives ``programs`` programs,
+    so one sequence spreads over the card and a large batch moves the state in wide tiles."""
+    c = OTHER["recurrent"]
+    BK, BV = pow2(K, 1), min(pow2(V, 1), c["BV_max"])
+    while BV > c["BV_min"] and n_heads * -(-V // BV) < c["programs"]:
+        BV //= 2
+    return BK, BV, max(1, min(c["max_warps"], BK * BV // c["per_warp"]))
+
+
+def kda_recurrent_tiles(K: int, V: int) -> tuple[int, int]:
+    """(BK, BV) of the KDA recurrent kernels."""
+    c = OTHER["kda_recurrent"]
+    BK = pow2(K)
+    return BK, min(pow2(V), c["BV_wide_K"] if BK > 128 else c["BV"])
+
+
+def norm_tiles(D: int) -> tuple[int, int, int]:
+    """(rows a block, padded width, warps) of the RMSNorm kernels for rows of D elements."""
+    c = OTHER["rmsnorm"]
+    BD = pow2(D, 1)
+    BR = max(1, min(c["max_rows"], (1024 if INTERPRET else c["elements"]) // BD))
+    return BR, BD, 8 if BD >= c["wide"] else 4
+
+
+def update(partial: dict) -> None:
+    """Apply ``{kernel: {key: value}}`` (e.g. parsed JSON) in place: plain names are chunk kernels
+    of :data:`DELTA`, ``"kda.NAME"`` of :data:`KDA`, ``"other.NAME"`` of :data:`OTHER`. ``stages``
+    lists become tuples (a [depth, form] entry a pair). For benchmarks that try settings."""
+    for key, upd in partial.items():
+        table, name = (TABLES[key.split(".")[0]], key.split(".", 1)[1]) if "." in key else (DELTA, key)
+        table[name].update({k: tuple(x if isinstance(x, int) else (x[0], x[1]) for x in v) if k == "stages" else v
+                            for k, v in upd.items()})
+
+
+def update_from(arg: str) -> None:
+    """:func:`update` from a JSON file's path or an inline JSON text (the benchmarks' --config)."""
+    if os.path.exists(arg):
+        with open(arg) as f:
+            arg = f.read()
+    update(json.loads(arg))

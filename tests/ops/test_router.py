@@ -1,0 +1,74 @@
+"""The one routing rule of gdn.ops.router: which implementation runs a call."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gdn import ops
+from gdn.ops import router, tuning
+
+
+def _qkv(T=100, K=16, V=16, dtype=torch.float32, grad=False):
+    q = torch.randn(1, T, 2, K, dtype=dtype, requires_grad=grad)
+    k = torch.randn(1, T, 2, K, dtype=dtype)
+    v = torch.randn(1, T, 2, V, dtype=dtype)
+    return q, k, v
+
+
+def test_cpu_picks_recurrence_for_decode_and_chunk_otherwise():
+    q, k, v = _qkv()
+    assert router.route("op", None, q, k, v, decode_step=False, grad=False) == "chunk"
+    assert router.route("op", None, q, k, v, decode_step=True, grad=False) == "naive"
+    assert router.route("op", "naive", q, k, v, decode_step=False, grad=True) == "naive"
+    assert router.route("op", "chunk", q, k, v, decode_step=True, grad=False) == "chunk"
+
+
+def test_explicit_triton_on_cpu_raises_naming_the_op():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="backend='triton' cannot run my_op"):
+        router.route("my_op", "triton", q, k, v, decode_step=False, grad=False)
+
+
+@pytest.mark.parametrize("T,K,V,dtype,grad,kda,want", [
+    (100, 128, 128, torch.bfloat16, False, False, "triton-chunk"),  # prefill
+    (1, 128, 128, torch.bfloat16, False, False, "triton-recurrent"),  # decode step
+    (tuning.RECURRENT_MAX_T, 16, 16, torch.float32, False, False, "triton-recurrent"),  # short prefill
+    (tuning.RECURRENT_MAX_T + 1, 16, 16, torch.float32, False, False, "triton-chunk"),
+    (1, 128, 128, torch.bfloat16, True, False, "triton-chunk"),  # training, however short
+    (1, 16, 16, torch.float64, False, False, "triton-chunk"),  # fp64: the recurrent kernel takes half/fp32
+    (1, 16, 512, torch.float32, False, False, "triton-chunk"),  # V beyond the recurrent kernel
+    (100, 16, 300, torch.float32, True, True, "triton-recurrent"),  # KDA: V beyond its chunk kernels
+])
+def test_triton_rule(monkeypatch, T, K, V, dtype, grad, kda, want):
+    """The rule on a CUDA device with Triton (simulated: it reads only shapes, dtypes, gradients)."""
+    monkeypatch.setattr(router, "use_triton", lambda x: True)
+    q, k, v = _qkv(T, K, V, dtype, grad)
+    got = router.route("op", None, q, k, v, decode_step=T == 1, grad=router.needs_grad(q, k, v), kda=kda)
+    assert got == want
+    assert router.route("op", "triton", q, k, v, decode_step=T == 1, grad=router.needs_grad(q, k, v), kda=kda) == want
+
+
+def test_public_ops_follow_the_router(monkeypatch):
+    """Every recurrent op asks the router and runs what it names (here forced to the spec)."""
+    calls = []
+    real = router.route
+
+    def spy(op, backend, *a, **kw):
+        calls.append(op)
+        return real(op, "naive", *a, **kw)
+
+    monkeypatch.setattr(ops, "route", spy)
+    q, k, v = _qkv(T=5)
+    g, beta = -torch.rand(1, 5, 2), torch.rand(1, 5, 2)
+    ops.linear_attention(q, k, v)
+    ops.gated_delta_rule(q, k, v, g, beta)
+    ops.kimi_delta_attention(q, k, v, g[..., None].expand(1, 5, 2, 16), beta)
+    assert calls == ["linear_attention", "gated_delta_rule", "kimi_delta_attention"]
+
+
+def test_needs_grad_and_available_backends():
+    x = torch.zeros(2, requires_grad=True)
+    assert router.needs_grad(None, x) and not router.needs_grad(None, x.detach())
+    with torch.no_grad():
+        assert not router.needs_grad(x)
+    assert router.available_backends("cpu") == ["naive", "chunk"]
