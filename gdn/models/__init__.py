@@ -1,5 +1,6 @@
-"""Models: :class:`GDNConfig` (layer pattern, presets), :class:`GDNModel`, :class:`GDNForCausalLM`
-and the decoding cache :class:`GDNCache`. Importing this package registers the config and models
+"""Models: :class:`GDNConfig` (layer pattern, presets), the mixer table :data:`MIXERS` (one
+:class:`MixerSpec` per layer-pattern letter), :class:`GDNModel`, :class:`GDNForCausalLM` and the
+decoding cache :class:`GDNCache`. Importing this package registers the config and models
 with ``transformers``' ``AutoConfig`` / ``AutoModel`` / ``AutoModelForCausalLM`` (model type ``gdn``).
 """
 from __future__ import annotations
@@ -7,9 +8,10 @@ from __future__ import annotations
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import GDNCache
-from .config import LAYER_TYPES, PRESETS, RECURRENT_LETTERS, SIZES, GDNConfig
+from .config import PRESETS, SIZES, GDNConfig
 from .modeling import (CACHE_KEY, GDNBlock, GDNForCausalLM, GDNModel, GDNPreTrainedModel, build_mixer,
                        no_weight_decay_names, output_cache, param_groups)
+from .registry import LAYER_TYPES, MIXERS, RECURRENT_LETTERS, MixerSpec, mixer
 
 __all__ = [
     "CACHE_KEY",
@@ -20,10 +22,13 @@ __all__ = [
     "GDNModel",
     "GDNPreTrainedModel",
     "LAYER_TYPES",
+    "MIXERS",
+    "MixerSpec",
     "PRESETS",
     "RECURRENT_LETTERS",
     "SIZES",
     "build_mixer",
+    "mixer",
     "no_weight_decay_names",
     "output_cache",
     "param_groups",

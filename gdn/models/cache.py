@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.state import KVState, RecurrentState
-from .config import RECURRENT_LETTERS
+from .registry import mixer
 
 
 class GDNCache:
@@ -40,7 +40,7 @@ class GDNCache:
     @classmethod
     def for_config(cls, config, batch_size: int, device=None) -> "GDNCache":
         """An empty cache for a :class:`GDNConfig` and ``batch_size`` sequences."""
-        return cls(config.num_hidden_layers, batch_size, device, [c in RECURRENT_LETTERS for c in config.layer_pattern])
+        return cls(config.num_hidden_layers, batch_size, device, [mixer(c).recurrent for c in config.layer_pattern])
 
     @property
     def batch_size(self) -> int:

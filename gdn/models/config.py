@@ -5,19 +5,7 @@ import math
 
 from transformers import PretrainedConfig
 
-#: Letters of the recurrent mixers (constant-size state); the others are softmax attention.
-RECURRENT_LETTERS = "GDMLK"
-
-#: Token mixer of each layer-pattern letter.
-LAYER_TYPES = {
-    "G": "gated_deltanet",
-    "D": "deltanet",
-    "M": "gated_linear_attention",
-    "L": "linear_attention",
-    "K": "kimi_delta_attention",
-    "A": "attention",
-    "S": "sliding_window_attention",
-}
+from .registry import LAYER_TYPES, MIXERS, letters
 
 #: Width, depth and head layout of each size (vocabulary 32000, the paper's Llama-2 tokenizer, except tiny).
 SIZES: dict[str, dict] = {
@@ -38,11 +26,11 @@ SIZES: dict[str, dict] = {
 
 def _deltanet_transformer(n: int) -> str:
     """D and S interleaved (D at odd layers, counting from 1), global attention at layers 2 and n/2 + 1."""
-    letters = ["D" if i % 2 == 0 else "S" for i in range(n)]
+    pattern = ["D" if i % 2 == 0 else "S" for i in range(n)]
     for layer in {2, n // 2 + 1}:
         if layer <= n:
-            letters[layer - 1] = "A"
-    return "".join(letters)
+            pattern[layer - 1] = "A"
+    return "".join(pattern)
 
 
 def _repeat(unit: str):
@@ -71,7 +59,7 @@ class GDNConfig(PretrainedConfig):
     The stack is ``num_hidden_layers`` pre-norm blocks (mixer + SwiGLU); ``layer_pattern`` has one
     letter per layer: ``G`` Gated DeltaNet, ``D`` DeltaNet, ``M`` gated linear attention (Mamba2
     decay), ``L`` linear attention, ``K`` Kimi Delta Attention (per-channel decay), ``A`` global
-    softmax attention, ``S`` sliding-window attention.
+    softmax attention, ``S`` sliding-window attention (:data:`gdn.models.registry.MIXERS`).
 
     Args:
         vocab_size, hidden_size (D), num_hidden_layers (N), layer_pattern (str of length N).
@@ -156,10 +144,11 @@ class GDNConfig(PretrainedConfig):
         if len(pat) != self.num_hidden_layers:
             raise ValueError(f"layer_pattern has {len(pat)} letters but num_hidden_layers is {self.num_hidden_layers}; "
                              "give one letter per layer")
-        if any(c in RECURRENT_LETTERS for c in pat):
+        specs = [MIXERS[c] for c in dict.fromkeys(pat)]
+        if any(s.recurrent for s in specs):
             if self.num_v_heads % self.num_heads != 0:
                 raise ValueError(f"num_v_heads ({self.num_v_heads}) must be a multiple of num_heads ({self.num_heads})")
-            if "K" in pat and self.kda_gate_rank is not None:
+            if self.kda_gate_rank is not None and any("kda_gate_rank" in s.options for s in specs):
                 _check_positive("kda_gate_rank", self.kda_gate_rank)
             v = self.head_dim * self.expand_v
             if not isinstance(self.expand_v, (int, float)) or self.expand_v <= 0 or v != int(v):
@@ -173,7 +162,7 @@ class GDNConfig(PretrainedConfig):
         f = self.partial_rotary_factor
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
             raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got {f!r}")
-        if any(c in "AS" for c in pat):
+        if any(not s.recurrent for s in specs):
             if self.num_attention_heads % self.num_key_value_heads != 0:
                 raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                                  f"num_key_value_heads ({self.num_key_value_heads})")
@@ -190,13 +179,14 @@ class GDNConfig(PretrainedConfig):
                 raise ValueError(f"the attention head size times partial_rotary_factor ({hd} * "
                                  f"{self.partial_rotary_factor} = {rot} channels) must be even and >= 2 for RoPE; "
                                  "change num_attention_heads, attention_head_dim or partial_rotary_factor")
-        if "S" in pat:
+        windowed = letters(lambda s: s.sliding_window)
+        if any(s.sliding_window for s in specs):
             if self.window_size is None:
-                raise ValueError(f"layer_pattern {pat!r} has sliding-window (S) layers: set window_size")
+                raise ValueError(f"layer_pattern {pat!r} has sliding-window ({windowed}) layers: set window_size")
             _check_positive("window_size", self.window_size)
         elif self.window_size is not None:
-            raise ValueError(f"window_size={self.window_size} is set but layer_pattern {pat!r} has no S layers: "
-                             "set window_size=None or use S layers")
+            raise ValueError(f"window_size={self.window_size} is set but layer_pattern {pat!r} has no {windowed} "
+                             f"layers: set window_size=None or use {windowed} layers")
 
     @property
     def mixer_types(self) -> list[str]:
@@ -227,6 +217,7 @@ class GDNConfig(PretrainedConfig):
         kw = dict(SIZES[size])
         kw.update(overrides)
         kw.setdefault("layer_pattern", PRESETS[name](kw["num_hidden_layers"]))
-        if "S" not in kw["layer_pattern"] and "window_size" not in overrides:
+        windowed = any(MIXERS[c].sliding_window for c in kw["layer_pattern"] if c in MIXERS)
+        if not windowed and "window_size" not in overrides:
             kw["window_size"] = None
         return cls(**kw)

@@ -11,38 +11,19 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from ..layers import (Attention, DeltaNet, GatedDeltaNet, GatedLinearAttention, LinearAttention, RMSNorm,
-                      ShortConvolution, SwiGLU)
+from ..layers import Attention, RMSNorm, ShortConvolution, SwiGLU
 from ..layers.recurrent import RecurrentMixer
-from ..layers.kda import KimiDeltaAttention
 from ..ops.conv import seq_position
+from ..ops.loss import linear_cross_entropy
 from .cache import GDNCache
 from .config import GDNConfig
-from ..ops.loss import linear_cross_entropy
-
-_RECURRENT = {"G": GatedDeltaNet, "D": DeltaNet, "M": GatedLinearAttention, "L": LinearAttention}
+from .registry import mixer
 
 
 def build_mixer(config: GDNConfig, layer_idx: int) -> nn.Module:
-    """The token mixer of layer ``layer_idx`` (from its ``layer_pattern`` letter)."""
-    letter = config.layer_pattern[layer_idx]
-    if letter == "K":
-        return KimiDeltaAttention(config.hidden_size, config.num_heads, config.head_dim, num_v_heads=config.num_v_heads,
-                                  expand_v=config.expand_v, use_short_conv=config.use_short_conv,
-                                  conv_size=config.conv_size, norm_eps=config.norm_eps, layer_idx=layer_idx,
-                                  gate_low_rank_dim=config.kda_gate_rank)
-    if letter in _RECURRENT:
-        kw = dict(num_v_heads=config.num_v_heads, expand_v=config.expand_v, use_short_conv=config.use_short_conv,
-                  conv_size=config.conv_size, use_gate=config.use_gate, norm_eps=config.norm_eps, layer_idx=layer_idx)
-        if letter in "GD":
-            kw["allow_neg_eigval"] = config.allow_neg_eigval
-            kw["beta_offset"] = config.beta_offset
-        return _RECURRENT[letter](config.hidden_size, config.num_heads, config.head_dim, **kw)
-    return Attention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                     config.resolved_attention_head_dim, window_size=config.window_size if letter == "S" else None,
-                     rope_theta=config.rope_theta, layer_idx=layer_idx, output_gate=config.attention_output_gate,
-                     qk_norm=config.attention_qk_norm, partial_rotary_factor=config.partial_rotary_factor,
-                     norm_eps=config.norm_eps)
+    """The token mixer of layer ``layer_idx``: its ``layer_pattern`` letter's
+    :class:`gdn.models.registry.MixerSpec` builds it from the config."""
+    return mixer(config.layer_pattern[layer_idx]).build(config, layer_idx)
 
 
 class GDNBlock(nn.Module):
