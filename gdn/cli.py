@@ -124,7 +124,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from .generation import stream
-    from .train.checkpoint import load_model
+    from .checkpoint import load_model
 
     model, tok, path = load_model(args.ckpt, args.device)
     device = next(model.parameters()).device
@@ -141,7 +141,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from .train.checkpoint import find_model_dir
+    from .checkpoint import find_model_dir
 
     path = find_model_dir(args.ckpt)
     if args.tasks:
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
         print(f"gdn {args.command}: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # checkpoint errors and the like: a message, not a traceback
-        from .train.checkpoint import CheckpointError
+        from .checkpoint import CheckpointError
 
         if isinstance(e, CheckpointError) and not args.verbose:
             print(f"gdn {args.command}: checkpoint error: {e}", file=sys.stderr)

@@ -36,7 +36,7 @@ class GDNLM(_lm_base()):
 
     def __init__(self, pretrained: str, batch_size: int | str = 8, max_length: int = 2048, device: str | None = None):
         super().__init__()
-        from ..train.checkpoint import load_model
+        from ..checkpoint import load_model
 
         self.model, self.tok, self.path = load_model(pretrained, device)
         self._device = next(self.model.parameters()).device

@@ -70,8 +70,8 @@ def evaluate_checkpoint(path, data: str | None = None, seq_len: int | None = Non
     (default: the data, tokenizer, split and window length it was trained with)."""
     import yaml
 
+    from ..checkpoint import load_model
     from ..data import eval_batches, load_corpus, unigram_bits_per_byte
-    from ..train.checkpoint import load_model
 
     model, tok, path = load_model(path, device)
     run = yaml.safe_load((path / "train_config.yaml").read_text()) if (path / "train_config.yaml").exists() else {}

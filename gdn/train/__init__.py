@@ -1,7 +1,8 @@
-"""Training: configuration, loop, checkpoints, distributed setup and the MQAR benchmark."""
+"""Training: configuration, loop, distributed setup and the MQAR benchmark. Checkpoint files are
+:mod:`gdn.checkpoint`'s (``CheckpointError`` and ``verify`` are re-exported here)."""
 from __future__ import annotations
 
-from .checkpoint import CheckpointError, verify
+from ..checkpoint import CheckpointError, verify
 from .config import TrainConfig, build_config
 from .loop import Trainer, TrainResult, lr_factor, train
 

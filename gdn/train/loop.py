@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .. import checkpoint as ckpt
 from ..data import PackedWindows, eval_batches, load_corpus, load_tokenizer, unigram_bits_per_byte
 from ..evaluation import evaluate
 from ..models import GDNConfig, GDNForCausalLM, param_groups
-from . import checkpoint as ckpt
 from . import distributed as D
 from .config import TrainConfig
 from .metrics import MetricsLog, plot_loss_curve

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gdn.train import train, verify
-from gdn.train.checkpoint import list_checkpoints
+from gdn.checkpoint import list_checkpoints
 from gdn.train.metrics import read_metrics
 
 from .helpers import SMALL_MODEL, small_config, write_corpus

@@ -10,7 +10,7 @@ import torch
 
 from gdn.evaluation.perplexity import evaluate_checkpoint
 from gdn.train import train
-from gdn.train.checkpoint import load_model
+from gdn.checkpoint import load_model
 
 from .helpers import small_config, write_corpus
 

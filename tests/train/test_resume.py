@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from gdn.train import CheckpointError, Trainer, train, verify
-from gdn.train.checkpoint import list_checkpoints, resolve
+from gdn.checkpoint import list_checkpoints, resolve
 from gdn.train.metrics import read_metrics
 
 from .helpers import small_config, write_corpus

@@ -1,4 +1,6 @@
-"""Checkpoint directories that are complete or absent, and verified before they are loaded.
+"""Checkpoint directories that are complete or absent, and verified before they are loaded: the
+one checkpoint module, written and resumed by :mod:`gdn.train`, loaded by :mod:`gdn.evaluation`
+and the command line.
 
 A checkpoint is ``OUT/checkpoints/step_XXXXXXXX/`` holding ``model.safetensors`` + ``config.json``
 (Hugging Face layout, loadable by ``GDNForCausalLM.from_pretrained``), ``tokenizer.json``,
@@ -158,8 +160,8 @@ def load_model(spec: str | Path, device: str | None = None):
     import torch
     from safetensors.torch import load_file
 
-    from ..data import load_tokenizer
-    from ..models import GDNConfig, GDNForCausalLM
+    from .data import load_tokenizer
+    from .models import GDNConfig, GDNForCausalLM
 
     path = find_model_dir(spec)
     config = GDNConfig.from_pretrained(str(path))
