@@ -1,4 +1,4 @@
-"""Argument validation shared by every backend of every op (DESIGN §2).
+"""Argument validation shared by every backend of every op (the op contract of docs/DESIGN.md).
 
 Each check raises ``ValueError`` (bad shape or value) or ``TypeError`` (bad type) naming the
 argument, what it got and what was expected, before any backend runs.

@@ -1,6 +1,6 @@
 """The recurrences, token by token: the specification every other backend is tested against.
 
-Per value head, with state ``S`` of shape ``[K, V]`` and for t = 1..T (DESIGN §1)::
+Per value head, with state ``S`` of shape ``[K, V]`` and for t = 1..T (docs/DESIGN.md, the math)::
 
     S = exp(g_t) * S                                  (gated members)
     S = S + beta_t * k_t (v_t - S^T k_t)^T            (delta members; else S = S + k_t v_t^T)

@@ -103,7 +103,7 @@ def _padded(q, k, v, g, beta, scale, S0, chunk_size, sub):
 
 def kimi_delta_attention(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                          cu_seqlens=None, chunk_size=DEFAULT_CHUNK_SIZE, sub_chunk=SUB_CHUNK):
-    """Chunkwise KDA (see the module docstring); same numbers as :func:`gdn.ops.kda_reference.kimi_delta_attention`.
+    """Chunkwise KDA (see the module docstring); same numbers as :func:`gdn.ops.kda.reference.kimi_delta_attention`.
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K] (≤ 0); beta: [B, T, HV].

@@ -218,3 +218,38 @@ def value_cols(o_v, m, K: tl.constexpr, V: tl.constexpr, AUG: tl.constexpr):
         mv = m[:, None] & (o_v < V)[None, :]
     return o_u, mv
 
+
+@triton.jit
+def inv_unit_lower16(A, INV: tl.constexpr):
+    """(I + A)⁻¹ for a strictly lower-triangular 16×16 fp32 block A (the in-chunk solve of both
+    families), by the finite power series
+    Σ_{j<16} (−A)ʲ = (I − A)(I + A²)(I + A⁴)(I + A⁸) (A is nilpotent: A¹⁶ = 0): six fp32 dots, no
+    serial loop (a row-by-row substitution costs 15 dependent cross-warp reductions). The terms
+    stay small for the bounded entries here (|A_ij| ≤ β|k_i·k_j| ≤ 1 with unit keys); for the
+    worst case, every key equal and β = 1, the largest power entry is C(15, 7) = 6435, i.e. ≈ 13 of
+    fp32's 24 bits, far below bf16 rounding of T and within the fp32 tolerance (tested). ``INV``:
+    the dots' input precision ("ieee" exact fp32; "tf32"/"tf32x3" tensor-core passes)."""
+    o = tl.arange(0, 16)
+    M = -A
+    X = (o[:, None] == o[None, :]).to(tl.float32) + M
+    for _ in tl.static_range(3):
+        M = tl.dot(M, M, input_precision=INV)
+        X = X + tl.dot(X, M, input_precision=INV)
+    return X
+
+
+@triton.jit
+def store16(X_, X, rows, m, HV, i_hv, col0: tl.constexpr):
+    """Rows ``rows`` of a [T, HV, 64] buffer, columns col0 … col0 + 15, from the 16×16 block X."""
+    o = tl.arange(0, 16)
+    tl.store(X_ + (rows[:, None] * HV + i_hv) * 64 + col0 + o[None, :], X.to(X_.dtype.element_ty), mask=m[:, None])
+
+
+@triton.jit
+def tl_sum(x, axis: tl.constexpr):
+    """``tl.sum`` spelled as ``tl.reduce`` with the standard sum combiner. ``tl.sum`` itself is a
+    jit function decorated when triton is first imported: in a test run where something imported
+    triton before ``TRITON_INTERPRET=1`` was set, an interpreted kernel cannot call it, while this
+    module's functions follow the setting at the time it is imported (and the interpreter
+    recognises the standard combiner and sums in numpy)."""
+    return tl.reduce(x, axis, tl.standard._sum_combine)

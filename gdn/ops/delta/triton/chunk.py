@@ -1,6 +1,6 @@
 """The four recurrent members on the chunk kernels, wrapped in ``torch.autograd.Function``.
 
-Same contract as :mod:`gdn.ops.reference` (arguments already validated by :mod:`gdn.ops`):
+Same contract as :mod:`gdn.ops.delta.reference` (arguments already validated by :mod:`gdn.ops`):
 q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; initial_state [N, HV, K, V];
 cu_seqlens [N + 1] (B == 1). Returns ``(o [B, T, HV, V] in v.dtype, final state [N, HV, K, V]
 fp32 or None)``. Gradients flow to q, k, v, g, beta and initial_state, and from the final state.
@@ -48,7 +48,7 @@ def layout(ch: Chunks, HV: int, K: int, V: int, device) -> tuple:
     new shape that needs other tiles compiles them in parallel too)."""
     tiles = tuple(chunk_fwd.state_tile(n, ch, HV, K, V, device)[1] for n in ("state_out", "state_fwd", "state_bwd"))
     # value heads narrower than 64 always take the fused pass: triton 3.6 on the H200 compiles the
-    # output kernel wrong for bf16 value tiles of 16 and 32 (benchmarks/gpu_check.py, T = 63, V = 16
+    # output kernel wrong for bf16 value tiles of 16 and 32 (tests/gpu at T = 63, V = 16
     # padded to 32: o off by 180 %, everything else right; the fused pass is right there)
     fused = V < 64 or _long_sequences(ch) * HV * -(-V // tiles[0]) >= DELTA["state_out"]["fill"] * sm_count(device)
     return (fused,) + tiles

@@ -125,11 +125,11 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale
     [Aᵀ | D] goes to ``dh0`` [N, HV, K, K + V]: the segment maps dS at its end to Aᵀ dS + D at its start.
 
     ``QS`` (a form of ``DELTA["state_bwd"]["stages"]``'s candidates, chosen per launch by
-    :func:`_common.by_waves`): the row scale scale·Γ of the (ΓQ)ᵀ dO term goes on Q instead of dO.
-    Compiled for sm_90 (`benchmarks/sass_cpu.py`) that takes the kernel's shared memory from 116.5
+    :func:`gdn.ops.triton.launch.by_waves`): the row scale scale·Γ of the (ΓQ)ᵀ dO term goes on Q instead of dO.
+    Compiled for sm_90 (`tools/sass_cpu.py`) that takes the kernel's shared memory from 116.5
     to 112.5 KB at value tiles of 32 (Q single-buffered, dO's staging copy gone): two programs per
     multiprocessor instead of one at two stages, at the price of scaling a [64, K] tile per step.
-    Measured on the H200 (sixth session, GPU µs): (4, 8192, 16, 128) 568 → 446 (one wave instead
+    Measured on the H200 (GPU µs): (4, 8192, 16, 128) 568 → 446 (one wave instead
     of two); where it saves no wave it is slower (1 × 32768, three stages: 714 → 948)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV

@@ -1,4 +1,4 @@
-"""Forward kernels of the chunkwise recurrence (DESIGN §1; the math of gdn/ops/chunk.py).
+"""Forward kernels of the chunkwise recurrence (the math of gdn/ops/delta/chunk.py).
 
 Per chunk of BT = 64 tokens, with γ the in-chunk cumulative log decay, Γ = exp(γ),
 D_ij = exp(γ_i − γ_j) (j ≤ i) and S the state entering the chunk::
@@ -22,26 +22,9 @@ import triton
 import triton.language as tl
 
 from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
-                              launch, make_segments, pow2, sm_count, tl_dtype, value_cols)
+                              inv_unit_lower16, launch, make_segments, pow2, sm_count, store16, tl_dtype, value_cols)
 from ...tuning import DELTA
 from ...tuning import chunk_tiles as tiles
-
-
-@triton.jit
-def _inv_unit_lower16(A, INV: tl.constexpr):
-    """(I + A)⁻¹ for a strictly lower-triangular 16×16 fp32 block A, by the finite power series
-    Σ_{j<16} (−A)ʲ = (I − A)(I + A²)(I + A⁴)(I + A⁸) (A is nilpotent: A¹⁶ = 0): six fp32 dots, no
-    serial loop (a row-by-row substitution costs 15 dependent cross-warp reductions). The terms
-    stay small for the bounded entries here (|A_ij| ≤ β|k_i·k_j| ≤ 1 with unit keys); for the
-    worst case, every key equal and β = 1, the largest power entry is C(15, 7) = 6435, i.e. ≈ 13 of
-    fp32's 24 bits, far below bf16 rounding of T and within the fp32 tolerance (tested)."""
-    o = tl.arange(0, 16)
-    M = -A
-    X = (o[:, None] == o[None, :]).to(tl.float32) + M
-    for _ in tl.static_range(3):
-        M = tl.dot(M, M, input_precision=INV)
-        X = X + tl.dot(X, M, input_precision=INV)
-    return X
 
 
 @triton.jit
@@ -56,12 +39,6 @@ def _block_a(Aij, b_i, gi, gj, DIAG: tl.constexpr, USE_G: tl.constexpr):
     elif DIAG:
         Aij = tl.where(o[:, None] > o[None, :], Aij, 0.0)
     return Aij * b_i[:, None]
-
-
-@triton.jit
-def _store_block(Ai, X, rows, m, HV, i_hv, col0: tl.constexpr):
-    o = tl.arange(0, 16)
-    tl.store(Ai + (rows[:, None] * HV + i_hv) * 64 + col0 + o[None, :], X.to(Ai.dtype.element_ty), mask=m[:, None])
 
 
 @triton.jit
@@ -124,10 +101,10 @@ def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H, HV, K: tl.constexpr,
     A30 = _block_a(A30, b3, g3, g0, False, USE_G)
     A31 = _block_a(A31, b3, g3, g1, False, USE_G)
     A32 = _block_a(A32, b3, g3, g2, False, USE_G)
-    X00 = _inv_unit_lower16(A00, INV)
-    X11 = _inv_unit_lower16(A11, INV)
-    X22 = _inv_unit_lower16(A22, INV)
-    X33 = _inv_unit_lower16(A33, INV)
+    X00 = inv_unit_lower16(A00, INV)
+    X11 = inv_unit_lower16(A11, INV)
+    X22 = inv_unit_lower16(A22, INV)
+    X33 = inv_unit_lower16(A33, INV)
     # Block forward substitution: X_ij = −X_ii Σ_{j ≤ l < i} A_il X_lj.
     X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision=INV), input_precision=INV)
     X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision=INV), input_precision=INV)
@@ -138,22 +115,22 @@ def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H, HV, K: tl.constexpr,
                   input_precision=INV)
     X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision=INV) + tl.dot(A31, X10, input_precision=INV)
                   + tl.dot(A32, X20, input_precision=INV), input_precision=INV)
-    _store_block(Ai, X00, r0, m0, HV, i_hv, 0)
-    _store_block(Ai, z, r0, m0, HV, i_hv, 16)
-    _store_block(Ai, z, r0, m0, HV, i_hv, 32)
-    _store_block(Ai, z, r0, m0, HV, i_hv, 48)
-    _store_block(Ai, X10, r1, m1, HV, i_hv, 0)
-    _store_block(Ai, X11, r1, m1, HV, i_hv, 16)
-    _store_block(Ai, z, r1, m1, HV, i_hv, 32)
-    _store_block(Ai, z, r1, m1, HV, i_hv, 48)
-    _store_block(Ai, X20, r2, m2, HV, i_hv, 0)
-    _store_block(Ai, X21, r2, m2, HV, i_hv, 16)
-    _store_block(Ai, X22, r2, m2, HV, i_hv, 32)
-    _store_block(Ai, z, r2, m2, HV, i_hv, 48)
-    _store_block(Ai, X30, r3, m3, HV, i_hv, 0)
-    _store_block(Ai, X31, r3, m3, HV, i_hv, 16)
-    _store_block(Ai, X32, r3, m3, HV, i_hv, 32)
-    _store_block(Ai, X33, r3, m3, HV, i_hv, 48)
+    store16(Ai, X00, r0, m0, HV, i_hv, 0)
+    store16(Ai, z, r0, m0, HV, i_hv, 16)
+    store16(Ai, z, r0, m0, HV, i_hv, 32)
+    store16(Ai, z, r0, m0, HV, i_hv, 48)
+    store16(Ai, X10, r1, m1, HV, i_hv, 0)
+    store16(Ai, X11, r1, m1, HV, i_hv, 16)
+    store16(Ai, z, r1, m1, HV, i_hv, 32)
+    store16(Ai, z, r1, m1, HV, i_hv, 48)
+    store16(Ai, X20, r2, m2, HV, i_hv, 0)
+    store16(Ai, X21, r2, m2, HV, i_hv, 16)
+    store16(Ai, X22, r2, m2, HV, i_hv, 32)
+    store16(Ai, z, r2, m2, HV, i_hv, 48)
+    store16(Ai, X30, r3, m3, HV, i_hv, 0)
+    store16(Ai, X31, r3, m3, HV, i_hv, 16)
+    store16(Ai, X32, r3, m3, HV, i_hv, 32)
+    store16(Ai, X33, r3, m3, HV, i_hv, 48)
 
 
 @triton.jit
@@ -496,7 +473,7 @@ def state_tile(name: str, ch: Chunks, HV: int, K: int, V: int, device) -> tuple[
     configured widest value tile, its width halved (down to ``DELTA[name]["BV_min"]``) while the
     (sequence, head, tile) programs number fewer than the card's multiprocessors: twice as many
     programs, each with half the values (the pass is latency-bound: one chunk step after another).
-    The pipeline depth is the launch's (:func:`_common.by_waves`).
+    The pipeline depth is the launch's (:func:`gdn.ops.triton.launch.by_waves`).
     Measured on the H200: value tiles of 16 instead of 32 at 1 × 32768: fwd 1.50 → 1.42 ms."""
     c, sms = DELTA[name], sm_count(device)
     SK, SV = tiles(name, K, V)

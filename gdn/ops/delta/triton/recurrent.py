@@ -1,4 +1,4 @@
-"""Fused recurrent kernel: the recurrence of DESIGN §1 for decode and short prefills (forward only).
+"""Fused recurrent kernel: the recurrence (docs/DESIGN.md) for decode and short prefills (forward only).
 
 One program owns one (sequence, value head, V-tile): it reads its ``[K, BV]`` slice of the state
 once, loops over the sequence's tokens with the state in registers, and writes the slice once.
@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ...checks import check_recurrent, check_scale, float_tensor, shape_str
 from ...gates import L2NORM_EPS
+from ...triton.common import tl_sum
 from ...tuning import MAX_HEAD_DIM, recurrent_tiles
 
 __all__ = [
@@ -38,16 +39,6 @@ __all__ = [
 ]
 
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _sum(x, axis: tl.constexpr):
-    """``tl.sum`` spelled as ``tl.reduce`` with the standard sum combiner. ``tl.sum`` itself is a
-    jit function decorated when triton is first imported: in a test run where something imported
-    triton before ``TRITON_INTERPRET=1`` was set, an interpreted kernel cannot call it, while this
-    module's functions follow the setting at the time this module is imported (and the
-    interpreter recognises the standard combiner and sums in numpy)."""
-    return tl.reduce(x, axis, tl.standard._sum_combine)
 
 
 @triton.jit
@@ -147,14 +138,14 @@ def _fused_recurrent_fwd_kernel(
         c_k = b_k.to(tl.float32)
         c_v = b_v.to(tl.float32)
         if USE_L2NORM:
-            c_q = c_q / tl.sqrt(_sum(c_q * c_q, 0) + EPS)
-            c_k = c_k / tl.sqrt(_sum(c_k * c_k, 0) + EPS)
+            c_q = c_q / tl.sqrt(tl_sum(c_q * c_q, 0) + EPS)
+            c_k = c_k / tl.sqrt(tl_sum(c_k * c_k, 0) + EPS)
         c_q = c_q * scale
         # Both reads use the state before this token, so they are independent reductions:
         # o = S_new^T q = decay * (S^T q) + (k . q) * u, with u the written value.
-        b_sq = _sum(b_h * c_q[:, None], 0)
+        b_sq = tl_sum(b_h * c_q[:, None], 0)
         if USE_BETA:
-            b_sk = _sum(b_h * c_k[:, None], 0)
+            b_sk = tl_sum(b_h * c_k[:, None], 0)
         if USE_G:
             decay = tl.exp(b_g.to(tl.float32))
             b_h = b_h * decay
@@ -166,7 +157,7 @@ def _fused_recurrent_fwd_kernel(
         else:
             b_u = c_v
         b_h = b_h + c_k[:, None] * b_u[None, :]
-        b_o = b_sq + _sum(c_k * c_q, 0) * b_u
+        b_o = b_sq + tl_sum(c_k * c_q, 0) * b_u
         if USE_SLOTS:
             b_o = tl.where(valid, b_o, 0.0)
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)

@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton.common import BT, INTERPRET, Chunks, chunk_bounds, dot_precision, sm_count, tl_dtype
+from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, inv_unit_lower16, sm_count,
+                              store16, tl_dtype)
 from ...triton.launch import launch as triton_launch
 from ...tuning import KDA
 
@@ -120,26 +121,6 @@ def strict(X):
     """X with its diagonal and upper triangle zeroed (16 × 16)."""
     o = tl.arange(0, 16)
     return tl.where(o[:, None] > o[None, :], X, 0.0)
-
-
-@triton.jit
-def _inv_unit_lower16(A):
-    """(I + A)⁻¹ of a strictly lower-triangular fp32 16×16 block: Σ_{j<16} (−A)ʲ =
-    (I − A)(I + A²)(I + A⁴)(I + A⁸), exact because A¹⁶ = 0 (six fp32 dots)."""
-    o = tl.arange(0, 16)
-    M = -A
-    X = (o[:, None] == o[None, :]).to(tl.float32) + M
-    for _ in tl.static_range(3):
-        M = tl.dot(M, M, input_precision="ieee")
-        X = X + tl.dot(X, M, input_precision="ieee")
-    return X
-
-
-@triton.jit
-def _store16(X_, X, rows, m, HV, i_hv, col0: tl.constexpr):
-    """Rows ``rows`` of a [T, HV, 64] buffer, columns col0 … col0 + 15."""
-    o = tl.arange(0, 16)
-    tl.store(X_ + (rows[:, None] * HV + i_hv) * 64 + col0 + o[None, :], X.to(X_.dtype.element_ty), mask=m[:, None])
 
 
 @triton.jit
@@ -243,10 +224,10 @@ def kkt_kernel(q, k, G, beta, Ai, P, cu, chunk_idx, H, HV, K: tl.constexpr, BK: 
     b1 = tl.load(beta + r1 * HV + i_hv, mask=m1, other=0.0)[:, None]
     b2 = tl.load(beta + r2 * HV + i_hv, mask=m2, other=0.0)[:, None]
     b3 = tl.load(beta + r3 * HV + i_hv, mask=m3, other=0.0)[:, None]
-    X00 = _inv_unit_lower16(strict(A00) * b0)
-    X11 = _inv_unit_lower16(strict(A11) * b1)
-    X22 = _inv_unit_lower16(strict(A22) * b2)
-    X33 = _inv_unit_lower16(strict(A33) * b3)
+    X00 = inv_unit_lower16(strict(A00) * b0, "ieee")
+    X11 = inv_unit_lower16(strict(A11) * b1, "ieee")
+    X22 = inv_unit_lower16(strict(A22) * b2, "ieee")
+    X33 = inv_unit_lower16(strict(A33) * b3, "ieee")
     A10 *= b1
     A20 *= b2
     A21 *= b2
@@ -263,38 +244,38 @@ def kkt_kernel(q, k, G, beta, Ai, P, cu, chunk_idx, H, HV, K: tl.constexpr, BK: 
                   input_precision="ieee")
     X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision="ieee") + tl.dot(A31, X10, input_precision="ieee")
                   + tl.dot(A32, X20, input_precision="ieee"), input_precision="ieee")
-    _store16(Ai, X00, r0, m0, HV, i_hv, 0)
-    _store16(Ai, z, r0, m0, HV, i_hv, 16)
-    _store16(Ai, z, r0, m0, HV, i_hv, 32)
-    _store16(Ai, z, r0, m0, HV, i_hv, 48)
-    _store16(Ai, X10, r1, m1, HV, i_hv, 0)
-    _store16(Ai, X11, r1, m1, HV, i_hv, 16)
-    _store16(Ai, z, r1, m1, HV, i_hv, 32)
-    _store16(Ai, z, r1, m1, HV, i_hv, 48)
-    _store16(Ai, X20, r2, m2, HV, i_hv, 0)
-    _store16(Ai, X21, r2, m2, HV, i_hv, 16)
-    _store16(Ai, X22, r2, m2, HV, i_hv, 32)
-    _store16(Ai, z, r2, m2, HV, i_hv, 48)
-    _store16(Ai, X30, r3, m3, HV, i_hv, 0)
-    _store16(Ai, X31, r3, m3, HV, i_hv, 16)
-    _store16(Ai, X32, r3, m3, HV, i_hv, 32)
-    _store16(Ai, X33, r3, m3, HV, i_hv, 48)
-    _store16(P, P00, r0, m0, HV, i_hv, 0)
-    _store16(P, z, r0, m0, HV, i_hv, 16)
-    _store16(P, z, r0, m0, HV, i_hv, 32)
-    _store16(P, z, r0, m0, HV, i_hv, 48)
-    _store16(P, P10, r1, m1, HV, i_hv, 0)
-    _store16(P, P11, r1, m1, HV, i_hv, 16)
-    _store16(P, z, r1, m1, HV, i_hv, 32)
-    _store16(P, z, r1, m1, HV, i_hv, 48)
-    _store16(P, P20, r2, m2, HV, i_hv, 0)
-    _store16(P, P21, r2, m2, HV, i_hv, 16)
-    _store16(P, P22, r2, m2, HV, i_hv, 32)
-    _store16(P, z, r2, m2, HV, i_hv, 48)
-    _store16(P, P30, r3, m3, HV, i_hv, 0)
-    _store16(P, P31, r3, m3, HV, i_hv, 16)
-    _store16(P, P32, r3, m3, HV, i_hv, 32)
-    _store16(P, P33, r3, m3, HV, i_hv, 48)
+    store16(Ai, X00, r0, m0, HV, i_hv, 0)
+    store16(Ai, z, r0, m0, HV, i_hv, 16)
+    store16(Ai, z, r0, m0, HV, i_hv, 32)
+    store16(Ai, z, r0, m0, HV, i_hv, 48)
+    store16(Ai, X10, r1, m1, HV, i_hv, 0)
+    store16(Ai, X11, r1, m1, HV, i_hv, 16)
+    store16(Ai, z, r1, m1, HV, i_hv, 32)
+    store16(Ai, z, r1, m1, HV, i_hv, 48)
+    store16(Ai, X20, r2, m2, HV, i_hv, 0)
+    store16(Ai, X21, r2, m2, HV, i_hv, 16)
+    store16(Ai, X22, r2, m2, HV, i_hv, 32)
+    store16(Ai, z, r2, m2, HV, i_hv, 48)
+    store16(Ai, X30, r3, m3, HV, i_hv, 0)
+    store16(Ai, X31, r3, m3, HV, i_hv, 16)
+    store16(Ai, X32, r3, m3, HV, i_hv, 32)
+    store16(Ai, X33, r3, m3, HV, i_hv, 48)
+    store16(P, P00, r0, m0, HV, i_hv, 0)
+    store16(P, z, r0, m0, HV, i_hv, 16)
+    store16(P, z, r0, m0, HV, i_hv, 32)
+    store16(P, z, r0, m0, HV, i_hv, 48)
+    store16(P, P10, r1, m1, HV, i_hv, 0)
+    store16(P, P11, r1, m1, HV, i_hv, 16)
+    store16(P, z, r1, m1, HV, i_hv, 32)
+    store16(P, z, r1, m1, HV, i_hv, 48)
+    store16(P, P20, r2, m2, HV, i_hv, 0)
+    store16(P, P21, r2, m2, HV, i_hv, 16)
+    store16(P, P22, r2, m2, HV, i_hv, 32)
+    store16(P, z, r2, m2, HV, i_hv, 48)
+    store16(P, P30, r3, m3, HV, i_hv, 0)
+    store16(P, P31, r3, m3, HV, i_hv, 16)
+    store16(P, P32, r3, m3, HV, i_hv, 32)
+    store16(P, P33, r3, m3, HV, i_hv, 48)
 
 
 @triton.jit

@@ -30,16 +30,8 @@ import triton
 import triton.language as tl
 
 from ...router import needs_grad
+from ...triton.common import tl_sum
 from ...tuning import MAX_HEAD_DIM, OTHER, kda_recurrent_tiles
-
-
-@triton.jit
-def _sum(x, axis: tl.constexpr):
-    """``tl.sum`` as ``tl.reduce`` with triton's own sum combiner. ``tl.sum`` itself is decorated when
-    triton is first imported (torch imports it), so in a test process where that happened before
-    ``TRITON_INTERPRET=1`` was set it cannot be called from an interpreted kernel; the interpreter
-    recognises the combiner and sums with numpy, and the compiler sees a plain sum."""
-    return tl.reduce(x, axis, tl.standard._sum_combine)
 
 
 @triton.jit
@@ -83,9 +75,9 @@ def _kda_fwd_kernel(q, k, v, g, beta, o, h0, ht, ckpt, cu, ck_off, scale,
         b_g = tl.load(g + (i_t * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + i_t * HV + i_hv).to(tl.float32)
         b_h = b_h * tl.exp(b_g)[:, None]
-        b_e = b_v - _sum(b_h * b_k[:, None], axis=0)
+        b_e = b_v - tl_sum(b_h * b_k[:, None], axis=0)
         b_h = b_h + (b_beta * b_k)[:, None] * b_e[None, :]
-        b_o = _sum(b_h * b_q[:, None], axis=0) * scale
+        b_o = tl_sum(b_h * b_q[:, None], axis=0) * scale
         tl.store(o + (i_t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         i_t += 1
     if STORE_HT:
@@ -139,7 +131,7 @@ def _kda_bwd_kernel(q, k, v, g, beta, do, dht, ckpt, scratch, cu, ck_off,
             b_g = tl.load(g + (i_t * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_beta = tl.load(beta + i_t * HV + i_hv).to(tl.float32)
             b_h = b_h * tl.exp(b_g)[:, None]
-            b_e = b_v - _sum(b_h * b_k[:, None], axis=0)
+            b_e = b_v - tl_sum(b_h * b_k[:, None], axis=0)
             b_h = b_h + (b_beta * b_k)[:, None] * b_e[None, :]
             i_t += 1
         tl.debug_barrier()
@@ -155,16 +147,16 @@ def _kda_bwd_kernel(q, k, v, g, beta, do, dht, ckpt, scratch, cu, ck_off,
             b_do = tl.load(do + (i_t * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
             b_a = tl.exp(b_g)
             b_A = b_hp * b_a[:, None]
-            b_e = b_v - _sum(b_A * b_k[:, None], axis=0)
+            b_e = b_v - tl_sum(b_A * b_k[:, None], axis=0)
             b_S = b_A + (b_beta * b_k)[:, None] * b_e[None, :]
-            b_dq = _sum(b_S * b_do[None, :], axis=1) * scale
+            b_dq = tl_sum(b_S * b_do[None, :], axis=1) * scale
             b_dh += (scale * b_q)[:, None] * b_do[None, :]
-            b_dSe = _sum(b_dh * b_e[None, :], axis=1)  # dS e: [BK]
-            b_db = _sum(b_dSe * b_k, axis=0)
-            b_de = b_beta * _sum(b_dh * b_k[:, None], axis=0)  # [BV]
-            b_dk = b_beta * b_dSe - _sum(b_A * b_de[None, :], axis=1)
+            b_dSe = tl_sum(b_dh * b_e[None, :], axis=1)  # dS e: [BK]
+            b_db = tl_sum(b_dSe * b_k, axis=0)
+            b_de = b_beta * tl_sum(b_dh * b_k[:, None], axis=0)  # [BV]
+            b_dk = b_beta * b_dSe - tl_sum(b_A * b_de[None, :], axis=1)
             b_dA = b_dh - b_k[:, None] * b_de[None, :]
-            b_dg = b_a * _sum(b_dA * b_hp, axis=1)
+            b_dg = b_a * tl_sum(b_dA * b_hp, axis=1)
             b_dh = b_dA * b_a[:, None]
             row = (part + i_t) * HV + i_hv
             tl.store(dq + row * K + o_k, b_dq, mask=m_k)
