@@ -1,5 +1,7 @@
-"""The training loop of ``gdn train``: data, model, AdamW + warmup/cosine, validation, metrics,
-checkpoints, resume, signals, single process or torchrun (DDP / FSDP2)."""
+"""The training loop: :class:`TrainLoop` (micro-batches, autocast, gradient clipping, AdamW +
+warmup/cosine, metrics, validation, optional checkpoints and signals) and :class:`Trainer`, the
+language-model run of ``gdn train`` on top of it (data, model, checkpoints, resume, single process
+or torchrun with DDP / FSDP2). ``gdn mqar`` runs its cells through the same :class:`TrainLoop`."""
 from __future__ import annotations
 
 import logging
@@ -39,23 +41,51 @@ class TrainResult:
     tokens_per_s: float
 
 
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup over ``warmup`` steps, then cosine from 1 to ``min_ratio`` at ``total``."""
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float = 0.0, decay: int | None = None) -> float:
+    """Learning-rate multiplier at ``step`` (0-based): linear warmup over ``warmup`` steps, then a
+    cosine from 1 to ``min_ratio`` at ``total``. With ``decay`` the cosine spans only the last
+    ``decay`` steps before ``total`` and the factor stays 1 between warmup and them; ``None`` means
+    the cosine starts right after warmup."""
     if step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    start = warmup if decay is None else total - decay
+    if step < start:
+        return 1.0
+    progress = min(1.0, (step - start) / max(1, total - start))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class _StopSignal:
-    """SIGINT/SIGTERM set a flag (the loop saves and stops); a second signal interrupts at once."""
+def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float = 1e-8,
+          decay_embeddings: bool = True) -> torch.optim.AdamW:
+    """AdamW over :func:`gdn.models.param_groups` (no decay on norms, biases, ``A_log``, ``dt_bias``;
+    none on the input embedding either unless ``decay_embeddings``)."""
+    groups = param_groups(model, weight_decay)
+    if not decay_embeddings:
+        emb = model.get_input_embeddings().weight
+        groups[0]["params"] = [p for p in groups[0]["params"] if p is not emb]
+        groups[1]["params"].append(emb)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
 
-    def __init__(self):
+
+def autocast_for(device: torch.device, dtype: str = "auto"):
+    """A callable returning the forward's autocast context: bf16 for ``dtype="bf16"``, or for
+    ``"auto"`` on CUDA; none (fp32) otherwise."""
+    if dtype == "bf16" or (dtype == "auto" and device.type == "cuda"):
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext
+
+
+class _StopSignal:
+    """SIGINT/SIGTERM set a flag (the loop saves and stops); a second signal interrupts at once.
+    Disabled, it leaves the handlers alone and never sets the flag."""
+
+    def __init__(self, enabled: bool = True):
         self.signum = 0
+        self.enabled = enabled
         self._old = {}
 
     def __enter__(self):
-        for s in (signal.SIGINT, signal.SIGTERM):
+        for s in (signal.SIGINT, signal.SIGTERM) if self.enabled else ():
             try:
                 self._old[s] = signal.signal(s, self._handle)
             except ValueError:  # not the main thread
@@ -86,8 +116,177 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-class Trainer:
-    """Builds everything from a :class:`TrainConfig`; :meth:`run` trains and returns a :class:`TrainResult`.
+@dataclass
+class LoopSettings:
+    """How a :class:`TrainLoop` runs. A :class:`TrainConfig` has the same fields and serves as one."""
+
+    steps: int  #: optimizer steps
+    grad_clip: float = 1.0  #: max global gradient norm (0 = measured, not clipped)
+    log_every: int = 10  #: steps between metric lines (when the loop keeps a metrics log)
+    eval_every: int = 0  #: steps between validations (0: only at the end)
+    save_every: int = 0  #: steps between checkpoints (0: no checkpoints, signals not caught)
+    progress: bool = False  #: show a progress bar
+    time_limit: float | None = None  #: stop after this many seconds
+    stop_after: int | None = None  #: stop after this step
+
+
+@dataclass
+class LoopOutcome:
+    """What :meth:`TrainLoop.fit` ended with: the last step's loss, the last validation's metrics
+    (None without validation), the last checkpoint (None without checkpoints)."""
+
+    step: int
+    train_loss: float
+    metrics: dict | None
+    interrupted: bool
+    checkpoint: Path | None
+    tokens_per_s: float
+
+
+class TrainLoop:
+    """The optimisation loop of ``gdn train`` and ``gdn mqar``.
+
+    Every step runs the micro-batches of :meth:`micro_batches` (forward under ``autocast``, each
+    loss divided by their count, backward; gradients synchronised only on the last one under DDP),
+    clips the global gradient norm at ``settings.grad_clip``, then steps the optimizer and the
+    scheduler (build them with :func:`adamw` and :func:`lr_factor`). Every ``log_every`` steps the
+    loss, lr, gradient norm and throughput go to the metrics log of :meth:`begin`; every
+    ``eval_every`` steps and at the end :meth:`validate` is logged; with ``save_every`` > 0 a
+    checkpoint is written every ``save_every`` steps, at the end and when the run stops early
+    (SIGINT/SIGTERM, ``time_limit``, ``stop_after``).
+
+    A subclass supplies :meth:`micro_batches` and :meth:`loss`, and where it needs them
+    :meth:`validate`, :meth:`begin` (the log), :meth:`save` and :meth:`finish`.
+
+    Args:
+        model: the module whose parameters are clipped. optimizer, scheduler: stepped once per step.
+        settings: a :class:`LoopSettings` (or a :class:`TrainConfig`), read at every step.
+        device: where losses are reduced. dist: the :class:`DistInfo` (default: one process).
+        wrapped: the DDP / FSDP module (default ``model``). autocast: a callable returning the
+            forward's autocast context. tokens_per_step: for the throughput figure.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, settings, *,
+                 device: torch.device, dist: D.DistInfo | None = None, wrapped: torch.nn.Module | None = None,
+                 autocast=nullcontext, tokens_per_step: int = 0):
+        self.model, self.optimizer, self.scheduler, self.settings = model, optimizer, scheduler, settings
+        self.device = device
+        self.dist = dist if dist is not None else D.DistInfo(device=device)
+        self.wrapped = wrapped if wrapped is not None else model
+        self.autocast = autocast
+        self.tokens_per_step = tokens_per_step
+        self.step = 0
+
+    # ---- what a run supplies -------------------------------------------------------------------
+    def micro_batches(self) -> list:
+        """The micro-batches of optimizer step ``self.step`` (0-based)."""
+        raise NotImplementedError
+
+    def loss(self, batch) -> torch.Tensor:
+        """The mean loss of one micro-batch (a scalar with a gradient)."""
+        raise NotImplementedError
+
+    def validate(self) -> dict | None:
+        """``{metric: number}`` on held-out data, or None (no validation)."""
+        return None
+
+    def validation_message(self, metrics: dict) -> str | None:
+        """A line for the progress output after an in-run validation, or None."""
+        return None
+
+    def begin(self):
+        """Prepare the run (before the first step); the metrics log (``log(step, **values)``,
+        ``close()``) of this process, or None for no metric lines."""
+        return None
+
+    def save(self) -> Path:
+        """Write a checkpoint of step ``self.step``; its folder (needed when ``save_every`` > 0)."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """After the last step and validation (the log is closed)."""
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step: ``(loss averaged over ranks, global gradient norm before clipping)``."""
+        micro = self.micro_batches()
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro):
+            sync = i == len(micro) - 1 or not hasattr(self.wrapped, "no_sync")
+            with (nullcontext() if sync else self.wrapped.no_sync()), self.autocast():
+                loss = self.loss(batch) / len(micro)
+            loss.backward()
+            total += loss.detach()
+        clip = self.settings.grad_clip
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else 1e30)
+        if hasattr(gnorm, "full_tensor"):
+            gnorm = gnorm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return float(D.all_reduce(total, "mean")), float(gnorm)
+
+    def _validate(self, log, bar=None) -> dict | None:
+        metrics = self.validate()
+        if metrics is not None and log is not None:
+            log.log(self.step, **metrics)
+        if metrics is not None and bar is not None and self.dist.is_main:
+            message = self.validation_message(metrics)
+            if message:
+                bar.write(message)
+        return metrics
+
+    def fit(self) -> LoopOutcome:
+        """Train from ``self.step`` to ``settings.steps``, or until a signal / the time limit / ``stop_after``."""
+        from tqdm.auto import tqdm
+
+        s = self.settings
+        log = self.begin()
+        bar = tqdm(total=s.steps, initial=self.step, disable=not (self.dist.is_main and s.progress),
+                   dynamic_ncols=True, desc="train")
+        checkpoints = s.save_every > 0
+        t0, rate, loss, val, last_saved, interrupted = time.time(), 0.0, float("nan"), None, None, False
+        self.wrapped.train()
+        with _StopSignal(enabled=checkpoints) as stop:
+            while self.step < s.steps:
+                ts = time.time()
+                loss, gnorm = self.train_step()
+                dt = time.time() - ts
+                rate = self.tokens_per_step / dt if rate == 0 else 0.9 * rate + 0.1 * self.tokens_per_step / dt
+                lr = self.scheduler.get_last_lr()[0]
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", lr=f"{lr:.2e}")
+                if log is not None and (self.step % s.log_every == 0 or self.step == s.steps):
+                    log.log(self.step, loss=loss, lr=lr, grad_norm=gnorm, tokens_per_s=rate,
+                            tokens=self.step * self.tokens_per_step)
+                if s.eval_every and (self.step % s.eval_every == 0 or self.step == s.steps):
+                    val = self._validate(log, bar)
+                over_time = s.time_limit is not None and time.time() - t0 > s.time_limit
+                paused = s.stop_after is not None and self.step >= s.stop_after
+                flag = D.all_reduce(torch.tensor([float(bool(stop.signum) or over_time or paused)], device=self.device),
+                                    "max")
+                interrupted = bool(flag.item())
+                if checkpoints and (self.step % s.save_every == 0 or self.step == s.steps or interrupted):
+                    last_saved = self.save()
+                if interrupted:
+                    reason = (signal.Signals(stop.signum).name if stop.signum else
+                              "time limit" if over_time else f"stop_after={s.stop_after}")
+                    bar.write(f"stopped at step {self.step} ({reason}); checkpoint {last_saved}")
+                    break
+        bar.close()
+        if val is None or (interrupted and s.eval_every > 0 and self.step % s.eval_every):
+            val = self._validate(log)
+        if log is not None:
+            log.close()
+        self.finish()
+        return LoopOutcome(self.step, loss, val, interrupted, last_saved, rate)
+
+
+class Trainer(TrainLoop):
+    """The language-model run of ``gdn train``: builds data, model, optimizer and schedule from a
+    :class:`TrainConfig` (which is also its :class:`LoopSettings`); :meth:`run` trains through
+    :meth:`TrainLoop.fit` and returns a :class:`TrainResult`. Checkpoints: :mod:`gdn.checkpoint`.
 
     ``resume``: False (fresh run; an existing run folder's checkpoints are kept but not used),
     True (the newest checkpoint under ``cfg.out``) or a checkpoint / run folder.
@@ -114,21 +313,14 @@ class Trainer:
         model = GDNForCausalLM(self.model_config).to(self.device)
         if cfg.activation_checkpointing:
             model.model.gradient_checkpointing = True
-        self.model = model
-        self.wrapped = D.wrap(model, cfg.distributed, self.dist)
-        self.forward = torch.compile(self.wrapped) if cfg.compile else self.wrapped
-        groups = param_groups(model, cfg.weight_decay)
-        if not cfg.decay_embeddings:
-            emb = model.get_input_embeddings().weight
-            groups[0]["params"] = [p for p in groups[0]["params"] if p is not emb]
-            groups[1]["params"].append(emb)
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
-                                           foreach=True)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
-        bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
-        self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
-        self.step = 0
+        wrapped = D.wrap(model, cfg.distributed, self.dist)
+        self.forward = torch.compile(wrapped) if cfg.compile else wrapped
+        optimizer = adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps, cfg.decay_embeddings)
+        # cfg is read when the schedule is: a change of cfg.steps before run() reaches the schedule too
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
+        super().__init__(model, optimizer, scheduler, cfg, device=self.device, dist=self.dist, wrapped=wrapped,
+                         autocast=autocast_for(self.device, cfg.dtype), tokens_per_step=cfg.batch_size * cfg.seq_len)
         self.unigram_bpb = unigram_bits_per_byte(self.train_data, self.val_data, self.tokenizer.vocab_size)
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -212,37 +404,35 @@ class Trainer:
                            state.get("world_size", 1), self.dist.world_size)
         logger.info("resumed from %s at step %d", path, self.step)
 
-    # ---- loop --------------------------------------------------------------------------------
-    def validate(self):
+    # ---- what the loop runs -----------------------------------------------------------------
+    def micro_batches(self) -> list:
+        """``grad_accum`` packed rows ``(ids [1, L], cu_seqlens)`` of this rank's share of the step's samples."""
+        cfg = self.cfg
+        return self.windows.batches(self.step * cfg.batch_size, cfg.batch_size, self.dist.rank, self.dist.world_size,
+                                    cfg.grad_accum)
+
+    def loss(self, batch) -> torch.Tensor:
+        """Next-token loss of one packed row (no prediction across its documents' boundaries)."""
+        ids, cu = batch[0].to(self.device), batch[1].to(self.device)
+        return self.forward(input_ids=ids, labels=ids, cu_seqlens=cu).loss
+
+    def evaluate(self):
         """:class:`gdn.evaluation.EvalResult` on the fixed held-out rows."""
         return evaluate(self.wrapped if self.dist.enabled else self.model, self.val_batches,
                         self.train_data.bytes_per_token, self.device, self.autocast())
 
-    def _train_step(self) -> tuple[float, float]:
-        cfg = self.cfg
-        micro = self.windows.batches(self.step * cfg.batch_size, cfg.batch_size, self.dist.rank,
-                                     self.dist.world_size, cfg.grad_accum)
-        total = torch.zeros((), device=self.device)
-        for i, (ids, cu) in enumerate(micro):
-            ids, cu = ids.to(self.device), cu.to(self.device)
-            sync = i == len(micro) - 1 or not hasattr(self.wrapped, "no_sync")
-            with (nullcontext() if sync else self.wrapped.no_sync()), self.autocast():
-                loss = self.forward(input_ids=ids, labels=ids, cu_seqlens=cu).loss / cfg.grad_accum
-            loss.backward()
-            total += loss.detach()
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else 1e30)
-        if hasattr(gnorm, "full_tensor"):
-            gnorm = gnorm.full_tensor()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return float(D.all_reduce(total, "mean")), float(gnorm)
+    def validate(self) -> dict:
+        """``val_loss`` (nats/token), ``val_bpb`` (bits/byte) and ``val_ppl`` of :meth:`evaluate`."""
+        val = self.evaluate()
+        return {"val_loss": val.loss, "val_bpb": val.bits_per_byte, "val_ppl": val.perplexity}
 
-    def run(self) -> TrainResult:
-        """Train from the current (or resumed) step to ``cfg.steps``, or until a signal / the time limit."""
-        from tqdm.auto import tqdm
+    def validation_message(self, metrics: dict) -> str:
+        return (f"step {self.step}: val loss {metrics['val_loss']:.4f}, {metrics['val_bpb']:.3f} bits/byte "
+                f"(unigram {self.unigram_bpb:.3f})")
 
+    def begin(self):
+        """Resume (or refuse a run folder that holds checkpoints), write the run's configs; the
+        metrics log (rank 0; continued after the resumed step)."""
         cfg, main = self.cfg, self.dist.is_main
         resumed_from = None
         if self.resume:
@@ -259,51 +449,18 @@ class Trainer:
         n_params = sum(p.numel() for p in self.model.parameters())
         logger.info("model %s/%s, %.2fM parameters, pattern %s, device %s x%d", cfg.preset, cfg.size, n_params / 1e6,
                     self.model_config.layer_pattern, self.device, self.dist.world_size)
-        tokens_per_step = cfg.batch_size * cfg.seq_len
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not (main and cfg.progress), dynamic_ncols=True,
-                   desc="train")
-        t0, rate, loss, val, last_saved, interrupted = time.time(), 0.0, float("nan"), None, None, False
-        self.wrapped.train()
-        with _StopSignal() as stop:
-            while self.step < cfg.steps:
-                ts = time.time()
-                loss, gnorm = self._train_step()
-                dt = time.time() - ts
-                rate = tokens_per_step / dt if rate == 0 else 0.9 * rate + 0.1 * tokens_per_step / dt
-                lr = self.scheduler.get_last_lr()[0]
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", lr=f"{lr:.2e}")
-                if main and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
-                    log.log(self.step, loss=loss, lr=lr, grad_norm=gnorm, tokens_per_s=rate,
-                            tokens=self.step * tokens_per_step)
-                if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
-                    val = self.validate()
-                    if main:
-                        log.log(self.step, val_loss=val.loss, val_bpb=val.bits_per_byte, val_ppl=val.perplexity)
-                        bar.write(f"step {self.step}: val loss {val.loss:.4f}, {val.bits_per_byte:.3f} bits/byte "
-                                  f"(unigram {self.unigram_bpb:.3f})")
-                over_time = cfg.time_limit is not None and time.time() - t0 > cfg.time_limit
-                paused = cfg.stop_after is not None and self.step >= cfg.stop_after
-                flag = D.all_reduce(torch.tensor([float(bool(stop.signum) or over_time or paused)], device=self.device),
-                                    "max")
-                interrupted = bool(flag.item())
-                if self.step % cfg.save_every == 0 or self.step == cfg.steps or interrupted:
-                    last_saved = self.save()
-                if interrupted:
-                    reason = (signal.Signals(stop.signum).name if stop.signum else
-                              "time limit" if over_time else f"stop_after={cfg.stop_after}")
-                    bar.write(f"stopped at step {self.step} ({reason}); checkpoint {last_saved}")
-                    break
-        bar.close()
-        if val is None or (interrupted and cfg.eval_every > 0 and self.step % cfg.eval_every):
-            val = self.validate()
-            if main:
-                log.log(self.step, val_loss=val.loss, val_bpb=val.bits_per_byte, val_ppl=val.perplexity)
-        if main:
-            log.close()
+        return log
+
+    def finish(self) -> None:
+        """The loss curve beside the metrics."""
+        if self.dist.is_main:
             plot_loss_curve(self.out / "metrics.jsonl", self.out / "loss_curve.png", self.unigram_bpb)
-        return TrainResult(self.step, loss, val.loss, val.bits_per_byte, self.unigram_bpb, interrupted, self.out,
-                           last_saved, rate)
+
+    def run(self) -> TrainResult:
+        """Train from the current (or resumed) step to ``cfg.steps``, or until a signal / the time limit."""
+        o = self.fit()
+        return TrainResult(o.step, o.train_loss, o.metrics["val_loss"], o.metrics["val_bpb"], self.unigram_bpb,
+                           o.interrupted, self.out, o.checkpoint, o.tokens_per_s)
 
 
 def train(cfg: TrainConfig, resume: bool | str = False) -> TrainResult:

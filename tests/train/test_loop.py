@@ -1,0 +1,71 @@
+"""The shared training loop on a toy regression: micro-batches average to the full batch's gradient,
+the norm is clipped, the schedule is lr_factor's, and without save_every nothing is written and no
+signal handler is installed."""
+from __future__ import annotations
+
+import math
+import signal
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gdn.train import LoopSettings, TrainLoop, lr_factor
+
+
+class Toy(TrainLoop):
+    """Linear regression in two micro-batches of 8 rows."""
+
+    def __init__(self, steps: int, grad_clip: float, lr: float = 0.1):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 2, steps, 0.0, 3))
+        super().__init__(model, opt, sched, LoopSettings(steps=steps, grad_clip=grad_clip), device=torch.device("cpu"))
+        self.x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+        self.y = self.x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+        self.lrs, self.handlers = [], set()
+
+    def micro_batches(self):
+        self.lrs.append(self.scheduler.get_last_lr()[0])
+        return [(self.x[:8], self.y[:8]), (self.x[8:], self.y[8:])]
+
+    def loss(self, batch):
+        self.handlers.add(signal.getsignal(signal.SIGINT))
+        return F.mse_loss(self.model(batch[0]), batch[1])
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_one_step_is_the_full_batch_step_clipped(clip):
+    toy = Toy(steps=1, grad_clip=clip)
+    w0 = [p.detach().clone() for p in toy.model.parameters()]
+    out = toy.fit()
+    ref = torch.nn.Linear(4, 1)
+    with torch.no_grad():
+        for p, w in zip(ref.parameters(), w0):
+            p.copy_(w)
+    loss = F.mse_loss(ref(toy.x), toy.y)
+    loss.backward()
+    norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in ref.parameters()))
+    scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+    lr = 0.1 * lr_factor(0, 2, 1, 0.0, 3)
+    for p, q in zip(toy.model.parameters(), ref.parameters()):
+        assert torch.allclose(p, q - lr * scale * q.grad, atol=1e-6)
+    assert out.train_loss == pytest.approx(float(loss.detach()), rel=1e-6)
+    assert (out.step, out.metrics, out.checkpoint, out.interrupted) == (1, None, None, False)
+
+
+def test_schedule_and_no_signal_handlers_without_checkpoints():
+    before = signal.getsignal(signal.SIGINT)
+    toy = Toy(steps=8, grad_clip=1.0)
+    out = toy.fit()
+    assert out.step == 8 and out.train_loss < float(F.mse_loss(torch.zeros_like(toy.y), toy.y))
+    assert toy.lrs == pytest.approx([0.1 * lr_factor(s, 2, 8, 0.0, 3) for s in range(8)])
+    assert toy.lrs[2:5] == [0.1] * 3  # constant between warmup and the last 3 steps' cosine
+    assert toy.handlers == {before} and signal.getsignal(signal.SIGINT) is before
+
+
+def test_lr_factor_without_decay_is_warmup_then_cosine_to_min_ratio():
+    assert lr_factor(0, 4, 20, 0.1) == 0.25 and lr_factor(3, 4, 20, 0.1) == 1.0
+    assert lr_factor(4, 4, 20, 0.1) == 1.0 and lr_factor(20, 4, 20, 0.1) == pytest.approx(0.1)
+    assert lr_factor(12, 4, 20, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
