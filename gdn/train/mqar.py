@@ -1,10 +1,13 @@
 """``gdn mqar``: multi-query associative recall (Zoology) for every token mixer.
 
-2-layer models of each mixer letter (``L`` linear attention, ``M`` gated linear attention,
-``D`` DeltaNet, ``G`` Gated DeltaNet, ``A`` softmax attention) are trained on MQAR at every model
-width and number of key-value pairs, for every learning rate; the table reports, per cell, the
-test accuracy over query positions of the best learning rate. Runs are spread over worker
-processes (CPU) and written to ``OUT/results.json``, ``OUT/table.md`` and ``OUT/mqar.png``.
+2-layer models of each chosen mixer letter (every recurrent mixer and ``A`` softmax attention:
+:data:`LETTERS`; the presets compare ``L`` linear attention, ``M`` gated linear attention, ``D``
+DeltaNet, ``G`` Gated DeltaNet and ``A``) are trained on MQAR at every model width and number of
+key-value pairs, for every learning rate; the table reports, per cell, the test accuracy over
+query positions of the best learning rate. Each run goes through the shared training loop
+(:class:`gdn.train.loop.TrainLoop`: AdamW, :func:`gdn.train.loop.lr_factor`, clipping) in memory,
+without checkpoints. Runs are spread over worker processes (CPU) and written to
+``OUT/results.json``, ``OUT/table.md`` and ``OUT/mqar.png``.
 
 The table ends with :func:`delta_rule_ahead`'s verdict: whether D and G are above L in every
 column. The presets start the models with :data:`RECIPE` (``beta_offset``: β of D/G layers starts
@@ -30,12 +33,22 @@ import torch.nn.functional as F
 
 from ..data import mqar_batch
 from ..data.mqar import mqar_mixture
+from ..models.registry import MIXERS, letters, mixer
+from . import distributed as D
 from .config import merge, parse_set, read_config_file
+from .loop import LoopSettings, TrainLoop, adamw, autocast_for, lr_factor
 
 logger = logging.getLogger(__name__)
 
-MIXER_NAMES = {"L": "linear attention", "M": "gated linear attn", "D": "DeltaNet", "G": "Gated DeltaNet",
-               "A": "softmax attention"}
+#: The mixers ``gdn mqar`` runs: those with a step cost in :data:`gdn.models.registry.MIXERS`
+#: (every recurrent mixer and global attention; MQAR's config sets no attention window).
+LETTERS = letters(lambda s: s.step_cost is not None)
+
+#: Table and plot name of each letter :data:`LETTERS` holds.
+MIXER_NAMES = {c: MIXERS[c].display for c in LETTERS}
+
+#: The verdict under the table: the delta-rule mixers against linear attention.
+DELTA_RULE, BASELINE = "DG", "L"
 
 
 @dataclass
@@ -66,9 +79,9 @@ class MQARConfig:
     out: str = "runs/mqar"
 
     def __post_init__(self):
-        bad = sorted(set(self.mixers) - set(MIXER_NAMES))
+        bad = sorted(set(self.mixers) - set(LETTERS))
         if not self.mixers or bad:
-            raise ValueError(f"mixers must be letters of {''.join(MIXER_NAMES)}, got {self.mixers!r}")
+            raise ValueError(f"mixers must be letters of {LETTERS}, got {self.mixers!r}")
         for name in ("widths", "num_pairs", "lrs"):
             v = getattr(self, name)
             if not isinstance(v, list) or not v:
@@ -139,23 +152,20 @@ def model_config(letter: str, width: int, cfg: MQARConfig):
     return GDNConfig(vocab_size=cfg.vocab_size, hidden_size=width, num_hidden_layers=2, layer_pattern=letter * 2,
                      num_heads=cfg.num_heads, head_dim=head, expand_v=1.0, num_attention_heads=cfg.num_heads,
                      num_key_value_heads=cfg.num_heads, intermediate_size=2 * width,
-                     max_position_embeddings=cfg.seq_len, beta_offset=float(cfg.beta_offset) if letter in "DG" else 0.0)
+                     max_position_embeddings=cfg.seq_len,
+                     beta_offset=float(cfg.beta_offset) if "beta_offset" in mixer(letter).options else 0.0)
 
 
 def build_model(letter: str, width: int, cfg: MQARConfig):
-    """The 2-layer model of one mixer at one width, with the recipe's initialisation: every ``D``/``G``
-    layer's ``beta_offset`` set to ``cfg.beta_offset`` (as its config records), and with
-    ``cfg.decay_init`` the decay gates of ``M``/``G`` layers drawn as
+    """The 2-layer model of one mixer at one width, with the recipe's initialisation: the layers that
+    read ``beta_offset`` (``D``, ``G``) get ``cfg.beta_offset`` through their config, and with
+    ``cfg.decay_init`` the scalar decay gates (``M``, ``G``) are drawn as
     :func:`gdn.layers.recurrent.mamba_gate_init` does from those ranges."""
-    from ..layers import DeltaNet, GatedDeltaNet
     from ..layers.recurrent import RecurrentMixer, mamba_gate_init
     from ..models import GDNForCausalLM
 
-    config = model_config(letter, width, cfg)
-    model = GDNForCausalLM(config)
+    model = GDNForCausalLM(model_config(letter, width, cfg))
     for m in model.modules():
-        if isinstance(m, (DeltaNet, GatedDeltaNet)):
-            m.beta_offset = config.beta_offset
         if cfg.decay_init is not None and isinstance(m, RecurrentMixer) and m.has_decay:
             a_min, a_max, dt_min, dt_max = (float(v) for v in cfg.decay_init)
             A_log, dt_bias = mamba_gate_init(m.num_v_heads, dt_min=dt_min, dt_max=dt_max, a_min=a_min, a_max=a_max)
@@ -180,65 +190,78 @@ def accuracy(model, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int
     return hit / max(total, 1)
 
 
-def lr_factor(step: int, steps: int, warmup_frac: float, decay_frac: float) -> float:
-    """Learning-rate multiplier at ``step`` (0-based) of ``steps``: linear warmup over the first
-    ``warmup_frac`` of the steps, constant 1, then a cosine to 0 over the last ``decay_frac`` (at
-    most the steps after warmup; ``decay_frac=1`` is warmup then cosine)."""
-    warm = max(1, int(warmup_frac * steps))
-    if step < warm:
-        return (step + 1) / warm
-    decay = max(1, min(steps - warm, int(round(decay_frac * steps))))
-    start = steps - decay
-    if step < start:
-        return 1.0
-    return 0.5 * (1 + math.cos(math.pi * (step - start) / decay))
+def schedule_steps(steps: int, warmup_frac: float, decay_frac: float) -> tuple[int, int]:
+    """``(warmup, decay)`` steps of :func:`gdn.train.loop.lr_factor` for a run of ``steps``: linear
+    warmup over the first ``warmup_frac`` of the steps (at least one), constant 1, then a cosine to
+    0 over the last ``decay_frac`` (at least one step, at most the steps after warmup;
+    ``decay_frac=1`` is warmup then cosine)."""
+    warmup = max(1, int(warmup_frac * steps))
+    return warmup, max(1, min(steps - warmup, int(round(decay_frac * steps))))
+
+
+class CellRun(TrainLoop):
+    """One MQAR cell (mixer, width, pairs, lr) in the shared :class:`TrainLoop`: the training
+    sequences held in memory, ``epochs`` passes over them in a fresh seeded order each, cross entropy
+    at the query positions, clipping at 1, AdamW (betas 0.9, 0.98) with :func:`schedule_steps`'s
+    schedule, bf16 autocast on CUDA; the validation is the test accuracy (:func:`accuracy`). No
+    checkpoints, no metrics log."""
+
+    def __init__(self, cfg: MQARConfig, letter: str, width: int, pairs: int, lr: float):
+        device = D.pick_device(cfg.device)
+        if cfg.train_pairs is None:
+            x, y = mqar_batch(cfg.train_examples, cfg.seq_len, pairs, cfg.vocab_size, alpha=cfg.alpha,
+                              seed=cfg.seed * 1000 + pairs)
+        else:
+            x, y = mqar_mixture(cfg.train_examples, cfg.seq_len, cfg.train_pairs, cfg.vocab_size, alpha=cfg.alpha,
+                                seed=cfg.seed)
+        xt, yt = mqar_batch(cfg.test_examples, cfg.seq_len, pairs, cfg.vocab_size, alpha=cfg.alpha,
+                            seed=cfg.seed * 1000 + pairs + 10**6)
+        self.x, self.y, self.xt, self.yt = x.to(device), y.to(device), xt.to(device), yt.to(device)
+        torch.manual_seed(cfg.seed)
+        model = build_model(letter, width, cfg).to(device)
+        optimizer = adamw(model, lr, cfg.weight_decay, (0.9, 0.98))
+        self.steps_per_epoch = math.ceil(cfg.train_examples / cfg.batch_size)
+        steps = cfg.epochs * self.steps_per_epoch
+        warmup, decay = schedule_steps(steps, cfg.warmup_frac, cfg.decay_frac)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, warmup, steps, 0.0, decay))
+        super().__init__(model, optimizer, scheduler, LoopSettings(steps=steps, grad_clip=1.0), device=device,
+                         autocast=autocast_for(device), tokens_per_step=cfg.batch_size * cfg.seq_len)
+        self.cfg = cfg
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.epoch, self.order = -1, None
+
+    def micro_batches(self) -> list:
+        """The step's sequences ``[(ids, targets)]``: the next slice of this epoch's order."""
+        epoch, i = divmod(self.step, self.steps_per_epoch)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.order = torch.randperm(self.cfg.train_examples, generator=self.generator).to(self.device)
+        idx = self.order[i * self.cfg.batch_size : (i + 1) * self.cfg.batch_size]
+        return [(self.x[idx], self.y[idx])]
+
+    def loss(self, batch) -> torch.Tensor:
+        """Cross entropy at the query positions (``targets != -100``; targets are not shifted)."""
+        ids, targets = batch
+        logits = self.model(input_ids=ids, use_cache=False).logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+
+    def validate(self) -> dict:
+        """``{"accuracy": ...}`` on the held-out sequences."""
+        with self.autocast():
+            return {"accuracy": accuracy(self.model, self.xt, self.yt)}
 
 
 def train_one(cfg: MQARConfig, letter: str, width: int, pairs: int, lr: float) -> dict:
     """Train one model on one cell; ``{mixer, width, num_pairs, lr, accuracy, final_loss, seconds}``."""
-    from ..models import param_groups
-
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
     t0 = time.time()
-    if cfg.train_pairs is None:
-        x, y = mqar_batch(cfg.train_examples, cfg.seq_len, pairs, cfg.vocab_size, alpha=cfg.alpha,
-                          seed=cfg.seed * 1000 + pairs)
-    else:
-        x, y = mqar_mixture(cfg.train_examples, cfg.seq_len, cfg.train_pairs, cfg.vocab_size, alpha=cfg.alpha,
-                            seed=cfg.seed)
-    xt, yt = mqar_batch(cfg.test_examples, cfg.seq_len, pairs, cfg.vocab_size, alpha=cfg.alpha,
-                        seed=cfg.seed * 1000 + pairs + 10**6)
-    x, y, xt, yt = x.to(device), y.to(device), xt.to(device), yt.to(device)
-    torch.manual_seed(cfg.seed)
-    model = build_model(letter, width, cfg).to(device)
-    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=lr, betas=(0.9, 0.98))
-    steps = cfg.epochs * math.ceil(cfg.train_examples / cfg.batch_size)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, cfg.warmup_frac, cfg.decay_frac))
-    gen = torch.Generator().manual_seed(cfg.seed)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    loss = torch.zeros(())
-    for _ in range(cfg.epochs):
-        order = torch.randperm(cfg.train_examples, generator=gen).to(device)
-        for i in range(0, cfg.train_examples, cfg.batch_size):
-            idx = order[i : i + cfg.batch_size]
-            with amp:
-                logits = model(input_ids=x[idx], use_cache=False).logits
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y[idx].reshape(-1), ignore_index=-100)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-    with amp:
-        acc = accuracy(model, xt, yt)
-    return dict(mixer=letter, width=width, num_pairs=pairs, lr=lr, accuracy=acc, final_loss=float(loss.detach()),
-                seconds=time.time() - t0)
+    out = CellRun(cfg, letter, width, pairs, lr).fit()
+    return dict(mixer=letter, width=width, num_pairs=pairs, lr=lr, accuracy=out.metrics["accuracy"],
+                final_loss=out.train_loss, seconds=time.time() - t0)
 
 
-#: Seconds per training step relative to linear attention (the runs' times in a cpu-small grid, seed 0,
-#: one thread per run on 2 cores): used only to start the longest runs first.
-STEP_COST = {"L": 1.0, "M": 1.1, "D": 1.2, "G": 1.3, "A": 0.5}
+#: Seconds per training step relative to linear attention (:attr:`gdn.models.registry.MixerSpec.step_cost`):
+#: used only to start the longest runs first.
+STEP_COST = {c: MIXERS[c].step_cost for c in LETTERS}
 
 
 def run_cost(letter: str, width: int, pairs: int) -> float:
@@ -272,11 +295,11 @@ def delta_rule_ahead(results: list[dict]) -> dict:
     best = best_by_cell(results)
     out = {}
     for w, p in sorted({(w, p) for _, w, p in best}):
-        if ("L", w, p) not in best:
+        if (BASELINE, w, p) not in best:
             continue
-        delta = [best[(m, w, p)]["accuracy"] for m in "DG" if (m, w, p) in best]
+        delta = [best[(m, w, p)]["accuracy"] for m in DELTA_RULE if (m, w, p) in best]
         if delta:
-            out[(w, p)] = all(a > best[("L", w, p)]["accuracy"] for a in delta)
+            out[(w, p)] = all(a > best[(BASELINE, w, p)]["accuracy"] for a in delta)
     return out
 
 

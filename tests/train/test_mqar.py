@@ -128,15 +128,21 @@ def test_mqar_config_rejects_bad_recipe_values(key, bad):
         MQARConfig(**{key: bad})
 
 
-def test_lr_factor_warmup_constant_then_cosine():
-    from gdn.train.mqar import lr_factor
+def test_mqar_schedule_is_the_shared_lr_factor_warmup_constant_then_cosine():
+    from gdn.train.loop import lr_factor
+    from gdn.train.mqar import schedule_steps
 
     steps, warm = 200, 10
-    f = [lr_factor(s, steps, 0.05, 0.25) for s in range(steps)]
+
+    def mqar_factor(s, steps, warmup_frac, decay_frac):
+        warmup, decay = schedule_steps(steps, warmup_frac, decay_frac)
+        return lr_factor(s, warmup, steps, 0.0, decay)
+
+    f = [mqar_factor(s, steps, 0.05, 0.25) for s in range(steps)]
     assert f[0] == pytest.approx(1 / warm) and f[warm - 1] == pytest.approx(1.0)
     assert all(v == 1.0 for v in f[warm:150])  # constant until the last 25 % of the steps
     assert all(a > b for a, b in zip(f[151:], f[152:])) and f[-1] < 1e-3
-    full = [lr_factor(s, steps, 0.05, 1.0) for s in range(steps)]  # decay_frac=1: warmup, then cosine at once
+    full = [mqar_factor(s, steps, 0.05, 1.0) for s in range(steps)]  # decay_frac=1: warmup, then cosine at once
     assert full[warm] == pytest.approx(1.0) and full[warm + 1] < 1.0
     assert full[105] == pytest.approx(0.5 * (1 + math.cos(math.pi * 95 / 190)))
 
@@ -249,3 +255,29 @@ def test_cpu_small_preset_builds_every_mixer_with_one_head_of_the_full_width():
         with torch.no_grad():
             logits = model(input_ids=x, use_cache=False).logits
         assert logits.shape == (2, cfg.seq_len, cfg.vocab_size) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("letter", list("GDMLKA"))
+def test_mqar_builds_and_trains_every_recurrent_mixer_and_attention(letter):
+    """Every recurrent letter and global attention runs through ``train_one``: a model is built and
+    trained two steps, and its cell reports an accuracy and a finite loss."""
+    from gdn.train.mqar import MQARConfig, build_model, train_one
+
+    cfg = MQARConfig(mixers=letter, widths=[16], num_pairs=[2], lrs=[1e-3], seq_len=16, vocab_size=16,
+                     train_examples=8, test_examples=4, epochs=1, batch_size=4, device="cpu", workers=1)
+    assert build_model(letter, 16, cfg).config.layer_pattern == letter * 2
+    r = train_one(cfg, letter, 16, 2, 1e-3)
+    assert (r["mixer"], r["width"], r["num_pairs"], r["lr"]) == (letter, 16, 2, 1e-3)
+    assert 0.0 <= r["accuracy"] <= 1.0 and math.isfinite(r["final_loss"])
+
+
+def test_mqar_letters_step_costs_and_names_come_from_the_mixer_table():
+    from gdn.models import MIXERS, RECURRENT_LETTERS
+    from gdn.train import mqar
+
+    assert mqar.LETTERS == RECURRENT_LETTERS + "A"
+    assert mqar.STEP_COST == {c: MIXERS[c].step_cost for c in mqar.LETTERS}
+    assert mqar.MIXER_NAMES["K"] == MIXERS["K"].display
+    assert mqar.MQARConfig(mixers=mqar.LETTERS).mixers == mqar.LETTERS
+    with pytest.raises(ValueError, match="mixers"):
+        mqar.MQARConfig(mixers="GS")  # sliding-window attention: MQAR's config sets no window
