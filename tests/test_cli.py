@@ -42,7 +42,7 @@ def test_every_subcommand_has_help(cmd, capsys):
     assert "usage: gdn " + cmd in capsys.readouterr().out
 
 
-def test_train_flags_cover_the_issue():
+def test_train_help_lists_every_flag():
     helptext = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     for flag in ("--config", "--preset", "--size", "--data", "--steps", "--out", "--resume", "--set"):
         assert flag in helptext
