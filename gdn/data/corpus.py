@@ -84,12 +84,17 @@ def _text_documents(spec: str | None):
             yield p.relative_to(root).as_posix(), p.read_text(encoding="utf-8", errors="replace")
         return
     path = Path(spec)
+    if not path.exists():
+        raise ValueError(f"data {spec!r}: no such file or folder")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.parts))
         for p in files:
             if not _looks_binary(p):
                 yield p.relative_to(path).as_posix(), p.read_text(encoding="utf-8", errors="replace")
     else:
+        if _looks_binary(path):
+            raise ValueError(f"data {spec!r} looks binary (it holds NUL bytes), not text; pre-tokenised ids go "
+                             "in a .bin file (bin_dtype, eos_id)")
         yield path.name, path.read_text(encoding="utf-8", errors="replace")
 
 
@@ -118,8 +123,14 @@ def _hf_documents(name: str, text_field: str):
         if not files:
             raise ValueError(f"hf:{name}: no {sorted(builders)} files there")
         ds = datasets.load_dataset(builders[files[0].suffix], data_files=[str(p) for p in files])
+    elif name.startswith((".", "/", "~")) or Path(name).is_absolute():
+        raise ValueError(f"hf:{name}: no such file or folder")
     else:
-        ds = datasets.load_dataset(name)
+        try:
+            ds = datasets.load_dataset(name)
+        except Exception as e:  # noqa: BLE001 - hub, network and format errors alike
+            raise ValueError(f"hf:{name}: the dataset could not be loaded ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}); for local files use hf:PATH") from e
     if isinstance(ds, datasets.Dataset):
         ds = datasets.DatasetDict({"train": ds})
     for split, part in ds.items():
@@ -163,7 +174,15 @@ def _tail_split(corpus: TokenCorpus, fraction: float) -> tuple[TokenCorpus, Toke
 def _bin_corpus(path: Path, dtype: str, eos_id: int | None, bytes_per_token, name) -> TokenCorpus:
     if dtype not in ("uint8", "uint16", "uint32", "int32"):
         raise ValueError(f"bin_dtype must be uint8, uint16, uint32 or int32, got {dtype!r}")
-    tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
+    if size % itemsize:
+        raise ValueError(f"{path}: {size} bytes are not a whole number of {dtype} ids ({itemsize} bytes each); "
+                         "set bin_dtype to the id type the file was written with")
+    tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r") if size else np.zeros(0, dtype=dtype)
+    top = int(tokens.max()) if len(tokens) else -1
+    if top >= len(bytes_per_token):
+        raise ValueError(f"{path}: id {top} exceeds the tokenizer's vocabulary of {len(bytes_per_token)}; "
+                         "set tokenizer to the one that wrote the file (or bin_dtype to its id type)")
     if eos_id is None:
         starts = np.zeros(1, dtype=np.int64)
     else:

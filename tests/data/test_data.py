@@ -150,3 +150,37 @@ def test_mqar_follows_zoology():
     with pytest.raises(ValueError, match="vocab_size"):
         mqar_batch(2, 64, 8, 16)
     assert math.isclose(float((y != -100).sum()), 32 * P)
+
+
+def test_bad_bin_files_are_one_line_errors(tmp_path):
+    """A .bin whose size is not a whole number of ids, or whose ids exceed the tokenizer's
+    vocabulary, is refused with the file named, before anything indexes with those ids."""
+    tok = ByteTokenizer()
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\1\2\3")
+    with pytest.raises(ValueError, match=r"odd\.bin.*3 bytes.*uint16"):
+        load_corpus(str(odd), tok)
+    big = tmp_path / "big.bin"
+    big.write_bytes(np.array([1, 2, 300, 5], dtype=np.uint16).tobytes())
+    with pytest.raises(ValueError, match=r"big\.bin.*300.*vocabulary of 256"):
+        load_corpus(str(big), tok)
+
+
+def test_missing_and_binary_text_sources_are_refused(tmp_path):
+    tok = ByteTokenizer()
+    blob = tmp_path / "blob.dat"
+    blob.write_bytes(b"\0\1\2" * 100)
+    with pytest.raises(ValueError, match=r"blob\.dat.*binary"):
+        load_corpus(str(blob), tok)
+    from gdn.data import iter_texts
+
+    with pytest.raises(ValueError, match="no such file or folder"):
+        list(iter_texts(str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match=r"blob\.dat.*binary"):
+        list(iter_texts(str(blob)))
+
+
+def test_missing_hf_path_is_a_clear_error(tmp_path):
+    pytest.importorskip("datasets")
+    with pytest.raises(ValueError, match=r"hf:/.*missing.*no such file or folder"):
+        load_corpus(f"hf:{tmp_path / 'missing'}", ByteTokenizer())
