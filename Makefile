@@ -1,6 +1,8 @@
 # `make test` and `make demo` work on a fresh machine with only Python 3.10+:
-# they create .venv (unless a virtualenv is active), install the CPU build of torch when no
-# NVIDIA GPU is present, then install gdn with its test extras.
+# they create .venv (unless a virtualenv is active), install the CPU build of torch from PyTorch's
+# CPU wheel index when no NVIDIA GPU is present (the default index gives the multi-GB CUDA build;
+# pip's own find-links still apply, and one retry keeps an unreachable index from stalling the
+# install), then install gdn with its test extras.
 PYTHON ?= python3
 ifdef VIRTUAL_ENV
   BIN := $(VIRTUAL_ENV)/bin/
@@ -16,7 +18,7 @@ PY := $(BIN)python
 $(STAMP): pyproject.toml
 	@if [ -z "$(VIRTUAL_ENV)" ] && [ ! -x .venv/bin/python ]; then $(PYTHON) -m venv .venv; fi
 	@if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(PY) -c "import torch" >/dev/null 2>&1; then \
-		$(PY) -m pip install -q torch==2.13.0; fi
+		$(PY) -m pip install -q --retries 1 --index-url https://download.pytorch.org/whl/cpu torch==2.13.0; fi
 	$(PY) -m pip install -q -e ".[test]"
 	@touch $(STAMP)
 

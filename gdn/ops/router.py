@@ -18,6 +18,8 @@ The rule, from the call's device, dtype, length and the ``backend`` argument:
    stream has at most :data:`gdn.ops.tuning.RECURRENT_MAX_T` tokens, q/k/v are fp32, fp16 or
    bf16 and K, V ≤ :data:`gdn.ops.tuning.MAX_HEAD_DIM`; the chunk kernels otherwise. KDA with
    V > ``MAX_HEAD_DIM`` takes its token-recurrent kernels (which have a backward) whatever the length.
+4. Heads the kernels do not take (K > ``MAX_HEAD_DIM``; for the scalar-gate family also
+   V > ``MAX_HEAD_DIM``) run the chunk form with ``backend=None`` and raise with ``"triton"``.
 
 Glue ops (norms, short convolution, SwiGLU, the loss rows) take their Triton kernel exactly when
 :func:`use_triton` says so, and their PyTorch function otherwise.
@@ -73,9 +75,13 @@ def route(op: str, backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         raise ValueError(
             f"backend='triton' cannot run {op} here: it needs CUDA tensors (q is on {q.device}) and "
             f"Triton ({'installed' if HAS_TRITON else 'not installed'}); use backend='chunk'")
-    if backend is None and not use_triton(q):
-        return NAIVE if decode_step else CHUNK
     K, V = q.shape[-1], v.shape[-1]
+    too_wide = K > MAX_HEAD_DIM or (V > MAX_HEAD_DIM and not kda)
+    if backend == "triton" and too_wide:
+        raise ValueError(f"backend='triton' cannot run {op} with K = {K}, V = {V}: the kernels take heads of at "
+                         f"most {MAX_HEAD_DIM}; use backend='chunk'")
+    if backend is None and (not use_triton(q) or too_wide):
+        return NAIVE if decode_step else CHUNK
     if kda and V > MAX_HEAD_DIM:
         return TRITON_RECURRENT
     short = q.shape[1] <= RECURRENT_MAX_T and max(K, V) <= MAX_HEAD_DIM

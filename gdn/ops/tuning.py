@@ -27,7 +27,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 BT = 64
 
 #: Smallest K and V the chunk kernels see: narrower heads are zero-padded to it. Triton 3.6 on the
-#: H200 miscompiles dots 16 wide in the scalar kernels, so no K or V tile is narrower than 32.
+#: H200 miscompiles dots whose K or V operand is 16 wide in the scalar kernels; the sequential
+#: passes' value tiles may still be narrower (BV_min), where the GPU tests pass.
 MIN_DIM = 32
 #: Largest K and V of the KDA chunk kernels and of the token-recurrent kernels (one K × BV tile).
 MAX_HEAD_DIM = 256

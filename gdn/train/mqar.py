@@ -79,6 +79,8 @@ class MQARConfig:
     out: str = "runs/mqar"
 
     def __post_init__(self):
+        if isinstance(self.decay_init, list):  # from a config file: the same value as a preset's tuple
+            self.decay_init = tuple(self.decay_init)
         bad = sorted(set(self.mixers) - set(LETTERS))
         if not self.mixers or bad:
             raise ValueError(f"mixers must be letters of {LETTERS}, got {self.mixers!r}")

@@ -1,4 +1,4 @@
-"""Out-of-bounds harness for the chunkwise Triton KDA kernels (gdn.ops.triton.kda_chunk*), under
+"""Out-of-bounds harness for the chunkwise Triton KDA kernels (gdn.ops.kda.triton.chunk*), under
 Triton's CPU interpreter.
 
 The interpreter does not fault on an address outside a tensor, so every tensor the kernels touch is
@@ -6,7 +6,7 @@ placed as a view in the middle of a larger buffer whose guard regions, on both s
 with a recognisable bit pattern: the inputs q, k, v, g, β, the initial state and the cotangents
 (through the public entry, with the wrapper's padding helper patched to return guarded copies), the
 chunk index tensors (guarded by a huge integer), and every buffer the launchers allocate
-(``torch.empty`` / ``torch.empty_like`` of kda_chunk_fwd and kda_chunk_bwd patched), whose own
+(``torch.empty`` / ``torch.empty_like`` of the KDA chunk_fwd and chunk_bwd modules patched), whose own
 interior also starts as NaN. After a forward and a backward:
 
 (a) no NaN in the output, the final state, any gradient or any launcher buffer (a read beyond a
@@ -15,8 +15,8 @@ interior also starts as NaN. After a forward and a backward:
 (c) the results match the float64 recurrence (so the guarded run computed the real thing).
 
 The multiprocessor count is patched to the H200's 132: the sequential passes then halve their V
-tile down to 16 as on the GPU (with the interpreter's default of 4 they never do, so the CPU tests
-of kda_chunk never ran the GPU's tile choice).
+tile down to ``BV_min`` as on the GPU (with the interpreter's default of 4 they never do, so the
+other CPU tests never run the GPU's tile choice).
 """
 from __future__ import annotations
 

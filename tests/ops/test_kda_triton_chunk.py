@@ -1,12 +1,12 @@
-"""Tier 3 on the CPU: the chunkwise Triton KDA kernels (gdn.ops.triton.kda_chunk) under Triton's
-interpreter against the float64 recurrence (gdn.ops.kda_reference).
+"""Tier 3 on the CPU: the chunkwise Triton KDA kernels (gdn.ops.kda.triton.chunk) under Triton's
+interpreter against the float64 recurrence (gdn.ops.kda.reference).
 
 Outputs, final state and every gradient (q, k, v, g, beta, initial state; through o and the
 final state) at small awkward shapes: T ∈ {1, 63, 65, 130} (one token, a partial chunk, a chunk
 and a token, several chunks), K, V ∈ {16, 60} (60 is padded to 64), grouped value heads HV = 2H,
 packed sequences with empty and one-token members, strong per-channel decay (exponents that would
 overflow if the pairwise decay were factored through the chunk start). fp32 and fp16 (tl.dot on
-bf16 is broken in the 3.6 interpreter: bf16 is checked on the GPU by benchmarks/kda_gpu.py).
+bf16 is broken in the 3.6 interpreter: bf16 is checked on the GPU by tests/gpu).
 """
 from __future__ import annotations
 

@@ -36,7 +36,6 @@ def test_explicit_triton_on_cpu_raises_naming_the_op():
     (tuning.RECURRENT_MAX_T + 1, 16, 16, torch.float32, False, False, "triton-chunk"),
     (1, 128, 128, torch.bfloat16, True, False, "triton-chunk"),  # training, however short
     (1, 16, 16, torch.float64, False, False, "triton-chunk"),  # fp64: the recurrent kernel takes half/fp32
-    (1, 16, 512, torch.float32, False, False, "triton-chunk"),  # V beyond the recurrent kernel
     (100, 16, 300, torch.float32, True, True, "triton-recurrent"),  # KDA: V beyond its chunk kernels
 ])
 def test_triton_rule(monkeypatch, T, K, V, dtype, grad, kda, want):
@@ -72,3 +71,16 @@ def test_needs_grad_and_available_backends():
     with torch.no_grad():
         assert not router.needs_grad(x)
     assert router.available_backends("cpu") == ["naive", "chunk"]
+
+
+def test_heads_wider_than_the_kernels_take(monkeypatch):
+    """K (or, for the scalar-gate family, V) beyond tuning.MAX_HEAD_DIM: the chunk form on the GPU,
+    and a clear error when Triton is asked for."""
+    monkeypatch.setattr(router, "use_triton", lambda x: True)
+    wide = tuning.MAX_HEAD_DIM * 2
+    for K, V, kda in ((wide, 16, False), (16, wide, False), (wide, 16, True)):
+        q, k, v = _qkv(8, K, V)
+        assert router.route("op", None, q, k, v, decode_step=False, grad=False, kda=kda) == "chunk"
+        assert router.route("op", None, q[:, :1], k[:, :1], v[:, :1], decode_step=True, grad=False, kda=kda) == "naive"
+        with pytest.raises(ValueError, match=f"heads of at most {tuning.MAX_HEAD_DIM}"):
+            router.route("op", "triton", q, k, v, decode_step=False, grad=False, kda=kda)

@@ -6,6 +6,7 @@ validated, and survive a config save/load.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -281,3 +282,18 @@ def test_mqar_letters_step_costs_and_names_come_from_the_mixer_table():
     assert mqar.MQARConfig(mixers=mqar.LETTERS).mixers == mqar.LETTERS
     with pytest.raises(ValueError, match="mixers"):
         mqar.MQARConfig(mixers="GS")  # sliding-window attention: MQAR's config sets no window
+
+
+def test_cpu_small_config_file_is_the_preset():
+    """configs/mqar-cpu-small.yaml spells out the cpu-small preset: loading it changes no setting."""
+    from pathlib import Path
+
+    from gdn.train.mqar import mqar_config
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "mqar-cpu-small.yaml"
+    preset = dataclasses.asdict(mqar_config("cpu-small"))
+    from_file = dataclasses.asdict(mqar_config("cpu-small", file=str(path)))
+    assert {k: v for k, v in from_file.items() if k != "out"} == {k: v for k, v in preset.items() if k != "out"}
+    bare = dataclasses.asdict(mqar_config("paper", file=str(path)))
+    assert {k: v for k, v in bare.items() if k not in ("out", "workers")} == \
+        {k: v for k, v in preset.items() if k not in ("out", "workers")}

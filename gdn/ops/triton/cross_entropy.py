@@ -1,4 +1,4 @@
-"""Row-wise passes of the chunked head + cross entropy (:mod:`gdn.models.loss`) on the GPU.
+"""Row-wise passes of the chunked head + cross entropy (:mod:`gdn.ops.loss`) on the GPU.
 
 The loss works on one chunk of logits ``z`` [R, V] (the matmul's output, bf16 under autocast) at a
 time. In PyTorch, the forward converts z to fp32 and runs log-sum-exp and a gather (four passes over

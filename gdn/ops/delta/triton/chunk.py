@@ -32,7 +32,7 @@ def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None):
     state pass storing h and δ followed by the fully parallel output kernel. The fused pass's chunk
     step is longer; with few programs nothing hides it. Measured on the H200 (132 SMs; GPU µs of the
     pass(es), `ops_gpu.py --variants --profile`): 4 × 8192 (256 programs) 507 fused against 296 + 283;
-    grouped 1 × 8192, HV = 32 (128) 444 against 224 + 128; 1 × 32768 (64) 1669 against 832 + 284;
+    grouped 1 × 8192, HV = 32 (128) 444 against 224 + 128; 1 × 32768 (64) 1669 against 830 + 284;
     packed, 12 sequences of 64-7000 tokens (one long): forward 1.63 ms fused against 1.31."""
     if fused is None:  # (the caller passes layout()'s decision when it has made it already)
         fused = layout(ch, v.shape[1], k.shape[-1], v.shape[2], v.device)[0]

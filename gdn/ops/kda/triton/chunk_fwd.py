@@ -21,8 +21,8 @@ valid row, so no 0 · ∞ arises.
 
 Intermediates (T, P, W, U, δ, Q ⊙ Γ, K ⊙ exp(γ_C − γ)) are stored in the input dtype; γ, the
 per-chunk states (``STATE_DTYPE``), the running and the final states are fp32. Everything works on
-the packed layout of :mod:`gdn.ops.triton.common` with K and V already padded to powers of two (≥ 16) by the
-caller.
+the packed layout of :mod:`gdn.ops.triton.common` with K and V already padded to powers of two (≥ ``MIN_DIM``,
+32) by the caller.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def launch(kernel, grid, *args, name: str, **meta):
 
 
 def ktile(name: str, K: int) -> int:
-    """The K tile of kernel ``name`` for a padded K (a power of two ≥ 16)."""
+    """The K tile of kernel ``name`` for a padded K (a power of two ≥ 32)."""
     return min(KDA[name]["BK"], K)
 
 
@@ -416,7 +416,7 @@ class Intermediates:
 
 def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool) -> Intermediates:
     """The forward up to the output. q, k: [T, H, K]; v: [T, HV, V] (one dtype, K and V powers of
-    two ≥ 16); G: [T, HV, K] fp32 (:func:`gamma`); beta: [T, HV] fp32; h0: [N, HV, K, V] fp32 or None."""
+    two ≥ 32); G: [T, HV, K] fp32 (:func:`gamma`); beta: [T, HV] fp32; h0: [N, HV, K, V] fp32 or None."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     prec, DT, io, dev = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype, v.device
