@@ -1,6 +1,6 @@
 """`make demo`: train the default tiny Gated DeltaNet on this Python's standard library for a few
 minutes, report validation bits per byte against the unigram baseline, write the loss curve and
-print a sample. ``op_table`` / ``print_op_table`` (``gdn bench ops --quick``) run the same
+print a sample. ``op_table`` / ``print_op_table`` (``gdn bench``) run the same
 random input through every backend of every op and report agreement and time."""
 from __future__ import annotations
 

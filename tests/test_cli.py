@@ -120,8 +120,8 @@ def test_mqar_command(tmp_path, capsys):
     assert (tmp_path / "mqar.png").exists()
 
 
-def test_bench_ops_quick(capsys):
-    assert main(["bench", "ops", "--quick"]) == 0
+def test_bench_prints_the_op_table(capsys):
+    assert main(["bench"]) == 0
     out = capsys.readouterr().out
     assert "gated_delta_rule" in out and "chunk" in out
 
