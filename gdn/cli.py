@@ -37,12 +37,12 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="sample text from a checkpoint")
     p.add_argument("--ckpt", required=True, help="checkpoint folder or run folder (newest checkpoint)")
     p.add_argument("--prompt", default="", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=200, help="tokens to generate")
+    p.add_argument("--temperature", type=_non_negative_float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda when available)")
 
 
 def _add_eval(sub) -> None:
@@ -50,13 +50,13 @@ def _add_eval(sub) -> None:
     p.add_argument("--ckpt", required=True, help="checkpoint folder or run folder (newest checkpoint)")
     p.add_argument("--data", default=None,
                    help="held-out text (a source as for train; its held-out split; default: the run's data)")
-    p.add_argument("--seq-len", type=int, default=None, help="window length (default: the run's)")
-    p.add_argument("--batches", type=int, default=16, help="packed rows to score")
-    p.add_argument("--batch-size", type=int, default=8, help="windows per row (perplexity) / lm-eval batch size")
+    p.add_argument("--seq-len", type=_positive_int, default=None, help="window length (default: the run's)")
+    p.add_argument("--batches", type=_positive_int, default=16, help="packed rows to score")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="windows per row (perplexity) / lm-eval batch size")
     p.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks, e.g. lambada_openai,hellaswag")
     p.add_argument("--include-path", default=None, help="folder of extra lm-eval task YAMLs")
-    p.add_argument("--limit", type=int, default=None, help="lm-eval: examples per task")
-    p.add_argument("--device", default=None, help="cpu or cuda")
+    p.add_argument("--limit", type=_positive_int, default=None, help="lm-eval: examples per task")
+    p.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda when available)")
 
 
 def _add_mqar(sub) -> None:
@@ -84,12 +84,66 @@ def _add_tokenizer(sub) -> None:
     t.add_argument("--out", required=True, help="tokenizer.json to write")
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Help lines end with the option's default when it has one (not None, not a bare flag)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: {default!r})" if default == "" else f"{text} (default: {default})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Help with defaults; a usage error is one line on stderr and exit status 2."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
+    return value
+
+
+def _device(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``; CUDA only where a CUDA device exists."""
+    if text != "cpu" and not text.startswith("cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu or cuda (cuda:N), got {text!r}")
+    if text.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device is available here; use --device cpu")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``gdn``."""
-    parser = argparse.ArgumentParser(prog="gdn", description="Gated DeltaNet toolkit")
+    parser = _Parser(prog="gdn", description="Gated DeltaNet toolkit")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     _add_train(sub)
     _add_generate(sub)
     _add_eval(sub)

@@ -21,11 +21,13 @@ def run_gdn(*args, cwd):
 
 
 def assert_one_line_error(res, *needles):
+    """Exit status 2, no traceback, and one error line (progress log lines may precede it)."""
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
-    err = res.stderr.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]
+    lines = [ln for ln in res.stderr.strip().splitlines() if not ln.startswith(("INFO ", "WARNING ", "DEBUG "))]
+    assert len(lines) == 1, res.stderr[-2000:]
     for n in needles:
-        assert n in err, (n, err)
+        assert n in lines[0], (n, lines[0])
 
 
 @pytest.mark.parametrize("case", ["odd_bin", "big_ids", "binary_text", "missing_hf"])
@@ -48,3 +50,43 @@ def test_train_rejects_bad_data(tmp_path, case):
 def test_tokenizer_train_rejects_missing_data(tmp_path):
     res = run_gdn("tokenizer", "train", "--data", str(tmp_path / "missing"), "--out", "tok.json", cwd=tmp_path)
     assert_one_line_error(res, "missing", "no such file or folder")
+
+
+def test_bad_numbers_and_devices_are_usage_errors(tmp_path):
+    res = run_gdn("eval", "--ckpt", "nowhere", "--batches", "0", cwd=tmp_path)
+    assert_one_line_error(res, "--batches", "positive int", "'0'")
+    res = run_gdn("generate", "--ckpt", "nowhere", "--temperature", "-1", cwd=tmp_path)
+    assert_one_line_error(res, "--temperature", "non-negative")
+    import torch
+
+    if not torch.cuda.is_available():
+        res = run_gdn("generate", "--ckpt", "nowhere", "--device", "cuda", cwd=tmp_path)
+        assert_one_line_error(res, "--device", "no CUDA device", "--device cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A two-step run of a tiny model (in this process: the CLI's own train command)."""
+    from gdn.cli import main
+
+    root = tmp_path_factory.mktemp("tiny")
+    (root / "data").mkdir()
+    for i in range(6):
+        (root / "data" / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * (20 + i))
+    sets = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.head_dim=16", "model.intermediate_size=64",
+            "seq_len=32", "batch_size=2", "eval_every=2", "eval_batches=1", "save_every=2", "tensorboard=false",
+            "progress=false", "val_fraction=0.25", "warmup_steps=1"]
+    args = ["train", "--data", str(root / "data"), "--out", str(root / "run"), "--steps", "2"]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    return root / "run"
+
+
+def test_eval_task_without_network_says_how_to_use_a_local_task(tmp_path, tiny_run):
+    pytest.importorskip("lm_eval")
+    res = run_gdn("eval", "--ckpt", str(tiny_run), "--tasks", "lambada_openai", "--limit", "2", "--device", "cpu",
+                  cwd=tmp_path)
+    assert_one_line_error(res, "lambada_openai", "could not be downloaded", "--include-path")
+    res = run_gdn("eval", "--ckpt", str(tiny_run), "--tasks", "no_such_task_xyz", "--device", "cpu", cwd=tmp_path)
+    assert_one_line_error(res, "no_such_task_xyz", "unknown lm-eval task")

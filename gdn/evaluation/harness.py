@@ -114,6 +114,18 @@ class GDNLM(_lm_base()):
         return out
 
 
+def _is_download_error(e: BaseException) -> bool:
+    """Whether ``e`` (or what caused it) is a failed download: no network, hub offline, missing cache."""
+    words = ("connection", "offline", "resolve", "timeout", "timed out", "network", "hub", "couldn't reach",
+             "no such host", "name or service", "localentrynotfound", "max retries")
+    while e is not None:
+        text = f"{type(e).__name__} {e}".lower()
+        if any(w in text for w in words):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def register() -> None:
     """Register :class:`GDNLM` with lm-eval as ``gdn`` (idempotent)."""
     from lm_eval.api.registry import model_registry, register_model
@@ -132,8 +144,20 @@ def run_lm_eval(ckpt, tasks: list[str], *, batch_size: int = 8, limit: int | Non
     if not tasks or not all(isinstance(t, str) and t for t in tasks):
         raise ValueError(f"tasks must be a non-empty list of task names, got {tasks!r}")
     register()
-    lm = GDNLM(str(ckpt), batch_size=batch_size, device=device)
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
-    res = evaluator.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, task_manager=manager,
-                                    num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(f"unknown lm-eval task(s) {unknown}; `lm_eval ls tasks` lists them, and --include-path "
+                         "adds a folder of task YAMLs")
+    lm = GDNLM(str(ckpt), batch_size=batch_size, device=device)
+    try:
+        res = evaluator.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, task_manager=manager,
+                                        num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
+    except Exception as e:  # noqa: BLE001 - only download failures are re-worded, the rest re-raised
+        if not _is_download_error(e):
+            raise
+        raise ValueError(f"the data of task(s) {', '.join(tasks)} could not be downloaded ({type(e).__name__}); "
+                         "without network, write a task YAML whose dataset points at local files (e.g. "
+                         "dataset_path: json, dataset_kwargs: {data_files: ...}) and pass its folder with "
+                         "--include-path") from e
     return {t: {k: v for k, v in m.items() if k != "alias"} for t, m in res["results"].items()}
