@@ -1,6 +1,8 @@
 """Model configuration: width, depth, a layer pattern of token mixers, and named presets."""
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 
 from transformers import PretrainedConfig
@@ -199,6 +201,36 @@ class GDNConfig(PretrainedConfig):
         return self.attention_head_dim or self.hidden_size // self.num_attention_heads
 
     @classmethod
+    def field_names(cls) -> list[str]:
+        """The fields a user may set, sorted: the constructor's named arguments."""
+        params = inspect.signature(cls.__init__).parameters
+        return sorted(n for n, p in params.items() if n != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD)
+
+    @classmethod
+    def check_overrides(cls, overrides) -> None:
+        """Raise ValueError for keys of ``overrides`` that are none of :meth:`field_names` (a typo
+        would otherwise become an attribute nothing reads), naming the closest valid key and listing
+        them all. Only what a user writes is checked: a saved ``config.json`` with the fields of a
+        newer version still loads."""
+        valid = cls.field_names()
+        unknown = sorted(str(k) for k in overrides if k not in valid)
+        if not unknown:
+            return
+        close = [m[0] for k in unknown if (m := difflib.get_close_matches(str(k), valid, n=1))]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ValueError(f"unknown model keys {unknown}{hint}; valid keys: {valid}")
+
+    def differences(self, other: "GDNConfig") -> list[str]:
+        """``["hidden_size 32 -> 64", "layer_pattern 'GG' -> 'GS'"]``: the :meth:`field_names` whose
+        values differ from this config's to ``other``'s (``use_cache``, a runtime switch, aside)."""
+        out = []
+        for name in self.field_names():
+            a, b = getattr(self, name, None), getattr(other, name, None)
+            if name != "use_cache" and a != b:
+                out.append(f"{name} {a!r} -> {b!r}")
+        return out
+
+    @classmethod
     def from_preset(cls, name: str, size: str = "tiny", **overrides) -> "GDNConfig":
         """A named architecture at a named size.
 
@@ -207,9 +239,10 @@ class GDNConfig(PretrainedConfig):
                 ``deltanet-transformer`` (D, S interleaved; A at layers 2 and N/2 + 1), ``qwen3next``
                 (G, G, G, A repeating), ``transformer`` (all A).
             size: ``tiny``, ``125m``, ``340m`` or ``1.3b``.
-            overrides: any constructor argument; the pattern follows an overridden ``num_hidden_layers``
-                unless ``layer_pattern`` is given too.
+            overrides: any constructor argument (others raise ValueError listing the valid ones); the
+                pattern follows an overridden ``num_hidden_layers`` unless ``layer_pattern`` is given too.
         """
+        cls.check_overrides(overrides)
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         if size not in SIZES:

@@ -276,6 +276,16 @@ def test_invalid_configs_raise(kw, match):
         GDNConfig.from_preset("gdn", **kw)
 
 
+def test_unknown_override_lists_the_valid_keys():
+    with pytest.raises(ValueError, match=r"unknown model keys \['hiden_size'\] \(did you mean hidden_size\?\); "
+                                         r"valid keys: .*'hidden_size'.*'vocab_size'"):
+        GDNConfig.from_preset("gdn", hiden_size=64)
+    with pytest.raises(ValueError, match=r"unknown model keys \['foo', 'hiden_size'\]"):
+        GDNConfig.from_preset("gdn", foo=1, hiden_size=64)
+    # a saved config.json with a field this version lacks still loads
+    assert GDNConfig(hidden_size=64, num_hidden_layers=1, newer_field=3).newer_field == 3
+
+
 def test_unknown_preset_and_size_raise():
     with pytest.raises(ValueError, match="unknown preset"):
         GDNConfig.from_preset("mamba")
