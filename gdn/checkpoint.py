@@ -69,6 +69,33 @@ def temp_dir(out: str | Path, step: int) -> Path:
     return checkpoints_root(out) / f".step_{step:08d}.partial"
 
 
+def step_of(directory: str | Path) -> int | None:
+    """The step of a ``step_XXXXXXXX`` folder, None for another name."""
+    m = _STEP_DIR.match(Path(directory).name)
+    return int(m.group(1)) if m else None
+
+
+def run_of(directory: str | Path) -> Path | None:
+    """The run folder ``OUT`` of a checkpoint folder ``OUT/checkpoints/step_XXXXXXXX``, None for a
+    folder elsewhere."""
+    directory = Path(directory)
+    if step_of(directory) is None or directory.parent.name != checkpoints_root("").name:
+        return None
+    return directory.parent.parent
+
+
+def _file_mode(directory: Path) -> int:
+    """The permission bits a file created with ``open`` gets here (0o666 less the umask, read from a
+    probe file: ``os.umask`` can only be read by setting it, which races with other threads)."""
+    probe = directory / f".mode{os.getpid()}"
+    with open(probe, "w"):
+        pass
+    try:
+        return probe.stat().st_mode & 0o777
+    finally:
+        probe.unlink()
+
+
 def write_manifest(directory: Path, step: int, extra: dict | None = None) -> dict:
     """Checksum every file under ``directory`` into ``manifest.json`` (written atomically)."""
     files = {}
@@ -81,8 +108,14 @@ def write_manifest(directory: Path, step: int, extra: dict | None = None) -> dic
 
 
 def finalize(out: str | Path, step: int, keep_last: int, extra: dict | None = None) -> Path:
-    """Manifest, rename the temporary folder into place, drop all but the newest ``keep_last``."""
+    """Give every file the same permissions (safetensors writes its file 0600, ``open`` 0666 less the
+    umask: all get the latter), manifest, rename the temporary folder into place, drop all but the
+    newest ``keep_last``."""
     tmp, final = temp_dir(out, step), step_dir(out, step)
+    mode = _file_mode(tmp)
+    for p in tmp.rglob("*"):
+        if p.is_file() and p.stat().st_mode & 0o777 != mode:
+            os.chmod(p, mode)
     write_manifest(tmp, step, extra)
     if final.exists():
         shutil.rmtree(final)
@@ -120,28 +153,56 @@ def verify(directory: str | Path) -> dict:
 
 def list_checkpoints(out: str | Path) -> list[Path]:
     """Completed-looking checkpoint folders of a run, oldest first (not yet verified)."""
-    root = checkpoints_root(out)
+    return _step_dirs(checkpoints_root(out))
+
+
+def _step_dirs(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
 
 
-def resolve(spec: str | Path | bool, out: str | Path) -> Path:
-    """The checkpoint folder named by ``--resume``: ``True`` = the newest under ``out``; a run folder
-    = its newest; else the folder itself. Verified; raises :class:`CheckpointError`."""
+def locate(spec: str | Path | bool, out: str | Path) -> Path:
+    """The checkpoint folder named by ``--resume``, not yet verified: ``True`` (or ``"latest"``) = the
+    newest under ``out``; a run folder = its newest; else the folder itself."""
     if spec is True or spec == "latest":
         base = Path(out)
     else:
         base = Path(spec)
     if (base / MANIFEST).exists() or _STEP_DIR.match(base.name):
-        path = base
-    else:
-        found = list_checkpoints(base)
-        if not found:
-            raise CheckpointError(f"no checkpoint under {checkpoints_root(base)} to resume from")
-        path = found[-1]
-    verify(path)
+        return base
+    found = list_checkpoints(base)
+    if not found:
+        raise CheckpointError(f"no checkpoint under {checkpoints_root(base)} to resume from")
+    return found[-1]
+
+
+def resolve(spec: str | Path | bool, out: str | Path) -> Path:
+    """The checkpoint folder of :func:`locate`, verified. Raises :class:`CheckpointError`; for a
+    damaged checkpoint the message also names the older checkpoints beside it that verify."""
+    path = locate(spec, out)
+    try:
+        verify(path)
+    except CheckpointError as e:
+        step = step_of(path)
+        if step is None:
+            raise
+        valid = [p for p in reversed(_step_dirs(path.parent)) if step_of(p) < step and _intact(p)]
+        if valid:
+            hint = (f"valid older checkpoints: {', '.join(p.name for p in valid)}; name one's folder to use it "
+                    f"(e.g. {valid[0]})")
+        else:
+            hint = "no older checkpoint is valid"
+        raise CheckpointError(f"{e}; {hint}") from None
     return path
+
+
+def _intact(directory: Path) -> bool:
+    try:
+        verify(directory)
+    except CheckpointError:
+        return False
+    return True
 
 
 def find_model_dir(spec: str | Path) -> Path:

@@ -112,3 +112,40 @@ def test_signal_saves_checkpoint_and_exits_cleanly(tmp_path, sig):
     steps = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
     assert manifest["step"] == steps >= 2
     assert signal.Signals(sig).name in stderr + stdout
+
+
+def test_corrupted_checkpoint_names_the_valid_older_ones(tmp_path):
+    data = write_corpus(tmp_path / "data")
+    out = tmp_path / "run"
+    train(small_config(out, data, steps=6, save_every=2, keep_last=3, eval_every=6))
+    newest = out / "checkpoints/step_00000006/model.safetensors"
+    raw = bytearray(newest.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    newest.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError) as e:
+        resolve(True, out)
+    msg = str(e.value)
+    assert "step_00000006" in msg and "model.safetensors" in msg and "\n" not in msg, msg
+    assert "valid older checkpoints: step_00000004, step_00000002" in msg, msg
+    # an older one that is also damaged is not offered
+    (out / "checkpoints/step_00000002/trainer.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"valid older checkpoints: step_00000004;") as e:
+        resolve(True, out)
+    (out / "checkpoints/step_00000004/manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="no older checkpoint is valid"):
+        resolve(True, out)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_checkpoint_files_follow_the_umask(tmp_path, umask):
+    data = write_corpus(tmp_path / "data")
+    old = os.umask(umask)
+    try:
+        res = train(small_config(tmp_path / "run", data, steps=1, eval_every=1))
+    finally:
+        os.umask(old)
+    files = [p for p in res.checkpoint.rglob("*") if p.is_file()]
+    assert {"model.safetensors", "trainer.pt", "manifest.json"} <= {p.name for p in files}
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
