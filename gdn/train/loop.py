@@ -8,7 +8,7 @@ import logging
 import math
 import signal
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,12 +76,15 @@ def autocast_for(device: torch.device, dtype: str = "auto"):
 
 
 class _StopSignal:
-    """SIGINT/SIGTERM set a flag (the loop saves and stops); a second signal interrupts at once.
-    Disabled, it leaves the handlers alone and never sets the flag."""
+    """SIGINT/SIGTERM set a flag (the loop saves and stops); a second signal interrupts at once,
+    except inside :meth:`deferred` (a checkpoint being written), where every signal only sets the
+    flag: an interrupted save would leave a partial checkpoint. Disabled, it leaves the handlers
+    alone and never sets the flag."""
 
     def __init__(self, enabled: bool = True):
         self.signum = 0
         self.enabled = enabled
+        self._deferred = False
         self._old = {}
 
     def __enter__(self):
@@ -93,10 +96,24 @@ class _StopSignal:
         return self
 
     def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self._deferred:
+            self.signum = self.signum or signum
+            logger.warning("received %s while writing a checkpoint: stopping once it is complete", name)
+            return
         if self.signum:
             raise KeyboardInterrupt
         self.signum = signum
-        logger.warning("received %s: saving a checkpoint after this step", signal.Signals(signum).name)
+        logger.warning("received %s: saving a checkpoint after this step", name)
+
+    @contextmanager
+    def deferred(self):
+        """Inside: signals set the flag and nothing more."""
+        self._deferred = True
+        try:
+            yield
+        finally:
+            self._deferred = False
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
@@ -268,7 +285,11 @@ class TrainLoop:
                                     "max")
                 interrupted = bool(flag.item())
                 if checkpoints and (self.step % s.save_every == 0 or self.step == s.steps or interrupted):
-                    last_saved = self.save()
+                    with stop.deferred():
+                        last_saved = self.save()
+                    if not interrupted:  # a signal during the save: stop now, the checkpoint is current
+                        flag = D.all_reduce(torch.tensor([float(bool(stop.signum))], device=self.device), "max")
+                        interrupted = bool(flag.item())
                 if interrupted:
                     reason = (signal.Signals(stop.signum).name if stop.signum else
                               "time limit" if over_time else f"stop_after={s.stop_after}")
