@@ -29,7 +29,8 @@ def _add_train(sub) -> None:
     p.add_argument("--steps", type=int, help="optimizer steps")
     p.add_argument("--out", help="run folder (config, metrics, checkpoints, loss curve)")
     p.add_argument("--resume", nargs="?", const=True, default=False, metavar="CKPT",
-                   help="continue from the newest checkpoint under --out, or from CKPT (a checkpoint or run folder)")
+                   help="continue from the newest checkpoint under --out, or from CKPT (a checkpoint or run folder), "
+                        "with the settings saved in it; only the options given now change")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key (repeatable)")
 
 
@@ -159,10 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from .train import build_config, train
+    from .train import build_config, resume_config, train
 
     flags = dict(preset=args.preset, size=args.size, data=args.data, steps=args.steps, out=args.out)
-    cfg = build_config(args.config, flags, args.set)
+    # a resumed run keeps its saved settings; only what this command line gives changes
+    cfg = resume_config(args.resume, args.config, flags, args.set) if args.resume else \
+        build_config(args.config, flags, args.set)
     res = train(cfg, resume=args.resume)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"step {res.step}: train loss {res.train_loss:.4f}, val loss {res.val_loss:.4f}, "

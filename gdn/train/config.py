@@ -1,14 +1,22 @@
 """Training configuration: one flat dataclass, loaded from YAML/JSON, overridden by flags and
 ``--set key=value`` (``model.KEY=VALUE`` sets a :class:`gdn.models.GDNConfig` field), saved
-beside every run."""
+beside every run. A resumed run starts from the settings saved in its checkpoint
+(:func:`resume_config`)."""
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from .. import checkpoint as ckpt
+from ..models import GDNConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,7 +64,7 @@ class TrainConfig:
     keep_last: int = 3  #: checkpoints kept
     tensorboard: bool = True  #: also write TensorBoard events
     progress: bool = True  #: show a progress bar
-    time_limit: float | None = None  #: stop (with a checkpoint) after this many seconds
+    time_limit: float | None = None  #: stop (with a checkpoint) after this many seconds (of each run, resumed ones too)
     stop_after: int | None = None  #: stop (with a checkpoint) after this step: run a long schedule in pieces
 
     def __post_init__(self):
@@ -84,16 +92,24 @@ class TrainConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.stop_after is not None and (not isinstance(self.stop_after, int) or self.stop_after < 1):
             raise ValueError(f"stop_after must be None or a positive int, got {self.stop_after!r}")
+        t = self.time_limit
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError(f"time_limit must be None or a positive number of seconds, got {t!r}")
         if not isinstance(self.model, dict):
             raise ValueError(f"model must be a mapping of GDNConfig overrides, got {self.model!r}")
+        GDNConfig.check_overrides(self.model)
 
     def to_dict(self) -> dict:
         """Plain dict (YAML/JSON serialisable)."""
         return dataclasses.asdict(self)
 
+    def to_yaml(self) -> str:
+        """The config as YAML, in field order."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
     def save(self, path: str | Path) -> None:
-        """Write the resolved config as YAML."""
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        """Write the resolved config as YAML (atomically)."""
+        ckpt.atomic_write_text(path, self.to_yaml())
 
 
 _FLOAT_KEYS = {"lr", "lrs", "min_lr_ratio", "weight_decay", "adam_eps", "grad_clip", "val_fraction", "beta1", "beta2",
@@ -106,13 +122,26 @@ def read_config_file(path: str | Path) -> dict:
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
     text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config file {path} does not parse as JSON: line {e.lineno}, column {e.colno}: "
+                         f"{e.msg}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} does not parse as YAML: {_yaml_problem(e)}") from None
     data = {k: _numbers(v) if k in _FLOAT_KEYS else v for k, v in data.items()} if isinstance(data, dict) else data
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping of keys to values, got {type(data).__name__}")
     return data
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """``line L, column C: problem`` of a YAML error, on one line."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = " ".join(str(getattr(e, "problem", None) or e).split())
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
 
 
 def _numbers(v):
@@ -135,7 +164,10 @@ def parse_set(items: list[str] | None) -> dict:
         if "=" not in item:
             raise ValueError(f"--set expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
-        value = _numbers(yaml.safe_load(raw)) if raw else None
+        try:
+            value = _numbers(yaml.safe_load(raw)) if raw else None
+        except yaml.YAMLError as e:
+            raise ValueError(f"--set {item}: the value does not parse as YAML ({_yaml_problem(e)})") from None
         parts = key.strip().split(".")
         d = out
         for p in parts[:-1]:
@@ -152,14 +184,99 @@ def merge(base: dict, update: dict) -> dict:
     return out
 
 
-def build_config(file: str | Path | None = None, flags: dict | None = None, sets: list[str] | None = None,
-                 cls=TrainConfig):
-    """Config file, then explicit flags (``None`` values ignored), then ``--set`` items."""
+def _given(file, flags, sets) -> dict:
+    """What a command line sets: config file, then explicit flags (``None`` ignored), then ``--set`` items."""
     data = read_config_file(file) if file else {}
     data = merge(data, {k: v for k, v in (flags or {}).items() if v is not None})
-    data = merge(data, parse_set(sets))
+    return merge(data, parse_set(sets))
+
+
+def _make(cls, data: dict):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
         raise ValueError(f"unknown config keys {unknown}; valid keys: {sorted(names)}")
     return cls(**data)
+
+
+def build_config(file: str | Path | None = None, flags: dict | None = None, sets: list[str] | None = None,
+                 cls=TrainConfig):
+    """Config file, then explicit flags (``None`` values ignored), then ``--set`` items."""
+    return _make(cls, _given(file, flags, sets))
+
+
+def read_saved_config(path: str | Path) -> dict:
+    """A run's saved ``config.yaml`` / ``train_config.yaml`` as a dict. Lenient: keys this version
+    does not know (the file was written by a newer one, or before model keys were checked) are
+    dropped with a warning."""
+    path = Path(path)
+    data = read_config_file(path)
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    dropped = sorted(set(data) - names)
+    if isinstance(data.get("model"), dict):
+        valid = set(GDNConfig.field_names())
+        dropped += [f"model.{k}" for k in sorted(map(str, set(data["model"]) - valid))]
+        data["model"] = {k: v for k, v in data["model"].items() if k in valid}
+    if dropped:
+        logger.warning("%s: ignoring keys this version does not know: %s", path, ", ".join(dropped))
+    return {k: v for k, v in data.items() if k in names}
+
+
+def resume_config(resume: bool | str | Path, file: str | Path | None = None, flags: dict | None = None,
+                  sets: list[str] | None = None) -> TrainConfig:
+    """The config of a resumed run (``gdn train --resume``): the settings saved in the checkpoint it
+    continues from, then what the command line gives now (config file, flags, ``--set``, as in
+    :func:`build_config`), so that only what is given changes.
+
+    ``resume``: True (the newest checkpoint under ``out``) or a checkpoint / run folder. Without an
+    ``out`` given now, the run folder is the one that holds the checkpoint (or, for ``True``, the
+    default). A ``stop_after`` the checkpoint has reached is dropped unless given again: kept, it
+    would stop the resumed run after one step. The checkpoint is verified by the :class:`Trainer`;
+    here only its ``train_config.yaml`` is read."""
+    given = _given(file, flags, sets)
+    out = given.get("out")
+    if out is None and (resume is True or resume == "latest"):
+        out = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "out")
+    path = ckpt.locate(resume, out if out is not None else ".")
+    try:
+        saved = read_saved_config(path / "train_config.yaml")
+    except ValueError:
+        ckpt.verify(path)  # a damaged checkpoint is reported as one
+        raise
+    if out is None:
+        run = ckpt.run_of(path)
+        out = str(run) if run is not None else saved.get("out")
+    step = ckpt.step_of(path)
+    if "stop_after" not in given and saved.get("stop_after") is not None and step is not None \
+            and saved["stop_after"] <= step:
+        saved["stop_after"] = None
+    data = merge(saved, given)
+    if out is not None:
+        data["out"] = str(out)
+    return _make(TrainConfig, data)
+
+
+def _show(v) -> str:
+    return repr(v) if isinstance(v, str) else str(v)
+
+
+def changed_settings(before: dict, after: dict) -> list[str]:
+    """``["steps 40 -> 60", "model.hidden_size 32 -> 64"]``: the keys of ``after`` whose values differ
+    from ``before`` (``model`` key by key, ``(unset)`` for a key one side lacks; ``out`` compared as
+    resolved paths)."""
+    out = []
+    for key, new in after.items():
+        old = before.get(key)
+        if key == "model" and isinstance(new, dict) and isinstance(old, dict):
+            for k in sorted(set(old) | set(new), key=str):
+                if k not in old or k not in new or old[k] != new[k]:
+                    out.append(f"model.{k} {_show(old[k]) if k in old else '(unset)'} -> "
+                               f"{_show(new[k]) if k in new else '(unset)'}")
+        elif key == "out" and old is not None and new is not None:
+            if Path(old).resolve() != Path(new).resolve():
+                out.append(f"out {_show(old)} -> {_show(new)}")
+        elif key not in before:
+            out.append(f"{key} (unset) -> {_show(new)}")
+        elif old != new:
+            out.append(f"{key} {_show(old)} -> {_show(new)}")
+    return out

@@ -20,7 +20,7 @@ from ..data import PackedWindows, eval_batches, load_corpus, load_tokenizer, uni
 from ..evaluation import evaluate
 from ..models import GDNConfig, GDNForCausalLM, param_groups
 from . import distributed as D
-from .config import TrainConfig
+from .config import TrainConfig, changed_settings, read_saved_config
 from .metrics import MetricsLog, plot_loss_curve
 
 logger = logging.getLogger(__name__)
@@ -309,8 +309,12 @@ class Trainer(TrainLoop):
     :class:`TrainConfig` (which is also its :class:`LoopSettings`); :meth:`run` trains through
     :meth:`TrainLoop.fit` and returns a :class:`TrainResult`. Checkpoints: :mod:`gdn.checkpoint`.
 
-    ``resume``: False (fresh run; an existing run folder's checkpoints are kept but not used),
-    True (the newest checkpoint under ``cfg.out``) or a checkpoint / run folder.
+    ``resume``: False (fresh run; a run folder that holds checkpoints is refused), True (the newest
+    checkpoint under ``cfg.out``) or a checkpoint / run folder. The checkpoint is verified and its
+    model config compared with ``cfg``'s before anything is loaded (a different model raises
+    ValueError naming the fields); settings of ``cfg`` that differ from the checkpoint's are named in
+    one warning. :func:`gdn.train.config.resume_config` builds a resumed run's ``cfg`` from the
+    checkpoint's settings.
     """
 
     def __init__(self, cfg: TrainConfig, resume: bool | str = False):
@@ -319,17 +323,24 @@ class Trainer(TrainLoop):
         self.device = self.dist.device
         self.out = Path(cfg.out)
         self.tokenizer = load_tokenizer(cfg.tokenizer)
+        overrides = {"vocab_size": self.tokenizer.vocab_size, **cfg.model}
+        self.model_config = GDNConfig.from_preset(cfg.preset, cfg.size, **overrides)
+        if self.model_config.vocab_size < self.tokenizer.vocab_size:
+            raise ValueError(f"model.vocab_size ({self.model_config.vocab_size}) is smaller than the tokenizer's "
+                             f"({self.tokenizer.vocab_size})")
+        self.checkpoint = self._check_resume() if resume else None
+        if not resume and ckpt.list_checkpoints(self.out):
+            raise ValueError(f"{self.out} already holds checkpoints: pass --resume to continue that run, or choose "
+                             "another --out")
+        if cfg.warmup_steps >= cfg.steps and self.dist.is_main:
+            logger.warning("warmup_steps (%d) >= steps (%d): the learning rate never reaches its peak lr=%g",
+                           cfg.warmup_steps, cfg.steps, cfg.lr)
         self.train_data, self.val_data = load_corpus(cfg.data, self.tokenizer, val_fraction=cfg.val_fraction,
                                                      text_field=cfg.text_field, bin_dtype=cfg.bin_dtype,
                                                      eos_id=cfg.eos_id)
         self.windows = PackedWindows(self.train_data, cfg.seq_len, seed=cfg.seed)
         rows = max(1, cfg.batch_size // cfg.grad_accum)
         self.val_batches = eval_batches(self.val_data, cfg.seq_len, cfg.eval_batches, rows)
-        overrides = {"vocab_size": self.tokenizer.vocab_size, **cfg.model}
-        self.model_config = GDNConfig.from_preset(cfg.preset, cfg.size, **overrides)
-        if self.model_config.vocab_size < self.tokenizer.vocab_size:
-            raise ValueError(f"model.vocab_size ({self.model_config.vocab_size}) is smaller than the tokenizer's "
-                             f"({self.tokenizer.vocab_size})")
         torch.manual_seed(cfg.seed)
         model = GDNForCausalLM(self.model_config).to(self.device)
         if cfg.activation_checkpointing:
@@ -345,6 +356,35 @@ class Trainer(TrainLoop):
         self.unigram_bpb = unigram_bits_per_byte(self.train_data, self.val_data, self.tokenizer.vocab_size)
 
     # ---- checkpoints -------------------------------------------------------------------------
+    def _check_resume(self) -> Path:
+        """The verified checkpoint to resume; ValueError when its model differs from this run's; one
+        warning naming the settings that differ from the checkpoint's."""
+        path = ckpt.resolve(self.resume, self.out)
+        saved = GDNConfig.from_pretrained(str(path))
+        diff = saved.differences(self.model_config)
+        if diff:
+            raise ValueError(f"cannot resume {path} with another model: {', '.join(diff)} (checkpoint -> now); "
+                             "keep the run's model settings, or start a new run in another folder")
+        if self.dist.is_main and (path / "train_config.yaml").is_file():
+            changed = changed_settings(read_saved_config(path / "train_config.yaml"), self.cfg.to_dict())
+            if changed:
+                logger.warning("resuming %s with changed settings: %s", self.cfg.out, ", ".join(changed))
+        return path
+
+    def _write_run_config(self) -> None:
+        """``OUT/config.yaml`` and ``OUT/model_config.json``. A resumed run whose settings changed keeps
+        the previous ``config.yaml`` as ``config.step_XXXXXXXX.yaml`` (XXXXXXXX: the step it resumed at)."""
+        path, text = self.out / "config.yaml", self.cfg.to_yaml()
+        if self.checkpoint is not None and path.is_file() and (old := path.read_text()) != text:
+            keep, n = self.out / f"config.step_{self.step:08d}.yaml", 1
+            while keep.exists():
+                n += 1
+                keep = self.out / f"config.step_{self.step:08d}.{n}.yaml"
+            ckpt.atomic_write_text(keep, old)
+            logger.info("the previous config.yaml is kept as %s", keep)
+        ckpt.atomic_write_text(path, text)
+        ckpt.atomic_write_text(self.out / "model_config.json", self.model_config.to_json_string())
+
     def save(self) -> Path:
         """Write a checkpoint of the current step (all ranks take part)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -416,8 +456,8 @@ class Trainer(TrainLoop):
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         if state["samples"] != self.step * self.cfg.batch_size:
-            logger.warning("batch_size changed since the checkpoint: data continues from sample %d",
-                           self.step * self.cfg.batch_size)
+            logger.info("batch_size changed since the checkpoint: data continues from sample %d",
+                        self.step * self.cfg.batch_size)
         if state.get("world_size", 1) == self.dist.world_size:
             _set_rng_state(state["rng"][self.dist.rank], self.device)
         else:
@@ -452,21 +492,16 @@ class Trainer(TrainLoop):
                 f"(unigram {self.unigram_bpb:.3f})")
 
     def begin(self):
-        """Resume (or refuse a run folder that holds checkpoints), write the run's configs; the
-        metrics log (rank 0; continued after the resumed step)."""
+        """Load the checkpoint to resume (if any), write the run's configs; the metrics log (rank 0;
+        continued after the resumed step)."""
         cfg, main = self.cfg, self.dist.is_main
-        resumed_from = None
-        if self.resume:
-            resumed_from = ckpt.resolve(self.resume, self.out)
-            self.load(resumed_from)
-        elif ckpt.list_checkpoints(self.out):
-            raise ValueError(f"{self.out} already holds checkpoints: pass --resume to continue that run, or choose "
-                             "another --out")
+        if self.checkpoint is not None:
+            self.load(self.checkpoint)
         if main:
             self.out.mkdir(parents=True, exist_ok=True)
-            cfg.save(self.out / "config.yaml")
-            self.model_config.to_json_file(str(self.out / "model_config.json"))
-        log = MetricsLog(self.out, cfg.tensorboard, truncate_after=self.step if resumed_from else None) if main else None
+            self._write_run_config()
+        resumed = self.checkpoint is not None
+        log = MetricsLog(self.out, cfg.tensorboard, truncate_after=self.step if resumed else None) if main else None
         n_params = sum(p.numel() for p in self.model.parameters())
         logger.info("model %s/%s, %.2fM parameters, pattern %s, device %s x%d", cfg.preset, cfg.size, n_params / 1e6,
                     self.model_config.layer_pattern, self.device, self.dist.world_size)

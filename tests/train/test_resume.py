@@ -149,3 +149,15 @@ def test_checkpoint_files_follow_the_umask(tmp_path, umask):
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files}
     assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
 
+
+def test_resume_with_another_model_names_the_fields(tmp_path):
+    data = write_corpus(tmp_path / "data")
+    train(small_config(tmp_path / "run", data, steps=2, save_every=2, eval_every=2))
+    cfg = small_config(tmp_path / "run", data, steps=4)
+    cfg.model["hidden_size"] = 64
+    cfg.model["num_hidden_layers"] = 3
+    with pytest.raises(ValueError) as e:
+        Trainer(cfg, resume=True)
+    msg = str(e.value)
+    assert "step_00000002" in msg and "hidden_size 32 -> 64" in msg and "num_hidden_layers 2 -> 3" in msg, msg
+    assert "layer_pattern 'GG' -> 'GGG'" in msg and "\n" not in msg, msg
