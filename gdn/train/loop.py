@@ -417,8 +417,10 @@ class Trainer(TrainLoop):
                 full.pop("lm_head.weight", None)
             save_file({k: v.contiguous() for k, v in full.items()}, str(tmp / "model.safetensors"),
                       metadata={"format": "pt"})
-            self.model_config.save_pretrained(tmp)
-            self.tokenizer.save(tmp)
+            from ..hf import save_for_transformers
+
+            # config.json with the tokenizer's special ids, generation_config.json, tokenizer files
+            save_for_transformers(tmp, self.model_config, self.tokenizer)
             cfg.save(tmp / "train_config.yaml")
             torch.save(state, tmp / "trainer.pt")
         D.barrier()
