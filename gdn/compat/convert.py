@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -124,6 +125,12 @@ def hf_config_to_gdn(hf_cfg, family: str):
     )
 
 
+def _token_ids(cfg) -> dict:
+    """bos/eos/pad ids of a config; a gdn config saved without them (``save_pretrained`` of a model
+    built from a preset, checkpoints written before gdn recorded them) has None."""
+    return {name: getattr(cfg, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
 def gdn_config_to_hf(cfg, family: str):
     """The transformers config of ``family`` equivalent to a :class:`gdn.models.GDNConfig`.
 
@@ -151,8 +158,7 @@ def gdn_config_to_hf(cfg, family: str):
         linear_conv_kernel_dim=cfg.conv_size, linear_key_head_dim=cfg.head_dim, linear_value_head_dim=V,
         linear_num_key_heads=cfg.num_heads, linear_num_value_heads=cfg.num_v_heads,
         layer_types=["linear_attention" if c == "G" else "full_attention" for c in pat],
-        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
-        architectures=[FAMILIES[family][2]],
+        **_token_ids(cfg), architectures=[FAMILIES[family][2]],
     )
     if family == "hf-qwen3-next":
         kw["num_experts"] = 0
@@ -319,20 +325,56 @@ def _cast(sd: dict, dtype: torch.dtype | None, keep_fp32: set[str] = frozenset()
     return {k: v if k in keep_fp32 or not v.is_floating_point() else v.to(dtype) for k, v in sd.items()}
 
 
-def convert(family: str, src: str | Path, dst: str | Path, dtype: torch.dtype | None = None) -> str:
+def _check_destination(src: Path, dst: Path, force: bool) -> None:
+    s, d = src.resolve(), dst.resolve()
+    if s == d:
+        raise ValueError("DST must differ from SRC")
+    if s.is_relative_to(d):
+        raise ValueError(f"SRC {src} is inside DST {dst}: replacing DST would delete SRC; choose another DST")
+    if Path.cwd().resolve().is_relative_to(d):
+        raise ValueError(f"DST {dst} holds the current folder; choose another DST")
+    if dst.exists() and not (dst.is_dir() and not any(dst.iterdir())) and not force:
+        raise ValueError(f"DST {dst} already exists and is not an empty folder; pass --force (force=True) to "
+                         "replace it")
+
+
+def convert(family: str, src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
+            force: bool = False) -> str:
     """Convert the saved model in ``src`` into ``dst``, in the direction ``src`` tells.
 
-    ``src`` a transformers checkpoint of ``family`` -> a gdn checkpoint (``GDNForCausalLM.from_pretrained``);
-    ``src`` a gdn checkpoint -> a transformers checkpoint of ``family`` (``AutoModelForCausalLM``).
-    ``dtype``: cast weights (default: keep). Returns ``"to-gdn"`` or ``"to-hf"``."""
+    ``src`` a transformers checkpoint of ``family`` -> a gdn checkpoint (``GDNForCausalLM.from_pretrained``,
+    and after :func:`gdn.hf.save_for_transformers`'s files ``trust_remote_code`` loading too);
+    ``src`` a gdn checkpoint (one ``gdn train`` wrote, or ``save_pretrained``) -> a transformers
+    checkpoint of ``family`` (``AutoModelForCausalLM``). ``dtype``: cast weights (default: keep).
+
+    ``dst`` must not exist or be an empty folder, unless ``force``: then it is replaced (its old
+    contents deleted). The folder is assembled beside ``dst`` and renamed into place, so a failed
+    conversion leaves ``dst`` as it was. Returns ``"to-gdn"`` or ``"to-hf"``."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
-    src, dst = Path(src), Path(dst)
-    if src.resolve() == dst.resolve():
-        raise ValueError("DST must differ from SRC")
+    _check_destination(Path(src), Path(dst), force)
+    src, dst = Path(src), Path(dst).resolve()
     raw = _read_config(src)
     sd = load_state_dict(src)
-    dst.mkdir(parents=True, exist_ok=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.partial{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        direction, n = _convert_into(family, src, raw, sd, tmp, dtype)
+        if dst.is_dir():
+            shutil.rmtree(dst)
+        elif dst.exists():
+            dst.unlink()
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s (%s, %d tensors) -> %s", src, direction, n, dst)
+    return direction
+
+
+def _convert_into(family: str, src: Path, raw: dict, sd: dict, dst: Path, dtype) -> tuple[str, int]:
+    """Write the converted folder into the (new, empty) ``dst``; (direction, number of tensors)."""
     if raw.get("model_type") == "gdn":
         from ..models import GDNConfig
 
@@ -349,14 +391,15 @@ def convert(family: str, src: str | Path, dst: str | Path, dtype: torch.dtype | 
         out = hf_to_gdn_state(sd, hf_cfg, family)
         norms = {k for k in out if k.endswith("norm.weight") and not k.endswith("o_norm.weight")}
         out = _cast(out, dtype, keep_fp32=norms)
-        cfg.save_pretrained(str(dst))
+        from ..hf import save_for_transformers
+
+        save_for_transformers(dst, cfg)  # config.json with auto_map, modeling_gdn.py
         direction = "to-gdn"
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     for name in AUX_FILES:
         if (src / name).exists():
             shutil.copy2(src / name, dst / name)
-    logger.info("converted %s (%s, %d tensors) -> %s", src, direction, len(out), dst)
-    return direction
+    return direction, len(out)
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -373,19 +416,23 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("src", help="folder with config.json and model.safetensors (or a sharded index)")
     p.add_argument("dst", help="output folder (created)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="keep", help="cast the weights (default: keep)")
+    p.add_argument("--force", action="store_true",
+                   help="replace DST when it exists (its old contents are deleted); without it an existing, "
+                        "non-empty DST is an error")
     p.set_defaults(func=run_from_args)
     return p
 
 
 def run_from_args(args) -> int:
-    """Run a parsed ``convert`` command (``args.family``, ``args.src``, ``args.dst``, ``args.dtype``); returns 0."""
-    direction = convert(args.family, args.src, args.dst, _DTYPES[args.dtype])
+    """Run a parsed ``convert`` command (``args.family``, ``args.src``, ``args.dst``, ``args.dtype``,
+    ``args.force``); returns 0."""
+    direction = convert(args.family, args.src, args.dst, _DTYPES[args.dtype], force=getattr(args, "force", False))
     print(f"{args.src} -> {args.dst} ({direction})")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gdn.compat.convert FAMILY SRC DST [--dtype …]``: the same as ``gdn convert``."""
+    """``python -m gdn.compat.convert FAMILY SRC DST [--dtype …] [--force]``: the same as ``gdn convert``."""
     parser = argparse.ArgumentParser(prog="gdn")
     sub = parser.add_subparsers(dest="command", required=True)
     add_subparser(sub)

@@ -136,3 +136,96 @@ def test_multimodal_qwen3_5_checkpoint_text_part(tmp_path):
     ids = torch.randint(3, 96, (2, 15), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert rel(model(ids).logits, hf(input_ids=ids).logits) < 1e-4
+
+
+# ------------------------------------------------------------------- checkpoints gdn itself writes
+
+def _gdn_folder(path, with_tokenizer=True):
+    """A tiny all-Gated-DeltaNet gdn model saved the plain way (``save_pretrained``; no token ids in
+    its config, as in checkpoints written before gdn recorded them) plus the byte tokenizer."""
+    from gdn.data import ByteTokenizer
+
+    torch.manual_seed(0)
+    cfg = GDNConfig.from_preset("gdn", "tiny", hidden_size=32, num_hidden_layers=2, head_dim=16, intermediate_size=64)
+    model = randomize(GDNForCausalLM(cfg), seed=1, std=0.3).eval()
+    model.save_pretrained(path)
+    if with_tokenizer:
+        ByteTokenizer().save(path)
+    return model
+
+
+def test_gdn_saved_model_without_token_ids_converts(tmp_path):
+    model = _gdn_folder(tmp_path / "src")
+    assert "bos_token_id" not in json.loads((tmp_path / "src" / "config.json").read_text())
+    assert convert.convert("hf-qwen3-next", tmp_path / "src", tmp_path / "out") == "to-hf"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(hf).__name__ == "Qwen3NextForCausalLM"
+    ids = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        # use_cache=False: transformers' cache for Qwen3-Next needs an attention layer, and these have none
+        assert rel(hf(ids, use_cache=False).logits, model(ids).logits) < 1e-4
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tok("hé")["input_ids"] == [104, 195, 169]
+
+
+def test_trained_checkpoint_converts_with_its_token_ids(tmp_path):
+    """The checkpoint of a `gdn train` run converts (its config now carries the tokenizer's ids),
+    and the converted folder keeps them and the tokenizer but not gdn's remote-code file."""
+    from gdn.cli import main
+
+    (tmp_path / "data").mkdir()
+    for i in range(4):
+        (tmp_path / "data" / f"m{i}.py").write_text(f"def g{i}(a):\n    return a + {i}\n" * 12)
+    args = ["train", "--data", str(tmp_path / "data"), "--steps", "1", "--out", str(tmp_path / "run")]
+    for s in ("model.hidden_size=32", "model.num_hidden_layers=2", "model.head_dim=16", "model.intermediate_size=64",
+              "seq_len=32", "batch_size=2", "eval_batches=1", "tensorboard=false", "progress=false",
+              "val_fraction=0.25", "warmup_steps=1"):
+        args += ["--set", s]
+    assert main(args) == 0
+    (ckpt,) = (tmp_path / "run" / "checkpoints").iterdir()
+    assert main(["convert", "hf-qwen3-next", str(ckpt), str(tmp_path / "out")]) == 0
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (cfg["model_type"], cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (
+        "qwen3_next", 255, 255, 255)
+    assert "auto_map" not in cfg and not (tmp_path / "out" / "modeling_gdn.py").exists()
+    gdn_model = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(0, 255, (1, 21), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel(hf(ids, use_cache=False).logits, gdn_model(ids).logits) < 1e-4
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").eos_token_id == 255
+
+
+def _run_gdn(*args, cwd):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).with_name("gdn")
+    if not exe.exists():
+        pytest.skip("the gdn console script is not installed next to this interpreter")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, cwd=cwd, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+
+
+def test_cli_refuses_to_overwrite_a_destination_unless_forced(tmp_path):
+    _gdn_folder(tmp_path / "src")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    res = _run_gdn("convert", "hf-qwen3-next", "src", "out", cwd=tmp_path)
+    err = res.stderr.strip()
+    assert res.returncode == 2 and "Traceback" not in err and len(err.splitlines()) == 1, (res.returncode, err)
+    assert "out" in err and "--force" in err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
+
+    res = _run_gdn("convert", "hf-qwen3-next", "src", "out", "--force", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert not (tmp_path / "out" / "keep.txt").exists()  # DST replaced, not merged into
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3_next"
+
+
+def test_convert_refuses_a_destination_that_holds_the_source(tmp_path):
+    _gdn_folder(tmp_path / "work" / "src", with_tokenizer=False)
+    with pytest.raises(ValueError, match="inside DST"):
+        convert.convert("hf-qwen3-next", tmp_path / "work" / "src", tmp_path / "work", force=True)
+    assert (tmp_path / "work" / "src" / "model.safetensors").exists()
