@@ -13,7 +13,7 @@ else
 endif
 PY := $(BIN)python
 
-.PHONY: install test test-all demo bench-cpu clean
+.PHONY: install test test-all test-gpu demo bench-cpu clean
 
 $(STAMP): pyproject.toml
 	@if [ -z "$(VIRTUAL_ENV)" ] && [ ! -x .venv/bin/python ]; then $(PYTHON) -m venv .venv; fi
@@ -30,6 +30,11 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 -m "" tests
+
+# The GPU correctness suite of the Triton kernels (tests/gpu: skipped without a CUDA device). Six
+# workers compile in parallel and fit an H200's memory; GPU_TEST_ARGS='-m ""' adds the slow cases.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -n 6 -rf tests/gpu $(GPU_TEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m gdn.demo

@@ -1,0 +1,173 @@
+"""The model's Triton glue kernels on the GPU against their PyTorch forms run in float64: the causal
+short convolution (:mod:`gdn.ops.triton.short_conv`), RMSNorm and gated RMSNorm
+(:mod:`gdn.ops.triton.rmsnorm`), the SwiGLU product (:mod:`gdn.ops.triton.swiglu`) and the row
+passes of the chunked cross entropy (:mod:`gdn.ops.triton.cross_entropy`), at the 340m training
+shapes and at awkward ones; then that the layers dispatch to these kernels on CUDA.
+
+Every output and gradient is a relative RMS error against the PyTorch form in float64 on the same
+inputs. Bounds: 1e-5 in fp32; in bf16 twice the PyTorch form's own error in bf16 (for the conv
+and the norms at least 1e-2: one bf16 rounding is ≈ 2e-3, a wrong kernel O(1)). The kernels
+must also return the dtypes the PyTorch forms return.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gdn.layers import GatedRMSNorm, RMSNorm, ShortConvolution
+from gdn.ops.conv import ConvActFn, conv_act
+from gdn.ops.norm import GatedRMSNormFn, RMSNormFn
+from gdn.ops.triton.cross_entropy import logsumexp_pick, softmax_grad
+from gdn.ops.triton.rmsnorm import gated_rms_norm, rms_norm
+from gdn.ops.triton.short_conv import short_conv
+from gdn.ops.triton.swiglu import swiglu_backward, swiglu_forward
+
+from .helpers import DEVICE, assert_within, dtype_id, offsets, rel_err
+
+DTYPES = (torch.float32, torch.bfloat16)
+FP32_TOL = 1e-5
+
+
+def grads(fn, inputs, dy):
+    """[output, gradients of the inputs that need one] of ``fn(*inputs)`` for cotangent ``dy``;
+    ``inputs``: (tensor or None, needs grad) pairs."""
+    ins = [None if t is None else t.detach().clone().requires_grad_(need) for t, need in inputs]
+    y = fn(*ins)
+    wrt = [t for t in ins if t is not None and t.requires_grad]
+    return [y.detach(), *torch.autograd.grad(y, wrt, dy.to(y.dtype))]
+
+
+def compare(names, ours, theirs, ref, dtype, what, floor=0.0):
+    """Errors of the kernels' results ``ours`` and the bound (1e-5, or in half precision
+    ``max(2 × the PyTorch form's error, floor)``); the dtypes must match the PyTorch form's."""
+    errs, bounds = {}, {}
+    for name, a, b, r in zip(names, ours, theirs, ref):
+        assert a.dtype == b.dtype, f"{what} {name}: kernel returns {a.dtype}, PyTorch {b.dtype}"
+        errs[name] = rel_err(a, r)
+        bounds[name] = FP32_TOL if dtype == torch.float32 else max(2 * rel_err(b, r), floor)
+    assert_within(errs, bounds, f"{what} {dtype_id(dtype)}")
+
+
+def torch_conv(x, w, h, cu, act):
+    if cu is None and h is None:
+        h = x.new_zeros(x.shape[0], x.shape[2], w.shape[1] - 1)
+    return ConvActFn.apply(x, w, h, cu, act)
+
+
+#: (B, T, D, activation, with a history, packed lengths or None)
+CONV = [
+    (4, 4096, 768, "silu", False, None),
+    (4, 4096, 1536, "silu", False, None),
+    (4, 4096, 768, "silu", True, None),
+    (2, 37, 100, None, True, None),
+    (1, 8192, 768, "silu", False, (1, 0, 3000, 5, 4096, 1090)),
+    (1, 50, 7, None, False, (1, 0, 49)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("B,T,D,act,with_hist,lens", CONV,
+                         ids=[f"{c[0]}x{c[1]}x{c[2]}-{c[3]}" + ("-hist" if c[4] else "") + ("-packed" if c[5] else "")
+                              for c in CONV])
+def test_short_conv(B, T, D, act, with_hist, lens, dtype, device=DEVICE):
+    gen = torch.Generator(device=device).manual_seed(T + D)
+    x = torch.randn(B, T, D, device=device, generator=gen).to(dtype)
+    w = torch.randn(D, 4, device=device, generator=gen) / 2
+    h = torch.randn(B, D, 3, device=device, generator=gen).to(dtype) if with_hist else None
+    cu = None if lens is None else offsets(lens, device)
+    dy = torch.randn(B, T, D, device=device, generator=gen).to(dtype)
+    inputs = [(x, True), (w, True), (h, True)]
+    ref = grads(lambda a, b, c: torch_conv(a, b, c, cu, act),
+                [(None if t is None else t.double(), n) for t, n in inputs], dy.double())
+    ours = grads(lambda a, b, c: short_conv(a, b, c, cu, act), inputs, dy)
+    theirs = grads(lambda a, b, c: torch_conv(a, b, c, cu, act), inputs, dy)
+    compare(["y", "dx", "dw", "dhist"][:len(ref)], ours, theirs, ref, dtype, f"conv {[B, T, D]}", floor=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape,gated", [((4, 4096, 1024), False), ((4 * 4096 * 6, 256), True), ((3, 17, 100), True),
+                                         ((5, 7), False)], ids=["rms-4x4096x1024", "gated-98304x256",
+                                                                "gated-3x17x100", "rms-5x7"])
+def test_rms_norm(shape, gated, dtype, device=DEVICE):
+    gen = torch.Generator(device=device).manual_seed(shape[-1])
+    x = (2 * torch.randn(shape, device=device, generator=gen)).to(dtype)
+    g = (2 * torch.randn(shape, device=device, generator=gen)).to(dtype)
+    w = 1 + 0.5 * torch.randn(shape[-1], device=device, generator=gen)
+    dy = torch.randn(shape, device=device, generator=gen).to(dtype)
+    if gated:
+        inputs = [(x, True), (g, True), (w, True)]
+        ref = grads(lambda a, b, c: GatedRMSNormFn.apply(a, b, c, 1e-6), [(t.double(), n) for t, n in inputs],
+                    dy.double())
+        ours = grads(lambda a, b, c: gated_rms_norm(a, b, c, 1e-6), inputs, dy)
+        theirs = grads(lambda a, b, c: GatedRMSNormFn.apply(a, b, c, 1e-6), inputs, dy)
+        names = ["y", "dx", "dgate", "dw"]
+    else:
+        inputs = [(x, True), (w, True)]
+        ref = grads(lambda a, b: RMSNormFn.apply(a, b, 1e-6, torch.float64), [(t.double(), n) for t, n in inputs],
+                    dy.double())
+        ours = grads(lambda a, b: rms_norm(a, b, 1e-6), inputs, dy)
+        theirs = grads(lambda a, b: RMSNormFn.apply(a, b, 1e-6, dtype), inputs, dy)
+        names = ["y", "dx", "dw"]
+    compare(names, ours, theirs, ref, dtype, f"{'gated ' if gated else ''}rmsnorm {list(shape)}", floor=1e-2)
+
+
+def test_layers_dispatch_to_the_kernels(device=DEVICE):
+    """ShortConvolution, RMSNorm and GatedRMSNorm run the Triton kernels on CUDA (bit-equal
+    results), keep PyTorch's dtypes under autocast, and the convolution continues from a state."""
+    x = torch.randn(2, 64, 96, device=device)
+    conv, norm, gnorm = ShortConvolution(96).to(device), RMSNorm(96).to(device), GatedRMSNorm(96).to(device)
+    with torch.no_grad():
+        assert torch.equal(conv(x)[0], short_conv(x, conv.weight)), "ShortConvolution does not run the Triton conv"
+        assert torch.equal(norm(x), rms_norm(x, norm.weight, norm.eps)), "RMSNorm does not run the Triton norm"
+        assert torch.equal(gnorm(x, x.flip(0)), gated_rms_norm(x, x.flip(0), gnorm.weight, gnorm.eps)), \
+            "GatedRMSNorm does not run the Triton norm"
+        with torch.autocast(device, dtype=torch.bfloat16):
+            yc, yn, yg = conv(x)[0], norm(x), gnorm(x, x)
+            yc_ref = conv_act(x, conv.weight, x.new_zeros(2, 96, 3), None, "silu")
+        assert (yc.dtype, yn.dtype, yg.dtype) == (yc_ref.dtype, torch.bfloat16, torch.float32)
+        state = torch.randn(2, 96, 3, device=device)
+        y1, s1 = conv(x, state=state, output_state=True)
+        y2 = conv_act(x, conv.weight, state, None, "silu")
+        assert rel_err(y1, y2) <= FP32_TOL and s1.shape == (2, 96, 3)
+
+
+def torch_swiglu(g, u, dh):
+    h = F.silu(g) * u
+    dg = torch.ops.aten.silu_backward(dh * u, g)
+    return h, dg, dh * F.silu(g)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_swiglu(dtype, device=DEVICE, shape=(16384, 2816)):
+    """The product ``SiLU(g) · u`` and its backward at the 340m MLP's [tokens, hidden] shape."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    g = (3 * torch.randn(*shape, device=device, generator=gen)).to(dtype)
+    u = torch.randn(*shape, device=device, generator=gen).to(dtype)
+    dh = torch.randn(*shape, device=device, generator=gen).to(dtype)
+    ref = torch_swiglu(g.double(), u.double(), dh.double())
+    ours = (swiglu_forward(g, u), *swiglu_backward(dh, g, u))
+    compare(("h", "dgate", "dup"), ours, torch_swiglu(g, u, dh), ref, dtype, "swiglu", floor=2e-7)
+
+
+def torch_ce(z, t, coef):
+    zf = z.float() if z.dtype != torch.float64 else z
+    lse = torch.logsumexp(zf, -1)
+    picked = zf.gather(1, t[:, None])[:, 0]
+    p = torch.exp(zf - lse[:, None])
+    p[torch.arange(z.shape[0], device=z.device), t] -= 1.0
+    return lse, picked, (p * coef[:, None]).to(z.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_cross_entropy_rows(dtype, device=DEVICE, rows=1048, vocab=32000):
+    """Per row the log-sum-exp, the target's logit and ``coef · (softmax − onehot)``: the passes of
+    the chunked cross entropy at a 32000-word vocabulary."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    z = (4 * torch.randn(rows, vocab, device=device, generator=gen)).to(dtype)
+    t = torch.randint(0, vocab, (rows,), device=device, generator=gen)
+    coef = torch.rand(rows, device=device, generator=gen) / 16384
+    ref = torch_ce(z.double(), t, coef.double())
+    lse, picked = logsumexp_pick(z, t)
+    ours = (lse, picked, softmax_grad(z, lse, t, coef))
+    compare(("lse", "picked", "dz"), ours, torch_ce(z, t, coef), ref, dtype, "cross entropy rows", floor=2e-7)
