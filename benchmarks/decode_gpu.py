@@ -27,8 +27,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from gdn.ops.triton import fused_recurrent as FR
-from gdn.ops.triton import recurrent_pool as RP
+from gdn.ops.delta.triton import pool as RP
+from gdn.ops.delta.triton import recurrent as FR
 
 H, HV, K, V = 16, 32, 128, 128
 BATCHES = (1, 32, 256)
@@ -84,12 +84,10 @@ def one_step_replay_us(B) -> float:
 
 
 def prefill_rows(lengths=(1, 4, 16, 64, 256), batches=(1, 8)) -> list[dict]:
-    """Short prefills, no grad: the fused recurrent op vs the chunk kernels (``gdn.ops.triton.chunk_op``),
-    to place the T below which the recurrent kernel wins. bf16, H=16, HV=32, K=V=128, fp32 state."""
-    try:
-        from gdn.ops.triton import chunk_op
-    except ImportError:
-        chunk_op = None
+    """Short prefills, no grad: the token-recurrent kernel vs the chunk kernels
+    (:func:`gdn.ops.delta.triton.chunk.chunk_op`), to place the T below which the recurrent kernel
+    wins (:data:`gdn.ops.tuning.RECURRENT_MAX_T`). bf16, H=16, HV=32, K=V=128, fp32 state."""
+    from gdn.ops.delta.triton.chunk import chunk_op
     out = []
     for B in batches:
         for T in lengths:
@@ -103,13 +101,8 @@ def prefill_rows(lengths=(1, 4, 16, 64, 256), batches=(1, 8)) -> list[dict]:
                 rec = do_bench(lambda: FR.fused_recurrent_gated_delta_rule(
                     q, k, v, g, beta, initial_state=h0, output_final_state=True), warmup=10, rep=100,
                     return_mode="median")
-                chk = float("nan")
-                if chunk_op is not None:
-                    try:
-                        chk = do_bench(lambda: chunk_op(q, k, v, g, beta, initial_state=h0, output_final_state=True),
-                                       warmup=10, rep=100, return_mode="median")
-                    except Exception as e:  # noqa: BLE001 - the peer kernel may not run yet; report, go on
-                        print(f"chunk_op failed at B={B} T={T}: {type(e).__name__}: {e}")
+                chk = do_bench(lambda: chunk_op(q, k, v, g, beta, initial_state=h0, output_final_state=True),
+                               warmup=10, rep=100, return_mode="median")
             out.append({"B": B, "T": T, "recurrent_us": rec * 1e3, "chunk_us": chk * 1e3})
     return out
 
@@ -144,9 +137,9 @@ def rows(copy_bw: float | None = None) -> list[dict]:
     of 100 steps, for gdn (pool, in place) and FLA; gdn one-step graph replay; GB/s and % of the
     measured copy bandwidth from the in-graph GPU times; speed-up over FLA (in-graph).
 
-    gdn's rows are measured first for every B, FLA's after: a fault in the peer (one ended the
-    fourth session's run with an illegal memory access, which poisons the CUDA context) then costs
-    only FLA's columns (NaN), not gdn's."""
+    gdn's rows are measured first for every B, FLA's after: a fault in the peer (an illegal memory
+    access poisons the CUDA context for the rest of the process) then costs only FLA's columns
+    (NaN), not gdn's."""
     torch.manual_seed(0)
     copy_bw = copy_bw or copy_bandwidth()
     out = []

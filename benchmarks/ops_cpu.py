@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from gdn.ops import chunk as Ch
-from gdn.ops import reference as R
+from gdn.ops.delta import chunk as Ch
+from gdn.ops.delta import reference as R
 
 SHAPES = [(1, 2048, 8, 64), (2, 4096, 4, 128)]
 
@@ -45,7 +45,7 @@ def median_ms(fn, reps, warmup=1):
 
 
 def gdn_flops(B, T, H, D, C):
-    """Multiply-adds x2 of the chunk forward as implemented (gdn/ops/chunk.py), per docs/BENCHMARKS.md."""
+    """Multiply-adds x2 of the chunk forward as implemented (gdn/ops/delta/chunk.py), per docs/BENCHMARKS.md."""
     chunks = B * H * (T // C)
     per_chunk = (
         2 * C * C * D  # Q Kᵀ and K Kᵀ

@@ -1,9 +1,11 @@
 """Chunked-op benchmark on the GPU: gdn's Triton kernels vs FLA 0.6.0 vs PyTorch SDPA (flash).
 
-bf16 q/k/v, fp32 g and beta, Gated DeltaNet, K = V = 128, at the shapes of issue 3 item 5:
-(B, T, H, D) = (8, 2048, 16, 128), (4, 8192, 16, 128), (1, 32768, 16, 128); grouped values
-(1, 8192, H = 16, HV = 32, 128); a packed batch of 12 sequences of mixed lengths totalling 32768.
-Forward and forward+backward; decode rows come from ``benchmarks/decode_gpu.py`` when present.
+bf16 q/k/v, fp32 g and beta, Gated DeltaNet, K = V = 128, at (B, T, H, D) = (8, 2048, 16, 128),
+(4, 8192, 16, 128), (1, 32768, 16, 128) (the same tokens per call at three sequence lengths);
+grouped values (1, 8192, H = 16, HV = 32, 128); a packed batch of 12 sequences of mixed lengths
+totalling 32768; one layer of the 340m model (K = 128, V = 256). Forward and forward+backward;
+``--decode`` adds the rows of ``benchmarks/decode_gpu.py``. Timing only: correctness is
+``pytest tests/gpu``.
 
 Per row: median ms (``triton.testing.do_bench``), speed-up over FLA, achieved TFLOP/s and GB/s
 (counted as below, against the card's ceilings measured in the same run: a bf16 8192³ matmul and
@@ -213,16 +215,28 @@ def table(rs, mm_rate, copy_bw):
               f"| {r['gdn_GB']:.2f} / {r['fla_GB']:.2f} | {r['first_s']:.2f} |", flush=True)
 
 
-def variants(specs, prof=False):
-    """gdn alone at every shape under each launch-configuration variant (a JSON list of partial
-    ``CONFIG`` updates, e.g. ``[{}, {"split": {"L": -1}}, {"state_fwd": {"num_warps": 8}}]``): ms and
-    the largest relative difference of o and every gradient against the first variant; with ``prof``
-    also the forward's per-kernel times under each."""
+def _restore(saved):
+    """Put the launch tables of :mod:`gdn.ops.tuning` back to ``saved`` (a deep copy of
+    ``tuning.TABLES``), in place: the kernel modules hold references to the same dicts."""
     import copy
 
-    from gdn.ops.triton._common import CONFIG, update_config
+    from gdn.ops import tuning
 
-    base_cfg = copy.deepcopy(CONFIG)
+    for name, table in tuning.TABLES.items():
+        table.clear()
+        table.update(copy.deepcopy(saved[name]))
+
+
+def variants(specs, prof=False):
+    """gdn alone at every shape under each launch-configuration variant (a JSON list of partial
+    :func:`gdn.ops.tuning.update` arguments, e.g. ``[{}, {"split": {"L": -1}},
+    {"state_fwd": {"num_warps": 8}}]``): ms and the largest relative difference of o and every
+    gradient against the first variant; with ``prof`` also the forward's per-kernel times under each."""
+    import copy
+
+    from gdn.ops import tuning
+
+    saved = copy.deepcopy(tuning.TABLES)
     print("\n| shape | variant | fwd ms | fwd+bwd ms | max rel diff vs first |")
     print("|---|---|---|---|---|")
     for name, B, T, H, HV, lens, *vd in SHAPES:
@@ -232,9 +246,8 @@ def variants(specs, prof=False):
         g = gdn_fn(xs, cu)
         base = None
         for spec in specs:
-            CONFIG.clear()
-            CONFIG.update(copy.deepcopy(base_cfg))
-            update_config(spec)
+            _restore(saved)
+            tuning.update(spec)
             for x in xs:
                 x.grad = None
             o = g()
@@ -257,8 +270,7 @@ def variants(specs, prof=False):
                         x.grad = None
                     g().backward(do)
                 kernel_times(fwd_bwd, f"gdn kernels at {name}, {json.dumps(spec)}, fwd+bwd", top=14)
-        CONFIG.clear()
-        CONFIG.update(copy.deepcopy(base_cfg))
+        _restore(saved)
         del xs
         torch.cuda.empty_cache()
 
@@ -301,8 +313,8 @@ def main():
     ap.add_argument("--variants", default=None, metavar="JSON",
                     help="only gdn, timed under each of a JSON list of partial launch configurations")
     ap.add_argument("--config", default=None, metavar="FILE|JSON",
-                    help="launch configurations to use: a JSON file (benchmarks/tune_gpu.py --out) or an inline "
-                         "partial configuration such as '{\"split\": {\"L\": -1}}'")
+                    help="launch configurations to use: a JSON file (tools/tune_gpu.py --out) or an inline "
+                         "partial configuration such as '{\"split\": {\"L\": -1}}' (gdn.ops.tuning.update_from)")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="start no new shape after this many seconds (the table and what was measured still print)")
     ap.add_argument("--shapes", default=None, metavar="I,J",
@@ -311,10 +323,10 @@ def main():
     if args.shapes:
         SHAPES[:] = [SHAPES[int(i)] for i in args.shapes.split(",")]
     if args.config:
-        from gdn.ops.triton._common import CONFIG, update_config_from
+        from gdn.ops import tuning
 
-        update_config_from(args.config)
-        print("launch configuration:", CONFIG)
+        tuning.update_from(args.config)
+        print("launch configuration overrides:", args.config)
     if args.variants:
         variants(json.loads(args.variants), args.profile)
         if not args.only_profile:
