@@ -3,10 +3,12 @@
 # come from this script's logs). Run from the repository root on the GPU machine, with FLA's
 # wheels in .whl/ (../shared/tools/peer-wheels) and $OUT set to a folder for the logs.
 # Seconds per step from the environment (0 skips the step):
-#   REPRO_S GPU_CHECK_S TUNE_S OPS_S KDA_S GEN_S TRAIN_S      e.g. GPU_CHECK_S=200 TUNE_S=0 bash benchmarks/h200_all.sh
-# and flags: CHECK_FLAGS OPS_FLAGS KDA_FLAGS REPRO_FLAGS (e.g. REPRO_FLAGS="--configs [{}]": the narrow-head
-# cases' values against the fp64 chunk form under launch-configuration overrides)
-# gpu_check runs in SHARDS parallel processes (compilation is per process and CPU-bound).
+#   GPU_CHECK_S TUNE_S OPS_S KDA_S GEN_S TRAIN_S      e.g. GPU_CHECK_S=200 TUNE_S=0 bash tools/h200_all.sh
+# and flags: CHECK_ALL=1 (the slow cases of the GPU check too), CHECK_FLAGS (more pytest arguments,
+# e.g. "-k kda"), OPS_FLAGS, KDA_FLAGS. The GPU check is `pytest tests/gpu` in WORKERS pytest-xdist
+# processes (compilation is per process and CPU-bound; six fit the H200's memory with the largest cases).
+# A tuned launch table from a previous run ($OUT/tuned.json) is used by the timing steps; the
+# check runs the defaults unless GDN_TUNING names a table (tests/gpu/conftest.py).
 set -u
 OUT=${OUT:-/tmp/gdn-h200}
 mkdir -p "$OUT"
@@ -20,25 +22,17 @@ step() {  # step NAME SECONDS CMD...
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
   echo "rc=$? $name"; tail -n "${TAIL:-40}" "$OUT/$name.log"
 }
-check() {  # the GPU check in $SHARDS processes, logs concatenated
-  local n=${SHARDS:-8} i
-  for ((i = 0; i < n; i++)); do
-    python3 benchmarks/gpu_check.py ${CHECK_FLAGS:-} --shard "$i/$n" > "$OUT/check_$i.part" 2>&1 &
-  done
-  wait
-  cat "$OUT"/check_*.part; rm -f "$OUT"/check_*.part
-}
-export -f check
-export OUT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 CFG=()
 [ -f "$OUT/tuned.json" ] && CFG=(--config "$OUT/tuned.json")
-step repro_v16 "${REPRO_S:-0}" python3 benchmarks/gpu_repro_v16.py ${REPRO_FLAGS:-}
-step gpu_check "${GPU_CHECK_S:-200}" bash -c check
-step tune "${TUNE_S:-0}" python3 benchmarks/tune_gpu.py --out "$OUT/tuned.json"
+CHECK=(python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-6}" -rf tests/gpu)
+[ "${CHECK_ALL:-0}" = 1 ] && CHECK+=(-m "")
+# shellcheck disable=SC2086  # CHECK_FLAGS holds several pytest arguments
+step gpu_check "${GPU_CHECK_S:-200}" "${CHECK[@]}" ${CHECK_FLAGS:-}
+step tune "${TUNE_S:-0}" python3 tools/tune_gpu.py --out "$OUT/tuned.json"
 [ -f "$OUT/tuned.json" ] && CFG=(--config "$OUT/tuned.json")
 step ops_gpu "${OPS_S:-150}" python3 benchmarks/ops_gpu.py --decode ${OPS_FLAGS:-} "${CFG[@]}"
-step kda "${KDA_S:-0}" python3 benchmarks/kda_gpu.py ${KDA_FLAGS:---max-seconds 150 --check-seconds 80 --no-fla --no-decode --step-seconds 8}
+step kda "${KDA_S:-0}" python3 benchmarks/kda_gpu.py ${KDA_FLAGS:---max-seconds 150 --no-fla --no-decode --step-seconds 8}
 step generation "${GEN_S:-0}" python3 benchmarks/generation.py --size 340m --contexts 2048,8192,32768
 step train "${TRAIN_S:-0}" python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device call, two lanes on an H200 x2 (one after the other on a single GPU). Logs under $OUT.
-# Lane A (GPU 0): the GPU check (8 shards, CHECK_FLAGS), GLUE_CMD, KDA_CMD, the training benchmark
-# (TRAIN_FLAGS; TRAIN2_FLAGS for a second run). Lane B (GPU 1): gdn variants (VARIANTS, a JSON list of
-# partial launch configurations; VAR_FLAGS e.g. --profile), the narrow-head repro, the ops table with
-# FLA (OPS_FLAGS, default --decode --profile), after B_DELAY seconds. Every step has a time slice *_S; a slice of 0 skips the step.
-#   OUT=/tmp/x GLUE_CMD="python3 benchmarks/glue_gpu.py" TRAIN_S=280 OPS_S=420 bash benchmarks/h200_lanes.sh
+# Lane A (GPU 0): the GPU check (`pytest tests/gpu` in WORKERS processes; CHECK_ALL=1 adds the slow
+# cases, CHECK_FLAGS more pytest arguments), GLUE_CMD, KDA_CMD, the training benchmark (TRAIN_FLAGS;
+# TRAIN2_FLAGS for a second run). Lane B (GPU 1): gdn variants (VARIANTS, a JSON list of partial
+# launch configurations; VAR_FLAGS e.g. --profile), the ops table with FLA (OPS_FLAGS, default
+# --decode --profile), after B_DELAY seconds. Every step has a time slice *_S; a slice of 0 skips the step.
+#   OUT=/tmp/x GLUE_CMD="python3 benchmarks/glue_gpu.py" TRAIN_S=280 OPS_S=420 bash tools/h200_lanes.sh
 set -u
 export SITE=/tmp/site PYTHONUNBUFFERED=1
 NO_VARIANT='[{}]'  # (a literal default inside ${...:-} would end at its first brace)
@@ -14,14 +15,14 @@ NG=$(nvidia-smi -L | wc -l)
 G1=$(( NG > 1 ? 1 : 0 ))
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-# the check's eight processes keep to two CPU threads each, leaving the host's cores to lane B's
-# timings (torch's CPU ops on an oversubscribed host stretched host-bound rows tenfold)
+# the check's processes keep to two CPU threads each, leaving the host's cores to lane B's timings
+# (torch's CPU ops on an oversubscribed host stretched host-bound rows tenfold)
 check() {
-  for ((i = 0; i < 8; i++)); do
-    CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=2 timeout ${CHECK_S:-230} python3 benchmarks/gpu_check.py --shard "$i/8" ${CHECK_FLAGS:-} > "$OUT/check_$i.part" 2>&1 &
-  done
-  wait
-  cat "$OUT"/check_*.part > "$OUT/gpu_check.log"; rm -f "$OUT"/check_*.part
+  local args=(-q -p no:cacheprovider -n "${WORKERS:-6}" -rf tests/gpu)
+  [ "${CHECK_ALL:-0}" = 1 ] && args+=(-m "")
+  # shellcheck disable=SC2086  # CHECK_FLAGS holds several pytest arguments
+  CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=2 timeout "${CHECK_S:-230}" python3 -m pytest "${args[@]}" ${CHECK_FLAGS:-} \
+    > "$OUT/gpu_check.log" 2>&1
 }
 laneA() {
   if [ "${CHECK_S:-230}" -gt 0 ]; then check; fi
@@ -40,18 +41,14 @@ laneB() {
   if [ "${VAR_S:-190}" -gt 0 ]; then
     CUDA_VISIBLE_DEVICES=$G1 timeout ${VAR_S:-190} python3 benchmarks/ops_gpu.py --variants "${VARIANTS:-$NO_VARIANT}" ${VAR_FLAGS:-} > "$OUT/variants.log" 2>&1
   fi
-  if [ "${REPRO_S:-60}" -gt 0 ]; then
-    CUDA_VISIBLE_DEVICES=$G1 timeout ${REPRO_S:-60} python3 benchmarks/gpu_repro_v16.py --no-sanitizer ${REPRO_FLAGS:-} > "$OUT/repro.log" 2>&1
-  fi
   if [ "${OPS_S:-320}" -gt 0 ]; then
     CUDA_VISIBLE_DEVICES=$G1 timeout ${OPS_S:-320} python3 benchmarks/ops_gpu.py --max-seconds $(( ${OPS_S:-320} - 60 )) ${OPS_FLAGS:---decode --profile} > "$OUT/ops_gpu.log" 2>&1
   fi
 }
 if [ "$NG" -gt 1 ]; then laneA & laneB & wait; else laneA; laneB; fi
-echo "=== check"; [ -f "$OUT/gpu_check.log" ] && grep -h "FAIL\|SOME\|ALL OK" "$OUT/gpu_check.log" | head -20
-echo "=== repro"; [ -f "$OUT/repro.log" ] && grep "^|" "$OUT/repro.log" | tail -12
+echo "=== check"; [ -f "$OUT/gpu_check.log" ] && grep -h "^FAILED\|^ERROR\| passed\| failed" "$OUT/gpu_check.log" | tail -25
 echo "=== variants"; [ -f "$OUT/variants.log" ] && grep "^|" "$OUT/variants.log" | head -80
 echo "=== train"; [ -f "$OUT/train.log" ] && grep "^|\|x$" "$OUT/train.log"; [ -f "$OUT/train2.log" ] && grep "^|\|x$" "$OUT/train2.log"
-echo "=== glue"; [ -f "$OUT/glue.log" ] && grep "^|\|OK\|FAIL" "$OUT/glue.log" | tail -40
+echo "=== glue"; [ -f "$OUT/glue.log" ] && grep "^|" "$OUT/glue.log" | tail -40
 echo "=== kda"; [ -f "$OUT/kda.log" ] && tail -30 "$OUT/kda.log"
 echo "=== ops"; [ -f "$OUT/ops_gpu.log" ] && grep -v "^{" "$OUT/ops_gpu.log" | tail -75

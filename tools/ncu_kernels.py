@@ -8,9 +8,10 @@ autotuning) outside the profiled range and then runs one fwd+bwd of each inside
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \\
-        -k 'regex:state_|dhu|fwd_kernel_h|wy|dqk|dv_local' python benchmarks/ncu_kernels.py --shape 4x8192
+        -k 'regex:state_|dhu|fwd_kernel_h|wy|dqk|dv_local' python tools/ncu_kernels.py --shape 4x8192
 
-(on the H200 machine, FLA's wheels carried as for `ops_gpu.py`). Without ncu it just runs.
+(on the H200 machine, FLA's wheels carried as for `benchmarks/ops_gpu.py`, whose inputs and calls
+this uses). Without ncu it just runs.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 from ops_gpu import fla_fn, gdn_fn, inputs  # noqa: E402
 
 

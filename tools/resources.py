@@ -1,12 +1,15 @@
-"""Developer tool: compile every chunk kernel for Hopper (sm_90) on any machine, no GPU needed,
-and report compile time, shared memory, registers and register spills (stack frame).
+"""Compile time, shared memory, registers and spills of the chunk kernels for sm_90, no GPU needed.
 
-It runs the real launchers of :mod:`.chunk_fwd` / :mod:`.chunk_bwd` (forward and backward of one
-small call) with the launch intercepted: each launch is compiled ahead of time with
-``triton.compile`` for a ``GPUTarget("cuda", 90, 32)`` with the same compile-time arguments,
-warps and pipelining depth, and its cubin is read with the ``cuobjdump`` bundled with Triton.
+Every chunk kernel of the scalar-gate family is compiled for Hopper (sm_90) on any machine, and
+the report gives its compile time, shared memory, registers and register spills (stack frame).
 
-    python -m gdn.ops.triton.resources [--K 128] [--V 128] [--dtype bf16] [--member gated_delta_rule]
+It runs the real launchers of :mod:`gdn.ops.delta.triton.chunk_fwd` / ``chunk_bwd`` (forward and
+backward of one small call) with the launch intercepted: each launch is compiled ahead of time
+with ``triton.compile`` for a ``GPUTarget("cuda", 90, 32)`` with the same compile-time arguments,
+warps and first pipelining candidate of its :data:`gdn.ops.tuning.DELTA` entry, and its cubin is
+read with the ``cuobjdump`` bundled with Triton.
+
+    python tools/resources.py [--K 128] [--V 128] [--dtype bf16] [--member gated_delta_rule]
 
 Needs a Triton with the NVIDIA backend (not the interpreter: run without TRITON_INTERPRET).
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -23,9 +27,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import _common, chunk_bwd, chunk_fwd
-from ._common import CONFIG
-from .chunk import chunk_op
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from gdn.ops.delta.triton import chunk_bwd, chunk_fwd  # noqa: E402
+from gdn.ops.delta.triton.chunk import chunk_op  # noqa: E402
+from gdn.ops.triton import common  # noqa: E402
+from gdn.ops.triton import launch as launcher  # noqa: E402
+from gdn.ops.tuning import DELTA  # noqa: E402
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
           torch.int64: "i64"}
@@ -73,14 +81,19 @@ def report(K=128, V=128, dtype=torch.bfloat16, member="gated_delta_rule", H=16, 
     """Compile the kernels of one forward + backward and return one row per launch."""
     rows = []
 
-    def fake_launch(kernel, grid, *args, name, **meta):
-        warps = CONFIG[name]["num_warps"]
-        ns, form = _common.candidates(CONFIG[name]["stages"])[0]
+    def fake_launch(kernel, grid, *args, name, config=None, **meta):
+        entry = (DELTA if config is None else config)[name]
+        warps = entry["num_warps"]
+        ns, form = launcher.candidates(entry["stages"])[0]
         secs, shared, usage = compile_report(kernel, args, dict(meta, **form), warps, ns)
         rows.append((kernel.fn.__name__, warps, ns, secs, shared, usage))
 
-    saved = chunk_fwd.launch, chunk_bwd.launch, _common.launch
-    chunk_fwd.launch = chunk_bwd.launch = _common.launch = fake_launch
+    # each module that calls launch() holds its own reference to it: chunk_fwd and chunk_bwd import
+    # it from gdn.ops.triton.common, which re-exports gdn.ops.triton.launch's and calls it itself
+    holders = (chunk_fwd, chunk_bwd, common, launcher)
+    saved = [m.launch for m in holders]
+    for m in holders:
+        m.launch = fake_launch
     try:
         q = torch.randn(1, T, H, K, dtype=dtype, requires_grad=True)
         k = torch.randn(1, T, H, K, dtype=dtype, requires_grad=True)
@@ -91,7 +104,8 @@ def report(K=128, V=128, dtype=torch.bfloat16, member="gated_delta_rule", H=16, 
         o, S = chunk_op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
         (o.float().sum() + S.sum()).backward()
     finally:
-        chunk_fwd.launch, chunk_bwd.launch, _common.launch = saved
+        for m, fn in zip(holders, saved):
+            m.launch = fn
     return rows
 
 

@@ -1,7 +1,7 @@
 """What the chunk kernels compile to on the H200, measured without a GPU.
 
 Records the launches of one forward + backward of the Triton chunk op at a benchmark shape (on the
-CPU: ``_common.recording`` collects the launches instead of running them, with the card's 132
+CPU: :func:`gdn.ops.triton.launch.recording` collects the launches instead of running them, with the card's 132
 multiprocessors assumed for the occupancy rules), compiles each kernel for sm_90 with the same
 compile-time arguments, warps and pipeline depth (Triton's bundled ptxas), and prints per kernel:
 registers, spills, shared memory, the programs one multiprocessor can hold (by shared memory,
@@ -11,8 +11,8 @@ configuration can or cannot overlap programs (e.g. the state passes' pipelined t
 shared memory at value tiles of 32: one program per multiprocessor, so 256 programs run in two
 waves).
 
-    python benchmarks/sass_cpu.py --shape 4x8192 [--hv 32] [--kernels state_bwd,state_fwd] [--sass DIR]
-    python benchmarks/sass_cpu.py --shape 4x4096 --h 6 --v 256 --depths   # each pass's candidates and choice
+    python tools/sass_cpu.py --shape 4x8192 [--hv 32] [--kernels state_bwd,state_fwd] [--sass DIR]
+    python tools/sass_cpu.py --shape 4x4096 --h 6 --v 256 --depths   # each pass's candidates and choice
 """
 from __future__ import annotations
 
@@ -29,9 +29,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gdn.ops.triton import _common, chunk, chunk_bwd, chunk_fwd  # noqa: E402
+from gdn.ops.delta.triton import chunk, chunk_bwd, chunk_fwd  # noqa: E402
+from gdn.ops.triton import common  # noqa: E402
+from gdn.ops.triton import launch as launcher  # noqa: E402
+from gdn.ops.tuning import DELTA  # noqa: E402
 
-SMS = 132  # H200 multiprocessors (per multiprocessor: _common.SM90)
+SMS = 132  # H200 multiprocessors (per multiprocessor: launcher.SM90)
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
           torch.int64: "i64"}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -40,15 +43,15 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 def record(B, T, H, HV, K, V=None):
     """The launches (kernel, grid, args, meta) of one forward + backward, bf16, gated delta rule."""
     V = V or K
-    for mod in (_common, chunk, chunk_fwd, chunk_bwd):
+    for mod in (launcher, common, chunk, chunk_fwd, chunk_bwd):
         if hasattr(mod, "sm_count"):
             mod.sm_count = lambda device: SMS
     cpu = torch.device("cpu")
     q = torch.empty(B * T, H, K, dtype=torch.bfloat16)
     k, v = torch.empty_like(q), torch.empty(B * T, HV, V, dtype=torch.bfloat16)
     g, beta = torch.empty(B * T, HV), torch.empty(B * T, HV)
-    ch = _common.make_chunks(B, T, None, cpu)
-    with _common.recording() as launches:
+    ch = common.make_chunks(B, T, None, cpu)
+    with launcher.recording() as launches:
         _, _, ai = chunk._forward(q, k, v, g, beta, None, ch, False, K ** -0.5, torch.bfloat16)
         chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, K ** -0.5, ai, torch.bfloat16)
     return launches
@@ -70,13 +73,14 @@ def resources(ck, with_sass=False):
 
 def per_sm(regs, smem, warps):
     """Programs one multiprocessor holds (the rule the launcher decides pipeline depths with)."""
-    return _common.per_sm(smem, regs, warps, _common.SM90)
+    return launcher.per_sm(smem, regs, warps, launcher.SM90)
 
 
 def depths(launches):
-    """Each launch of a sequential pass with its candidates (``CONFIG[...]["stages"]``: pipeline
+    """Each launch of a sequential pass with its candidates (``DELTA[...]["stages"]``: pipeline
     depths and forms): shared KB, registers, programs per multiprocessor, waves of its grid, and
-    the candidate the launcher's fewest-waves rule (``_common.pick``) takes on the H200."""
+    the candidate the launcher's fewest-waves rule (:func:`gdn.ops.triton.launch.pick`) takes on
+    the H200."""
     print("\n| pass | BV | programs | candidate (stages, form) | shared KB | regs | per SM | waves | chosen |")
     print("|---|---|---|---|---|---|---|---|---|")
     groups = {}
@@ -90,10 +94,10 @@ def depths(launches):
         base = {k: v for k, v in meta.items() if k not in ("num_stages", "QS")}
         pname = name[:-7]
         rows = []
-        for ns, form in _common.candidates(_common.CONFIG[pname]["stages"]):
+        for ns, form in launcher.candidates(DELTA[pname]["stages"]):
             regs, _, smem = resources(compile_sm90(kernel, kargs, dict(base, **form, num_stages=ns)))
             rows.append(((ns, form), smem, regs, per_sm(regs, smem, meta["num_warps"])))
-        chosen = _common.pick([(c, n) for c, _, _, n in rows], programs, SMS)
+        chosen = launcher.pick([(c, n) for c, _, _, n in rows], programs, SMS)
         for c, smem, regs, n in rows:
             label = f"{c[0]}" + (" " + ",".join(k for k, v in c[1].items() if v) if c[1] else "")
             print(f"| {pname} | {bv} | {programs} | {label} | {smem / 1024:.0f} | {regs} | {n} | "
@@ -158,7 +162,7 @@ def main():
     HV = args.hv or args.h
     want = None if args.kernels is None else {f"{n}_kernel" for n in args.kernels.split(",")}
     print(f"H200 (sm_90) compile of the launches of one fwd+bwd at B={B}, T={T}, H={args.h}, HV={HV}, "
-          f"K={args.k}, V={args.v or args.k}, bf16; {SMS} multiprocessors, {_common.SM90['shared'] // 1024} KB shared each")
+          f"K={args.k}, V={args.v or args.k}, bf16; {SMS} multiprocessors, {launcher.SM90['shared'] // 1024} KB shared each")
     launches = record(B, T, args.h, HV, args.k, args.v)
     if args.depths:
         depths(launches)

@@ -1,15 +1,16 @@
 """Pick the launch configuration of each Triton chunk kernel on the GPU (coordinate descent).
 
-For each kernel of ``gdn.ops.triton._common.CONFIG`` in turn, every candidate below replaces that
+For each kernel of :data:`gdn.ops.tuning.DELTA` in turn, every candidate below replaces that
 kernel's entry, the op runs (forward for the forward kernels, forward+backward for the backward
 ones) at the benchmark shapes, its outputs and gradients are compared with the current best
 configuration's (a candidate that changes the numbers beyond bf16 noise is rejected: that is how a
 miscompile shows), and it is timed with ``triton.testing.do_bench``; the fastest is kept before
 the next kernel. Each kernel's sweep runs in its own process, so a candidate that faults (an
-illegal memory access poisons the CUDA context) costs only that sweep. Prints the final CONFIG to
-paste into ``_common.py``, and a log of every candidate.
+illegal memory access poisons the CUDA context) costs only that sweep. Prints the final table to
+paste into ``DELTA`` in ``gdn/ops/tuning.py``, and a log of every candidate; ``--out`` writes it
+as JSON for ``benchmarks/ops_gpu.py --config`` and ``pytest tests/gpu`` (``GDN_TUNING``).
 
-    python benchmarks/tune_gpu.py [--kernels state_fwd,output] [--shapes 4x8192,1x32768]
+    python tools/tune_gpu.py [--kernels state_fwd,output] [--shapes 4x8192,1x32768] [--out FILE]
 """
 from __future__ import annotations
 
@@ -34,14 +35,14 @@ def candidates(name):
     if name == "kkt_solve":
         return [dict(num_warps=w, BK=bk) for w in (2, 4) for bk in (32, 64)]
     if name in ("state_fwd", "state_bwd"):
-        # their pipeline depth is the launch's (_common.by_waves, over the config's candidates);
-        # plain state_bwd at one stage must stay out of them (miscompiled, docs/TRITON.md)
+        # their pipeline depth is the launch's (gdn.ops.triton.launch.by_waves, over the entry's
+        # candidates); plain state_bwd at one stage must stay out of them (miscompiled, docs/TRITON.md)
         return [dict(SV=sv, num_warps=w) for sv in (2048, 4096, 8192) for w in (4, 8)]
     if name == "chain":
         return [dict(num_warps=w, BC=bc, SV=sv) for w in (4, 8) for bc in (16, 32) for sv in (2048, 4096)]
-    # dqk and wy_bwd also with pipelined loops (2-3 stages): never timed before the fifth session;
-    # FLA autotunes its matching kernels over 2-4 stages (benchmarks/sass_cpu.py: both fit two
-    # programs per multiprocessor with 3 stages, by registers)
+    # dqk and wy_bwd also with pipelined loops (2-3 stages), as FLA autotunes its matching kernels
+    # over 2-4 stages (tools/sass_cpu.py: both fit two programs per multiprocessor with 3 stages,
+    # by registers)
     if name == "dqk":
         return ([dict(num_warps=w, BK=bk, BV=bv, stages=(1,)) for w in (4, 8) for bk, bv in ((64, 64), (64, 32), (128, 64))]
                 + [dict(num_warps=4, BK=64, BV=64, stages=st) for st in ((2, 1), (3, 2, 1))])
@@ -59,9 +60,9 @@ def sweep(name, base, shapes):
     from triton.testing import do_bench
 
     from gdn import ops
-    from gdn.ops.triton import _common
+    from gdn.ops import tuning
 
-    _common.update_config(base)
+    tuning.update(base)
     bwd = name in BWD
     data = []
     for B, T in shapes:
@@ -89,9 +90,9 @@ def sweep(name, base, shapes):
     ref = outputs()
     results = []
     for cand in candidates(name):
-        entry = dict(_common.CONFIG[name], **cand)
-        saved = _common.CONFIG[name]
-        _common.CONFIG[name] = entry
+        entry = dict(tuning.DELTA[name], **cand)
+        saved = tuning.DELTA[name]
+        tuning.DELTA[name] = entry
         try:
             t0 = time.perf_counter()
             got = outputs()
@@ -104,7 +105,7 @@ def sweep(name, base, shapes):
             if "illegal" in str(e).lower() or "CUDA error" in str(e):
                 break  # the context is poisoned: report what we have
         finally:
-            _common.CONFIG[name] = saved
+            tuning.DELTA[name] = saved
     print("RESULT " + json.dumps(results, default=list))
 
 
@@ -112,7 +113,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernels", default=",".join(FWD + BWD), help="comma-separated kernel names, in order")
     p.add_argument("--shapes", default="4x8192,1x32768", help="BxT list (H=16, D=128, bf16)")
-    p.add_argument("--out", default=None, help="also write the chosen CONFIG as JSON to this file")
+    p.add_argument("--out", default=None, help="also write the chosen DELTA table as JSON to this file")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--base", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -120,9 +121,9 @@ def main(argv=None):
     if a.child:
         sweep(a.child, json.loads(a.base), shapes)
         return 0
-    from gdn.ops.triton._common import CONFIG
+    from gdn.ops.tuning import DELTA
 
-    best = {k: dict(v) for k, v in CONFIG.items()}
+    best = {k: dict(v) for k, v in DELTA.items()}
     for name in a.kernels.split(","):
         t0 = time.perf_counter()
         r = subprocess.run([sys.executable, __file__, "--child", name, "--base", json.dumps(best, default=list),
@@ -140,7 +141,7 @@ def main(argv=None):
             win = min(ok, key=lambda x: x["ms"])
             best[name] = win["cfg"]
             print(f"  -> {win['cfg']} ({win['ms']:.3f} ms)", flush=True)
-    print("CONFIG = " + json.dumps(best, default=list, indent=1))
+    print("DELTA = " + json.dumps(best, default=list, indent=1))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(best, f, default=list, indent=1)
