@@ -1,9 +1,9 @@
 """Probe: how the initial write strength β and the decay initialisation set the pace of MQAR learning.
 
 Trains one 2-layer model (letter L, M, D, G or A) on MQAR at a constant learning rate (no warmup)
-and prints query accuracy on 512 held-out sequences every ``--every`` steps. ``--beta-offset`` is
-added to the β pre-activation of D/G layers (``GDNConfig.beta_offset``: β starts near
-sigmoid(offset); 0 is the published layer, β ≈ 0.5; a large offset such as 10 is β ≈ 1);
+and prints query accuracy on 512 held-out sequences every ``--every`` steps, then a markdown table
+of them. ``--beta-offset`` is added to the β pre-activation of D/G layers (``GDNConfig.beta_offset``:
+β starts near sigmoid(offset); 0 is the published layer, β ≈ 0.5; a large offset such as 10 is β ≈ 1);
 ``--decay-init A_min A_max dt_min dt_max`` draws the M/G decay gates from those ranges (default: the
 layers' own, A ∈ U(0.01, 16), dt log-uniform in [1e-3, 0.1]); ``--train-pairs 4 8 16`` trains on a
 mixture of pair counts (``gdn.data.mqar.mqar_mixture``) and still tests on ``--pairs``; ``--heads``
@@ -53,6 +53,7 @@ def main():
     m = build_model(a.letter, a.width, cfg)
     opt = torch.optim.AdamW(param_groups(m, 0.1), lr=a.lr, betas=(0.9, 0.98))
     t0 = time.time()
+    rows = []
     for s in range(a.steps):
         idx = slice(s * a.batch, (s + 1) * a.batch)
         logits = m(input_ids=x[idx], use_cache=False).logits
@@ -62,8 +63,14 @@ def main():
         opt.step()
         opt.zero_grad()
         if (s + 1) % a.every == 0 or s + 1 == a.steps:
-            print(f"{a.letter} beta_offset={a.beta_offset:g} decay_init={a.decay_init} step {s + 1}: "
-                  f"loss {loss.item():.3f}, accuracy {accuracy(m, xt, yt):.3f} ({time.time() - t0:.0f} s)", flush=True)
+            rows.append((s + 1, loss.item(), accuracy(m, xt, yt), time.time() - t0))
+            print(f"{a.letter} beta_offset={a.beta_offset:g} decay_init={a.decay_init} step {rows[-1][0]}: "
+                  f"loss {rows[-1][1]:.3f}, accuracy {rows[-1][2]:.3f} ({rows[-1][3]:.0f} s)", flush=True)
+    print(f"\n{a.letter}, width {a.width}, {a.heads} heads, {a.pairs} pairs, sequence {a.seq_len}, vocabulary "
+          f"{a.vocab}, lr {a.lr:g}, beta_offset {a.beta_offset:g}, decay_init {a.decay_init}, seed {a.seed}\n")
+    print("| step | loss | accuracy | s |\n|---|---|---|---|")
+    for step, loss_v, acc, secs in rows:
+        print(f"| {step} | {loss_v:.3f} | {acc:.3f} | {secs:.0f} |")
 
 
 if __name__ == "__main__":

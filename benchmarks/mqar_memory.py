@@ -5,8 +5,9 @@ random vectors (SiLU then L2 norm, as the gdn mixers make their keys), values fr
 unit vectors; every key is then read once and counts as recalled when its read-out is nearest (dot
 product) to its own value among the 64. Linear attention writes ``S += v kᵀ``; the delta rule writes
 ``S += β (v − S k) kᵀ`` in the order of the pairs; least squares solves ``S K = V`` for the pairs at
-once (exact when ``pairs <= dim``). This is the check behind docs/TRAINING.md's "MQAR" remark that one
-pass of the delta rule is not a least-squares write:
+once (exact when ``pairs <= dim``). Prints a markdown table, one row per (head size, pairs). The
+figures behind docs/TRAINING.md's "MQAR" remark that one pass of the delta rule is not a
+least-squares write:
 
     python benchmarks/mqar_memory.py --dim 16 32 --pairs 16 32
 """
@@ -49,11 +50,14 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     torch.set_num_threads(1)
+    writers = ["linear", *[f"delta {b:g}" for b in a.betas], "least squares"]
+    print(f"Share of keys recalled, {a.trials} sequences per cell, keys drawn from {a.key_ids} ids, seed {a.seed}\n")
+    print("| head size | pairs | " + " | ".join(writers) + " |")
+    print("|---|---|" + "---|" * len(writers))
     for dim in a.dim:
         for pairs in a.pairs:
             r = recall(dim, pairs, a.key_ids, a.betas, a.trials, a.seed)
-            print(f"dim {dim}, {pairs} pairs of {a.key_ids} key ids: "
-                  + ", ".join(f"{name} {acc:.3f}" for name, acc in r.items()), flush=True)
+            print(f"| {dim} | {pairs} | " + " | ".join(f"{r[w]:.3f}" for w in writers) + " |", flush=True)
 
 
 if __name__ == "__main__":
