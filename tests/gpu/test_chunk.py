@@ -34,8 +34,10 @@ ORDER = ("gated_delta_rule", "delta_rule", "gated_linear_attention", "linear_att
 DTYPES = (torch.float32, torch.bfloat16)
 
 #: (name, B, T, H, HV, K, V, packed lengths or None, initial state?); tuples, as the reference cache keys them
+#: T = 1 takes 16 sequences: dg and dβ then hold 64 entries each, enough for a relative error that
+#: is not one draw's noise (with 8 entries the bf16 ratio to its bound ranged 0.5–1.9 over seeds).
 AWKWARD = [
-    ("T=1", 2, 1, 2, 4, 16, 60, None, True),
+    ("T=1", 16, 1, 2, 4, 16, 60, None, True),
     ("T=63", 2, 63, 2, 4, 60, 16, None, True),
     ("T=65", 1, 65, 2, 4, 64, 100, None, True),
     ("T=300 K=V=128", 2, 300, 2, 2, 128, 128, None, True),

@@ -1,5 +1,5 @@
 """The Triton row passes of the chunked cross entropy (gdn.ops.triton.cross_entropy) against
-PyTorch, on the CPU through Triton's interpreter (fp32, fp16; bf16 on the GPU: benchmarks/glue_gpu.py)."""
+PyTorch, on the CPU through Triton's interpreter (fp32, fp16; bf16 on the GPU: tests/gpu/test_glue.py)."""
 from __future__ import annotations
 
 import os

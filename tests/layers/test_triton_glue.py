@@ -1,9 +1,9 @@
 """The Triton short convolution and RMSNorm passes (gdn.ops.triton.short_conv, .rmsnorm) against the
-PyTorch Functions of gdn.layers.conv / gdn.layers.norm, on the CPU through Triton's interpreter.
+PyTorch Functions of gdn.ops.conv / gdn.ops.norm, on the CPU through Triton's interpreter.
 
 Every output and gradient (x, weight, history, gate) against the PyTorch path run in float64 on
 the same inputs: fp32 within ~1e-5, fp16 within a few 1e-3 (bf16 is checked on the GPU by
-benchmarks/glue_gpu.py). Shapes are awkward on purpose: T ∈ {1, 3, 5, 130}, D ∈ {7, 64, 100},
+tests/gpu/test_glue.py). Shapes are awkward on purpose: T ∈ {1, 3, 5, 130}, D ∈ {7, 64, 100},
 packed sequences with a one-token and an empty member.
 
 TRITON_INTERPRET must be set before triton is first imported in the process; if an earlier

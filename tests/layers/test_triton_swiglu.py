@@ -1,5 +1,5 @@
 """The Triton SwiGLU passes (gdn.ops.triton.swiglu) against PyTorch, on the CPU through Triton's
-interpreter (fp32, fp16; bf16 is checked on the GPU by benchmarks/glue_gpu.py)."""
+interpreter (fp32, fp16; bf16 is checked on the GPU by tests/gpu/test_glue.py)."""
 from __future__ import annotations
 
 import os

@@ -40,7 +40,7 @@ if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
 
 from gdn.ops.kda.triton import chunk as kda_chunk  # noqa: E402
-from gdn.ops.triton import common as _common  # noqa: E402
+from gdn.ops.triton import common  # noqa: E402
 from gdn.ops.triton import launch as L  # noqa: E402
 from gdn.ops.kda.triton import chunk_bwd as kda_chunk_bwd  # noqa: E402
 from gdn.ops.kda.triton import chunk_fwd as kda_chunk_fwd  # noqa: E402
@@ -141,7 +141,7 @@ def guarded_run(monkeypatch, B, T, H, HV, K, V, dtype, lens=None, state=True, sm
 
     def chunks(*a, **kw):
         ch = orig_chunks(*a, **kw)
-        return _common.Chunks(gd.copy(ch.cu, "in:cu"), gd.copy(ch.chunk_idx, "in:chunk_idx"),
+        return common.Chunks(gd.copy(ch.cu, "in:cu"), gd.copy(ch.chunk_idx, "in:chunk_idx"),
                               gd.copy(ch.chunk_off, "in:chunk_off"), ch.N, ch.NT, ch.T, ch.max_nc, ch.host_cu,
                               ch.host_per)
 
@@ -234,7 +234,7 @@ def test_packed_with_empty_and_one_token_members(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("H", [1, 2])
 def test_first_gpu_failure_case(monkeypatch, H, dtype):
-    """The case that faulted on the H200 (benchmarks/kda_gpu.py's first check): T = 130, K = 100
+    """The case that faulted on the H200 (the first GPU check of the KDA chunk kernels): T = 130, K = 100
     (padded to 128), V = 128, HV = 2H."""
     check(monkeypatch, 1, 130, H, 2 * H, 100, 128, dtype, seed=3, tol=TOL[dtype])
 
@@ -263,10 +263,10 @@ def test_no_tile_narrower_than_32_but_the_sub_blocks(monkeypatch, K, V, sms):
     card (4 programs at the failing case: T = 130, H = 2, HV = 4, K = 100, V = 128)."""
     monkeypatch.setattr(kda_chunk_fwd, "sm_count", lambda device: sms)
     T, H, HV = 130, 2, 4
-    Kp, Vp = _common.pow2(K, tuning.MIN_DIM), _common.pow2(V, tuning.MIN_DIM)
+    Kp, Vp = common.pow2(K, tuning.MIN_DIM), common.pow2(V, tuning.MIN_DIM)
     q, k = torch.zeros(T, H, Kp), torch.zeros(T, H, Kp)
     v, g, beta = torch.zeros(T, HV, Vp), torch.zeros(T, HV, Kp), torch.zeros(T, HV)
-    ch = _common.make_chunks(1, T, None, torch.device("cpu"))
+    ch = common.make_chunks(1, T, None, torch.device("cpu"))
     with L.recording() as launches:
         kda_chunk.dry_run(q, k, v, g, beta, torch.zeros(1, HV, Kp, Vp), ch, True, 1.0)
     assert Kp >= 32 and Vp >= 32

@@ -31,7 +31,7 @@ if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
 
 from gdn.ops.kda.triton.chunk import chunk_kda  # noqa: E402
-from gdn.ops.triton import common as _common  # noqa: E402
+from gdn.ops.triton import common  # noqa: E402
 from gdn.ops.triton import launch as L  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
@@ -138,7 +138,7 @@ def test_sweep(T, H, HV, K, V, dtype):
 
 
 def test_precompile_records_every_kernel_once_per_kind(monkeypatch):
-    """The first CUDA call's dry run (kda_chunk.dry_run under _common.precompile) reaches every
+    """The first CUDA call's dry run (kda_chunk.dry_run under launch.precompile) reaches every
     kernel of a forward and backward, launches none of them, and runs once per key; the compile
     step is replaced by a recorder here (the interpreter has nothing to compile)."""
     from gdn.ops.kda.triton import chunk_bwd as Bw

@@ -3,7 +3,7 @@
 Every member, forward and backward (q, k, v, g, beta, initial state; through o and the final
 state), against the float64 recurrence, at small awkward shapes: T ∈ {1, 63, 65}, K, V ∈ {16, 60},
 HV = 2H, packed sequences with empty and one-token members. fp32 and fp16 (tl.dot on bf16 is
-broken in the 3.6 interpreter: bf16 is checked on the GPU by benchmarks/gpu_check.py).
+broken in the 3.6 interpreter: bf16 is checked on the GPU by tests/gpu).
 
 TRITON_INTERPRET must be set before triton is first imported in the process; pytest-xdist
 workers import each test module themselves, so setting it at the top of this module works
@@ -33,7 +33,7 @@ if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
 
 from gdn.ops.delta.triton.chunk import chunk_op  # noqa: E402
-from gdn.ops.triton import common as _common  # noqa: E402
+from gdn.ops.triton import common  # noqa: E402
 from gdn.ops.triton import launch as L  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
@@ -194,8 +194,8 @@ def test_split_fp16_batched(monkeypatch):
 
 
 def test_segments_tile_the_stream():
-    ch = _common.make_chunks(1, 330, torch.tensor([0, 65, 66, 66, 266, 330]), torch.device("cpu"))
-    sg = _common.make_segments(ch, 2, torch.device("cpu"))
+    ch = common.make_chunks(1, 330, torch.tensor([0, 65, 66, 66, 266, 330]), torch.device("cpu"))
+    sg = common.make_segments(ch, 2, torch.device("cpu"))
     # chunks per sequence 2, 1, 0, 4, 1 -> segments 1, 1, 0, 2, 1
     assert sg.count.tolist() == [1, 1, 0, 2, 1] and sg.first.tolist() == [0, 1, 2, 2, 4]
     assert sg.cu.tolist() == [0, 65, 66, 194, 266, 330] and sg.off.tolist() == [0, 2, 3, 5, 7]
@@ -205,7 +205,7 @@ def test_segments_tile_the_stream():
 def test_split_len_rule(monkeypatch):
     from gdn.ops.delta.triton.chunk_fwd import split_len
 
-    ch = _common.make_chunks(1, 64 * 512, None, torch.device("cpu"))
+    ch = common.make_chunks(1, 64 * 512, None, torch.device("cpu"))
     monkeypatch.setitem(tuning.DELTA, "split", dict(L=0, min_L=8))
     assert split_len(ch, 1, 1, torch.device("cpu")) == 0
     monkeypatch.setitem(tuning.DELTA, "split", dict(L=16, min_L=8))
@@ -218,7 +218,7 @@ def test_split_len_rule(monkeypatch):
 def test_recording_collects_launches_without_running():
     """precompile's dry run: inside recording() the launchers allocate but launch nothing."""
     d = make_inputs(B=1, T=130, H=1, HV=2, K=16, V=16, dtype=torch.float32, state=True, seed=4)
-    ch = _common.make_chunks(1, 130, None, torch.device("cpu"))
+    ch = common.make_chunks(1, 130, None, torch.device("cpu"))
     from gdn.ops.delta.triton import chunk_bwd, chunk_fwd
 
     qp, kp = d["q"].reshape(130, 1, 16), d["k"].reshape(130, 1, 16)
@@ -242,7 +242,7 @@ def test_narrow_values_take_the_fused_forward(monkeypatch):
     from gdn.ops.delta.triton import chunk as chunk_mod
 
     monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=10 ** 9))
-    ch = _common.make_chunks(1, 70, None, torch.device("cpu"))
+    ch = common.make_chunks(1, 70, None, torch.device("cpu"))
     for V, want, other in ((32, "state_out_kernel", "output_kernel"), (64, "output_kernel", "state_out_kernel")):
         q = torch.randn(70, 1, 32)
         v = torch.randn(70, 2, V)
@@ -258,7 +258,7 @@ def test_pipeline_depth_by_waves():
     grid, the first among equals; programs per multiprocessor from shared memory (1 KB reserved
     each), registers and threads."""
     sm90 = L.SM90
-    # state_bwd at (4, 8192) compiled for sm_90 (benchmarks/sass_cpu.py --depths): 3 stages 173 KB,
+    # state_bwd at (4, 8192) compiled for sm_90 (tools/sass_cpu.py --depths): 3 stages 173 KB,
     # 2 stages 117 KB (QS: 112.5), 1 stage 44 KB and 214 registers, 4 warps
     compiled = [((3, {}), 173, 183), ((3, {"QS": True}), 169, 183), ((2, {}), 117, 184),
                 ((2, {"QS": True}), 112.5, 184), ((1, {}), 44, 214)]
@@ -335,14 +335,14 @@ def test_state_tile_and_long_sequences():
     from gdn.ops.delta.triton.chunk_fwd import state_tile
 
     cpu = torch.device("cpu")
-    one = _common.make_chunks(1, 640, None, cpu)
+    one = common.make_chunks(1, 640, None, cpu)
     assert state_tile("state_fwd", one, 1, 128, 128, cpu) == (128, 32)  # 64 → 32: 4 programs
     assert state_tile("state_fwd", one, 1, 128, 32, cpu) == (128, 16)  # 32 → 16: 2 programs, floor 16
     assert state_tile("state_out", one, 1, 128, 32, cpu) == (128, 32)  # floor 32
-    assert state_tile("state_fwd", _common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (128, 64)
+    assert state_tile("state_fwd", common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (128, 64)
     # the layout (fused forward or not, the passes' tiles) keys the parallel first-call compile
     assert chunk_mod.layout(one, 1, 128, 128, cpu) == (False, 32, 32, 32)
-    assert chunk_mod.layout(_common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (True, 32, 64, 64)
-    assert chunk_mod._long_sequences(_common.make_chunks(3, 200, None, cpu)) == 3
-    packed = _common.make_chunks(1, 700, torch.tensor([0, 640, 641, 641, 700]), cpu)
+    assert chunk_mod.layout(common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (True, 32, 64, 64)
+    assert chunk_mod._long_sequences(common.make_chunks(3, 200, None, cpu)) == 3
+    packed = common.make_chunks(1, 700, torch.tensor([0, 640, 641, 641, 700]), cpu)
     assert chunk_mod._long_sequences(packed) == 1

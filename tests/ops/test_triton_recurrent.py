@@ -2,7 +2,7 @@
 against the reference recurrence: plain op (every member), packed sequences, in-kernel L2 norm,
 the in-place state pool, the speculative step and its commit, and argument validation.
 
-The interpreter proves the indexing and the math; the GPU check (benchmarks/gpu_check_decode.py)
+The interpreter proves the indexing and the math; the GPU check (tests/gpu/test_recurrent.py)
 proves the compiled kernels.
 """
 from __future__ import annotations
