@@ -32,6 +32,8 @@ def _add_train(sub) -> None:
                    help="continue from the newest checkpoint under --out, or from CKPT (a checkpoint or run folder), "
                         "with the settings saved in it; only the options given now change")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key (repeatable)")
+    p.add_argument("--list-keys", action="store_true",
+                   help="list every config key (for --config files and --set) with its type and default, and exit")
 
 
 def _add_generate(sub) -> None:
@@ -160,6 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
+    if args.list_keys:
+        from .models import GDNConfig
+        from .train.config import describe_keys
+
+        rows = describe_keys()
+        width = max(len(r[0]) for r in rows)
+        for key, kind, default, note in rows:
+            print(f"{key:<{width}}  {kind:<12}  default {default:<16}  {note}")
+        print(f"\nmodel.KEY (--set model.KEY=VALUE, or a model: mapping in --config) sets a GDNConfig "
+              f"field: {', '.join(GDNConfig.field_names())}")
+        return 0
     from .train import build_config, resume_config, train
 
     flags = dict(preset=args.preset, size=args.size, data=args.data, steps=args.steps, out=args.out)

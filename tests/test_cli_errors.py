@@ -90,3 +90,30 @@ def test_eval_task_without_network_says_how_to_use_a_local_task(tmp_path, tiny_r
     assert_one_line_error(res, "lambada_openai", "could not be downloaded", "--include-path")
     res = run_gdn("eval", "--ckpt", str(tiny_run), "--tasks", "no_such_task_xyz", "--device", "cpu", cwd=tmp_path)
     assert_one_line_error(res, "no_such_task_xyz", "unknown lm-eval task")
+
+
+def test_train_list_keys_documents_every_key(tmp_path):
+    """``gdn train --list-keys`` prints every TrainConfig key with its type, default and help line."""
+    import dataclasses
+
+    from gdn.train import TrainConfig
+
+    res = run_gdn("train", "--list-keys", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    lines = {ln.split()[0]: ln for ln in res.stdout.splitlines() if ln.strip() and not ln.startswith("model.KEY")}
+    for f in dataclasses.fields(TrainConfig):
+        line = lines[f.name]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        assert f"default {default!r}" in line and len(line.split("  ")[-1].strip()) > 3, line
+    assert "hidden_size" in res.stdout.splitlines()[-1]
+    assert not any(tmp_path.iterdir())  # listing runs nothing
+
+
+def test_help_and_version_answer_fast(tmp_path):
+    """``gdn --help`` and ``gdn --version`` import neither torch nor transformers."""
+    res = run_gdn("--version", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.strip()
+    probe = subprocess.run([sys.executable, "-c", "import sys; sys.argv = ['gdn', '--help']; import gdn.cli as c; "
+                            "c.build_parser(); print('torch' in sys.modules, 'transformers' in sys.modules)"],
+                           capture_output=True, text=True, timeout=120)
+    assert probe.stdout.split() == ["False", "False"], probe.stdout + probe.stderr

@@ -36,9 +36,11 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import load_file, save_file
+if TYPE_CHECKING:  # torch is imported where it is used: `gdn --help` loads no torch
+    import torch
+
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ _LETTER = {"linear_attention": "G", "full_attention": "A"}
 
 def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a saved model folder (``model.safetensors`` or a sharded index) or one ``.safetensors`` file."""
+    from safetensors.torch import load_file
     path = Path(path)
     if path.is_file():
         return load_file(str(path))
@@ -254,6 +257,7 @@ def gdn_to_hf_state(sd: dict, cfg, family: str, dtype: torch.dtype | None = None
     """Map a gdn state dict (of a model :func:`gdn_config_to_hf` accepts) to Qwen3.5 / Qwen3-Next names.
 
     ``dtype``: the dtype of the zero-centred norm weights (default: that of the embedding)."""
+    import torch
     pool = dict(sd)
     dtype = dtype or pool["model.embed_tokens.weight"].dtype
 
@@ -375,6 +379,7 @@ def convert(family: str, src: str | Path, dst: str | Path, dtype: torch.dtype | 
 
 def _convert_into(family: str, src: Path, raw: dict, sd: dict, dst: Path, dtype) -> tuple[str, int]:
     """Write the converted folder into the (new, empty) ``dst``; (direction, number of tensors)."""
+    from safetensors.torch import save_file
     if raw.get("model_type") == "gdn":
         from ..models import GDNConfig
 
@@ -404,7 +409,8 @@ def _convert_into(family: str, src: Path, raw: dict, sd: dict, dst: Path, dtype)
 
 # ------------------------------------------------------------------------------------------ CLI
 
-_DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: --dtype choices: None keeps the weights' dtypes, else the name of a torch dtype.
+_DTYPES = {"keep": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def add_subparser(subparsers) -> argparse.ArgumentParser:
@@ -426,7 +432,10 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
 def run_from_args(args) -> int:
     """Run a parsed ``convert`` command (``args.family``, ``args.src``, ``args.dst``, ``args.dtype``,
     ``args.force``); returns 0."""
-    direction = convert(args.family, args.src, args.dst, _DTYPES[args.dtype], force=getattr(args, "force", False))
+    import torch
+
+    dtype = None if _DTYPES[args.dtype] is None else getattr(torch, _DTYPES[args.dtype])
+    direction = convert(args.family, args.src, args.dst, dtype, force=getattr(args, "force", False))
     print(f"{args.src} -> {args.dst} ({direction})")
     return 0
 

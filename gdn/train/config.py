@@ -44,12 +44,12 @@ class TrainConfig:
     warmup_steps: int = 100  #: linear warmup steps
     weight_decay: float = 0.1  #: AdamW decay (never on norms, biases, A_log, dt_bias)
     decay_embeddings: bool = True  #: apply weight decay to the embedding matrix
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
+    beta1: float = 0.9  #: AdamW first-moment decay
+    beta2: float = 0.95  #: AdamW second-moment decay
+    adam_eps: float = 1e-8  #: AdamW epsilon
     grad_clip: float = 1.0  #: max global gradient norm (0 = off)
     # runtime
-    seed: int = 0
+    seed: int = 0  #: seed of the initial weights and the data order
     device: str = "auto"  #: auto (cuda when available), cpu, cuda
     dtype: str = "auto"  #: auto (bf16 autocast on CUDA, fp32 on CPU), bf16, fp32
     compile: bool = False  #: torch.compile the model
@@ -280,3 +280,23 @@ def changed_settings(before: dict, after: dict) -> list[str]:
         elif old != new:
             out.append(f"{key} {_show(old)} -> {_show(new)}")
     return out
+
+
+def describe_keys() -> list[tuple[str, str, str, str]]:
+    """``(key, type, default, help)`` of every :class:`TrainConfig` key, in declaration order; the
+    help is the field's ``#:`` comment in this module's source (what ``gdn train --list-keys``
+    prints)."""
+    import inspect
+    import re
+
+    notes = {}
+    for line in inspect.getsource(TrainConfig).splitlines():
+        m = re.match(r"\s+(\w+): .*?#: (.*)$", line)
+        if m:
+            notes[m.group(1)] = m.group(2).strip()
+    rows = []
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        rows.append((f.name, kind, repr(default), notes.get(f.name, "")))
+    return rows
