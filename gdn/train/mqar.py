@@ -290,18 +290,17 @@ def best_by_cell(results: list[dict]) -> dict:
 
 
 def delta_rule_ahead(results: list[dict]) -> dict:
-    """``{(width, pairs): True/False}``: whether both delta-rule mixers (``D`` and ``G``, those of them
-    that were run) reached a higher best accuracy than linear attention (``L``) in that column; empty
-    when ``L`` or both of ``D``/``G`` are missing. This is the claim ``--preset cpu-small`` is meant
-    to show in every column for every seed."""
+    """``{(width, pairs): True/False}``: whether both delta-rule mixers (``D`` and ``G``) reached a
+    higher best accuracy than linear attention (``L``) in that column; a column where any of the
+    three was not run has no verdict. This is the claim ``--preset cpu-small`` is meant to show in
+    every column for every seed."""
     best = best_by_cell(results)
     out = {}
     for w, p in sorted({(w, p) for _, w, p in best}):
         if (BASELINE, w, p) not in best:
             continue
-        delta = [best[(m, w, p)]["accuracy"] for m in DELTA_RULE if (m, w, p) in best]
-        if delta:
-            out[(w, p)] = all(a > best[(BASELINE, w, p)]["accuracy"] for a in delta)
+        if all((m, w, p) in best for m in DELTA_RULE):
+            out[(w, p)] = all(best[(m, w, p)]["accuracy"] > best[(BASELINE, w, p)]["accuracy"] for m in DELTA_RULE)
     return out
 
 

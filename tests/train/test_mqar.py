@@ -297,3 +297,17 @@ def test_cpu_small_config_file_is_the_preset():
     bare = dataclasses.asdict(mqar_config("paper", file=str(path)))
     assert {k: v for k, v in bare.items() if k not in ("out", "workers")} == \
         {k: v for k, v in preset.items() if k not in ("out", "workers")}
+
+
+def test_verdict_only_when_both_delta_rule_mixers_and_the_baseline_ran():
+    from gdn.train.mqar import delta_rule_ahead, format_table
+
+    def row(m, acc):
+        return {"mixer": m, "width": 32, "num_pairs": 8, "lr": 1e-3, "accuracy": acc}
+
+    both = [row("L", 0.2), row("D", 0.9), row("G", 0.8)]
+    assert delta_rule_ahead(both) == {(32, 8): True} and "ahead of linear attention" in format_table(both)
+    for missing in ("D", "G", "L"):
+        part = [r for r in both if r["mixer"] != missing]
+        assert delta_rule_ahead(part) == {}, missing
+        assert "ahead" not in format_table(part), missing
