@@ -62,6 +62,11 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_remote_code(directory: str | Path) -> None:
+    """Write ``modeling_gdn.py`` (:data:`REMOTE_CODE`) into ``directory``."""
+    _write(Path(directory) / REMOTE_CODE_FILE, REMOTE_CODE)
+
+
 def save_for_transformers(directory: str | Path, config, tokenizer=None) -> None:
     """Write ``config.json``, ``generation_config.json``, ``modeling_gdn.py`` and (when given) the
     tokenizer's files into ``directory`` (created).
@@ -93,7 +98,7 @@ def save_for_transformers(directory: str | Path, config, tokenizer=None) -> None
     gen = {name: getattr(config, name, None) for name in TOKEN_ID_FIELDS}
     GenerationConfig(**{k: v for k, v in gen.items() if v is not None}).to_json_file(
         str(directory / "generation_config.json"))
-    _write(directory / REMOTE_CODE_FILE, REMOTE_CODE)
+    write_remote_code(directory)
     if tokenizer is not None:
         tokenizer.save(directory)
 

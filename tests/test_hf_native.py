@@ -227,3 +227,33 @@ except ImportError as e:
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.startswith("MISSING "), res.stdout
     assert "gdn" in res.stdout and "install" in res.stdout
+
+
+def test_a_remote_code_model_saves_a_transformers_native_folder(byte_ckpt, tmp_path):
+    """Loaded with trust_remote_code and no ``import gdn``, then saved with ``save_pretrained``: the
+    folder gets ``modeling_gdn.py`` and its ``auto_map`` (not a copy of gdn's sources) and loads again."""
+    out = tmp_path / "resaved"
+    code = f"""
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(byte_ckpt)!r}, trust_remote_code=True)
+model.save_pretrained({str(out)!r})
+again = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)
+print("SAVED", type(again).__name__)
+"""
+    res = _plain_python(code, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "SAVED GDNForCausalLM" in res.stdout
+    assert sorted(p.name for p in out.glob("*.py")) == ["modeling_gdn.py"]
+    assert json.loads((out / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == \
+        "modeling_gdn.GDNForCausalLM"
+
+
+def test_save_pretrained_of_a_new_model_is_transformers_native(tmp_path):
+    from gdn.models import GDNConfig, GDNForCausalLM
+
+    model = GDNForCausalLM(GDNConfig.from_preset("gdn", "tiny", hidden_size=32, num_hidden_layers=1, head_dim=16,
+                                                 intermediate_size=64))
+    model.save_pretrained(tmp_path / "m")
+    assert (tmp_path / "m" / "modeling_gdn.py").exists()
+    assert "auto_map" in json.loads((tmp_path / "m" / "config.json").read_text())
+    assert getattr(model.config, "auto_map", None) is None  # the model's own config is left as it was

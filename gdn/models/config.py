@@ -201,6 +201,10 @@ class GDNConfig(PretrainedConfig):
         return self.attention_head_dim or self.hidden_size // self.num_attention_heads
 
     @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig"):
+        """Does nothing, as :meth:`gdn.models.GDNPreTrainedModel.register_for_auto_class`."""
+
+    @classmethod
     def field_names(cls) -> list[str]:
         """The fields a user may set, sorted: the constructor's named arguments."""
         params = inspect.signature(cls.__init__).parameters

@@ -11,6 +11,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from ..hf import AUTO_MAP, write_remote_code
 from ..layers import Attention, RMSNorm, ShortConvolution, SwiGLU
 from ..layers.recurrent import RecurrentMixer
 from ..ops.conv import seq_position
@@ -72,6 +73,28 @@ class GDNPreTrainedModel(PreTrainedModel):
     _supports_cache_class = True
     _is_stateful = True
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias"]
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModel"):
+        """Does nothing. A saved gdn folder reaches gdn's classes through its own ``modeling_gdn.py``
+        (:mod:`gdn.hf`), which imports the installed package; transformers' copying of a remote class's
+        source file into every folder saved afterwards does not apply to a package."""
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained``; the folder is transformers-native: ``config.json`` carries
+        the ``auto_map`` and ``modeling_gdn.py`` lies beside it (:mod:`gdn.hf`). The model's own config
+        is left as it was."""
+        had = getattr(self.config, "auto_map", None)
+        self.config.auto_map = dict(AUTO_MAP)
+        try:
+            out = super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            self.config.auto_map = had
+            if had is None:
+                del self.config.auto_map
+        if kwargs.get("is_main_process", True):
+            write_remote_code(save_directory)
+        return out
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
