@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything on the H200 (docs/BENCHMARKS.md's GPU figures
 # come from this script's logs). Run from the repository root on the GPU machine, with FLA's
-# wheels in .whl/ (../shared/tools/peer-wheels) and $OUT set to a folder for the logs.
+# wheels (fla-core and flash-linear-attention 0.6.0, Python 3.12) in .whl/ and $OUT set to a folder
+# for the logs.
 # Seconds per step from the environment (0 skips the step):
 #   GPU_CHECK_S TUNE_S OPS_S KDA_S GEN_S TRAIN_S      e.g. GPU_CHECK_S=200 TUNE_S=0 bash tools/h200_all.sh
 # and flags: CHECK_ALL=1 (the slow cases of the GPU check too), CHECK_FLAGS (more pytest arguments,

@@ -1,4 +1,4 @@
-"""The memory-saving autograd Functions (issue 5) against the plain PyTorch forms they replace:
+"""The memory-saving autograd Functions against the plain PyTorch forms they replace:
 float64 gradcheck of every custom backward, equality with the autograd of the plain form (fp32
 and under bf16 autocast), what each one keeps for the backward, and the model's chunked loss
 against the full-logits cross entropy."""

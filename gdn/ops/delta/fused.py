@@ -51,7 +51,7 @@ def gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, *, scale=None, initial
         A_log, dt_bias: [HV] per-head decay parameters (fp32 math).
         scale, initial_state [N, HV, K, V], output_final_state, cu_seqlens [N + 1]: as in
             :func:`gdn.ops.gated_delta_rule`.
-        use_qk_l2norm: L2-normalise q and k over K (eps 1e-6).
+        use_qk_l2norm: L2-normalise q and k over K (eps :data:`gdn.ops.gates.L2NORM_EPS`).
         allow_neg_eigval: β = 2·sigmoid(b) (transition eigenvalues in [−1, 1]).
         backend: ``None`` (the router's pick) or ``"triton"``, ``"chunk"``, ``"naive"``.
 
