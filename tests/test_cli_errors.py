@@ -117,3 +117,10 @@ def test_help_and_version_answer_fast(tmp_path):
                             "c.build_parser(); print('torch' in sys.modules, 'transformers' in sys.modules)"],
                            capture_output=True, text=True, timeout=120)
     assert probe.stdout.split() == ["False", "False"], probe.stdout + probe.stderr
+
+
+def test_help_shows_defaults(tmp_path):
+    res = run_gdn("generate", "--help", cwd=tmp_path)
+    assert res.returncode == 0
+    text = " ".join(res.stdout.split())
+    assert "tokens to generate (default: 200)" in text and "0 = greedy (default: 0.8)" in text

@@ -20,7 +20,7 @@ def _lm_base():
     try:
         from lm_eval.api.model import LM
     except ImportError as e:  # pragma: no cover - depends on the optional extra
-        raise ImportError("lm-eval is not installed: pip install 'gdn[eval]'") from e
+        raise ImportError("lm-eval is not installed: pip install 'lm-eval>=0.4' (or '.[eval]' in a clone of gdn)") from e
     return LM
 
 
