@@ -112,7 +112,11 @@ def _jsonl_documents(path: Path, text_field: str):
 
 def _hf_documents(name: str, text_field: str):
     """(split_name, key, text) of a ``datasets`` source."""
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"hf:{name} needs the datasets package: pip install 'datasets>=2.14' "
+                         "(or '.[data]' in a clone of gdn)") from None
 
     path = Path(name)
     builders = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow"}
