@@ -1,6 +1,8 @@
 """Causal language model over a layer pattern of token mixers, Hugging Face compatible."""
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import fields
 
 import torch
@@ -8,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.generation import GenerationMode
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
@@ -47,6 +50,14 @@ class GDNBlock(nn.Module):
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), new_state
 
+    def mixer_state(self, x, attention_mask=None, state=None, positions=None):
+        """The mixer's state after this block's input ``x`` [B, T, D] continuing from ``state`` (no MLP):
+        what :meth:`GDNCache.crop` recomputes inside a recorded call."""
+        kw = dict(attention_mask=attention_mask, state=state, use_cache=True)
+        if isinstance(self.mixer, Attention):
+            kw["positions"] = positions
+        return self.mixer(self.mixer_norm(x), **kw)[1]
+
 
 #: Name under which the installed ``transformers`` keeps the cache in model outputs and generate's
 #: kwargs (``past_key_values`` up to 5.2x, ``cache`` after the rename).
@@ -71,7 +82,6 @@ class GDNPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["GDNBlock"]
     _supports_cache_class = True
-    _is_stateful = True
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias"]
 
     @classmethod
@@ -235,9 +245,26 @@ class GDNModel(GDNPreTrainedModel):
             position_ids = seq_position(cu_seqlens, T)[0][None]
 
         hidden = [] if output_hidden_states else None
+        if use_cache and cache.recording:
+            x = self._recorded_blocks(x, mask, position_ids, cache, hidden)
+        else:
+            x = self._blocks(x, mask, cu_seqlens, cache, use_cache, position_ids, checkpointing, hidden)
+            if use_cache:
+                cache.advance(T, mask.sum(1) if mask is not None else torch.full((B,), T, device=x.device))
+        x = self.norm(x)
+        if hidden is not None:
+            hidden.append(x)
+        out = BaseModelOutputWithPast(x, cache if use_cache else None, tuple(hidden) if hidden is not None else None)
+        return out if return_dict is not False else out.to_tuple()
+
+    def _blocks(self, x, mask, cu_seqlens, cache, use_cache, position_ids, checkpointing, hidden, inputs=None):
+        """Run every block over x [B, T, D], updating ``cache``'s layer states; appends each block's input
+        to ``hidden`` and ``inputs`` when they are lists."""
         for i, block in enumerate(self.layers):
             if hidden is not None:
                 hidden.append(x)
+            if inputs is not None:
+                inputs.append(x)
             state = cache.layers[i] if cache is not None else None
             if checkpointing:
                 x, new_state = checkpoint(block, x, mask, cu_seqlens, state, use_cache, position_ids,
@@ -246,13 +273,46 @@ class GDNModel(GDNPreTrainedModel):
                 x, new_state = block(x, mask, cu_seqlens, state, use_cache, position_ids)
             if use_cache:
                 cache.layers[i] = new_state
-        x = self.norm(x)
+        return x
+
+    def _recorded_blocks(self, x, mask, position_ids, cache, hidden):
+        """The blocks on a recording cache (:meth:`GDNCache.activate_past_recording`): the last
+        ``cache.rollback_window`` slots run as their own segment whose block inputs the cache keeps,
+        so that :meth:`GDNCache.crop` can recompute a state inside it; a longer head runs before, unrecorded."""
+        B, T = x.shape[:2]
+        keep = min(T, cache.rollback_window)
+        parts, hiddens = [], []
+        for lo, hi in ((0, T - keep), (T - keep, T)):
+            if hi == lo:
+                continue
+            seg_mask = None if mask is None else mask[:, lo:hi]
+            seg_pos = None if position_ids is None else position_ids[:, lo:hi]
+            seg_hidden = [] if hidden is not None else None
+            recorded = hi == T
+            inputs = [] if recorded else None
+            if recorded:
+                cache.begin_call()
+            start = cache.seen
+            parts.append(self._blocks(x[:, lo:hi], seg_mask, None, cache, True, seg_pos, False, seg_hidden, inputs))
+            cache.advance(hi - lo, seg_mask.sum(1) if seg_mask is not None else torch.full((B,), hi - lo,
+                                                                                          device=x.device))
+            if recorded:
+                cache.end_call(start, hi - lo, seg_mask,
+                               functools.partial(_replay_layer, weakref.ref(self), inputs, seg_mask, seg_pos))
+            hiddens.append(seg_hidden)
         if hidden is not None:
-            hidden.append(x)
-        if use_cache:
-            cache.advance(T, mask.sum(1) if mask is not None else torch.full((B,), T, device=x.device))
-        out = BaseModelOutputWithPast(x, cache if use_cache else None, tuple(hidden) if hidden is not None else None)
-        return out if return_dict is not False else out.to_tuple()
+            hidden.extend(torch.cat(hs, 1) for hs in zip(*hiddens))
+        return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+
+
+def _replay_layer(model_ref, inputs, mask, positions, layer: int, state, n: int):
+    """Layer ``layer``'s state after the first ``n`` slots of a recorded call, from ``state`` (the
+    state at the call's start): the block's mixer on the recorded block inputs."""
+    model = model_ref()
+    if model is None:
+        raise RuntimeError("the model that filled this cache was deleted; the cache cannot be cropped")
+    return model.layers[layer].mixer_state(inputs[layer][:, :n], None if mask is None else mask[:, :n], state,
+                                           None if positions is None else positions[:, :n])
 
 
 class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
@@ -325,6 +385,22 @@ class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
             logits = self.lm_head(h)
         res = CausalLMOutputWithPast(loss, logits, output_cache(out), out.hidden_states)
         return res if return_dict is not False else res.to_tuple()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """``generate``'s cache set-up. The :class:`GDNCache` is normally created on the first step
+        (:meth:`prepare_inputs_for_generation`); assisted and prompt-lookup decoding need it before
+        that, recording, since they roll back rejected candidate tokens with ``crop``. The same holds
+        when this model is the assistant (its drafts are cut back to what the main model accepted)."""
+        out = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        mode = kwargs.get("generation_mode", args[0] if args else None)
+        batch = kwargs.get("batch_size", args[1] if len(args) > 1 else None)
+        speculative = getattr(generation_config, "is_assistant", False) or mode == GenerationMode.ASSISTED_GENERATION
+        if (speculative and isinstance(batch, int) and generation_config.use_cache is not False
+                and model_kwargs.get(CACHE_KEY) is None):
+            cache = GDNCache.for_config(self.config, batch, device=self.device)
+            cache.activate_past_recording()
+            model_kwargs[CACHE_KEY] = cache
+        return out
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, inputs_embeds=None,
                                       use_cache=True, cache=None, logits_to_keep=None, **kwargs):
