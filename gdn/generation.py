@@ -6,11 +6,17 @@ attention), streaming tokens as they come.
         ...  # tokens: [B] the next token of every sequence
 
 ``generate(...)`` collects the stream (with an optional per-step callback).
+
+Several prompts that share token prefixes: :func:`prefill_shared` prefills every shared prefix once
+and forks its cache; :func:`stream_shared` / :func:`generate_shared` then decode all prompts as one
+batch. :func:`prefill_snapshots` gives copies of the cache at chosen offsets of a prompt (prefix
+caches to reuse later, e.g. with :meth:`gdn.models.GDNCache.restore` or ``fork``).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -41,6 +47,98 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be a non-empty [B, T] tensor, got {getattr(input_ids, 'shape', input_ids)}")
     return _model_step(model, input_ids, attention_mask, cache)
+
+
+@torch.no_grad()
+def prefill_snapshots(model, input_ids: torch.Tensor, snapshot_at: Sequence[int],
+                      attention_mask: torch.Tensor | None = None,
+                      cache: GDNCache | None = None) -> tuple[torch.Tensor, GDNCache, list[GDNCache]]:
+    """Run the prompt in segments split at ``snapshot_at`` and keep a copy of the cache at each split.
+
+    Each segment continues from the previous one's cache, so the copy at offset o holds the states
+    (conv tails, recurrent states, attention keys and values) after ``input_ids[:, :o]``, the same as
+    prefilling that prefix alone: exactly so for the first offset (it is that very call), within the
+    chunked form's tolerance for the later ones (a chunked pass from a state equals the recurrence).
+
+    Args:
+        model, input_ids, attention_mask, cache: as in :func:`prefill` (offsets count columns of
+            ``input_ids``, i.e. slots after what ``cache`` already holds).
+        snapshot_at: strictly increasing offsets in [1, T].
+    Returns:
+        ``(logits [B, vocab] of the last position, cache, [a GDNCache copy per offset])``.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty [B, T] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+    T = input_ids.shape[1]
+    offsets = [int(o) for o in snapshot_at]
+    if not offsets or any(not 0 < o <= T for o in offsets) or any(b <= a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"snapshot_at must be strictly increasing offsets in [1, {T}], got {list(snapshot_at)}")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask must have the shape of input_ids {list(input_ids.shape)}, "
+                         f"got {list(attention_mask.shape)}")
+    snapshots, lo, logits = [], 0, None
+    for hi in offsets + ([T] if offsets[-1] < T else []):
+        mask = None if attention_mask is None else attention_mask[:, lo:hi]
+        logits, cache = _model_step(model, input_ids[:, lo:hi], mask, cache)
+        if hi in offsets:
+            snapshots.append(cache.snapshot())
+        lo = hi
+    return logits, cache, snapshots
+
+
+def _common_prefix(seqs: list[Sequence[int]], start: int) -> int:
+    """Length of the longest prefix all ``seqs`` share (they are known to share ``seqs[0][:start]``)."""
+    n = min(len(s) for s in seqs)
+    first = seqs[0]
+    while start < n and all(s[start] == first[start] for s in seqs[1:]):
+        start += 1
+    return start
+
+
+@torch.no_grad()
+def prefill_shared(model, prompts: Sequence[Sequence[int]], *,
+                   device: torch.device | str | None = None) -> tuple[torch.Tensor, GDNCache, int]:
+    """Prefill several prompts (lists of token ids, any lengths), computing every shared prefix once.
+
+    The prompts form a prefix tree: the longest prefix common to a group of prompts is prefilled once
+    (one sequence), its cache is forked to each branch, and each branch continues with its own tokens
+    (recursively, so a prefix shared by a subgroup is also computed once). Equal to prefilling each
+    prompt alone within the chunked form's tolerance (greedy decoding gives the same tokens).
+
+    Returns ``(logits [N, vocab] fp32 of every prompt's last token, one GDNCache with a row per prompt
+    in the order given, the number of tokens prefilled)``; the cache's rows hold different lengths
+    (attention keys left-padded), ready for :func:`decode_step`.
+    """
+    prompts = [list(map(int, p)) for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    device = device if device is not None else next(model.parameters()).device
+    results: list = [None] * len(prompts)
+    computed = 0
+
+    def visit(group: list[int], depth: int, logits, cache):
+        nonlocal computed
+        lcp = _common_prefix([prompts[i] for i in group], depth)
+        if lcp > depth:
+            ids = torch.tensor([prompts[group[0]][depth:lcp]], device=device)
+            logits, cache = _model_step(model, ids, None, cache)
+            computed += lcp - depth
+        branches: dict[int, list[int]] = {}
+        ended = False
+        for i in group:
+            if len(prompts[i]) == lcp:
+                results[i], ended = (logits, cache), True
+            else:
+                branches.setdefault(prompts[i][lcp], []).append(i)
+        shared = ended or len(branches) > 1  # a branch continues a copy when others keep this cache
+        for sub in branches.values():
+            visit(sub, lcp, logits, cache.snapshot() if shared and cache is not None else cache)
+
+    visit(list(range(len(prompts))), 0, None, None)
+    logger.info("prefilled %d of %d prompt tokens (%d prompts, shared prefixes once)", computed,
+                sum(map(len, prompts)), len(prompts))
+    logits = torch.cat([r[0] for r in results])
+    return logits, GDNCache.cat([r[1] for r in results]), computed
 
 
 @torch.no_grad()
@@ -90,27 +188,62 @@ def stream(model, input_ids: torch.Tensor, *, max_new_tokens: int, attention_mas
     one recurrent decode step per token. A sequence that produced ``eos_token_id`` continues with
     ``pad_token_id``; the stream ends when all have finished. Sampling as in :func:`sample_next`.
     """
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+    _check_max_new(max_new_tokens)
     if max_new_tokens == 0:
         return
+    with _eval(model):
+        logits, cache = prefill(model, input_ids, attention_mask)
+        yield from _decode(model, logits, cache, max_new_tokens, temperature=temperature, top_k=top_k,
+                           top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator)
+
+
+@torch.no_grad()
+def stream_shared(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+                  pad_token_id: int = 0, generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
+    """:func:`stream` for several prompts (token lists of any lengths) that may share prefixes:
+    :func:`prefill_shared` computes each shared prefix once, then all prompts decode as one batch.
+    Yields [N] tokens per step, row i for ``prompts[i]``; greedy, row i equals streaming
+    ``prompts[i]`` alone."""
+    _check_max_new(max_new_tokens)
+    if max_new_tokens == 0:
+        return
+    with _eval(model):
+        logits, cache, _ = prefill_shared(model, prompts)
+        yield from _decode(model, logits, cache, max_new_tokens, temperature=temperature, top_k=top_k,
+                           top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator)
+
+
+def _check_max_new(max_new_tokens) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+
+
+@contextlib.contextmanager
+def _eval(model):
+    """The model in eval mode inside, its training flag restored afterwards."""
     was_training = model.training
     model.eval()
     try:
-        logits, cache = prefill(model, input_ids, attention_mask)
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for step in range(max_new_tokens):
-            tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-            tok = tok.masked_fill(done, pad_token_id)
-            yield tok
-            if eos_token_id is not None:
-                done |= tok == eos_token_id
-                if bool(done.all()):
-                    return
-            if step + 1 < max_new_tokens:
-                logits = decode_step(model, tok, cache)
+        yield
     finally:
         model.train(was_training)
+
+
+def _decode(model, logits, cache, max_new_tokens, *, temperature, top_k, top_p, eos_token_id, pad_token_id,
+            generator) -> Iterator[torch.Tensor]:
+    """The decode loop after a prefill: sample from ``logits`` [B, vocab], yield, feed back."""
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    for step in range(max_new_tokens):
+        tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        tok = tok.masked_fill(done, pad_token_id)
+        yield tok
+        if eos_token_id is not None:
+            done |= tok == eos_token_id
+            if bool(done.all()):
+                return
+        if step + 1 < max_new_tokens:
+            logits = decode_step(model, tok, cache)
 
 
 def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int,
@@ -127,3 +260,21 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int,
     if not new:
         return input_ids
     return torch.cat([input_ids, torch.stack(new, 1).to(input_ids.dtype)], 1)
+
+
+def generate_shared(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                    callback: Callable[[int, torch.Tensor], None] | None = None, **kwargs) -> list[list[int]]:
+    """The new tokens of every prompt (lists of ids; each list ends after its ``eos_token_id`` when
+    one came), generated by :func:`stream_shared` (shared prefixes computed once). ``callback(step,
+    tokens [N])`` is called for every step; other keyword arguments as in :func:`stream`."""
+    eos = kwargs.get("eos_token_id")
+    out: list[list[int]] = [[] for _ in prompts]
+    finished = [False] * len(out)
+    for step, tok in enumerate(stream_shared(model, prompts, max_new_tokens=max_new_tokens, **kwargs)):
+        if callback is not None:
+            callback(step, tok)
+        for i, t in enumerate(tok.tolist()):
+            if not finished[i]:
+                out[i].append(t)
+                finished[i] = eos is not None and t == eos
+    return out

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gdn import generation as G
-from gdn.models import GDNConfig, GDNForCausalLM
+from gdn.models import GDNCache, GDNConfig, GDNForCausalLM
 
 V = 61
 
@@ -116,3 +116,114 @@ def test_generation_benchmark_runs_on_cpu(capsys):
     assert sizes[0] == sizes[1]  # the recurrent state does not grow with the context
     errs = [float(line.split("|")[3]) for line in out.splitlines() if line.startswith(("| gdn | 20", "| transformer | 20"))]
     assert len(errs) == 2 and max(errs) < 1e-4
+
+
+# --- prefix caches, shared prefixes, speculative decoding ----------------------------------------
+
+TINY = dict(hidden_size=32, num_hidden_layers=2, head_dim=16, intermediate_size=64)
+
+
+def tiny(preset, seed=0, dtype=torch.float32):
+    """A tiny random model (vocab 256); gdn-h1 with a window of 8, which decoding overruns."""
+    torch.manual_seed(seed)
+    extra = {"window_size": 8} if preset == "gdn-h1" else {}
+    return GDNForCausalLM(GDNConfig.from_preset(preset, "tiny", **TINY, **extra)).to(dtype).eval()
+
+
+def state_tensors(cache):
+    out = []
+    for s in cache.layers:
+        out += [*s.conv, s.recurrent] if hasattr(s, "recurrent") else [s.key, s.value]
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
+def test_prefill_snapshots_equal_prefilling_each_prefix_alone(dtype, tol):
+    """The first snapshot is the very same call (bit for bit); later ones continue the cache in
+    chunked segments and agree within the chunk form's tolerance (docs/DESIGN.md §6, tier 2)."""
+    m = tiny("gdn-h1", dtype=dtype)
+    x = torch.randint(1, 256, (2, 70), generator=torch.Generator().manual_seed(0))
+    logits, cache, snaps = G.prefill_snapshots(m, x, [5, 17, 66])
+    assert [s.seen for s in snaps] == [5, 17, 66] and cache.seen == 70
+    for o, snap in zip([5, 17, 66], snaps):
+        _, ref = G.prefill(m, x[:, :o])
+        assert torch.equal(snap.positions, ref.positions)
+        errs = [((a - b).norm() / b.norm()).item() for a, b in zip(state_tensors(snap), state_tensors(ref))]
+        if o == 5:
+            assert max(errs) == 0.0
+        else:
+            assert 0 < max(errs) < tol
+    full, _ = G.prefill(m, x)
+    assert ((logits - full).norm() / full.norm()).item() < tol
+    # a snapshot is a copy: continuing the returned cache leaves it as it was
+    G.decode_step(m, x[:, 0], cache)
+    assert snaps[-1].seen == 66
+    for bad in ([0], [5, 5], [71], []):
+        with pytest.raises(ValueError, match="snapshot_at"):
+            G.prefill_snapshots(m, x, bad)
+
+
+@pytest.mark.parametrize("preset", ["gdn", "gdn-h1"])
+def test_shared_prefixes_prefilled_once_and_greedy_equals_each_alone(preset):
+    m = tiny(preset)
+    base = torch.randint(1, 256, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompts = [base[:15] + [3, 4, 5], base[:15] + [3, 9], base[:12], base[:15] + [3, 4, 5], [7, 8], base]
+    # the prefix tree's edges, each prefilled once: base[:12]; base[12:15]; [3]; [4, 5] (twice asked);
+    # [9]; base[15:]; [7, 8] -- 30 of the 91 prompt tokens
+    _, cache, computed = G.prefill_shared(m, prompts)
+    assert computed == 12 + 3 + 1 + 2 + 1 + 9 + 2
+    assert cache.batch_size == 6 and cache.positions.tolist() == [len(p) for p in prompts]
+    outs = G.generate_shared(m, prompts, max_new_tokens=10)
+    alone = [G.generate(m, torch.tensor([p]), max_new_tokens=10)[0, len(p):].tolist() for p in prompts]
+    assert outs == alone and outs[0] == outs[3]
+    eos = alone[1][3]
+    stopped = G.generate_shared(m, prompts, max_new_tokens=10, eos_token_id=eos)
+    assert stopped[1] == alone[1][:alone[1].index(eos) + 1]
+    with pytest.raises(ValueError, match="non-empty"):
+        G.prefill_shared(m, [[1, 2], []])
+
+
+@pytest.fixture
+def crops(monkeypatch):
+    """Counts the slots the caches give back, so a test knows that rejected drafts were rolled back."""
+    removed = []
+    crop = GDNCache.crop
+
+    def counting(self, max_length):
+        removed.append(-max_length if max_length < 0 else 0)
+        return crop(self, max_length)
+
+    monkeypatch.setattr(GDNCache, "crop", counting)
+    return removed
+
+
+@pytest.mark.parametrize("preset", ["gdn", "gdn-h1"])
+def test_assisted_and_prompt_lookup_decoding_equal_greedy(preset, crops):
+    """transformers' assisted generation (a tiny gdn assistant: the model's weights plus noise, so
+    drafts are partly accepted; an unrelated model, mostly rejected) and prompt-lookup decoding give
+    the greedy tokens; the main model's cache is cut back after every rejected draft."""
+    m = tiny(preset, dtype=torch.float64)
+    near = tiny(preset, dtype=torch.float64)
+    with torch.no_grad():
+        for p in near.parameters():
+            p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(p.numel())) * 0.01)
+    other = tiny(preset, seed=1, dtype=torch.float64)
+    x = torch.randint(1, 256, (1, 12), generator=torch.Generator().manual_seed(3))
+    x = torch.cat([x, x[:, :6]], 1)  # a repeated n-gram, for prompt lookup
+    kw = dict(max_new_tokens=30, do_sample=False, pad_token_id=0)
+    greedy = m.generate(x, **kw)
+    assert torch.equal(greedy, G.generate(m, x, max_new_tokens=30))
+    for extra in (dict(assistant_model=near), dict(assistant_model=other), dict(prompt_lookup_num_tokens=3)):
+        crops.clear()
+        assert torch.equal(m.generate(x, **kw, **extra), greedy), extra
+        assert sum(crops) > 0, extra
+    out = m.generate(x, **kw, assistant_model=near, return_dict_in_generate=True)
+    assert out.cache.recording and out.cache.seen == greedy.shape[1] - 1
+
+
+def test_assisted_decoding_in_fp32():
+    m, a = tiny("gdn-h1"), tiny("gdn-h1", seed=1)
+    x = torch.randint(1, 256, (1, 10), generator=torch.Generator().manual_seed(4))
+    kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(m.generate(x, **kw, assistant_model=a), m.generate(x, **kw))
+
