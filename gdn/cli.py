@@ -39,7 +39,11 @@ def _add_train(sub) -> None:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="sample text from a checkpoint")
     p.add_argument("--ckpt", required=True, help="checkpoint folder or run folder (newest checkpoint)")
-    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="text to continue (repeatable: several prompts decode as one batch, shared prefixes "
+                        "prefilled once)")
+    p.add_argument("--prompts-file", default=None,
+                   help="a file of prompts, one per line (blank lines skipped), after any --prompt")
     p.add_argument("--max-new-tokens", type=_positive_int, default=200, help="tokens to generate")
     p.add_argument("--temperature", type=_non_negative_float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely")
@@ -189,20 +193,36 @@ def cmd_train(args) -> int:
 def cmd_generate(args) -> int:
     import torch
 
-    from .generation import stream
+    from .generation import generate_shared, stream
     from .checkpoint import load_model
 
+    prompts = list(args.prompt or [])
+    if args.prompts_file is not None:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\r\n") for line in f if line.strip()]
+        except OSError as e:
+            raise ValueError(f"cannot read --prompts-file {args.prompts_file}: {e.strerror or e}") from None
+        if not prompts:
+            raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt")
+    prompts = prompts or [""]
     model, tok, path = load_model(args.ckpt, args.device)
     device = next(model.parameters()).device
-    ids = tok.encode(args.prompt) or [tok.eos_id if tok.eos_id is not None else ord("\n")]
+    start = [tok.eos_id if tok.eos_id is not None else ord("\n")]
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    print(args.prompt, end="", flush=True)
-    out = []
-    for t in stream(model, torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens,
-                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=tok.eos_id,
-                    generator=gen):
-        out.append(int(t[0]))
-    print(tok.decode(out))
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, eos_token_id=tok.eos_id, generator=gen)
+    if len(prompts) == 1:
+        print(prompts[0], end="", flush=True)
+        ids = tok.encode(prompts[0]) or start
+        out = [int(t[0]) for t in stream(model, torch.tensor([ids], device=device), **sampling)]
+        print(tok.decode(out))
+        return 0
+    outs = generate_shared(model, [tok.encode(p) or start for p in prompts], **sampling)
+    for i, (p, new) in enumerate(zip(prompts, outs)):
+        if i:
+            print("---")
+        print(p + tok.decode(new), flush=True)
     return 0
 
 

@@ -227,3 +227,20 @@ def test_assisted_decoding_in_fp32():
     kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert torch.equal(m.generate(x, **kw, assistant_model=a), m.generate(x, **kw))
 
+
+def test_cli_generate_several_prompts_equals_one_by_one(tmp_path, capsys):
+    from gdn.cli import main
+
+    tiny("gdn-h1").save_pretrained(tmp_path / "ckpt")
+    prompts = ["def add(a, b):", "def add(a, c):", "def sub(a, b):"]
+    (tmp_path / "prompts.txt").write_text(prompts[1] + "\n\n" + prompts[2] + "\n")
+    args = ["generate", "--ckpt", str(tmp_path / "ckpt"), "--temperature", "0", "--max-new-tokens", "8",
+            "--device", "cpu"]
+    singles = []
+    for p in prompts:
+        assert main(args + ["--prompt", p]) == 0
+        singles.append(capsys.readouterr().out)
+    assert main(args + ["--prompt", prompts[0], "--prompts-file", str(tmp_path / "prompts.txt")]) == 0
+    assert capsys.readouterr().out == "---\n".join(singles)
+    assert main(args + ["--prompts-file", str(tmp_path / "missing.txt")]) == 2
+    assert "prompts-file" in capsys.readouterr().err
