@@ -13,7 +13,10 @@ FILES = sorted(GDN.rglob("*.py"))
 
 #: What the lower parts of the package must not import (the train side is tests/train/test_layout.py's).
 FORBIDDEN = {
-    "ops": {"layers", "models", "data", "train", "evaluation", "generation", "checkpoint", "compat", "cli", "demo"},
+    "ops": {"distributed", "layers", "models", "data", "train", "evaluation", "generation", "checkpoint", "compat", "cli",
+            "demo"},
+    "distributed": {"layers", "models", "data", "train", "evaluation", "generation", "checkpoint", "compat", "cli",
+                    "demo"},
     "layers": {"models", "data", "train", "evaluation", "generation", "checkpoint", "compat", "cli", "demo"},
     "data": {"ops", "layers", "models", "train", "evaluation", "generation", "checkpoint", "compat", "cli"},
 }

@@ -1,0 +1,17 @@
+"""Context parallelism: one sequence split along T over the ranks of a group (docs/CONTEXT_PARALLEL.md).
+
+- :class:`ContextParallel`: the group and the token layout of a batch (which slice each rank
+  holds, the global ``cu_seqlens``), passed to the ops, the layers and the model's forward.
+- :mod:`.recurrent`: the context-parallel recurrent ops (every member of the delta family and
+  KDA): per-rank transfer maps, one all-gather per call, an exact correction.
+- :mod:`.comm`: the collectives with their backward (halo exchange, all-gather).
+
+This package sits between the ops and the layers: it imports :mod:`gdn.ops` and nothing above.
+"""
+from __future__ import annotations
+
+from . import recurrent
+from .comm import all_gather, halo
+from .context import ContextParallel, LocalLayout
+
+__all__ = ["ContextParallel", "LocalLayout", "all_gather", "halo", "recurrent"]

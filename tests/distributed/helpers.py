@@ -1,0 +1,40 @@
+"""Run a function on N CPU processes (gloo) with torch.multiprocessing.spawn."""
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank, world, init_file, fn, args):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        # spawn reports one process's error, often a peer's "connection closed": print each rank's own
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args) -> None:
+    """``fn(rank, world, *args)`` on ``world`` processes joined in a gloo group; an exception in any
+    of them fails the caller (``fn`` must be importable: a module-level function)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "rendezvous"), fn, args), nprocs=world, join=True)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖ / ‖ref‖ (NaN never passes: returns inf)."""
+    x, ref = x.detach().double(), ref.detach().double()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    den = ref.norm()
+    return float((x - ref).norm() / den) if den > 0 else float((x - ref).norm())
