@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gdn import generation as G
-from gdn.models import GDNCache, GDNConfig, GDNForCausalLM
+from gdn.models import GDNCache, GDNConfig, GDNForCausalLM, output_cache
 
 V = 61
 
@@ -190,7 +190,7 @@ def crops(monkeypatch):
     crop = GDNCache.crop
 
     def counting(self, max_length):
-        removed.append(-max_length if max_length < 0 else 0)
+        removed.append(max(0, -int(max_length)))
         return crop(self, max_length)
 
     monkeypatch.setattr(GDNCache, "crop", counting)
@@ -218,7 +218,8 @@ def test_assisted_and_prompt_lookup_decoding_equal_greedy(preset, crops):
         assert torch.equal(m.generate(x, **kw, **extra), greedy), extra
         assert sum(crops) > 0, extra
     out = m.generate(x, **kw, assistant_model=near, return_dict_in_generate=True)
-    assert out.cache.recording and out.cache.seen == greedy.shape[1] - 1
+    cache = output_cache(out)
+    assert cache.recording and cache.seen == greedy.shape[1] - 1
 
 
 def test_assisted_decoding_in_fp32():

@@ -326,6 +326,8 @@ class GDNCache:
         mixer on the same inputs, from the call's starting state) and slices attention keys.
         What was recorded is then dropped (recording goes on).
         """
+        if isinstance(max_length, torch.Tensor) and max_length.dim() == 0 and not max_length.is_floating_point():
+            max_length = int(max_length)  # some transformers versions pass the count as a tensor
         if isinstance(max_length, bool) or not isinstance(max_length, int):
             raise TypeError(f"max_length must be an int, got {max_length!r}")
         target = self.seen + max_length if max_length <= 0 else min(max_length, self.seen)
