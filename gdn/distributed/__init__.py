@@ -4,14 +4,16 @@
   holds, the global ``cu_seqlens``), passed to the ops, the layers and the model's forward.
 - :mod:`.recurrent`: the context-parallel recurrent ops (every member of the delta family and
   KDA): per-rank transfer maps, one all-gather per call, an exact correction.
+- :mod:`.attention`: softmax attention over a split sequence (the window's halo for sliding-window
+  layers, an all-gather of keys and values for global ones).
 - :mod:`.comm`: the collectives with their backward (halo exchange, all-gather).
 
 This package sits between the ops and the layers: it imports :mod:`gdn.ops` and nothing above.
 """
 from __future__ import annotations
 
-from . import recurrent
+from . import attention, recurrent
 from .comm import all_gather, halo
 from .context import ContextParallel, LocalLayout
 
-__all__ = ["ContextParallel", "LocalLayout", "all_gather", "halo", "recurrent"]
+__all__ = ["ContextParallel", "LocalLayout", "all_gather", "attention", "halo", "recurrent"]

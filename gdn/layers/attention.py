@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..distributed import attention as cp_attention
 from .recurrent import positive_int
 from ..ops.conv import seq_position
 from .norm import RMSNorm
@@ -62,7 +63,11 @@ class Attention(nn.Module):
     Forward: ``x`` [B, T, D]; ``attention_mask`` [B, T] (1 token / 0 padding; padded keys are
     never attended); ``cu_seqlens`` [N+1] (B == 1); ``state``: :class:`KVState` from the previous
     call; ``use_cache``: return the new state; ``positions`` [B, T] RoPE positions (default: the
-    index within the sequence, continuing after the cache). Returns ``(o [B, T, D], KVState or None)``.
+    index within the sequence, continuing after the cache); ``context_parallel``: a
+    :class:`gdn.distributed.ContextParallel` when x is this rank's slice of sequences split across
+    ranks (layout and default positions from it; no mask, cu_seqlens, state or cache): a sliding
+    window fetches the window's keys from the ranks before, global attention all-gathers them
+    (:mod:`gdn.distributed.attention`). Returns ``(o [B, T, D], KVState or None)``.
     Whole unpadded sequences go through :func:`gdn.ops.softmax_attention` (SDPA, blocked sliding
     window); padded batches and continuations through SDPA with an explicit mask over cache + new keys.
     """
@@ -110,8 +115,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, state: KVState | None = None, use_cache: bool = False,
-                positions: torch.Tensor | None = None):
+                positions: torch.Tensor | None = None, context_parallel=None):
         """x: [B, T, D] -> (o [B, T, D], KVState or None)."""
+        cp = context_parallel
+        if cp is not None and (attention_mask is not None or cu_seqlens is not None or state is not None or use_cache):
+            raise ValueError("with context_parallel the layout comes from it: no attention_mask, cu_seqlens, state "
+                             "or use_cache")
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
         B, T, _ = x.shape
@@ -121,7 +130,9 @@ class Attention(nn.Module):
             raise ValueError("cu_seqlens cannot be combined with a KV cache: use attention_mask (left padding) "
                              "for cached generation")
         if positions is None:
-            if cu_seqlens is not None:
+            if cp is not None:
+                positions = cp.positions(x.device)[None].expand(B, T)
+            elif cu_seqlens is not None:
                 positions = seq_position(cu_seqlens, T)[0][None].expand(B, T)
             else:
                 offset = 0 if state is None else state.seen
@@ -135,7 +146,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         valid = attention_mask.bool() if attention_mask is not None else torch.ones(B, T, dtype=torch.bool,
                                                                                     device=x.device)
-        if state is None and (attention_mask is None or bool(valid.all())):
+        if cp is not None:
+            o = cp_attention.softmax_attention(q, k, v, cp=cp, window_size=self.window_size)
+        elif state is None and (attention_mask is None or bool(valid.all())):
             o = ops.softmax_attention(q, k, v, causal=True, window_size=self.window_size, cu_seqlens=cu_seqlens)
             keys, values, kvalid = k, v, valid
         else:

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from ..distributed import halo as exchange_halo
 from ..ops.conv import conv_state, short_conv
 
 
@@ -26,6 +27,10 @@ class ShortConvolution(nn.Module):
         leaks from them); cu_seqlens: [N+1] packed offsets (B == 1; each sequence starts from
         zeros); state: [B, D, K-1], the last K-1 inputs of the previous call (not with cu_seqlens);
         output_state: also return the new state [N, D, K-1] (N = B or the packed count).
+        context_parallel: a :class:`gdn.distributed.ContextParallel`: x is this rank's slice of
+        a sequence split across ranks (its layout, also the packed offsets, comes from it; no
+        mask, cu_seqlens, state or output_state); the K-1 inputs before the slice come from the
+        previous rank, or as ``halo`` [B, K-1, D] when the caller fetched them.
     Returns ``(y [B, T, D], state or None)``.
     """
 
@@ -52,12 +57,15 @@ class ShortConvolution(nn.Module):
         bound = 1.0 / math.sqrt(self.kernel_size)
         return torch.empty_like(self.weight, device="cpu").uniform_(-bound, bound)
 
-    def forward(self, x, mask=None, cu_seqlens=None, state=None, output_state=False):
+    def forward(self, x, mask=None, cu_seqlens=None, state=None, output_state=False, context_parallel=None,
+                halo=None):
         """x: [B, T, D] -> (y [B, T, D], state [N, D, K-1] or None)."""
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape [B, T, {self.dim}], got {tuple(x.shape)}")
         B, T, D = x.shape
         W = self.kernel_size - 1
+        if context_parallel is not None:
+            return self._context_parallel(x, context_parallel, halo, mask, cu_seqlens, state, output_state), None
         if mask is not None:
             x = x * mask[..., None].to(x.dtype)
         if cu_seqlens is not None:
@@ -70,6 +78,20 @@ class ShortConvolution(nn.Module):
             hist = state.to(x.dtype) if state is not None else None
         y = short_conv(x, self.weight, hist, cu_seqlens, self.activation)
         return y, (conv_state(x, hist, cu_seqlens, W) if output_state else None)
+
+    def _context_parallel(self, x, cp, halo, mask, cu_seqlens, state, output_state):
+        """The convolution of this rank's slice: run on [halo, x] (the K-1 inputs before the slice,
+        cut at the sequence starts the layout holds) and keep the last T outputs."""
+        if mask is not None or cu_seqlens is not None or state is not None or output_state:
+            raise ValueError("with context_parallel the layout comes from it: no mask, cu_seqlens, state or "
+                             "output_state")
+        W = self.kernel_size - 1
+        if halo is None:
+            halo = exchange_halo(x, W, cp)
+        if tuple(halo.shape) != (x.shape[0], W, x.shape[2]):
+            raise ValueError(f"halo must have shape [B, K-1, D] = {[x.shape[0], W, x.shape[2]]}, got {list(halo.shape)}")
+        xe = torch.cat([halo.to(x.dtype), x], 1)
+        return short_conv(xe, self.weight, None, cp.halo_cu_seqlens(W, x.device), self.activation)[:, W:]
 
     def extra_repr(self) -> str:
         return f"{self.dim}, kernel_size={self.kernel_size}, activation={self.activation}"

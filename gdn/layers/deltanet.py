@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from .. import ops
+from ..distributed import recurrent as cp_ops
 from ..ops.gates import l2_normalise, write_strength
 from .recurrent import RecurrentMixer
 
@@ -34,8 +35,10 @@ class DeltaNet(RecurrentMixer):
         self.allow_neg_eigval = bool(allow_neg_eigval)
         self.beta_offset = check_beta_offset(beta_offset)
 
-    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens):
+    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None):
         b = self.b_proj(x).float()
         beta = write_strength(b + self.beta_offset if self.beta_offset else b, self.allow_neg_eigval)
+        if context_parallel is not None:
+            return cp_ops.delta_rule(l2_normalise(q), l2_normalise(k), v, beta, cp=context_parallel)
         return ops.delta_rule(l2_normalise(q), l2_normalise(k), v, beta, initial_state=initial_state,
                               output_final_state=output_final_state, cu_seqlens=cu_seqlens)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .. import ops
+from ..distributed import recurrent as cp_ops
 from .recurrent import MASKED_GATE_INPUT, RecurrentMixer
 from .deltanet import check_beta_offset
 
@@ -31,12 +32,15 @@ class GatedDeltaNet(RecurrentMixer):
         self.allow_neg_eigval = bool(allow_neg_eigval)
         self.beta_offset = check_beta_offset(beta_offset)
 
-    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens):
+    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None):
         a, b = self.a_proj(x), self.b_proj(x)
         if self.beta_offset:
             b = b + self.beta_offset
         if mask is not None:
             a = a.masked_fill(~mask[..., None], MASKED_GATE_INPUT)
+        if context_parallel is not None:
+            return cp_ops.gated_delta_rule_fused(q, k, v, a, b, self.A_log, self.dt_bias, cp=context_parallel,
+                                                 allow_neg_eigval=self.allow_neg_eigval)
         return ops.gated_delta_rule_fused(q, k, v, a, b, self.A_log, self.dt_bias, allow_neg_eigval=self.allow_neg_eigval,
                                           initial_state=initial_state, output_final_state=output_final_state,
                                           cu_seqlens=cu_seqlens)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .. import ops
+from ..distributed import recurrent as cp_ops
 from ..ops.gates import l2_normalise, scalar_decay
 from .recurrent import MASKED_GATE_INPUT, RecurrentMixer
 
@@ -16,10 +17,12 @@ class GatedLinearAttention(RecurrentMixer):
 
     has_decay = True
 
-    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens):
+    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None):
         a = self.a_proj(x)
         if mask is not None:
             a = a.masked_fill(~mask[..., None], MASKED_GATE_INPUT)
         g = scalar_decay(a, self.A_log, self.dt_bias)
+        if context_parallel is not None:
+            return cp_ops.gated_linear_attention(l2_normalise(q), l2_normalise(k), v, g, cp=context_parallel)
         return ops.gated_linear_attention(l2_normalise(q), l2_normalise(k), v, g, initial_state=initial_state,
                                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)

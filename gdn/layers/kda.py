@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..distributed import recurrent as cp_ops
 from ..ops.gates import kda_gate, l2_normalise, write_strength
 from .recurrent import RecurrentMixer, mamba_gate_init, positive_int
 from .norm import RMSNorm
@@ -65,15 +66,18 @@ class KimiDeltaAttention(RecurrentMixer):
         _, dt_bias = mamba_gate_init(self.num_v_heads * self.head_dim)
         return {"A_log": A_log, "dt_bias": dt_bias}
 
-    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens):
+    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None):
         B, T = x.shape[:2]
         HV, K, V = self.num_v_heads, self.head_dim, self.head_v_dim
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, HV, K), self.A_log, self.dt_bias)
         if mask is not None:
             g = g.masked_fill(~mask[..., None, None], 0.0)
         beta = write_strength(self.b_proj(x)).to(g.dtype)
-        o, S = ops.kimi_delta_attention(l2_normalise(q), l2_normalise(k), v, g, beta, initial_state=initial_state,
-                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        if context_parallel is not None:
+            o, S = cp_ops.kimi_delta_attention(l2_normalise(q), l2_normalise(k), v, g, beta, cp=context_parallel)
+        else:
+            o, S = ops.kimi_delta_attention(l2_normalise(q), l2_normalise(k), v, g, beta, initial_state=initial_state,
+                                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, HV, V)
         o = (self.out_norm._normalise(o) * torch.sigmoid(gate.to(g.dtype))).to(o.dtype)
         return o, S

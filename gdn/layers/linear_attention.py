@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .. import ops
+from ..distributed import recurrent as cp_ops
 from ..ops.gates import l2_normalise
 from .recurrent import RecurrentMixer
 
@@ -14,6 +15,8 @@ class LinearAttention(RecurrentMixer):
     ``(o [B, T, D], RecurrentState or None)``.
     """
 
-    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens):
+    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None):
+        if context_parallel is not None:
+            return cp_ops.linear_attention(l2_normalise(q), l2_normalise(k), v, cp=context_parallel)
         return ops.linear_attention(l2_normalise(q), l2_normalise(k), v, initial_state=initial_state,
                                     output_final_state=output_final_state, cu_seqlens=cu_seqlens)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import halo
 from .conv import ShortConvolution
 from .norm import GatedRMSNorm, RMSNorm
 from .state import RecurrentState
@@ -59,7 +60,9 @@ class RecurrentMixer(nn.Module):
 
     Forward: ``x`` [B, T, D]; ``attention_mask`` [B, T] (1 token / 0 padding); ``cu_seqlens`` [N+1]
     (B == 1); ``state``: :class:`RecurrentState` of the previous call (batch B); ``use_cache``:
-    return the new state. Returns ``(o [B, T, D], RecurrentState or None)``.
+    return the new state; ``context_parallel``: a :class:`gdn.distributed.ContextParallel` when x
+    is this rank's slice of sequences split across ranks (the layout, also the packed offsets, is
+    the context's; no mask, cu_seqlens, state or cache). Returns ``(o [B, T, D], RecurrentState or None)``.
     """
 
     has_decay = False
@@ -119,18 +122,23 @@ class RecurrentMixer(nn.Module):
         conv = [(batch_size, self.key_dim, W)] * 2 + [(batch_size, self.value_dim, W)] if self.use_short_conv else []
         return {"conv": tuple(conv), "recurrent": (batch_size, self.num_v_heads, self.head_dim, self.head_v_dim)}
 
-    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens):
+    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None):
         """q, k: [B, T, H, K] (after conv, before L2 norm); v: [B, T, HV, V]; x: [B, T, D] (for the
-        gate/β projections); mask: [B, T] bool or None. Returns (o [B, T, HV, V], state or None)."""
+        gate/β projections); mask: [B, T] bool or None; context_parallel: run the op of
+        :mod:`gdn.distributed.recurrent` with it. Returns (o [B, T, HV, V], state or None)."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, state: RecurrentState | None = None,
-                use_cache: bool = False):
+                use_cache: bool = False, context_parallel=None):
         """x: [B, T, D] -> (o [B, T, D], RecurrentState or None)."""
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {tuple(x.shape)}")
         B, T, _ = x.shape
+        cp = context_parallel
+        if cp is not None and (attention_mask is not None or cu_seqlens is not None or state is not None or use_cache):
+            raise ValueError("with context_parallel the layout comes from it: no attention_mask, cu_seqlens, state "
+                             "or use_cache")
         mask = None
         if attention_mask is not None:
             if tuple(attention_mask.shape) != (B, T):
@@ -141,7 +149,12 @@ class RecurrentMixer(nn.Module):
         conv_states = state.conv if state is not None and state.conv else (None, None, None)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         new_conv: tuple[torch.Tensor, ...] = ()
-        if self.use_short_conv:
+        if self.use_short_conv and cp is not None:  # one halo exchange for the three convolutions
+            h = halo(torch.cat([q, k, v], -1), self.conv_size - 1, cp).split([self.key_dim, self.key_dim,
+                                                                                self.value_dim], -1)
+            q, k, v = (conv(t, context_parallel=cp, halo=ht)[0]
+                       for conv, t, ht in zip((self.q_conv, self.k_conv, self.v_conv), (q, k, v), h))
+        elif self.use_short_conv:
             (q, sq), (k, sk), (v, sv) = (
                 conv(t, mask=mask, cu_seqlens=cu_seqlens, state=s, output_state=use_cache)
                 for conv, t, s in zip((self.q_conv, self.k_conv, self.v_conv), (q, k, v), conv_states)
@@ -155,7 +168,10 @@ class RecurrentMixer(nn.Module):
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_heads, self.head_dim)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
-        o, S = self._mix(q, k, v, x, mask, None if state is None else state.recurrent, use_cache, cu_seqlens)
+        if cp is None:
+            o, S = self._mix(q, k, v, x, mask, None if state is None else state.recurrent, use_cache, cu_seqlens)
+        else:
+            o, S = self._mix(q, k, v, x, None, None, False, None, context_parallel=cp)
         if self.use_gate:
             o = self.o_norm(o, self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim))
         else:

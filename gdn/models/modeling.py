@@ -41,11 +41,14 @@ class GDNBlock(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, attention_mask=None, cu_seqlens=None, state=None, use_cache=False, positions=None):
+    def forward(self, x, attention_mask=None, cu_seqlens=None, state=None, use_cache=False, positions=None,
+                context_parallel=None):
         """x: [B, T, D] -> (x [B, T, D], the mixer's new state or None)."""
         kw = dict(attention_mask=attention_mask, cu_seqlens=cu_seqlens, state=state, use_cache=use_cache)
         if isinstance(self.mixer, Attention):
             kw["positions"] = positions
+        if context_parallel is not None:
+            kw["context_parallel"] = context_parallel
         h, new_state = self.mixer(self.mixer_norm(x), **kw)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), new_state
@@ -176,6 +179,10 @@ class GDNModel(GDNPreTrainedModel):
         use_cache: return the updated cache (default ``config.use_cache`` in eval mode without
             ``cu_seqlens``, False in training).
         cu_seqlens: [N+1] offsets of sequences packed along T (B == 1; no cache).
+        context_parallel: a :class:`gdn.distributed.ContextParallel`: the inputs are this rank's
+            slice of sequences split along T across its group (the packed offsets, if any, are the
+            context's; no attention_mask, cu_seqlens or cache). Every rank of the group calls the
+            forward (and the backward) together; see docs/CONTEXT_PARALLEL.md.
         output_hidden_states, return_dict.
     Returns ``transformers``' ``BaseModelOutputWithPast`` (the cache under :data:`CACHE_KEY`).
     """
@@ -196,7 +203,7 @@ class GDNModel(GDNPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, cache=None,
                 inputs_embeds=None, use_cache=None, cu_seqlens=None, output_hidden_states=None, return_dict=None,
-                **kwargs):
+                context_parallel=None, **kwargs):
         """See the class docstring."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
@@ -209,6 +216,17 @@ class GDNModel(GDNPreTrainedModel):
         if cache is not None and not isinstance(cache, GDNCache):
             raise TypeError(f"the cache must be a GDNCache, got {type(cache).__name__}")
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        cp = context_parallel
+        if cp is not None:
+            if cu_seqlens is not None or attention_mask is not None or cache is not None or use_cache:
+                raise ValueError("with context_parallel the layout comes from it: no cu_seqlens, attention_mask, "
+                                 "cache or use_cache")
+            if T != cp.length:
+                raise ValueError(f"this rank holds tokens [{cp.start}, {cp.end}) ({cp.length}) of the sequence, but "
+                                 f"the input has T = {T}")
+            use_cache = False
+            if position_ids is None:
+                position_ids = cp.positions(x.device)[None].expand(B, T)
         if use_cache is None:
             use_cache = cache is not None or (self.config.use_cache and not self.training and cu_seqlens is None)
         use_cache = bool(use_cache)
@@ -248,7 +266,8 @@ class GDNModel(GDNPreTrainedModel):
         if use_cache and cache.recording:
             x = self._recorded_blocks(x, mask, position_ids, cache, hidden)
         else:
-            x = self._blocks(x, mask, cu_seqlens, cache, use_cache, position_ids, checkpointing, hidden)
+            x = self._blocks(x, mask, cu_seqlens, cache, use_cache, position_ids, checkpointing, hidden,
+                             context_parallel=cp)
             if use_cache:
                 cache.advance(T, mask.sum(1) if mask is not None else torch.full((B,), T, device=x.device))
         x = self.norm(x)
@@ -257,9 +276,11 @@ class GDNModel(GDNPreTrainedModel):
         out = BaseModelOutputWithPast(x, cache if use_cache else None, tuple(hidden) if hidden is not None else None)
         return out if return_dict is not False else out.to_tuple()
 
-    def _blocks(self, x, mask, cu_seqlens, cache, use_cache, position_ids, checkpointing, hidden, inputs=None):
+    def _blocks(self, x, mask, cu_seqlens, cache, use_cache, position_ids, checkpointing, hidden, inputs=None,
+                context_parallel=None):
         """Run every block over x [B, T, D], updating ``cache``'s layer states; appends each block's input
         to ``hidden`` and ``inputs`` when they are lists."""
+        cp = context_parallel
         for i, block in enumerate(self.layers):
             if hidden is not None:
                 hidden.append(x)
@@ -267,10 +288,10 @@ class GDNModel(GDNPreTrainedModel):
                 inputs.append(x)
             state = cache.layers[i] if cache is not None else None
             if checkpointing:
-                x, new_state = checkpoint(block, x, mask, cu_seqlens, state, use_cache, position_ids,
+                x, new_state = checkpoint(block, x, mask, cu_seqlens, state, use_cache, position_ids, cp,
                                           use_reentrant=False)
             else:
-                x, new_state = block(x, mask, cu_seqlens, state, use_cache, position_ids)
+                x, new_state = block(x, mask, cu_seqlens, state, use_cache, position_ids, cp)
             if use_cache:
                 cache.layers[i] = new_state
         return x
@@ -321,7 +342,10 @@ class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
     Forward args: those of :class:`GDNModel`, plus ``labels`` [B, T] (next-token targets are
     ``labels`` shifted left inside; ``-100`` is ignored; with ``cu_seqlens`` the last token of a
     sequence is never trained to predict the first of the next) and ``logits_to_keep`` (int n: the
-    last n positions, 0 = all; or a 1-D tensor of positions). Returns ``transformers``'
+    last n positions, 0 = all; or a 1-D tensor of positions). With ``context_parallel``, ``labels``
+    are the whole sequence's [B, total] (so the last token of a slice is trained on the first of the
+    next) and ``loss`` is this rank's share: its tokens' summed loss over the whole batch's count
+    of targets, so the sum over the group is the mean loss. Returns ``transformers``'
     ``CausalLMOutputWithPast`` (cache under :data:`CACHE_KEY`; logits in fp32 when a loss is computed).
     In training mode with gradients on, a loss comes from :func:`gdn.ops.loss.linear_cross_entropy`
     (head and cross entropy over chunks of tokens, no [B·T, vocab] logits kept) and ``logits`` is None;
@@ -350,12 +374,12 @@ class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, cu_seqlens=None, logits_to_keep=0,
-                output_hidden_states=None, return_dict=None, **kwargs):
+                output_hidden_states=None, return_dict=None, context_parallel=None, **kwargs):
         """See the class docstring."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, cache=cache, inputs_embeds=inputs_embeds,
                          use_cache=use_cache, cu_seqlens=cu_seqlens, output_hidden_states=output_hidden_states,
-                         return_dict=True)
+                         return_dict=True, context_parallel=context_parallel)
         h = out.last_hidden_state
         if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise ValueError("logits_to_keep must be 0 (all positions) when labels are given")
@@ -367,7 +391,9 @@ class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
         else:
             h = h[:, logits_to_keep]
         loss = logits = None
-        if labels is not None:
+        if labels is not None and context_parallel is not None:
+            loss, logits = self._context_parallel_loss(h, labels, context_parallel)
+        elif labels is not None:
             if labels.shape != h.shape[:2]:
                 raise ValueError(f"labels must have shape [B, T] = {list(h.shape[:2])}, got {list(labels.shape)}")
             target = F.pad(labels[:, 1:], (0, 1), value=-100)
@@ -401,6 +427,28 @@ class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
             cache.activate_past_recording()
             model_kwargs[CACHE_KEY] = cache
         return out
+
+    def _context_parallel_loss(self, h, labels, cp):
+        """(this rank's share of the mean loss, logits or None) from its hidden states h [B, T_r, D] and
+        the whole sequence's labels [B, total]."""
+        if labels.shape != (h.shape[0], cp.total):
+            raise ValueError(f"with context_parallel, labels must be the whole sequence's [B, total] = "
+                             f"{[h.shape[0], cp.total]}, got {list(labels.shape)}")
+        target = F.pad(labels[:, 1:], (0, 1), value=-100)
+        if cp.cu_seqlens is not None and len(cp.cu_seqlens) > 2:
+            target = target.clone()
+            target[:, [c - 1 for c in cp.cu_seqlens[1:-1] if c > 0]] = -100
+        count = (target != -100).sum().clamp(min=1)  # the whole batch's targets
+        target = cp.shard(target).reshape(-1).to(h.device)
+        mine = (target != -100).sum()
+        flat = h.reshape(-1, h.shape[-1])
+        if self.training and torch.is_grad_enabled():
+            if int(mine) == 0:  # no target here: a zero that still reaches the head (DDP wants every gradient)
+                return (flat.sum() + self.lm_head.weight.sum()) * 0.0, None
+            return linear_cross_entropy(flat, self.lm_head.weight, target) * (mine / count.to(h.device)), None
+        logits = self.lm_head(h).float()
+        nats = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target, ignore_index=-100, reduction="sum")
+        return nats / count.to(h.device), logits
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, inputs_embeds=None,
                                       use_cache=True, cache=None, logits_to_keep=None, **kwargs):
