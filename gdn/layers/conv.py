@@ -89,7 +89,8 @@ class ShortConvolution(nn.Module):
         if halo is None:
             halo = exchange_halo(x, W, cp)
         if tuple(halo.shape) != (x.shape[0], W, x.shape[2]):
-            raise ValueError(f"halo must have shape [B, K-1, D] = {[x.shape[0], W, x.shape[2]]}, got {list(halo.shape)}")
+            raise ValueError(f"halo must have shape [B, K-1, D] = {[x.shape[0], W, x.shape[2]]}, "
+                             f"got {list(halo.shape)}")
         xe = torch.cat([halo.to(x.dtype), x], 1)
         return short_conv(xe, self.weight, None, cp.halo_cu_seqlens(W, x.device), self.activation)[:, W:]
 

@@ -55,6 +55,7 @@ class TrainConfig:
     compile: bool = False  #: torch.compile the model
     activation_checkpointing: bool = False  #: recompute blocks in the backward pass
     distributed: str = "ddp"  #: ddp or fsdp (FSDP2 fully_shard), used under torchrun
+    context_parallel: int = 1  #: ranks splitting each packed row along T (torchrun; divides the ranks)
     # logging, validation, checkpoints
     out: str = "runs/default"  #: run directory (config, metrics, checkpoints, plots)
     log_every: int = 10  #: steps between metric lines
@@ -73,7 +74,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         pos = ("seq_len", "batch_size", "grad_accum", "steps", "log_every", "eval_every", "eval_batches",
-               "save_every", "keep_last")
+               "save_every", "keep_last", "context_parallel")
         for name in pos:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

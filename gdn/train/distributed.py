@@ -1,5 +1,12 @@
-"""torch.distributed plumbing: process group from torchrun's environment, DDP or FSDP2 wrapping,
-reductions. The only module that knows about ranks."""
+"""torch.distributed plumbing: process group from torchrun's environment, context-parallel groups,
+DDP or FSDP2 wrapping, reductions. The only module of the training side that knows about ranks.
+
+With ``context_parallel`` = C, the W ranks form W / C data-parallel groups of C consecutive ranks
+(on one node when C divides the GPUs per node): the C ranks of a group train on the same packed
+rows, each on its slice of the tokens (:class:`gdn.distributed.ContextParallel`). Parameters,
+gradients and optimizer states are replicated (DDP) or sharded (FSDP2) over all W ranks, as
+without context parallelism; each rank's loss is its share of its row's mean times C, so that
+DDP's / FSDP's mean over W ranks is the mean over the W / C data-parallel rows."""
 from __future__ import annotations
 
 import logging
@@ -22,11 +29,23 @@ class DistInfo:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     enabled: bool = False
+    cp_size: int = 1  #: ranks sharing one row (context parallelism)
+    cp_group: object = None  #: their process group (None without context parallelism)
 
     @property
     def is_main(self) -> bool:
         """Rank 0 (logs, writes metrics and single-writer files)."""
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's data-parallel group (which rows it trains on)."""
+        return self.rank // self.cp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel groups (distinct rows per step and micro-batch)."""
+        return self.world_size // self.cp_size
 
 
 def pick_device(pref: str) -> torch.device:
@@ -38,10 +57,13 @@ def pick_device(pref: str) -> torch.device:
     return torch.device(pref)
 
 
-def init(device_pref: str = "auto") -> DistInfo:
-    """Join the process group when launched by torchrun (``WORLD_SIZE`` > 1): NCCL on CUDA, gloo on CPU."""
+def init(device_pref: str = "auto", context_parallel: int = 1) -> DistInfo:
+    """Join the process group when launched by torchrun (``WORLD_SIZE`` > 1): NCCL on CUDA, gloo on CPU;
+    with ``context_parallel`` = C > 1, also the groups of C consecutive ranks that share a row."""
     device = pick_device(device_pref)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % context_parallel:
+        raise ValueError(f"context_parallel ({context_parallel}) must divide the number of processes ({world})")
     if world <= 1:
         return DistInfo(device=device)
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -50,7 +72,13 @@ def init(device_pref: str = "auto") -> DistInfo:
         device = torch.device("cuda", local)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return DistInfo(rank, world, local, device, True)
+    info = DistInfo(rank, world, local, device, True)
+    if context_parallel > 1:
+        # every rank creates every group (new_group is collective), then keeps its own
+        groups = [dist.new_group(list(range(d * context_parallel, (d + 1) * context_parallel)))
+                  for d in range(world // context_parallel)]
+        info.cp_size, info.cp_group = context_parallel, groups[rank // context_parallel]
+    return info
 
 
 def wrap(model: nn.Module, strategy: str, info: DistInfo) -> nn.Module:

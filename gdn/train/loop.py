@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from .. import checkpoint as ckpt
 from ..data import PackedWindows, eval_batches, load_corpus, load_tokenizer, unigram_bits_per_byte
+from ..distributed import ContextParallel
 from ..evaluation import evaluate
 from ..models import GDNConfig, GDNForCausalLM, param_groups
 from . import distributed as D
@@ -319,7 +320,7 @@ class Trainer(TrainLoop):
 
     def __init__(self, cfg: TrainConfig, resume: bool | str = False):
         self.cfg, self.resume = cfg, resume
-        self.dist = D.init(cfg.device)
+        self.dist = D.init(cfg.device, cfg.context_parallel)
         self.device = self.dist.device
         self.out = Path(cfg.out)
         self.tokenizer = load_tokenizer(cfg.tokenizer)
@@ -451,10 +452,14 @@ class Trainer(TrainLoop):
                 set_model_state_dict(self.wrapped, weights, options=StateDictOptions(full_state_dict=True))
             else:
                 self.model.load_state_dict(weights)
-            if self.dist.enabled:
-                raise ckpt.CheckpointError(f"{path} is a single-process checkpoint (optimizer in trainer.pt); "
-                                           "resume it without torchrun")
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self.dist.enabled:  # a single-process checkpoint on several ranks: the full optimizer state by name
+                from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+                set_optimizer_state_dict(self.wrapped, self.optimizer,
+                                         _optimizer_by_name(self.model, self.optimizer, state["optimizer"]),
+                                         options=StateDictOptions(full_state_dict=True))
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         if state["samples"] != self.step * self.cfg.batch_size:
@@ -469,15 +474,21 @@ class Trainer(TrainLoop):
 
     # ---- what the loop runs -----------------------------------------------------------------
     def micro_batches(self) -> list:
-        """``grad_accum`` packed rows ``(ids [1, L], cu_seqlens)`` of this rank's share of the step's samples."""
+        """``grad_accum`` packed rows ``(ids [1, L], cu_seqlens)`` of this rank's share of the step's samples
+        (the same rows on the ranks of a context-parallel group)."""
         cfg = self.cfg
-        return self.windows.batches(self.step * cfg.batch_size, cfg.batch_size, self.dist.rank, self.dist.world_size,
+        return self.windows.batches(self.step * cfg.batch_size, cfg.batch_size, self.dist.dp_rank, self.dist.dp_size,
                                     cfg.grad_accum)
 
     def loss(self, batch) -> torch.Tensor:
-        """Next-token loss of one packed row (no prediction across its documents' boundaries)."""
+        """Next-token loss of one packed row (no prediction across its documents' boundaries). With
+        context parallelism: this rank's share of the row's mean loss times the group size (the
+        mean over ranks of DDP / FSDP is then the mean over rows)."""
         ids, cu = batch[0].to(self.device), batch[1].to(self.device)
-        return self.forward(input_ids=ids, labels=ids, cu_seqlens=cu).loss
+        if self.dist.cp_size == 1:
+            return self.forward(input_ids=ids, labels=ids, cu_seqlens=cu).loss
+        cp = ContextParallel.split(self.dist.cp_group, ids.shape[1], batch[1])
+        return self.forward(input_ids=cp.shard(ids), labels=ids, context_parallel=cp).loss * cp.size
 
     def evaluate(self):
         """:class:`gdn.evaluation.EvalResult` on the fixed held-out rows."""
@@ -505,8 +516,10 @@ class Trainer(TrainLoop):
         resumed = self.checkpoint is not None
         log = MetricsLog(self.out, cfg.tensorboard, truncate_after=self.step if resumed else None) if main else None
         n_params = sum(p.numel() for p in self.model.parameters())
-        logger.info("model %s/%s, %.2fM parameters, pattern %s, device %s x%d", cfg.preset, cfg.size, n_params / 1e6,
-                    self.model_config.layer_pattern, self.device, self.dist.world_size)
+        logger.info("model %s/%s, %.2fM parameters, pattern %s, device %s x%d%s", cfg.preset, cfg.size,
+                    n_params / 1e6, self.model_config.layer_pattern, self.device, self.dist.world_size,
+                    f" ({self.dist.dp_size} data x {self.dist.cp_size} context parallel)" if self.dist.cp_size > 1
+                    else "")
         return log
 
     def finish(self) -> None:
@@ -519,6 +532,20 @@ class Trainer(TrainLoop):
         o = self.fit()
         return TrainResult(o.step, o.train_loss, o.metrics["val_loss"], o.metrics["val_bpb"], self.unigram_bpb,
                            o.interrupted, self.out, o.checkpoint, o.tokens_per_s)
+
+
+def _optimizer_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> dict:
+    """A single-process ``optimizer.state_dict()`` (parameters by position) keyed by parameter name, the
+    form ``set_optimizer_state_dict`` takes; positions follow ``optimizer``'s groups, built the same way."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    ours = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    theirs = [g["params"] for g in saved["param_groups"]]
+    if [len(g) for g in ours] != [len(g) for g in theirs]:
+        raise ckpt.CheckpointError(f"the checkpoint's optimizer groups hold {[len(g) for g in theirs]} parameters, "
+                                   f"this run's {[len(g) for g in ours]} (was decay_embeddings changed?)")
+    by_name = {i: n for g_ours, g_theirs in zip(ours, theirs) for i, n in zip(g_theirs, g_ours)}
+    return {"state": {by_name[i]: v for i, v in saved["state"].items()},
+            "param_groups": [{**g, "params": names_} for g, names_ in zip(saved["param_groups"], ours)]}
 
 
 def train(cfg: TrainConfig, resume: bool | str = False) -> TrainResult:
