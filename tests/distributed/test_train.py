@@ -53,14 +53,14 @@ def _same(got, ref, steps, tol=1e-4):
 
 
 def test_context_parallel_matches_one_process_and_resumes_across_world_sizes(tmp_path):
-    """CP = 2 on 2 processes: losses of the 20 steps equal the one-process run's (1e-4); its step-10
-    checkpoint (distributed) finishes on 1 process, and the one-process run's step-10 checkpoint
-    finishes under torchrun with CP = 2, both on the one-process losses."""
+    """CP = 2 on 2 processes under FSDP2: losses of the 20 steps equal the one-process run's (1e-4);
+    its step-10 checkpoint (distributed) finishes on 1 process, and the one-process run's step-10
+    checkpoint finishes under torchrun with CP = 2, both on the one-process losses."""
     data = write_corpus(tmp_path / "data")
     single = train(_config(tmp_path / "single", data))
     ref = _losses(tmp_path / "single")
     # CP = 2, stopping after step 10 (checkpoint), then resumed on one process
-    proc = _torchrun(2, data, tmp_path / "cp", context_parallel=2, stop_after=10)
+    proc = _torchrun(2, data, tmp_path / "cp", context_parallel=2, stop_after=10, distributed="fsdp")
     assert "(1 data x 2 context parallel)" in proc.stdout + proc.stderr
     ckpt = list_checkpoints(tmp_path / "cp")[-1]
     assert ckpt.name == "step_00000010" and (ckpt / "dcp").is_dir() and verify(ckpt)["world_size"] == 2
@@ -70,12 +70,12 @@ def test_context_parallel_matches_one_process_and_resumes_across_world_sizes(tmp
     assert resumed.val_loss == pytest.approx(single.val_loss, rel=1e-4)
     # the one-process checkpoint of step 10, resumed on 2 processes with CP = 2
     _torchrun(2, data, tmp_path / "back", "--resume", str(tmp_path / "single" / "checkpoints" / "step_00000010"),
-              context_parallel=2)
+              context_parallel=2, distributed="fsdp")
     _same(_losses(tmp_path / "back"), ref, range(11, STEPS + 1))
 
 
 def test_data_times_context_parallel(tmp_path):
-    """4 processes = 2 data-parallel groups x CP = 2: the losses of one process accumulating the same
+    """4 processes = 2 data-parallel groups x CP = 2 under DDP: the losses of one process accumulating the same
     two rows per step (grad_accum = 2), to 1e-4."""
     data = write_corpus(tmp_path / "data")
     train(_config(tmp_path / "single", data, batch_size=4, grad_accum=2))
