@@ -45,23 +45,22 @@ class _PrefixScan(torch.autograd.Function):
     """``(S0, o)`` from this rank's map ``Mb = [M | b]`` [P, HV, K, K+V]: the all-gather of every
     rank's map and the composition of those before this rank, ``X_0 = 0, X_{j+1} = M_j X_j + b_j``,
     ``S0 = X_rank``. ``o`` passes through unchanged: it ties the node into every rank's graph, so
-    its backward (which holds the reduce-scatter) runs on all ranks, also where ``S0`` is unused."""
+    its backward (which holds the reduce-scatter) runs on all ranks, also where ``S0`` is unused.
+    Only the earlier ranks' maps are kept for the backward; it recomputes the X_j from them."""
 
     @staticmethod
     def forward(ctx, Mb, o, cp):
-        K, r = Mb.shape[-2], cp.rank
-        maps = gather_stack(Mb, cp.group)[:r]  # [r, P, HV, K, K+V]: the ranks before this one
-        X = [Mb.new_zeros((*Mb.shape[:-1], Mb.shape[-1] - K))]
-        for j in range(r):
-            X.append(torch.matmul(maps[j][..., :K], X[-1]) + maps[j][..., K:])
+        maps = gather_stack(Mb, cp.group)[: cp.rank]  # [r, P, HV, K, K+V]: the ranks before this one
         ctx.cp, ctx.shape = cp, Mb.shape
-        ctx.save_for_backward(maps, torch.stack(X[:r]) if r else Mb.new_zeros(0))
-        return X[r], o.view_as(o)
+        ctx.save_for_backward(maps)
+        K = Mb.shape[-2]
+        return _compose(maps, Mb.new_zeros((*Mb.shape[:-1], Mb.shape[-1] - K)))[-1], o.view_as(o)
 
     @staticmethod
     def backward(ctx, dS, do):
-        maps, X = ctx.saved_tensors
+        (maps,) = ctx.saved_tensors
         cp, K = ctx.cp, ctx.shape[-2]
+        X = _compose(maps, torch.zeros_like(dS))
         dmaps = dS.new_zeros((cp.size, *ctx.shape))
         g = dS
         for j in range(cp.rank - 1, -1, -1):  # X_{j+1} = M_j X_j + b_j
@@ -69,6 +68,15 @@ class _PrefixScan(torch.autograd.Function):
             dmaps[j][..., :K] = torch.matmul(g, X[j].mT)
             g = torch.matmul(maps[j][..., :K].mT, g)
         return reduce_scatter_stack(dmaps, cp.group), do, None
+
+
+def _compose(maps, x0):
+    """``[X_0 = x0, X_1, …, X_r]`` with ``X_{j+1} = M_j X_j + b_j`` for maps [r, P, HV, K, K+V]."""
+    K = maps.shape[-2]
+    X = [x0]
+    for j in range(maps.shape[0]):
+        X.append(torch.matmul(maps[j][..., :K], X[-1]) + maps[j][..., K:])
+    return X
 
 
 def _check(cp, q, v, initial_state):
