@@ -70,6 +70,25 @@ class _PrefixScan(torch.autograd.Function):
         return reduce_scatter_stack(dmaps, cp.group), do, None
 
 
+class _Correct(torch.autograd.Function):
+    """``o + S0ᵀ R`` per token and head: o [P, L, HV, V], R [P, L, HV, K] (both in the op's output
+    dtype), S0 [P, HV, K, V] (fp32/fp64). The product runs in S0's dtype; R is kept for the backward
+    in its own dtype (autograd's einsum would keep an fp32 copy: 4·K bytes per token and head)."""
+
+    @staticmethod
+    def forward(ctx, o, R, S0):
+        ctx.save_for_backward(R, S0)
+        return (o.to(S0.dtype) + torch.einsum("blhk,bhkv->blhv", R.to(S0.dtype), S0)).to(o.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        R, S0 = ctx.saved_tensors
+        d = do.to(S0.dtype)
+        dR = torch.einsum("blhv,bhkv->blhk", d, S0).to(R.dtype) if ctx.needs_input_grad[1] else None
+        dS0 = torch.einsum("blhk,blhv->bhkv", R.to(S0.dtype), d)
+        return do, dR, dS0
+
+
 def _compose(maps, x0):
     """``[X_0 = x0, X_1, …, X_r]`` with ``X_{j+1} = M_j X_j + b_j`` for maps [r, P, HV, K, K+V]."""
     K = maps.shape[-2]
@@ -146,8 +165,7 @@ def _context_parallel(call, tokens: dict, cp, initial_state, output_final_state,
 
     # 4. the correction of the continued stretch
     if L:
-        corr = torch.einsum("blhk,bhkv->blhv", R.to(sdt), S0)
-        o = torch.cat([(o[:, :L].to(sdt) + corr).to(o.dtype), o[:, L:]], 1)
+        o = torch.cat([_Correct.apply(o[:, :L], R.to(o.dtype), S0), o[:, L:]], 1)
         F = torch.cat([F[:P] + torch.matmul(M_in, S0), F[P:]])
     if not output_final_state:
         return o, None
