@@ -11,7 +11,7 @@ settings: :mod:`.tuning`.
 from __future__ import annotations
 
 from . import attention as _attention
-from . import delta, kda
+from . import delta, kda, library
 from .checks import check_attention, check_recurrent
 from .delta.fused import gated_delta_rule_fused
 from .kda.reference import check_kda
@@ -36,6 +36,8 @@ def _recurrent_call(op, q, k, v, g, beta, scale, initial_state, output_final_sta
     decode = dims.T == 1 if cu_seqlens is None else dims.T == dims.N
     impl = route(op, backend, q, k, v, decode_step=decode, grad=needs_grad(q, k, v, g, beta, initial_state),
                  kda=is_kda)
+    if library.compiling():  # traced by torch.compile: one opaque node (gdn.ops.library)
+        return library.recurrent(op, impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     return (kda if is_kda else delta).run(impl, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
@@ -116,5 +118,8 @@ def softmax_attention(q, k, v, *, scale=None, causal=True, window_size=None, cu_
         raise ValueError("window_size requires causal=True (a sliding window looks back only)")
     if backend == "triton":
         raise ValueError("softmax_attention has no 'triton' backend: use None (SDPA, flash on CUDA) or 'naive'")
+    if cu_seqlens is not None and library.compiling():  # the host loop over sequences: one opaque node
+        return _attention.packed_op(q, k, v, None if scale is None else float(scale), bool(causal), window_size,
+                                    cu_seqlens, backend == "naive", library.autocast_of(q))
     fn = _attention.softmax_attention_naive if backend == "naive" else _attention.softmax_attention
     return fn(q, k, v, scale=scale, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens)

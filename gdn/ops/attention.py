@@ -4,6 +4,10 @@ explicit masked-scores form (:func:`softmax_attention_naive`, the spec).
 Causal or not, sliding window, packed sequences (``cu_seqlens``) and grouped query heads.
 A sliding window is evaluated in query blocks against only the keys they can see, so memory is
 O(T·window), never a T×T mask; packed sequences run one by one so no mask spans two of them.
+
+Under ``torch.compile`` dynamo traces the unpacked path (SDPA and indexing). A packed call loops
+over sequences whose bounds are read on the host, so it is the custom op ``gdn::softmax_attention``
+(:mod:`gdn.ops.library`), whose backward recomputes it.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import library
 from .delta.reference import compute_dtype
 
 
@@ -93,3 +98,24 @@ def softmax_attention_naive(q, k, v, *, scale=None, causal=True, window_size=Non
     scores = scores.masked_fill(~mask, -math.inf)
     p = torch.softmax(scores, dim=-1)
     return torch.einsum("bhts,bshv->bthv", p, vv).to(v.dtype)
+
+
+# ---- the custom op of packed calls (torch.compile) ----------------------------------------------
+
+def _packed_run(q, k, v, scale, causal, window_size, cu_seqlens, naive, autocast):
+    fn = softmax_attention_naive if naive else softmax_attention
+    with library.autocast_as(q.device.type, autocast):
+        return (fn(q, k, v, scale=scale, causal=causal, window_size=window_size, cu_seqlens=cu_seqlens).contiguous(),)
+
+
+def _packed_fake(q, k, v, scale, causal, window_size, cu_seqlens, naive, autocast):
+    # SDPA returns q's dtype, or the autocast dtype (it is on autocast's lower-precision list); the spec v's
+    dtype = v.dtype if naive else (autocast or q.dtype)
+    return (q.new_empty((*q.shape[:3], v.shape[3]), dtype=dtype),)
+
+
+packed_op = library.recomputed_op(
+    "softmax_attention",
+    "Tensor q, Tensor k, Tensor v, float? scale, bool causal, int? window_size, Tensor cu_seqlens, bool naive, "
+    "ScalarType? autocast",
+    1, _packed_run, _packed_fake, differentiable=(0, 1, 2))

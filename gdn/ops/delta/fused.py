@@ -10,12 +10,15 @@ computes ``q̂ = q·rsqrt(Σq² + eps)`` (and k̂), ``g = −exp(A_log)·softplu
 them, then the gated delta rule on the implementation :mod:`gdn.ops.router` picks. On Triton the
 prologue runs in its own kernels with their backward (:mod:`.triton.prologue`); elsewhere in
 PyTorch (autograd).
+
+Under ``torch.compile`` the whole call (prologue and recurrence) is the custom op
+``gdn::gated_delta_rule_fused``, whose backward recomputes it (:mod:`gdn.ops.library`).
 """
 from __future__ import annotations
 
 import torch
 
-from .. import gates
+from .. import gates, library
 from ..checks import check_backend, check_recurrent
 from ..router import HAS_TRITON, NAIVE, CHUNK, needs_grad, route
 from . import run
@@ -65,6 +68,11 @@ def gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, *, scale=None, initial
     decode = dims.T == 1 if cu_seqlens is None else dims.T == dims.N
     grad = needs_grad(q, k, v, a, b, A_log, dt_bias, initial_state)
     impl = route("gated_delta_rule_fused", backend, q, k, v, decode_step=decode, grad=grad)
+    if library.compiling():  # traced by torch.compile: one opaque node
+        o, S = _fused_op(impl, q, k, v, a, b, A_log, dt_bias, None if scale is None else float(scale), initial_state,
+                         bool(output_final_state), cu_seqlens, bool(use_qk_l2norm), bool(allow_neg_eigval),
+                         library.autocast_of(q))
+        return o, library.none_if_empty(S, output_final_state)
     return run_fused(impl, q, k, v, a, b, A_log, dt_bias, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
                      allow_neg_eigval=allow_neg_eigval)
@@ -82,3 +90,28 @@ def run_fused(impl, q, k, v, a, b, A_log, dt_bias, *, scale=None, initial_state=
         q, k, g, beta = prologue(q, k, a, b, A_log, dt_bias, use_qk_l2norm, allow_neg_eigval)
     return run(impl, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+# ---- the custom op (torch.compile) --------------------------------------------------------------
+
+def _fused_run(impl, q, k, v, a, b, A_log, dt_bias, scale, initial_state, output_final_state, cu_seqlens,
+               use_qk_l2norm, allow_neg_eigval, autocast):
+    with library.autocast_as(q.device.type, autocast):
+        o, S = run_fused(impl, q, k, v, a, b, A_log, dt_bias, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+                         allow_neg_eigval=allow_neg_eigval)
+    return o.contiguous(), (S.contiguous() if S is not None else v.new_empty(0, dtype=library.state_dtype(impl, v)))
+
+
+def _fused_fake(impl, q, k, v, a, b, A_log, dt_bias, scale, initial_state, output_final_state, cu_seqlens,
+                use_qk_l2norm, allow_neg_eigval, autocast):
+    return library.recurrent_fake(impl, q, k, v, None, None, scale, initial_state, output_final_state, cu_seqlens,
+                                  autocast)
+
+
+_fused_op = library.recomputed_op(
+    "gated_delta_rule_fused",
+    "str impl, Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, float? scale, "
+    "Tensor? initial_state, bool output_final_state, Tensor? cu_seqlens, bool use_qk_l2norm, "
+    "bool allow_neg_eigval, ScalarType? autocast",
+    2, _fused_run, _fused_fake, differentiable=(1, 2, 3, 4, 5, 6, 7, 9))
