@@ -5,12 +5,18 @@ from the history ``hist`` [B, D, K-1] when continuing a cached sequence). :func:
 runs the Triton kernels (:mod:`gdn.ops.triton.short_conv`) for CUDA tensors of more than one
 token, else the PyTorch functions here (the CPU path, the one-token decode step and the reference
 of the kernels' tests).
+
+Under ``torch.compile`` :func:`short_conv` is the custom op ``gdn::short_conv``
+(:mod:`gdn.ops.library`) whose backward recomputes the convolution and differentiates it: on the
+CPU what the eager backward does too, on CUDA one extra pass of the forward kernel per backward.
+:func:`conv_state` is plain PyTorch and traced.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from . import library
 from .router import HAS_TRITON, use_triton
 
 if HAS_TRITON:
@@ -93,6 +99,8 @@ def short_conv(x, weight, hist, cu_seqlens, activation):
     """The convolution and its activation on the fastest path. x: [B, T, D]; weight: [D, K];
     hist: [B, D, K-1] or None (zeros; always None with ``cu_seqlens`` [N+1]); activation:
     ``"silu"`` or None. Returns y [B, T, D] in x.dtype."""
+    if library.compiling():
+        return _conv_op(x, weight, hist, cu_seqlens, activation == "silu", library.autocast_of(x))
     B, T, D = x.shape
     if use_triton(x) and (cu_seqlens is not None or T > 1):  # reads no history when there is none
         return kernels.short_conv(x, weight, hist, cu_seqlens, activation)
@@ -101,6 +109,34 @@ def short_conv(x, weight, hist, cu_seqlens, activation):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, hist)):
         return ConvActFn.apply(x, weight, hist, cu_seqlens, activation)
     return conv_act(x, weight, hist, cu_seqlens, activation)
+
+
+def _kernels_take(x, cu_seqlens) -> bool:
+    """:func:`short_conv`'s rule (inlined there: its eager path is host-bound on the GPU)."""
+    return use_triton(x) and (cu_seqlens is not None or x.shape[1] > 1)
+
+
+def _conv_run(x, weight, hist, cu_seqlens, silu: bool, autocast):
+    """``(y,)``: :func:`short_conv` as ``gdn::short_conv`` runs it (the kernels, or :func:`conv_act`
+    itself rather than its Function: the op's backward recomputes and differentiates this)."""
+    activation = "silu" if silu else None
+    with library.autocast_as(x.device.type, autocast):
+        if _kernels_take(x, cu_seqlens):
+            return (kernels.short_conv(x, weight, hist, cu_seqlens, activation),)
+        if hist is None and cu_seqlens is None:
+            hist = x.new_zeros(x.shape[0], x.shape[2], weight.shape[1] - 1)
+        return (conv_act(x, weight, hist, cu_seqlens, activation).contiguous(),)
+
+
+def _conv_fake(x, weight, hist, cu_seqlens, silu, autocast):
+    # autocast changes the dtype where a convolution runs: the unpacked path of more than one token
+    dtype = autocast if autocast is not None and cu_seqlens is None and x.shape[1] > 1 else x.dtype
+    return (x.new_empty(x.shape, dtype=dtype),)
+
+
+_conv_op = library.recomputed_op(
+    "short_conv", "Tensor x, Tensor weight, Tensor? hist, Tensor? cu_seqlens, bool silu, ScalarType? autocast",
+    1, _conv_run, _conv_fake, differentiable=(0, 1, 2))
 
 
 def conv_state(x, hist, cu_seqlens, W: int):

@@ -5,11 +5,16 @@ for the backward and builds an fp32 gradient of the same size there (2 GiB each 
 a 32k vocabulary). :func:`linear_cross_entropy` computes the same mean loss chunk by chunk,
 keeping only h, the weight, the targets and one log-sum-exp per token; the backward recomputes the
 logits of one chunk at a time. The full logits never exist.
+
+Under ``torch.compile`` it is the custom op ``gdn::linear_cross_entropy`` (loss and the
+log-sum-exps) with its backward ``gdn::linear_cross_entropy_backward`` (:mod:`gdn.ops.library`):
+the Function's own forward and backward passes.
 """
 from __future__ import annotations
 
 import torch
 
+from . import library
 from .router import HAS_TRITON, use_triton
 
 if HAS_TRITON:
@@ -28,6 +33,69 @@ def _chunk_rows(n: int, vocab: int) -> int:
     return max(1, min(n, CHUNK_ELEMENTS // vocab))
 
 
+def _kept(target, ignore_index: int):
+    """(keep [N] bool, target with ignored rows at class 0 [N], number kept)."""
+    keep = target != ignore_index
+    return keep, torch.where(keep, target, 0), keep.sum()
+
+
+def lce_forward(h, weight, target, ignore_index: int, dtype: torch.dtype):
+    """``(loss, lse [N], tgt, keep, n_kept)``: the mean loss over the kept tokens (fp32 softmax, fp64
+    for fp64), the log-sum-exp of every row and what :func:`lce_backward` needs of the targets."""
+    N = h.shape[0]
+    rows = _chunk_rows(N, weight.shape[0])
+    keep, tgt, n_kept = _kept(target, ignore_index)
+    sdt = torch.promote_types(dtype, torch.float32)  # softmax dtype: fp32, or fp64
+    lse = torch.empty(N, device=h.device, dtype=sdt)
+    picked = torch.empty(N, device=h.device, dtype=sdt)
+    with torch.autocast(h.device.type, enabled=False):
+        w = weight.to(dtype)
+        for s in range(0, N, rows):
+            z = h[s:s + rows].to(dtype) @ w.t()
+            tri = _row_passes(z, sdt)
+            if tri is not None:  # one pass over the half-precision logits
+                lse[s:s + rows], picked[s:s + rows] = tri.logsumexp_pick(z, tgt[s:s + rows])
+            else:
+                z = z.to(sdt)
+                lse[s:s + rows] = torch.logsumexp(z, -1)
+                picked[s:s + rows] = z.gather(1, tgt[s:s + rows, None])[:, 0]
+            del z
+    loss = torch.where(keep, lse - picked, 0.0).sum() / n_kept  # NaN when nothing is kept, as F.cross_entropy
+    return loss, lse, tgt, keep, n_kept
+
+
+def lce_backward(dloss, h, weight, tgt, keep, lse, n_kept, dtype: torch.dtype, need_dh: bool, need_dw: bool):
+    """``(dh or None, dw or None)`` of :func:`lce_forward`, recomputing the logits chunk by chunk."""
+    dt = dtype
+    N = h.shape[0]
+    rows = _chunk_rows(N, weight.shape[0])
+    sdt = lse.dtype
+    scale = (dloss / n_kept).to(sdt)
+    dh = torch.empty_like(h) if need_dh else None
+    dw = torch.zeros(weight.shape, device=weight.device, dtype=sdt) if need_dw else None
+    with torch.autocast(h.device.type, enabled=False):
+        w = weight.to(dt)
+        for s in range(0, N, rows):
+            e = min(N, s + rows)
+            hc = h[s:e].to(dt)
+            z = hc @ w.t()
+            tri = _row_passes(z, sdt)
+            if tri is not None:  # (softmax − onehot) · coef in one pass, in dt
+                pc = tri.softmax_grad(z, lse[s:e], tgt[s:e], keep[s:e].to(sdt) * scale)
+            else:
+                p = torch.exp(z.to(sdt) - lse[s:e, None])  # softmax, fp32 (or fp64)
+                p[torch.arange(e - s, device=p.device), tgt[s:e]] -= 1.0
+                p *= (keep[s:e].to(p.dtype) * scale)[:, None]
+                pc = p.to(dt)
+                del p
+            del z
+            if dh is not None:
+                dh[s:e] = (pc @ w).to(h.dtype)
+            if dw is not None:
+                dw += (pc.t() @ hc).to(sdt)
+    return dh, None if dw is None else dw.to(weight.dtype)
+
+
 class _LinearCrossEntropyFn(torch.autograd.Function):
     """Mean over the kept tokens of ``logsumexp(z) − z[target]`` with ``z = h Wᵀ`` (fp32 softmax).
 
@@ -35,27 +103,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, target, ignore_index: int, dtype: torch.dtype):
-        N = h.shape[0]
-        rows = _chunk_rows(N, weight.shape[0])
-        keep = target != ignore_index
-        tgt = torch.where(keep, target, 0)
-        sdt = torch.promote_types(dtype, torch.float32)  # softmax dtype: fp32, or fp64
-        lse = torch.empty(N, device=h.device, dtype=sdt)
-        picked = torch.empty(N, device=h.device, dtype=sdt)
-        with torch.autocast(h.device.type, enabled=False):
-            w = weight.to(dtype)
-            for s in range(0, N, rows):
-                z = h[s:s + rows].to(dtype) @ w.t()
-                tri = _row_passes(z, sdt)
-                if tri is not None:  # one pass over the half-precision logits
-                    lse[s:s + rows], picked[s:s + rows] = tri.logsumexp_pick(z, tgt[s:s + rows])
-                else:
-                    z = z.to(sdt)
-                    lse[s:s + rows] = torch.logsumexp(z, -1)
-                    picked[s:s + rows] = z.gather(1, tgt[s:s + rows, None])[:, 0]
-                del z
-        n_kept = keep.sum()
-        loss = torch.where(keep, lse - picked, 0.0).sum() / n_kept  # NaN when nothing is kept, as F.cross_entropy
+        loss, lse, tgt, keep, n_kept = lce_forward(h, weight, target, ignore_index, dtype)
         ctx.save_for_backward(h, weight, tgt, keep, lse, n_kept)
         ctx.dtype = dtype
         return loss
@@ -63,34 +111,9 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         h, weight, tgt, keep, lse, n_kept = ctx.saved_tensors
-        dt = ctx.dtype
-        N = h.shape[0]
-        rows = _chunk_rows(N, weight.shape[0])
-        sdt = lse.dtype
-        scale = (dloss / n_kept).to(sdt)
-        dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        dw = torch.zeros(weight.shape, device=weight.device, dtype=sdt) if ctx.needs_input_grad[1] else None
-        with torch.autocast(h.device.type, enabled=False):
-            w = weight.to(dt)
-            for s in range(0, N, rows):
-                e = min(N, s + rows)
-                hc = h[s:e].to(dt)
-                z = hc @ w.t()
-                tri = _row_passes(z, sdt)
-                if tri is not None:  # (softmax − onehot) · coef in one pass, in dt
-                    pc = tri.softmax_grad(z, lse[s:e], tgt[s:e], keep[s:e].to(sdt) * scale)
-                else:
-                    p = torch.exp(z.to(sdt) - lse[s:e, None])  # softmax, fp32 (or fp64)
-                    p[torch.arange(e - s, device=p.device), tgt[s:e]] -= 1.0
-                    p *= (keep[s:e].to(p.dtype) * scale)[:, None]
-                    pc = p.to(dt)
-                    del p
-                del z
-                if dh is not None:
-                    dh[s:e] = (pc @ w).to(h.dtype)
-                if dw is not None:
-                    dw += (pc.t() @ hc).to(sdt)
-        return dh, None if dw is None else dw.to(weight.dtype), None, None, None
+        dh, dw = lce_backward(dloss, h, weight, tgt, keep, lse, n_kept, ctx.dtype, ctx.needs_input_grad[0],
+                              ctx.needs_input_grad[1])
+        return dh, dw, None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -117,4 +140,53 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
                          f"{(target.dtype, tuple(target.shape)) if isinstance(target, torch.Tensor) else target!r}")
     dev = h.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    if library.compiling():
+        return _lce_op(h, weight, target.to(h.device), int(ignore_index), dtype)[0]
     return _LinearCrossEntropyFn.apply(h, weight, target.to(h.device), ignore_index, dtype)
+
+
+# ---- the custom ops (torch.compile) -------------------------------------------------------------
+
+@torch.library.custom_op("gdn::linear_cross_entropy", mutates_args=())
+def _lce_op(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss [], lse [N]): the backward needs the log-sum-exps; the rest it rebuilds from ``target``."""
+    loss, lse, _, _, _ = lce_forward(h, weight, target, ignore_index, dtype)
+    return loss, lse
+
+
+@_lce_op.register_fake
+def _(h, weight, target, ignore_index, dtype):
+    sdt = torch.promote_types(dtype, torch.float32)
+    return h.new_empty((), dtype=sdt), h.new_empty(h.shape[0], dtype=sdt)
+
+
+@torch.library.custom_op("gdn::linear_cross_entropy_backward", mutates_args=())
+def _lce_backward_op(dloss: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                     lse: torch.Tensor, ignore_index: int, dtype: torch.dtype, need_dh: bool,
+                     need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh, dw), each empty where not needed."""
+    keep, tgt, n_kept = _kept(target, ignore_index)
+    dh, dw = lce_backward(dloss, h, weight, tgt, keep, lse, n_kept, dtype, need_dh, need_dw)
+    return (dh if dh is not None else h.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
+
+
+@_lce_backward_op.register_fake
+def _(dloss, h, weight, target, lse, ignore_index, dtype, need_dh, need_dw):
+    return h.new_empty(h.shape if need_dh else (0,)), weight.new_empty(weight.shape if need_dw else (0,))
+
+
+def _lce_setup(ctx, inputs, output):
+    h, weight, target, ignore_index, dtype = inputs
+    ctx.save_for_backward(h, weight, target, output[1])
+    ctx.ignore_index, ctx.dtype = ignore_index, dtype
+
+
+def _lce_grad(ctx, dloss, _dlse):
+    h, weight, target, lse = ctx.saved_tensors
+    need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dh, dw = _lce_backward_op(dloss, h, weight, target, lse, ctx.ignore_index, ctx.dtype, need_dh, need_dw)
+    return (dh if need_dh else None), (dw if need_dw else None), None, None, None
+
+
+_lce_op.register_autograd(_lce_grad, setup_context=_lce_setup)

@@ -3,12 +3,16 @@
 One autograd Function keeps only the outputs of the gate and up projections (and the weight) for
 the backward and recomputes the product there. The elementwise parts run as one Triton pass each
 way for CUDA tensors (:mod:`gdn.ops.triton.swiglu`), two PyTorch kernels elsewhere.
+
+Under ``torch.compile`` :func:`swiglu_down` is the custom op ``gdn::swiglu_down`` with its backward
+``gdn::swiglu_down_backward`` (:mod:`gdn.ops.library`): the Function's own forward and backward.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from . import library
 from .router import HAS_TRITON, use_triton
 
 if HAS_TRITON:
@@ -18,6 +22,32 @@ if HAS_TRITON:
 def _product(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """SiLU(g) · u: one Triton pass on CUDA (fp32 math, rounded once), two PyTorch kernels elsewhere."""
     return kernels.swiglu_forward(g, u) if use_triton(g) else F.silu(g) * u
+
+
+def swiglu_down_forward(gate, up, weight, dtype: torch.dtype) -> torch.Tensor:
+    """``F.linear(SiLU(gate) · up, weight)`` in ``dtype``. gate, up: [..., I]; weight: [D, I] -> [..., D]."""
+    with torch.autocast(gate.device.type, enabled=False):
+        h = _product(gate.to(dtype), up.to(dtype))
+        return F.linear(h, weight.to(dtype))
+
+
+def swiglu_down_backward(dy, gate, up, weight, dtype: torch.dtype, need_dw: bool):
+    """``(dgate, dup, dw or None)`` of :func:`swiglu_down_forward`; recomputes the product for dw."""
+    with torch.autocast(gate.device.type, enabled=False):
+        g, u, w, dy = gate.to(dtype), up.to(dtype), weight.to(dtype), dy.to(dtype)
+        dw = None
+        if need_dw:
+            h = _product(g, u)
+            dw = (dy.reshape(-1, dy.shape[-1]).t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)
+            del h
+        dh = dy @ w
+        if use_triton(g):
+            dgate, dup = kernels.swiglu_backward(dh, g, u)
+            dgate, dup = dgate.to(gate.dtype), dup.to(up.dtype)
+        else:
+            dgate = torch.ops.aten.silu_backward(dh * u, g).to(gate.dtype)
+            dup = (dh * F.silu(g)).to(up.dtype)
+    return dgate, dup, dw
 
 
 class SwiGLUDownFn(torch.autograd.Function):
@@ -30,9 +60,7 @@ class SwiGLUDownFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, weight, dtype: torch.dtype):
-        with torch.autocast(gate.device.type, enabled=False):
-            h = _product(gate.to(dtype), up.to(dtype))
-            y = F.linear(h, weight.to(dtype))
+        y = swiglu_down_forward(gate, up, weight, dtype)
         ctx.save_for_backward(gate, up, weight)
         ctx.dtype = dtype
         return y
@@ -40,25 +68,54 @@ class SwiGLUDownFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         gate, up, weight = ctx.saved_tensors
-        dt = ctx.dtype
-        with torch.autocast(gate.device.type, enabled=False):
-            g, u, w, dy = gate.to(dt), up.to(dt), weight.to(dt), dy.to(dt)
-            dw = None
-            if ctx.needs_input_grad[2]:
-                h = _product(g, u)
-                dw = (dy.reshape(-1, dy.shape[-1]).t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)
-                del h
-            dh = dy @ w
-            if use_triton(g):
-                dgate, dup = kernels.swiglu_backward(dh, g, u)
-                dgate, dup = dgate.to(gate.dtype), dup.to(up.dtype)
-            else:
-                dgate = torch.ops.aten.silu_backward(dh * u, g).to(gate.dtype)
-                dup = (dh * F.silu(g)).to(up.dtype)
+        dgate, dup, dw = swiglu_down_backward(dy, gate, up, weight, ctx.dtype, ctx.needs_input_grad[2])
         return dgate, dup, dw, None
 
 
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``F.linear(SiLU(gate) · up, weight)`` computed in ``dtype``. gate, up: [..., I]; weight: [D, I].
     Returns [..., D] in ``dtype``."""
+    if library.compiling():
+        return _swiglu_op(gate, up, weight, dtype)
     return SwiGLUDownFn.apply(gate, up, weight, dtype)
+
+
+# ---- the custom ops (torch.compile) -------------------------------------------------------------
+
+@torch.library.custom_op("gdn::swiglu_down", mutates_args=())
+def _swiglu_op(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return swiglu_down_forward(gate, up, weight, dtype)
+
+
+@_swiglu_op.register_fake
+def _(gate, up, weight, dtype):
+    return gate.new_empty((*gate.shape[:-1], weight.shape[0]), dtype=dtype)
+
+
+@torch.library.custom_op("gdn::swiglu_down_backward", mutates_args=())
+def _swiglu_backward_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                        dtype: torch.dtype, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dgate, dup, dw (empty unless ``need_dw``))."""
+    dgate, dup, dw = swiglu_down_backward(dy, gate, up, weight, dtype, need_dw)
+    return dgate, dup, (dw if dw is not None else weight.new_empty(0))
+
+
+@_swiglu_backward_op.register_fake
+def _(dy, gate, up, weight, dtype, need_dw):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape), weight.new_empty(weight.shape if need_dw else (0,))
+
+
+def _swiglu_setup(ctx, inputs, output):
+    gate, up, weight, dtype = inputs
+    ctx.save_for_backward(gate, up, weight)
+    ctx.dtype = dtype
+
+
+def _swiglu_grad(ctx, dy):
+    gate, up, weight = ctx.saved_tensors
+    need_dw = ctx.needs_input_grad[2]
+    dgate, dup, dw = _swiglu_backward_op(dy, gate, up, weight, ctx.dtype, need_dw)
+    return dgate, dup, (dw if need_dw else None), None
+
+
+_swiglu_op.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
