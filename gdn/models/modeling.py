@@ -400,7 +400,7 @@ class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
             if cu_seqlens is not None:
                 ends = cu_seqlens.long()[1:-1] - 1  # last token of every sequence but the final one
                 target = target.clone()
-                target[:, ends[ends >= 0]] = -100
+                target[:, ends] = -100  # (an empty first sequence gives -1: the last column, already -100)
             target = target.reshape(-1).to(h.device)
             if self.training and torch.is_grad_enabled():
                 loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, target)

@@ -166,12 +166,12 @@ def test_compiled_recurrent_equals_eager(op):
 
 
 def test_compiled_recurrent_packed_equals_eager():
-    """Packed sequences (not fullgraph: gdn.ops.checks reads the values of cu_seqlens on the host)."""
+    """Packed sequences compile whole too (the values of cu_seqlens are checked in eager calls only)."""
     cu = torch.tensor([0, 30, 30, 31, 70])
     ins = _recurrent_inputs("gated_delta_rule", B=1, T=70, N=4, dtype=torch.float32)
     fn = lambda *x: _public("gated_delta_rule", *x, output_final_state=True, cu_seqlens=cu)  # noqa: E731
     want = fn(*ins)
-    got = torch.compile(fn, backend=BACKEND)(*ins)
+    got = torch.compile(fn, fullgraph=True, backend=BACKEND)(*ins)
     _assert_close(got, want, 1e-6)
     _assert_close(_grads(got, ins), _grads(want, ins), 1e-6)
 
@@ -318,6 +318,24 @@ def _check_model(model, T=70, tol=1e-10):
                          ids=["gdn", "gdn-h1", "KMDL"])
 def test_model_compiles_whole(preset, pattern):
     _check_model(_model(preset, pattern).double(), tol=1e-10)
+
+
+@pytest.mark.parametrize("pattern", ["GS", "KMDLA"])
+def test_packed_training_step_compiles_whole(pattern):
+    """The step `gdn train` runs: one packed row with cu_seqlens (sequences of 20, 1, 0 and 49 tokens)."""
+    model = _model("gdn", pattern).double().train()
+    ids = torch.randint(0, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(1))
+    cu = torch.tensor([0, 20, 21, 21, 70], dtype=torch.int32)
+    step = lambda ids: model(input_ids=ids, labels=ids, cu_seqlens=cu).loss  # noqa: E731
+    want = step(ids)
+    want.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    got = torch.compile(step, fullgraph=True, backend=BACKEND)(ids)
+    got.backward()
+    assert rel_err(got, want) <= 1e-10
+    for n, p in model.named_parameters():
+        assert rel_err(p.grad, grads[n]) <= 1e-10, n
 
 
 @pytest.mark.slow

@@ -8,9 +8,10 @@ on validated arguments, with the contract of :func:`gdn.ops.gated_delta_rule`::
     q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; initial_state [N, HV, K, V];
     cu_seqlens [N + 1] -> (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32 or None)
 
-Which of the two runs a call is :mod:`gdn.ops.router`'s decision. torch.compile treats both as
-opaque calls (a graph break): dynamo cannot trace their launch helpers, and there is nothing for
-it to fuse inside them.
+Which of the two runs a call is :mod:`gdn.ops.router`'s decision. Under torch.compile the public
+ops reach them through the custom ops of :mod:`gdn.ops.library` (opaque calls with fake
+implementations); called directly, they are excluded from tracing (dynamo cannot trace their
+launch helpers, and there is nothing for it to fuse inside them).
 """
 from __future__ import annotations
 
