@@ -4,8 +4,8 @@ convolutions and grouped value heads), split over 2 and 4 gloo processes, equals
 model in fp64: each mixer alone (output, input and parameter gradients) to 1e-10 (1e-6 for DeltaNet
 and KDA, which keep β and an output norm in fp32 by design); the whole stack's hidden states, loss
 and gradients to 1e-6 (those fp32 parts, and the head's cross entropy works in fp32; a wrong halo,
-position or state is off by 1e-1);
-batch rows and packed sequences crossing rank boundaries; a window shorter than a slice (the halo
+position or state is off by 1e-1), also with activation checkpointing (the backward recomputes the
+blocks and their collectives); batch rows and packed sequences crossing rank boundaries; a window shorter than a slice (the halo
 from the previous rank) and longer (gathered from several ranks); the model and its layers reject
 what context parallelism does not take.
 """
@@ -105,6 +105,7 @@ def _check(rank, world, window):
         # the language-model loss: labels of the whole sequence, shifted across rank boundaries; the
         # head's cross entropy runs in fp32 (gdn.ops.loss; in eval mode on fp32 logits)
         ref, model = _model(window), _model(window)
+        model.model.gradient_checkpointing = True  # the backward recomputes blocks: their collectives too
         out = ref(input_ids=ids, labels=ids, cu_seqlens=cu_t)
         out.loss.backward()
         got = model(input_ids=cp.shard(ids), labels=ids, context_parallel=cp)
