@@ -41,7 +41,7 @@ BACKENDS = ("naive", "chunk", "triton")
 NAIVE, CHUNK, TRITON_CHUNK, TRITON_RECURRENT = "naive", "chunk", "triton-chunk", "triton-recurrent"
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-__all__ = ["HAS_TRITON", "BACKENDS", "route", "use_triton", "needs_grad", "available_backends"]
+__all__ = ["HAS_TRITON", "BACKENDS", "route", "use_triton", "needs_grad", "decode_step", "available_backends"]
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -52,6 +52,17 @@ def use_triton(x: torch.Tensor) -> bool:
 def needs_grad(*xs) -> bool:
     """Whether autograd will want a gradient of any of the tensors ``xs`` (None entries ignored)."""
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+
+
+def decode_step(T: int, cu_seqlens) -> bool:
+    """Whether a call of T tokens is a decode step: every sequence exactly one token long (T == 1, or
+    packed offsets [0, 1, …, N]). Under torch.compile the offsets' values are not read: a packed call
+    then counts as no decode step (the chunk form runs any lengths)."""
+    if cu_seqlens is None:
+        return T == 1
+    if T != cu_seqlens.numel() - 1 or torch.compiler.is_compiling():
+        return False
+    return bool((cu_seqlens[1:] - cu_seqlens[:-1] == 1).all())
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:

@@ -84,3 +84,23 @@ def test_heads_wider_than_the_kernels_take(monkeypatch):
         assert router.route("op", None, q[:, :1], k[:, :1], v[:, :1], decode_step=True, grad=False, kda=kda) == "naive"
         with pytest.raises(ValueError, match=f"heads of at most {tuning.MAX_HEAD_DIM}"):
             router.route("op", "triton", q, k, v, decode_step=False, grad=False, kda=kda)
+
+
+@pytest.mark.parametrize("backend", [None, "naive"])
+def test_packed_call_with_as_many_tokens_as_sequences_is_no_decode_step(backend):
+    """Three tokens in three packed sequences, one of them empty and one of two tokens: not a decode
+    step; the result equals running each sequence alone."""
+    from gdn.ops.delta import reference as R
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 3, 2, 8, dtype=torch.float64) for _ in range(3))
+    g, beta = -torch.rand(1, 3, 2, dtype=torch.float64), torch.rand(1, 3, 2, dtype=torch.float64)
+    cu = torch.tensor([0, 0, 2, 3])
+    o, S = ops.gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True, backend=backend)
+    for n, (s, e) in enumerate(((0, 0), (0, 2), (2, 3))):
+        if e > s:
+            o_n, S_n = R.gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
+                                          output_final_state=True)
+            assert torch.allclose(o[:, s:e], o_n, atol=1e-12)
+            assert torch.allclose(S[n], S_n[0], atol=1e-12)
+    assert router.decode_step(3, cu) is False and router.decode_step(3, torch.tensor([0, 1, 2, 3])) is True

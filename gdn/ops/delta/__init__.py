@@ -14,7 +14,7 @@ member lacks them::
 """
 from __future__ import annotations
 
-from ..router import CHUNK, HAS_TRITON, NAIVE, TRITON_CHUNK
+from ..router import CHUNK, HAS_TRITON, NAIVE, TRITON_CHUNK, decode_step
 from . import chunk, reference
 
 if HAS_TRITON:
@@ -27,7 +27,7 @@ def run(impl: str, q, k, v, g, beta, *, scale=None, initial_state=None, output_f
 
     Shapes as in :func:`gdn.ops.gated_delta_rule`; returns ``(o, final state or None)``."""
     if impl == NAIVE:
-        if cu_seqlens is not None and q.shape[1] == cu_seqlens.numel() - 1:
+        if cu_seqlens is not None and decode_step(q.shape[1], cu_seqlens):
             # a decode step of N packed one-token sequences is a batch of N: no per-sequence loop
             def as_batch(x):
                 return None if x is None else x.transpose(0, 1)

@@ -9,7 +9,7 @@ implementation :mod:`gdn.ops.router` picked.
 """
 from __future__ import annotations
 
-from ..router import CHUNK, HAS_TRITON, NAIVE, TRITON_CHUNK
+from ..router import CHUNK, HAS_TRITON, NAIVE, TRITON_CHUNK, decode_step
 from . import chunk, reference
 
 if HAS_TRITON:
@@ -22,7 +22,7 @@ def run(impl: str, q, k, v, g, beta, *, scale=None, initial_state=None, output_f
     """KDA on implementation ``impl``; shapes as in :func:`gdn.ops.kimi_delta_attention`."""
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if impl == NAIVE:
-        if cu_seqlens is not None and q.shape[1] == cu_seqlens.numel() - 1:
+        if cu_seqlens is not None and decode_step(q.shape[1], cu_seqlens):
             o, S = reference.kimi_delta_attention(*(x.transpose(0, 1) for x in (q, k, v, g, beta)),
                                                   **dict(kw, cu_seqlens=None))
             return o.transpose(0, 1), S
