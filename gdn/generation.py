@@ -15,12 +15,13 @@ caches to reuse later, e.g. with :meth:`gdn.models.GDNCache.restore` or ``fork``
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .models import GDNCache, output_cache
+from .models import GDNCache, GraphDecoder, output_cache
 
 logger = logging.getLogger(__name__)
 
@@ -181,12 +182,16 @@ def sample_next(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int | 
 def stream(model, input_ids: torch.Tensor, *, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
            temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
            eos_token_id: int | None = None, pad_token_id: int = 0,
-           generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
+           generator: torch.Generator | None = None,
+           graph: bool | GraphDecoder = False) -> Iterator[torch.Tensor]:
     """Yield the next token of every sequence ([B] long), up to ``max_new_tokens`` times.
 
     Prefill (one chunked pass over ``input_ids`` [B, T], left-padded with ``attention_mask``), then
     one recurrent decode step per token. A sequence that produced ``eos_token_id`` continues with
     ``pad_token_id``; the stream ends when all have finished. Sampling as in :func:`sample_next`.
+    ``graph``: decode on a fixed-shape :class:`gdn.models.StaticCache` filled from the prefill,
+    through a :class:`gdn.models.GraphDecoder` (True: a new one sized for this call; or one to
+    reuse, whose captured graphs are kept), replayed as CUDA graphs on a GPU and run eagerly on the CPU.
     """
     _check_max_new(max_new_tokens)
     if max_new_tokens == 0:
@@ -194,24 +199,27 @@ def stream(model, input_ids: torch.Tensor, *, max_new_tokens: int, attention_mas
     with _eval(model):
         logits, cache = prefill(model, input_ids, attention_mask)
         yield from _decode(model, logits, cache, max_new_tokens, temperature=temperature, top_k=top_k,
-                           top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator)
+                           top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator,
+                           graph=graph)
 
 
 @torch.no_grad()
 def stream_shared(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
                   top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-                  pad_token_id: int = 0, generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
+                  pad_token_id: int = 0, generator: torch.Generator | None = None,
+                  graph: bool | GraphDecoder = False) -> Iterator[torch.Tensor]:
     """:func:`stream` for several prompts (token lists of any lengths) that may share prefixes:
     :func:`prefill_shared` computes each shared prefix once, then all prompts decode as one batch.
     Yields [N] tokens per step, row i for ``prompts[i]``; greedy, row i equals streaming
-    ``prompts[i]`` alone."""
+    ``prompts[i]`` alone. ``graph`` as in :func:`stream`."""
     _check_max_new(max_new_tokens)
     if max_new_tokens == 0:
         return
     with _eval(model):
         logits, cache, _ = prefill_shared(model, prompts)
         yield from _decode(model, logits, cache, max_new_tokens, temperature=temperature, top_k=top_k,
-                           top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator)
+                           top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator,
+                           graph=graph)
 
 
 def _check_max_new(max_new_tokens) -> None:
@@ -231,8 +239,17 @@ def _eval(model):
 
 
 def _decode(model, logits, cache, max_new_tokens, *, temperature, top_k, top_p, eos_token_id, pad_token_id,
-            generator) -> Iterator[torch.Tensor]:
-    """The decode loop after a prefill: sample from ``logits`` [B, vocab], yield, feed back."""
+            generator, graph=False) -> Iterator[torch.Tensor]:
+    """The decode loop after a prefill: sample from ``logits`` [B, vocab], yield, feed back (on the
+    ``GDNCache``, or on a static cache through a :class:`GraphDecoder` when ``graph`` is one or True)."""
+    step_fn = functools.partial(decode_step, model, cache=cache)
+    if graph is True:
+        graph = GraphDecoder(model, max_length=cache.seen + max_new_tokens)
+    if isinstance(graph, GraphDecoder):
+        graph.start(cache)
+        step_fn = graph.step
+    elif graph is not False and graph is not None:
+        raise TypeError(f"graph must be a bool or a GraphDecoder, got {type(graph).__name__}")
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     for step in range(max_new_tokens):
         tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
@@ -243,7 +260,7 @@ def _decode(model, logits, cache, max_new_tokens, *, temperature, top_k, top_p, 
             if bool(done.all()):
                 return
         if step + 1 < max_new_tokens:
-            logits = decode_step(model, tok, cache)
+            logits = step_fn(tok)
 
 
 def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int,

@@ -170,6 +170,40 @@ class Attention(nn.Module):
         seen = T + (0 if state is None else state.seen)
         return o, KVState(keys.contiguous(), values.contiguous(), kvalid.contiguous(), self.window_size, seen)
 
+    def decode_into(self, x: torch.Tensor, state: KVState, slot: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
+        """One decode step into preallocated key/value buffers: x [B, 1, D] -> o [B, 1, D].
+
+        ``state``: a :class:`KVState` of fixed-size buffers key/value [B, L, HKV, D] and valid [B, L]
+        (L = the maximum length for global attention, the window for a sliding window, used as a
+        ring); ``slot``: [] long device tensor, the buffer slot the new key goes to (the caller
+        wraps it for a ring); ``positions``: [B] long device tensor, the RoPE position of the new
+        token. The new key and value are written in place and the query attends to every valid slot
+        (a ring of ``window`` slots holds exactly the keys the window sees); no shape depends on the
+        length, nothing syncs with the host. Equals :meth:`forward` with a cache up to the order of
+        the softmax sums.
+        """
+        B = x.shape[0]
+        pos = positions[:, None]
+        q = self.q_proj(x).view(B, 1, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, 1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotary(q, pos, self.rope_theta, self.rotary_dim)
+        k = rotary(k, pos, self.rope_theta, self.rotary_dim)
+        v = self.v_proj(x).view(B, 1, self.num_kv_heads, self.head_dim)
+        idx = slot.reshape(1)
+        state.key.index_copy_(1, idx, k.to(state.key.dtype))
+        state.value.index_copy_(1, idx, v.to(state.value.dtype))
+        state.valid.index_fill_(1, idx, True)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), state.key.transpose(1, 2), state.value.transpose(1, 2),
+                                           attn_mask=state.valid[:, None, None, :],
+                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        o = o.transpose(1, 2).reshape(B, 1, self.num_heads * self.head_dim)
+        if self.output_gate:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
     def _masked(self, q, keys, values, kvalid):
         """q: [B, Tq, HQ, D] (the last Tq of Tk slots); keys/values: [B, Tk, HKV, D]; kvalid: [B, Tk].
 

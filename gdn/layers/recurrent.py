@@ -179,6 +179,36 @@ class RecurrentMixer(nn.Module):
         o = self.o_proj(o.reshape(B, T, self.value_dim))
         return o, (RecurrentState(new_conv, S) if use_cache else None)
 
+    def decode_into(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """One decode step that updates ``state`` in place: x [B, 1, D] -> o [B, 1, D].
+
+        ``state`` holds preallocated buffers (conv tails [B, D, K-1], recurrent [B, HV, K, V]); the
+        new conv tails and matrix state are copied into them, so their storage never changes and the
+        step has fixed shapes and no host sync (what a CUDA graph capture needs). The numbers are
+        those of :meth:`forward` with ``state`` and ``use_cache=True`` (the same op calls).
+        """
+        B = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.use_short_conv:
+            outs = []
+            for conv, t, buf in zip((self.q_conv, self.k_conv, self.v_conv), (q, k, v), state.conv):
+                y, tail = conv(t, state=buf, output_state=True)
+                buf.copy_(tail)
+                outs.append(y)
+            q, k, v = outs
+        else:
+            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        q = q.view(B, 1, self.num_heads, self.head_dim)
+        k = k.view(B, 1, self.num_heads, self.head_dim)
+        v = v.view(B, 1, self.num_v_heads, self.head_v_dim)
+        o, S = self._mix(q, k, v, x, None, state.recurrent, True, None)
+        state.recurrent.copy_(S)
+        if self.use_gate:
+            o = self.o_norm(o, self.g_proj(x).view(B, 1, self.num_v_heads, self.head_v_dim))
+        else:
+            o = self.o_norm(o)
+        return self.o_proj(o.reshape(B, 1, self.value_dim))
+
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, v_heads={self.num_v_heads}, head_dim={self.head_dim}, "
                 f"head_v_dim={self.head_v_dim}, short_conv={self.use_short_conv}, gate={self.use_gate}")

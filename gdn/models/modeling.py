@@ -53,6 +53,17 @@ class GDNBlock(nn.Module):
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), new_state
 
+    def decode_into(self, x, state, slot, positions):
+        """One decode step of this block updating the preallocated ``state`` in place (see the
+        mixers' ``decode_into``; ``slot`` and ``positions`` are for attention). x: [B, 1, D] -> [B, 1, D]."""
+        h = self.mixer_norm(x)
+        if isinstance(self.mixer, Attention):
+            h = self.mixer.decode_into(h, state, slot, positions)
+        else:
+            h = self.mixer.decode_into(h, state)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x))
+
     def mixer_state(self, x, attention_mask=None, state=None, positions=None):
         """The mixer's state after this block's input ``x`` [B, T, D] continuing from ``state`` (no MLP):
         what :meth:`GDNCache.crop` recomputes inside a recorded call."""

@@ -1,0 +1,140 @@
+"""The static cache and its in-place decode step (gdn.models.static_cache) against the eager decode
+on the GDNCache: same greedy tokens, same logits (fp32 1e-5, fp64 1e-10), buffers never
+reallocated, rows padded up to a bucket leave the real rows alone. On the CPU the GraphDecoder runs
+the very step a CUDA graph captures (tests/gpu/test_graph_decode.py replays it on a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gdn.generation import decode_step, generate, generate_shared, prefill
+from gdn.models import GDNConfig, GDNForCausalLM, GraphDecoder, StaticCache, static_decode_step
+
+NEW = 12  # generated tokens: more than the window (4), so the ring buffer wraps
+CASES = [("gdn", {}), ("gdn-h1", {"window_size": 4}), ("transformer", {}), ("gdn", {"layer_pattern": "KM"}),
+         ("gdn", {"layer_pattern": "GSA", "num_hidden_layers": 3, "window_size": 4})]
+IDS = ["gdn", "gdn-h1", "transformer", "KM", "GSA"]
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def tiny(preset, dtype, **kw):
+    torch.manual_seed(0)
+    kw = {"hidden_size": 32, "num_hidden_layers": 2, "head_dim": 16, "intermediate_size": 64, **kw}
+    cfg = GDNConfig.from_preset(preset, "tiny", **kw)
+    return GDNForCausalLM(cfg).to(dtype).eval()
+
+
+def prompt(B, T, vocab, seed=0):
+    return torch.randint(1, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def left_mask(B, T):
+    mask = torch.ones(B, T, dtype=torch.long)
+    for b in range(B):
+        mask[b, : b % 3] = 0  # rows with 0, 1, 2 padding slots
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("preset,kw", CASES, ids=IDS)
+def test_static_decode_equals_eager(preset, kw, dtype):
+    """Greedy decode token for token and the logits of every step, on a left-padded batch of 3
+    (run in bucket 4: one padded row)."""
+    m = tiny(preset, dtype, **kw)
+    ids = prompt(3, 7, m.config.vocab_size)
+    mask = left_mask(3, 7)
+    logits, cache = prefill(m, ids, mask)
+    dec = GraphDecoder(m, max_length=7 + NEW)
+    dec.start(cache.snapshot())
+    assert dec.static_cache.batch_size == 4
+    t_eager = t_static = logits.argmax(-1)
+    for _ in range(NEW):
+        a = decode_step(m, t_eager, cache)
+        b = dec.step(t_static)
+        assert (a - b).abs().max().item() <= TOL[dtype] * max(1.0, a.abs().max().item())
+        t_eager, t_static = a.argmax(-1), b.argmax(-1)
+        assert torch.equal(t_eager, t_static)
+
+
+@pytest.mark.parametrize("preset,kw", CASES, ids=IDS)
+def test_step_writes_in_place(preset, kw):
+    """The step never reallocates a state buffer: every data_ptr (and the buffer list) is unchanged."""
+    m = tiny(preset, torch.float32, **kw)
+    _, cache = prefill(m, prompt(2, 5, m.config.vocab_size))
+    static = StaticCache(m, 2, 5 + NEW)
+    static.load(cache)
+    bufs = static.buffers()
+    ptrs = [t.data_ptr() for t in bufs]
+    tok = torch.tensor([3, 4])
+    with torch.no_grad():
+        for _ in range(NEW):
+            tok = static_decode_step(m, static, tok).argmax(-1)
+    assert [t.data_ptr() for t in static.buffers()] == ptrs
+    assert all(a is b for a, b in zip(static.buffers(), bufs))
+    assert int(static.seen) == 5 + NEW
+    assert static.positions.tolist() == [5 + NEW] * 2
+
+
+@pytest.mark.parametrize("preset,kw", CASES, ids=IDS)
+def test_bucket_padding_leaves_real_rows(preset, kw):
+    """Rows padded up to a bucket (3 -> 8, garbage in the pad rows' states) do not change the real
+    rows: logits equal those of an exact-size static cache."""
+    m = tiny(preset, torch.float64, **kw)
+    _, cache = prefill(m, prompt(3, 6, m.config.vocab_size, seed=1))
+    exact = GraphDecoder(m, max_length=6 + NEW, buckets=(3,))
+    padded = GraphDecoder(m, max_length=6 + NEW, buckets=(8,))
+    exact.start(cache)
+    padded.start(cache)
+    with torch.no_grad():  # pad rows start from noise rather than zeros
+        for st in padded.static_cache.layers:
+            for t in (st.conv + (st.recurrent,)) if hasattr(st, "recurrent") else (st.key, st.value):
+                t[3:].normal_()
+    tok = torch.tensor([5, 6, 7])
+    for _ in range(NEW):
+        a, b = exact.step(tok), padded.step(tok)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        tok = a.argmax(-1)
+
+
+@pytest.mark.parametrize("preset,kw", CASES[:3], ids=IDS[:3])
+def test_generate_graph_flag(preset, kw):
+    """``generate(..., graph=True)`` and a reused GraphDecoder give the eager greedy tokens; so does
+    ``generate_shared`` (rows of different lengths)."""
+    m = tiny(preset, torch.float32, **kw)
+    ids = prompt(2, 6, m.config.vocab_size, seed=2)
+    ref = generate(m, ids, max_new_tokens=NEW)
+    assert torch.equal(generate(m, ids, max_new_tokens=NEW, graph=True), ref)
+    dec = GraphDecoder(m, max_length=64)
+    assert torch.equal(generate(m, ids, max_new_tokens=NEW, graph=dec), ref)
+    assert torch.equal(generate(m, ids[:1], max_new_tokens=NEW, graph=dec), ref[:1])
+    prompts = [[5, 6, 7, 8], [5, 6, 9], [1, 2, 3, 4, 5, 6, 7]]
+    assert generate_shared(m, prompts, max_new_tokens=NEW, graph=True) == generate_shared(m, prompts,
+                                                                                           max_new_tokens=NEW)
+
+
+def test_limits():
+    m = tiny("transformer", torch.float32)
+    _, cache = prefill(m, prompt(2, 5, m.config.vocab_size))
+    dec = GraphDecoder(m, max_length=6, buckets=(1, 2))
+    dec.start(cache)
+    dec.step(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="full"):
+        dec.step(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="shape"):
+        dec.step(torch.tensor([1]))
+    with pytest.raises(ValueError, match="largest bucket"):
+        dec.bucket(3)
+    with pytest.raises(ValueError, match="max_length"):
+        GraphDecoder(m, max_length=5).start(cache)
+    with pytest.raises(ValueError, match="CUDA"):
+        GraphDecoder(m, max_length=8, use_graph=True)
+    with pytest.raises(TypeError, match="graph"):
+        generate(m, prompt(1, 3, m.config.vocab_size), max_new_tokens=2, graph="yes")
