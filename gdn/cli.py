@@ -45,6 +45,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--prompts-file", default=None,
                    help="a file of prompts, one per line (blank lines skipped), after any --prompt")
     p.add_argument("--max-new-tokens", type=_positive_int, default=200, help="tokens to generate")
+    p.add_argument("--batch-size", type=_positive_int, default=8,
+                   help="with more prompts than this, decode at most this many at a time, a finished "
+                        "sequence's slot taking the next prompt (prefilled packed, no padding)")
     p.add_argument("--temperature", type=_non_negative_float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
@@ -193,7 +196,7 @@ def cmd_train(args) -> int:
 def cmd_generate(args) -> int:
     import torch
 
-    from .generation import generate_shared, stream
+    from .generation import generate_shared, stream, stream_slots
     from .checkpoint import load_model
 
     prompts = list(args.prompt or [])
@@ -218,11 +221,23 @@ def cmd_generate(args) -> int:
         out = [int(t[0]) for t in stream(model, torch.tensor([ids], device=device), **sampling)]
         print(tok.decode(out))
         return 0
-    outs = generate_shared(model, [tok.encode(p) or start for p in prompts], **sampling)
-    for i, (p, new) in enumerate(zip(prompts, outs)):
-        if i:
-            print("---")
-        print(p + tok.decode(new), flush=True)
+    ids = [tok.encode(p) or start for p in prompts]
+    if len(prompts) <= args.batch_size:
+        outs = generate_shared(model, ids, **sampling)
+        for i, (p, new) in enumerate(zip(prompts, outs)):
+            if i:
+                print("---")
+            print(p + tok.decode(new), flush=True)
+        return 0
+    done: dict[int, list[int]] = {}
+    shown = 0
+    for i, new in stream_slots(model, ids, batch_size=args.batch_size, **sampling):
+        done[i] = new
+        while shown in done:  # in input order, each as soon as those before it are out
+            if shown:
+                print("---")
+            print(prompts[shown] + tok.decode(done.pop(shown)), flush=True)
+            shown += 1
     return 0
 
 

@@ -11,6 +11,10 @@ Several prompts that share token prefixes: :func:`prefill_shared` prefills every
 and forks its cache; :func:`stream_shared` / :func:`generate_shared` then decode all prompts as one
 batch. :func:`prefill_snapshots` gives copies of the cache at chosen offsets of a prompt (prefix
 caches to reuse later, e.g. with :meth:`gdn.models.GDNCache.restore` or ``fork``).
+
+Prompts of different lengths without padding: :func:`prefill_packed` prefills them as one packed row
+and gives a cache with a row per prompt; :func:`stream_slots` / :func:`generate_slots` decode many
+prompts through a fixed number of slots, refilling a slot with the next prompt when its sequence ends.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from .layers.attention import Attention, rotary
+from .layers.state import KVState, RecurrentState
 from .models import GDNCache, GraphDecoder, output_cache
 
 logger = logging.getLogger(__name__)
@@ -140,6 +146,93 @@ def prefill_shared(model, prompts: Sequence[Sequence[int]], *,
                 sum(map(len, prompts)), len(prompts))
     logits = torch.cat([r[0] for r in results])
     return logits, GDNCache.cat([r[1] for r in results]), computed
+
+
+def _as_prompts(prompts) -> list[list[int]]:
+    prompts = [list(map(int, p)) for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    return prompts
+
+
+def _packed_kv(mixer: Attention, x: torch.Tensor, positions: torch.Tensor, lengths: list[int]) -> KVState:
+    """An attention layer's cache rows for packed sequences: the keys (after norm and RoPE) and values
+    of each sequence cut out of the packed row ``x`` [1, T, D] (the layer's input) and left-padded to
+    one length; a sliding-window layer keeps each sequence's last ``window - 1``."""
+    T = x.shape[1]
+    k = mixer.k_proj(x).view(1, T, mixer.num_kv_heads, mixer.head_dim)
+    if mixer.qk_norm:
+        k = mixer.k_norm(k)
+    k = rotary(k, positions, mixer.rope_theta, mixer.rotary_dim)[0]
+    v = mixer.v_proj(x).view(T, mixer.num_kv_heads, mixer.head_dim)
+    W = mixer.window_size
+    kept = [n if W is None else min(n, W - 1) for n in lengths]
+    slots = max(kept)
+    N = len(lengths)
+    key, value = k.new_zeros(N, slots, *k.shape[1:]), v.new_zeros(N, slots, *v.shape[1:])
+    valid = torch.zeros(N, slots, dtype=torch.bool, device=x.device)
+    end = 0
+    for i, (n, m) in enumerate(zip(lengths, kept)):
+        end += n
+        key[i, slots - m:], value[i, slots - m:] = k[end - m:end], v[end - m:end]
+        valid[i, slots - m:] = True
+    return KVState(key, value, valid, W, max(lengths))
+
+
+@torch.no_grad()
+def prefill_packed(model, prompts: Sequence[Sequence[int]], *,
+                   device: torch.device | str | None = None) -> tuple[torch.Tensor, GDNCache]:
+    """Prefill several prompts (token lists of any lengths) as one packed row (``cu_seqlens``), no padding.
+
+    One forward pass of the model over the concatenated prompts; each starts from zero state and RoPE
+    position 0. The cache gets one row per prompt, as if each had been prefilled alone: the recurrent
+    layers' final states and conv tails come per sequence from the ops (``cu_seqlens``), the attention
+    layers' keys and values are cut out of the packed row per sequence (a sliding window's last
+    ``window - 1``) and left-padded to a common length with masked slots.
+
+    Returns ``(logits [N, vocab] fp32 of every prompt's last token, cache)``, ready for :func:`decode_step`.
+    """
+    prompts = _as_prompts(prompts)
+    device = device if device is not None else next(model.parameters()).device
+    lengths = [len(p) for p in prompts]
+    ids = torch.tensor([[t for p in prompts for t in p]], device=device)
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+    base = model.model
+    states: dict[int, object] = {}
+    hooks = []
+
+    def ask_state(module, args, kwargs):  # recurrent mixers return their per-sequence states
+        return args, {**kwargs, "use_cache": True}
+
+    def keep_state(i):
+        def hook(module, args, kwargs, out):
+            if isinstance(module, Attention):
+                states[i] = _packed_kv(module, args[0] if args else kwargs["x"], kwargs["positions"], lengths)
+            else:
+                states[i] = out[1]
+        return hook
+
+    try:
+        for i, block in enumerate(base.layers):
+            if not isinstance(block.mixer, Attention):
+                hooks.append(block.mixer.register_forward_pre_hook(ask_state, with_kwargs=True))
+            hooks.append(block.mixer.register_forward_hook(keep_state(i), with_kwargs=True))
+        with _eval(model):
+            out = model(input_ids=ids, cu_seqlens=cu, use_cache=False, logits_to_keep=cu[1:].long() - 1,
+                        return_dict=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    cache = GDNCache.for_config(model.config, len(prompts), device=device)
+    for i in range(len(cache.layers)):
+        s = states[i]
+        if not isinstance(s, (RecurrentState, KVState)):
+            raise RuntimeError(f"layer {i} gave no state for the packed prefill")
+        cache.layers[i] = s
+    cache.positions = torch.tensor(lengths, dtype=torch.long, device=device)
+    cache.seen = max(lengths)
+    cache._reset_history()
+    return out.logits[0].float(), cache
 
 
 @torch.no_grad()
@@ -277,6 +370,97 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int,
     if not new:
         return input_ids
     return torch.cat([input_ids, torch.stack(new, 1).to(input_ids.dtype)], 1)
+
+
+@torch.no_grad()
+def stream_slots(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int], batch_size: int,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 eos_token_id: int | None = None, pad_token_id: int = 0,
+                 generator: torch.Generator | None = None) -> Iterator[tuple[int, list[int]]]:
+    """Generate for many prompts through at most ``batch_size`` decoding slots, refilled as sequences finish.
+
+    The first ``batch_size`` prompts are prefilled packed (:func:`prefill_packed`) and decode as one
+    batch. When a sequence ends (``eos_token_id`` or its ``max_new_tokens``, an int or one per prompt)
+    its slot takes the next waiting prompt: the newcomers of a step are prefilled packed and their
+    rows written into the free slots (:meth:`GDNCache.restore`), so the batch stays full while
+    prompts wait; when none wait, finished rows are dropped. Yields ``(prompt index, new tokens)`` as
+    each prompt finishes (a list ending with ``eos_token_id`` when one came). Greedy, every prompt gets
+    the tokens it gets alone. Sampling as in :func:`sample_next`.
+    """
+    prompts = _as_prompts(prompts)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(limits) != len(prompts):
+        raise ValueError(f"max_new_tokens gives {len(limits)} limits for {len(prompts)} prompts")
+    for n in limits:
+        _check_max_new(n)
+    waiting = [i for i in range(len(prompts)) if limits[i] > 0]
+    for i in range(len(prompts)):
+        if limits[i] == 0:
+            yield i, []
+    if not waiting:
+        return
+    with _eval(model):
+        rows = waiting[:batch_size]                       # prompt index of every row (None: free)
+        waiting = waiting[batch_size:]
+        logits, cache = prefill_packed(model, [prompts[i] for i in rows])
+        out: dict[int, list[int]] = {i: [] for i in rows}
+        while True:
+            tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            free = []
+            for r, (i, t) in enumerate(zip(rows, tok.tolist())):
+                out[i].append(t)
+                if len(out[i]) >= limits[i] or (eos_token_id is not None and t == eos_token_id):
+                    yield i, out.pop(i)
+                    free.append(r)
+            if not waiting and len(free) == len(rows):
+                return
+            if not waiting and free:                      # nothing to refill: drop the finished rows
+                keep = [r for r in range(len(rows)) if r not in free]
+                idx = torch.tensor(keep, device=tok.device)
+                cache.index_select(idx)
+                tok, rows = tok.index_select(0, idx), [rows[r] for r in keep]
+                free = []
+            logits = decode_step(model, tok.masked_fill(_row_mask(free, tok), pad_token_id), cache)
+            if free:
+                new, waiting = waiting[:len(free)], waiting[len(free):]
+                slots = free[:len(new)]
+                new_logits, new_cache = prefill_packed(model, [prompts[i] for i in new])
+                cache.restore(new_cache, slots)
+                at = torch.tensor(slots, device=logits.device)
+                logits = logits.index_copy(0, at, new_logits.to(logits.dtype))
+                for r, i in zip(slots, new):
+                    rows[r] = i
+                    out[i] = []
+                gone = free[len(new):]                    # prompts ran out: drop the rest
+                if gone:
+                    keep = [r for r in range(len(rows)) if r not in gone]
+                    idx = torch.tensor(keep, device=logits.device)
+                    cache.index_select(idx)
+                    logits, rows = logits.index_select(0, idx), [rows[r] for r in keep]
+                cache.compact()
+
+
+def _row_mask(rows: list[int], like: torch.Tensor) -> torch.Tensor:
+    mask = torch.zeros_like(like, dtype=torch.bool)
+    if rows:
+        mask[rows] = True
+    return mask
+
+
+def generate_slots(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
+                   batch_size: int, callback: Callable[[int, list[int]], None] | None = None,
+                   **kwargs) -> list[list[int]]:
+    """The new tokens of every prompt, in input order, generated by :func:`stream_slots` (at most
+    ``batch_size`` sequences at a time, slots refilled as sequences finish). ``callback(index,
+    tokens)`` is called as each prompt finishes; other keyword arguments as in :func:`stream_slots`."""
+    outs: list[list[int] | None] = [None] * len(prompts)
+    for i, new in stream_slots(model, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, **kwargs):
+        outs[i] = new
+        if callback is not None:
+            callback(i, new)
+    return outs
 
 
 def generate_shared(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,

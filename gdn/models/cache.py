@@ -245,6 +245,24 @@ class GDNCache:
         new.embeds_prefix = max(c.embeds_prefix for c in caches)
         return new
 
+    def compact(self) -> int:
+        """Drop the leading cached slots that no row attends to (masked in every row of every global
+        attention layer), e.g. after :meth:`restore` replaced long rows with short ones; ``seen`` goes
+        down by as many. Decoding is unchanged. Returns the number of slots dropped."""
+        globals_ = [s for s in self.layers if isinstance(s, KVState) and s.window is None]
+        if not globals_:
+            return 0
+        drop = min(int(s.valid.any(0).long().cummax(0).values.eq(0).sum()) for s in globals_)
+        drop = min(drop, self.seen)
+        if drop == 0:
+            return 0
+        self.layers = [KVState(s.key[:, drop:].contiguous(), s.value[:, drop:].contiguous(),
+                               s.valid[:, drop:].contiguous(), None, s.seen - drop)
+                       if isinstance(s, KVState) and s.window is None else s for s in self.layers]
+        self.seen -= drop
+        self._reset_history()
+        return drop
+
     # ----------------------------------------------------------------------------------------------
     # Rolling back (speculative decoding)
 
