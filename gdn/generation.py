@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .layers.attention import Attention, rotary
+from .layers.attention import Attention
 from .layers.state import KVState, RecurrentState
 from .models import GDNCache, GraphDecoder, output_cache
 
@@ -159,12 +159,8 @@ def _packed_kv(mixer: Attention, x: torch.Tensor, positions: torch.Tensor, lengt
     """An attention layer's cache rows for packed sequences: the keys (after norm and RoPE) and values
     of each sequence cut out of the packed row ``x`` [1, T, D] (the layer's input) and left-padded to
     one length; a sliding-window layer keeps each sequence's last ``window - 1``."""
-    T = x.shape[1]
-    k = mixer.k_proj(x).view(1, T, mixer.num_kv_heads, mixer.head_dim)
-    if mixer.qk_norm:
-        k = mixer.k_norm(k)
-    k = rotary(k, positions, mixer.rope_theta, mixer.rotary_dim)[0]
-    v = mixer.v_proj(x).view(T, mixer.num_kv_heads, mixer.head_dim)
+    _, k, v = mixer.project(x, positions, queries=False)
+    k, v = k[0], v[0]
     W = mixer.window_size
     kept = [n if W is None else min(n, W - 1) for n in lengths]
     slots = max(kept)

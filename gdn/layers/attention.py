@@ -113,6 +113,19 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, eps=norm_eps)
             self.k_norm = RMSNorm(head_dim, eps=norm_eps)
 
+    def project(self, x: torch.Tensor, positions: torch.Tensor, *, queries: bool = True):
+        """(q, k, v) of ``x`` [B, T, D] at RoPE ``positions`` [B, T]: the projections, the q/k norms
+        and RoPE. q: [B, T, HQ, hd] (None with ``queries=False``); k, v: [B, T, HKV, hd]."""
+        B, T = x.shape[:2]
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim) if queries else None
+        if self.qk_norm:
+            k = self.k_norm(k)
+            q = None if q is None else self.q_norm(q)
+        k = rotary(k, positions, self.rope_theta, self.rotary_dim)
+        q = None if q is None else rotary(q, positions, self.rope_theta, self.rotary_dim)
+        return q, k, self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, state: KVState | None = None, use_cache: bool = False,
                 positions: torch.Tensor | None = None, context_parallel=None):
@@ -137,13 +150,7 @@ class Attention(nn.Module):
             else:
                 offset = 0 if state is None else state.seen
                 positions = (torch.arange(T, device=x.device) + offset)[None].expand(B, T)
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary(q, positions, self.rope_theta, self.rotary_dim)
-        k = rotary(k, positions, self.rope_theta, self.rotary_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x, positions)
         valid = attention_mask.bool() if attention_mask is not None else torch.ones(B, T, dtype=torch.bool,
                                                                                     device=x.device)
         if cp is not None:
@@ -185,13 +192,7 @@ class Attention(nn.Module):
         """
         B = x.shape[0]
         pos = positions[:, None]
-        q = self.q_proj(x).view(B, 1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, 1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary(q, pos, self.rope_theta, self.rotary_dim)
-        k = rotary(k, pos, self.rope_theta, self.rotary_dim)
-        v = self.v_proj(x).view(B, 1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x, pos)
         idx = slot.reshape(1)
         state.key.index_copy_(1, idx, k.to(state.key.dtype))
         state.value.index_copy_(1, idx, v.to(state.value.dtype))
