@@ -53,6 +53,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--graph", action="store_true",
+                   help="decode on a fixed-shape static cache, replayed as CUDA graphs on a GPU (one prompt, or "
+                        "up to --batch-size prompts)")
 
 
 def _add_eval(sub) -> None:
@@ -218,17 +221,19 @@ def cmd_generate(args) -> int:
     if len(prompts) == 1:
         print(prompts[0], end="", flush=True)
         ids = tok.encode(prompts[0]) or start
-        out = [int(t[0]) for t in stream(model, torch.tensor([ids], device=device), **sampling)]
+        out = [int(t[0]) for t in stream(model, torch.tensor([ids], device=device), graph=args.graph, **sampling)]
         print(tok.decode(out))
         return 0
     ids = [tok.encode(p) or start for p in prompts]
     if len(prompts) <= args.batch_size:
-        outs = generate_shared(model, ids, **sampling)
+        outs = generate_shared(model, ids, graph=args.graph, **sampling)
         for i, (p, new) in enumerate(zip(prompts, outs)):
             if i:
                 print("---")
             print(p + tok.decode(new), flush=True)
         return 0
+    if args.graph:
+        raise ValueError(f"--graph decodes one fixed batch: give at most --batch-size ({args.batch_size}) prompts")
     done: dict[int, list[int]] = {}
     shown = 0
     for i, new in stream_slots(model, ids, batch_size=args.batch_size, **sampling):

@@ -245,3 +245,20 @@ def test_cli_generate_several_prompts_equals_one_by_one(tmp_path, capsys):
     assert capsys.readouterr().out == "---\n".join(singles)
     assert main(args + ["--prompts-file", str(tmp_path / "missing.txt")]) == 2
     assert "prompts-file" in capsys.readouterr().err
+
+
+def test_cli_generate_graph_equals_eager(tmp_path, capsys):
+    """``gdn generate --graph`` (the static-cache step, run eagerly on the CPU) prints what the
+    eager decode prints, for one prompt and for several; with more prompts than slots it refuses."""
+    from gdn.cli import main
+
+    tiny("gdn-h1").save_pretrained(tmp_path / "ckpt")
+    args = ["generate", "--ckpt", str(tmp_path / "ckpt"), "--temperature", "0", "--max-new-tokens", "10",
+            "--device", "cpu", "--prompt", "def add(a, b):"]
+    for extra in ([], ["--prompt", "import os"]):
+        assert main(args + extra) == 0
+        eager = capsys.readouterr().out
+        assert main(args + extra + ["--graph"]) == 0
+        assert capsys.readouterr().out == eager
+    assert main(args + ["--prompt", "x", "--prompt", "y", "--batch-size", "2", "--graph"]) == 2
+    assert "--graph" in capsys.readouterr().err
