@@ -11,14 +11,6 @@ from gdn.models import GDNCache, GDNConfig, GDNForCausalLM, output_cache
 V = 256
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def model():
     """G, S (window 4: the window fills within a few tokens) and A layers, fp64 so that tolerances are tight."""

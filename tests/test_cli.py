@@ -17,14 +17,6 @@ TINY = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.head_dim=16"
         "progress=false", "val_fraction=0.25", "warmup_steps=1"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture
 def corpus(tmp_path):
     d = tmp_path / "data"

@@ -17,14 +17,6 @@ IDS = ["gdn", "gdn-h1", "transformer", "KM", "GSA"]
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def tiny(preset, dtype, **kw):
     torch.manual_seed(0)
     kw = {"hidden_size": 32, "num_hidden_layers": 2, "head_dim": 16, "intermediate_size": 64, **kw}

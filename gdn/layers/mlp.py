@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.library import autocast_of
 from ..ops.swiglu import swiglu_down
 
 
@@ -33,6 +34,5 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D]."""
         gate, up = self.gate_proj(x), self.up_proj(x)
-        dev = gate.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else gate.dtype
+        dtype = autocast_of(gate) or gate.dtype
         return swiglu_down(gate, up, self.down_proj.weight, dtype)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.norm import autocast_dtype, gated_rms_norm, rms_norm
+from ..ops.library import autocast_of
+from ..ops.norm import gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -43,7 +44,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., D] -> [..., D]."""
         self._check("x", x)
-        return rms_norm(x, self.weight, self.eps, autocast_dtype(x) or x.dtype)
+        return rms_norm(x, self.weight, self.eps, autocast_of(x) or x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -138,8 +138,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
     if not isinstance(target, torch.Tensor) or target.shape != h.shape[:1] or target.is_floating_point():
         raise ValueError(f"target must be an integer tensor of shape [N] = [{h.shape[0]}], got "
                          f"{(target.dtype, tuple(target.shape)) if isinstance(target, torch.Tensor) else target!r}")
-    dev = h.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    dtype = library.autocast_of(h) or h.dtype
     if library.compiling():
         return _lce_op(h, weight, target.to(h.device), int(ignore_index), dtype)[0]
     return _LinearCrossEntropyFn.apply(h, weight, target.to(h.device), ignore_index, dtype)

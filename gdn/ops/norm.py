@@ -174,9 +174,3 @@ def _norm_grad(ctx, dy, _drstd):
 
 
 _norm_op.register_autograd(_norm_grad, setup_context=_norm_setup)
-
-
-def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The autocast dtype active for ``x``'s device, or None when autocast is off there."""
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None

@@ -29,12 +29,3 @@ def spawn(fn, world: int, *args) -> None:
     of them fails the caller (``fn`` must be importable: a module-level function)."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_entry, args=(world, os.path.join(tmp, "rendezvous"), fn, args), nprocs=world, join=True)
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖x − ref‖ / ‖ref‖ (NaN never passes: returns inf)."""
-    x, ref = x.detach().double(), ref.detach().double()
-    if not torch.isfinite(x).all():
-        return float("inf")
-    den = ref.norm()
-    return float((x - ref).norm() / den) if den > 0 else float((x - ref).norm())

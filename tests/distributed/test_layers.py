@@ -19,7 +19,8 @@ from gdn.distributed import ContextParallel
 from gdn.layers import Attention, ShortConvolution
 from gdn.models import GDNConfig, GDNForCausalLM
 
-from .helpers import rel_err, spawn
+from ..ops.helpers import rel_err
+from .helpers import spawn
 
 T_TOTAL = 40
 LAYOUTS = [("rows", None, 2), ("packed", [0, 3, 3, 17, 18, 40], 1)]

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from gdn import ops
 from gdn.distributed import ContextParallel, recurrent
 
-from .helpers import rel_err, spawn
+from ..ops.helpers import rel_err
+from .helpers import spawn
 
 MEMBERS = ("linear_attention", "gated_linear_attention", "delta_rule", "gated_delta_rule", "gated_delta_rule_fused",
            "kimi_delta_attention")

@@ -1,5 +1,5 @@
 """GPU tests: the Triton kernels on a CUDA device against float64 references (tier 3 of
-docs/DESIGN.md §5). Without a CUDA device every test in this folder is collected and skipped.
+docs/DESIGN.md §6). Without a CUDA device every test in this folder is collected and skipped.
 
 ``GDN_TUNING`` (a JSON file or inline JSON, read by :func:`gdn.ops.tuning.update_from`) runs the
 tests under launch-setting overrides, e.g. a ``tools/tune_gpu.py --out`` file or
@@ -19,8 +19,8 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip every item of this folder when there is no CUDA device (the hook sees the whole
-    session's items, so it picks this folder's by path)."""
+    """Skip every item of this folder when there is no CUDA device (the hook sees every collected
+    item, so it picks this folder's by path)."""
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (GPU tests of the Triton kernels)")

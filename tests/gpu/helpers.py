@@ -1,4 +1,4 @@
-"""Shared pieces of the GPU tests: tier-3 bounds (docs/DESIGN.md §5), leaves in the dtypes a check
+"""Shared pieces of the GPU tests: tier-3 bounds (docs/DESIGN.md §6), leaves in the dtypes a check
 runs, the outputs and gradients of one call, and a failure message that shows every error.
 
 Tier 3: errors are relative RMS errors ``‖x − ref‖ / ‖ref‖`` (:func:`rel_err`) against a float64
