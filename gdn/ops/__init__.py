@@ -15,7 +15,7 @@ from . import delta, kda, library
 from .checks import check_attention, check_recurrent
 from .delta.fused import gated_delta_rule_fused
 from .kda.reference import check_kda
-from .router import available_backends, decode_step, needs_grad, route
+from .router import available_backends, needs_grad, route
 
 __all__ = [
     "linear_attention",
@@ -33,8 +33,7 @@ def _recurrent_call(op, q, k, v, g, beta, scale, initial_state, output_final_sta
     is_kda = op == "kimi_delta_attention"
     check = check_kda if is_kda else check_recurrent
     dims = check(q, k, v, g, beta, initial_state, cu_seqlens, scale, backend)
-    decode = decode_step(dims.T, cu_seqlens)
-    impl = route(op, backend, q, k, v, decode_step=decode, grad=needs_grad(q, k, v, g, beta, initial_state),
+    impl = route(op, backend, q, k, v, decode_step=dims.decode, grad=needs_grad(q, k, v, g, beta, initial_state),
                  kda=is_kda)
     if library.compiling():  # traced by torch.compile: one opaque node (gdn.ops.library)
         return library.recurrent(op, impl, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)

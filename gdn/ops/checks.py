@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .router import decode_step
+
 BACKENDS = ("naive", "chunk", "triton")
 
 
@@ -23,6 +25,7 @@ class Dims:
     K: int
     V: int
     N: int  # number of sequences (B, or len(cu_seqlens) - 1)
+    decode: bool = False  # every sequence exactly one token long (router.decode_step's rule)
 
 
 def shape_str(x: torch.Tensor) -> str:
@@ -47,10 +50,11 @@ def check_scale(scale) -> None:
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
 
 
-def check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> int:
-    """Validate packed-sequence offsets; return the number of sequences N."""
+def check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple[int, bool]:
+    """Validate packed-sequence offsets; return the number of sequences N and whether the call is a
+    decode step (:func:`gdn.ops.router.decode_step`, read off the host copy the checks make)."""
     if cu_seqlens is None:
-        return B
+        return B, T == 1
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a 1-D integer torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
@@ -61,13 +65,13 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> int:
         raise ValueError(f"cu_seqlens requires batch size B == 1 (sequences packed along T), got B = {B}")
     if torch.compiler.is_compiling():
         # the values are data: reading them here would break the traced graph (eager calls check them)
-        return cu_seqlens.numel() - 1
+        return cu_seqlens.numel() - 1, decode_step(T, cu_seqlens)
     c = cu_seqlens.detach().to("cpu", torch.int64)
     if int(c[0]) != 0 or int(c[-1]) != T:
         raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got first {int(c[0])} and last {int(c[-1])}")
     if bool((c[1:] < c[:-1]).any()):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {c.tolist()}")
-    return cu_seqlens.numel() - 1
+    return cu_seqlens.numel() - 1, decode_step(T, c)
 
 
 def check_recurrent(q, k, v, g, beta, initial_state, cu_seqlens, scale, backend, *, name_g="g") -> Dims:
@@ -99,7 +103,7 @@ def check_recurrent(q, k, v, g, beta, initial_state, cu_seqlens, scale, backend,
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must share a device")
     check_scale(scale)
     check_backend(backend)
-    N = check_cu_seqlens(cu_seqlens, B, T, q.device)
+    N, decode = check_cu_seqlens(cu_seqlens, B, T, q.device)
     if initial_state is not None:
         float_tensor("initial_state", initial_state)
         if tuple(initial_state.shape) != (N, HV, K, V):
@@ -108,7 +112,7 @@ def check_recurrent(q, k, v, g, beta, initial_state, cu_seqlens, scale, backend,
             )
         if initial_state.device != q.device:
             raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
-    return Dims(B, T, H, HV, K, V, N)
+    return Dims(B, T, H, HV, K, V, N, decode)
 
 
 def check_attention(q, k, v, cu_seqlens, scale, window_size, backend) -> Dims:
@@ -133,5 +137,5 @@ def check_attention(q, k, v, cu_seqlens, scale, window_size, backend) -> Dims:
             raise ValueError(f"window_size must be None or a positive int, got {window_size!r}")
     check_scale(scale)
     check_backend(backend)
-    N = check_cu_seqlens(cu_seqlens, B, T, q.device)
-    return Dims(B, T, HKV, HQ, K, v.shape[3], N)
+    N, decode = check_cu_seqlens(cu_seqlens, B, T, q.device)
+    return Dims(B, T, HKV, HQ, K, v.shape[3], N, decode)

@@ -20,7 +20,7 @@ import torch
 
 from .. import gates, library
 from ..checks import check_backend, check_recurrent
-from ..router import CHUNK, HAS_TRITON, NAIVE, decode_step, needs_grad, route
+from ..router import CHUNK, HAS_TRITON, NAIVE, needs_grad, route
 from . import run
 
 if HAS_TRITON:
@@ -65,9 +65,8 @@ def gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, *, scale=None, initial
     check_backend(backend)
     dims = check_recurrent(q, k, v, a, None, initial_state, cu_seqlens, scale, backend, name_g="a")
     _check_params(a, b, A_log, dt_bias)
-    decode = decode_step(dims.T, cu_seqlens)
     grad = needs_grad(q, k, v, a, b, A_log, dt_bias, initial_state)
-    impl = route("gated_delta_rule_fused", backend, q, k, v, decode_step=decode, grad=grad)
+    impl = route("gated_delta_rule_fused", backend, q, k, v, decode_step=dims.decode, grad=grad)
     if library.compiling():  # traced by torch.compile: one opaque node
         o, S = _fused_op(impl, q, k, v, a, b, A_log, dt_bias, None if scale is None else float(scale), initial_state,
                          bool(output_final_state), cu_seqlens, bool(use_qk_l2norm), bool(allow_neg_eigval),
