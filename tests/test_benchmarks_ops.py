@@ -1,0 +1,132 @@
+"""benchmarks/ops_gpu.py's plumbing on the CPU: peer selection, shape indices, FlashQLA's gate, and
+one pass of the comparison loop over tiny shapes with the GPU calls replaced (gdn's PyTorch chunk
+form standing in for every peer), its markdown table and its JSON file."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from gdn import ops
+
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "ops_gpu.py"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """The module, loaded with FLA's routing variables restored afterwards."""
+    for name in ("FLA_FLASH_QLA", "FLA_TILELANG"):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+    spec = importlib.util.spec_from_file_location("ops_gpu_under_test", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert os.environ["FLA_FLASH_QLA"] == "0"  # set before anything could import FLA
+    return mod
+
+
+def test_parse_peers_and_indices(bench):
+    assert bench.parse_peers("qla, gdn,FLA") == ["gdn", "fla", "qla"]
+    assert bench.parse_peers(",".join(bench.PEERS)) == bench.PEERS
+    for bad in ("gdn,flashqla", "", " , "):
+        with pytest.raises(ValueError):
+            bench.parse_peers(bad)
+    assert bench.parse_indices("1,2,6,1", 7) == [1, 2, 6]
+    with pytest.raises(ValueError):
+        bench.parse_indices("7", 7)
+    assert sorted(bench.DEFAULT_ORDER) == list(range(len(bench.SHAPES)))
+
+
+def test_qla_gate(bench):
+    inf = float("inf")
+    assert bench.qla_skip(128, 256, 5, None, 0, inf, inf)[0] == "n/a"
+    assert bench.qla_skip(128, 128, 2, [1], 0, inf, inf)[0] == "skip"
+    assert "max-compile-s" in bench.qla_skip(128, 128, 1, [1], 240.5, 240, inf)[1]
+    assert bench.qla_skip(128, 128, 1, None, 0, 240, 10)[0] == "skip"
+    assert bench.qla_skip(128, 128, 1, None, 100, 240, 500) is None
+    assert [i for i, s in enumerate(bench.SHAPES) if bench.qla_supported(bench.D, s[6] if len(s) > 6 else bench.D)] \
+        == [0, 1, 2, 3, 4, 6]
+
+
+def _on_cpu(bench, monkeypatch, qla):
+    """Tiny shapes on the CPU; every peer is gdn's chunk form (FlashQLA through a stand-in module)."""
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "SHAPES", [
+        ("tiny", 2, 40, 2, 2, None),
+        ("tiny packed", 1, 40, 1, 2, [17, 23]),
+        ("tiny V=32", 1, 24, 1, 1, None, 32),
+    ])
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 2**29)
+    monkeypatch.setattr(bench, "ceilings", lambda: (1e15, 1e12))
+
+    def do_bench(fn, warmup, rep, grad_to_none=None, return_mode="median"):
+        for x in grad_to_none or ():
+            x.grad = None
+        fn()
+        return 1.25
+    monkeypatch.setattr(bench, "do_bench", do_bench)
+
+    def chunk(xs, cu):
+        return lambda: ops.gated_delta_rule(*xs, cu_seqlens=cu, backend="chunk")[0]
+    monkeypatch.setattr(bench, "gdn_fn", chunk)
+    monkeypatch.setattr(bench, "fla_fn", chunk)
+    monkeypatch.setitem(bench._QLA, "mod", qla)
+
+
+def test_rows_table_and_json(bench, monkeypatch, tmp_path):
+    calls = []
+
+    def qla_call(q, k, v, g, beta, cu_seqlens=None):
+        calls.append(cu_seqlens)
+        return ops.gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend="chunk")[0], None
+    _on_cpu(bench, monkeypatch, types.SimpleNamespace(chunk_gated_delta_rule=qla_call))
+    rs, rates, path = [], [math.nan, math.nan], tmp_path / "ops.json"
+    bench.rows(rs, rates, order=[1, 0, 2], peers=bench.PEERS,
+               on_row=lambda _: bench.write_json(str(path), {"peers": bench.PEERS}, rs))
+    assert [(r["idx"], r["pass"]) for r in rs] == [(1, "fwd"), (1, "fwd+bwd"), (0, "fwd"), (0, "fwd+bwd"),
+                                                   (2, "fwd"), (2, "fwd+bwd")]
+    for r in rs:
+        for p in ("gdn", "fla", "sdpa"):
+            assert r["peers"][p]["status"] == "ok", (r["shape"], p, r["peers"][p])
+            assert r["peers"][p]["ms"] == 1.25 and r["peers"][p]["GiB"] == 0.5
+        assert r["peers"]["qla"]["status"] == ("n/a" if r["idx"] == 2 else "ok")
+        if r["pass"] == "fwd":
+            assert r["peers"]["fla"]["o_rel_diff"] < 1e-6
+    assert calls[0].dtype == torch.int32 and calls[0].tolist() == [0, 17, 40]  # packed: int32 offsets
+    table = bench.markdown(rs, bench.PEERS)
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(rs) and all(line.count("|") == lines[0].count("|") for line in lines)
+    assert "1.00×" in lines[2] and "n/a" in lines[-1]
+    saved = json.loads(path.read_text())
+    assert len(saved["rows"]) == len(rs) and saved["rows"][0]["peers"]["gdn"]["status"] == "ok"
+
+
+def test_a_failing_peer_and_the_compile_budget(bench, monkeypatch, capsys):
+    def broken(*a, **k):
+        raise RuntimeError("no kernel for this card\nsecond line")
+    _on_cpu(bench, monkeypatch, types.SimpleNamespace(chunk_gated_delta_rule=broken))
+    monkeypatch.setattr(bench, "fla_fn", lambda xs, cu: None)  # FLA not installed
+    rs = []
+    bench.rows(rs, [math.nan, math.nan], order=[0, 1], peers=["gdn", "fla", "qla"], max_compile_s=1e-9)
+    for r in rs:
+        assert r["peers"]["gdn"]["status"] == "ok"
+        assert r["peers"]["fla"] == {"status": "err", "error": "ImportError: fla is not installed",
+                                     "first_s": r["peers"]["fla"]["first_s"]}
+    # the first FlashQLA cell runs (nothing spent yet) and fails; the budget (1 ns) then skips the rest
+    assert rs[0]["peers"]["qla"]["error"] == "RuntimeError: no kernel for this card"
+    assert [r["peers"]["qla"]["status"] for r in rs[1:]] == ["skip"] * 3
+    out = capsys.readouterr().out
+    assert "FlashQLA failed at tiny fwd: RuntimeError: no kernel for this card" in out
+    table = bench.markdown(rs, ["gdn", "fla", "qla"])
+    assert "| err | err |" in table and "max-compile-s" in table
