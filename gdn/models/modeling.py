@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from dataclasses import fields
 
@@ -21,7 +22,9 @@ from ..ops.conv import seq_position
 from ..ops.loss import linear_cross_entropy
 from .cache import GDNCache
 from .config import GDNConfig
+from .graph_generate import DecoderSlot, graph_sample, model_key, unsupported, wants_graph
 from .registry import mixer
+from .static_cache import GraphDecoder
 
 
 def build_mixer(config: GDNConfig, layer_idx: int) -> nn.Module:
@@ -370,6 +373,22 @@ class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
         self.model = GDNModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+        self._graph_slot = DecoderSlot()
+
+    @property
+    def graph_decoder(self) -> GraphDecoder | None:
+        """The :class:`GraphDecoder` that ``generate`` with ``cache_implementation="static"`` decodes on
+        (None until the first such call). Set one of your own (e.g. other batch buckets) to have it
+        used, or None to free its buffers and graphs."""
+        return self._graph_slot.decoder
+
+    @graph_decoder.setter
+    def graph_decoder(self, decoder: GraphDecoder | None) -> None:
+        if decoder is not None and (not isinstance(decoder, GraphDecoder) or decoder.model is not self):
+            raise ValueError("graph_decoder must be None or a GraphDecoder built for this model")
+        self._graph_slot = DecoderSlot()
+        if decoder is not None:
+            self._graph_slot.decoder, self._graph_slot.key = decoder, model_key(self)
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
@@ -428,9 +447,19 @@ class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
         (:meth:`prepare_inputs_for_generation`); assisted and prompt-lookup decoding need it before
         that, recording, since they roll back rejected candidate tokens with ``crop``. The same holds
         when this model is the assistant (its drafts are cut back to what the main model accepted)."""
-        out = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         mode = kwargs.get("generation_mode", args[0] if args else None)
         batch = kwargs.get("batch_size", args[1] if len(args) > 1 else None)
+        static = wants_graph(generation_config)
+        if static:  # served by this model's graph decoder, not by a transformers cache
+            generation_config.cache_implementation = None
+        try:
+            out = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        finally:
+            if static:
+                generation_config.cache_implementation = "static"
+        if static and mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, None):
+            warnings.warn(f"cache_implementation='static' (gdn's graph decoder) serves greedy search and sampling; "
+                          f"{getattr(mode, 'value', mode)} decodes on the eager GDNCache", stacklevel=3)
         speculative = getattr(generation_config, "is_assistant", False) or mode == GenerationMode.ASSISTED_GENERATION
         if (speculative and isinstance(batch, int) and generation_config.use_cache is not False
                 and model_kwargs.get(CACHE_KEY) is None):
@@ -438,6 +467,22 @@ class GDNForCausalLM(GDNPreTrainedModel, GenerationMixin):
             cache.activate_past_recording()
             model_kwargs[CACHE_KEY] = cache
         return out
+
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        """``generate``'s greedy search and sampling loop. With ``cache_implementation="static"`` it runs
+        on the graph decoder (:mod:`gdn.models.graph_generate`): same tokens, each step one replayed
+        CUDA graph. An option that loop cannot honour gets one warning naming it, and the call runs
+        transformers' own loop on the eager :class:`GDNCache`."""
+        if wants_graph(generation_config) and not getattr(generation_config, "is_assistant", False):
+            reason = unsupported(generation_config, synced_gpus, model_kwargs)
+            if reason is None:
+                return graph_sample(self, self._graph_slot, input_ids, logits_processor, stopping_criteria,
+                                    generation_config, streamer, **model_kwargs)
+            warnings.warn(f"cache_implementation='static': {reason} is not supported by gdn's graph decoder; this "
+                          f"call decodes on the eager GDNCache", stacklevel=3)
+        return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
+                               synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 
     def _context_parallel_loss(self, h, labels, cp):
         """(this rank's share of the mean loss, logits or None) from its hidden states h [B, T_r, D] and

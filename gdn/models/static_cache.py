@@ -200,6 +200,14 @@ class GraphDecoder:
                 return b
         raise ValueError(f"batch size {batch_size} is larger than the largest bucket {self.buckets[-1]}")
 
+    def add_bucket(self, batch_size: int) -> None:
+        """Let batches of up to ``batch_size`` rows run (a bucket of that size, captured on first use);
+        nothing changes when a bucket already holds them."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if batch_size > self.buckets[-1]:
+            self.buckets.append(batch_size)
+
     def _get(self, size: int) -> _Bucket:
         b = self._buckets.get(size)
         if b is None:
