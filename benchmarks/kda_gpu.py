@@ -43,14 +43,21 @@ the timing of one configuration (its first, compiling call — FLA autotunes the
 only by what is left of the run). Rows print as they finish; the tables print at the end, also
 when the run is cut short (SIGTERM from ``timeout`` included).
 
+``--impls`` names the implementations to time (default all but ``gdn KDA recurrent``); ``--json``
+rewrites a JSON file of the rows after every one, so a run that is cut short keeps them. With
+TileLang importable (FlashQLA's wheels installed beside FLA) FLA 0.6.0 would run one kernel of
+``chunk_kda``'s backward in TileLang: ``FLA_TILELANG=0`` is set before FLA is imported, so the FLA
+rows are its Triton kernels, unless ``--fla-tilelang``.
+
     python benchmarks/kda_gpu.py [--max-seconds 300] [--step-seconds 30] [--no-fla] [--no-decode]
-                                 [--recurrent] [--no-check]
+                                 [--recurrent] [--no-check] [--impls "gdn KDA,FLA chunk"] [--json PATH]
     TRITON_INTERPRET=1 python benchmarks/kda_gpu.py --dry-run      # plumbing on the CPU, tiny shapes
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import signal
@@ -87,6 +94,28 @@ DRY_SHAPES = [
 DECODE = dict(H=16, HV=32, D=128, batches=(1, 32, 256))
 DRY_DECODE = dict(H=1, HV=2, D=16, batches=(1, 3))
 IMPLS = ["gdn KDA", "gdn KDA recurrent", "FLA chunk", "FLA recurrent", "gdn scalar"]
+
+
+def parse_impls(text: str) -> list[str]:
+    """``"gdn KDA, fla chunk"`` → those of IMPLS, in IMPLS' order (names matched ignoring case);
+    an unknown name raises ValueError."""
+    by = {i.lower(): i for i in IMPLS}
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in by]
+    if unknown or not names:
+        raise ValueError(f"unknown implementations {unknown}: choose from {', '.join(IMPLS)}")
+    return [i for i in IMPLS if i.lower() in names]
+
+
+def clean(x):
+    """``x`` with non-finite floats as None (strict JSON)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean(v) for v in x]
+    return x
 
 
 class StepTimeout(Exception):
@@ -588,8 +617,18 @@ def main():
     ap.add_argument("--no-check", action="store_true", help="leave the error column out")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes, FLA left out (plumbing test, CPU ok)")
     ap.add_argument("--recurrent", action="store_true", help="time the token-recurrent kernels in the chunked rows too")
+    ap.add_argument("--impls", default=None, metavar="A,B",
+                    help=f"the implementations to time, comma-separated, of: {', '.join(IMPLS)} "
+                         "(default all but 'gdn KDA recurrent', which --recurrent adds)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON, rewritten after every row")
+    ap.add_argument("--fla-tilelang", action="store_true",
+                    help="let FLA run its TileLang kernel where it would (default FLA_TILELANG=0: its Triton kernels)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
+    if args.fla_tilelang:
+        os.environ.pop("FLA_TILELANG", None)
+    else:
+        os.environ["FLA_TILELANG"] = "0"
     on_cpu = args.device == "cpu"
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error("--device cpu runs the Triton kernels interpreted: set TRITON_INTERPRET=1")
@@ -597,8 +636,12 @@ def main():
     shapes = DRY_SHAPES if args.dry_run else SHAPES
     if args.shapes:
         shapes = [shapes[int(i)] for i in args.shapes.split(",")]
-    impls = [i for i in IMPLS if not (i.startswith("FLA") and (args.no_fla or args.dry_run))
-             and (args.recurrent or i != "gdn KDA recurrent")]
+    try:
+        chosen = (parse_impls(args.impls) if args.impls
+                  else [i for i in IMPLS if args.recurrent or i != "gdn KDA recurrent"])
+    except ValueError as e:
+        ap.error(str(e))
+    impls = [i for i in chosen if not (i.startswith("FLA") and (args.no_fla or args.dry_run))]
 
     started = time.monotonic()
     end = started + args.max_seconds
@@ -608,10 +651,20 @@ def main():
     left = end - time.monotonic()
     clock = Clock(left - (0 if args.no_decode else min(args.decode_seconds, left / 2)))
 
+    def save():
+        if args.json:
+            tmp = f"{args.json}.tmp"
+            with open(tmp, "w") as fh:
+                json.dump(clean({"argv": sys.argv[1:], "impls": impls, "FLA_TILELANG": os.environ.get("FLA_TILELANG"),
+                                 "elapsed_s": time.monotonic() - started, "chunk": chunk_rows, "decode": dec_rows}),
+                          fh, indent=1)
+            os.replace(tmp, args.json)
+
     def report(kind, into):
         def add(r):
             into.append(r)
             print(kind, {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+            save()
         return add
 
     report_chunk, report_dec = report("ROW", chunk_rows), report("DECODE", dec_rows)

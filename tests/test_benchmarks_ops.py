@@ -130,3 +130,15 @@ def test_a_failing_peer_and_the_compile_budget(bench, monkeypatch, capsys):
     assert "FlashQLA failed at tiny fwd: RuntimeError: no kernel for this card" in out
     table = bench.markdown(rs, ["gdn", "fla", "qla"])
     assert "| err | err |" in table and "max-compile-s" in table
+
+
+def test_kda_implementation_names(monkeypatch):
+    """benchmarks/kda_gpu.py --impls: names of its implementations, matched ignoring case."""
+    monkeypatch.delenv("FLA_TILELANG", raising=False)
+    spec = importlib.util.spec_from_file_location("kda_gpu_under_test", PATH.parent / "kda_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.parse_impls("fla chunk, gdn KDA") == ["gdn KDA", "FLA chunk"]
+    with pytest.raises(ValueError):
+        mod.parse_impls("gdn KDA,FLA")
+    assert mod.clean({"a": [1.0, math.nan], "b": math.inf}) == {"a": [1.0, None], "b": None}
