@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import math
 import os
 import signal
@@ -629,6 +630,9 @@ def main():
         os.environ.pop("FLA_TILELANG", None)
     else:
         os.environ["FLA_TILELANG"] = "0"
+    # FLA logs each backend other than its Triton default when it first runs it ("[FLA Backend] ... -> ...")
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("fla.backends").setLevel(logging.INFO)
     on_cpu = args.device == "cpu"
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error("--device cpu runs the Triton kernels interpreted: set TRITON_INTERPRET=1")

@@ -45,13 +45,14 @@ row, so a run that is cut short keeps what it measured; the whole table prints a
 SIGTERM.
 
     python benchmarks/ops_gpu.py [--peers gdn,fla,qla,sdpa] [--shapes 1,2,6] [--json out.json]
-                                 [--max-seconds 540] [--max-compile-s 240] [--profile] [--decode]
+                                 [--max-seconds 500] [--max-compile-s 210] [--profile] [--decode]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import logging
 import math
 import os
 import signal
@@ -584,9 +585,9 @@ def main():
                          f"default {','.join(map(str, DEFAULT_ORDER))})")
     ap.add_argument("--qla-shapes", default=None, metavar="I,J",
                     help="FlashQLA only at these rows (default every row with K = V = 128)")
-    ap.add_argument("--max-compile-s", type=float, default=240,
+    ap.add_argument("--max-compile-s", type=float, default=210,
                     help="seconds FlashQLA's cells may take together, its compilation included: once spent, its "
-                         "remaining cells are skipped (default 240)")
+                         "remaining cells are skipped (default 210)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the rows measured as JSON, after every row")
     ap.add_argument("--fla-tilelang", action="store_true",
                     help="let FLA run its TileLang kernels where it would (default FLA_TILELANG=0: FLA's Triton path)")
@@ -611,6 +612,9 @@ def main():
         os.environ.pop("FLA_TILELANG", None)
     else:
         os.environ["FLA_TILELANG"] = "0"
+    # FLA logs each backend other than its Triton default when it first runs it ("[FLA Backend] ... -> ...")
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("fla.backends").setLevel(logging.INFO)
     shapes = [SHAPES[i] for i in order]
     if args.config:
         from gdn.ops import tuning
