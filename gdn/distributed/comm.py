@@ -6,6 +6,12 @@ Each function here is one collective in the forward and its adjoint in the backw
   or an all-gather of every rank's last tokens when a slice is shorter than ``n``); the backward
   sends the halo's gradient back to the ranks that own those tokens.
 - :func:`all_gather`: every rank's slice (padded to the longest); the backward reduce-scatters.
+- :class:`Transfer`: point-to-point sends and receives posted together (the ring of
+  :mod:`gdn.distributed.attention`), waited on later so that compute can run meanwhile.
+
+Gloo moves CUDA tensors only in broadcast and all-reduce (torch.distributed's backend table); its
+all-gather, reduce-scatter and send/recv take CPU tensors. Under a gloo group every CUDA tensor
+therefore passes through host memory here (:func:`_staged`); NCCL and CPU tensors go directly.
 
 Every rank of the group must call them in the same order, in the forward and (when a gradient is
 taken on any rank) in the backward: the outputs must need a gradient on every rank or on none.
@@ -15,39 +21,76 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["halo", "all_gather", "gather_stack", "reduce_scatter_stack"]
+__all__ = ["halo", "all_gather", "gather_stack", "reduce_scatter_stack", "Transfer"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _staged(x: torch.Tensor, group) -> bool:
+    """Whether ``x`` must pass through host memory: a non-CPU tensor under a gloo group (a mixed
+    ``cpu:gloo,cuda:nccl`` default group sends CUDA tensors through NCCL and reports another name)."""
+    return x.device.type != "cpu" and dist.get_backend(group) == "gloo"
 
 
 def gather_stack(x: torch.Tensor, group) -> torch.Tensor:
     """[size, *x.shape]: every rank's ``x`` (same shape everywhere), in rank order."""
     size = dist.get_world_size(group)
     x = x.reshape(1, *x.shape) if x.dim() == 0 else x
-    out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the concatenated form: gloo takes no other
-    _all_gather_single(out, x.contiguous(), group=group)
-    return out.view(size, *x.shape)
+    src = x.cpu() if _staged(x, group) else x
+    out = src.new_empty((size * x.shape[0], *x.shape[1:]))  # the concatenated form: gloo takes no other
+    _all_gather_single(out, src.contiguous(), group=group)
+    return out.to(x.device).view(size, *x.shape)
 
 
 def reduce_scatter_stack(x: torch.Tensor, group) -> torch.Tensor:
     """``Σ_ranks x[rank]`` for this rank, from x [size, ...] on every rank (the adjoint of :func:`gather_stack`)."""
-    out = x.new_empty(x.shape[1:])
-    flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    src = x.cpu() if _staged(x, group) else x
+    out = src.new_empty(x.shape[1:])
+    flat = src.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
     _reduce_scatter_single(out, flat.contiguous(), group=group)
-    return out
+    return out.to(x.device)
+
+
+class Transfer:
+    """Sends and receives between ranks of ``group``, posted together in one ``batch_isend_irecv``.
+
+    ``sends``: ``(tensor, group rank, tag)``; ``recvs``: ``(shape, dtype, group rank, tag)``, received
+    on ``device``. :meth:`wait` blocks until every one has completed and returns the received
+    tensors in the order of ``recvs``. Tags tell apart several messages between the same two ranks
+    in one batch (NCCL ignores them and matches in posting order, which both sides share). Every
+    receive must be matched by a send that the peer posts in the same round of its own schedule.
+    """
+
+    def __init__(self, sends, recvs, group, device):
+        self.device, self.sent, self.recvs = device, [], []
+        ops = []
+        for x, peer, tag in sends:
+            x = x.cpu() if _staged(x, group) else x.contiguous()
+            self.sent.append(x)  # alive until the wait (a staged host copy has no other owner)
+            ops.append(dist.P2POp(dist.isend, x, dist.get_global_rank(group, peer), group, tag))
+        staged = device.type != "cpu" and dist.get_backend(group) == "gloo"
+        for shape, dtype, peer, tag in recvs:
+            buf = torch.empty(shape, dtype=dtype, device="cpu" if staged else device)
+            self.recvs.append(buf)
+            ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, peer), group, tag))
+        self.works = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        self.works, self.sent = [], None
+        return [buf.to(self.device) for buf in self.recvs]
 
 
 def _exchange(send: torch.Tensor | None, to: int | None, recv: torch.Tensor | None, frm: int | None, group) -> None:
-    """Send ``send`` to group rank ``to`` and receive ``recv`` from group rank ``frm`` (either may be None)."""
-    ops = []
-    if send is not None:
-        ops.append(dist.P2POp(dist.isend, send.contiguous(), dist.get_global_rank(group, to), group))
+    """Send ``send`` to group rank ``to`` and receive into ``recv`` from group rank ``frm`` (either may be None)."""
+    sends = [] if send is None else [(send, to, 0)]
+    recvs = [] if recv is None else [(recv.shape, recv.dtype, frm, 0)]
+    device = recv.device if recv is not None else send.device
+    got = Transfer(sends, recvs, group, device).wait()
     if recv is not None:
-        ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, frm), group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        recv.copy_(got[0])
 
 
 class _Halo(torch.autograd.Function):

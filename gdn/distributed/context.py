@@ -15,7 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["ContextParallel", "LocalLayout"]
+__all__ = ["ContextParallel", "LocalLayout", "ATTENTION"]
+
+#: The ways global attention reaches earlier ranks' keys (:mod:`gdn.distributed.attention`).
+ATTENTION = ("gather", "ring")
 
 
 @dataclass(frozen=True)
@@ -64,12 +67,20 @@ class ContextParallel:
             tokens ``[bounds[r], bounds[r+1])``, at least one each. :meth:`split` cuts evenly.
         cu_seqlens: global offsets [N + 1] of sequences packed along T (then B == 1; ``cu[-1]``
             must be ``bounds[-1]``), a tensor or a sequence of ints; None: every row is one sequence.
+        attention: how global softmax attention reaches the keys of earlier ranks
+            (:mod:`gdn.distributed.attention`): ``"gather"`` (the default: one all-gather of keys and
+            values, then fused SDPA; O(T) keys per rank) or ``"ring"`` (key/value blocks passed rank
+            to rank with an online softmax; O(T_r) keys per rank, attention in PyTorch matrix
+            products). Sliding-window layers take the halo either way.
 
     Everything here is host-side bookkeeping (Python ints), computed once per batch; device tensors
     built from it are cached per device.
     """
 
-    def __init__(self, group, bounds, cu_seqlens=None):
+    def __init__(self, group, bounds, cu_seqlens=None, attention: str = "gather"):
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        self.attention = attention
         self.group = _group_of(group)
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -92,7 +103,7 @@ class ContextParallel:
         self._cache: dict = {}
 
     @classmethod
-    def split(cls, group, total: int, cu_seqlens=None) -> "ContextParallel":
+    def split(cls, group, total: int, cu_seqlens=None, attention: str = "gather") -> "ContextParallel":
         """Even slices of ``total`` tokens (the first ``total % size`` ranks get one more)."""
         size = dist.get_world_size(_group_of(group))
         if total < size:
@@ -101,7 +112,7 @@ class ContextParallel:
         bounds = [0]
         for r in range(size):
             bounds.append(bounds[-1] + base + (r < extra))
-        return cls(group, bounds, cu_seqlens)
+        return cls(group, bounds, cu_seqlens, attention)
 
     @property
     def length(self) -> int:
@@ -213,6 +224,15 @@ class ContextParallel:
             return 0
         return self.cu_seqlens[bisect.bisect_right(self.cu_seqlens, pos) - 1]
 
+    def rank_of(self, pos: int) -> int:
+        """The rank whose slice holds global token ``pos``."""
+        return bisect.bisect_right(self.bounds, pos) - 1
+
+    def first_visible_rank(self, rank: int) -> int:
+        """The lowest rank holding a key that a query of ``rank`` sees under causal attention: the
+        one holding the start of the sequence that ``rank``'s first token belongs to."""
+        return self.rank_of(self.sequence_start(self.bounds[rank]))
+
     def _cached(self, key, make):
         if key not in self._cache:
             self._cache[key] = make()
@@ -221,4 +241,4 @@ class ContextParallel:
     def __repr__(self) -> str:
         n = None if self.cu_seqlens is None else len(self.cu_seqlens) - 1
         return (f"ContextParallel(rank {self.rank} of {self.size}, tokens [{self.start}, {self.end}) of {self.total}, "
-                f"{'rows' if n is None else f'{n} packed sequences'})")
+                f"{'rows' if n is None else f'{n} packed sequences'}, attention {self.attention!r})")
