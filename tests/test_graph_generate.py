@@ -171,25 +171,31 @@ def test_inputs_embeds_fall_back():
 
 
 def test_decoder_kept_replaced_and_grown():
-    """The model's decoder is reused while it fits; a batch above the largest bucket gets its own
-    bucket; global attention gets a new, longer decoder when a call needs more slots (max_cache_len
-    sizes it ahead); a dtype change or a deep copy never reuses captured state."""
+    """The model's decoder is reused across calls; a batch above the largest bucket gets its own
+    bucket; a global attention bucket is rebuilt longer when a call needs more slots (max_cache_len
+    sizes it ahead) and kept when it holds enough; other batch sizes get buffers of their own call's
+    length; a dtype change or a deep copy never reuses captured state."""
     m = tiny("transformer")
     m.generation_config.cache_implementation = "static"
     ids = torch.randint(1, 256, (70, 4), generator=torch.Generator().manual_seed(9))
     ref = m.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation=None)
     assert torch.equal(m.generate(ids, max_new_tokens=3, do_sample=False), ref)
     dec = m.graph_decoder
-    assert dec.buckets[-1] == 70 and dec.max_length == 7
-    m.generate(ids[:2], max_new_tokens=3, do_sample=False)
-    assert m.graph_decoder is dec
-    m.generate(ids[:2], max_new_tokens=6, do_sample=False)
-    assert m.graph_decoder is not dec and m.graph_decoder.max_length == 10
-    m.generate(ids[:2], max_new_tokens=3, do_sample=False, max_cache_len=64)
-    assert m.graph_decoder.max_length == 10  # still fits
-    m.generate(ids[:2], max_new_tokens=8, do_sample=False, max_cache_len=64)
-    assert m.graph_decoder.max_length == 64
-    dec = m.graph_decoder
+    assert dec.buckets[-1] == 70 and dec.static_cache.max_length == 7
+
+    def length(**kw):
+        m.generate(ids[:2], do_sample=False, **kw)
+        assert m.graph_decoder is dec
+        return dec.static_cache.max_length
+
+    assert length(max_new_tokens=3) == 7
+    assert length(max_new_tokens=6) == 10                      # rebuilt longer
+    assert length(max_new_tokens=3) == 10                      # long enough: kept
+    assert length(max_new_tokens=3, max_cache_len=9) == 10
+    assert length(max_new_tokens=8, max_cache_len=64) == 64    # sized ahead
+    assert length(max_new_tokens=20) == 64
+    m.generate(ids[:20], max_new_tokens=3, do_sample=False)
+    assert dec.static_cache.batch_size == 32 and dec.static_cache.max_length == 7  # its own call's length
     m.to(torch.float64)
     ref64 = m.generate(ids[:2], max_new_tokens=3, do_sample=False, cache_implementation=None)
     assert torch.equal(m.generate(ids[:2], max_new_tokens=3, do_sample=False), ref64)

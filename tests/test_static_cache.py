@@ -130,3 +130,37 @@ def test_limits():
         GraphDecoder(m, max_length=8, use_graph=True)
     with pytest.raises(TypeError, match="graph"):
         generate(m, prompt(1, 3, m.config.vocab_size), max_new_tokens=2, graph="yes")
+
+
+def test_reserve():
+    """reserve(batch, length): adds a bucket above the largest, rebuilds a global attention bucket
+    that holds fewer slots, keeps one that holds more (and any bucket of a model without global
+    attention)."""
+    m = tiny("transformer", torch.float32)
+    dec = GraphDecoder(m, max_length=8, buckets=(1, 2))
+    dec.reserve(5, 12)
+    assert dec.buckets == [1, 2, 5]
+    _, cache = prefill(m, prompt(5, 10, m.config.vocab_size))
+    dec.start(cache)
+    assert dec.static_cache.batch_size == 5 and dec.static_cache.max_length == 12
+    tok = torch.arange(5)
+    dec.step(tok)
+    dec.step(tok)
+    with pytest.raises(ValueError, match="full"):
+        dec.step(tok)
+    kept = dec.static_cache
+    dec.reserve(5, 6)
+    dec.start(cache)
+    assert dec.static_cache is kept
+    dec.reserve(4, 20)
+    with pytest.raises(RuntimeError, match="start"):
+        dec.step(tok)  # the active bucket was rebuilt: start again
+    dec.start(cache)
+    assert dec.static_cache is not kept and dec.static_cache.max_length == 20
+    with pytest.raises(ValueError, match="max_length"):
+        dec.reserve(1, 0)
+    g = GraphDecoder(tiny("gdn", torch.float32), max_length=4, buckets=(2,))
+    g.reserve(2, 4)
+    first = g._buckets[2]
+    g.reserve(2, 400)
+    assert g._buckets[2] is first

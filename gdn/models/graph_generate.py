@@ -13,15 +13,14 @@ criteria are applied at every step as transformers' loop applies them, so the op
 (penalties, min lengths, eos lists, stop strings, ...) behave the same on both paths.
 
 The decoder is kept on the model between calls (:attr:`GDNForCausalLM.graph_decoder`), so a batch
-size's graph is captured once; it is replaced when the model's weights, dtype or device change, or
-when a global attention layer needs more slots than it holds.
+size's graph is captured once; it is replaced when the model's weights, dtype or device change, and
+a batch size's buffers are rebuilt when a global attention layer needs more slots than they hold.
 """
 from __future__ import annotations
 
 import torch
 from transformers.generation import GenerateDecoderOnlyOutput
 
-from ..layers import Attention
 from .static_cache import GraphDecoder
 
 #: The ``cache_implementation`` value that selects the graph decoder.
@@ -86,25 +85,19 @@ def model_key(model) -> tuple:
     return emb.device, emb.dtype, tuple(p.data_ptr() for p in model.parameters())
 
 
-def has_global_attention(model) -> bool:
-    return any(isinstance(b.mixer, Attention) and b.mixer.window_size is None for b in model.model.layers)
-
-
 def decoder_for(model, slot: DecoderSlot, batch_size: int, max_length: int, max_cache_len: int | None) -> GraphDecoder:
-    """The slot's decoder when it still fits the model and this call, else a new one (kept in the slot).
+    """The slot's decoder (a new one when there is none or the model's weights, dtype or device
+    changed), with a bucket ready for ``batch_size`` rows.
 
-    A global attention layer needs ``max_length`` slots; a new decoder gets
-    ``max(max_length, max_cache_len)`` so that later, longer calls can reuse it."""
+    Global attention layers need ``max(max_length, max_cache_len)`` slots, transformers' sizing of a
+    static cache: a bucket that holds that many is reused, a shorter one is rebuilt at that length."""
     key = model_key(model)
-    dec = slot.decoder
-    fits = (dec is not None and dec.model is model and slot.key == key
-            and (dec.max_length >= max_length or not has_global_attention(model)))
-    if not fits:
+    need = max(max_length, max_cache_len or 0)
+    if slot.decoder is None or slot.decoder.model is not model or slot.key != key:
         slot.decoder = None  # free the old buffers and graphs before allocating new ones
-        dec = GraphDecoder(model, max_length=max(max_length, max_cache_len or 0))
-        slot.decoder, slot.key = dec, key
-    dec.add_bucket(batch_size)
-    return dec
+        slot.decoder, slot.key = GraphDecoder(model, max_length=need), key
+    slot.decoder.reserve(batch_size, need)
+    return slot.decoder
 
 
 class _StopFlag:

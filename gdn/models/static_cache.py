@@ -178,6 +178,7 @@ class GraphDecoder:
     Use: ``start(cache)`` with the :class:`GDNCache` of a prefill, then ``step(tokens [B])`` ->
     logits [B, vocab] per token. A bucket's graph is captured the first time it is used (after a
     warm-up on a side stream, on an emptied cache) and kept for later ``start`` calls.
+    :meth:`reserve` prepares a bucket ahead, with its own length (a bucket's buffers are sized once).
     """
 
     def __init__(self, model, max_length: int, buckets: Sequence[int] = BUCKETS, use_graph: bool | None = None):
@@ -208,10 +209,30 @@ class GraphDecoder:
         if batch_size > self.buckets[-1]:
             self.buckets.append(batch_size)
 
-    def _get(self, size: int) -> _Bucket:
+    def reserve(self, batch_size: int, max_length: int | None = None) -> None:
+        """Make ready a bucket for ``batch_size`` rows (adding one when the batch is above the largest)
+        whose global attention layers hold ``max_length`` slots (default: this decoder's): a bucket
+        built for fewer is rebuilt, and its graph captured again; one that holds more is kept."""
+        length = self.max_length if max_length is None else max_length
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+        self.add_bucket(batch_size)
+        size = self.bucket(batch_size)
+        b = self._buckets.get(size)
+        if b is not None and (not b.cache._has_global() or b.cache.max_length >= length):
+            return
+        if b is not None:
+            del self._buckets[size]
+            if self._active is b:
+                self._active, self.rows = None, 0
+            del b  # its buffers and graph go before the new ones are allocated
+        self._get(size, length)
+
+    def _get(self, size: int, max_length: int | None = None) -> _Bucket:
         b = self._buckets.get(size)
         if b is None:
-            b = _Bucket(StaticCache(self.model, size, self.max_length, self.device),
+            length = self.max_length if max_length is None else max_length
+            b = _Bucket(StaticCache(self.model, size, length, self.device),
                         torch.zeros(size, dtype=torch.long, device=self.device))
             if self.use_graph:
                 self._capture(b)
