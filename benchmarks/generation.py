@@ -24,7 +24,8 @@ Triton autotuning at that shape). Static caches (gdn graph, Llama) are sized to 
 
 Skipped with a printed note: batch × prompt above ``--max-prefill-tokens`` (one prefill pass of
 that many tokens), and for attention models a KV cache above ``--kv-budget-gib`` (the gdn graph path
-holds its prefill cache and the static copy at once, so it counts twice). Each row prints when done;
+holds its prefill cache and the static copy at once, so it counts twice), and every row once
+``--max-seconds`` have passed (so the order above is also the priority). Each row prints when done;
 ``--json`` rewrites a file after every row; the table prints at the end, also after SIGTERM.
 
     python benchmarks/generation.py                         # H200: 340m, batches 1/32/256, prompts 2k/32k (~5 min)
@@ -75,6 +76,8 @@ def parse_args(argv=None):
                    help="skip a batch × prompt above this many tokens (default 1,048,576)")
     p.add_argument("--kv-budget-gib", type=float, default=64.0,
                    help="skip an attention model's row whose KV cache would exceed this (default 64)")
+    p.add_argument("--max-seconds", type=float, default=540.0,
+                   help="start no new row after this many seconds (its rows get a note; 0: no limit; default 540)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON (after every row)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     args = p.parse_args(argv)
@@ -280,6 +283,10 @@ def main(argv=None) -> list[dict]:
     try:
         for name in args.models:
             combos = [(B, T) for B in args.batches for T in args.prompts]
+            if args.max_seconds and time.perf_counter() - t0 > args.max_seconds:
+                for B, T in combos:
+                    add(dict(model=name, batch=B, prompt=T, note=f"not run: --max-seconds {args.max_seconds:g} spent"))
+                continue
             try:
                 model = build(name, args, device)
             except Exception as e:  # a peer that cannot be built: its rows say why
@@ -293,6 +300,8 @@ def main(argv=None) -> list[dict]:
             for B, T in combos:
                 row = dict(model=name, batch=B, prompt=T)
                 why = skip_reason(model, B, T, args)
+                if why is None and args.max_seconds and time.perf_counter() - t0 > args.max_seconds:
+                    why = f"not run: --max-seconds {args.max_seconds:g} spent"
                 if why is None:
                     try:
                         row.update(measure(model, B, T, args, device))
