@@ -145,11 +145,13 @@ def test_streamer_gets_every_token():
     (dict(num_beams=2), "beam"),
     (dict(return_dict_in_generate=True, output_hidden_states=True), "output_hidden_states"),
     (dict(use_cache=False), "use_cache"),
+    (dict(prompt_lookup_num_tokens=3), "assisted"),
 ])
 def test_unsupported_options_fall_back_with_one_warning(kwargs, name):
-    """An option the graph loop cannot honour: one warning naming it, and the eager result."""
+    """An option the graph loop cannot honour: one warning naming it, and the eager result (one row:
+    transformers' assisted decoding takes one sequence)."""
     m = tiny("gdn-h1")
-    ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(1, 256, (1, 5), generator=torch.Generator().manual_seed(7))
     ref = m.generate(ids, max_new_tokens=4, do_sample=False, **kwargs)
     with pytest.warns(UserWarning, match=name) as caught:
         out = m.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static", **kwargs)
