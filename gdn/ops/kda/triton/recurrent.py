@@ -172,12 +172,14 @@ def _kda_bwd_kernel(q, k, v, g, beta, do, dht, ckpt, scratch, cu, ck_off,
 
 
 def _checkpoints(B: int, T: int, cu_seqlens, device):
-    """Packed offsets [N+1] (int32, on device), checkpoint offsets [N] and the checkpoint count."""
-    if cu_seqlens is None:
-        host = torch.arange(B + 1, dtype=torch.int64) * T
-    else:
-        host = cu_seqlens.detach().to("cpu", torch.int64)
+    """Packed offsets [N+1] (int32, on device), checkpoint offsets [N] and the checkpoint count.
+    Dense calls build both on the device (no host copy: the decode step is captured in CUDA graphs)."""
     ck = OTHER["kda_recurrent"]["CK"]
+    if cu_seqlens is None:
+        n = -(-T // ck)
+        ar = torch.arange(B + 1, device=device, dtype=torch.int32)
+        return ar * T, ar[:-1] * n, B * n, B
+    host = cu_seqlens.detach().to("cpu", torch.int64)
     n_ck = (host[1:] - host[:-1] + ck - 1) // ck
     off = torch.zeros_like(n_ck)
     off[1:] = torch.cumsum(n_ck, 0)[:-1]
