@@ -5,8 +5,10 @@
 - :mod:`.recurrent`: the context-parallel recurrent ops (every member of the delta family and
   KDA): per-rank transfer maps, one all-gather per call, an exact correction.
 - :mod:`.attention`: softmax attention over a split sequence (the window's halo for sliding-window
-  layers, an all-gather of keys and values for global ones).
-- :mod:`.comm`: the collectives with their backward (halo exchange, all-gather).
+  layers; for global ones an all-gather of keys and values, or with ``attention="ring"`` their
+  blocks passed rank to rank and merged by log-sum-exp).
+- :mod:`.comm`: the collectives with their backward (halo exchange, all-gather) and the batched
+  point-to-point transfers of the ring; CUDA tensors pass through host memory under gloo.
 
 This package sits between the ops and the layers: it imports :mod:`gdn.ops` and nothing above.
 """

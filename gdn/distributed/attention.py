@@ -55,7 +55,8 @@ def softmax_attention(q, k, v, *, cp, scale=None, window_size=None):
     if window_size is None and cp.attention == "ring":
         if HQ % k.shape[2]:
             raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({k.shape[2]})")
-        return _RingAttention.apply(q, k, v, cp, float(scale))
+        with torch.autocast(q.device.type, enabled=False):  # the blocks choose their own precision (fp32 scores)
+            return _RingAttention.apply(q, k, v, cp, float(scale))
     s, e = cp.start, cp.end
     kv = torch.cat([k, v.to(k.dtype)], -1)
     if window_size is None:
@@ -186,6 +187,8 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autocast("cuda", enabled=False)
+    @torch.autocast("cpu", enabled=False)
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
         cp, scale = ctx.cp, ctx.scale
