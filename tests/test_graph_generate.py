@@ -220,3 +220,18 @@ def test_graph_decoder_property():
         m.graph_decoder = "yes"
     m.graph_decoder = None
     assert m.graph_decoder is None
+
+
+def test_early_stop_and_one_token():
+    """Every row ending on its first token, or max_new_tokens=1: the eager result, and no decoder is
+    built (nothing was left to decode)."""
+    m = tiny("qwen3next")
+    ids = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(13))
+    first = m.generate(ids, max_new_tokens=1, do_sample=False)
+    assert first.shape == (2, 7)
+    assert torch.equal(m.generate(ids, max_new_tokens=1, do_sample=False, cache_implementation="static"), first)
+    row = ids[:1]
+    eos = int(first[0, 6])
+    ref, out = both(m, row, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
+    assert out.shape == (1, 7) and torch.equal(out, ref)
+    assert m.graph_decoder is None

@@ -175,14 +175,12 @@ def graph_sample(model, slot: DecoderSlot, input_ids: torch.Tensor, logits_proce
             streamer.put(tok.cpu())
         unfinished = unfinished & ~stopping_criteria(seqs[:, :cur], scores)
         flag.post(unfinished)
-        if cur >= total:
+        if cur >= total or (not flag.deferred and flag.read()):
             break
         if dec is None:  # only when a second token is wanted: a one-token call never touches the decoder
             dec = decoder_for(model, slot, B, total, getattr(generation_config, "max_cache_len", None))
             dec.start(cache)
             cache = None
-        if not flag.deferred and flag.read():
-            break
         logits = dec.step(tok)  # on CUDA queued before the host reads the flag: on a stop it is unused
         if flag.deferred and flag.read():
             break
