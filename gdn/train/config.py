@@ -56,6 +56,7 @@ class TrainConfig:
     activation_checkpointing: bool = False  #: recompute blocks in the backward pass
     distributed: str = "ddp"  #: ddp or fsdp (FSDP2 fully_shard), used under torchrun
     context_parallel: int = 1  #: ranks splitting each packed row along T (torchrun; divides the ranks)
+    context_parallel_attention: str = "gather"  #: global attention under context parallelism: gather (all keys on every rank) or ring (O(T / ranks) keys per rank)
     # logging, validation, checkpoints
     out: str = "runs/default"  #: run directory (config, metrics, checkpoints, plots)
     log_every: int = 10  #: steps between metric lines
@@ -87,7 +88,8 @@ class TrainConfig:
             raise ValueError(f"warmup_steps must be a non-negative int, got {self.warmup_steps!r}")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of grad_accum ({self.grad_accum})")
-        choices = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "bf16", "fp32"), "distributed": ("ddp", "fsdp")}
+        choices = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "bf16", "fp32"), "distributed": ("ddp", "fsdp"),
+                   "context_parallel_attention": ("gather", "ring")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -487,7 +487,7 @@ class Trainer(TrainLoop):
         ids, cu = batch[0].to(self.device), batch[1].to(self.device)
         if self.dist.cp_size == 1:
             return self.forward(input_ids=ids, labels=ids, cu_seqlens=cu).loss
-        cp = ContextParallel.split(self.dist.cp_group, ids.shape[1], batch[1])
+        cp = ContextParallel.split(self.dist.cp_group, ids.shape[1], batch[1], self.cfg.context_parallel_attention)
         return self.forward(input_ids=cp.shard(ids), labels=ids, context_parallel=cp).loss * cp.size
 
     def evaluate(self):
@@ -518,7 +518,8 @@ class Trainer(TrainLoop):
         n_params = sum(p.numel() for p in self.model.parameters())
         logger.info("model %s/%s, %.2fM parameters, pattern %s, device %s x%d%s", cfg.preset, cfg.size,
                     n_params / 1e6, self.model_config.layer_pattern, self.device, self.dist.world_size,
-                    f" ({self.dist.dp_size} data x {self.dist.cp_size} context parallel)" if self.dist.cp_size > 1
+                    f" ({self.dist.dp_size} data x {self.dist.cp_size} context parallel, "
+                    f"{cfg.context_parallel_attention} attention)" if self.dist.cp_size > 1
                     else "")
         return log
 

@@ -61,7 +61,7 @@ def test_context_parallel_matches_one_process_and_resumes_across_world_sizes(tmp
     ref = _losses(tmp_path / "single")
     # CP = 2, stopping after step 10 (checkpoint), then resumed on one process
     proc = _torchrun(2, data, tmp_path / "cp", context_parallel=2, stop_after=10, distributed="fsdp")
-    assert "(1 data x 2 context parallel)" in proc.stdout + proc.stderr
+    assert "(1 data x 2 context parallel, gather attention)" in proc.stdout + proc.stderr
     ckpt = list_checkpoints(tmp_path / "cp")[-1]
     assert ckpt.name == "step_00000010" and (ckpt / "dcp").is_dir() and verify(ckpt)["world_size"] == 2
     resumed = train(_config(tmp_path / "cp", data), resume=True)
@@ -80,14 +80,27 @@ def test_data_times_context_parallel(tmp_path):
     data = write_corpus(tmp_path / "data")
     train(_config(tmp_path / "single", data, batch_size=4, grad_accum=2))
     proc = _torchrun(4, data, tmp_path / "dpcp", batch_size=4, context_parallel=2)
-    assert "(2 data x 2 context parallel)" in proc.stdout + proc.stderr
+    assert "(2 data x 2 context parallel, gather attention)" in proc.stdout + proc.stderr
     _same(_losses(tmp_path / "dpcp"), _losses(tmp_path / "single"), range(1, STEPS + 1))
+
+
+def test_ring_attention_trains_like_one_process(tmp_path):
+    """A hybrid with global attention (qwen3next tiny: G G G A) under CP = 2 with
+    ``context_parallel_attention=ring``: the 20 losses of one process, to 1e-4."""
+    data = write_corpus(tmp_path / "data")
+    train(_config(tmp_path / "single", data, preset="qwen3next"))
+    proc = _torchrun(2, data, tmp_path / "ring", preset="qwen3next", context_parallel=2,
+                     context_parallel_attention="ring")
+    assert "(1 data x 2 context parallel, ring attention)" in proc.stdout + proc.stderr
+    _same(_losses(tmp_path / "ring"), _losses(tmp_path / "single"), range(1, STEPS + 1))
 
 
 def test_context_parallel_setting_is_checked(tmp_path):
     """context_parallel must be a positive int dividing the number of processes."""
     with pytest.raises(ValueError, match="context_parallel must be a positive int"):
         _config(tmp_path / "x", tmp_path, context_parallel=0)
+    with pytest.raises(ValueError, match="context_parallel_attention must be one of"):
+        _config(tmp_path / "x", tmp_path, context_parallel_attention="all")
     data = write_corpus(tmp_path / "data")
     with pytest.raises(ValueError, match=r"context_parallel \(2\) must divide the number of processes \(1\)"):
         train(_config(tmp_path / "one", data, context_parallel=2))
