@@ -164,3 +164,136 @@ def test_reserve():
     first = g._buckets[2]
     g.reserve(2, 400)
     assert g._buckets[2] is first
+
+
+def alone(m, p, steps):
+    """Greedy logits of ``p`` decoded alone on the eager cache: the prefill's, then ``steps`` steps'."""
+    logits, cache = prefill(m, torch.tensor([p]))
+    out = [logits[0]]
+    for _ in range(steps):
+        out.append(decode_step(m, out[-1].argmax(-1)[None], cache)[0])
+    return out
+
+
+def tokens_of(vocab, lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("preset,kw", CASES, ids=IDS)
+def test_load_rows_replaces_rows_in_place(preset, kw, dtype):
+    """Three rows decode a few steps in bucket 4; two newcomers go into rows 2 and 0 with load_rows:
+    rows 1 and 3 stay bit-identical, no buffer moves, and then every row decodes as its prompt alone
+    (greedy tokens equal, logits within the tolerance). A newcomer whose global attention keys do
+    not fit before the slot counter is refused, and GraphDecoder.refill makes room for it."""
+    from gdn.generation import prefill_packed
+
+    m = tiny(preset, dtype, **kw)
+    V = m.config.vocab_size
+    first, newcomers = tokens_of(V, (7, 3, 5), 1), tokens_of(V, (4, 9), 2)
+    logits, cache = prefill_packed(m, first)
+    dec = GraphDecoder(m, max_length=40, buckets=(4,))
+    dec.start(cache)
+    static = dec.static_cache
+    ptrs = [t.data_ptr() for t in static.buffers()]
+    refs = [alone(m, p, 3 + NEW) for p in first]
+    tok = logits.argmax(-1)
+    for s in range(3):
+        tok = dec.step(tok).argmax(-1)
+    before = [t.clone() for t in static.buffers()]
+    new_logits, new_cache = prefill_packed(m, newcomers)
+    static.load_rows(new_cache, [2, 0])
+    for t, b in zip(static.buffers()[:-2], before):
+        assert torch.equal(t[[1, 3]], b[[1, 3]])
+    assert torch.equal(static.seen, before[-2]) and static.positions.tolist() == [9, 3 + 3, 4, 3]
+    assert [t.data_ptr() for t in static.buffers()] == ptrs
+    seen = int(static.seen)
+    for st in static.layers:  # a newcomer's last key sits at slot seen - 1 (a ring: mod window)
+        if hasattr(st, "valid"):
+            for r, n in ((2, 4), (0, 9)):
+                W = st.window or static.max_length
+                want = sorted(s % W for s in range(seen - min(n, W - 1 if st.window else n), seen))
+                assert st.valid[r].nonzero().flatten().tolist() == want
+    refs = [alone(m, newcomers[1], NEW), refs[1][3:], alone(m, newcomers[0], NEW)]
+    tok = torch.stack([new_logits[1].argmax(-1), tok[1], new_logits[0].argmax(-1)])
+    for s in range(NEW):
+        out = dec.step(tok)
+        for r in range(3):
+            a = refs[r][s + 1]
+            assert (out[r] - a).abs().max().item() <= TOL[dtype] * max(1.0, a.abs().max().item())
+        tok = out.argmax(-1)
+        assert tok.tolist() == [refs[r][s + 1].argmax(-1).item() for r in range(3)]
+    assert [t.data_ptr() for t in static.buffers()] == ptrs
+
+    # a newcomer longer than the slots used so far (3 + 3 + NEW = 18): global layers refuse it
+    seen = int(static.seen)
+    long = tokens_of(V, (seen + 5,), 3)
+    long_logits, long_cache = prefill_packed(m, long)
+    if static._has_global():
+        with pytest.raises(ValueError, match=f"fills {seen + 5} global attention slots.*shift\\(5\\)"):
+            static.load_rows(long_cache, [1])
+    dec.refill(long_cache, [1])  # moves every row 5 slots later when it must, then loads
+    assert [t.data_ptr() for t in static.buffers()] == ptrs
+    ref = alone(m, long[0], NEW)
+    tok = torch.stack([tok[0], long_logits[0].argmax(-1), tok[2]])
+    for s in range(NEW):
+        out = dec.step(tok)
+        a = ref[s + 1]
+        assert (out[1] - a).abs().max().item() <= TOL[dtype] * max(1.0, a.abs().max().item())
+        tok = out.argmax(-1)
+
+
+@pytest.mark.parametrize("preset,kw", CASES, ids=IDS)
+def test_refill_and_release_leave_other_rows(preset, kw):
+    """GraphDecoder.refill of one row (a short newcomer into the shortest row: nothing to compact)
+    leaves every other row bit-identical; release empties the row and keeps the batch size."""
+    from gdn.generation import prefill_packed
+
+    m = tiny(preset, torch.float64, **kw)
+    V = m.config.vocab_size
+    _, cache = prefill_packed(m, tokens_of(V, (8, 2, 6), 4))
+    dec = GraphDecoder(m, max_length=30, buckets=(3,))
+    dec.start(cache)
+    tok = torch.tensor([1, 2, 3])
+    for _ in range(2):
+        dec.step(tok)
+    static = dec.static_cache
+    before = [t.clone() for t in static.buffers()]
+    _, new_cache = prefill_packed(m, tokens_of(V, (2,), 5))
+    dec.refill(new_cache, [1])
+    for t, b in zip(static.buffers(), before):
+        assert torch.equal(t[[0, 2]], b[[0, 2]]) if t.dim() else torch.equal(t, b)
+    dec.release([1])
+    assert static.batch_size == 3 and dec.rows == 3 and dec.free == {1}
+    assert static.positions[1].item() == 0
+    for st in static.layers:
+        if hasattr(st, "valid"):
+            assert not st.valid[1].any()
+    dec.step(tok)
+    with pytest.raises(ValueError, match="distinct rows"):
+        dec.refill(new_cache, [3])
+
+
+def test_shift_and_compact():
+    """shift moves every row's keys (a window ring rotates) and the slot counter; compact drops the
+    leading slots no row attends; both refuse what does not fit."""
+    m = tiny("gdn", torch.float64, layer_pattern="GSA", num_hidden_layers=3, window_size=4)
+    _, cache = prefill(m, prompt(2, 6, m.config.vocab_size))
+    static = StaticCache(m, 2, 12)
+    static.load(cache)
+    g, w = static.layers[2], static.layers[1]
+    key, ring = g.key.clone(), w.key.clone()
+    static.shift(3)
+    assert int(static.seen) == 9 and static.length == 9
+    assert torch.equal(g.key[:, 3:9], key[:, :6]) and not g.valid[:, :3].any() and g.valid[:, 3:9].all()
+    assert torch.equal(w.key, ring.roll(3, 1))
+    assert static.compact() == 3 and int(static.seen) == 6
+    assert torch.equal(g.key, key) and torch.equal(w.key, ring)
+    with pytest.raises(ValueError, match="max_length > 12"):
+        static.shift(6)
+    with pytest.raises(ValueError, match="earlier"):
+        static.shift(-7)
+    static.seen.fill_(12)
+    with pytest.raises(ValueError, match="no room"):
+        static.load_rows(cache.snapshot([0]), [1])

@@ -131,6 +131,137 @@ class StaticCache:
         self.positions[:B].copy_(cache.positions)
         self.length = seen
 
+    def _rows(self, rows) -> torch.Tensor:
+        idx = [int(r) for r in rows]
+        if not idx or len(set(idx)) != len(idx) or any(not 0 <= r < self.batch_size for r in idx):
+            raise ValueError(f"rows must be distinct rows in [0, {self.batch_size}), got {list(rows)}")
+        return torch.tensor(idx, dtype=torch.long, device=self.device)
+
+    @staticmethod
+    def span(cache: GDNCache) -> int:
+        """Slots a global attention layer of ``cache`` fills, from its first valid key to its last
+        (left padding no row uses is not counted); 0 without global attention."""
+        need = 0
+        for st in cache.layers:
+            if isinstance(st, KVState) and st.window is None and st.key.shape[1]:
+                used = st.valid.any(0)
+                if bool(used.any()):
+                    need = max(need, st.key.shape[1] - int(used.long().argmax()))
+        return need
+
+    def load_rows(self, cache: GDNCache, rows: Sequence[int]) -> None:
+        """Write the B' rows of ``cache`` (a prefill's :class:`GDNCache`) into rows ``rows`` of this
+        static cache, in place; the other rows are not touched and no buffer is reallocated.
+
+        The slot counter ``seen`` is shared by all rows and does not move, so the newcomers' keys are
+        placed relative to it: each one's last key at slot ``seen - 1``, the one before at
+        ``seen - 2`` and so on (a window layer's ring at those slots mod window), and every other slot
+        of those rows is emptied. Recurrent states, conv tails and positions are copied. A global
+        attention layer cannot place keys before slot 0: ``cache`` must fill at most ``seen`` slots
+        (:meth:`span`), and the next token needs ``seen < max_length``; otherwise ``ValueError``
+        (:meth:`shift` makes room first)."""
+        if not isinstance(cache, GDNCache):
+            raise TypeError(f"cache must be a GDNCache, got {type(cache).__name__}")
+        if len(cache.layers) != len(self.layers):
+            raise ValueError(f"the cache has {len(cache.layers)} layers, this static cache {len(self.layers)}")
+        idx = self._rows(rows)
+        if cache.batch_size != idx.numel():
+            raise ValueError(f"rows names {idx.numel()} rows but the cache holds {cache.batch_size}")
+        seen = int(self.seen)
+        self.length = seen
+        if self._has_global():
+            need = self.span(cache)
+            if need > seen:
+                raise ValueError(f"the cache fills {need} global attention slots but only {seen} lie before "
+                                 f"the shared slot counter: shift({need - seen}) first")
+            if seen >= self.max_length:
+                raise ValueError(f"no room for the next token: {seen} of max_length={self.max_length} "
+                                 f"global attention slots are used")
+        self.clear_rows(idx.tolist())
+        for buf, st in zip(self.layers, cache.layers):
+            if st is None:
+                continue
+            if isinstance(buf, RecurrentState):
+                if not isinstance(st, RecurrentState) or len(st.conv) != len(buf.conv):
+                    raise ValueError("the cache's layer states do not match this model's mixers")
+                for b, c in zip(buf.conv, st.conv):
+                    b.index_copy_(0, idx, c.to(b.dtype))
+                buf.recurrent.index_copy_(0, idx, st.recurrent.to(buf.recurrent.dtype))
+                continue
+            if not isinstance(st, KVState) or st.window != buf.window:
+                raise ValueError("the cache's layer states do not match this model's mixers")
+            Tc = st.key.shape[1]
+            if buf.window is None:
+                n = min(Tc, seen)  # columns before the last `seen` hold no valid key (checked above)
+                slots = torch.arange(seen - n, seen, device=self.device)
+            else:
+                if Tc > buf.window:
+                    raise ValueError(f"a window layer holds {Tc} keys, more than its window {buf.window}")
+                n = Tc
+                slots = torch.arange(seen - n, seen, device=self.device) % buf.window
+            if n == 0:
+                continue
+            at = (idx[:, None], slots[None, :])
+            buf.key[at] = st.key[:, Tc - n:].to(buf.key)
+            buf.value[at] = st.value[:, Tc - n:].to(buf.value)
+            buf.valid[at] = st.valid[:, Tc - n:].to(self.device)
+        self.positions.index_copy_(0, idx, cache.positions.to(self.positions))
+
+    def clear_rows(self, rows: Sequence[int]) -> None:
+        """Empty rows ``rows`` (zero states, no valid key, position 0), in place; ``seen`` is kept."""
+        idx = self._rows(rows)
+        for t in self.buffers()[:-2]:
+            t.index_fill_(0, idx, 0)
+        self.positions.index_fill_(0, idx, 0)
+
+    def shift(self, d: int) -> None:
+        """Move every row's keys ``d`` slots later (``d > 0``: ``d`` empty slots open in front, as left
+        padding would) or ``-d`` slots earlier (the first ``-d`` slots are discarded: the caller makes
+        sure no row still needs them), and the slot counter ``seen`` with them, in place. Window rings
+        rotate by ``d`` so that slot s stays at s mod window. Decoding afterwards gives what it gave
+        before (attention reads only valid slots; RoPE positions are per row)."""
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise TypeError(f"d must be an int, got {d!r}")
+        seen = int(self.seen)
+        if seen + d < 0:
+            raise ValueError(f"cannot move the slots {-d} earlier: only {seen} are used")
+        if d > 0 and self._has_global() and seen + d >= self.max_length:
+            raise ValueError(f"moving the slots {d} later needs max_length > {seen + d}, this static cache has "
+                             f"{self.max_length}")
+        if d == 0:
+            self.length = seen
+            return
+        for st in self.layers:
+            if not isinstance(st, KVState):
+                continue
+            for t in (st.key, st.value, st.valid):
+                if st.window is not None:
+                    t.copy_(t.roll(d, 1))
+                elif d > 0:
+                    t[:, d:] = t[:, :-d].clone()
+                    t[:, :d] = 0
+                else:
+                    t[:, :d] = t[:, -d:].clone()
+                    t[:, d:] = 0
+        self.seen.add_(d)
+        self.length = seen + d
+
+    def compact(self) -> int:
+        """Drop the leading global attention slots that no row attends to (:meth:`shift` back by as
+        many; the caller empties finished rows first); returns the number dropped (0 without global
+        attention)."""
+        seen = int(self.seen)
+        self.length = seen
+        lead = seen
+        for st in self.layers:
+            if isinstance(st, KVState) and st.window is None:
+                used = st.valid[:, :seen].any(0)
+                lead = min(lead, int(used.long().argmax()) if bool(used.any()) else seen)
+        if not self._has_global() or lead == 0:
+            return 0
+        self.shift(-lead)
+        return lead
+
     def _has_global(self) -> bool:
         return any(isinstance(st, KVState) and st.window is None for st in self.layers)
 
@@ -193,6 +324,7 @@ class GraphDecoder:
         self._buckets: dict[int, _Bucket] = {}
         self._active: _Bucket | None = None
         self.rows = 0
+        self.free: set[int] = set()  # rows of the active batch that hold no sequence (release)
 
     def bucket(self, batch_size: int) -> int:
         """The bucket a batch of ``batch_size`` rows runs in."""
@@ -261,6 +393,57 @@ class GraphDecoder:
         b = self._get(self.bucket(cache.batch_size))
         b.cache.load(cache)
         self._active, self.rows = b, cache.batch_size
+        self.free: set[int] = set()
+
+    @torch.no_grad()
+    def refill(self, cache: GDNCache, rows: Sequence[int]) -> None:
+        """Put the sequences of ``cache`` (a prefill's :class:`GDNCache`, one row per name in ``rows``)
+        into rows ``rows`` of the active batch, replacing what they held; the batch size, the bucket and
+        its captured graph stay. When a global attention layer of ``cache`` fills more slots than the
+        batch has used, every row's slots first move later by the difference (:meth:`StaticCache.shift`:
+        the same keys, left-padded), which needs ``max_length`` above the newcomers' prompt length.
+        Slots that only the replaced or released rows attended to are dropped first
+        (:meth:`StaticCache.compact`), so ``seen`` stays at the longest live sequence."""
+        static = self.static_cache
+        self._check_rows(rows)
+        named = {int(r) for r in rows}
+        self.free |= named  # what they held is no longer needed: its slots may go first
+        self._compact()
+        need = static.span(cache)
+        if need > int(static.seen):
+            static.shift(need - int(static.seen))
+        static.load_rows(cache, rows)
+        self.free -= named
+
+    @torch.no_grad()
+    def release(self, rows: Sequence[int]) -> None:
+        """The sequences of rows ``rows`` ended and nothing replaces them: the rows are emptied and stay
+        in the batch (``step`` still takes a token for them, whose logits mean nothing) until
+        :meth:`refill` or :meth:`start`. Keeping them keeps the captured graph; global attention slots
+        only they held are dropped."""
+        self._check_rows(rows)
+        self.free |= {int(r) for r in rows}
+        self.static_cache.clear_rows(rows)
+        self._compact()
+
+    def _check_rows(self, rows: Sequence[int]) -> None:
+        if self._active is None:
+            raise RuntimeError("call start(cache) first")
+        idx = [int(r) for r in rows]
+        if not idx or len(set(idx)) != len(idx) or any(not 0 <= r < self.rows for r in idx):
+            raise ValueError(f"rows must be distinct rows of the active batch [0, {self.rows}), got {list(rows)}")
+
+    def _compact(self) -> None:
+        """Empty the rows no sequence uses (released rows and the bucket's padding rows, which keep
+        writing keys as they are fed) and drop the global attention slots no live row attends to, so
+        ``seen`` stays at the longest live row and ``max_length`` bounds one sequence, not a run."""
+        static = self.static_cache
+        if not static._has_global():
+            return
+        idle = sorted(self.free) + list(range(self.rows, static.batch_size))
+        if idle:
+            static.clear_rows(idle)
+        static.compact()
 
     @property
     def static_cache(self) -> StaticCache:
