@@ -372,7 +372,8 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int,
 def stream_slots(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int], batch_size: int,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  eos_token_id: int | None = None, pad_token_id: int = 0,
-                 generator: torch.Generator | None = None) -> Iterator[tuple[int, list[int]]]:
+                 generator: torch.Generator | None = None,
+                 graph: bool | GraphDecoder = False) -> Iterator[tuple[int, list[int]]]:
     """Generate for many prompts through at most ``batch_size`` decoding slots, refilled as sequences finish.
 
     The first ``batch_size`` prompts are prefilled packed (:func:`prefill_packed`) and decode as one
@@ -382,6 +383,12 @@ def stream_slots(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int
     prompts wait; when none wait, finished rows are dropped. Yields ``(prompt index, new tokens)`` as
     each prompt finishes (a list ending with ``eos_token_id`` when one came). Greedy, every prompt gets
     the tokens it gets alone. Sampling as in :func:`sample_next`.
+
+    ``graph``: decode on a :class:`gdn.models.GraphDecoder` (True: a new one; or one to reuse) whose
+    batch keeps its size: newcomers go into the free rows in place (:meth:`GraphDecoder.refill`) and
+    finished rows with no newcomer stay, emptied and fed ``pad_token_id`` (:meth:`GraphDecoder.release`),
+    so one captured graph serves the whole run. Its global attention layers get
+    ``max(len(prompt) + max_new_tokens)`` slots, enough for any one sequence.
     """
     prompts = _as_prompts(prompts)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -391,6 +398,8 @@ def stream_slots(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int
         raise ValueError(f"max_new_tokens gives {len(limits)} limits for {len(prompts)} prompts")
     for n in limits:
         _check_max_new(n)
+    if graph is not False and graph is not True and not isinstance(graph, GraphDecoder):
+        raise TypeError(f"graph must be a bool or a GraphDecoder, got {type(graph).__name__}")
     waiting = [i for i in range(len(prompts)) if limits[i] > 0]
     for i in range(len(prompts)):
         if limits[i] == 0:
@@ -398,44 +407,75 @@ def stream_slots(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int
     if not waiting:
         return
     with _eval(model):
-        rows = waiting[:batch_size]                       # prompt index of every row (None: free)
+        rows: list[int | None] = waiting[:batch_size]     # prompt index of every row (None: free)
         waiting = waiting[batch_size:]
         logits, cache = prefill_packed(model, [prompts[i] for i in rows])
+        dec = None
+        if graph is not False:
+            # Global attention: compaction keeps the used slots at the longest live sequence's.
+            length = max(len(prompts[i]) + limits[i] for i in rows + waiting)
+            dec = GraphDecoder(model, max_length=length) if graph is True else graph
+            dec.reserve(len(rows), length)
+            dec.start(cache)
         out: dict[int, list[int]] = {i: [] for i in rows}
         while True:
-            tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            live = [r for r, i in enumerate(rows) if i is not None]
+            if len(live) == len(rows):
+                tok = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            else:                                         # free rows of a graph batch: sample the live ones
+                at = torch.tensor(live, device=logits.device)
+                tok = torch.full((len(rows),), pad_token_id, dtype=torch.long, device=logits.device).index_copy(
+                    0, at, sample_next(logits.index_select(0, at), temperature=temperature, top_k=top_k,
+                                       top_p=top_p, generator=generator))
             free = []
-            for r, (i, t) in enumerate(zip(rows, tok.tolist())):
+            values = tok.tolist()
+            for r in live:
+                i, t = rows[r], values[r]
                 out[i].append(t)
                 if len(out[i]) >= limits[i] or (eos_token_id is not None and t == eos_token_id):
                     yield i, out.pop(i)
                     free.append(r)
-            if not waiting and len(free) == len(rows):
+            if not waiting and len(free) == len(live):
                 return
             if not waiting and free:                      # nothing to refill: drop the finished rows
-                keep = [r for r in range(len(rows)) if r not in free]
-                idx = torch.tensor(keep, device=tok.device)
-                cache.index_select(idx)
-                tok, rows = tok.index_select(0, idx), [rows[r] for r in keep]
+                if dec is not None:
+                    dec.release(free)
+                    for r in free:
+                        rows[r] = None
+                else:
+                    keep = [r for r in range(len(rows)) if r not in free]
+                    idx = torch.tensor(keep, device=tok.device)
+                    cache.index_select(idx)
+                    tok, rows = tok.index_select(0, idx), [rows[r] for r in keep]
                 free = []
-            logits = decode_step(model, tok.masked_fill(_row_mask(free, tok), pad_token_id), cache)
+            idle = free + [r for r in range(len(rows)) if rows[r] is None]
+            feed = tok.masked_fill(_row_mask(idle, tok), pad_token_id)
+            logits = decode_step(model, feed, cache) if dec is None else dec.step(feed)
             if free:
                 new, waiting = waiting[:len(free)], waiting[len(free):]
                 slots = free[:len(new)]
                 new_logits, new_cache = prefill_packed(model, [prompts[i] for i in new])
-                cache.restore(new_cache, slots)
+                if dec is None:
+                    cache.restore(new_cache, slots)
+                else:
+                    dec.refill(new_cache, slots)
                 at = torch.tensor(slots, device=logits.device)
                 logits = logits.index_copy(0, at, new_logits.to(logits.dtype))
                 for r, i in zip(slots, new):
                     rows[r] = i
                     out[i] = []
                 gone = free[len(new):]                    # prompts ran out: drop the rest
-                if gone:
+                if gone and dec is not None:
+                    dec.release(gone)
+                    for r in gone:
+                        rows[r] = None
+                elif gone:
                     keep = [r for r in range(len(rows)) if r not in gone]
                     idx = torch.tensor(keep, device=logits.device)
                     cache.index_select(idx)
                     logits, rows = logits.index_select(0, idx), [rows[r] for r in keep]
-                cache.compact()
+                if dec is None:
+                    cache.compact()
 
 
 def _row_mask(rows: list[int], like: torch.Tensor) -> torch.Tensor:

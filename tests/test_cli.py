@@ -3,6 +3,9 @@ on tiny inputs."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,3 +126,28 @@ def test_convert_is_a_gdn_subcommand(tmp_path):
     args = build_parser().parse_args(["convert", "hf-qwen3.5", str(tmp_path), str(tmp_path / "out")])
     with pytest.raises((ValueError, OSError)):
         args.func(args)
+
+
+def test_generate_graph_more_prompts_than_slots_in_the_real_script(tmp_path, capsys):
+    """``gdn generate --graph --batch-size 2`` with five prompts, through the installed console script
+    in a subprocess (global attention: a long prompt arrives after short ones, so rows move): what the
+    eager decode prints in-process, which is each prompt alone."""
+    from gdn.models import GDNConfig, GDNForCausalLM
+
+    gdn = Path(sys.executable).with_name("gdn")
+    if not gdn.exists():
+        pytest.skip("the gdn console script is not installed next to this interpreter")
+    torch.manual_seed(0)
+    GDNForCausalLM(GDNConfig.from_preset("transformer", "tiny", hidden_size=32)).eval().save_pretrained(tmp_path / "m")
+    prompts = ["x", "def f(a):", "import torch as t, numpy as np  # a much longer line than the rest", "hi", "ab"]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    args = ["generate", "--ckpt", str(tmp_path / "m"), "--temperature", "0", "--max-new-tokens", "6",
+            "--device", "cpu", "--prompts-file", str(tmp_path / "p.txt"), "--batch-size", "2"]
+    res = subprocess.run([str(gdn), *args, "--graph"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    singles = []
+    for p in prompts:
+        assert main(args[:-4] + ["--prompt", p]) == 0
+        singles.append(capsys.readouterr().out)
+    assert res.stdout == "---\n".join(singles)

@@ -7,16 +7,17 @@ import torch
 
 from gdn import generation as G
 from gdn.layers.state import KVState
-from gdn.models import GDNConfig, GDNForCausalLM
+from gdn.models import GDNConfig, GDNForCausalLM, GraphDecoder
 
 TINY = dict(hidden_size=32, vocab_size=256)
 CASES = {"gdn": {}, "gdn-h1": {"window_size": 8},  # the window is shorter than some prompts
-         "transformer": {}, "KMSA": {"layer_pattern": "KMSA", "num_hidden_layers": 4, "window_size": 8}}
+         "transformer": {}, "KMSA": {"layer_pattern": "KMSA", "num_hidden_layers": 4, "window_size": 8},
+         "KM": {"layer_pattern": "KM", "num_hidden_layers": 2}}
 
 
 def tiny(case, dtype):
     torch.manual_seed(0)
-    preset = "gdn" if case == "KMSA" else case
+    preset = "gdn" if case.startswith("KM") else case
     return GDNForCausalLM(GDNConfig.from_preset(preset, "tiny", **TINY, **CASES[case])).to(dtype).eval()
 
 
@@ -25,7 +26,7 @@ def prompts_of(lengths, seed=0):
     return [torch.randint(1, 256, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", ["gdn", "gdn-h1", "transformer", "KMSA"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_packed_prefill_equals_each_prompt_alone(case, dtype):
     m = tiny(case, dtype)
@@ -59,7 +60,7 @@ def test_packed_prefill_rejects_empty_prompts():
             G.prefill_packed(m, bad)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", ["gdn", "gdn-h1", "transformer", "KMSA"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_slots_refilled_as_sequences_finish_equal_each_alone(case, dtype, monkeypatch):
     m = tiny(case, dtype)
@@ -96,6 +97,51 @@ def test_slots_refilled_as_sequences_finish_equal_each_alone(case, dtype, monkey
         G.generate_slots(m, prompts, max_new_tokens=2, batch_size=0)
     with pytest.raises(ValueError, match="limits"):
         G.generate_slots(m, prompts, max_new_tokens=[1, 2], batch_size=2)
+
+
+@pytest.mark.parametrize("case", ["gdn", "gdn-h1", "transformer", "KM"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("lengths", [(5, 1, 130, 40, 5, 17, 3, 60, 1, 9), (3, 2, 4, 50, 1, 70, 6, 2),
+                                     (2, 4, 1, 3, 4, 2, 1, 3, 3, 2, 4, 1, 2, 3, 1, 4)],
+                         ids=["long-first", "long-later", "many-short"])
+def test_slots_on_the_graph_decoder_equal_eager_and_each_alone(case, dtype, lengths, monkeypatch):
+    """stream_slots with graph=True / a reused GraphDecoder: the tokens of the eager slots and of each
+    prompt alone (greedy, per-prompt limits, an eos that ends rows early, more prompts than slots;
+    "long-later": prompts longer than every live row arrive as newcomers, so global attention rows
+    move later; "many-short": a run of many more steps than one prompt plus its tokens). The batch
+    keeps its size (one bucket, one graph) and the global attention slots in use never exceed one
+    prompt plus its tokens."""
+    m = tiny(case, dtype)
+    prompts = prompts_of(lengths, seed=2)
+    limits = [(3, 9, 1, 12, 6, 0, 8, 2, 11, 5)[i % 10] for i in range(len(prompts))]
+    alone = [G.generate(m, torch.tensor([p]), max_new_tokens=12)[0, len(p):].tolist() for p in prompts]
+    eos = alone[3][2]
+    expected = []
+    for a, n in zip(alone, limits):
+        a = a[:n]
+        expected.append(a[:a.index(eos) + 1] if eos in a else a)
+    assert any(eos in e and len(e) < n for e, n in zip(expected, limits))  # the eos ends a row early
+    eager = G.generate_slots(m, prompts, max_new_tokens=limits, batch_size=3, eos_token_id=eos)
+    assert eager == expected
+    steps = []
+    step = GraphDecoder.step
+
+    def watching(self, tokens):
+        steps.append((self.static_cache.batch_size, self.static_cache.length, self.static_cache.max_length))
+        return step(self, tokens)
+
+    monkeypatch.setattr(GraphDecoder, "step", watching)
+    assert G.generate_slots(m, prompts, max_new_tokens=limits, batch_size=3, eos_token_id=eos, graph=True) == expected
+    assert {s[0] for s in steps} == {4}  # 3 rows in bucket 4 from start to end
+    budget = max(len(p) + n for p, n in zip(prompts, limits) if n)
+    if case == "transformer":  # global attention: compaction bounds the slots in use
+        assert all(s[1] < budget for s in steps) and steps[0][2] == budget
+    dec = GraphDecoder(m, max_length=8, buckets=(2, 4))
+    got = list(G.stream_slots(m, prompts, max_new_tokens=limits, batch_size=4, eos_token_id=eos, graph=dec))
+    assert sorted(i for i, _ in got) == list(range(len(prompts))) and all(new == expected[i] for i, new in got)
+    assert G.generate_slots(m, prompts[:2], max_new_tokens=4, batch_size=2, graph=dec) == [a[:4] for a in alone[:2]]
+    with pytest.raises(TypeError, match="graph"):
+        G.generate_slots(m, prompts, max_new_tokens=2, batch_size=2, graph="yes")
 
 
 def test_cli_generate_more_prompts_than_slots_equals_one_by_one(tmp_path, capsys):
