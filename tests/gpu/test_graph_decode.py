@@ -1,6 +1,7 @@
 """CUDA-graph decode (gdn.models.GraphDecoder) on a GPU: the captured static step, replayed per
 token, gives the eager decode's greedy tokens, for the presets of tests/test_static_cache.py, in
-fp32 and bf16, with a batch padded up to its bucket; ``model.generate`` with
+fp32 and bf16, with a batch padded up to its bucket, and with slots refilled as sequences finish;
+``model.generate`` with
 ``cache_implementation="static"`` gives transformers' eager tokens for every preset (the CPU
 counterpart is tests/test_graph_generate.py). Skipped without a CUDA device (conftest)."""
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gdn.generation import decode_step, generate, prefill
+from gdn.generation import decode_step, generate, generate_slots, prefill
 from gdn.models import PRESETS, GDNConfig, GDNForCausalLM, GraphDecoder
 
 NEW = 16
@@ -63,6 +64,28 @@ def test_generate_graph_reused(preset, kw):
     refb = generate(mb, ids, max_new_tokens=4)
     outb = generate(mb, ids, max_new_tokens=4, graph=True)
     assert outb.shape == refb.shape and torch.equal(outb[:, :9], refb[:, :9])
+
+
+@pytest.mark.parametrize("preset,kw", CASES, ids=IDS)
+def test_slots_refilled_on_the_graph(preset, kw):
+    """``generate_slots(..., graph=decoder)``: newcomers written into the rows of the captured batch
+    (a long prompt arriving after short ones moves global attention rows), finished rows released;
+    fp32 greedy tokens equal the eager slots' and the bucket's graph is captured once."""
+    m = tiny(preset, torch.float32, **kw)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, m.config.vocab_size, (n,), generator=g).tolist()
+               for n in (3, 2, 4, 50, 1, 70, 6, 2, 9, 1, 33)]
+    limits = [3, 9, 1, 12, 6, 4, 8, 2, 11, 5, 7]
+    ref = generate_slots(m, prompts, max_new_tokens=limits, batch_size=3)
+    eos = ref[3][2]
+    ref = generate_slots(m, prompts, max_new_tokens=limits, batch_size=3, eos_token_id=eos)
+    dec = GraphDecoder(m, max_length=8)
+    assert generate_slots(m, prompts, max_new_tokens=limits, batch_size=3, eos_token_id=eos, graph=dec) == ref
+    graph = dec._buckets[4].graph
+    assert graph is not None and dec.use_graph
+    assert generate_slots(m, prompts, max_new_tokens=limits, batch_size=3, eos_token_id=eos, graph=dec) == ref
+    assert dec._buckets[4].graph is graph
+    torch.cuda.synchronize()
 
 
 def _near_argmax(logits: torch.Tensor, tokens: torch.Tensor, tol: float = 1e-3) -> bool:
