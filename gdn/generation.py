@@ -14,7 +14,8 @@ caches to reuse later, e.g. with :meth:`gdn.models.GDNCache.restore` or ``fork``
 
 Prompts of different lengths without padding: :func:`prefill_packed` prefills them as one packed row
 and gives a cache with a row per prompt; :func:`stream_slots` / :func:`generate_slots` decode many
-prompts through a fixed number of slots, refilling a slot with the next prompt when its sequence ends.
+prompts through a fixed number of slots, refilling a slot with the next prompt when its sequence ends
+(on the eager cache, or on a graph decoder's static cache with ``graph=``).
 """
 from __future__ import annotations
 

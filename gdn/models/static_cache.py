@@ -10,6 +10,8 @@ count ``seen`` and the RoPE ``positions`` live on the device, so the step has no
 on the length, no host sync and no data-dependent branch: it can be captured in a CUDA graph.
 :class:`GraphDecoder` captures it once per batch-size bucket (rows padded up to the bucket) and
 replays it per token; on the CPU (or with ``use_graph=False``) it runs the very same step eagerly.
+Rows of a running batch can take new sequences in place (:meth:`StaticCache.load_rows`,
+:meth:`GraphDecoder.refill`, :meth:`GraphDecoder.release`), so one graph serves a stream of prompts.
 
 The step equals the eager decode (:func:`gdn.generation.decode_step`) for recurrent layers op for
 op; attention reads its keys from the fixed buffer under a validity mask, which changes only the
