@@ -49,11 +49,15 @@ DELTA = {
     "wu": dict(num_warps=8, stages=(3, 2, 1), BK=64, BV=64),
     # The value tile halves (down to BV_min) while the (sequence, head, tile) programs would not
     # fill the card (chunk_fwd.state_tile): (1, 32768, 16, 128) forward 1.78 → 1.63 ms.
-    "state_fwd": dict(num_warps=4, stages=(3, 2, 1), waves=True, SV=8192, BV_min=16),
+    # from_inverse (delta members; read by the forward's two-stage pass only, the backward's
+    # recompute keeps W and U since its reverse pass reads W): δ = T⁻¹ diag(β)(V − diag(Γ) K S)
+    # formed in the pass from the in-chunk inverse, v and β, so the forward runs no wu kernel and
+    # stores no W or U; one more [64, 64] × [64, BV] product per chunk step. Off until timed on the GPU.
+    "state_fwd": dict(num_warps=4, stages=(3, 2, 1), waves=True, SV=8192, BV_min=16, from_inverse=False),
     # The forward's fused state-and-output pass, taken when its programs number at least ``fill``
     # times the multiprocessors (delta.triton.chunk.layout); else state_fwd then output. No third
-    # stage: with it the GPU tests fail at T = 63, V = 16 bf16.
-    "state_out": dict(num_warps=4, stages=(2, 1), waves=True, SV=4096, fill=1.5, BV_min=32),
+    # stage: with it the GPU tests fail at T = 63, V = 16 bf16. from_inverse: as state_fwd's.
+    "state_out": dict(num_warps=4, stages=(2, 1), waves=True, SV=4096, fill=1.5, BV_min=32, from_inverse=False),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
     # Pipelined loops over value/key blocks, GPU µs at (4, 8192, 16, 128): dv_local 170 → 158 with
     # three stages, dqk 920 → 742 with two (→ 700 with three at 1 × 32768), wy_bwd 599 → 569 with three.

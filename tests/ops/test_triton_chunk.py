@@ -39,6 +39,20 @@ from gdn.ops.triton import launch as L  # noqa: E402
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _tuning_overrides():
+    """``GDN_TUNING`` (inline JSON or a file, :func:`gdn.ops.tuning.update_from`) runs this module
+    under launch overrides, e.g. ``'{"state_out": {"from_inverse": true}}'``; restored afterwards."""
+    saved = copy.deepcopy(tuning.TABLES)
+    if os.environ.get("GDN_TUNING"):
+        tuning.update_from(os.environ["GDN_TUNING"])
+    yield
+    for name, table in tuning.TABLES.items():
+        for key, entry in saved[name].items():
+            table[key].clear()
+            table[key].update(entry)
+
+
 def _run_both(member, B, T, H, HV, K, V, dtype, lens=None, state=True, seed=0):
     N = len(lens) if lens else B
     d = make_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=torch.float64, N=N, state=state, seed=seed)
@@ -168,6 +182,59 @@ def test_forward_paths(member, fill, monkeypatch):
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=64, dtype=torch.float32, lens=[65, 1, 0, 128], seed=5)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
     assert not bad, bad
+
+
+@pytest.mark.parametrize("member", MEMBERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("fill", [0, 10 ** 9], ids=["fused", "two-stage"])
+@pytest.mark.parametrize("from_inverse", [False, True], ids=["wu", "from-inverse"])
+def test_forward_delta_from_inverse(member, dtype, fill, from_inverse, monkeypatch):
+    """Both ways the forward's state pass forms δ: U − W S from wu's W and U, or T⁻¹ diag(β)(V −
+    diag(Γ) K S) from the in-chunk inverse, v and β (``from_inverse``: no wu in the forward; the
+    backward still recomputes δ from W and U), in the fused and the two-stage forward, packed, with
+    an initial state, against the float64 recurrence. Members without the delta term ignore it."""
+    monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=fill,
+                                                        from_inverse=from_inverse))
+    monkeypatch.setitem(tuning.DELTA, "state_fwd", dict(tuning.DELTA["state_fwd"], from_inverse=from_inverse))
+    errs = _run_both(member, B=1, T=194, H=1, HV=2, K=60, V=64, dtype=dtype, lens=[65, 1, 0, 128], seed=13)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule"])
+def test_split_forward_from_inverse(member, monkeypatch):
+    """The two-stage forward's split state pass (segments of one chunk: the augmented first phase
+    forms δ from T⁻¹ too, its transition columns reading zero values) with ``from_inverse``."""
+    monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=10 ** 9))
+    monkeypatch.setitem(tuning.DELTA, "state_fwd", dict(tuning.DELTA["state_fwd"], from_inverse=True))
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=1))
+    errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=64, dtype=torch.float32, lens=[65, 1, 0, 128], seed=14)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("fill", [0, 10 ** 9], ids=["fused", "two-stage"])
+def test_from_inverse_forward_runs_no_wu(fill, monkeypatch):
+    """With ``from_inverse`` the forward launches kkt_solve and the state pass but no wu kernel,
+    and its state pass gets the inverse and β; the backward still runs wu (its reverse pass reads W)."""
+    from gdn.ops.delta.triton import chunk as chunk_mod
+    from gdn.ops.delta.triton import chunk_bwd
+
+    monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=fill, from_inverse=True))
+    monkeypatch.setitem(tuning.DELTA, "state_fwd", dict(tuning.DELTA["state_fwd"], from_inverse=True))
+    ch = common.make_chunks(1, 130, None, torch.device("cpu"))
+    q, v = torch.randn(130, 1, 32), torch.randn(130, 2, 64)
+    g, b = -torch.rand(130, 2), torch.rand(130, 2)
+    with L.recording() as rec:
+        _, _, ai = chunk_mod._forward(q, q, v, g, b, None, ch, False, 0.25, torch.float32)
+    names = [k.fn.__name__ for k, _, _, _ in rec]
+    want = "state_out_kernel" if fill == 0 else "state_fwd_kernel"
+    assert "kkt_solve_kernel" in names and want in names and "wu_kernel" not in names, names
+    assert all(m["FROM_INV"] for k, _, _, m in rec if k.fn.__name__ == want)
+    with L.recording() as rec:
+        chunk_bwd.backward(q, q, v, g, b, None, v, None, ch, 0.25, ai)
+    assert "wu_kernel" in [k.fn.__name__ for k, _, _, _ in rec]
+    assert not any(m["FROM_INV"] for k, _, _, m in rec if k.fn.__name__ == "state_fwd_kernel")
 
 
 @pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule", "gated_linear_attention"])

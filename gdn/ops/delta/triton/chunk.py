@@ -38,7 +38,8 @@ def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None):
         fused = layout(ch, v.shape[1], k.shape[-1], v.shape[2], v.device)[0]
     if fused:
         return chunk_fwd.forward(q, k, v, g, beta, h0, ch, want_final, scale, io)
-    h, VN, ht, Ai, _ = chunk_fwd.forward_intermediates(q, k, v, g, beta, h0, ch, want_final)
+    h, VN, ht, Ai, _ = chunk_fwd.forward_intermediates(q, k, v, g, beta, h0, ch, want_final,
+                                                       from_inverse=DELTA["state_fwd"].get("from_inverse", False))
     return chunk_fwd.output(q, k, v, g, h, VN, ch, scale, io), ht, Ai
 
 
@@ -57,6 +58,8 @@ def layout(ch: Chunks, HV: int, K: int, V: int, device) -> tuple:
 class ChunkFunction(torch.autograd.Function):
     """Autograd node of one chunk-kernel call. Saves the inputs and the in-chunk inverse; the
     backward recomputes W, U and the per-chunk states (one forward state pass) instead of keeping them.
+    The backward always recomputes δ as U − W S (its reverse state pass reads W), also where the
+    forward formed δ from T⁻¹ (``from_inverse``): the two differ by rounding in the input dtype only.
 
     K and V that are not powers of two (60, 100), or narrower than 32, are zero-padded to the next
     power of two (≥ 32) on the way in and cut back on the way out: zero key/query columns and zero value columns change no result,
@@ -83,8 +86,9 @@ class ChunkFunction(torch.autograd.Function):
                 _, _, ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])
                 chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt)
 
-            precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt, lay),
-                       dry_run)
+            inv = (DELTA["state_out"].get("from_inverse", False), DELTA["state_fwd"].get("from_inverse", False))
+            precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt, lay,
+                        inv), dry_run)
         # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
         # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
         o, ht, Ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])

@@ -6,6 +6,8 @@ D_ij = exp(γ_i − γ_j) (j ≤ i) and S the state entering the chunk::
     T = (I + tril(diag(β)(K Kᵀ ⊙ D), −1))⁻¹            kkt_solve   (delta members)
     W = T diag(βΓ) K,  U = T diag(β) V                  wu          (delta members)
     δ = U − W S  (δ = V without the delta term)         state pass  (sequential over chunks)
+      = T X,  X = diag(β)(V − diag(Γ) K S)              state pass reading T and V instead
+                                                        (``from_inverse``: no wu, no W, U)
     S ← Γ_C S + (diag(exp(γ_C − γ)) K)ᵀ δ               state pass
     O = scale · ((Q Kᵀ ⊙ D) δ + diag(Γ) Q S)             output
 
@@ -165,13 +167,36 @@ def wu_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr,
 
 
 @triton.jit
-def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
+def _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_u, mv, i_hv, HV, V: tl.constexpr,
+                        BT: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """δ = T X with X = diag(β)(V − diag(Γ) K S) for one chunk and value tile, fp32 [BT, BV]:
+    U − W S without W and U, since W S = T diag(βΓ) K S. b_k: K [BT, K] in DT; b_sd: S in DT;
+    b_gam: γ [BT] (unused without the gate); ``o_u``, ``mv`` as :func:`value_cols` gives them.
+
+    Rounding (DT = the input dtype): K S is a DT × DT dot accumulated in fp32, X is formed in fp32
+    and rounded to DT once, T (stored in DT by kkt_solve) times X accumulates in fp32. The stored
+    path rounds W and U to DT, then forms U − W S in fp32: there the cancellation between U and
+    W S happens after the two roundings; here V − Γ K S cancels in fp32 before the one rounding of
+    X. Masked rows (past the sequence end) read V = β = 0 and T = 0: δ is 0 there."""
+    b_ks = tl.dot(b_k, b_sd, input_precision=PREC)
+    if USE_G:
+        b_ks = b_ks * tl.exp(b_gam)[:, None]
+    b_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
+    b_x = ((b_v - b_ks) * b_b[:, None]).to(DT)
+    b_a = tl.load(Ai + (rows[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
+    return tl.dot(b_a, b_x, input_precision=PREC)
+
+
+@triton.jit
+def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
                     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                    AUG: tl.constexpr):
+                    AUG: tl.constexpr, FROM_INV: tl.constexpr):
     """One chunk of the forward state pass: store S, compute δ, return the next S. With ``AUG`` the
     state's columns are [K transition columns | V value columns]: the first K read zero values and
-    nothing is stored (see ``state_fwd_kernel``)."""
+    nothing is stored (see ``state_fwd_kernel``). ``FROM_INV`` (delta members only): δ from T and
+    V (:func:`_delta_from_inverse`) instead of W and U."""
     rows = bos + i_c * BT + o_t
     b_sd = b_s.to(DT)
     if not AUG:
@@ -179,18 +204,30 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t
     m = rows < eos
     mk = m[:, None] & (o_k < K)[None, :]
     o_u, mv = value_cols(o_v, m, K, V, AUG)
-    if DELTA:
-        b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
-        b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
-        b_d = b_u - tl.dot(b_w, b_sd, input_precision=PREC)
+    if FROM_INV:  # K S enters δ, so K and γ are loaded first
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        b_gam = tl.zeros([BT], dtype=tl.float32)
+        if USE_G:
+            cs = bos + i_c * BT
+            b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
+        b_d = _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_u, mv, i_hv, HV, V, BT, USE_G,
+                                  PREC, DT)
         if not AUG:
             tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_d.to(DT), mask=mv)
     else:
-        b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
-    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
-    if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
-        cs = bos + i_c * BT
-        b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
+        if DELTA:
+            b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
+            b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
+            b_d = b_u - tl.dot(b_w, b_sd, input_precision=PREC)
+            if not AUG:
+                tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_d.to(DT), mask=mv)
+        else:
+            b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
+            cs = bos + i_c * BT
+            b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
+    if USE_G:
         # K̃ᵀδ with K̃ = diag(exp(γ_C − γ)) K: the row scale goes on δ ([BT, BV]), so K feeds the dot
         # as loaded (no conversion of the [BT, K] tile each step)
         b_d = b_d * tl.exp(b_gc - b_gam)[:, None]
@@ -199,14 +236,17 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t
 
 
 @triton.jit
-def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, H, HV,
+def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, HV,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, AUG: tl.constexpr = False):
+                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, AUG: tl.constexpr = False,
+                     FROM_INV: tl.constexpr = False):
     """Sequential pass over one sequence's chunks for one value head and one V tile.
 
     Stores the state entering each chunk in h [NT, HV, K, V] and, for delta members,
-    δ = U − W S in VN [T, HV, V]; the final state in ht [N, HV, K, V]. Each program runs its own
+    δ = U − W S in VN [T, HV, V] (with ``FROM_INV``, δ = T diag(β)(V − diag(Γ) K S) from the
+    in-chunk inverse Ai [T, HV, BT], v and beta; W and U are not read); the final state in
+    ht [N, HV, K, V]. Each program runs its own
     sequence's chunk count of steps (a runtime bound: T is no compile-time key, and in a packed
     batch the programs of short sequences finish early instead of stepping through masked chunks);
     the rows past the end of a last, partial chunk are masked.
@@ -238,13 +278,13 @@ def state_fwd_kernel(k, v, g, W, U, h0, h, VN, ht, cu, chunk_off, H, HV,
     if WHILE:
         i_c = 0
         while i_c < nc:
-            b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                  p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG)
+            b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v,
+                                  mkv, p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, FROM_INV)
             i_c += 1
     else:
         for i_c in range(0, nc):
-            b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                  p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG)
+            b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v,
+                                  mkv, p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, FROM_INV)
     if STORE_FINAL:
         tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_s, mask=mkv)
 
@@ -369,12 +409,14 @@ def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H, HV,
 
 
 @triton.jit
-def _state_out_step(i_c, b_s, q, k, v, g, W, U, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
+def _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
                     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+                    USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+                    FROM_INV: tl.constexpr):
     """One chunk of the fused forward pass: its output rows from the entering state, then the next
     state. The same arithmetic as ``_state_fwd_step`` followed by ``output_kernel`` (S and δ rounded
-    to DT where those kernels store them), without S or δ leaving the chip."""
+    to DT where those kernels store them), without S or δ leaving the chip. ``FROM_INV`` (delta
+    members only): δ from T and V (:func:`_delta_from_inverse`) instead of W and U."""
     rows = bos + i_c * BT + o_t
     m = rows < eos
     mk = m[:, None] & (o_k < K)[None, :]
@@ -382,7 +424,14 @@ def _state_out_step(i_c, b_s, q, k, v, g, W, U, o, bos, eos, scale, i_hv, i_h, o
     b_sd = b_s.to(DT)
     b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
     b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
-    if DELTA:
+    if FROM_INV:  # γ enters δ (Γ K S), so it is loaded first
+        b_gam = tl.zeros([BT], dtype=tl.float32)
+        if USE_G:
+            cs = bos + i_c * BT
+            b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
+        b_d = _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_v, mv, i_hv, HV, V, BT, USE_G,
+                                  PREC, DT).to(DT)
+    elif DELTA:
         b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
         b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
         b_d = (b_u - tl.dot(b_w, b_sd, input_precision=PREC)).to(DT)
@@ -391,8 +440,9 @@ def _state_out_step(i_c, b_s, q, k, v, g, W, U, o, bos, eos, scale, i_hv, i_h, o
     b_o = tl.dot(b_q, b_sd, input_precision=PREC)
     b_p = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
     if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
-        cs = bos + i_c * BT
-        b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
+        if not FROM_INV:
+            cs = bos + i_c * BT
+            b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
         b_o = b_o * tl.exp(b_gam)[:, None]
         b_p = b_p * tl.exp(tl.where(o_t[:, None] >= o_t[None, :], b_gam[:, None] - b_gam[None, :], float("-inf")))
     else:
@@ -406,15 +456,16 @@ def _state_out_step(i_c, b_s, q, k, v, g, W, U, o, bos, eos, scale, i_hv, i_h, o
 
 
 @triton.jit
-def state_out_kernel(q, k, v, g, W, U, h0, o, ht, cu, scale, H, HV,
+def state_out_kernel(q, k, v, g, W, U, Ai, beta, h0, o, ht, cu, scale, H, HV,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
+                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, FROM_INV: tl.constexpr = False):
     """The forward's sequential pass with the output fused in, for one sequence, value head and V
     tile: per chunk, O = scale · (diag(Γ) Q S + (Q Kᵀ ⊙ D) δ) from the entering state S, then
     S ← Γ_C S + K̃ᵀ δ. Neither the per-chunk states nor δ are stored (the backward recomputes them);
     o [T, HV, V], the final state in ht [N, HV, K, V]. Runs the sequence's own chunk count of steps
-    (as :func:`state_fwd_kernel`)."""
+    (as :func:`state_fwd_kernel`). δ = U − W S, or with ``FROM_INV`` T diag(β)(V − diag(Γ) K S)
+    from the in-chunk inverse Ai [T, HV, BT], v and beta (W and U are not read)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -433,21 +484,22 @@ def state_out_kernel(q, k, v, g, W, U, h0, o, ht, cu, scale, H, HV,
     if WHILE:
         i_c = 0
         while i_c < nc:
-            b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
-                                  H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
+            b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_hv, i_h, o_t, o_k,
+                                  o_v, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, FROM_INV)
             i_c += 1
     else:
         for i_c in range(0, nc):
-            b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
-                                  H, HV, K, V, BT, USE_G, DELTA, PREC, DT)
+            b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_hv, i_h, o_t, o_k,
+                                  o_v, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, FROM_INV)
     if STORE_FINAL:
         tl.store(ht + p_s, b_s, mask=mkv)
 
 
-def prepare(k, v, g, beta, ch: Chunks, Ai=None):
+def prepare(k, v, g, beta, ch: Chunks, Ai=None, wu: bool = True):
     """The per-chunk factors of a delta member: (Ai [T, HV, BT] = T⁻¹ rows, W [T, HV, K], U [T, HV, V]),
     in the inputs' dtype; (None, None, None) without the delta term. ``Ai``, when given (the
-    backward passes the forward's), is used instead of being computed again."""
+    backward passes the forward's), is used instead of being computed again. Without ``wu`` only
+    Ai is made (W and U None): for the state passes that form δ from T (``FROM_INV``)."""
     if beta is None:
         return None, None, None
     T, H, K = k.shape
@@ -460,6 +512,8 @@ def prepare(k, v, g, beta, ch: Chunks, Ai=None):
         launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, BK=BK,
                USE_G=g is not None, PREC=prec, INV=DELTA["kkt_solve"]["INV"] if DT != tl.float32 else "ieee",
                name="kkt_solve")
+    if not wu:
+        return Ai, None, None
     W = torch.empty(T, HV, K, device=dev, dtype=io)
     U = torch.empty(T, HV, V, device=dev, dtype=io)
     BK, BV = tiles("wu", K, V)
@@ -485,45 +539,51 @@ def state_tile(name: str, ch: Chunks, HV: int, K: int, V: int, device) -> tuple[
 def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, out_dtype):
     """The forward of one call: (o [T, HV, V] in ``out_dtype``, final state [N, HV, K, V] fp32 or
     None, Ai or None). q, k: [T, H, K]; v: [T, HV, V] (one dtype); g, beta: [T, HV] fp32 or None.
-    kkt_solve and wu, then one fused sequential pass (:func:`state_out_kernel`)."""
+    kkt_solve and wu, then one fused sequential pass (:func:`state_out_kernel`); with
+    ``DELTA["state_out"]["from_inverse"]`` no wu: the pass forms δ from T⁻¹, v and β."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dev = v.device
-    Ai, W, U = prepare(k, v, g, beta, ch)
+    from_inv = beta is not None and DELTA["state_out"].get("from_inverse", False)
+    Ai, W, U = prepare(k, v, g, beta, ch, wu=not from_inv)
     o = torch.empty(T, HV, V, device=dev, dtype=out_dtype)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SK, SV = state_tile("state_out", ch, HV, K, V, dev)
     gp = chunk_cumsum(g, ch) if g is not None else v
     launch(state_out_kernel, (triton.cdiv(V, SV), ch.N * HV), q, k, v, gp, W if W is not None else v,
-           U if U is not None else v, h0 if h0 is not None else v, o, ht if want_final else v, ch.cu,
+           U if U is not None else v, Ai if from_inv else v, beta if from_inv else v,
+           h0 if h0 is not None else v, o, ht if want_final else v, ch.cu,
            scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=beta is not None,
            USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=dot_precision(v.dtype), DT=tl_dtype(v.dtype),
-           WHILE=INTERPRET, name="state_out")
+           WHILE=INTERPRET, FROM_INV=from_inv, name="state_out")
     return o, ht, Ai
 
 
-def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai=None):
+def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai=None, from_inverse=False):
     """Run the sequential part of the forward, storing what the backward needs: returns
     (h [NT, HV, K, V], VN or None, ht or None, Ai or None, W or None); h, VN, Ai, W in the inputs'
     dtype, ht fp32. q, k: [T, H, K]; v: [T, HV, V] (q, k, v of one dtype); g, beta: [T, HV] fp32 or
     None. ``Ai`` [T, HV, BT], when given (the backward passes the forward's), is used instead of
-    being computed again."""
+    being computed again. ``from_inverse``: no wu; the pass forms δ from T⁻¹, v and β, and W comes
+    back None (the backward, whose state pass reads W, keeps wu)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     delta = beta is not None
+    from_inv = delta and from_inverse
     prec, DT, io = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype
     dev = v.device
-    Ai, W, U = prepare(k, v, g, beta, ch, Ai)
+    Ai, W, U = prepare(k, v, g, beta, ch, Ai, wu=not from_inv)
     VN = torch.empty(T, HV, V, device=dev, dtype=io) if delta else None
     h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SK, SV = tiles("state_fwd", K, V)
     dummy = v
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=g is not None, DELTA=delta, PREC=prec, DT=DT,
-                  WHILE=INTERPRET, name="state_fwd")
+                  WHILE=INTERPRET, FROM_INV=from_inv, name="state_fwd")
     # the state passes read γ (the in-chunk cumulative decay), computed once here
     gp = chunk_cumsum(g, ch) if g is not None else dummy
-    Wp, Up = (W, U) if delta else (dummy, dummy)
+    Wp, Up = (W, U) if delta and not from_inv else (dummy, dummy)
+    Ap, bp = (Ai, beta) if from_inv else (dummy, dummy)
     L = split_len(ch, HV, triton.cdiv(V, SV), dev)
     if L:
         # Split pass: (1) every segment from [I | 0] gives its map S ↦ A S + B; (2) chain the maps
@@ -531,15 +591,16 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
         sg = make_segments(ch, L, dev)
         X = torch.empty(sg.NS, HV, K, K + V, device=dev, dtype=torch.float32)
         AV = min(pow2(K + V), max(16, DELTA["state_aug"]["SV"] // SK))
-        launch(state_fwd_kernel, (triton.cdiv(K + V, AV), sg.NS * HV), k, v, gp, Wp, Up, dummy, dummy, dummy, X,
-               sg.cu, sg.off, BV=AV, USE_INIT=False, STORE_FINAL=True, AUG=True, **dict(common, name="state_aug"))
+        launch(state_fwd_kernel, (triton.cdiv(K + V, AV), sg.NS * HV), k, v, gp, Wp, Up, Ap, bp, dummy, dummy, dummy,
+               X, sg.cu, sg.off, BV=AV, USE_INIT=False, STORE_FINAL=True, AUG=True, **dict(common, name="state_aug"))
         Sin = chain(X, h0, ht, sg, HV, K, V, False, prec)
-        launch(state_fwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Sin, h,
+        launch(state_fwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Ap, bp, Sin, h,
                VN if delta else dummy, dummy, sg.cu, sg.off, BV=SV, USE_INIT=True, STORE_FINAL=False, **common)
         return h, VN, ht, Ai, W
     SK, SV = state_tile("state_fwd", ch, HV, K, V, dev)
     launch(state_fwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
-           k, v, gp, Wp, Up, h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy,
+           k, v, gp, Wp, Up, Ap, bp, h0 if h0 is not None else dummy, h, VN if delta else dummy,
+           ht if want_final else dummy,
            ch.cu, ch.chunk_off, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, **common)
     return h, VN, ht, Ai, W
 
