@@ -37,7 +37,7 @@ from gdn.ops.kda.triton import chunk_bwd as kda_bwd  # noqa: E402
 from gdn.ops.kda.triton import chunk_fwd as kda_fwd  # noqa: E402
 from gdn.ops.triton import common  # noqa: E402
 from gdn.ops.triton import launch as launcher  # noqa: E402
-from gdn.ops.tuning import DELTA  # noqa: E402
+from gdn.ops.tuning import DELTA, update_from  # noqa: E402
 from triton.backends.nvidia.compiler import sm_arch_from_capability  # noqa: E402
 
 SMS = 132  # H200 multiprocessors (per multiprocessor: launcher.SM90)
@@ -201,7 +201,12 @@ def main():
                     help="the sequential passes at each of their launch candidates, and the one the launcher takes")
     ap.add_argument("--kernels", default=None, help="comma-separated names (default every launched kernel)")
     ap.add_argument("--sass", default=None, metavar="DIR", help="also write each kernel's SASS there")
+    ap.add_argument("--config", default=None, metavar="JSON",
+                    help="launch overrides (a file or inline JSON, gdn.ops.tuning.update_from), e.g. "
+                         "'{\"kda.kkt\": {\"num_warps\": 4}}'")
     args = ap.parse_args()
+    if args.config:
+        update_from(args.config)
     B, T = (int(x) for x in args.shape.lower().split("x"))
     HV = args.hv or args.h
     want = None if args.kernels is None else {f"{n}_kernel" for n in args.kernels.split(",")}
