@@ -44,29 +44,37 @@ from ...tuning import KDA
 STATE_DTYPE = torch.float32
 
 
-def launch(kernel, grid, *args, name: str, **meta):
-    """:func:`gdn.ops.triton.launch.launch` with the KDA table of :mod:`gdn.ops.tuning`."""
-    return triton_launch(kernel, grid, *args, name=name, config=KDA, **meta)
-
-
-def ktile(name: str, K: int) -> int:
-    """The K tile of kernel ``name`` for a padded K (a power of two ≥ 32)."""
-    return min(KDA[name]["BK"], K)
-
-
-def vtile(name: str, K: int, V: int) -> int:
-    """The V tile of kernel ``name`` (sequential passes: ``SV // K`` values, at least 16)."""
+def entry(name: str, io: torch.dtype) -> dict:
+    """Kernel ``name``'s entry of the KDA table for inputs of dtype ``io``: fp32 inputs take the
+    entry's ``fp32`` overrides (3-pass tf32 dots hold each fp32 operand as two tiles, so they
+    need other tiles and warps than half inputs to stay clear of spills)."""
     c = KDA[name]
+    return {**c, **c["fp32"]} if io == torch.float32 and "fp32" in c else c
+
+
+def launch(kernel, grid, *args, name: str, io: torch.dtype, **meta):
+    """:func:`gdn.ops.triton.launch.launch` with the KDA table's entry for ``io`` inputs."""
+    return triton_launch(kernel, grid, *args, name=name, config={name: entry(name, io)}, **meta)
+
+
+def ktile(name: str, K: int, io: torch.dtype) -> int:
+    """The K tile of kernel ``name`` for a padded K (a power of two ≥ 32)."""
+    return min(entry(name, io)["BK"], K)
+
+
+def vtile(name: str, K: int, V: int, io: torch.dtype) -> int:
+    """The V tile of kernel ``name`` (sequential passes: ``SV // K`` values, at least 16)."""
+    c = entry(name, io)
     return min(V, max(16, c["SV"] // K)) if "SV" in c else min(V, c["BV"])
 
 
-def state_vtile(name: str, K: int, V: int, programs: int, device) -> int:
+def state_vtile(name: str, K: int, V: int, programs: int, device, io: torch.dtype) -> int:
     """V tile of a sequential pass with ``programs`` (sequence, value head) pairs: :func:`vtile`,
-    halved (down to ``KDA[name]["BV_min"]``) while the programs would not fill the card's
+    halved (down to the entry's ``BV_min``) while the programs would not fill the card's
     multiprocessors; each program walks every chunk of its sequence, so idle multiprocessors are
     lost for the whole pass."""
-    BV = vtile(name, K, V)
-    while BV > KDA[name]["BV_min"] and programs * (V // BV) < sm_count(device):
+    BV = vtile(name, K, V, io)
+    while BV > entry(name, io)["BV_min"] and programs * (V // BV) < sm_count(device):
         BV //= 2
     return BV
 
@@ -282,11 +290,12 @@ def kkt_kernel(q, k, G, beta, Ai, P, cu, chunk_idx, H, HV, K: tl.constexpr, BK: 
 
 
 @triton.jit
-def wu_kernel(q, k, v, G, beta, Ai, W, U, QG, KT, cu, chunk_idx, H, HV, K: tl.constexpr, V: tl.constexpr,
+def wu_kernel(q, k, v, G, beta, Ai, W, U, QG, KT, cu, chunk_idx, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """W = T diag(β) (K ⊙ Γ) and U = T diag(β) V for one chunk and value head, and the decayed
-    operands of the state passes and the output, QG = Q ⊙ Γ and KT = K ⊙ exp(γ_C − γ) (all in DT;
-    the state passes then read one [64, K] tile per chunk each and take no exponential)."""
+    operands of the state passes and the output, QG = scale · Q ⊙ Γ and KT = K ⊙ exp(γ_C − γ) (all
+    in DT; the state passes then read one [64, K] tile per chunk each and take no exponential, and
+    their dots accumulate in place: no factor is left to apply to a dot's result)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
@@ -306,7 +315,7 @@ def wu_kernel(q, k, v, G, beta, Ai, W, U, QG, KT, cu, chunk_idx, H, HV, K: tl.co
         b_w = tl.dot(b_A, (b_k * b_e * b_b[:, None]).to(DT), input_precision=PREC)
         tl.store(W + p_k, b_w.to(DT), mask=m[:, None])
         tl.store(KT + p_k, (b_k * tl.exp(b_gc[None, :] - b_g)).to(DT), mask=m[:, None])
-        tl.store(QG + p_k, (load_rows(q, rows, m, H, i_h, o_k, K) * b_e).to(DT), mask=m[:, None])
+        tl.store(QG + p_k, (load_rows(q, rows, m, H, i_h, o_k, K) * (scale * b_e)).to(DT), mask=m[:, None])
     for i_v in range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         b_v = load_rows(v, rows, m, HV, i_hv, o_v, V)
@@ -321,16 +330,14 @@ def _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, 
     cs = bos + i_c * 64
     rows = cs + o_t
     m = rows < eos
-    b_sd = b_s.to(DT)
     tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_s.to(h.dtype.element_ty), mask=cs < eos)
     b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
-    b_u = load_rows(U, rows, m, HV, i_hv, o_v, V)
-    b_d = b_u - tl.dot(b_w, b_sd, input_precision=PREC)
+    b_d = tl.dot(b_w, (-b_s).to(DT), acc=load_rows(U, rows, m, HV, i_hv, o_v, V), input_precision=PREC)
     tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
     b_kt = tl.load(KT + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
     last = tl.minimum(eos, cs + 64) - 1
     b_gc = tl.load(G + (last * HV + i_hv) * K + o_k, mask=(cs < eos) & (o_k < K), other=0.0)
-    return b_s * tl.exp(b_gc)[:, None] + tl.dot(tl.trans(b_kt), b_d.to(DT), input_precision=PREC)
+    return tl.dot(tl.trans(b_kt), b_d.to(DT), acc=b_s * tl.exp(b_gc)[:, None], input_precision=PREC)
 
 
 @triton.jit(do_not_specialize=["max_nc"])
@@ -370,7 +377,7 @@ def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, HV, K: t
 @triton.jit
 def output_kernel(QG, P, h, VN, o, cu, chunk_idx, scale, HV, K: tl.constexpr, V: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """O = scale · (P δ + (Q ⊙ Γ) S) for one chunk, value head and V tile."""
+    """O = scale · P δ + QG S (QG = scale · Q ⊙ Γ) for one chunk, value head and V tile."""
     i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
     o_t = tl.arange(0, 64)
@@ -385,7 +392,7 @@ def output_kernel(QG, P, h, VN, o, cu, chunk_idx, scale, HV, K: tl.constexpr, V:
         b_o += tl.dot(b_q, b_s.to(DT), input_precision=PREC)
     b_p = tl.load(P + (rows[:, None] * HV + i_hv) * 64 + o_t[None, :], mask=m[:, None], other=0.0)
     b_d = tl.load(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=m[:, None], other=0.0)
-    b_o = scale * (b_o + tl.dot(b_p, b_d, input_precision=PREC))
+    b_o += scale * tl.dot(b_p, b_d, input_precision=PREC)
     tl.store(o + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m[:, None])
 
 
@@ -397,7 +404,8 @@ def gamma(g: torch.Tensor, ch: Chunks) -> torch.Tensor:
     """The in-chunk cumulative log decay of g [T, HV, K] (fp32, K padded)."""
     T, HV, K = g.shape
     G = torch.empty_like(g)
-    launch(gamma_kernel, (ch.NT, HV), g, G, ch.cu, ch.chunk_idx, HV, K=K, BK=ktile("gamma", K), name="gamma")
+    launch(gamma_kernel, (ch.NT, HV), g, G, ch.cu, ch.chunk_idx, HV, K=K, BK=ktile("gamma", K, g.dtype), name="gamma",
+           io=g.dtype)
     return G
 
 
@@ -417,7 +425,7 @@ class Intermediates:
     ht: torch.Tensor | None
 
 
-def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool) -> Intermediates:
+def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool, scale: float) -> Intermediates:
     """The forward up to the output. q, k: [T, H, K]; v: [T, HV, V] (one dtype, K and V powers of
     two ≥ 32); G: [T, HV, K] fp32 (:func:`gamma`); beta: [T, HV] fp32; h0: [N, HV, K, V] fp32 or None."""
     T, H, K = k.shape
@@ -425,19 +433,20 @@ def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool) ->
     prec, DT, io, dev = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype, v.device
     Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
     P = torch.empty(T, HV, BT, device=dev, dtype=io)
-    launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, ch.cu, ch.chunk_idx, H, HV, K=K, BK=ktile("kkt", K),
-           BKD=min(KDA["kkt"]["BKD"], K), PREC=prec, DT=DT, name="kkt")
+    launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, ch.cu, ch.chunk_idx, H, HV, K=K, BK=ktile("kkt", K, io),
+           BKD=min(entry("kkt", io)["BKD"], K), PREC=prec, DT=DT, name="kkt", io=io)
     W, QG, KT = (torch.empty(T, HV, K, device=dev, dtype=io) for _ in range(3))
     U = torch.empty(T, HV, V, device=dev, dtype=io)
-    launch(wu_kernel, (ch.NT, HV), q, k, v, G, beta, Ai, W, U, QG, KT, ch.cu, ch.chunk_idx, H, HV, K=K, V=V,
-           BK=ktile("wu", K), BV=vtile("wu", K, V), PREC=prec, DT=DT, name="wu")
+    launch(wu_kernel, (ch.NT, HV), q, k, v, G, beta, Ai, W, U, QG, KT, ch.cu, ch.chunk_idx, scale, H, HV, K=K, V=V,
+           BK=ktile("wu", K, io), BV=vtile("wu", K, V, io), PREC=prec, DT=DT, name="wu", io=io)
     h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=STATE_DTYPE)
     VN = torch.empty(T, HV, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
-    SV = state_vtile("state_fwd", K, V, ch.N * HV, dev)
+    SV = state_vtile("state_fwd", K, V, ch.N * HV, dev, io)
     launch(state_fwd_kernel, (V // SV, ch.N * HV), KT, G, W, U, h0 if h0 is not None else v, h, VN,
            ht if ht is not None else v, ch.cu, ch.chunk_off, ch.max_nc, HV, K=K, V=V, BV=SV,
-           USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_fwd")
+           USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_fwd",
+           io=io)
     return Intermediates(Ai, P, W, QG, KT, h, VN, ht)
 
 
@@ -446,8 +455,8 @@ def output(fw: Intermediates, ch: Chunks, scale: float, out_dtype) -> torch.Tens
     T, HV, K = fw.QG.shape
     V = fw.VN.shape[2]
     o = torch.empty(T, HV, V, device=fw.VN.device, dtype=out_dtype)
-    BV = vtile("output", K, V)
+    io = fw.VN.dtype
+    BV = vtile("output", K, V, io)
     launch(output_kernel, (V // BV, ch.NT, HV), fw.QG, fw.P, fw.h, fw.VN, o, ch.cu, ch.chunk_idx, scale, HV, K=K,
-           V=V, BK=ktile("output", K), BV=BV, PREC=dot_precision(fw.VN.dtype), DT=tl_dtype(fw.VN.dtype),
-           name="output")
+           V=V, BK=ktile("output", K, io), BV=BV, PREC=dot_precision(io), DT=tl_dtype(io), name="output", io=io)
     return o
