@@ -102,7 +102,9 @@ KDA = {
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
     "state_bwd": dict(num_warps=4, stages=(1,), SV=4096, BV_min=32, fp32=dict(num_warps=8, SV=8192)),
-    "dqk": dict(num_warps=8, stages=(1,), BK=64, BV=32),
+    # fp32: K tiles of 32 (no spills; 64: 284 bytes of spill stores). bf16 keeps 64: no spills
+    # there, and 32 stays at one program per multiprocessor while reading dO, δ, dδ twice as often.
+    "dqk": dict(num_warps=8, stages=(1,), BK=64, BV=32, fp32=dict(BK=32)),
     "wy_bwd": dict(num_warps=8, stages=(1,), BK=32, BV=32),
     "intra_bwd": dict(num_warps=8, stages=(1,), BK=32),
 }

@@ -5,7 +5,7 @@ next chunk, or the final-state gradient), S the state entering it, Q̃ = Q ⊙ �
 K̃ = K ⊙ exp(γ_C − γ)::
 
     dδ  = scale Pᵀ dO + K̃ dS'                                  dv_local, state pass (reverse)
-    dS  = diag(exp γ_C) dS' + scale Q̃ᵀ dO − Wᵀ dδ              state pass
+    dS  = diag(exp γ_C) dS' + scale Q̃ᵀ dO − Wᵀ dδ              state pass (QG = scale Q̃ stored)
     dP  = scale dO δᵀ (j ≤ i);  dQ̃ = scale dO Sᵀ;  dK̃ = δ dS'ᵀ;  dW = −dδ Sᵀ        dqk
     dT  = dδ (βV)ᵀ + dW (β K ⊙ Γ)ᵀ;  dA = −Tᵀ dT Tᵀ (j < i)                          wy_bwd
     dV  = β Tᵀ dδ;  d(K ⊙ Γ) = β Tᵀ dW;  dβ gets vᵢ·(Tᵀdδ)ᵢ + (k ⊙ Γ)ᵢ·(TᵀdW)ᵢ      wy_bwd

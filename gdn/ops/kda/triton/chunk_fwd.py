@@ -19,7 +19,7 @@ diagonal block the exponent is taken pairwise, exp(γ_i − γ_j) masked to j �
 sequence's end are masked to −∞ in the exponent and the reference row is clamped to the last
 valid row, so no 0 · ∞ arises.
 
-Intermediates (T, P, W, U, δ, Q ⊙ Γ, K ⊙ exp(γ_C − γ)) are stored in the input dtype; γ, the
+Intermediates (T, P, W, U, δ, scale · Q ⊙ Γ, K ⊙ exp(γ_C − γ)) are stored in the input dtype; γ, the
 per-chunk states (``STATE_DTYPE``), the running and the final states are fp32. Everything works on
 the packed layout of :mod:`gdn.ops.triton.common` with K and V already padded to powers of two (≥ ``MIN_DIM``,
 32) by the caller.
