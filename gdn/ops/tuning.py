@@ -85,8 +85,7 @@ KDA = {
     # Row block by row block (kkt_kernel); BK the K tile of the off-diagonal block pairs, BKD of the
     # diagonal ones ([16, 16, BKD] exponent tensors). K = V = 128, ptxas sm_90: bf16 224 registers,
     # fp32 234, no spills, 2 programs per multiprocessor (8 warps: 175 / 231, one program; BK = 64:
-    # bf16 245, fp32 spills 96 bytes; the former all-blocks-at-once kernel: 255 with 420 / 988
-    # bytes of spill stores).
+    # bf16 245, fp32 spills 96 bytes).
     "kkt": dict(num_warps=4, stages=(1,), BK=32, BKD=8),
     "wu": dict(num_warps=8, stages=(2,), BK=32, BV=32),
     # BV_min 32: at tiles of 16 triton 3.6 compiles this state_fwd kernel (fp32, 8 warps) with an
