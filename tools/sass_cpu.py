@@ -1,10 +1,11 @@
 """What the chunk kernels compile to on the H200, measured without a GPU.
 
-Records the launches of one forward + backward of the Triton chunk op at a benchmark shape (on the
+Records the launches of one forward + backward of the Triton chunk op (the delta family, or with
+``--op kda`` the KDA chunk kernels of :mod:`gdn.ops.kda.triton`) at a benchmark shape (on the
 CPU: :func:`gdn.ops.triton.launch.recording` collects the launches instead of running them, with the card's 132
 multiprocessors assumed for the occupancy rules), compiles each kernel for sm_90 with the same
 compile-time arguments, warps and pipeline depth (Triton's bundled ptxas), and prints per kernel:
-registers, spills, shared memory, the programs one multiprocessor can hold (by shared memory,
+registers, spills (the stack frame, and ptxas -v's "bytes spill stores / loads"), shared memory, the programs one multiprocessor can hold (by shared memory,
 registers and warps), the number of waves of the grid, and the instruction mix of the innermost
 loop (a sequential pass's chunk step). Nothing here replaces timing on the card; it says why a
 configuration can or cannot overlap programs (e.g. the state passes' pipelined tiles take 119 KB of
@@ -14,6 +15,7 @@ waves).
     python tools/sass_cpu.py --shape 4x8192 [--hv 32] [--kernels state_bwd,state_fwd] [--sass DIR]
     python tools/sass_cpu.py --shape 4x4096 --h 6 --v 256 --depths   # each pass's candidates and choice
     python tools/sass_cpu.py --shape 4x8192 --config '{"state_out": {"from_inverse": true}}'
+    python tools/sass_cpu.py --op kda --shape 4x8192 [--dtype fp32]      # the KDA chunk kernels
 """
 from __future__ import annotations
 
@@ -31,36 +33,74 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from gdn.ops.delta.triton import chunk, chunk_bwd, chunk_fwd  # noqa: E402
+from gdn.ops.kda.triton import chunk as kda_chunk  # noqa: E402
+from gdn.ops.kda.triton import chunk_bwd as kda_bwd  # noqa: E402
+from gdn.ops.kda.triton import chunk_fwd as kda_fwd  # noqa: E402
 from gdn.ops.triton import common  # noqa: E402
 from gdn.ops.triton import launch as launcher  # noqa: E402
-from gdn.ops import tuning  # noqa: E402
-from gdn.ops.tuning import DELTA  # noqa: E402
+from gdn.ops.tuning import DELTA, update_from  # noqa: E402
+from triton.backends.nvidia.compiler import sm_arch_from_capability  # noqa: E402
 
 SMS = 132  # H200 multiprocessors (per multiprocessor: launcher.SM90)
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
           torch.int64: "i64"}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def record(B, T, H, HV, K, V=None):
-    """The launches (kernel, grid, args, meta) of one forward + backward, bf16, gated delta rule."""
-    V = V or K
-    for mod in (launcher, common, chunk, chunk_fwd, chunk_bwd):
+def _card_sms():
+    """Make the launchers size their grids for the H200's multiprocessors (:data:`SMS`)."""
+    for mod in (launcher, common, chunk, chunk_fwd, chunk_bwd, kda_fwd, kda_bwd):
         if hasattr(mod, "sm_count"):
             mod.sm_count = lambda device: SMS
-    cpu = torch.device("cpu")
-    q = torch.empty(B * T, H, K, dtype=torch.bfloat16)
-    k, v = torch.empty_like(q), torch.empty(B * T, HV, V, dtype=torch.bfloat16)
+
+
+def record(B, T, H, HV, K, V=None, dtype=torch.bfloat16):
+    """The launches (kernel, grid, args, meta) of one forward + backward, gated delta rule."""
+    V = V or K
+    _card_sms()
+    q = torch.empty(B * T, H, K, dtype=dtype)
+    k, v = torch.empty_like(q), torch.empty(B * T, HV, V, dtype=dtype)
     g, beta = torch.empty(B * T, HV), torch.empty(B * T, HV)
-    ch = common.make_chunks(B, T, None, cpu)
+    ch = common.make_chunks(B, T, None, torch.device("cpu"))
     with launcher.recording() as launches:
-        _, _, ai = chunk._forward(q, k, v, g, beta, None, ch, False, K ** -0.5, torch.bfloat16)
-        chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, K ** -0.5, ai, torch.bfloat16)
+        _, _, ai = chunk._forward(q, k, v, g, beta, None, ch, False, K ** -0.5, dtype)
+        chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, K ** -0.5, ai, dtype)
     return launches
 
 
+def record_kda(B, T, H, HV, K, V=None, dtype=torch.bfloat16):
+    """The launches of one KDA chunk forward + backward (with final state and its gradient), as
+    :func:`gdn.ops.kda.triton.chunk.dry_run` makes them."""
+    V = V or K
+    _card_sms()
+    q = torch.empty(B * T, H, K, dtype=dtype)
+    k, v = torch.empty_like(q), torch.empty(B * T, HV, V, dtype=dtype)
+    g, beta = torch.zeros(B * T, HV, K), torch.empty(B * T, HV)
+    ch = common.make_chunks(B, T, None, torch.device("cpu"))
+    with launcher.recording() as launches:
+        kda_chunk.dry_run(q, k, v, g, beta, None, ch, True, K ** -0.5)
+    return launches
+
+
+def ptxas_spills(ck):
+    """(bytes stack frame, bytes spill stores, bytes spill loads) that ``ptxas -v`` reports for the
+    kernel's PTX (the bundled ptxas, the GPU name Triton compiles for)."""
+    ptx = os.path.join("/tmp", f"sass_cpu_{os.getpid()}.ptx")
+    with open(ptx, "w") as f:
+        f.write(ck.asm["ptx"])
+    arch = sm_arch_from_capability(90)
+    log = subprocess.run([os.path.join(BIN, "ptxas"), "-lineinfo", "-v", f"--gpu-name={arch}", ptx, "-o", ptx + ".o"],
+                         capture_output=True, text=True).stderr
+    for f in (ptx, ptx + ".o"):
+        if os.path.exists(f):
+            os.unlink(f)
+    m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return tuple(int(x) for x in m.groups()) if m else (-1, -1, -1)
+
+
 def resources(ck, with_sass=False):
-    """(registers, spilled bytes, shared bytes[, SASS text]) of a compiled kernel."""
+    """(registers, stack bytes, shared bytes[, SASS text]) of a compiled kernel."""
     cubin = os.path.join("/tmp", f"sass_cpu_{os.getpid()}.cubin")
     with open(cubin, "wb") as f:
         f.write(ck.asm["cubin"])
@@ -152,7 +192,10 @@ def loop_mix(sass: str):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--op", choices=("delta", "kda"), default="delta",
+                    help="the gated delta rule's chunk kernels or the KDA chunk kernels")
     ap.add_argument("--shape", default="4x8192", help="BxT (H = 16, K = V = 128 unless given)")
+    ap.add_argument("--dtype", choices=tuple(NAMES), default="bf16")
     ap.add_argument("--h", type=int, default=16)
     ap.add_argument("--hv", type=int, default=None, help="value heads (default H)")
     ap.add_argument("--k", type=int, default=128, help="key width K")
@@ -161,22 +204,27 @@ def main():
                     help="the sequential passes at each of their launch candidates, and the one the launcher takes")
     ap.add_argument("--kernels", default=None, help="comma-separated names (default every launched kernel)")
     ap.add_argument("--sass", default=None, metavar="DIR", help="also write each kernel's SASS there")
-    ap.add_argument("--config", default=None, help="launch overrides, JSON text or file (gdn.ops.tuning.update_from)")
+    ap.add_argument("--config", default=None, metavar="JSON",
+                    help="launch overrides (a file or inline JSON, gdn.ops.tuning.update_from), e.g. "
+                         "'{\"kda.kkt\": {\"num_warps\": 4}}'")
     args = ap.parse_args()
     if args.config:
-        tuning.update_from(args.config)
+        update_from(args.config)
     B, T = (int(x) for x in args.shape.lower().split("x"))
     HV = args.hv or args.h
     want = None if args.kernels is None else {f"{n}_kernel" for n in args.kernels.split(",")}
-    print(f"H200 (sm_90) compile of the launches of one fwd+bwd at B={B}, T={T}, H={args.h}, HV={HV}, "
-          f"K={args.k}, V={args.v or args.k}, bf16; {SMS} multiprocessors, {launcher.SM90['shared'] // 1024} KB shared each")
-    launches = record(B, T, args.h, HV, args.k, args.v)
+    print(f"H200 (sm_90) compile of the launches of one fwd+bwd ({args.op}) at B={B}, T={T}, H={args.h}, HV={HV}, "
+          f"K={args.k}, V={args.v or args.k}, {args.dtype}; {SMS} multiprocessors, "
+          f"{launcher.SM90['shared'] // 1024} KB shared each")
+    launches = (record_kda if args.op == "kda" else record)(B, T, args.h, HV, args.k, args.v, NAMES[args.dtype])
     if args.depths:
+        if args.op == "kda":
+            raise SystemExit("--depths: the delta family's sequential passes only")
         depths(launches)
         return
-    print("\n| kernel | BV | warps | stages | regs | spill B | shared KB | programs / SM | grid | waves "
-          "| loop instrs | loop mix (top 8) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| kernel | BK | BV | warps | stages | regs | stack B | spill st/ld B | shared KB | programs / SM | grid "
+          "| waves | loop instrs | loop mix (top 8) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     seen = set()
     for kernel, grid, kargs, meta in launches:
         name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
@@ -184,7 +232,9 @@ def main():
         if (want and name not in want) or key in seen:
             continue
         seen.add(key)
-        regs, spill, smem, sass = resources(compile_sm90(kernel, kargs, meta), with_sass=True)
+        ck = compile_sm90(kernel, kargs, meta)
+        regs, _, smem, sass = resources(ck, with_sass=True)
+        stack, st, ld = ptxas_spills(ck)
         n_sm = per_sm(regs, smem, meta["num_warps"])
         programs = 1
         for d in grid:
@@ -196,8 +246,9 @@ def main():
             with open(os.path.join(args.sass, f"{name}_{len(seen)}.sass"), "w") as f:
                 f.write(sass)
         top = ", ".join(f"{k} {v}" for k, v in mix.most_common(8))
-        print(f"| {name} | {meta.get('BV', '-')} | {meta['num_warps']} | {meta['num_stages']} | {regs} | {spill} "
-              f"| {smem / 1024:.0f} | {n_sm} | {programs} | {waves:.2f} | {n} | {top} |", flush=True)
+        print(f"| {name} | {meta.get('BK', '-')} | {meta.get('BV', '-')} | {meta['num_warps']} | {meta['num_stages']} "
+              f"| {regs} | {stack} | {st}/{ld} | {smem / 1024:.0f} | {n_sm} | {programs} | {waves:.2f} | {n} | {top} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -80,20 +80,34 @@ DELTA = {
 }
 
 #: The per-channel-gate (KDA) chunk kernels. Chosen from ptxas's register report for sm_90 at
-#: K = V = 128 bf16: 8 warps cut the spills of kkt, the state passes, dqk, wy_bwd and intra_bwd
-#: 3–17× against 4, and the tiles are those without (or with the fewest) spills. wu takes 8 warps
-#: for the reason the scalar-gate wu does.
+#: K = V = 128 (``python tools/sass_cpu.py --op kda --shape 4x8192 [--dtype fp32]``), not timed:
+#: the tiles and warps are those without spills, then with the most programs per multiprocessor.
+#: wu takes 8 warps for the reason the scalar-gate wu does. An entry's ``fp32`` dict overrides it
+#: for fp32 inputs (their 3-pass tf32 dots hold two tiles per operand).
 KDA = {
     "gamma": dict(num_warps=4, stages=(1,), BK=64),
-    "kkt": dict(num_warps=8, stages=(1,), BK=16),
+    # Row block by row block (kkt_kernel); BK the K tile of the off-diagonal block pairs, BKD of the
+    # diagonal ones ([16, 16, BKD] exponent tensors). K = V = 128, ptxas sm_90: bf16 224 registers,
+    # fp32 234, no spills, 2 programs per multiprocessor (8 warps: 175 / 231, one program; BK = 64:
+    # bf16 245, fp32 spills 96 bytes).
+    "kkt": dict(num_warps=4, stages=(1,), BK=32, BKD=8),
     "wu": dict(num_warps=8, stages=(2,), BK=32, BV=32),
     # BV_min 32: at tiles of 16 triton 3.6 compiles this state_fwd kernel (fp32, 8 warps) with an
     # out-of-range shared-memory read on the H200 (compute-sanitizer).
-    "state_fwd": dict(num_warps=8, stages=(1,), SV=8192, BV_min=32),
+    # The state passes: 4 warps, so two programs share a multiprocessor and the (sequence, head,
+    # tile) grid of 256 programs at (4, 8192) or (8, 2048) runs in one wave (8 warps: 150–222
+    # registers, one program each, two waves). bf16, K = V = 128, ptxas sm_90: state_fwd two stages,
+    # 80 KB shared, 220–230 registers, no spills at value tiles of 32 and 64. state_bwd one stage
+    # and tiles of at most 32 (SV 4096): 244 registers, no spills (tiles of 64: 28 bytes of spills;
+    # two stages: 128–144 KB shared, one program). fp32 keeps 8 warps: at 4 its 3-pass tf32
+    # operands spill 0.6–2.2 KB.
+    "state_fwd": dict(num_warps=4, stages=(2,), SV=8192, BV_min=32, fp32=dict(num_warps=8, stages=(1,))),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
-    "state_bwd": dict(num_warps=8, stages=(1,), SV=8192, BV_min=32),
-    "dqk": dict(num_warps=8, stages=(1,), BK=64, BV=32),
+    "state_bwd": dict(num_warps=4, stages=(1,), SV=4096, BV_min=32, fp32=dict(num_warps=8, SV=8192)),
+    # fp32: K tiles of 32 (no spills; 64: 284 bytes of spill stores). bf16 keeps 64: no spills
+    # there, and 32 stays at one program per multiprocessor while reading dO, δ, dδ twice as often.
+    "dqk": dict(num_warps=8, stages=(1,), BK=64, BV=32, fp32=dict(BK=32)),
     "wy_bwd": dict(num_warps=8, stages=(1,), BK=32, BV=32),
     "intra_bwd": dict(num_warps=8, stages=(1,), BK=32),
 }

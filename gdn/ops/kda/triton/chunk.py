@@ -30,7 +30,7 @@ def dry_run(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float) ->
     HV, K, V = v.shape[1], k.shape[2], v.shape[2]
     dht = torch.empty(ch.N, HV, K, V, device=v.device) if want_final else None
     G = chunk_fwd.gamma(g, ch)
-    chunk_fwd.output(chunk_fwd.forward_intermediates(q, k, v, G, beta, h0, ch, want_final), ch, scale,
+    chunk_fwd.output(chunk_fwd.forward_intermediates(q, k, v, G, beta, h0, ch, want_final, scale), ch, scale,
                          v.dtype)
     chunk_bwd.backward(q, k, v, G, beta, h0, v, dht, ch, scale)
 
@@ -55,7 +55,7 @@ class KDAChunkFunction(torch.autograd.Function):
             precompile(("kda", Kp, Vp, io, h0p is None, want_final, qp.device, H, HV),
                                      lambda: dry_run(qp, kp, vp, gp, bp, h0p, ch, want_final, scale))
         G = chunk_fwd.gamma(gp, ch)
-        fw = chunk_fwd.forward_intermediates(qp, kp, vp, G, bp, h0p, ch, want_final)
+        fw = chunk_fwd.forward_intermediates(qp, kp, vp, G, bp, h0p, ch, want_final, scale)
         o, ht = chunk_fwd.output(fw, ch, scale, io)[..., :V], fw.ht
         del fw
         if ht is not None and (Kp, Vp) != (K, V):

@@ -5,7 +5,7 @@ next chunk, or the final-state gradient), S the state entering it, Q̃ = Q ⊙ �
 K̃ = K ⊙ exp(γ_C − γ)::
 
     dδ  = scale Pᵀ dO + K̃ dS'                                  dv_local, state pass (reverse)
-    dS  = diag(exp γ_C) dS' + scale Q̃ᵀ dO − Wᵀ dδ              state pass
+    dS  = diag(exp γ_C) dS' + scale Q̃ᵀ dO − Wᵀ dδ              state pass (QG = scale Q̃ stored)
     dP  = scale dO δᵀ (j ≤ i);  dQ̃ = scale dO Sᵀ;  dK̃ = δ dS'ᵀ;  dW = −dδ Sᵀ        dqk
     dT  = dδ (βV)ᵀ + dW (β K ⊙ Γ)ᵀ;  dA = −Tᵀ dT Tᵀ (j < i)                          wy_bwd
     dV  = β Tᵀ dδ;  d(K ⊙ Γ) = β Tᵀ dW;  dβ gets vᵢ·(Tᵀdδ)ᵢ + (k ⊙ Γ)ᵢ·(TᵀdW)ᵢ      wy_bwd
@@ -69,8 +69,9 @@ def _state_bwd_step(j, b_ds, NC, QG, KT, G, W, do, DVL, dh, DD, bos, eos, c0, i_
     b_ddd = b_dd.to(DT)
     tl.store(DD + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_ddd, mask=m[:, None])
     b_w = tl.load(W + p_k, mask=m[:, None], other=0.0)
-    b_ds = b_ds * tl.exp(b_gc)[:, None] + scale * tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
-    return b_ds - tl.dot(tl.trans(b_w), b_ddd, input_precision=PREC)
+    # QG carries the scale: both dots accumulate into the decayed dS' in place
+    b_ds = tl.dot(tl.trans(b_qg), b_do, acc=b_ds * tl.exp(b_gc)[:, None], input_precision=PREC)
+    return tl.dot(tl.trans(b_w), -b_ddd, acc=b_ds, input_precision=PREC)
 
 
 @triton.jit(do_not_specialize=["max_nc"])
@@ -296,39 +297,41 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float):
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     prec, DT, io, dev, f32 = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype, v.device, torch.float32
-    fw = forward_intermediates(q, k, v, G, beta, h0, ch, False)
+    fw = forward_intermediates(q, k, v, G, beta, h0, ch, False, scale)
     Ai, W, h, VN = fw.Ai, fw.W, fw.h, fw.VN
     DVL = torch.empty(T, HV, V, device=dev, dtype=io)
-    BV = vtile("dv_local", K, V)
+    BV = vtile("dv_local", K, V, io)
     launch(dv_local_kernel, (V // BV, ch.NT, HV), fw.P, do, DVL, ch.cu, ch.chunk_idx, scale, HV, V=V, BV=BV,
-           PREC=prec, DT=DT, name="dv_local")
+           PREC=prec, DT=DT, name="dv_local", io=io)
     dh = torch.empty(ch.NT, HV, K, V, device=dev, dtype=STATE_DTYPE)
     DD = torch.empty(T, HV, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
-    SV = state_vtile("state_bwd", K, V, ch.N * HV, dev)
+    SV = state_vtile("state_bwd", K, V, ch.N * HV, dev, io)
     launch(state_bwd_kernel, (V // SV, ch.N * HV), fw.QG, fw.KT, G, W, do, DVL, dht if dht is not None else v, dh,
            DD, dh0 if dh0 is not None else v, ch.cu, ch.chunk_off, ch.max_nc, scale, HV, K=K, V=V, BV=SV,
-           USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_bwd")
+           USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_bwd",
+           io=io)
     del DVL, fw
-    BK, BV = ktile("dqk", K), vtile("dqk", K, V)
+    BK, BV = ktile("dqk", K, io), vtile("dqk", K, V, io)
     DQ = torch.empty(T, HV, K, device=dev, dtype=f32)
     DK = torch.empty(T, HV, K, device=dev, dtype=f32)
     DW = torch.empty(T, HV, K, device=dev, dtype=io)
     DGAM = torch.empty(T, HV, K, device=dev, dtype=f32)
     DP = torch.empty(T, HV, 64, device=dev, dtype=f32)
     launch(dqk_kernel, (K // BK, ch.NT, HV), q, k, G, VN, do, h, dh, DD, DQ, DK, DW, DGAM, DP, ch.cu, ch.chunk_idx,
-           scale, H, HV, K=K, V=V, BK=BK, BV=BV, PREC=prec, name="dqk")
+           scale, H, HV, K=K, V=V, BK=BK, BV=BV, PREC=prec, name="dqk", io=io)
     del h, dh, VN
     DV = torch.empty(T, HV, V, device=dev, dtype=f32)
     DB = torch.empty(T, HV, device=dev, dtype=f32)
     DA = torch.empty(T, HV, 64, device=dev, dtype=f32)
     launch(wy_bwd_kernel, (ch.NT, HV), k, v, G, beta, Ai, DD, DW, DK, DGAM, DV, DB, DA, ch.cu, ch.chunk_idx, H, HV,
-           K=K, V=V, BK=ktile("wy_bwd", K), BV=vtile("wy_bwd", K, V), PREC=prec, DT=DT, name="wy_bwd")
+           K=K, V=V, BK=ktile("wy_bwd", K, io), BV=vtile("wy_bwd", K, V, io), PREC=prec, DT=DT, name="wy_bwd",
+           io=io)
     del DD, DW
-    BK = ktile("intra_bwd", K)
+    BK = ktile("intra_bwd", K, io)
     DG = torch.empty(T, HV, K, device=dev, dtype=f32)
     DBK = torch.empty(K // BK, T, HV, device=dev, dtype=f32)
     # the pair sums take fp32 operands (3-pass tf32 on the GPU): dP and dA feed dg directly
     launch(intra_bwd_kernel, (K // BK, ch.NT, HV), q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, ch.cu,
-           ch.chunk_idx, T, H, HV, K=K, BK=BK, PREC="tf32x3", name="intra_bwd")
+           ch.chunk_idx, T, H, HV, K=K, BK=BK, PREC="tf32x3", name="intra_bwd", io=io)
     return DQ, DK, DV, DG, DB + DBK.sum(0), dh0

@@ -19,7 +19,7 @@ diagonal block the exponent is taken pairwise, exp(γ_i − γ_j) masked to j �
 sequence's end are masked to −∞ in the exponent and the reference row is clamped to the last
 valid row, so no 0 · ∞ arises.
 
-Intermediates (T, P, W, U, δ, Q ⊙ Γ, K ⊙ exp(γ_C − γ)) are stored in the input dtype; γ, the
+Intermediates (T, P, W, U, δ, scale · Q ⊙ Γ, K ⊙ exp(γ_C − γ)) are stored in the input dtype; γ, the
 per-chunk states (``STATE_DTYPE``), the running and the final states are fp32. Everything works on
 the packed layout of :mod:`gdn.ops.triton.common` with K and V already padded to powers of two (≥ ``MIN_DIM``,
 32) by the caller.
@@ -44,29 +44,37 @@ from ...tuning import KDA
 STATE_DTYPE = torch.float32
 
 
-def launch(kernel, grid, *args, name: str, **meta):
-    """:func:`gdn.ops.triton.launch.launch` with the KDA table of :mod:`gdn.ops.tuning`."""
-    return triton_launch(kernel, grid, *args, name=name, config=KDA, **meta)
-
-
-def ktile(name: str, K: int) -> int:
-    """The K tile of kernel ``name`` for a padded K (a power of two ≥ 32)."""
-    return min(KDA[name]["BK"], K)
-
-
-def vtile(name: str, K: int, V: int) -> int:
-    """The V tile of kernel ``name`` (sequential passes: ``SV // K`` values, at least 16)."""
+def entry(name: str, io: torch.dtype) -> dict:
+    """Kernel ``name``'s entry of the KDA table for inputs of dtype ``io``: fp32 inputs take the
+    entry's ``fp32`` overrides (3-pass tf32 dots hold each fp32 operand as two tiles, so they
+    need other tiles and warps than half inputs to stay clear of spills)."""
     c = KDA[name]
+    return {**c, **c["fp32"]} if io == torch.float32 and "fp32" in c else c
+
+
+def launch(kernel, grid, *args, name: str, io: torch.dtype, **meta):
+    """:func:`gdn.ops.triton.launch.launch` with the KDA table's entry for ``io`` inputs."""
+    return triton_launch(kernel, grid, *args, name=name, config={name: entry(name, io)}, **meta)
+
+
+def ktile(name: str, K: int, io: torch.dtype) -> int:
+    """The K tile of kernel ``name`` for a padded K (a power of two ≥ 32)."""
+    return min(entry(name, io)["BK"], K)
+
+
+def vtile(name: str, K: int, V: int, io: torch.dtype) -> int:
+    """The V tile of kernel ``name`` (sequential passes: ``SV // K`` values, at least 16)."""
+    c = entry(name, io)
     return min(V, max(16, c["SV"] // K)) if "SV" in c else min(V, c["BV"])
 
 
-def state_vtile(name: str, K: int, V: int, programs: int, device) -> int:
+def state_vtile(name: str, K: int, V: int, programs: int, device, io: torch.dtype) -> int:
     """V tile of a sequential pass with ``programs`` (sequence, value head) pairs: :func:`vtile`,
-    halved (down to ``KDA[name]["BV_min"]``) while the programs would not fill the card's
+    halved (down to the entry's ``BV_min``) while the programs would not fill the card's
     multiprocessors; each program walks every chunk of its sequence, so idle multiprocessors are
     lost for the whole pass."""
-    BV = vtile(name, K, V)
-    while BV > KDA[name]["BV_min"] and programs * (V // BV) < sm_count(device):
+    BV = vtile(name, K, V, io)
+    while BV > entry(name, io)["BV_min"] and programs * (V // BV) < sm_count(device):
         BV //= 2
     return BV
 
@@ -148,9 +156,62 @@ def gamma_kernel(g, G, cu, chunk_idx, HV, K: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _kkt_off(q, k, G, t0, eos, I: tl.constexpr, J: tl.constexpr, i_h, i_hv, H, HV, K: tl.constexpr,
+             BK: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """(A_IJ without β, P_IJ) [16, 16] for row block I after column block J, through the reference
+    row r = the first row of I, summed over every K tile."""
+    o = tl.arange(0, 16)
+    r_i = t0 + I * 16 + o
+    r_j = t0 + J * 16 + o
+    m_i = r_i < eos
+    m_j = r_j < eos
+    a = tl.zeros([16, 16], dtype=tl.float32)
+    p = tl.zeros([16, 16], dtype=tl.float32)
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        gr = ref_row(G, t0 + I * 16, eos, HV, i_hv, o_k, K)
+        e = after_ref(load_rows(G, r_i, m_i, HV, i_hv, o_k, K), gr, m_i)
+        kb = load_rows(k, r_j, m_j, H, i_h, o_k, K) * before_ref(load_rows(G, r_j, m_j, HV, i_hv, o_k, K), gr)
+        a += _mm(load_rows(k, r_i, m_i, H, i_h, o_k, K) * e, kb, DT, PREC)
+        p += _mm(load_rows(q, r_i, m_i, H, i_h, o_k, K) * e, kb, DT, PREC)
+    return a, p
+
+
+@triton.jit
+def _kkt_diag(q, k, G, t0, eos, I: tl.constexpr, i_h, i_hv, H, HV, K: tl.constexpr, BK: tl.constexpr):
+    """(A_II without β, P_II) [16, 16] of diagonal block I: pairwise exponents, one [16, 16, BK]
+    exponent tensor per K tile for both."""
+    o = tl.arange(0, 16)
+    r_i = t0 + I * 16 + o
+    m_i = r_i < eos
+    a = tl.zeros([16, 16], dtype=tl.float32)
+    p = tl.zeros([16, 16], dtype=tl.float32)
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = load_rows(k, r_i, m_i, H, i_h, o_k, K)
+        e3 = diag_exponent(load_rows(G, r_i, m_i, HV, i_hv, o_k, K), m_i)
+        a += diag_pairs(b_k, b_k, e3)
+        p += diag_pairs(load_rows(q, r_i, m_i, H, i_h, o_k, K), b_k, e3)
+    return a, p
+
+
+@triton.jit
+def _row_beta(beta, t0, eos, I: tl.constexpr, HV, i_hv):
+    """β of row block I as a [16, 1] column (0 off the sequence)."""
+    r = t0 + I * 16 + tl.arange(0, 16)
+    return tl.load(beta + r * HV + i_hv, mask=r < eos, other=0.0)[:, None]
+
+
+@triton.jit
 def kkt_kernel(q, k, G, beta, Ai, P, cu, chunk_idx, H, HV, K: tl.constexpr, BK: tl.constexpr,
-               PREC: tl.constexpr, DT: tl.constexpr):
-    """Ai = (I + A)⁻¹ and P (both [T, HV, 64], rows of each chunk) from 16-row sub-blocks."""
+               BKD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """Ai = (I + A)⁻¹ and P (both [T, HV, 64], rows of each chunk) from 16-row sub-blocks.
+
+    Row block by row block: each block pair (I, J) is its own loop over K (off-diagonal pairs in K
+    tiles of BK, diagonal ones in BKD: their [16, 16, BKD] exponent tensors set the register
+    footprint), and row block I of P and of the inverse is stored before block I + 1 starts, so
+    only the inverse's earlier row blocks stay live (the forward substitution needs them), never
+    all twenty [16, 16] sums at once."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
@@ -161,129 +222,80 @@ def kkt_kernel(q, k, G, beta, Ai, P, cu, chunk_idx, H, HV, K: tl.constexpr, BK: 
     r3 = r0 + 48
     m0, m1, m2, m3 = r0 < eos, r1 < eos, r2 < eos, r3 < eos
     z = tl.zeros([16, 16], dtype=tl.float32)
-    A00, A11, A22, A33, A10, A20, A21, A30, A31, A32 = z, z, z, z, z, z, z, z, z, z
-    P00, P11, P22, P33, P10, P20, P21, P30, P31, P32 = z, z, z, z, z, z, z, z, z, z
-    for i_k in range(0, K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        k0 = load_rows(k, r0, m0, H, i_h, o_k, K)
-        k1 = load_rows(k, r1, m1, H, i_h, o_k, K)
-        k2 = load_rows(k, r2, m2, H, i_h, o_k, K)
-        k3 = load_rows(k, r3, m3, H, i_h, o_k, K)
-        q0 = load_rows(q, r0, m0, H, i_h, o_k, K)
-        q1 = load_rows(q, r1, m1, H, i_h, o_k, K)
-        q2 = load_rows(q, r2, m2, H, i_h, o_k, K)
-        q3 = load_rows(q, r3, m3, H, i_h, o_k, K)
-        g0 = load_rows(G, r0, m0, HV, i_hv, o_k, K)
-        g1 = load_rows(G, r1, m1, HV, i_hv, o_k, K)
-        g2 = load_rows(G, r2, m2, HV, i_hv, o_k, K)
-        g3 = load_rows(G, r3, m3, HV, i_hv, o_k, K)
-        e3 = diag_exponent(g0, m0)
-        A00 += diag_pairs(k0, k0, e3)
-        P00 += diag_pairs(q0, k0, e3)
-        e3 = diag_exponent(g1, m1)
-        A11 += diag_pairs(k1, k1, e3)
-        P11 += diag_pairs(q1, k1, e3)
-        e3 = diag_exponent(g2, m2)
-        A22 += diag_pairs(k2, k2, e3)
-        P22 += diag_pairs(q2, k2, e3)
-        e3 = diag_exponent(g3, m3)
-        A33 += diag_pairs(k3, k3, e3)
-        P33 += diag_pairs(q3, k3, e3)
-        # row block 1 (reference: its first row)
-        gr = ref_row(G, t0 + 16, eos, HV, i_hv, o_k, K)
-        e = after_ref(g1, gr, m1)
-        kb = k0 * before_ref(g0, gr)
-        A10 += _mm(k1 * e, kb, DT, PREC)
-        P10 += _mm(q1 * e, kb, DT, PREC)
-        # row block 2
-        gr = ref_row(G, t0 + 32, eos, HV, i_hv, o_k, K)
-        e = after_ref(g2, gr, m2)
-        ka = k2 * e
-        qa = q2 * e
-        kb = k0 * before_ref(g0, gr)
-        A20 += _mm(ka, kb, DT, PREC)
-        P20 += _mm(qa, kb, DT, PREC)
-        kb = k1 * before_ref(g1, gr)
-        A21 += _mm(ka, kb, DT, PREC)
-        P21 += _mm(qa, kb, DT, PREC)
-        # row block 3
-        gr = ref_row(G, t0 + 48, eos, HV, i_hv, o_k, K)
-        e = after_ref(g3, gr, m3)
-        ka = k3 * e
-        qa = q3 * e
-        kb = k0 * before_ref(g0, gr)
-        A30 += _mm(ka, kb, DT, PREC)
-        P30 += _mm(qa, kb, DT, PREC)
-        kb = k1 * before_ref(g1, gr)
-        A31 += _mm(ka, kb, DT, PREC)
-        P31 += _mm(qa, kb, DT, PREC)
-        kb = k2 * before_ref(g2, gr)
-        A32 += _mm(ka, kb, DT, PREC)
-        P32 += _mm(qa, kb, DT, PREC)
-    b0 = tl.load(beta + r0 * HV + i_hv, mask=m0, other=0.0)[:, None]
-    b1 = tl.load(beta + r1 * HV + i_hv, mask=m1, other=0.0)[:, None]
-    b2 = tl.load(beta + r2 * HV + i_hv, mask=m2, other=0.0)[:, None]
-    b3 = tl.load(beta + r3 * HV + i_hv, mask=m3, other=0.0)[:, None]
-    X00 = inv_unit_lower16(strict(A00) * b0, "ieee")
-    X11 = inv_unit_lower16(strict(A11) * b1, "ieee")
-    X22 = inv_unit_lower16(strict(A22) * b2, "ieee")
-    X33 = inv_unit_lower16(strict(A33) * b3, "ieee")
-    A10 *= b1
-    A20 *= b2
-    A21 *= b2
-    A30 *= b3
-    A31 *= b3
-    A32 *= b3
-    # Block forward substitution: X_ij = −X_ii Σ_{j ≤ l < i} A_il X_lj.
-    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision="ieee"), input_precision="ieee")
-    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision="ieee"), input_precision="ieee")
-    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision="ieee") + tl.dot(A21, X10, input_precision="ieee"),
-                  input_precision="ieee")
-    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision="ieee"), input_precision="ieee")
-    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision="ieee") + tl.dot(A32, X21, input_precision="ieee"),
-                  input_precision="ieee")
-    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision="ieee") + tl.dot(A31, X10, input_precision="ieee")
-                  + tl.dot(A32, X20, input_precision="ieee"), input_precision="ieee")
-    store16(Ai, X00, r0, m0, HV, i_hv, 0)
-    store16(Ai, z, r0, m0, HV, i_hv, 16)
-    store16(Ai, z, r0, m0, HV, i_hv, 32)
-    store16(Ai, z, r0, m0, HV, i_hv, 48)
-    store16(Ai, X10, r1, m1, HV, i_hv, 0)
-    store16(Ai, X11, r1, m1, HV, i_hv, 16)
-    store16(Ai, z, r1, m1, HV, i_hv, 32)
-    store16(Ai, z, r1, m1, HV, i_hv, 48)
-    store16(Ai, X20, r2, m2, HV, i_hv, 0)
-    store16(Ai, X21, r2, m2, HV, i_hv, 16)
-    store16(Ai, X22, r2, m2, HV, i_hv, 32)
-    store16(Ai, z, r2, m2, HV, i_hv, 48)
-    store16(Ai, X30, r3, m3, HV, i_hv, 0)
-    store16(Ai, X31, r3, m3, HV, i_hv, 16)
-    store16(Ai, X32, r3, m3, HV, i_hv, 32)
-    store16(Ai, X33, r3, m3, HV, i_hv, 48)
+    # row block 0
+    A00, P00 = _kkt_diag(q, k, G, t0, eos, 0, i_h, i_hv, H, HV, K, BKD)
+    X00 = inv_unit_lower16(strict(A00) * _row_beta(beta, t0, eos, 0, HV, i_hv), "ieee")
     store16(P, P00, r0, m0, HV, i_hv, 0)
     store16(P, z, r0, m0, HV, i_hv, 16)
     store16(P, z, r0, m0, HV, i_hv, 32)
     store16(P, z, r0, m0, HV, i_hv, 48)
-    store16(P, P10, r1, m1, HV, i_hv, 0)
+    store16(Ai, X00, r0, m0, HV, i_hv, 0)
+    store16(Ai, z, r0, m0, HV, i_hv, 16)
+    store16(Ai, z, r0, m0, HV, i_hv, 32)
+    store16(Ai, z, r0, m0, HV, i_hv, 48)
+    # row block 1; block forward substitution: X_IJ = −X_II Σ_{J ≤ l < I} A_Il X_lJ
+    A11, P11 = _kkt_diag(q, k, G, t0, eos, 1, i_h, i_hv, H, HV, K, BKD)
     store16(P, P11, r1, m1, HV, i_hv, 16)
+    b1 = _row_beta(beta, t0, eos, 1, HV, i_hv)
+    X11 = inv_unit_lower16(strict(A11) * b1, "ieee")
+    A10, P10 = _kkt_off(q, k, G, t0, eos, 1, 0, i_h, i_hv, H, HV, K, BK, PREC, DT)
+    store16(P, P10, r1, m1, HV, i_hv, 0)
     store16(P, z, r1, m1, HV, i_hv, 32)
     store16(P, z, r1, m1, HV, i_hv, 48)
-    store16(P, P20, r2, m2, HV, i_hv, 0)
-    store16(P, P21, r2, m2, HV, i_hv, 16)
+    X10 = -tl.dot(X11, tl.dot(A10 * b1, X00, input_precision="ieee"), input_precision="ieee")
+    store16(Ai, X10, r1, m1, HV, i_hv, 0)
+    store16(Ai, X11, r1, m1, HV, i_hv, 16)
+    store16(Ai, z, r1, m1, HV, i_hv, 32)
+    store16(Ai, z, r1, m1, HV, i_hv, 48)
+    # row block 2
+    A22, P22 = _kkt_diag(q, k, G, t0, eos, 2, i_h, i_hv, H, HV, K, BKD)
     store16(P, P22, r2, m2, HV, i_hv, 32)
     store16(P, z, r2, m2, HV, i_hv, 48)
-    store16(P, P30, r3, m3, HV, i_hv, 0)
-    store16(P, P31, r3, m3, HV, i_hv, 16)
-    store16(P, P32, r3, m3, HV, i_hv, 32)
+    b2 = _row_beta(beta, t0, eos, 2, HV, i_hv)
+    X22 = inv_unit_lower16(strict(A22) * b2, "ieee")
+    A20, P20 = _kkt_off(q, k, G, t0, eos, 2, 0, i_h, i_hv, H, HV, K, BK, PREC, DT)
+    store16(P, P20, r2, m2, HV, i_hv, 0)
+    A21, P21 = _kkt_off(q, k, G, t0, eos, 2, 1, i_h, i_hv, H, HV, K, BK, PREC, DT)
+    store16(P, P21, r2, m2, HV, i_hv, 16)
+    A21 *= b2
+    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision="ieee"), input_precision="ieee")
+    X20 = -tl.dot(X22, tl.dot(A20 * b2, X00, input_precision="ieee") + tl.dot(A21, X10, input_precision="ieee"),
+                  input_precision="ieee")
+    store16(Ai, X20, r2, m2, HV, i_hv, 0)
+    store16(Ai, X21, r2, m2, HV, i_hv, 16)
+    store16(Ai, X22, r2, m2, HV, i_hv, 32)
+    store16(Ai, z, r2, m2, HV, i_hv, 48)
+    # row block 3
+    A33, P33 = _kkt_diag(q, k, G, t0, eos, 3, i_h, i_hv, H, HV, K, BKD)
     store16(P, P33, r3, m3, HV, i_hv, 48)
+    b3 = _row_beta(beta, t0, eos, 3, HV, i_hv)
+    X33 = inv_unit_lower16(strict(A33) * b3, "ieee")
+    A30, P30 = _kkt_off(q, k, G, t0, eos, 3, 0, i_h, i_hv, H, HV, K, BK, PREC, DT)
+    store16(P, P30, r3, m3, HV, i_hv, 0)
+    A31, P31 = _kkt_off(q, k, G, t0, eos, 3, 1, i_h, i_hv, H, HV, K, BK, PREC, DT)
+    store16(P, P31, r3, m3, HV, i_hv, 16)
+    A32, P32 = _kkt_off(q, k, G, t0, eos, 3, 2, i_h, i_hv, H, HV, K, BK, PREC, DT)
+    store16(P, P32, r3, m3, HV, i_hv, 32)
+    A31 *= b3
+    A32 *= b3
+    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision="ieee"), input_precision="ieee")
+    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision="ieee") + tl.dot(A32, X21, input_precision="ieee"),
+                  input_precision="ieee")
+    X30 = -tl.dot(X33, tl.dot(A30 * b3, X00, input_precision="ieee") + tl.dot(A31, X10, input_precision="ieee")
+                  + tl.dot(A32, X20, input_precision="ieee"), input_precision="ieee")
+    store16(Ai, X30, r3, m3, HV, i_hv, 0)
+    store16(Ai, X31, r3, m3, HV, i_hv, 16)
+    store16(Ai, X32, r3, m3, HV, i_hv, 32)
+    store16(Ai, X33, r3, m3, HV, i_hv, 48)
 
 
 @triton.jit
-def wu_kernel(q, k, v, G, beta, Ai, W, U, QG, KT, cu, chunk_idx, H, HV, K: tl.constexpr, V: tl.constexpr,
+def wu_kernel(q, k, v, G, beta, Ai, W, U, QG, KT, cu, chunk_idx, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """W = T diag(β) (K ⊙ Γ) and U = T diag(β) V for one chunk and value head, and the decayed
-    operands of the state passes and the output, QG = Q ⊙ Γ and KT = K ⊙ exp(γ_C − γ) (all in DT;
-    the state passes then read one [64, K] tile per chunk each and take no exponential)."""
+    operands of the state passes and the output, QG = scale · Q ⊙ Γ and KT = K ⊙ exp(γ_C − γ) (all
+    in DT; the state passes then read one [64, K] tile per chunk each and take no exponential, and
+    their dots accumulate in place: no factor is left to apply to a dot's result)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
@@ -303,7 +315,7 @@ def wu_kernel(q, k, v, G, beta, Ai, W, U, QG, KT, cu, chunk_idx, H, HV, K: tl.co
         b_w = tl.dot(b_A, (b_k * b_e * b_b[:, None]).to(DT), input_precision=PREC)
         tl.store(W + p_k, b_w.to(DT), mask=m[:, None])
         tl.store(KT + p_k, (b_k * tl.exp(b_gc[None, :] - b_g)).to(DT), mask=m[:, None])
-        tl.store(QG + p_k, (load_rows(q, rows, m, H, i_h, o_k, K) * b_e).to(DT), mask=m[:, None])
+        tl.store(QG + p_k, (load_rows(q, rows, m, H, i_h, o_k, K) * (scale * b_e)).to(DT), mask=m[:, None])
     for i_v in range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         b_v = load_rows(v, rows, m, HV, i_hv, o_v, V)
@@ -318,16 +330,14 @@ def _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, 
     cs = bos + i_c * 64
     rows = cs + o_t
     m = rows < eos
-    b_sd = b_s.to(DT)
     tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_s.to(h.dtype.element_ty), mask=cs < eos)
     b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
-    b_u = load_rows(U, rows, m, HV, i_hv, o_v, V)
-    b_d = b_u - tl.dot(b_w, b_sd, input_precision=PREC)
+    b_d = tl.dot(b_w, (-b_s).to(DT), acc=load_rows(U, rows, m, HV, i_hv, o_v, V), input_precision=PREC)
     tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
     b_kt = tl.load(KT + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
     last = tl.minimum(eos, cs + 64) - 1
     b_gc = tl.load(G + (last * HV + i_hv) * K + o_k, mask=(cs < eos) & (o_k < K), other=0.0)
-    return b_s * tl.exp(b_gc)[:, None] + tl.dot(tl.trans(b_kt), b_d.to(DT), input_precision=PREC)
+    return tl.dot(tl.trans(b_kt), b_d.to(DT), acc=b_s * tl.exp(b_gc)[:, None], input_precision=PREC)
 
 
 @triton.jit(do_not_specialize=["max_nc"])
@@ -367,7 +377,7 @@ def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, HV, K: t
 @triton.jit
 def output_kernel(QG, P, h, VN, o, cu, chunk_idx, scale, HV, K: tl.constexpr, V: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """O = scale · (P δ + (Q ⊙ Γ) S) for one chunk, value head and V tile."""
+    """O = scale · P δ + QG S (QG = scale · Q ⊙ Γ) for one chunk, value head and V tile."""
     i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
     o_t = tl.arange(0, 64)
@@ -382,7 +392,7 @@ def output_kernel(QG, P, h, VN, o, cu, chunk_idx, scale, HV, K: tl.constexpr, V:
         b_o += tl.dot(b_q, b_s.to(DT), input_precision=PREC)
     b_p = tl.load(P + (rows[:, None] * HV + i_hv) * 64 + o_t[None, :], mask=m[:, None], other=0.0)
     b_d = tl.load(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=m[:, None], other=0.0)
-    b_o = scale * (b_o + tl.dot(b_p, b_d, input_precision=PREC))
+    b_o += scale * tl.dot(b_p, b_d, input_precision=PREC)
     tl.store(o + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m[:, None])
 
 
@@ -394,7 +404,8 @@ def gamma(g: torch.Tensor, ch: Chunks) -> torch.Tensor:
     """The in-chunk cumulative log decay of g [T, HV, K] (fp32, K padded)."""
     T, HV, K = g.shape
     G = torch.empty_like(g)
-    launch(gamma_kernel, (ch.NT, HV), g, G, ch.cu, ch.chunk_idx, HV, K=K, BK=ktile("gamma", K), name="gamma")
+    launch(gamma_kernel, (ch.NT, HV), g, G, ch.cu, ch.chunk_idx, HV, K=K, BK=ktile("gamma", K, g.dtype), name="gamma",
+           io=g.dtype)
     return G
 
 
@@ -414,7 +425,7 @@ class Intermediates:
     ht: torch.Tensor | None
 
 
-def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool) -> Intermediates:
+def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool, scale: float) -> Intermediates:
     """The forward up to the output. q, k: [T, H, K]; v: [T, HV, V] (one dtype, K and V powers of
     two ≥ 32); G: [T, HV, K] fp32 (:func:`gamma`); beta: [T, HV] fp32; h0: [N, HV, K, V] fp32 or None."""
     T, H, K = k.shape
@@ -422,19 +433,20 @@ def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool) ->
     prec, DT, io, dev = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype, v.device
     Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
     P = torch.empty(T, HV, BT, device=dev, dtype=io)
-    launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, ch.cu, ch.chunk_idx, H, HV, K=K, BK=ktile("kkt", K),
-           PREC=prec, DT=DT, name="kkt")
+    launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, ch.cu, ch.chunk_idx, H, HV, K=K, BK=ktile("kkt", K, io),
+           BKD=min(entry("kkt", io)["BKD"], K), PREC=prec, DT=DT, name="kkt", io=io)
     W, QG, KT = (torch.empty(T, HV, K, device=dev, dtype=io) for _ in range(3))
     U = torch.empty(T, HV, V, device=dev, dtype=io)
-    launch(wu_kernel, (ch.NT, HV), q, k, v, G, beta, Ai, W, U, QG, KT, ch.cu, ch.chunk_idx, H, HV, K=K, V=V,
-           BK=ktile("wu", K), BV=vtile("wu", K, V), PREC=prec, DT=DT, name="wu")
+    launch(wu_kernel, (ch.NT, HV), q, k, v, G, beta, Ai, W, U, QG, KT, ch.cu, ch.chunk_idx, scale, H, HV, K=K, V=V,
+           BK=ktile("wu", K, io), BV=vtile("wu", K, V, io), PREC=prec, DT=DT, name="wu", io=io)
     h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=STATE_DTYPE)
     VN = torch.empty(T, HV, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
-    SV = state_vtile("state_fwd", K, V, ch.N * HV, dev)
+    SV = state_vtile("state_fwd", K, V, ch.N * HV, dev, io)
     launch(state_fwd_kernel, (V // SV, ch.N * HV), KT, G, W, U, h0 if h0 is not None else v, h, VN,
            ht if ht is not None else v, ch.cu, ch.chunk_off, ch.max_nc, HV, K=K, V=V, BV=SV,
-           USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_fwd")
+           USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_fwd",
+           io=io)
     return Intermediates(Ai, P, W, QG, KT, h, VN, ht)
 
 
@@ -443,8 +455,8 @@ def output(fw: Intermediates, ch: Chunks, scale: float, out_dtype) -> torch.Tens
     T, HV, K = fw.QG.shape
     V = fw.VN.shape[2]
     o = torch.empty(T, HV, V, device=fw.VN.device, dtype=out_dtype)
-    BV = vtile("output", K, V)
+    io = fw.VN.dtype
+    BV = vtile("output", K, V, io)
     launch(output_kernel, (V // BV, ch.NT, HV), fw.QG, fw.P, fw.h, fw.VN, o, ch.cu, ch.chunk_idx, scale, HV, K=K,
-           V=V, BK=ktile("output", K), BV=BV, PREC=dot_precision(fw.VN.dtype), DT=tl_dtype(fw.VN.dtype),
-           name="output")
+           V=V, BK=ktile("output", K, io), BV=BV, PREC=dot_precision(io), DT=tl_dtype(io), name="output", io=io)
     return o
