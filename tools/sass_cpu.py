@@ -13,6 +13,7 @@ waves).
 
     python tools/sass_cpu.py --shape 4x8192 [--hv 32] [--kernels state_bwd,state_fwd] [--sass DIR]
     python tools/sass_cpu.py --shape 4x4096 --h 6 --v 256 --depths   # each pass's candidates and choice
+    python tools/sass_cpu.py --shape 4x8192 --config '{"dqk_wy": {"use": true}}'   # under launch overrides
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gdn.ops.delta.triton import chunk, chunk_bwd, chunk_fwd  # noqa: E402
 from gdn.ops.triton import common  # noqa: E402
 from gdn.ops.triton import launch as launcher  # noqa: E402
+from gdn.ops import tuning  # noqa: E402
 from gdn.ops.tuning import DELTA  # noqa: E402
 
 SMS = 132  # H200 multiprocessors (per multiprocessor: launcher.SM90)
@@ -157,7 +159,12 @@ def main():
                     help="the sequential passes at each of their launch candidates, and the one the launcher takes")
     ap.add_argument("--kernels", default=None, help="comma-separated names (default every launched kernel)")
     ap.add_argument("--sass", default=None, metavar="DIR", help="also write each kernel's SASS there")
+    ap.add_argument("--config", default=None,
+                    help="launch overrides (JSON file or inline JSON, gdn.ops.tuning.update_from), e.g. "
+                         "'{\"dqk_wy\": {\"use\": true}}' for the fused dqk + wy_bwd kernel")
     args = ap.parse_args()
+    if args.config:
+        tuning.update_from(args.config)
     B, T = (int(x) for x in args.shape.lower().split("x"))
     HV = args.hv or args.h
     want = None if args.kernels is None else {f"{n}_kernel" for n in args.kernels.split(",")}
