@@ -68,7 +68,9 @@ def resources(ck, with_sass=False):
     usage = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
     sass = subprocess.run([tool, "--dump-sass", cubin], capture_output=True, text=True).stdout if with_sass else None
     os.unlink(cubin)
-    out = (int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+    # spilled registers live on the thread's stack (STACK); LOCAL counts only local arrays
+    out = (int(re.search(r"REG:(\d+)", usage).group(1)),
+           int(re.search(r"STACK:(\d+)", usage).group(1)) + int(re.search(r"LOCAL:(\d+)", usage).group(1)),
            ck.metadata.shared)
     return out + (sass,) if with_sass else out
 
