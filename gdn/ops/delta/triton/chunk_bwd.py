@@ -315,6 +315,201 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DKO, DV, DB, DGAM, DG, cu, chun
         tl.store(DG + rows * HV + i_hv, b_dg, mask=m)
 
 
+@triton.jit
+def _dqk_wy_tile(i_k, b_dsm, b_dT, b_kk, b_db, b_dgam, q, k, v, VN, do, h, dh, DD, DQ, DV, Ai, b_b, b_G, b_bg, b_gam,
+                 b_gc, rows, m, t0, eos, i_t, i_hv, i_h, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FIRST: tl.constexpr,
+                 USE_G: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """One K tile of :func:`dqk_wy_kernel`: dQ (stored), dK without the (M + Mᵀ)K term (returned,
+    fp32), and this tile's parts of dT, K Kᵀ, dβ and dγ. ``FIRST`` (the first tile) also forms
+    dP = scale (dO δᵀ ⊙ D), the same for every K tile, and runs wy's value part (dT += dδ (βV)ᵀ,
+    dV, dβ's V term) inside the value loop, whose dδ tiles it loads anyway."""
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    mk = m[:, None] & (o_k < K)[None, :]
+    base_h = (i_t.to(tl.int64) * HV + i_hv) * K * V
+    b_dod = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dqs = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dks = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_gcs = 0.0  # Σ S ⊙ dS over the tile: only its total enters dγ_C
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = m[:, None] & (o_v < V)[None, :]
+        mkv = (o_k < K)[:, None] & (o_v < V)[None, :]
+        p_v = (rows[:, None] * HV + i_hv) * V + o_v[None, :]
+        b_d = tl.load(VN + p_v, mask=mv, other=0.0)
+        b_do = tl.load(do + p_v, mask=mv, other=0.0)
+        b_s = tl.load(h + base_h + o_k[:, None] * V + o_v[None, :], mask=mkv, other=0.0)
+        b_ds = tl.load(dh + base_h + o_k[:, None] * V + o_v[None, :], mask=mkv, other=0.0)
+        b_dd = tl.load(DD + p_v, mask=mv, other=0.0)
+        if FIRST:
+            b_dod += tl.dot(b_do, tl.trans(b_d), input_precision=PREC)
+        b_dqs += tl.dot(b_do, tl.trans(b_s), input_precision=PREC)
+        b_dks += tl.dot(b_d, tl.trans(b_ds), input_precision=PREC)
+        b_dw -= tl.dot(b_dd, tl.trans(b_s), input_precision=PREC)
+        if USE_G:
+            b_gcs += tl.sum(tl.sum(b_s.to(tl.float32) * b_ds.to(tl.float32), axis=1), axis=0)
+    b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+    if FIRST:
+        lower = o_t[:, None] >= o_t[None, :]
+        if USE_G:
+            b_dsm = b_dod * tl.exp(tl.where(lower, b_gam[:, None] - b_gam[None, :], float("-inf"))) * scale
+        else:
+            b_dsm = tl.where(lower, b_dod * scale, 0.0)
+    if USE_G:
+        b_dqs = b_dqs * (scale * tl.exp(b_gam))[:, None]
+        b_dks = b_dks * tl.exp(b_gc - b_gam)[:, None]
+    else:
+        b_dqs = b_dqs * scale
+    # each [BT, BK] accumulator is consumed as soon as it can be (dQ's, then dK's, then dW), so at
+    # most two of them are live with the products that read them
+    b_dsmd = b_dsm.to(DT)
+    b_kf = b_k.to(tl.float32)
+    if USE_G:
+        b_e = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * b_dsm
+        b_dgam += tl.sum(b_e, axis=1) - tl.sum(b_e, axis=0) + tl.sum(b_q.to(tl.float32) * b_dqs, axis=1)
+    b_dq = tl.dot(b_dsmd, b_k, input_precision=PREC) + b_dqs
+    tl.store(DQ + (rows[:, None] * HV + i_hv) * K + o_k[None, :], b_dq.to(DQ.dtype.element_ty), mask=mk)
+    if USE_G:
+        b_a = tl.sum(b_kf * b_dks, axis=1)
+        # γ_C is γ at the chunk's last valid row (g is 0 past the sequence end)
+        b_last = tl.sum(b_a, axis=0) + tl.exp(b_gc) * b_gcs
+        b_dgam += tl.where(rows == tl.minimum(eos, t0 + BT) - 1, b_last, 0.0) - b_a
+    b_dk = tl.dot(tl.trans(b_dsmd), b_q, input_precision=PREC) + b_dks
+    # wy's K part: dW is rounded to the intermediates' dtype as the two-kernel path stores it
+    b_dwd = b_dw.to(DT)
+    b_kb = b_kf * b_bg[:, None]
+    b_dT += tl.dot(b_dwd, tl.trans(b_kb.to(DT)), input_precision=PREC)
+    b_A = tl.load(Ai + (rows[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
+    b_tdw = tl.dot(tl.trans(b_A), b_dwd, input_precision=PREC)
+    b_db += tl.sum(b_kf * b_tdw, axis=1) * b_G
+    if USE_G:
+        b_dgam += tl.sum(b_kb * b_tdw, axis=1)
+    b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    # the diag(βΓ) Tᵀ dW term of dK needs no dA: added here, while Tᵀ dW is live
+    b_dk += b_tdw * b_bg[:, None]
+    return b_dsm, b_dk, b_dT, b_kk, b_db, b_dgam
+
+
+@triton.jit(do_not_specialize=['T'])
+def dqk_wy_kernel(q, k, v, g, beta, Ai, VN, do, h, dh, DD, DQ, DKS, DK, DV, DB, DG, cu, chunk_idx, scale, T, H,
+                  HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  NK: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """dqk_kernel and wy_bwd_kernel in one program per (chunk, value head), for the delta members:
+    dW, the dγ parts and dK's partial sum stay on chip instead of going through memory between
+    two launches, and k, β, γ, T are read by one program.
+
+    Order. dA = −Tᵀ dT Tᵀ needs dT = dδ (βV)ᵀ + dW (βΓK)ᵀ summed over every K tile, and the
+    (M + Mᵀ)K term of dK (M = dA ⊙ β, masked and decayed) needs dA; every other term of dK,
+    including diag(βΓ) Tᵀ dW, is known per K tile. So the K loop (:func:`_dqk_wy_tile`) runs
+    dqk's work and wy's K part per tile and keeps dW only while its tile is live; a value loop
+    then adds wy's value part to dT (dV, dβ's V term); dA is formed once; a last step adds
+    (M + Mᵀ)K. No pass recomputes dW: nothing after dA needs it. With one K tile (``NK == 1``,
+    BK ≥ K, the default at K ≤ 128) dK's partial stays in registers to the end; with more it goes
+    to ``DKS`` (fp32) and is read back by the same program. The first tile also forms
+    dP = scale (dO δᵀ ⊙ D), the same for every K tile (dqk_kernel forms it once per tile).
+
+    Per chunk and head at K = V = 128, BT = 64, bf16, against dqk (BK = 64, two K tiles) and
+    wy_bwd:
+
+    - live in the K loop (BK = 128): the [64, 128] fp32 accumulators of dQ's, dK's and dW's
+      state terms and dP [64, 64]; per value tile δ, dO, dδ [64, BV], S and dS [128, BV]; after
+      it T, dT, K Kᵀ [64, 64] and dK's partial [64, 128]. With 8 warps that is dqk's load per
+      thread (4 warps, BK = 64) plus wy's [64, 64] tiles.
+    - FLOPs: dqk 11.5 M (dO δᵀ once per K tile) + wy_bwd 8.4 M (Tᵀ dW formed twice) → fused
+      17.3 M.
+    - bytes: dqk reads δ, dO, dδ (16 KB each; once per K tile), h, dh (32 KB each), q, k (16 KB
+      each) and writes dQ 16 KB, dK 32 KB (fp32), dW 16 KB, dγ 0.5 KB per K tile; wy_bwd reads
+      dγ, β, g, T (8 KB), dδ, V, dW (twice), k (twice), dK (fp32) and writes dV, dK, dβ, dg:
+      ≈ 210 + 170 KB. Fused: reads δ, dO, dδ, V, q, k (16 KB each), h, dh (32 KB each), T, β,
+      g, writes dQ, dK, dV (16 KB each), dβ, dg: ≈ 220 KB, 0.58 of the pair (dδ is read twice,
+      by the K loop and the value loop, the second time from L2).
+    - sm_90 (``tools/sass_cpu.py``, triton 3.6, 8 warps, BK = 128, BV = 64, 2 stages): 255
+      registers, ≈ 640 B of stack (spills; the gated dγ terms are most of it: ≈ 180 B without
+      the gate), 80 KB shared, one program per multiprocessor (8 warps, as dqk's two of 4).
+    """
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, BT)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m = rows < eos
+    b_gam = tl.zeros([BT], dtype=tl.float32)
+    b_gc = 0.0
+    b_G = tl.full([BT], 1.0, dtype=tl.float32)
+    if USE_G:
+        b_gam, b_gc = gate_cumsum(g, rows, m, HV, i_hv)
+        b_G = tl.exp(b_gam)
+    b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
+    b_bg = b_b * b_G
+    b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    b_dgam = tl.zeros([BT], dtype=tl.float32)
+    b_dsm = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dsm, b_dk, b_dT, b_kk, b_db, b_dgam = _dqk_wy_tile(
+        0, b_dsm, b_dT, b_kk, b_db, b_dgam, q, k, v, VN, do, h, dh, DD, DQ, DV, Ai, b_b, b_G, b_bg, b_gam, b_gc,
+        rows, m, t0, eos, i_t, i_hv, i_h, scale, H, HV, K, V, BT, BK, BV, True, USE_G, PREC, DT)
+    if NK > 1:
+        o_k = tl.arange(0, BK)
+        tl.store(DKS + (rows[:, None] * HV + i_hv) * K + o_k[None, :], b_dk, mask=m[:, None] & (o_k < K)[None, :])
+        for i_k in range(1, NK):
+            _, b_dk, b_dT, b_kk, b_db, b_dgam = _dqk_wy_tile(
+                i_k, b_dsm, b_dT, b_kk, b_db, b_dgam, q, k, v, VN, do, h, dh, DD, DQ, DV, Ai, b_b, b_G, b_bg,
+                b_gam, b_gc, rows, m, t0, eos, i_t, i_hv, i_h, scale, H, HV, K, V, BT, BK, BV, False, USE_G,
+                PREC, DT)
+            o_k = i_k * BK + tl.arange(0, BK)
+            tl.store(DKS + (rows[:, None] * HV + i_hv) * K + o_k[None, :], b_dk,
+                     mask=m[:, None] & (o_k < K)[None, :])
+    # T (8 KB) is loaded where it is used rather than held in registers across the loops
+    b_A = tl.load(Ai + (rows[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
+    # wy's value part after the K loops, where the [BT, BK] accumulators are dead: dT += dδ (βV)ᵀ,
+    # dV = β Tᵀ dδ, dβ's V term (dδ read a second time, from L2 after the first loop's reads)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = m[:, None] & (o_v < V)[None, :]
+        p_v = (rows[:, None] * HV + i_hv) * V + o_v[None, :]
+        b_dd = tl.load(DD + p_v, mask=mv, other=0.0)
+        b_v = tl.load(v + p_v, mask=mv, other=0.0).to(tl.float32)
+        b_dT += tl.dot(b_dd, tl.trans((b_v * b_b[:, None]).to(DT)), input_precision=PREC)
+        b_tdu = tl.dot(tl.trans(b_A), b_dd, input_precision=PREC)
+        tl.store(DV + p_v, (b_tdu * b_b[:, None]).to(DV.dtype.element_ty), mask=mv)
+        b_db += tl.sum(b_v * b_tdu, axis=1)
+    # dA = −Tᵀ dT Tᵀ on fp32 operands (tf32 for half inputs), as in wy_bwd_kernel
+    b_Af = b_A.to(tl.float32)
+    b_dA = -tl.dot(tl.dot(tl.trans(b_Af), b_dT, input_precision=PREC), tl.trans(b_Af), input_precision=PREC)
+    strict = o_t[:, None] > o_t[None, :]
+    if USE_G:
+        b_dA = b_dA * tl.exp(tl.where(strict, b_gam[:, None] - b_gam[None, :], float("-inf")))
+    else:
+        b_dA = tl.where(strict, b_dA, 0.0)
+    b_db += tl.sum(b_dA * b_kk, axis=1)
+    b_mf = b_dA * b_b[:, None]
+    if USE_G:
+        b_e = b_mf * b_kk
+        b_dgam += tl.sum(b_e, axis=1) - tl.sum(b_e, axis=0)
+    b_mm = (b_mf + tl.trans(b_mf)).to(DT)
+    if NK == 1:
+        o_k = tl.arange(0, BK)
+        mk = m[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        b_dk += tl.dot(b_mm, b_k, input_precision=PREC)
+        tl.store(DK + (rows[:, None] * HV + i_hv) * K + o_k[None, :], b_dk.to(DK.dtype.element_ty), mask=mk)
+    else:
+        for i_k in range(0, NK):
+            o_k = i_k * BK + tl.arange(0, BK)
+            mk = m[:, None] & (o_k < K)[None, :]
+            p_k = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
+            b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+            b_add = tl.dot(b_mm, b_k, input_precision=PREC) + tl.load(DKS + p_k, mask=mk, other=0.0)
+            tl.store(DK + p_k, b_add.to(DK.dtype.element_ty), mask=mk)
+    tl.store(DB + rows * HV + i_hv, b_db, mask=m)
+    if USE_G:
+        tl.store(DG + rows * HV + i_hv, tl.cumsum(b_dgam, axis=0, reverse=True), mask=m)
+
+
 def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, grad_dtype=torch.float32):
     """Gradients of the chunk op. Shapes in the packed layout: q, k [T, H, K]; v, do [T, HV, V]
     (q, k, v, do of one dtype); g, beta [T, HV] fp32 or None; h0, dht [N, HV, K, V] fp32 or None;
@@ -365,6 +560,19 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, scale, BV=SV,
                USE_DHT=dht is not None, USE_INIT=h0 is not None, **common)
     del DVL
+    if delta and DELTA["dqk_wy"]["use"]:  # dqk and wy_bwd fused (dqk_wy_kernel)
+        BK, BV = tiles("dqk_wy", K, V)
+        NK = triton.cdiv(K, BK)
+        DQ = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
+        DK = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
+        DKS = torch.empty(T, HV, K, device=dev, dtype=f32) if NK > 1 else dummy  # dK's partial between K loops
+        DV = torch.empty(T, HV, V, device=dev, dtype=grad_dtype)
+        DB = torch.empty(T, HV, device=dev, dtype=f32)
+        DG = torch.empty(T, HV, device=dev, dtype=f32) if gated else None
+        launch(dqk_wy_kernel, (ch.NT, HV), q, k, v, gp, beta, Ai, VN, do, h, dh, DD, DQ, DKS, DK, DV, DB,
+               DG if gated else dummy, ch.cu, ch.chunk_idx, scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
+               NK=NK, USE_G=gated, PREC=prec, DT=DT, name="dqk_wy")
+        return DQ, DK, DV, DG, DB, dh0
     BK, BV = tiles("dqk", K, V)
     NK = triton.cdiv(K, BK)
     DQ = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
