@@ -56,16 +56,23 @@ class GDNBlock(nn.Module):
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), new_state
 
-    def decode_into(self, x, state, slot, positions):
+    def decode_weights(self) -> tuple:
+        """The fused projection weights of the decode step: ``(mixer's, MLP's)``
+        (:class:`gdn.layers.fused.FusedLinear` each), for :meth:`decode_into`."""
+        return self.mixer.decode_weights(), self.mlp.decode_weights()
+
+    def decode_into(self, x, state, slot, positions, weights):
         """One decode step of this block updating the preallocated ``state`` in place (see the
-        mixers' ``decode_into``; ``slot`` and ``positions`` are for attention). x: [B, 1, D] -> [B, 1, D]."""
+        mixers' ``decode_into``; ``slot`` and ``positions`` are for attention; ``weights``:
+        :meth:`decode_weights`). x: [B, 1, D] -> [B, 1, D]."""
+        mixer_w, mlp_w = weights
         h = self.mixer_norm(x)
         if isinstance(self.mixer, Attention):
-            h = self.mixer.decode_into(h, state, slot, positions)
+            h = self.mixer.decode_into(h, state, slot, positions, mixer_w)
         else:
-            h = self.mixer.decode_into(h, state)
+            h = self.mixer.decode_into(h, state, mixer_w)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self.mlp.decode(self.mlp_norm(x), mlp_w)
 
     def mixer_state(self, x, attention_mask=None, state=None, positions=None):
         """The mixer's state after this block's input ``x`` [B, T, D] continuing from ``state`` (no MLP):
