@@ -104,10 +104,11 @@ def graph_kernels(fn) -> int:
         path = os.path.join(d, "graph.dot")
         g.debug_dump(path)
         text = open(path).read()
-    # One node per definition line `"graph_<g>_node_<n>" [ ... label="... KERNEL ..." ]`; kernel
-    # nodes name their type KERNEL (memcpy / memset nodes do not).
+    # One definition per node, `"graph_<g>_node_<n>"[... label="..."]`; the verbose dump names each
+    # node's type in its label: every node that is not a copy, set, event or empty one is a kernel.
     nodes = re.split(r'\n\s*"?graph_\d+_node_\d+"?\s*\[', "\n" + text)[1:]
-    return sum(1 for n in nodes if "KERNEL" in n.split("]")[0] or "KERNEL" in n[:400])
+    other = ("MEMCPY", "MEMSET", "EVENT", "EMPTY", "HOST", "MEM_ALLOC", "MEM_FREE")
+    return sum(1 for n in nodes if not any(t in n.split('"];')[0] for t in other))
 
 
 def cuda_counts(model, cache, tokens, profile: bool) -> dict[str, int]:
