@@ -125,11 +125,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 def _norm_op(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, eps: float,
              out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [..., D], rstd [R]): :func:`rms_norm`, or :func:`gated_rms_norm` when ``gate`` is given."""
-    D = x.shape[-1]
     if _kernels_take(x):
-        g2 = None if gate is None else gate.reshape(-1, D).contiguous()
-        y, rstd = kernels._forward(x.reshape(-1, D).contiguous(), g2, weight.contiguous(), eps, out_dtype)
-        return y.view(x.shape), rstd
+        return kernels._forward(x, gate, weight.contiguous(), eps, out_dtype)[:2]
     y, rstd = norm_forward(x, gate, weight, eps, out_dtype)
     return y, rstd.reshape(-1)
 
@@ -144,12 +141,9 @@ def _(x, gate, weight, eps, out_dtype):
 def _norm_backward_op(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor,
                       rstd: torch.Tensor, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dgate (empty without a gate), dw (empty unless ``need_dw``)) of ``gdn::rms_norm``."""
-    D = x.shape[-1]
     if _kernels_take(x):
-        x2 = x.reshape(-1, D).contiguous()
-        g2 = None if gate is None else gate.reshape(-1, D).contiguous()
-        dx, dg, dw = kernels._backward(dy.reshape(x2.shape).contiguous(), x2, g2, weight.contiguous(), rstd)
-        dx, dg, dw = dx.view(x.shape), None if dg is None else dg.view(x.shape), dw.to(weight.dtype)
+        dx, dg, dw = kernels._backward(dy, x, gate, weight.contiguous(), rstd)
+        dw = dw.to(weight.dtype)
     else:
         dx, dg, dw = norm_backward(dy, x, gate, weight, rstd.view(*x.shape[:-1], 1), need_dw)
     return dx, (dg if dg is not None else x.new_empty(0)), (dw if need_dw else weight.new_empty(0))
