@@ -5,8 +5,14 @@ captured alone in a CUDA graph whose kernel nodes are counted from the graph's d
 whole step is captured once more as a check that the parts add up; ``--profile`` also counts the
 kernels ``torch.profiler`` sees in one eager step. On the CPU it counts the aten ops the step
 dispatches, leaving out the ones that only make views (they launch no kernel on a GPU): a proxy.
+With ``--triton`` (CPU, under ``TRITON_INTERPRET=1``) the step takes the path it takes on CUDA:
+every op that picks Triton for CUDA tensors picks it for the CPU tensors too, and each Triton
+launch counts as one op ``triton:<kernel>`` (the aten ops the interpreter itself runs to move
+arguments are not counted), so ``--detail`` shows the copies (``clone``, ``copy_``) left on the
+GPU path.
 
     python tools/decode_kernels.py                                  # gdn preset, tiny, CPU
+    TRITON_INTERPRET=1 python tools/decode_kernels.py --triton --batch 32 --detail
     python tools/decode_kernels.py --preset gdn --size 340m --batch 32 --device cuda --dtype bfloat16
 """
 from __future__ import annotations
@@ -34,6 +40,10 @@ VIEW_OPS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "exp
             "stride", "numel", "_local_scalar_dense", "movedim", "prim", "promote_types"}
 
 
+#: aten ops that only allocate: no kernel on a GPU either (the Triton path allocates its outputs).
+ALLOC_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops dispatched under ``label`` (set by the caller between parts of the step)."""
 
@@ -41,12 +51,49 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.label = "head"
         self.counts: dict[str, Counter] = defaultdict(Counter)
+        self.paused = False  # inside an interpreted Triton launch: its argument copies are no kernels
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
-        if name not in VIEW_OPS:
+        if name not in VIEW_OPS and name not in ALLOC_OPS and not self.paused:
             self.counts[self.label][name] += 1
         return func(*args, **(kwargs or {}))
+
+    def launch(self, name: str) -> None:
+        """Count one kernel launch ``name`` under the current label."""
+        self.counts[self.label][name] += 1
+
+
+def triton_on_cpu(counter: OpCounter) -> None:
+    """Send the ops to their Triton kernels for CPU tensors (the interpreter runs them) and count
+    each launch as one op ``triton:<kernel>`` in ``counter``. Needs ``TRITON_INTERPRET=1`` before
+    Triton is imported; lasts for the process."""
+    from gdn.ops import router
+    from gdn.ops.tuning import INTERPRET
+    if not (router.HAS_TRITON and INTERPRET):
+        raise SystemExit("--triton needs Triton and TRITON_INTERPRET=1 in the environment")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def on_cpu(x):
+        return router.HAS_TRITON
+
+    original = router.use_triton
+    for mod in list(sys.modules.values()):  # the router and every module that imported its use_triton
+        if getattr(mod, "__name__", "").startswith("gdn.") and getattr(mod, "use_triton", None) is original:
+            mod.use_triton = on_cpu
+    run = InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        if kwargs.get("warmup"):
+            return run(self, *args, **kwargs)
+        counter.launch(f"triton:{self.fn.__name__}")
+        counter.paused = True
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            counter.paused = False
+
+    InterpretedFunction.run = counted
 
 
 def block_kinds(model) -> list[str]:
@@ -54,9 +101,12 @@ def block_kinds(model) -> list[str]:
     return list(model.config.layer_pattern)
 
 
-def cpu_counts(model, cache, tokens) -> tuple[dict[str, int], dict[str, Counter]]:
-    """Non-view aten ops of one step: per layer kind (ops of one block of that kind) and the rest."""
+def cpu_counts(model, cache, tokens, triton: bool = False) -> tuple[dict[str, int], dict[str, Counter]]:
+    """Non-view aten ops of one step: per layer kind (ops of one block of that kind) and the rest;
+    ``triton``: on the CUDA path, Triton launches counted (:func:`triton_on_cpu`)."""
     counter = OpCounter()
+    if triton:
+        triton_on_cpu(counter)
     blocks = model.model.layers
     kinds = block_kinds(model)
     originals = [b.decode_into for b in blocks]
@@ -149,6 +199,8 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--detail", action="store_true", help="list the ops of each layer kind (CPU)")
     p.add_argument("--profile", action="store_true", help="also count one eager step's kernels (CUDA)")
+    p.add_argument("--triton", action="store_true",
+                   help="CPU: take the CUDA path, Triton kernels run by the interpreter (TRITON_INTERPRET=1)")
     args = p.parse_args()
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
@@ -167,8 +219,8 @@ def main() -> None:
         counts = cuda_counts(model, cache, tokens, args.profile)
         unit = "kernels (CUDA graph nodes)"
     else:
-        counts, detail = cpu_counts(model, cache, tokens)
-        unit = "aten ops (non-view), CPU proxy"
+        counts, detail = cpu_counts(model, cache, tokens, args.triton)
+        unit = "aten ops (non-view) and Triton launches, CPU proxy" if args.triton else "aten ops (non-view), CPU proxy"
     print(f"{args.preset} {args.size}, {L} layers ({model.config.layer_pattern}), batch {args.batch}, "
           f"{args.dtype}: {unit}")
     for kind in list(kinds) + ["embed+norm+head", "step", "step (profiler)"]:
