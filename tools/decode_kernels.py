@@ -173,9 +173,13 @@ def cuda_counts(model, cache, tokens, profile: bool) -> dict[str, int]:
                 continue
             slot = cache.seen if getattr(st, "window", None) is None else torch.remainder(cache.seen, st.window)
             w = cache.weights.layers[i]
-            out[kinds[i]] = graph_kernels(lambda: block.decode_into(x, st, slot, cache.positions, w))
-        out["embed+norm+head"] = graph_kernels(
-            lambda: model.lm_head(model.model.norm(model.get_input_embeddings()(tokens[:, None])))[:, -1].float())
+            # with the previous block's MLP output to add, as every block but the first has
+            out[kinds[i]] = graph_kernels(lambda: block.decode_into(x, st, slot, cache.positions, w, x))
+        def head():
+            e = model.get_input_embeddings()(tokens[:, None])
+            return model.lm_head(model.model.norm.add_forward(e, e)[1])[:, -1].float()
+
+        out["embed+norm+head"] = graph_kernels(head)
         out["step"] = graph_kernels(lambda: static_decode_step(model, cache, tokens))
         if profile:
             from torch.profiler import ProfilerActivity, profile as prof

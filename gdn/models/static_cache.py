@@ -12,7 +12,9 @@ on the length, no host sync and no data-dependent branch: it can be captured in 
 replays it per token; on the CPU (or with ``use_graph=False``) it runs the very same step eagerly.
 
 The step computes each layer's projections of its input with one GEMM, on weights concatenated
-once (:class:`DecodeWeights`, shared by a decoder's buckets), and updates recurrent states in place.
+once (:class:`DecodeWeights`, shared by a decoder's buckets), updates recurrent states in place,
+and adds each residual in the kernel of the norm that reads the sum (a block hands its MLP output
+to the next block's norm, the last to the final norm).
 It equals the eager decode (:func:`gdn.generation.decode_step`) up to the blocking of those GEMMs
 (every output is the same dot product); attention reads its keys from the fixed buffer under a
 validity mask, which changes only the order of the softmax sums.
@@ -173,13 +175,13 @@ def static_decode_step(model, cache: StaticCache, tokens: torch.Tensor) -> torch
     """Feed ``tokens`` [B] (one per row, B = ``cache.batch_size``) and return the next logits [B, vocab]
     (fp32), updating ``cache``'s buffers, ``seen`` and ``positions`` in place. Fixed shapes, no
     host sync: this is what :class:`GraphDecoder` captures. Does not touch ``cache.length``."""
-    x = model.get_input_embeddings()(tokens[:, None])
+    x, delta = model.get_input_embeddings()(tokens[:, None]), None
     for block, st, w in zip(model.model.layers, cache.layers, cache.weights.layers):
         slot = None
         if isinstance(st, KVState):
             slot = cache.seen if st.window is None else torch.remainder(cache.seen, st.window)
-        x = block.decode_into(x, st, slot, cache.positions, w)
-    x = model.model.norm(x)
+        x, delta = block.decode_into(x, st, slot, cache.positions, w, delta)
+    x = model.model.norm(x) if delta is None else model.model.norm.add_forward(x, delta)[1]
     logits = model.lm_head(x)[:, -1].float()
     cache.seen.add_(1)
     cache.positions.add_(1)

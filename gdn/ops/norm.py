@@ -2,6 +2,7 @@
 
     y = x · rstd · w                 (rms_norm)         rstd = rsqrt(mean(x²) + eps), fp32 inside
     y = x · rstd · w · SiLU(gate)    (gated_rms_norm)
+    s = x + h,  y = s · rstd · w     (add_rms_norm: a residual add and the norm after it)
 
 Both run as autograd Functions that keep only the input (in its own dtype), the gate and the fp32
 ``rstd`` per row for the backward, and recompute the normalised rows there: the fp32 upcasts of
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import library
-from .router import HAS_TRITON, use_triton
+from .router import HAS_TRITON, needs_grad, use_triton
 
 if HAS_TRITON:
     from .triton import rmsnorm as kernels
@@ -116,6 +117,19 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if _kernels_take(x):
         return kernels.gated_rms_norm(x, gate, weight, eps)
     return GatedRMSNormFn.apply(x, gate, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, y)``: the residual stream ``s = x + h`` and ``y = rms_norm(s)`` in ``out_dtype``. One
+    kernel (:func:`gdn.ops.triton.rmsnorm.add_rms_norm`) where the norm's kernels run, x and h share
+    shape and dtype and no gradient is wanted (the decode step); the two ops otherwise. The kernel
+    rounds s to x's dtype before normalising it, as the two ops do."""
+    if (not library.compiling() and _kernels_take(x) and h.dtype == x.dtype and h.shape == x.shape
+            and not needs_grad(x, h, weight)):
+        return kernels.add_rms_norm(x, h, weight, eps, out_dtype)
+    s = x + h
+    return s, rms_norm(s, weight, eps, out_dtype)
 
 
 # ---- the custom ops (torch.compile) -------------------------------------------------------------

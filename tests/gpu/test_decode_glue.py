@@ -1,6 +1,7 @@
 """The decode step's fused glue kernels on the GPU at decode shapes (batch 1 and 32, 340m widths),
 against the PyTorch step run in float64 on the same inputs: the short-convolution step
-(:func:`gdn.ops.triton.short_conv.conv_step_`).
+(:func:`gdn.ops.triton.short_conv.conv_step_`) and the residual add inside the RMSNorm after it
+(:func:`gdn.ops.triton.rmsnorm.add_rms_norm`).
 
 Outputs are relative RMS errors (bound: 1e-5 in fp32, 1e-2 in bf16, where one rounding is ≈ 2e-3
 and a wrong kernel O(1)); what the kernels copy or roll (tails, residual streams) must be exact.
@@ -50,3 +51,21 @@ def test_conv_step(batch, dtype, bias, device=DEVICE):
     if x.is_cuda:  # the layers' entry point takes the same kernel on CUDA
         t2 = expect_tails.clone()
         assert torch.equal(conv_ops.conv_step_(x, w, t2, "silu", b), conv_step_(x, w, expect_tails.clone(), "silu", b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("batch", [1, 32])
+def test_add_rms_norm(batch, dtype, device=DEVICE):
+    """The residual add inside the norm: the stream bit-equal to PyTorch's add, the normed rows
+    bit-equal to the RMSNorm kernel on that stream and within bounds of the float64 norm."""
+    from gdn.ops.norm import norm_forward
+    from gdn.ops.triton.rmsnorm import add_rms_norm, rms_norm
+    D = 1024
+    x = _product(batch, D, dtype, 3, device)
+    h = _product(batch, D, dtype, 4, device)
+    w = 1 + 0.5 * torch.randn(D, device=device, generator=torch.Generator(device=device).manual_seed(5))
+    s, y = add_rms_norm(x, h, w, 1e-6)
+    assert torch.equal(s, x + h) and s.dtype == dtype and y.dtype == dtype
+    assert torch.equal(y, rms_norm(s, w, 1e-6))
+    want, _ = norm_forward(s.double(), None, w.double(), 1e-6, torch.float64)
+    assert rel_err(y, want) <= BOUND[dtype]

@@ -77,3 +77,98 @@ def test_conv_step_routes_to_kernel(monkeypatch):
     monkeypatch.setattr(conv_ops, "use_triton", lambda x: True)
     conv_ops.conv_step_(x, w, t.clone(), "silu")
     assert calls == [1]
+
+
+# ---- the residual add inside the RMSNorm after it ------------------------------------------------
+
+from gdn.ops import norm as norm_ops  # noqa: E402
+from gdn.ops.triton import rmsnorm as norm_kernels  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_add_rms_norm_kernel(dtype, batch, out_dtype):
+    """One launch gives the residual stream x + h (bit-equal to PyTorch's add; in bf16 within one
+    ulp, as the interpreter's fp32 -> bf16 cast breaks ties otherwise than round-to-nearest-even)
+    and the norm of it (bit-equal to the RMSNorm kernel on that s: the same arithmetic on the same
+    rounded values), within rounding of the PyTorch RMSNorm."""
+    gen = torch.Generator().manual_seed(batch)
+    D = 96
+    x = (3 * torch.randn(batch, 1, D, generator=gen)).to(dtype)
+    h = torch.randn(batch, 1, D, generator=gen).to(dtype)
+    w = 1 + 0.5 * torch.randn(D, generator=gen)
+    s, y = norm_kernels.add_rms_norm(x, h, w, 1e-6, out_dtype)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(s, x + h, rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(s, x + h)
+    assert torch.equal(y, norm_kernels.rms_norm(s, w, 1e-6, out_dtype))
+    ref = norm_ops.rms_norm(s, w, 1e-6, out_dtype or dtype)  # CPU tensors: the PyTorch Function
+    tol = 1e-6 if (out_dtype or dtype) == torch.float32 else 1e-2
+    torch.testing.assert_close(y, ref, rtol=tol, atol=tol)
+
+
+def test_add_forward_routes_to_kernel(monkeypatch):
+    """RMSNorm.add_forward takes the kernel where use_triton says so and no gradient is wanted, and
+    x + h then the norm otherwise; the two agree."""
+    from gdn.layers import RMSNorm
+    norm = RMSNorm(32)
+    x, h = torch.randn(3, 1, 32), torch.randn(3, 1, 32)
+    with torch.no_grad():
+        s0, y0 = norm.add_forward(x, h)
+    calls = []
+    real = norm_kernels.add_rms_norm
+    monkeypatch.setattr(norm_kernels, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(norm_ops, "use_triton", lambda x: True)
+    with torch.no_grad():
+        s1, y1 = norm.add_forward(x, h)
+    assert calls == [1] and torch.equal(s0, s1)
+    torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
+    s2, y2 = norm.add_forward(x, h.requires_grad_())  # a gradient is wanted: the two ops
+    assert calls == [1] and y2.requires_grad
+
+
+# ---- the whole static step on the kernels' path ---------------------------------------------------
+
+def _kernels_everywhere(monkeypatch):
+    """Send every glue op and the router to their Triton kernels for CPU tensors (the interpreter
+    runs them), as they go for CUDA tensors."""
+    import sys
+
+    from gdn.ops import router
+    original = router.use_triton
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("gdn.") and getattr(mod, "use_triton", None) is original:
+            monkeypatch.setattr(mod, "use_triton", lambda x: True)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_static_step_on_kernels_keeps_greedy_tokens(monkeypatch, batch):
+    """fp32 gdn model: the static decode step on the kernels' path (fused conv step, residual adds
+    inside the norms, ...) gives the PyTorch path's logits to 1e-4 and the same greedy tokens over
+    several steps."""
+    from gdn.generation import prefill
+    from gdn.models import GDNConfig, GDNForCausalLM, StaticCache, static_decode_step
+    torch.manual_seed(0)
+    model = GDNForCausalLM(GDNConfig.from_preset("gdn", "tiny")).eval()
+    ids = torch.randint(1, model.config.vocab_size, (batch, 6))
+    with torch.no_grad():
+        _, gcache = prefill(model, ids)
+        caches = []
+        for _ in range(2):
+            c = StaticCache(model, batch, 32)
+            c.load(gcache)
+            caches.append(c)
+        tok_ref = tok = ids[:, -1].contiguous()
+        ref_logits = []
+        for _ in range(4):
+            lg = static_decode_step(model, caches[0], tok_ref)
+            ref_logits.append(lg)
+            tok_ref = lg.argmax(-1)
+        _kernels_everywhere(monkeypatch)
+        for want in ref_logits:
+            lg = static_decode_step(model, caches[1], tok)
+            torch.testing.assert_close(lg, want, rtol=1e-4, atol=1e-4)
+            assert torch.equal(lg.argmax(-1), want.argmax(-1))
+            tok = lg.argmax(-1)

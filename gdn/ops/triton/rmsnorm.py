@@ -96,6 +96,24 @@ def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, R, D, x_inner, x_so, x_si, 
     tl.store(dwp + i_p.to(tl.int64) * D + o_d, b_dw, mask=m_d)
 
 
+@triton.jit
+def _add_norm_fwd_kernel(x, h, w, s, y, R, D, eps, BR: tl.constexpr, BD: tl.constexpr):
+    """s = x + h rounded to s's dtype (the residual stream); y = s · rstd · w from that rounded s,
+    the arithmetic of :func:`_norm_fwd_kernel` on it. All packed [R, D]."""
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m = (o_r < R)[:, None] & m_d[None, :]
+    offs = o_r[:, None] * D + o_d[None, :]
+    b_s = tl.load(x + offs, mask=m, other=0.0).to(tl.float32) + tl.load(h + offs, mask=m, other=0.0).to(tl.float32)
+    b_s = b_s.to(s.dtype.element_ty)
+    tl.store(s + offs, b_s, mask=m)
+    b_x = b_s.to(tl.float32)
+    b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, 1) / D + eps)
+    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    tl.store(y + offs, (b_x * b_rstd[:, None] * b_w[None, :]).to(y.dtype.element_ty), mask=m)
+
+
 def _rows(x, g):
     """The row layouts of x and the gate (None without one), copies made only for layouts the
     kernels do not read (:func:`.rows.rows`)."""
@@ -198,3 +216,25 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if gate.shape != x.shape:
         raise ValueError(f"gate must have the shape of x {tuple(x.shape)}, got {tuple(gate.shape)}")
     return _GatedRMSNormFn.apply(x, gate, weight, float(eps))
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, y)``: the residual add ``s = x + h`` (in x's dtype, as PyTorch rounds it) and
+    ``y = s · rstd · weight`` (:func:`rms_norm` of that s, in ``out_dtype``, x's dtype when None), in
+    one launch. x, h: [..., D] of one shape and dtype (copied when not contiguous); weight: [D].
+    Inference only (no autograd)."""
+    _check(x, weight)
+    if h.shape != x.shape or h.dtype != x.dtype:
+        raise ValueError(f"h must have the shape and dtype of x ({tuple(x.shape)}, {x.dtype}), got "
+                         f"{tuple(h.shape)}, {h.dtype}")
+    x, h = x.contiguous(), h.contiguous()
+    D = x.shape[-1]
+    R = x.numel() // D
+    s = torch.empty_like(x)
+    y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype)
+    if R:
+        BR, BD, nw = norm_tiles(D)
+        _add_norm_fwd_kernel[(triton.cdiv(R, BR),)](x, h, weight.contiguous(), s, y, R, D, float(eps), BR=BR, BD=BD,
+                                                    num_warps=nw)
+    return s, y
