@@ -1,7 +1,8 @@
 """The decode step's fused glue kernels on the GPU at decode shapes (batch 1 and 32, 340m widths),
 against the PyTorch step run in float64 on the same inputs: the short-convolution step
-(:func:`gdn.ops.triton.short_conv.conv_step_`) and the residual add inside the RMSNorm after it
-(:func:`gdn.ops.triton.rmsnorm.add_rms_norm`).
+(:func:`gdn.ops.triton.short_conv.conv_step_`), the residual add inside the RMSNorm after it
+(:func:`gdn.ops.triton.rmsnorm.add_rms_norm`) and the Gated DeltaNet step from its raw inputs
+(:func:`gdn.ops.delta.triton.pool.fused_gated_delta_rule_step_`).
 
 Outputs are relative RMS errors (bound: 1e-5 in fp32, 1e-2 in bf16, where one rounding is ≈ 2e-3
 and a wrong kernel O(1)); what the kernels copy or roll (tails, residual streams) must be exact.
@@ -69,3 +70,39 @@ def test_add_rms_norm(batch, dtype, device=DEVICE):
     assert torch.equal(y, rms_norm(s, w, 1e-6))
     want, _ = norm_forward(s.double(), None, w.double(), 1e-6, torch.float64)
     assert rel_err(y, want) <= BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("neg", [False, True])
+def test_fused_gdn_step(batch, dtype, neg, device=DEVICE):
+    """The Gated DeltaNet step from its raw inputs in one launch (L2 norms, gate, β inside the
+    recurrent kernel; q, k, v, a, b column slices of one product): output and in-place state
+    against the float64 PyTorch step, and within the same bounds of the prologue kernels + step."""
+    from gdn import ops
+    from gdn.ops.delta.triton.pool import fused_gated_delta_rule_step_, fused_recurrent_step_
+    from gdn.ops.delta.triton.prologue import prologue
+    widths = [H * K, H * K, HV * V, HV, HV]
+    p = _product(batch, sum(widths) + 8, dtype, 11, device)
+    q, k, v, a, b = p[..., :sum(widths)].split(widths, -1)
+    q, k, v = q.view(batch, 1, H, K), k.view(batch, 1, H, K), v.view(batch, 1, HV, V)
+    gen = torch.Generator(device=device).manual_seed(12)
+    A_log = torch.randn(HV, device=device, generator=gen)
+    dt_bias = torch.randn(HV, device=device, generator=gen)
+    state = torch.randn(batch, HV, K, V, device=device, generator=gen)
+    s64 = state.double().cpu()
+    want = ops.gated_delta_rule_fused_step_(*(t.double().cpu() for t in (q, k, v, a, b, A_log, dt_bias)), s64,
+                                            allow_neg_eigval=neg, backend="naive")
+    s_sep, s_got = state.clone(), state.clone()
+    ptr = s_got.data_ptr()
+    qn, kn, g, beta = prologue(q, k, a, b, A_log, dt_bias, True, neg)
+    sep = fused_recurrent_step_(qn, kn, v, g, beta, s_sep)
+    got = fused_gated_delta_rule_step_(q, k, v, a, b, A_log, dt_bias, s_got, allow_neg_eigval=neg)
+    assert got.dtype == dtype and s_got.data_ptr() == ptr
+    for name, x, ref in (("o", got, want), ("state", s_got, s64), ("o (separate)", sep, want),
+                         ("state (separate)", s_sep, s64)):
+        assert rel_err(x, ref.to(device)) <= BOUND[dtype], name
+    if p.is_cuda:  # the op takes the fused step on CUDA
+        s_op = state.clone()
+        o_op = ops.gated_delta_rule_fused_step_(q, k, v, a, b, A_log, dt_bias, s_op, allow_neg_eigval=neg)
+        assert torch.equal(o_op, got) and torch.equal(s_op, s_got)

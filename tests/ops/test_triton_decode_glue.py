@@ -172,3 +172,63 @@ def test_static_step_on_kernels_keeps_greedy_tokens(monkeypatch, batch):
             torch.testing.assert_close(lg, want, rtol=1e-4, atol=1e-4)
             assert torch.equal(lg.argmax(-1), want.argmax(-1))
             tok = lg.argmax(-1)
+
+
+# ---- the Gated DeltaNet prologue inside the recurrent step ------------------------------------------
+
+from gdn.ops.delta.triton.pool import fused_gated_delta_rule_step_, fused_recurrent_step_  # noqa: E402
+from gdn.ops.delta.triton.prologue import prologue  # noqa: E402
+
+
+def _gdn_inputs(dtype, batch, H=2, HV=4, K=16, V=32, seed=0):
+    """Column slices of one joined product [batch, 1, ·] as the decode step has them (q, k, v heads
+    after the conv; a, b raw), A_log, dt_bias [HV] and an fp32 state."""
+    gen = torch.Generator().manual_seed(seed)
+    widths = [H * K, H * K, HV * V, HV, HV]
+    p = torch.randn(batch, 1, sum(widths) + 5, generator=gen).to(dtype)
+    q, k, v, a, b = p[..., :sum(widths)].split(widths, -1)
+    q, k, v = q.view(batch, 1, H, K), k.view(batch, 1, H, K), v.view(batch, 1, HV, V)
+    a = a * 8  # softplus on both sides of its threshold
+    A_log, dt_bias = torch.randn(HV, generator=gen), torch.randn(HV, generator=gen)
+    state = torch.randn(batch, HV, K, V, generator=gen)
+    return q, k, v, a, b, A_log, dt_bias, state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("l2", [False, True])
+@pytest.mark.parametrize("neg", [False, True])
+def test_fused_gdn_step_equals_prologue_then_step(dtype, batch, l2, neg):
+    """One launch from the raw inputs (strided views) against the prologue kernels then the in-place
+    step: without the L2 norms bit-equal (the same gate and β arithmetic); with them within the
+    rounding of q̂, k̂ that the separate path makes (fp32: 1e-6; fp16: one fp16 rounding)."""
+    q, k, v, a, b, A_log, dt_bias, state = _gdn_inputs(dtype, batch, seed=batch)
+    s_ref, s_got = state.clone(), state.clone()
+    qn, kn, g, beta = prologue(q, k, a, b, A_log, dt_bias, l2, neg)
+    want = fused_recurrent_step_(qn, kn, v, g, beta, s_ref)
+    got = fused_gated_delta_rule_step_(q, k, v, a, b, A_log, dt_bias, s_got, use_qk_l2norm=l2, allow_neg_eigval=neg)
+    if not l2:
+        assert torch.equal(got, want) and torch.equal(s_got, s_ref)
+    else:
+        tol = 1e-6 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(s_got, s_ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_fused_gdn_step_in_the_op(monkeypatch):
+    """gdn.ops.gated_delta_rule_fused_step_ on the token-recurrent kernel runs one launch (the fused
+    step) and matches the chunk form's step to 1e-5 in fp32."""
+    from gdn import ops
+    from gdn.ops.delta.triton import pool
+    q, k, v, a, b, A_log, dt_bias, state = _gdn_inputs(torch.float32, 3, seed=9)
+    s_ref, s_got = state.clone(), state.clone()
+    want = ops.gated_delta_rule_fused_step_(q, k, v, a, b, A_log, dt_bias, s_ref, backend="chunk")
+    calls = []
+    real = pool.fused_gated_delta_rule_step_
+    from gdn.ops.delta import step
+    monkeypatch.setattr(step, "fused_gated_delta_rule_step_", lambda *x, **kw: calls.append(1) or real(*x, **kw))
+    _kernels_everywhere(monkeypatch)
+    got = ops.gated_delta_rule_fused_step_(q, k, v, a, b, A_log, dt_bias, s_got)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s_got, s_ref, rtol=1e-5, atol=1e-5)

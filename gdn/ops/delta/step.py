@@ -24,8 +24,7 @@ from . import run
 from .fused import _check_params, run_fused
 
 if HAS_TRITON:
-    from .triton.pool import fused_recurrent_step_
-    from .triton.prologue import prologue
+    from .triton.pool import fused_gated_delta_rule_step_, fused_recurrent_step_
 
 __all__ = ["recurrent_step_", "gated_delta_rule_fused_step_"]
 
@@ -65,7 +64,12 @@ def gated_delta_rule_fused_step_(q, k, v, a, b, A_log, dt_bias, state, *, scale=
     """:func:`gdn.ops.gated_delta_rule_fused` for one token per row, ``state`` [B, HV, K, V] updated in
     place: a, b [B, 1, HV] the raw pre-activations of the decay and of β; A_log, dt_bias [HV]. The
     prologue (L2 norms, g, β) is the one of the fused op on the same implementation. Returns
-    o [B, 1, HV, V] in v.dtype."""
+    o [B, 1, HV, V] in v.dtype.
+
+    On the token-recurrent kernel the prologue runs inside it
+    (:func:`gdn.ops.delta.triton.pool.fused_gated_delta_rule_step_`): one launch, the same g and β,
+    and q̂, k̂ not rounded to q's dtype before the step (in bf16 the output moves by about one bf16
+    rounding of q̂, k̂ against the prologue kernels' path; in fp32 by a few ulp)."""
     _check_step("gated_delta_rule_fused_step_", q, k, v, a, None, state, scale, backend, name_g="a")
     _check_params(a, b, A_log, dt_bias)
     if needs_grad(a, b, A_log, dt_bias):
@@ -73,9 +77,9 @@ def gated_delta_rule_fused_step_(q, k, v, a, b, A_log, dt_bias, state, *, scale=
                          "under torch.no_grad()")
     impl = route("gated_delta_rule_fused_step_", backend, q, k, v, decode_step=True, grad=False)
     if impl == TRITON_RECURRENT:
-        q, k, g, beta = prologue(q, k, a, b, A_log, dt_bias, use_qk_l2norm, allow_neg_eigval)
-        return fused_recurrent_step_(q, k, v, g, beta, _kernel_state("gated_delta_rule_fused_step_", state),
-                                     scale=scale)
+        return fused_gated_delta_rule_step_(q, k, v, a, b, A_log, dt_bias,
+                                            _kernel_state("gated_delta_rule_fused_step_", state), scale=scale,
+                                            use_qk_l2norm=use_qk_l2norm, allow_neg_eigval=allow_neg_eigval)
     o, S = run_fused(impl, q, k, v, a, b, A_log, dt_bias, scale=scale, initial_state=state, output_final_state=True,
                      use_qk_l2norm=use_qk_l2norm, allow_neg_eigval=allow_neg_eigval)
     state.copy_(S)
