@@ -32,6 +32,16 @@ from gdn import ops
 from gdn.ops.delta.fused import gated_delta_rule_fused
 from gdn.models import GDNConfig, GDNForCausalLM
 
+try:
+    from gdn.ops.triton.rows import rows
+except ImportError:  # no Triton: every kernel input counts as the contiguous copy it would be
+    rows = None
+
+
+def _as_saved(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the prologue kernels save it: in place when they read its layout, else a contiguous copy."""
+    return rows(x).t if rows is not None else x.contiguous()
+
 MiB = 2**20
 GiB = 2**30
 
@@ -61,15 +71,15 @@ class _TritonCoreStandIn(torch.autograd.Function):
             o, S = gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, **kw)
         B, T, H, K = q.shape
         HV = v.shape[2]
-        qc, kc = q.contiguous(), k.contiguous()  # L2Norm saves its input, made contiguous, and rstd
+        qc, kc = _as_saved(q), _as_saved(k)  # L2Norm saves its input as it read it, and rstd
         rq = q.new_empty(B * T * H, dtype=torch.float32)
         rk = k.new_empty(B * T * H, dtype=torch.float32)
         g = torch.empty(a.shape, dtype=torch.float32)  # Gate saves a, b, A_log, dt_bias and g
         beta = torch.empty(a.shape, dtype=torch.float32)
-        qh, kh = torch.empty_like(qc), torch.empty_like(kc)  # chunk op: q̂, k̂, v, g, β, Ai
+        qh, kh = q.new_empty(q.shape), k.new_empty(k.shape)  # chunk op: q̂, k̂, v, g, β, Ai
         vp = v.reshape(B * T, HV, v.shape[3])
         Ai = torch.empty(B * T, HV, 64, dtype=v.dtype)
-        ctx.save_for_backward(qc, kc, vp, a.contiguous(), b.contiguous(), A_log, dt_bias, rq, rk, g, beta, qh, kh, Ai)
+        ctx.save_for_backward(qc, kc, vp, _as_saved(a), _as_saved(b), A_log, dt_bias, rq, rk, g, beta, qh, kh, Ai)
         ctx.kw = kw
         return o, S
 

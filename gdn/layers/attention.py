@@ -8,6 +8,7 @@ from torch import nn
 
 from .. import ops
 from ..distributed import attention as cp_attention
+from .fused import FusedLinear
 from .recurrent import positive_int
 from ..ops.conv import seq_position
 from .norm import RMSNorm
@@ -116,15 +117,25 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, positions: torch.Tensor, *, queries: bool = True):
         """(q, k, v) of ``x`` [B, T, D] at RoPE ``positions`` [B, T]: the projections, the q/k norms
         and RoPE. q: [B, T, HQ, hd] (None with ``queries=False``); k, v: [B, T, HKV, hd]."""
-        B, T = x.shape[:2]
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim) if queries else None
+        return self._heads(self.q_proj(x) if queries else None, self.k_proj(x), self.v_proj(x), positions)
+
+    def _heads(self, q, k, v, positions):
+        """The projections q [B, T, HQ·hd] (or None), k, v [B, T, HKV·hd] as heads, with the q/k
+        norms and RoPE at ``positions`` [B, T] applied: what :meth:`project` returns."""
+        B, T = k.shape[:2]
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        q = None if q is None else q.view(B, T, self.num_heads, self.head_dim)
         if self.qk_norm:
             k = self.k_norm(k)
             q = None if q is None else self.q_norm(q)
         k = rotary(k, positions, self.rope_theta, self.rotary_dim)
         q = None if q is None else rotary(q, positions, self.rope_theta, self.rotary_dim)
-        return q, k, self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        return q, k, v.view(B, T, self.num_kv_heads, self.head_dim)
+
+    def decode_weights(self) -> FusedLinear:
+        """q, k, v (and the output gate's ``g_proj``) as one weight, for :meth:`decode_into`."""
+        names = ("q_proj", "k_proj", "v_proj") + (("g_proj",) if self.output_gate else ())
+        return FusedLinear({name: getattr(self, name) for name in names})
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, state: KVState | None = None, use_cache: bool = False,
@@ -177,22 +188,23 @@ class Attention(nn.Module):
         seen = T + (0 if state is None else state.seen)
         return o, KVState(keys.contiguous(), values.contiguous(), kvalid.contiguous(), self.window_size, seen)
 
-    def decode_into(self, x: torch.Tensor, state: KVState, slot: torch.Tensor,
-                    positions: torch.Tensor) -> torch.Tensor:
+    def decode_into(self, x: torch.Tensor, state: KVState, slot: torch.Tensor, positions: torch.Tensor,
+                    weights: FusedLinear) -> torch.Tensor:
         """One decode step into preallocated key/value buffers: x [B, 1, D] -> o [B, 1, D].
 
         ``state``: a :class:`KVState` of fixed-size buffers key/value [B, L, HKV, D] and valid [B, L]
         (L = the maximum length for global attention, the window for a sliding window, used as a
         ring); ``slot``: [] long device tensor, the buffer slot the new key goes to (the caller
         wraps it for a ring); ``positions``: [B] long device tensor, the RoPE position of the new
-        token. The new key and value are written in place and the query attends to every valid slot
+        token; ``weights``: :meth:`decode_weights`, one GEMM for every projection of x. The new key
+        and value are written in place and the query attends to every valid slot
         (a ring of ``window`` slots holds exactly the keys the window sees); no shape depends on the
         length, nothing syncs with the host. Equals :meth:`forward` with a cache up to the order of
         the softmax sums.
         """
         B = x.shape[0]
-        pos = positions[:, None]
-        q, k, v = self.project(x, pos)
+        p = weights(x)
+        q, k, v = self._heads(p["q_proj"], p["k_proj"], p["v_proj"], positions[:, None])
         idx = slot.reshape(1)
         state.key.index_copy_(1, idx, k.to(state.key.dtype))
         state.value.index_copy_(1, idx, v.to(state.value.dtype))
@@ -202,7 +214,7 @@ class Attention(nn.Module):
                                            enable_gqa=self.num_heads != self.num_kv_heads)
         o = o.transpose(1, 2).reshape(B, 1, self.num_heads * self.head_dim)
         if self.output_gate:
-            o = o * torch.sigmoid(self.g_proj(x))
+            o = o * torch.sigmoid(p["g_proj"])
         return self.o_proj(o)
 
     def _masked(self, q, keys, values, kvalid):

@@ -35,10 +35,13 @@ class DeltaNet(RecurrentMixer):
         self.allow_neg_eigval = bool(allow_neg_eigval)
         self.beta_offset = check_beta_offset(beta_offset)
 
-    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None):
-        b = self.b_proj(x).float()
+    def _mix(self, q, k, v, proj, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None,
+             update=None):
+        b = proj("b_proj").float()
         beta = write_strength(b + self.beta_offset if self.beta_offset else b, self.allow_neg_eigval)
         if context_parallel is not None:
             return cp_ops.delta_rule(l2_normalise(q), l2_normalise(k), v, beta, cp=context_parallel)
+        if update is not None:
+            return ops.recurrent_step_(l2_normalise(q), l2_normalise(k), v, None, beta, update), None
         return ops.delta_rule(l2_normalise(q), l2_normalise(k), v, beta, initial_state=initial_state,
                               output_final_state=output_final_state, cu_seqlens=cu_seqlens)

@@ -32,8 +32,9 @@ class GatedDeltaNet(RecurrentMixer):
         self.allow_neg_eigval = bool(allow_neg_eigval)
         self.beta_offset = check_beta_offset(beta_offset)
 
-    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None):
-        a, b = self.a_proj(x), self.b_proj(x)
+    def _mix(self, q, k, v, proj, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None,
+             update=None):
+        a, b = proj("a_proj"), proj("b_proj")
         if self.beta_offset:
             b = b + self.beta_offset
         if mask is not None:
@@ -41,6 +42,9 @@ class GatedDeltaNet(RecurrentMixer):
         if context_parallel is not None:
             return cp_ops.gated_delta_rule_fused(q, k, v, a, b, self.A_log, self.dt_bias, cp=context_parallel,
                                                  allow_neg_eigval=self.allow_neg_eigval)
+        if update is not None:
+            return ops.gated_delta_rule_fused_step_(q, k, v, a, b, self.A_log, self.dt_bias, update,
+                                                    allow_neg_eigval=self.allow_neg_eigval), None
         return ops.gated_delta_rule_fused(q, k, v, a, b, self.A_log, self.dt_bias, allow_neg_eigval=self.allow_neg_eigval,
                                           initial_state=initial_state, output_final_state=output_final_state,
                                           cu_seqlens=cu_seqlens)

@@ -17,12 +17,15 @@ class GatedLinearAttention(RecurrentMixer):
 
     has_decay = True
 
-    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None):
-        a = self.a_proj(x)
+    def _mix(self, q, k, v, proj, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None,
+             update=None):
+        a = proj("a_proj")
         if mask is not None:
             a = a.masked_fill(~mask[..., None], MASKED_GATE_INPUT)
         g = scalar_decay(a, self.A_log, self.dt_bias)
         if context_parallel is not None:
             return cp_ops.gated_linear_attention(l2_normalise(q), l2_normalise(k), v, g, cp=context_parallel)
+        if update is not None:
+            return ops.recurrent_step_(l2_normalise(q), l2_normalise(k), v, g, None, update), None
         return ops.gated_linear_attention(l2_normalise(q), l2_normalise(k), v, g, initial_state=initial_state,
                                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)

@@ -60,25 +60,35 @@ class KimiDeltaAttention(RecurrentMixer):
         self.out_norm = RMSNorm(self.head_v_dim, eps=norm_eps)
         self.o_norm = nn.Identity()
 
+    def input_projections(self) -> tuple[str, ...]:
+        """q, k, v, β and the first (low-rank) halves of the forget and output gates."""
+        return super().input_projections() + ("f_a_proj", "g_a_proj")
+
     def gate_init_values(self) -> dict[str, torch.Tensor]:
         """Fresh ``A_log`` [HV] (log U(1, 16)) and ``dt_bias`` [HV·K]."""
         A_log, _ = mamba_gate_init(self.num_v_heads, a_min=1.0, a_max=16.0)
         _, dt_bias = mamba_gate_init(self.num_v_heads * self.head_dim)
         return {"A_log": A_log, "dt_bias": dt_bias}
 
-    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None):
-        B, T = x.shape[:2]
+    def _mix(self, q, k, v, proj, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None,
+             update=None):
+        B, T = q.shape[:2]
         HV, K, V = self.num_v_heads, self.head_dim, self.head_v_dim
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, HV, K), self.A_log, self.dt_bias)
+        g = kda_gate(self.f_b_proj(proj("f_a_proj")).view(B, T, HV, K), self.A_log, self.dt_bias)
         if mask is not None:
             g = g.masked_fill(~mask[..., None, None], 0.0)
-        beta = write_strength(self.b_proj(x)).to(g.dtype)
+        beta = write_strength(proj("b_proj")).to(g.dtype)
         if context_parallel is not None:
             o, S = cp_ops.kimi_delta_attention(l2_normalise(q), l2_normalise(k), v, g, beta, cp=context_parallel)
+        elif update is not None:  # no in-place KDA kernel: the new state is copied into the buffer
+            o, S = ops.kimi_delta_attention(l2_normalise(q), l2_normalise(k), v, g, beta, initial_state=update,
+                                            output_final_state=True)
+            update.copy_(S)
+            S = None
         else:
             o, S = ops.kimi_delta_attention(l2_normalise(q), l2_normalise(k), v, g, beta, initial_state=initial_state,
                                             output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, HV, V)
+        gate = self.g_b_proj(proj("g_a_proj")).view(B, T, HV, V)
         o = (self.out_norm._normalise(o) * torch.sigmoid(gate.to(g.dtype))).to(o.dtype)
         return o, S
 

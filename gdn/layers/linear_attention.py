@@ -15,8 +15,11 @@ class LinearAttention(RecurrentMixer):
     ``(o [B, T, D], RecurrentState or None)``.
     """
 
-    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None):
+    def _mix(self, q, k, v, proj, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None,
+             update=None):
         if context_parallel is not None:
             return cp_ops.linear_attention(l2_normalise(q), l2_normalise(k), v, cp=context_parallel)
+        if update is not None:
+            return ops.recurrent_step_(l2_normalise(q), l2_normalise(k), v, None, None, update), None
         return ops.linear_attention(l2_normalise(q), l2_normalise(k), v, initial_state=initial_state,
                                     output_final_state=output_final_state, cu_seqlens=cu_seqlens)

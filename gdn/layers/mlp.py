@@ -6,6 +6,7 @@ from torch import nn
 
 from ..ops.library import autocast_of
 from ..ops.swiglu import swiglu_down
+from .fused import FusedLinear
 
 
 class SwiGLU(nn.Module):
@@ -33,6 +34,16 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D]."""
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        dtype = autocast_of(gate) or gate.dtype
-        return swiglu_down(gate, up, self.down_proj.weight, dtype)
+        return self._down(self.gate_proj(x), self.up_proj(x))
+
+    def decode_weights(self) -> FusedLinear:
+        """``gate_proj`` and ``up_proj`` as one weight, for :meth:`decode`."""
+        return FusedLinear({"gate_proj": self.gate_proj, "up_proj": self.up_proj})
+
+    def decode(self, x: torch.Tensor, weights: FusedLinear) -> torch.Tensor:
+        """:meth:`forward` with gate and up from one GEMM (``weights``: :meth:`decode_weights`)."""
+        p = weights(x)
+        return self._down(p["gate_proj"], p["up_proj"])
+
+    def _down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return swiglu_down(gate, up, self.down_proj.weight, autocast_of(gate) or gate.dtype)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..ops.library import autocast_of
-from ..ops.norm import gated_rms_norm, rms_norm
+from ..ops.norm import add_rms_norm, gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -45,6 +45,12 @@ class RMSNorm(nn.Module):
         """x: [..., D] -> [..., D]."""
         self._check("x", x)
         return rms_norm(x, self.weight, self.eps, autocast_of(x) or x.dtype)
+
+    def add_forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A residual add and this norm after it: ``(s, self(s))`` with ``s = x + h``; one kernel at
+        decode (:func:`gdn.ops.norm.add_rms_norm`). x, h: [..., D]."""
+        self._check("x", x)
+        return add_rms_norm(x, h, self.weight, self.eps, autocast_of(x) or torch.promote_types(x.dtype, h.dtype))
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -7,7 +7,9 @@ attention, linear attention).
     x ─ a_proj, b_proj (gate, β) ─────┘
 
 Subclasses say which of the gate (decay) and the delta term (β) they have and implement
-:meth:`RecurrentMixer._mix`. Padding (``attention_mask``) zeroes k and v and the decay at padded
+:meth:`RecurrentMixer._mix`. The decode step (:meth:`RecurrentMixer.decode_into`) computes every
+projection of x with one GEMM (:class:`gdn.layers.fused.FusedLinear`) and updates the matrix state in
+place (:func:`gdn.ops.recurrent_step_`). Padding (``attention_mask``) zeroes k and v and the decay at padded
 tokens so they leave the state unchanged; packing (``cu_seqlens``) restarts every sequence.
 """
 from __future__ import annotations
@@ -19,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import halo
+from ..ops.conv import conv_step_
 from .conv import ShortConvolution
+from .fused import FusedLinear, FusedWeight
 from .norm import GatedRMSNorm, RMSNorm
 from .state import RecurrentState
 
@@ -122,10 +126,24 @@ class RecurrentMixer(nn.Module):
         conv = [(batch_size, self.key_dim, W)] * 2 + [(batch_size, self.value_dim, W)] if self.use_short_conv else []
         return {"conv": tuple(conv), "recurrent": (batch_size, self.num_v_heads, self.head_dim, self.head_v_dim)}
 
-    def _mix(self, q, k, v, x, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None):
-        """q, k: [B, T, H, K] (after conv, before L2 norm); v: [B, T, HV, V]; x: [B, T, D] (for the
-        gate/β projections); mask: [B, T] bool or None; context_parallel: run the op of
-        :mod:`gdn.distributed.recurrent` with it. Returns (o [B, T, HV, V], state or None)."""
+    def input_projections(self) -> tuple[str, ...]:
+        """Names of the linear layers that read the mixer's input x, q, k and v first (what
+        :meth:`decode_weights` fuses)."""
+        return ("q_proj", "k_proj", "v_proj") + tuple(n for n in ("a_proj", "b_proj", "g_proj") if hasattr(self, n))
+
+    def decode_weights(self) -> tuple[FusedLinear, FusedWeight | None]:
+        """For :meth:`decode_into`: the projections of :meth:`input_projections` as one weight, and the
+        q, k, v convolutions' weights as one (None without short convolutions)."""
+        convs = FusedWeight({"q": self.q_conv, "k": self.k_conv, "v": self.v_conv}) if self.use_short_conv else None
+        return FusedLinear({name: getattr(self, name) for name in self.input_projections()}), convs
+
+    def _mix(self, q, k, v, proj, mask, initial_state, output_final_state, cu_seqlens, context_parallel=None,
+             update=None):
+        """q, k: [B, T, H, K] (after conv, before L2 norm); v: [B, T, HV, V]; proj: ``proj(name)`` is
+        the projection ``name`` (one of :meth:`input_projections`) of x, [B, T, ·]; mask: [B, T] bool
+        or None; context_parallel: run the op of :mod:`gdn.distributed.recurrent` with it; update: a
+        decode step (T = 1) that writes the new state into this [B, HV, K, V] buffer, which also
+        holds the state it starts from. Returns (o [B, T, HV, V], state or None; None with update)."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -147,6 +165,10 @@ class RecurrentMixer(nn.Module):
         if state is not None and cu_seqlens is not None:
             raise ValueError("state cannot be combined with cu_seqlens: packed sequences start from zero state")
         conv_states = state.conv if state is not None and state.conv else (None, None, None)
+
+        def proj(name):
+            return getattr(self, name)(x)
+
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         new_conv: tuple[torch.Tensor, ...] = ()
         if self.use_short_conv and cp is not None:  # one halo exchange for the three convolutions
@@ -169,9 +191,9 @@ class RecurrentMixer(nn.Module):
         k = k.view(B, T, self.num_heads, self.head_dim)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
         if cp is None:
-            o, S = self._mix(q, k, v, x, mask, None if state is None else state.recurrent, use_cache, cu_seqlens)
+            o, S = self._mix(q, k, v, proj, mask, None if state is None else state.recurrent, use_cache, cu_seqlens)
         else:
-            o, S = self._mix(q, k, v, x, None, None, False, None, context_parallel=cp)
+            o, S = self._mix(q, k, v, proj, None, None, False, None, context_parallel=cp)
         if self.use_gate:
             o = self.o_norm(o, self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim))
         else:
@@ -179,32 +201,35 @@ class RecurrentMixer(nn.Module):
         o = self.o_proj(o.reshape(B, T, self.value_dim))
         return o, (RecurrentState(new_conv, S) if use_cache else None)
 
-    def decode_into(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+    def decode_into(self, x: torch.Tensor, state: RecurrentState, weights) -> torch.Tensor:
         """One decode step that updates ``state`` in place: x [B, 1, D] -> o [B, 1, D].
 
-        ``state`` holds preallocated buffers (conv tails [B, D, K-1], recurrent [B, HV, K, V]); the
-        new conv tails and matrix state are copied into them, so their storage never changes and the
-        step has fixed shapes and no host sync (what a CUDA graph capture needs). The numbers are
-        those of :meth:`forward` with ``state`` and ``use_cache=True`` (the same op calls).
+        ``state`` holds preallocated buffers (the conv tails as one buffer ``tails`` [B, ΣD, K-1],
+        recurrent [B, HV, K, V]) whose storage never changes, and the step has fixed shapes and no
+        host sync (what a CUDA graph capture needs). ``weights``: :meth:`decode_weights` of this
+        mixer: one GEMM gives every projection of x, and q, k, v (adjacent in its output) go
+        through one depthwise convolution over their channels (:func:`gdn.ops.conv.conv_step_`,
+        tails updated in place). The matrix state is updated in place by
+        :func:`gdn.ops.recurrent_step_` (or the member's step op). The numbers are those of
+        :meth:`forward` with ``state`` and ``use_cache=True``.
         """
         B = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        proj, convs = weights
+        y = F.linear(x, proj.weight)
+        p = proj.split(y)
+        sizes = [self.key_dim, self.key_dim, self.value_dim]
+        qkv = y[..., : sum(sizes)]  # q, k, v lead the projections
         if self.use_short_conv:
-            outs = []
-            for conv, t, buf in zip((self.q_conv, self.k_conv, self.v_conv), (q, k, v), state.conv):
-                y, tail = conv(t, state=buf, output_state=True)
-                buf.copy_(tail)
-                outs.append(y)
-            q, k, v = outs
+            qkv = conv_step_(qkv, convs.weight, state.tails, self.q_conv.activation)
         else:
-            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+            qkv = F.silu(qkv)
+        q, k, v = qkv.split(sizes, -1)
         q = q.view(B, 1, self.num_heads, self.head_dim)
         k = k.view(B, 1, self.num_heads, self.head_dim)
         v = v.view(B, 1, self.num_v_heads, self.head_v_dim)
-        o, S = self._mix(q, k, v, x, None, state.recurrent, True, None)
-        state.recurrent.copy_(S)
+        o, _ = self._mix(q, k, v, p.__getitem__, None, None, False, None, update=state.recurrent)
         if self.use_gate:
-            o = self.o_norm(o, self.g_proj(x).view(B, 1, self.num_v_heads, self.head_v_dim))
+            o = self.o_norm(o, p["g_proj"].view(B, 1, self.num_v_heads, self.head_v_dim))
         else:
             o = self.o_norm(o)
         return self.o_proj(o.reshape(B, 1, self.value_dim))

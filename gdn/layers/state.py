@@ -21,10 +21,13 @@ class RecurrentState:
 
     conv: the short-convolution states of q, k, v, each [B, D, K-1] (empty tuple without short convs).
     recurrent: [B, HV, K, V] fp32 matrix state.
+    tails: the static cache's layout (None elsewhere): one buffer [B, ΣD, K-1] whose channel slices,
+        q, k, v in order, are ``conv``, so that its decode step runs the three convolutions as one.
     """
 
     conv: tuple[torch.Tensor, ...]
     recurrent: torch.Tensor
+    tails: torch.Tensor | None = None
 
     def nbytes(self) -> int:
         """Bytes held (constant in the sequence length)."""

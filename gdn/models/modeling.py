@@ -56,16 +56,30 @@ class GDNBlock(nn.Module):
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), new_state
 
-    def decode_into(self, x, state, slot, positions):
+    def decode_weights(self) -> tuple:
+        """The fused projection weights of the decode step: ``(mixer's, MLP's)``
+        (:class:`gdn.layers.fused.FusedLinear` each), for :meth:`decode_into`."""
+        return self.mixer.decode_weights(), self.mlp.decode_weights()
+
+    def decode_into(self, x, state, slot, positions, weights, delta=None):
         """One decode step of this block updating the preallocated ``state`` in place (see the
-        mixers' ``decode_into``; ``slot`` and ``positions`` are for attention). x: [B, 1, D] -> [B, 1, D]."""
-        h = self.mixer_norm(x)
-        if isinstance(self.mixer, Attention):
-            h = self.mixer.decode_into(h, state, slot, positions)
+        mixers' ``decode_into``; ``slot`` and ``positions`` are for attention; ``weights``:
+        :meth:`decode_weights`). x: [B, 1, D], the residual stream before this block, still without
+        ``delta`` (the previous block's MLP output, None for none): each residual add runs in the
+        kernel of the norm that reads its sum (:meth:`gdn.layers.RMSNorm.add_forward`). Returns
+        ``(x, delta)``: the stream after the mixer and this block's MLP output, which the next
+        norm adds (the block's output is their sum)."""
+        mixer_w, mlp_w = weights
+        if delta is None:
+            h = self.mixer_norm(x)
         else:
-            h = self.mixer.decode_into(h, state)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x))
+            x, h = self.mixer_norm.add_forward(x, delta)
+        if isinstance(self.mixer, Attention):
+            h = self.mixer.decode_into(h, state, slot, positions, mixer_w)
+        else:
+            h = self.mixer.decode_into(h, state, mixer_w)
+        x, h = self.mlp_norm.add_forward(x, h)
+        return x, self.mlp.decode(h, mlp_w)
 
     def mixer_state(self, x, attention_mask=None, state=None, positions=None):
         """The mixer's state after this block's input ``x`` [B, T, D] continuing from ``state`` (no MLP):

@@ -13,9 +13,13 @@ replays it per token; on the CPU (or with ``use_graph=False``) it runs the very 
 Rows of a running batch can take new sequences in place (:meth:`StaticCache.load_rows`,
 :meth:`GraphDecoder.refill`, :meth:`GraphDecoder.release`), so one graph serves a stream of prompts.
 
-The step equals the eager decode (:func:`gdn.generation.decode_step`) for recurrent layers op for
-op; attention reads its keys from the fixed buffer under a validity mask, which changes only the
-order of the softmax sums.
+The step computes each layer's projections of its input with one GEMM, on weights concatenated
+once (:class:`DecodeWeights`, shared by a decoder's buckets), updates recurrent states in place,
+and adds each residual in the kernel of the norm that reads the sum (a block hands its MLP output
+to the next block's norm, the last to the final norm).
+It equals the eager decode (:func:`gdn.generation.decode_step`) up to the blocking of those GEMMs
+(every output is the same dot product); attention reads its keys from the fixed buffer under a
+validity mask, which changes only the order of the softmax sums.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layers import Attention
+from ..layers.fused import refresh_all
 from ..layers.state import KVState, RecurrentState
 from .cache import GDNCache
 
@@ -36,18 +41,38 @@ def _model_dtype(model) -> torch.dtype:
     return model.get_input_embeddings().weight.dtype
 
 
+class DecodeWeights:
+    """The decode step's fused projection weights of every block (``layers[i]``: block i's
+    :meth:`gdn.models.GDNBlock.decode_weights`).
+
+    They are copies of the model's weights, made once. :meth:`refresh` copies again, into the same
+    storage (captured graphs read it by address), the ones whose source weights were written in
+    place or moved since; :meth:`StaticCache.load` calls it, so each decode run starts from the
+    model's current weights. A model whose weights change dtype or device needs new ones (its
+    :class:`GraphDecoder` too)."""
+
+    def __init__(self, model):
+        self.layers = [block.decode_weights() for block in model.model.layers]
+
+    def refresh(self) -> None:
+        refresh_all(self.layers)
+
+
 class StaticCache:
     """Preallocated per-layer decoding buffers for ``batch_size`` rows and up to ``max_length`` slots.
 
-    ``layers[i]``: a :class:`RecurrentState` of buffers (conv tails [B, D, K-1], matrix state
-    [B, HV, K, V]) or a :class:`KVState` of buffers (key/value [B, L, HKV, D], valid [B, L] bool;
-    L = ``max_length`` for global attention, ``window`` for a sliding window, used as a ring where
-    slot s lives at s mod window). ``seen``: [] long, slots processed (device); ``positions``: [B]
-    long, the RoPE position of each row's next token (device); ``length``: ``seen`` as a host int,
-    kept by whoever drives the steps (:class:`GraphDecoder`) for bounds checks outside the step.
+    ``layers[i]``: a :class:`RecurrentState` of buffers (conv tails [B, D, K-1], views of one buffer
+    ``tails`` [B, ΣD, K-1]; matrix state [B, HV, K, V]) or a :class:`KVState` of buffers (key/value
+    [B, L, HKV, D], valid [B, L] bool; L = ``max_length`` for global attention, ``window`` for a
+    sliding window, used as a ring where slot s lives at s mod window). ``seen``: [] long, slots
+    processed (device); ``positions``: [B] long, the RoPE position of each row's next token
+    (device); ``length``: ``seen`` as a host int, kept by whoever drives the steps
+    (:class:`GraphDecoder`) for bounds checks outside the step.
+    ``weights``: the :class:`DecodeWeights` the step multiplies by (given, to share one set between
+    caches, or made here).
     """
 
-    def __init__(self, model, batch_size: int, max_length: int, device=None):
+    def __init__(self, model, batch_size: int, max_length: int, device=None, weights: DecodeWeights | None = None):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
@@ -68,12 +93,17 @@ class StaticCache:
                                            torch.zeros(B, L, dtype=torch.bool, device=device), m.window_size, 0))
             else:
                 shapes = m.state_shape(B)
-                self.layers.append(RecurrentState(
-                    tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes["conv"]),
-                    torch.zeros(shapes["recurrent"], dtype=sdtype, device=device)))
+                conv, tails = (), None
+                if shapes["conv"]:  # one buffer, the q, k, v tails its channel slices (one convolution)
+                    tails = torch.zeros(B, sum(s[1] for s in shapes["conv"]), shapes["conv"][0][2], dtype=dtype,
+                                        device=device)
+                    conv = tuple(tails.split([s[1] for s in shapes["conv"]], dim=1))
+                self.layers.append(RecurrentState(conv, torch.zeros(shapes["recurrent"], dtype=sdtype, device=device),
+                                                  tails))
         self.seen = torch.zeros((), dtype=torch.long, device=device)
         self.positions = torch.zeros(B, dtype=torch.long, device=device)
         self.length = 0
+        self.weights = DecodeWeights(model) if weights is None else weights
 
     def buffers(self) -> list[torch.Tensor]:
         """Every state buffer (the step writes into these and allocates none)."""
@@ -93,7 +123,8 @@ class StaticCache:
 
         Its attention keys (left-padded rows included) go to their slots: slot s of a global layer
         at buffer index s, of a window layer at s mod window. ``cache.seen`` must be below
-        ``max_length`` when the model has a global attention layer."""
+        ``max_length`` when the model has a global attention layer. The fused weights are refreshed
+        from the model's (:meth:`DecodeWeights.refresh`)."""
         if not isinstance(cache, GDNCache):
             raise TypeError(f"cache must be a GDNCache, got {type(cache).__name__}")
         if len(cache.layers) != len(self.layers):
@@ -106,6 +137,7 @@ class StaticCache:
             raise ValueError(f"the cache holds {seen} slots; a global attention layer needs room for the next "
                              f"token within max_length={self.max_length}")
         self.reset()
+        self.weights.refresh()
         for buf, st in zip(self.layers, cache.layers):
             if st is None:
                 continue
@@ -276,13 +308,13 @@ def static_decode_step(model, cache: StaticCache, tokens: torch.Tensor) -> torch
     """Feed ``tokens`` [B] (one per row, B = ``cache.batch_size``) and return the next logits [B, vocab]
     (fp32), updating ``cache``'s buffers, ``seen`` and ``positions`` in place. Fixed shapes, no
     host sync: this is what :class:`GraphDecoder` captures. Does not touch ``cache.length``."""
-    x = model.get_input_embeddings()(tokens[:, None])
-    for block, st in zip(model.model.layers, cache.layers):
+    x, delta = model.get_input_embeddings()(tokens[:, None]), None
+    for block, st, w in zip(model.model.layers, cache.layers, cache.weights.layers):
         slot = None
         if isinstance(st, KVState):
             slot = cache.seen if st.window is None else torch.remainder(cache.seen, st.window)
-        x = block.decode_into(x, st, slot, cache.positions)
-    x = model.model.norm(x)
+        x, delta = block.decode_into(x, st, slot, cache.positions, w, delta)
+    x = model.model.norm(x) if delta is None else model.model.norm.add_forward(x, delta)[1]
     logits = model.lm_head(x)[:, -1].float()
     cache.seen.add_(1)
     cache.positions.add_(1)
@@ -323,6 +355,7 @@ class GraphDecoder:
         self.use_graph = self.device.type == "cuda" if use_graph is None else bool(use_graph)
         if self.use_graph and self.device.type != "cuda":
             raise ValueError("use_graph needs the model on a CUDA device")
+        self.weights = DecodeWeights(model)
         self._buckets: dict[int, _Bucket] = {}
         self._active: _Bucket | None = None
         self.rows = 0
@@ -366,7 +399,7 @@ class GraphDecoder:
         b = self._buckets.get(size)
         if b is None:
             length = self.max_length if max_length is None else max_length
-            b = _Bucket(StaticCache(self.model, size, length, self.device),
+            b = _Bucket(StaticCache(self.model, size, length, self.device, self.weights),
                         torch.zeros(size, dtype=torch.long, device=self.device))
             if self.use_graph:
                 self._capture(b)

@@ -4,9 +4,10 @@ Every op validates its arguments (:mod:`.checks`), asks :mod:`.router` which imp
 the call (the one rule: naive / chunk / Triton chunk kernels / Triton token-recurrent kernels),
 and runs it. Families live in their folders with their spec beside their kernels:
 :mod:`.delta` (the four scalar-gate members), :mod:`.kda` (Kimi Delta Attention),
-:mod:`.attention` (softmax attention). Glue ops of the layers: :mod:`.norm`, :mod:`.conv`,
-:mod:`.swiglu`, :mod:`.loss`; formulas shared by all: :mod:`.gates`; every kernel's launch
-settings: :mod:`.tuning`.
+:mod:`.attention` (softmax attention). A decode step that updates the state in place:
+:func:`recurrent_step_`, :func:`gated_delta_rule_fused_step_` (:mod:`.delta.step`). Glue ops of
+the layers: :mod:`.norm`, :mod:`.conv`, :mod:`.swiglu`, :mod:`.loss`; formulas shared by all:
+:mod:`.gates`; every kernel's launch settings: :mod:`.tuning`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from . import attention as _attention
 from . import delta, kda, library
 from .checks import check_attention, check_recurrent
 from .delta.fused import gated_delta_rule_fused
+from .delta.step import gated_delta_rule_fused_step_, recurrent_step_
 from .kda.reference import check_kda
 from .router import available_backends, needs_grad, route
 
@@ -23,6 +25,8 @@ __all__ = [
     "delta_rule",
     "gated_delta_rule",
     "gated_delta_rule_fused",
+    "recurrent_step_",
+    "gated_delta_rule_fused_step_",
     "kimi_delta_attention",
     "softmax_attention",
     "available_backends",

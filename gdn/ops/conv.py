@@ -139,6 +139,25 @@ _conv_op = library.recomputed_op(
     1, _conv_run, _conv_fake, differentiable=(0, 1, 2))
 
 
+def conv_step_(x, weight, tails, activation, bias=None):
+    """One token per row: x [B, 1, D] after the inputs ``tails`` [B, D, K-1] (updated in place to the
+    last K-1 inputs, x included); weight [D, K]; bias [D] or None. Returns y [B, 1, D] in x.dtype, the
+    numbers of :func:`short_conv` with ``hist=tails`` (same products, same sum, oldest tap first)
+    and no allocation kept.
+
+    Where :func:`gdn.ops.router.use_triton` says so and ``tails`` is contiguous, one kernel does it
+    all (:func:`gdn.ops.triton.short_conv.conv_step_`: x read in place, fp32 sum and activation,
+    one rounding); otherwise PyTorch ops in x's dtype. Inference only."""
+    if use_triton(x) and x.dtype in kernels.DTYPES and tails.is_contiguous():
+        return kernels.conv_step_(x, weight, tails, activation, bias)
+    xp = torch.cat([tails.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, D, K]
+    y = (xp * weight.to(x.dtype)).sum(-1)[:, None]
+    tails.copy_(xp[..., 1:])
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return F.silu(y) if activation == "silu" else y
+
+
 def conv_state(x, hist, cu_seqlens, W: int):
     """The history after ``x`` [B, T, D]: its last W = K-1 inputs [N, D, W] per sequence (zeros
     before a sequence's start); ``hist`` [B, D, W] precedes x (None: zeros; not with ``cu_seqlens``)."""

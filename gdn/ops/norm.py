@@ -2,6 +2,7 @@
 
     y = x · rstd · w                 (rms_norm)         rstd = rsqrt(mean(x²) + eps), fp32 inside
     y = x · rstd · w · SiLU(gate)    (gated_rms_norm)
+    s = x + h,  y = s · rstd · w     (add_rms_norm: a residual add and the norm after it)
 
 Both run as autograd Functions that keep only the input (in its own dtype), the gate and the fp32
 ``rstd`` per row for the backward, and recompute the normalised rows there: the fp32 upcasts of
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import library
-from .router import HAS_TRITON, use_triton
+from .router import HAS_TRITON, needs_grad, use_triton
 
 if HAS_TRITON:
     from .triton import rmsnorm as kernels
@@ -118,6 +119,19 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return GatedRMSNormFn.apply(x, gate, weight, eps)
 
 
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, y)``: the residual stream ``s = x + h`` and ``y = rms_norm(s)`` in ``out_dtype``. One
+    kernel (:func:`gdn.ops.triton.rmsnorm.add_rms_norm`) where the norm's kernels run, x and h share
+    shape and dtype and no gradient is wanted (the decode step); the two ops otherwise. The kernel
+    rounds s to x's dtype before normalising it, as the two ops do."""
+    if (not library.compiling() and _kernels_take(x) and h.dtype == x.dtype and h.shape == x.shape
+            and not needs_grad(x, h, weight)):
+        return kernels.add_rms_norm(x, h, weight, eps, out_dtype)
+    s = x + h
+    return s, rms_norm(s, weight, eps, out_dtype)
+
+
 # ---- the custom ops (torch.compile) -------------------------------------------------------------
 # rstd travels between the two ops as [R] (one per row of x viewed as [R, D]); in fp32, fp64 for fp64 x.
 
@@ -125,11 +139,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 def _norm_op(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, eps: float,
              out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [..., D], rstd [R]): :func:`rms_norm`, or :func:`gated_rms_norm` when ``gate`` is given."""
-    D = x.shape[-1]
     if _kernels_take(x):
-        g2 = None if gate is None else gate.reshape(-1, D).contiguous()
-        y, rstd = kernels._forward(x.reshape(-1, D).contiguous(), g2, weight.contiguous(), eps, out_dtype)
-        return y.view(x.shape), rstd
+        return kernels._forward(x, gate, weight.contiguous(), eps, out_dtype)[:2]
     y, rstd = norm_forward(x, gate, weight, eps, out_dtype)
     return y, rstd.reshape(-1)
 
@@ -144,12 +155,9 @@ def _(x, gate, weight, eps, out_dtype):
 def _norm_backward_op(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor,
                       rstd: torch.Tensor, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dgate (empty without a gate), dw (empty unless ``need_dw``)) of ``gdn::rms_norm``."""
-    D = x.shape[-1]
     if _kernels_take(x):
-        x2 = x.reshape(-1, D).contiguous()
-        g2 = None if gate is None else gate.reshape(-1, D).contiguous()
-        dx, dg, dw = kernels._backward(dy.reshape(x2.shape).contiguous(), x2, g2, weight.contiguous(), rstd)
-        dx, dg, dw = dx.view(x.shape), None if dg is None else dg.view(x.shape), dw.to(weight.dtype)
+        dx, dg, dw = kernels._backward(dy, x, gate, weight.contiguous(), rstd)
+        dw = dw.to(weight.dtype)
     else:
         dx, dg, dw = norm_backward(dy, x, gate, weight, rstd.view(*x.shape[:-1], 1), need_dw)
     return dx, (dg if dg is not None else x.new_empty(0)), (dw if need_dw else weight.new_empty(0))

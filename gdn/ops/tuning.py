@@ -134,6 +134,9 @@ OTHER = {
     "rmsnorm": dict(elements=4096, max_rows=64, wide=2048, programs=1024),
     # Short convolution: token blocks of BT, feature blocks of BD (64 under the interpreter).
     "short_conv": dict(num_warps=4, BT=32, BD=128, BD_bwd=64, loop=4),
+    # One decode step of the short convolution: BD channels of one row per program (the whole
+    # row, up to 1024, under the interpreter).
+    "conv_step": dict(num_warps=4, BD=512),
     "swiglu": dict(num_warps=8, BLOCK=2048),
     "cross_entropy": dict(num_warps=8, BLOCK=4096),
     "pool_commit": dict(num_warps=4, BLOCK=4096),

@@ -150,6 +150,50 @@ def test_swiglu(dtype, device=DEVICE, shape=(16384, 2816)):
     compare(("h", "dgate", "dup"), ours, torch_swiglu(g, u, dh), ref, dtype, "swiglu", floor=2e-7)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("batch", [1, 32])
+def test_strided_rows_bit_equal(batch, dtype, device=DEVICE):
+    """The decode step's layouts on the compiled kernels: column slices of one product (and their
+    per-head views) give the outputs and gradients of a contiguous copy, bit for bit, for two
+    product widths (the row strides are run-time arguments)."""
+    from gdn.ops.delta.triton.prologue import Gate, L2Norm
+    H, K, HV, I = 4, 128, 8, 2816
+    for width in (3 * H * K + 2 * HV + 64, 2 * I + 8):
+        gen = torch.Generator(device=device).manual_seed(width)
+        p = (2 * torch.randn(batch, 1, width, device=device, generator=gen)).to(dtype)
+
+        def heads(start):
+            return p[..., start:start + H * K].view(batch, 1, H, K)
+
+        def both(fn, *views):
+            """fn on the views and on contiguous copies, with the gradients of each."""
+            outs = []
+            for ins in (views, [v.contiguous() for v in views]):
+                ins = [v.detach().requires_grad_() for v in ins]
+                y = fn(*ins)
+                ys = y if isinstance(y, tuple) else (y,)
+                dys = [torch.ones_like(t) * 0.5 + t.detach() * 0.25 for t in ys]
+                outs.append([t.detach() for t in ys] + list(torch.autograd.grad(ys, ins, dys)))
+            for a, b in zip(*outs):
+                assert torch.equal(a, b), (fn, width, batch)
+
+        if width == 2 * I + 8:
+            g, u = p[..., :I], p[..., I:2 * I]
+            dh = torch.randn(batch, 1, I, device=device, generator=gen).to(dtype)
+            gc, uc = g.contiguous(), u.contiguous()
+            assert torch.equal(swiglu_forward(g, u), swiglu_forward(gc, uc))
+            for a, b in zip(swiglu_backward(dh, g, u), swiglu_backward(dh, gc, uc)):
+                assert torch.equal(a, b)
+            continue
+        w = 1 + 0.5 * torch.randn(K, device=device, generator=gen)
+        both(lambda x: rms_norm(x, w, 1e-6), heads(0))
+        both(lambda x, g: gated_rms_norm(x, g, w, 1e-6), heads(H * K), heads(2 * H * K))
+        both(lambda x: L2Norm.apply(x, 1e-6), heads(0))
+        A_log, dt = torch.randn(HV, device=device, generator=gen), torch.randn(HV, device=device, generator=gen)
+        a, b = p[..., 3 * H * K:3 * H * K + HV], p[..., 3 * H * K + HV:3 * H * K + 2 * HV]
+        both(lambda a, b: Gate.apply(a, b, A_log, dt, False), a, b)
+
+
 def torch_ce(z, t, coef):
     zf = z.float() if z.dtype != torch.float64 else z
     lse = torch.logsumexp(zf, -1)

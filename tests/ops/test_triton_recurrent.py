@@ -130,6 +130,28 @@ def test_pool_in_place(dtype, slot_dtype):
     assert torch.equal(pool[untouched], before[untouched])
 
 
+@pytest.mark.parametrize("member", MEMBERS)
+@pytest.mark.parametrize("l2norm", [False, True], ids=["plain", "l2norm"])
+def test_step_in_place_equals_plain_kernel(member, l2norm):
+    """fused_recurrent_step_ (the state batch updated in place, what the static decode step runs):
+    the plain kernel's o and final state bit for bit, in the state's own storage."""
+    d = make_inputs(3, 1, 1, 2, 60, 16, dtype=torch.float32)
+    g = d["g"] if HAS_G[member] else None
+    beta = d["beta"] if HAS_BETA[member] else None
+    o_ref, S_ref = FR.fused_recurrent_gated_delta_rule(d["q"], d["k"], d["v"], g, beta,
+                                                       initial_state=d["initial_state"], output_final_state=True,
+                                                       use_qk_l2norm=l2norm)
+    state = d["initial_state"].clone()
+    ptr = state.data_ptr()
+    o = RP.fused_recurrent_step_(d["q"], d["k"], d["v"], g, beta, state, use_qk_l2norm=l2norm)
+    assert torch.equal(o, o_ref) and torch.equal(state, S_ref) and state.data_ptr() == ptr
+    with pytest.raises(ValueError, match="contiguous"):
+        strided = S_ref.transpose(-1, -2).contiguous().transpose(-1, -2)
+        RP.fused_recurrent_step_(d["q"], d["k"], d["v"], g, beta, strided)
+    with pytest.raises(ValueError, match="state must have shape"):
+        RP.fused_recurrent_step_(d["q"], d["k"], d["v"], g, beta, state[:2].clone())
+
+
 def test_pool_packed_and_members():
     """Packed one-token-or-more sequences on the pool, no gate (delta_rule) and no delta (GLA)."""
     cu = torch.tensor([0, 2, 3, 6])

@@ -14,6 +14,10 @@ program normalises a block of rows in registers. Like the PyTorch Functions of
 
 dw is reduced per program (each covers a run of row blocks) into fp32 partials [programs, D],
 summed in torch.
+
+x and the gate are read in place when their rows are strided views with a contiguous last dim (a
+column slice of a wider product, per head or not; :mod:`.rows`), so the decode step's joined
+projections feed the norm without a copy; y, dx and dgate are written packed.
 """
 from __future__ import annotations
 
@@ -22,32 +26,43 @@ import triton
 import triton.language as tl
 
 from ..tuning import INTERPRET, OTHER, norm_tiles
+from .rows import row_start, rows, strided
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@triton.jit
-def _norm_fwd_kernel(x, g, w, y, rstd, R, D, eps, GATED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+@triton.jit(do_not_specialize=["x_inner", "x_so", "x_si", "g_inner", "g_so", "g_si"])
+def _norm_fwd_kernel(x, g, w, y, rstd, R, D, eps, x_inner, x_so, x_si, g_inner, g_so, g_si, GATED: tl.constexpr,
+                     STRIDED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """x and the gate in their row layouts (:mod:`.rows`; packed unless STRIDED); y packed [R, D]."""
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m_r, m_d = o_r < R, o_d < D
     m = m_r[:, None] & m_d[None, :]
     offs = o_r[:, None] * D + o_d[None, :]
-    b_x = tl.load(x + offs, mask=m, other=0.0).to(tl.float32)
+    if STRIDED:
+        offs_x = row_start(o_r, x_inner, x_so, x_si)[:, None] + o_d[None, :]
+        offs_g = row_start(o_r, g_inner, g_so, g_si)[:, None] + o_d[None, :]
+    else:
+        offs_x = offs
+        offs_g = offs
+    b_x = tl.load(x + offs_x, mask=m, other=0.0).to(tl.float32)
     b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, 1) / D + eps)
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_y = b_x * b_rstd[:, None] * b_w[None, :]
     if GATED:
-        b_g = tl.load(g + offs, mask=m, other=0.0).to(tl.float32)
+        b_g = tl.load(g + offs_g, mask=m, other=0.0).to(tl.float32)
         b_y = b_y * b_g * tl.sigmoid(b_g)
     tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=m)
     tl.store(rstd + o_r, b_rstd, mask=m_r)
 
 
-@triton.jit
-def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, R, D, GATED: tl.constexpr, BR: tl.constexpr,
-                     BD: tl.constexpr, NLOOP: tl.constexpr):
-    """One program: NLOOP blocks of BR rows; writes dx (and dgate) and its dw partial [D]."""
+@triton.jit(do_not_specialize=["x_inner", "x_so", "x_si", "g_inner", "g_so", "g_si"])
+def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, R, D, x_inner, x_so, x_si, g_inner, g_so, g_si,
+                     GATED: tl.constexpr, STRIDED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+                     NLOOP: tl.constexpr):
+    """One program: NLOOP blocks of BR rows; writes dx (and dgate) and its dw partial [D]. x and the
+    gate in their row layouts (:mod:`.rows`; packed unless STRIDED); dy, dx, dgate packed [R, D]."""
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -58,11 +73,17 @@ def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, R, D, GATED: tl.constexpr, 
         m_r = o_r < R
         m = m_r[:, None] & m_d[None, :]
         offs = o_r[:, None] * D + o_d[None, :]
+        if STRIDED:
+            offs_x = row_start(o_r, x_inner, x_so, x_si)[:, None] + o_d[None, :]
+            offs_g = row_start(o_r, g_inner, g_so, g_si)[:, None] + o_d[None, :]
+        else:
+            offs_x = offs
+            offs_g = offs
         b_rstd = tl.load(rstd + o_r, mask=m_r, other=0.0)
-        xhat = tl.load(x + offs, mask=m, other=0.0).to(tl.float32) * b_rstd[:, None]
+        xhat = tl.load(x + offs_x, mask=m, other=0.0).to(tl.float32) * b_rstd[:, None]
         dn = tl.load(dy + offs, mask=m, other=0.0).to(tl.float32)
         if GATED:
-            b_g = tl.load(g + offs, mask=m, other=0.0).to(tl.float32)
+            b_g = tl.load(g + offs_g, mask=m, other=0.0).to(tl.float32)
             sig = tl.sigmoid(b_g)
             b_dg = dn * xhat * b_w[None, :] * sig * (1.0 + b_g * (1.0 - sig))
             tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m)
@@ -75,68 +96,99 @@ def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, R, D, GATED: tl.constexpr, 
     tl.store(dwp + i_p.to(tl.int64) * D + o_d, b_dw, mask=m_d)
 
 
-def _forward(x2, g2, weight, eps, out_dtype):
-    R, D = x2.shape
-    y = torch.empty(R, D, device=x2.device, dtype=out_dtype)
-    rstd = torch.empty(R, device=x2.device, dtype=torch.float32)
-    if R:
-        BR, BD, nw = norm_tiles(D)
-        _norm_fwd_kernel[(triton.cdiv(R, BR),)](x2, g2 if g2 is not None else x2, weight, y, rstd, R, D, eps,
-                                                GATED=g2 is not None, BR=BR, BD=BD, num_warps=nw)
-    return y, rstd
+@triton.jit
+def _add_norm_fwd_kernel(x, h, w, s, y, R, D, eps, BR: tl.constexpr, BD: tl.constexpr):
+    """s = x + h rounded to s's dtype (the residual stream); y = s · rstd · w from that rounded s,
+    the arithmetic of :func:`_norm_fwd_kernel` on it. All packed [R, D]."""
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m = (o_r < R)[:, None] & m_d[None, :]
+    offs = o_r[:, None] * D + o_d[None, :]
+    b_s = tl.load(x + offs, mask=m, other=0.0).to(tl.float32) + tl.load(h + offs, mask=m, other=0.0).to(tl.float32)
+    b_s = b_s.to(s.dtype.element_ty)
+    tl.store(s + offs, b_s, mask=m)
+    b_x = b_s.to(tl.float32)
+    b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, 1) / D + eps)
+    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    tl.store(y + offs, (b_x * b_rstd[:, None] * b_w[None, :]).to(y.dtype.element_ty), mask=m)
 
 
-def _backward(dy2, x2, g2, weight, rstd):
-    """(dx, dgate or None, dw in fp32) for rows x2 [R, D]."""
-    R, D = x2.shape
-    dx = torch.empty_like(x2)
-    dg = torch.empty_like(g2) if g2 is not None else None
+def _rows(x, g):
+    """The row layouts of x and the gate (None without one), copies made only for layouts the
+    kernels do not read (:func:`.rows.rows`)."""
+    return rows(x), (rows(g) if g is not None else None)
+
+
+def _forward(x, g, weight, eps, out_dtype):
+    """(y [..., D] packed in ``out_dtype``, rstd [R] fp32, x and g as the kernel read them) for x
+    [..., D] (gate ``g`` of x's shape or None) in any layout: what :func:`.rows.rows` does not take
+    is copied, and the tensors returned are the ones to save for :func:`_backward`."""
+    D = x.shape[-1]
+    R = x.numel() // D if D else 0
+    y = torch.empty(x.shape, device=x.device, dtype=out_dtype)
+    rstd = torch.empty(R, device=x.device, dtype=torch.float32)
     if not R:
-        return dx, dg, torch.zeros(D, device=x2.device, dtype=torch.float32)
+        return y, rstd, x, g
+    rx, rg = _rows(x, g)
+    gl = rg if rg is not None else rx
+    BR, BD, nw = norm_tiles(D)
+    _norm_fwd_kernel[(triton.cdiv(R, BR),)](rx.t, gl.t, weight, y, rstd, R, D, eps, *rx.args(), *gl.args(),
+                                            GATED=g is not None, STRIDED=strided(rx, rg), BR=BR, BD=BD,
+                                            num_warps=nw)
+    return y, rstd, rx.t, (rg.t if rg is not None else None)
+
+
+def _backward(dy, x, g, weight, rstd):
+    """(dx, dgate or None, both packed with x's shape, dw in fp32) for x [..., D] (and the gate) in
+    any layout :func:`.rows.rows` takes; dy of x's shape."""
+    D = x.shape[-1]
+    R = x.numel() // D if D else 0
+    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    dg = torch.empty(g.shape, device=g.device, dtype=g.dtype) if g is not None else None
+    if not R:
+        return dx, dg, torch.zeros(D, device=x.device, dtype=torch.float32)
+    rx, rg = _rows(x, g)
+    gl = rg if rg is not None else rx
+    dy = dy.contiguous()
     BR, BD, nw = norm_tiles(D)
     nblocks = triton.cdiv(R, BR)
     target = 4 if INTERPRET else OTHER["rmsnorm"]["programs"]  # programs wanted: a few per SM on the GPU
     nloop = min(64, triton.next_power_of_2(triton.cdiv(nblocks, target)))
     nprog = triton.cdiv(nblocks, nloop)
-    dwp = torch.empty(nprog, D, device=x2.device, dtype=torch.float32)
-    _norm_bwd_kernel[(nprog,)](x2, g2 if g2 is not None else x2, weight, rstd, dy2, dx, dg if dg is not None else dx,
-                               dwp, R, D, GATED=g2 is not None, BR=BR, BD=BD, NLOOP=nloop, num_warps=nw)
+    dwp = torch.empty(nprog, D, device=x.device, dtype=torch.float32)
+    _norm_bwd_kernel[(nprog,)](rx.t, gl.t, weight, rstd, dy, dx, dg if dg is not None else dx, dwp, R, D,
+                               *rx.args(), *gl.args(), GATED=g is not None, STRIDED=strided(rx, rg), BR=BR, BD=BD,
+                               NLOOP=nloop, num_warps=nw)
     return dx, dg, dwp.sum(0)
 
 
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps: float, out_dtype: torch.dtype):
-        D = x.shape[-1]
-        x2 = x.reshape(-1, D).contiguous()
-        y, rstd = _forward(x2, None, weight.contiguous(), eps, out_dtype)
-        ctx.save_for_backward(x2, weight, rstd)
-        ctx.shape = x.shape
-        return y.view(x.shape)
+        y, rstd, xs, _ = _forward(x, None, weight.contiguous(), eps, out_dtype)
+        ctx.save_for_backward(xs, weight, rstd)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
-        dx, _, dw = _backward(dy.reshape(x2.shape).contiguous(), x2, None, weight.contiguous(), rstd)
-        return dx.view(ctx.shape), dw.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None
+        x, weight, rstd = ctx.saved_tensors
+        dx, _, dw = _backward(dy, x, None, weight.contiguous(), rstd)
+        return dx, dw.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None
 
 
 class _GatedRMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, weight, eps: float):
-        D = x.shape[-1]
-        x2, g2 = x.reshape(-1, D).contiguous(), gate.reshape(-1, D).contiguous()
-        y, rstd = _forward(x2, g2, weight.contiguous(), eps, x.dtype)
-        ctx.save_for_backward(x2, g2, weight, rstd)
-        ctx.shape = x.shape
-        return y.view(x.shape)
+        y, rstd, xs, gs = _forward(x, gate, weight.contiguous(), eps, x.dtype)
+        ctx.save_for_backward(xs, gs, weight, rstd)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x2, g2, weight, rstd = ctx.saved_tensors
-        dx, dg, dw = _backward(dy.reshape(x2.shape).contiguous(), x2, g2, weight.contiguous(), rstd)
-        return (dx.view(ctx.shape), dg.view(ctx.shape), dw.to(weight.dtype) if ctx.needs_input_grad[2] else None,
-                None)
+        x, gate, weight, rstd = ctx.saved_tensors
+        dx, dg, dw = _backward(dy, x, gate, weight.contiguous(), rstd)
+        return dx, dg, dw.to(weight.dtype) if ctx.needs_input_grad[2] else None, None
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -164,3 +216,25 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if gate.shape != x.shape:
         raise ValueError(f"gate must have the shape of x {tuple(x.shape)}, got {tuple(gate.shape)}")
     return _GatedRMSNormFn.apply(x, gate, weight, float(eps))
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, y)``: the residual add ``s = x + h`` (in x's dtype, as PyTorch rounds it) and
+    ``y = s · rstd · weight`` (:func:`rms_norm` of that s, in ``out_dtype``, x's dtype when None), in
+    one launch. x, h: [..., D] of one shape and dtype (copied when not contiguous); weight: [D].
+    Inference only (no autograd)."""
+    _check(x, weight)
+    if h.shape != x.shape or h.dtype != x.dtype:
+        raise ValueError(f"h must have the shape and dtype of x ({tuple(x.shape)}, {x.dtype}), got "
+                         f"{tuple(h.shape)}, {h.dtype}")
+    x, h = x.contiguous(), h.contiguous()
+    D = x.shape[-1]
+    R = x.numel() // D
+    s = torch.empty_like(x)
+    y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype)
+    if R:
+        BR, BD, nw = norm_tiles(D)
+        _add_norm_fwd_kernel[(triton.cdiv(R, BR),)](x, h, weight.contiguous(), s, y, R, D, float(eps), BR=BR, BD=BD,
+                                                    num_warps=nw)
+    return s, y

@@ -240,3 +240,61 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, hist: torch.Tensor | None 
     if T < 1:
         raise ValueError(f"x must hold at least one token (T ≥ 1), got shape {tuple(x.shape)}")
     return _ShortConvFn.apply(x.contiguous(), weight.contiguous(), hist, pos, activation == "silu")
+
+
+# ---- one decode step, tails rolled in place -----------------------------------------------------
+
+@triton.jit(do_not_specialize=["s_xb"])
+def _conv_step_kernel(x, w, bias, tails, y, s_xb, D, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      SILU: tl.constexpr, BD: tl.constexpr):
+    """Grid ``(B, cdiv(D, BD))``: BD channels of row b. x[b, d] at ``x + b·s_xb + d`` (a column slice
+    of a wider product is read in place); tails [B, D, K-1] contiguous, the K-1 inputs before x,
+    rolled by one in place (each program reads and writes only its own channels); y [B, D] packed.
+    The taps are summed oldest first in fp32, the order of :func:`gdn.ops.conv.conv_step_`."""
+    i_b = tl.program_id(0).to(tl.int64)
+    o_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    p_t = tails + (i_b * D + o_d) * (K - 1)
+    b_x = tl.load(x + i_b * s_xb + o_d, mask=m_d, other=0.0)
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for j in tl.static_range(K - 1):
+        # the history is taken in x's dtype (as the PyTorch step concatenates it with x)
+        b_t = tl.load(p_t + j, mask=m_d, other=0.0).to(b_x.dtype)
+        acc += b_t.to(tl.float32) * _tap_weight(w, x, o_d, m_d, K - 1 - j, K)
+        if j > 0:
+            tl.store(p_t + (j - 1), b_t.to(tails.dtype.element_ty), mask=m_d)
+    acc += b_x.to(tl.float32) * _tap_weight(w, x, o_d, m_d, 0, K)
+    if K > 1:
+        tl.store(p_t + (K - 2), b_x.to(tails.dtype.element_ty), mask=m_d)
+    if HAS_BIAS:
+        acc += tl.load(bias + o_d, mask=m_d, other=0.0).to(x.dtype.element_ty).to(tl.float32)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(y + i_b * D + o_d, acc.to(y.dtype.element_ty), mask=m_d)
+
+
+def conv_step_(x: torch.Tensor, weight: torch.Tensor, tails: torch.Tensor, activation: str | None = "silu",
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row in one launch: x [B, 1, D] (any strides; read in place when its last dim
+    is contiguous) after the inputs ``tails`` [B, D, K-1] (contiguous; rolled in place to the last
+    K-1 inputs, x included); weight [D, K]; bias [D] or None. Returns y [B, 1, D] packed in x.dtype:
+    ``act(Σ_j w[:, j]·xp[:, j] + bias)`` over ``xp = [tails, x]`` with the weight and bias rounded
+    to x's dtype, the sum and the activation in fp32, y rounded once. Inference only (no autograd)."""
+    B, T, D = x.shape
+    K = weight.shape[1]
+    if T != 1 or tuple(weight.shape) != (D, K) or tuple(tails.shape) != (B, D, K - 1):
+        raise ValueError(f"conv_step_ takes x [B, 1, D], weight [D, K], tails [B, D, K-1], got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}, tails {tuple(tails.shape)}")
+    if not tails.is_contiguous():
+        raise ValueError(f"tails must be contiguous (it is updated in place), got strides {tails.stride()}")
+    if x.stride(-1) != 1 and D > 1:
+        x = x.contiguous()
+    y = torch.empty(B, 1, D, device=x.device, dtype=x.dtype)
+    if not B or not D:
+        return y
+    c = OTHER["conv_step"]
+    BD = min(1024 if INTERPRET else c["BD"], triton.next_power_of_2(D))
+    _conv_step_kernel[(B, triton.cdiv(D, BD))](x, weight.contiguous(), bias if bias is not None else weight, tails, y,
+                                               x.stride(0), D, K=K, HAS_BIAS=bias is not None,
+                                               SILU=activation == "silu", BD=BD, num_warps=c["num_warps"])
+    return y

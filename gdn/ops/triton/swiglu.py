@@ -6,6 +6,9 @@ read their inputs once and write their outputs once, computing in fp32.
 
     h = swiglu_forward(gate, up)                  # gate, up: same shape and dtype -> h in that dtype
     dgate, dup = swiglu_backward(dh, gate, up)    # d/dgate = dh·up·σ(g)(1 + g(1 − σ(g))), d/dup = dh·SiLU(g)
+
+gate and up are read in place when their rows are strided views with a contiguous last dim (the
+decode step's gate and up are column slices of one product; :mod:`.rows`); outputs are packed.
 """
 from __future__ import annotations
 
@@ -14,58 +17,96 @@ import triton
 import triton.language as tl
 
 from ..tuning import OTHER
-
+from .rows import row_start, rows, strided
 
 
 @triton.jit
-def _swiglu_fwd_kernel(g, u, h, n, BLOCK: tl.constexpr):
+def _element_offsets(offs, I, inner, s_outer, s_inner):
+    """Element offsets of the flat (row-major) indices ``offs`` of a [R, I] operand in a
+    :mod:`.rows` layout."""
+    r = offs // I
+    return row_start(r, inner, s_outer, s_inner) + (offs - r * I)
+
+
+@triton.jit(do_not_specialize=["g_inner", "g_so", "g_si", "u_inner", "u_so", "u_si"])
+def _swiglu_fwd_kernel(g, u, h, n, I, g_inner, g_so, g_si, u_inner, u_so, u_si, STRIDED: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """h (packed) = SiLU(g) · u over n = R·I elements; g and u in their row layouts (packed unless
+    STRIDED)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    b_g = tl.load(g + offs, mask=m, other=0.0).to(tl.float32)
-    b_u = tl.load(u + offs, mask=m, other=0.0).to(tl.float32)
+    if STRIDED:
+        offs_g = _element_offsets(offs, I, g_inner, g_so, g_si)
+        offs_u = _element_offsets(offs, I, u_inner, u_so, u_si)
+    else:
+        offs_g = offs
+        offs_u = offs
+    b_g = tl.load(g + offs_g, mask=m, other=0.0).to(tl.float32)
+    b_u = tl.load(u + offs_u, mask=m, other=0.0).to(tl.float32)
     b_h = b_g * tl.sigmoid(b_g) * b_u
     tl.store(h + offs, b_h.to(h.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def _swiglu_bwd_kernel(dh, g, u, dg, du, n, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["g_inner", "g_so", "g_si", "u_inner", "u_so", "u_si"])
+def _swiglu_bwd_kernel(dh, g, u, dg, du, n, I, g_inner, g_so, g_si, u_inner, u_so, u_si, STRIDED: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """dg, du (packed) from dh (packed), g and u in their row layouts (packed unless STRIDED)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
+    if STRIDED:
+        offs_g = _element_offsets(offs, I, g_inner, g_so, g_si)
+        offs_u = _element_offsets(offs, I, u_inner, u_so, u_si)
+    else:
+        offs_g = offs
+        offs_u = offs
     b_dh = tl.load(dh + offs, mask=m, other=0.0).to(tl.float32)
-    b_g = tl.load(g + offs, mask=m, other=0.0).to(tl.float32)
-    b_u = tl.load(u + offs, mask=m, other=0.0).to(tl.float32)
+    b_g = tl.load(g + offs_g, mask=m, other=0.0).to(tl.float32)
+    b_u = tl.load(u + offs_u, mask=m, other=0.0).to(tl.float32)
     sig = tl.sigmoid(b_g)
     tl.store(dg + offs, (b_dh * b_u * sig * (1.0 + b_g * (1.0 - sig))).to(dg.dtype.element_ty), mask=m)
     tl.store(du + offs, (b_dh * b_g * sig).to(du.dtype.element_ty), mask=m)
 
 
-def _check(name: str, ref: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _check(name: str, ref: torch.Tensor, x: torch.Tensor) -> None:
     if x.shape != ref.shape or x.dtype != ref.dtype or x.device != ref.device:
         raise ValueError(f"{name} must match gate in shape, dtype and device ({tuple(ref.shape)}, {ref.dtype}, "
                          f"{ref.device}), got {tuple(x.shape)}, {x.dtype}, {x.device}")
-    return x.contiguous()
+
+
+def _operands(gate: torch.Tensor, up: torch.Tensor):
+    """(rows of gate, rows of up, I): gate and up as [R, I] rows (:func:`.rows.rows`); a 0-d
+    operand is one row of one element."""
+    gate, up = (gate.reshape(1) if gate.dim() == 0 else gate), (up.reshape(1) if up.dim() == 0 else up)
+    return rows(gate), rows(up), gate.shape[-1]
 
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) · up, in gate's dtype (fp32 math). gate, up: any shape, same dtype and device."""
-    gate = gate.contiguous()
-    up = _check("up", gate, up)
-    h = torch.empty_like(gate)
+    """SiLU(gate) · up, in gate's dtype (fp32 math), packed. gate, up: any shape, same dtype and device;
+    read in place when their rows are strided with a contiguous last dim (:mod:`.rows`)."""
+    _check("up", gate, up)
+    h = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
     n = gate.numel()
     if n:
+        rg, ru, I = _operands(gate, up)
         c = OTHER["swiglu"]
-        _swiglu_fwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](gate, up, h, n, BLOCK=c["BLOCK"], num_warps=c["num_warps"])
+        _swiglu_fwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](rg.t, ru.t, h, n, I, *rg.args(), *ru.args(),
+                                                          STRIDED=strided(rg, ru), BLOCK=c["BLOCK"],
+                                                          num_warps=c["num_warps"])
     return h
 
 
 def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dgate, dup) of h = SiLU(gate) · up given dh; all of one shape, dtype and device."""
-    gate = gate.contiguous()
-    up, dh = _check("up", gate, up), _check("dh", gate, dh)
-    dg, du = torch.empty_like(gate), torch.empty_like(gate)
+    """(dgate, dup), packed, of h = SiLU(gate) · up given dh; all of one shape, dtype and device
+    (gate and up read in place as in :func:`swiglu_forward`)."""
+    _check("up", gate, up)
+    _check("dh", gate, dh)
+    dg = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    du = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
     n = gate.numel()
     if n:
+        rg, ru, I = _operands(gate, up)
         c = OTHER["swiglu"]
-        _swiglu_bwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](dh, gate, up, dg, du, n, BLOCK=c["BLOCK"],
+        _swiglu_bwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](dh.contiguous(), rg.t, ru.t, dg, du, n, I, *rg.args(),
+                                                          *ru.args(), STRIDED=strided(rg, ru), BLOCK=c["BLOCK"],
                                                           num_warps=c["num_warps"])
     return dg, du

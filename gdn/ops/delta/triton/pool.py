@@ -15,6 +15,10 @@ A serving engine keeps the recurrent states of all live requests in one prealloc
   writes exactly that into the pool on the device, for every sequence at once (``m = 0`` keeps
   the slot as it was). Rolling back rejected tokens is therefore free: nothing was written.
 - :class:`DecodeGraph` captures one pool decode step for a fixed batch in a CUDA graph and replays it.
+- :func:`fused_recurrent_step_` is the pool whose slot n is row n (no slot indices): a batch of
+  states ``[N, HV, K, V]`` updated in place, what a model's fixed-shape decode step runs;
+  :func:`fused_gated_delta_rule_step_` is the same from the Gated DeltaNet layer's raw inputs
+  (L2 norms, gate and β inside the kernel).
 
 Every launcher here is free of host synchronisation and of data-dependent allocation, so it can
 be captured in a CUDA graph. What the device values are NOT checked for (it would need a sync):
@@ -42,6 +46,8 @@ from .recurrent import (
 
 __all__ = [
     "fused_recurrent_gated_delta_rule_pool",
+    "fused_recurrent_step_",
+    "fused_gated_delta_rule_step_",
     "fused_recurrent_gated_delta_rule_spec",
     "commit_spec_states",
     "check_slot_indices",
@@ -127,6 +133,61 @@ def fused_recurrent_gated_delta_rule_pool(q, k, v, g, beta, *, state_pool, slot_
     launch(contiguous_last(q), contiguous_last(k), contiguous_last(v), g, beta, o, state_pool, state_pool,
            scale=scale, slots=slot_indices, pool_size=P, cu_seqlens=offsets_on(cu_seqlens, q.device),
            store_ht=True, use_qk_l2norm=use_qk_l2norm, num_sequences=N)
+    return o
+
+
+def fused_recurrent_step_(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, out=None):
+    """One step of every row on its own state, updated in place: ``state[n]`` is row n's state before
+    the call and is overwritten with its state after it. Each program reads its slice of the state
+    once and writes the same slice once, so nothing else is allocated or copied.
+
+    Args:
+        q, k: [N, T, H, K]; v: [N, T, HV, V]; g, beta: [N, T, HV] or None (as in
+            :func:`gdn.ops.delta.triton.recurrent.fused_recurrent_gated_delta_rule`).
+        state: [N, HV, K, V] float32, contiguous.
+        scale, use_qk_l2norm, out: as in :func:`fused_recurrent_gated_delta_rule_pool`.
+
+    Returns:
+        o [N, T, HV, V] in v.dtype.
+    """
+    B, T, H, HV, K, V, N = check_kernel_inputs(q, k, v, g, beta, scale, None)
+    check_no_grad("fused_recurrent_step_", q=q, k=k, v=v, g=g, beta=beta)
+    if _check_pool(state, HV, K, V, q.device, "state") != N:
+        raise ValueError(f"state must have shape [N, HV, K, V] = [{N}, {HV}, {K}, {V}], got {shape_str(state)}")
+    o = _check_out(out, B, T, HV, V, v.dtype, v.device)
+    scale = K ** -0.5 if scale is None else scale
+    launch(contiguous_last(q), contiguous_last(k), contiguous_last(v), g, beta, o, state, state, scale=scale,
+           store_ht=True, use_qk_l2norm=use_qk_l2norm, num_sequences=N)
+    return o
+
+
+def fused_gated_delta_rule_step_(q, k, v, a, b, A_log, dt_bias, state, *, scale=None, use_qk_l2norm=True,
+                                 allow_neg_eigval=False, out=None):
+    """:func:`fused_recurrent_step_` of the Gated DeltaNet layer from its raw inputs, in one launch:
+    the kernel L2-normalises q and k (``use_qk_l2norm``) and computes
+    ``g = −exp(A_log)·softplus(a + dt_bias)`` and ``β = sigmoid(b)`` (2·sigmoid with
+    ``allow_neg_eigval``) itself, the arithmetic of the prologue kernels
+    (:mod:`gdn.ops.delta.triton.prologue`), so no prologue launch and no rounding of q̂, k̂ to
+    q's dtype in between (the only difference from prologue + step: in half precision q̂, k̂ keep
+    fp32).
+
+    Args:
+        q, k: [N, 1, H, K]; v: [N, 1, HV, V]; a, b: [N, 1, HV] (any strides with a unit last
+            stride: the decode step's column slices are read in place); A_log, dt_bias: [HV].
+        state: [N, HV, K, V] float32, contiguous, updated in place.
+
+    Returns:
+        o [N, 1, HV, V] in v.dtype.
+    """
+    B, T, H, HV, K, V, N = check_kernel_inputs(q, k, v, a, b, scale, None)
+    check_no_grad("fused_gated_delta_rule_step_", q=q, k=k, v=v, a=a, b=b)
+    if _check_pool(state, HV, K, V, q.device, "state") != N:
+        raise ValueError(f"state must have shape [N, HV, K, V] = [{N}, {HV}, {K}, {V}], got {shape_str(state)}")
+    o = _check_out(out, B, T, HV, V, v.dtype, v.device)
+    scale = K ** -0.5 if scale is None else scale
+    launch(contiguous_last(q), contiguous_last(k), contiguous_last(v), contiguous_last(a), contiguous_last(b), o,
+           state, state, scale=scale, store_ht=True, use_qk_l2norm=use_qk_l2norm, num_sequences=N,
+           raw_gate=(A_log.contiguous(), dt_bias.contiguous()), neg_eigval=allow_neg_eigval)
     return o
 
 

@@ -9,6 +9,10 @@ The layer's raw inputs go in once; what the chunk kernels need comes out once::
 each with its backward (dq, dk through the norm; da, db, dA_log, ddt_bias), as autograd
 Functions; :func:`prologue` applies them. :func:`gdn.ops.gated_delta_rule_fused` chains them with
 the kernels the router picks.
+
+q, k, a and b are read in place when their rows are strided views with a contiguous last dim (the
+decode step's projections are column slices of one product; :mod:`gdn.ops.triton.rows`); the
+outputs are packed.
 """
 from __future__ import annotations
 
@@ -18,60 +22,93 @@ import triton.language as tl
 
 from ...gates import L2NORM_EPS
 from ...tuning import OTHER, pow2
+from ...triton.rows import row_start, rows, strided
 
 
-@triton.jit
-def l2norm_fwd_kernel(x, y, r, n_rows, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, eps):
-    """y = x · rsqrt(Σx² + eps) over the last dim; r = that rsqrt (fp32), for BR rows."""
-    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
-    o_d = tl.arange(0, BD)
-    m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
-    b_x = tl.load(x + o_r[:, None].to(tl.int64) * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    b_r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + eps)
-    tl.store(y + o_r[:, None].to(tl.int64) * D + o_d[None, :], (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
-    tl.store(r + o_r, b_r, mask=o_r < n_rows)
-
-
-@triton.jit
-def l2norm_bwd_kernel(x, r, dy, dx, n_rows, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
-    """dx = r (dy − ŷ (ŷ·dy)) with ŷ = x r (exact with eps: dr/dx = −r³ x)."""
+@triton.jit(do_not_specialize=["inner", "s_outer", "s_inner"])
+def l2norm_fwd_kernel(x, y, r, n_rows, inner, s_outer, s_inner, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+                      eps, STRIDED: tl.constexpr):
+    """y = x · rsqrt(Σx² + eps) over the last dim; r = that rsqrt (fp32), for BR rows. x in its row
+    layout (packed unless STRIDED); y packed."""
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
     p = o_r[:, None].to(tl.int64) * D + o_d[None, :]
+    if STRIDED:
+        p_x = row_start(o_r, inner, s_outer, s_inner)[:, None] + o_d[None, :]
+    else:
+        p_x = p
+    b_x = tl.load(x + p_x, mask=m, other=0.0).to(tl.float32)
+    b_r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + eps)
+    tl.store(y + p, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
+    tl.store(r + o_r, b_r, mask=o_r < n_rows)
+
+
+@triton.jit(do_not_specialize=["inner", "s_outer", "s_inner"])
+def l2norm_bwd_kernel(x, r, dy, dx, n_rows, inner, s_outer, s_inner, D: tl.constexpr, BD: tl.constexpr,
+                      BR: tl.constexpr, STRIDED: tl.constexpr):
+    """dx = r (dy − ŷ (ŷ·dy)) with ŷ = x r (exact with eps: dr/dx = −r³ x). x in its row layout
+    (packed unless STRIDED); dy, dx packed."""
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
+    p = o_r[:, None].to(tl.int64) * D + o_d[None, :]
+    if STRIDED:
+        p_x = row_start(o_r, inner, s_outer, s_inner)[:, None] + o_d[None, :]
+    else:
+        p_x = p
     b_r = tl.load(r + o_r, mask=o_r < n_rows, other=0.0)
-    b_y = tl.load(x + p, mask=m, other=0.0).to(tl.float32) * b_r[:, None]
+    b_y = tl.load(x + p_x, mask=m, other=0.0).to(tl.float32) * b_r[:, None]
     b_dy = tl.load(dy + p, mask=m, other=0.0).to(tl.float32)
     b_dx = b_r[:, None] * (b_dy - b_y * tl.sum(b_y * b_dy, axis=1)[:, None])
     tl.store(dx + p, b_dx.to(dx.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def gate_fwd_kernel(a, b, A_log, dt_bias, g, beta, n, HV, BLOCK: tl.constexpr, NEG: tl.constexpr):
-    """g = −exp(A_log[h]) softplus(a + dt_bias[h]); β = (1 or 2)·sigmoid(b); h = index mod HV."""
+def _gate_offsets(o, h, HV, inner, s_outer, s_inner, STRIDED: tl.constexpr):
+    """Element offsets of the flat indices ``o`` (head ``h = o % HV``) of a [R, HV] operand in its row
+    layout (``o`` itself unless STRIDED)."""
+    if STRIDED:
+        p = row_start(o // HV, inner, s_outer, s_inner) + h
+    else:
+        p = o
+    return p
+
+
+@triton.jit(do_not_specialize=["a_inner", "a_so", "a_si", "b_inner", "b_so", "b_si"])
+def gate_fwd_kernel(a, b, A_log, dt_bias, g, beta, n, HV, a_inner, a_so, a_si, b_inner, b_so, b_si,
+                    BLOCK: tl.constexpr, NEG: tl.constexpr, STRIDED: tl.constexpr):
+    """g = −exp(A_log[h]) softplus(a + dt_bias[h]); β = (1 or 2)·sigmoid(b); h = index mod HV. a and
+    b in their row layouts (packed unless STRIDED); g, β packed."""
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < n
     h = o % HV
-    b_x = tl.load(a + o, mask=m, other=0.0).to(tl.float32) + tl.load(dt_bias + h, mask=m, other=0.0).to(tl.float32)
+    p_a = _gate_offsets(o, h, HV, a_inner, a_so, a_si, STRIDED)
+    p_b = _gate_offsets(o, h, HV, b_inner, b_so, b_si, STRIDED)
+    b_x = tl.load(a + p_a, mask=m, other=0.0).to(tl.float32) + tl.load(dt_bias + h, mask=m, other=0.0).to(tl.float32)
     sp = tl.where(b_x > 20.0, b_x, tl.log(1.0 + tl.exp(tl.minimum(b_x, 20.0))))
     b_g = -tl.exp(tl.load(A_log + h, mask=m, other=0.0).to(tl.float32)) * sp
-    b_s = tl.sigmoid(tl.load(b + o, mask=m, other=0.0).to(tl.float32))
+    b_s = tl.sigmoid(tl.load(b + p_b, mask=m, other=0.0).to(tl.float32))
     if NEG:
         b_s = 2.0 * b_s
     tl.store(g + o, b_g, mask=m)
     tl.store(beta + o, b_s, mask=m)
 
 
-@triton.jit
-def gate_bwd_kernel(a, b, A_log, dt_bias, g, dg, dbeta, da, db, dgg, n, HV, BLOCK: tl.constexpr, NEG: tl.constexpr):
-    """da = dg·(−exp(A_log))·sigmoid(a + dt_bias); db = dβ·c·σ(b)(1 − σ(b)); dgg = dg·g (→ dA_log)."""
+@triton.jit(do_not_specialize=["a_inner", "a_so", "a_si", "b_inner", "b_so", "b_si"])
+def gate_bwd_kernel(a, b, A_log, dt_bias, g, dg, dbeta, da, db, dgg, n, HV, a_inner, a_so, a_si, b_inner, b_so, b_si,
+                    BLOCK: tl.constexpr, NEG: tl.constexpr, STRIDED: tl.constexpr):
+    """da = dg·(−exp(A_log))·sigmoid(a + dt_bias); db = dβ·c·σ(b)(1 − σ(b)); dgg = dg·g (→ dA_log).
+    a and b in their row layouts (packed unless STRIDED); everything else packed."""
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < n
     h = o % HV
-    b_x = tl.load(a + o, mask=m, other=0.0).to(tl.float32) + tl.load(dt_bias + h, mask=m, other=0.0).to(tl.float32)
+    p_a = _gate_offsets(o, h, HV, a_inner, a_so, a_si, STRIDED)
+    p_b = _gate_offsets(o, h, HV, b_inner, b_so, b_si, STRIDED)
+    b_x = tl.load(a + p_a, mask=m, other=0.0).to(tl.float32) + tl.load(dt_bias + h, mask=m, other=0.0).to(tl.float32)
     b_dg = tl.load(dg + o, mask=m, other=0.0).to(tl.float32)
     b_da = -b_dg * tl.exp(tl.load(A_log + h, mask=m, other=0.0).to(tl.float32)) * tl.sigmoid(b_x)
-    b_sb = tl.sigmoid(tl.load(b + o, mask=m, other=0.0).to(tl.float32))
+    b_sb = tl.sigmoid(tl.load(b + p_b, mask=m, other=0.0).to(tl.float32))
     b_db = tl.load(dbeta + o, mask=m, other=0.0).to(tl.float32) * b_sb * (1.0 - b_sb)
     if NEG:
         b_db = 2.0 * b_db
@@ -81,63 +118,76 @@ def gate_bwd_kernel(a, b, A_log, dt_bias, g, dg, dbeta, da, db, dgg, n, HV, BLOC
 
 
 class L2Norm(torch.autograd.Function):
-    """x̂ = x · rsqrt(Σ x² + eps) over the last dim, in x.dtype (computed in fp32). x: [..., D]."""
+    """x̂ = x · rsqrt(Σ x² + eps) over the last dim, in x.dtype (computed in fp32), packed. x: [..., D],
+    read in place when its rows are strided with a contiguous last dim (:mod:`gdn.ops.triton.rows`)."""
 
     @staticmethod
     def forward(ctx, x, eps: float):
         D = x.shape[-1]
-        xc = x.contiguous()
-        n = xc.numel() // D
-        y = torch.empty_like(xc)
+        rx = rows(x)
+        n = x.numel() // D
+        y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
         r = torch.empty(n, device=x.device, dtype=torch.float32)
         c = OTHER["l2norm"]
-        l2norm_fwd_kernel[(triton.cdiv(n, c["BR"]),)](xc, y, r, n, D=D, BD=pow2(D, 1), BR=c["BR"], eps=eps,
-                                                       num_warps=c["num_warps"])
-        ctx.save_for_backward(xc, r)
+        if n:
+            l2norm_fwd_kernel[(triton.cdiv(n, c["BR"]),)](rx.t, y, r, n, *rx.args(), D=D, BD=pow2(D, 1), BR=c["BR"],
+                                                           eps=eps, STRIDED=rx.strided, num_warps=c["num_warps"])
+        ctx.save_for_backward(rx.t, r)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xc, r = ctx.saved_tensors
-        D = xc.shape[-1]
-        n = xc.numel() // D
-        dx = torch.empty_like(xc)
+        xs, r = ctx.saved_tensors
+        D = xs.shape[-1]
+        n = xs.numel() // D
+        rx = rows(xs)
+        dx = torch.empty(xs.shape, device=xs.device, dtype=xs.dtype)
         c = OTHER["l2norm"]
-        l2norm_bwd_kernel[(triton.cdiv(n, c["BR"]),)](xc, r, dy.contiguous(), dx, n, D=D, BD=pow2(D, 1), BR=c["BR"],
-                                                       num_warps=c["num_warps"])
+        if n:
+            l2norm_bwd_kernel[(triton.cdiv(n, c["BR"]),)](rx.t, r, dy.contiguous(), dx, n, *rx.args(), D=D,
+                                                           BD=pow2(D, 1), BR=c["BR"], STRIDED=rx.strided,
+                                                           num_warps=c["num_warps"])
         return dx, None
 
 
 class Gate(torch.autograd.Function):
-    """(g, β) from the raw a, b [B, T, HV] and the per-head A_log, dt_bias [HV]; both fp32."""
+    """(g, β) from the raw a, b [B, T, HV] and the per-head A_log, dt_bias [HV]; both fp32, packed. a
+    and b are read in place when their rows are strided with a contiguous last dim
+    (:mod:`gdn.ops.triton.rows`)."""
 
     @staticmethod
     def forward(ctx, a, b, A_log, dt_bias, neg: bool):
-        ac, bc = a.contiguous(), b.contiguous()
+        ra, rb = rows(a), rows(b)
         HV = a.shape[-1]
-        n = ac.numel()
+        n = a.numel()
         g = torch.empty(a.shape, device=a.device, dtype=torch.float32)
         beta = torch.empty(a.shape, device=a.device, dtype=torch.float32)
         c = OTHER["gate"]
-        gate_fwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](ac, bc, A_log.contiguous(), dt_bias.contiguous(), g, beta, n,
-                                                       HV, BLOCK=c["BLOCK"], NEG=neg, num_warps=c["num_warps"])
-        ctx.save_for_backward(ac, bc, A_log, dt_bias, g)
+        if n:
+            gate_fwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](ra.t, rb.t, A_log.contiguous(), dt_bias.contiguous(), g,
+                                                           beta, n, HV, *ra.args(), *rb.args(), BLOCK=c["BLOCK"],
+                                                           NEG=neg, STRIDED=strided(ra, rb), num_warps=c["num_warps"])
+        ctx.save_for_backward(ra.t, rb.t, A_log, dt_bias, g)
         ctx.neg = neg
         return g, beta
 
     @staticmethod
     def backward(ctx, dg, dbeta):
-        ac, bc, A_log, dt_bias, g = ctx.saved_tensors
-        HV = ac.shape[-1]
-        n = ac.numel()
+        a, b, A_log, dt_bias, g = ctx.saved_tensors
+        ra, rb = rows(a), rows(b)
+        HV = a.shape[-1]
+        n = a.numel()
         dg = torch.zeros_like(g) if dg is None else dg.contiguous()
         dbeta = torch.zeros_like(g) if dbeta is None else dbeta.contiguous()
-        da, db = torch.empty_like(ac), torch.empty_like(bc)
+        da = torch.empty(a.shape, device=a.device, dtype=a.dtype)
+        db = torch.empty(b.shape, device=b.device, dtype=b.dtype)
         dgg = torch.empty_like(g)
         c = OTHER["gate"]
-        gate_bwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](ac, bc, A_log.contiguous(), dt_bias.contiguous(), g, dg,
-                                                       dbeta, da, db, dgg, n, HV, BLOCK=c["BLOCK"], NEG=ctx.neg,
-                                                       num_warps=c["num_warps"])
+        if n:
+            gate_bwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](ra.t, rb.t, A_log.contiguous(), dt_bias.contiguous(), g,
+                                                           dg, dbeta, da, db, dgg, n, HV, *ra.args(), *rb.args(),
+                                                           BLOCK=c["BLOCK"], NEG=ctx.neg, STRIDED=strided(ra, rb),
+                                                           num_warps=c["num_warps"])
         # d dt_bias = Σ da over tokens; d A_log = Σ dg · g (g is linear in exp(A_log)).
         dA_log = dgg.view(-1, HV).sum(0).to(A_log.dtype)
         ddt = da.float().view(-1, HV).sum(0).to(dt_bias.dtype)

@@ -43,7 +43,7 @@ _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 @triton.jit
 def _fused_recurrent_fwd_kernel(
-    q, k, v, g, beta, o, h0, ht, slots, cu_seqlens,
+    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, slots, cu_seqlens,
     scale, T, P,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
     s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
@@ -51,7 +51,7 @@ def _fused_recurrent_fwd_kernel(
     BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_BETA: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
     USE_SLOTS: tl.constexpr, STORE_ALL: tl.constexpr, IS_VARLEN: tl.constexpr, USE_L2NORM: tl.constexpr,
-    EPS: tl.constexpr,
+    EPS: tl.constexpr, RAW_GATE: tl.constexpr, NEG_EIGVAL: tl.constexpr,
 ):
     """Grid ``(N * HV, cdiv(V, BV))``.
 
@@ -59,6 +59,10 @@ def _fused_recurrent_fwd_kernel(
     ``h0[slots[n]]``, out to ``ht[slots[n]]`` (ht is h0 for in-place); a slot outside ``[0, P)`` is
     padding: its state is neither read nor written and its outputs are zeros. STORE_ALL: the
     state after every token goes to ``ht[token]``, ``ht`` laid out ``[B * T, HV, K, V]`` like the tokens.
+    RAW_GATE: ``g`` and ``beta`` hold the raw pre-activations a and b of the Gated DeltaNet layer,
+    turned here into ``g = −exp(A_log[h]) softplus(a + dt_bias[h])`` and ``β = (1 or 2)·sigmoid(b)``
+    with the arithmetic of :func:`gdn.ops.delta.triton.prologue.gate_fwd_kernel` (so the same
+    values), which saves that kernel's launch.
     """
     i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
@@ -93,6 +97,10 @@ def _fused_recurrent_fwd_kernel(
         row = i_n
         m_state = m_h
     p_state = (row * HV + i_hv) * K * V + o_h
+
+    if RAW_GATE:
+        c_decay = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        c_bias = tl.load(dt_bias + i_hv).to(tl.float32)
 
     if USE_H0:
         b_h = tl.load(h0 + p_state, mask=m_state, other=0.0).to(tl.float32)
@@ -147,13 +155,22 @@ def _fused_recurrent_fwd_kernel(
         if USE_BETA:
             b_sk = tl_sum(b_h * c_k[:, None], 0)
         if USE_G:
-            decay = tl.exp(b_g.to(tl.float32))
+            c_g = b_g.to(tl.float32)
+            if RAW_GATE:
+                c_x = c_g + c_bias
+                c_g = c_decay * tl.where(c_x > 20.0, c_x, tl.log(1.0 + tl.exp(tl.minimum(c_x, 20.0))))
+            decay = tl.exp(c_g)
             b_h = b_h * decay
             b_sq = b_sq * decay
             if USE_BETA:
                 b_sk = b_sk * decay
         if USE_BETA:
-            b_u = b_beta.to(tl.float32) * (c_v - b_sk)
+            c_beta = b_beta.to(tl.float32)
+            if RAW_GATE:
+                c_beta = tl.sigmoid(c_beta)
+                if NEG_EIGVAL:
+                    c_beta = 2.0 * c_beta
+            b_u = c_beta * (c_v - b_sk)
         else:
             b_u = c_v
         b_h = b_h + c_k[:, None] * b_u[None, :]
@@ -179,14 +196,16 @@ def _fused_recurrent_fwd_kernel(
 
 
 def launch(q, k, v, g, beta, o, h0, ht, *, scale, slots=None, pool_size=0, cu_seqlens=None, store_ht=False,
-           store_all=False, use_qk_l2norm=False, num_sequences, tiles=None):
+           store_all=False, use_qk_l2norm=False, num_sequences, tiles=None, raw_gate=None, neg_eigval=False):
     """Launch the kernel on validated arguments (no checks here).
 
     q, k: [B, T, H, K] (last dim contiguous); v: [B, T, HV, V] (last dim contiguous); g, beta:
     [B, T, HV] or None; o: [B, T, HV, V] contiguous, written; h0: state source (``[N, HV, K, V]``, or
     the pool ``[P, HV, K, V]`` when ``slots`` is given) or None for zeros; ht: state destination
     (``[N, HV, K, V]``, the pool, or ``[B, T, HV, K, V]`` when ``store_all``) or None. ``tiles``
-    overrides ``(BV, num_warps)`` (benchmarks).
+    overrides ``(BV, num_warps)`` (benchmarks). ``raw_gate``: ``(A_log, dt_bias)`` [HV] each when g
+    and beta are the raw a and b of the Gated DeltaNet layer (the kernel computes the gate and β,
+    ``neg_eigval``: β = 2·sigmoid); g, beta, q, k, v may be any strided views with a unit last stride.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -198,7 +217,8 @@ def launch(q, k, v, g, beta, o, h0, ht, *, scale, slots=None, pool_size=0, cu_se
     gs = g.stride() if g is not None else (0, 0, 0)
     bs = beta.stride() if beta is not None else (0, 0, 0)
     _fused_recurrent_fwd_kernel[grid](
-        q, k, v, dummy if g is None else g, dummy if beta is None else beta, o,
+        q, k, v, dummy if g is None else g, dummy if beta is None else beta,
+        dummy if raw_gate is None else raw_gate[0], dummy if raw_gate is None else raw_gate[1], o,
         dummy if h0 is None else h0, dummy if ht is None else ht,
         dummy if slots is None else slots, dummy if cu_seqlens is None else cu_seqlens,
         float(scale), T, pool_size,
@@ -207,7 +227,7 @@ def launch(q, k, v, g, beta, o, h0, ht, *, scale, slots=None, pool_size=0, cu_se
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         USE_G=g is not None, USE_BETA=beta is not None, USE_H0=h0 is not None, STORE_HT=store_ht,
         USE_SLOTS=slots is not None, STORE_ALL=store_all, IS_VARLEN=cu_seqlens is not None,
-        USE_L2NORM=use_qk_l2norm, EPS=L2NORM_EPS,
+        USE_L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, RAW_GATE=raw_gate is not None, NEG_EIGVAL=bool(neg_eigval),
         num_warps=num_warps, num_stages=1,
     )
 

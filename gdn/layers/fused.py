@@ -1,0 +1,82 @@
+"""Weights of several layers concatenated, so that one kernel serves them all (the decode step).
+
+A decode step multiplies a few rows by every projection of a layer; each product is one small GEMM
+whose cost is its launch, not its arithmetic. :class:`FusedLinear` holds the layers' weights
+concatenated along the output dimension, so one GEMM computes them all, and hands back each output as
+a view of that product; every output element is the same dot product as in the separate layer.
+:class:`FusedWeight` is the concatenation alone (the three short convolutions' weights, run as one
+depthwise convolution over their channels).
+
+The concatenated weight is a copy. It is built once and keeps its storage (a captured CUDA graph
+reads it by address); :meth:`FusedWeight.refresh` copies the layers' weights into it again when one
+of them was written since (PyTorch counts every in-place write of a tensor in its version counter:
+``load_state_dict``, optimiser steps, ``torch.nn.init``) or now lives elsewhere. A write through
+``param.data`` is not counted and is not seen.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FusedWeight:
+    """The ``weight`` of each of ``modules`` (a dict name -> module; the weights differ only in their
+    first dimension and share dtype and device) concatenated along dim 0.
+
+    ``weight``: [Σ size_i, ...], no gradient; ``sizes``: each module's share of dim 0, in order.
+    """
+
+    def __init__(self, modules: dict[str, nn.Module]):
+        self.names = tuple(modules)
+        self.modules = tuple(modules.values())
+        if not self.modules:
+            raise ValueError(f"{type(self).__name__} needs at least one module")
+        self.sizes = [m.weight.shape[0] for m in self.modules]
+        with torch.no_grad():
+            self.weight = torch.cat([m.weight for m in self.modules])
+        self._key = self._source_key()
+
+    def _source_key(self) -> tuple:
+        return tuple((m.weight.data_ptr(), m.weight._version) for m in self.modules)
+
+    def refresh(self) -> bool:
+        """Copy the modules' weights in again, in place, if one was written or moved since the last
+        copy. Returns whether it copied."""
+        key = self._source_key()
+        if key == self._key:
+            return False
+        with torch.no_grad():
+            torch.cat([m.weight for m in self.modules], out=self.weight)
+        self._key = key
+        return True
+
+    def split(self, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``y`` [..., Σ size_i] as a dict name -> its module's part [..., size_i] (views)."""
+        return dict(zip(self.names, y.split(self.sizes, -1)))
+
+
+class FusedLinear(FusedWeight):
+    """Bias-free ``nn.Linear`` layers of one input as one weight [Σ out_i, in].
+
+    ``fused(x)``: x [..., in] -> a dict name -> that layer's output [..., out_i], each a view of one
+    product [..., Σ out_i] (in the dict's order).
+    """
+
+    def __init__(self, linears: dict[str, nn.Linear]):
+        for lin in linears.values():
+            if not isinstance(lin, nn.Linear) or lin.bias is not None:
+                raise ValueError(f"FusedLinear takes bias-free nn.Linear layers, got {lin!r}")
+        super().__init__(linears)
+
+    def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.split(F.linear(x, self.weight))
+
+
+def refresh_all(parts) -> None:
+    """:meth:`FusedWeight.refresh` every one of ``parts`` (nested tuples and lists of them; None skipped)."""
+    if isinstance(parts, FusedWeight):
+        parts.refresh()
+    elif isinstance(parts, (tuple, list)):
+        for p in parts:
+            refresh_all(p)
