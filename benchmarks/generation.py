@@ -54,6 +54,7 @@ from transformers import LogitsProcessor  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from gdn.checkpoint import atomic_write_text  # noqa: E402
 from gdn.models import GDNConfig, GDNForCausalLM  # noqa: E402
 
 MODELS = ("gdn-graph", "gdn-eager", "transformer-graph", "llama", "fla")
@@ -260,10 +261,7 @@ def write_json(path: str | None, rows: list[dict], args, device: torch.device) -
     meta = dict(size=args.size, dtype=str(args.dtype), new_tokens=args.new_tokens, batches=args.batches,
                 prompts=args.prompts, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 torch=torch.__version__, transformers=transformers.__version__, argv=sys.argv[1:])
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 def main(argv=None) -> list[dict]:

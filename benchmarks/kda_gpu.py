@@ -71,12 +71,14 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gdn import ops  # noqa: E402
+from gdn.checkpoint import atomic_write_text  # noqa: E402
 from gdn.ops import tuning  # noqa: E402
 from gdn.ops.kda import chunk as kda_chunk  # noqa: E402
 from gdn.ops.kda import reference as kda_reference  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_gpu import per_step_in_graph_us  # noqa: E402  (one CUDA-graph timer for both)
+from ops_gpu import clean  # noqa: E402  (the JSON rows' cleaning, shared)
 
 PACKED = [4096, 1000, 7000, 300, 2048, 5000, 64, 3000, 1500, 4260, 2500, 2000]
 #: (name, B, T, H, HV, D, packed lengths or None)
@@ -106,17 +108,6 @@ def parse_impls(text: str) -> list[str]:
     if unknown or not names:
         raise ValueError(f"unknown implementations {unknown}: choose from {', '.join(IMPLS)}")
     return [i for i in IMPLS if i.lower() in names]
-
-
-def clean(x):
-    """``x`` with non-finite floats as None (strict JSON)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [clean(v) for v in x]
-    return x
 
 
 class StepTimeout(Exception):
@@ -657,12 +648,9 @@ def main():
 
     def save():
         if args.json:
-            tmp = f"{args.json}.tmp"
-            with open(tmp, "w") as fh:
-                json.dump(clean({"argv": sys.argv[1:], "impls": impls, "FLA_TILELANG": os.environ.get("FLA_TILELANG"),
-                                 "elapsed_s": time.monotonic() - started, "chunk": chunk_rows, "decode": dec_rows}),
-                          fh, indent=1)
-            os.replace(tmp, args.json)
+            atomic_write_text(args.json, json.dumps(clean(
+                {"argv": sys.argv[1:], "impls": impls, "FLA_TILELANG": os.environ.get("FLA_TILELANG"),
+                 "elapsed_s": time.monotonic() - started, "chunk": chunk_rows, "decode": dec_rows}), indent=1))
 
     def report(kind, into):
         def add(r):

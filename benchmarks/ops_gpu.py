@@ -69,6 +69,7 @@ from triton.testing import do_bench  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gdn import ops  # noqa: E402
+from gdn.checkpoint import atomic_write_text  # noqa: E402
 
 C = 64
 PACKED = [4096, 1000, 7000, 300, 2048, 5000, 64, 3000, 1500, 4260, 2500, 2000]
@@ -479,10 +480,7 @@ def clean(x):
 
 def write_json(path, meta, rs):
     """Write ``{"meta": meta, "rows": rs}`` to ``path`` whole (a temporary file, then renamed)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(clean({"meta": meta, "rows": rs}), fh, indent=1)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(clean({"meta": meta, "rows": rs}), indent=1))
 
 
 def _restore(saved):
@@ -518,18 +516,22 @@ def variants(specs, prof=False, shapes=None):
         for spec in specs:
             _restore(saved)
             tuning.update(spec)
-            for x in xs:
-                x.grad = None
-            o = g()
-            o.backward(do)
-            res = [o.float().clone()] + [x.grad.float().clone() for x in xs]
-            if base is None:
-                base, diff = res, 0.0
-            else:
-                diff = max(((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(res, base))
-            with torch.no_grad():
-                t_f = timed(g, False, do)
-            t_b = timed(g, True, do, xs)
+            try:
+                for x in xs:
+                    x.grad = None
+                o = g()
+                o.backward(do)
+                res = [o.float().clone()] + [x.grad.float().clone() for x in xs]
+                if base is None:
+                    base, diff = res, 0.0
+                else:
+                    diff = max(((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(res, base))
+                with torch.no_grad():
+                    t_f = timed(g, False, do)
+                t_b = timed(g, True, do, xs)
+            except Exception as e:  # noqa: BLE001 - one failing variant must not end the table
+                print(f"| {name} | {json.dumps(spec)} | err | err | {one_line(e)} |", flush=True)
+                continue
             print(f"| {name} | {json.dumps(spec)} | {t_f:.3f} | {t_b:.3f} | {diff:.1e} |", flush=True)
             if prof:
                 with torch.no_grad():

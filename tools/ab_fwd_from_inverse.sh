@@ -5,11 +5,11 @@
 #
 #   tools/ab_fwd_from_inverse.sh check   # tests/gpu/test_chunk.py with both passes on the new path, each
 #                                        # forward by the layout rule, then every forward fused (fill 0)
-#   tools/ab_fwd_from_inverse.sh time    # tools/ab_gpu.py, both variants side by side, with the forward's
+#   tools/ab_fwd_from_inverse.sh time    # benchmarks/ops_gpu.py --variants, both variants side by side, with the forward's
 #                                        # per-kernel GPU time (--profile)
 #   tools/ab_fwd_from_inverse.sh         # both, check first
 #
-# SHAPES (indices into tools/ab_gpu.py's SHAPES, default 0,1,2,3,4): the fused forward runs at 0
+# SHAPES (indices into benchmarks/ops_gpu.py's SHAPES, default 0,1,2,3,4): the fused forward runs at 0
 # (8 × 2048) and 1 (4 × 8192), the two-stage one at 2 (1 × 32768), 3 (grouped HV = 32) and 4 (packed),
 # so the "state_out" variant moves only the first two and the "state_fwd" one only the others.
 # The "max rel diff vs first" column compares o and every gradient with the stored-W/U variant:
@@ -27,6 +27,6 @@ if [[ $step == check || $step == all ]]; then
     GDN_TUNING='{"state_out": {"from_inverse": true, "fill": 0}}' python3 -m pytest -q -n 6 -rf tests/gpu/test_chunk.py
 fi
 if [[ $step == time || $step == all ]]; then
-    python3 tools/ab_gpu.py --profile --shapes "${SHAPES:-0,1,2,3,4}" --variants \
+    python3 benchmarks/ops_gpu.py --profile --shapes "${SHAPES:-0,1,2,3,4}" --variants \
         '[{}, {"state_out": {"from_inverse": true}}, {"state_fwd": {"from_inverse": true}}]'
 fi

@@ -4,7 +4,7 @@
 #
 #   tools/h200_v2.sh check   # the GPU suite on the defaults (KDA launch settings, lean decode step), then
 #                            # the chunk suite with δ from the inverse and with the fused dqk + wy_bwd forced
-#   tools/h200_v2.sh time    # tools/ab_gpu.py: stored W/U vs δ from the inverse vs fused dqk + wy_bwd vs both
+#   tools/h200_v2.sh time    # benchmarks/ops_gpu.py --variants: stored W/U vs δ from the inverse vs fused dqk + wy_bwd vs both
 #   tools/h200_v2.sh kda     # gdn's chunk KDA against FLA's chunk_kda
 #   tools/h200_v2.sh gen     # kernels per decode step, then model.generate on the graph at batch 1 and 32
 #
@@ -27,7 +27,7 @@ case ${1:-} in
     GDN_TUNING="$FUSED" timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -rf tests/gpu/test_chunk.py 2>&1 \
       | tee "$OUT/check_dqk_wy.log" | tail -8 ;;
   time)
-    timeout 540 python3 tools/ab_gpu.py --profile --shapes "${SHAPES:-0,1,2,3,5}" \
+    timeout 540 python3 benchmarks/ops_gpu.py --profile --shapes "${SHAPES:-0,1,2,3,5}" \
       --variants "[{}, $INV, $FUSED, {\"state_out\": {\"from_inverse\": true}, \"state_fwd\": {\"from_inverse\": true}, \"dqk_wy\": {\"use\": true}}]" \
       2>&1 | tee "$OUT/ab.log" ;;
   kda)

@@ -127,8 +127,6 @@ class StaticCache:
         from the model's (:meth:`DecodeWeights.refresh`)."""
         if not isinstance(cache, GDNCache):
             raise TypeError(f"cache must be a GDNCache, got {type(cache).__name__}")
-        if len(cache.layers) != len(self.layers):
-            raise ValueError(f"the cache has {len(cache.layers)} layers, this static cache {len(self.layers)}")
         B = cache.batch_size
         if B > self.batch_size:
             raise ValueError(f"the cache holds {B} rows but this static cache only {self.batch_size}")
@@ -138,32 +136,9 @@ class StaticCache:
                              f"token within max_length={self.max_length}")
         self.reset()
         self.weights.refresh()
-        for buf, st in zip(self.layers, cache.layers):
-            if st is None:
-                continue
-            if isinstance(buf, RecurrentState):
-                if not isinstance(st, RecurrentState) or len(st.conv) != len(buf.conv):
-                    raise ValueError("the cache's layer states do not match this model's mixers")
-                for b, c in zip(buf.conv, st.conv):
-                    b[:B].copy_(c)
-                buf.recurrent[:B].copy_(st.recurrent)
-            else:
-                if not isinstance(st, KVState) or st.window != buf.window:
-                    raise ValueError("the cache's layer states do not match this model's mixers")
-                Tc = st.key.shape[1]
-                if Tc == 0:
-                    continue
-                slots = torch.arange(seen - Tc, seen, device=self.device)
-                if buf.window is not None:
-                    if Tc > buf.window:
-                        raise ValueError(f"a window layer holds {Tc} keys, more than its window {buf.window}")
-                    slots = slots % buf.window
-                buf.key[:B].index_copy_(1, slots, st.key.to(buf.key))
-                buf.value[:B].index_copy_(1, slots, st.value.to(buf.value))
-                buf.valid[:B].index_copy_(1, slots, st.valid.to(self.device))
         self.seen.fill_(seen)
-        self.positions[:B].copy_(cache.positions)
         self.length = seen
+        self.load_rows(cache, range(B))  # from an empty cache whose slot counter is the prefill's
 
     def _rows(self, rows) -> torch.Tensor:
         idx = [int(r) for r in rows]

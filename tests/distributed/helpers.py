@@ -29,3 +29,22 @@ def spawn(fn, world: int, *args) -> None:
     of them fails the caller (``fn`` must be importable: a module-level function)."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_entry, args=(world, os.path.join(tmp, "rendezvous"), fn, args), nprocs=world, join=True)
+
+
+def saved_bytes(fn, exclude=()) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs, leaving out
+    the storages of the tensors in ``exclude`` (e.g. a model's parameters, which every rank holds)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total

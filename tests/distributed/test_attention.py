@@ -23,7 +23,7 @@ from gdn.distributed import attention as cp_attention
 from gdn.models import GDNConfig, GDNForCausalLM
 
 from ..ops.helpers import rel_err
-from .helpers import spawn
+from .helpers import saved_bytes, spawn
 
 T_TOTAL = 96
 #: (name, cu_seqlens or None, batch rows)
@@ -120,22 +120,6 @@ def _check_model(rank, world):
     return failures
 
 
-def _saved_bytes(fn) -> int:
-    seen, total = set(), 0
-
-    def pack(t):
-        nonlocal total
-        st = t.untyped_storage()
-        if st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return total
-
-
 def _check_memory(rank, world):
     """Bytes kept for the backward on the last rank: the ring keeps q, k, v, o and the log-sum-exp of
     its own slice, the same on every rank; the all-gather keeps every rank's keys and values."""
@@ -145,7 +129,7 @@ def _check_memory(rank, world):
     for mode in ("ring", "gather"):
         cp = ContextParallel.split(dist.group.WORLD, T_TOTAL, attention=mode)
         mine = [_leaf(cp.shard(x)) for x in (q, k, v)]
-        got[mode] = _saved_bytes(lambda: cp_attention.softmax_attention(*mine, cp=cp))
+        got[mode] = saved_bytes(lambda: cp_attention.softmax_attention(*mine, cp=cp))
     per_token = 4 * (2 * HQ * D + 2 * HKV * D + HQ)  # q, o, k, v, lse in fp32
     every = [None] * world
     dist.all_gather_object(every, got)

@@ -19,28 +19,10 @@ import torch.distributed as dist
 from gdn.distributed import ContextParallel
 from gdn.models import GDNConfig, GDNForCausalLM
 
-from .helpers import spawn
+from .helpers import saved_bytes, spawn
 
 T = 2048
 CU = [0, 700, 2048]
-
-
-def saved_bytes(model, fn) -> int:
-    """Bytes of the distinct storages saved for backward while ``fn()`` runs (parameters excluded)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, total = set(), 0
-
-    def pack(t):
-        nonlocal total
-        st = t.untyped_storage()
-        if st.data_ptr() not in params and st.data_ptr() not in seen and st.nbytes():
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return total
 
 
 def _measure(rank, world, path):
@@ -48,11 +30,13 @@ def _measure(rank, world, path):
     model = GDNForCausalLM(GDNConfig.from_preset("gdn-h1", "tiny")).train()
     ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(0))
     cp = ContextParallel.split(dist.group.WORLD, T, CU)
-    mine = saved_bytes(model, lambda: model(input_ids=cp.shard(ids), labels=ids, context_parallel=cp).loss)
+    mine = saved_bytes(lambda: model(input_ids=cp.shard(ids), labels=ids, context_parallel=cp).loss,
+                       model.parameters())
     every = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
-        one = saved_bytes(model, lambda: model(input_ids=ids, labels=ids, cu_seqlens=torch.tensor(CU)).loss)
+        one = saved_bytes(lambda: model(input_ids=ids, labels=ids, cu_seqlens=torch.tensor(CU)).loss,
+                          model.parameters())
         with open(path, "w") as f:
             json.dump({"one": one, "ranks": every}, f)
 

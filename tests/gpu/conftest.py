@@ -41,7 +41,8 @@ def pytest_report_header(config):
 
 @pytest.fixture(autouse=True, scope="session")
 def _tuning_overrides():
-    """Apply ``GDN_TUNING`` once, before the first GPU test."""
+    """Apply ``GDN_TUNING`` before the first GPU test of each worker: the launch tables are module
+    state of the worker's process, so one update covers every test it runs."""
     if os.environ.get("GDN_TUNING"):
         from gdn.ops import tuning
 
