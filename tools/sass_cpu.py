@@ -15,7 +15,6 @@ waves).
     python tools/sass_cpu.py --shape 4x8192 [--hv 32] [--kernels state_bwd,state_fwd] [--sass DIR]
     python tools/sass_cpu.py --shape 4x4096 --h 6 --v 256 --depths   # each pass's candidates and choice
     python tools/sass_cpu.py --shape 4x8192 --config '{"state_out": {"from_inverse": true}}'
-    python tools/sass_cpu.py --shape 4x8192 --config '{"dqk_wy": {"use": true}}'
     python tools/sass_cpu.py --op kda --shape 4x8192 [--dtype fp32]      # the KDA chunk kernels
 """
 from __future__ import annotations

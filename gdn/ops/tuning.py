@@ -70,10 +70,6 @@ DELTA = {
                       stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True}))),
     "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
-    # dqk and wy_bwd in one program per (chunk, value head) for the delta members (chunk_bwd.
-    # dqk_wy_kernel); ``use`` selects it. Not yet timed on the GPU: off. Tiles and warps from
-    # ptxas's report for sm_90 at K = V = 128 bf16 (docs/TRITON.md, "Fused dqk + wy_bwd").
-    "dqk_wy": dict(num_warps=8, stages=(2, 1), BK=128, BV=64, use=False),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # The split state passes (chunk_fwd.split_len): L = 0 off, > 0 a fixed segment length in
     # chunks, -1 automatic. Off: correct on the H200 but slower there (docs/TRITON.md).

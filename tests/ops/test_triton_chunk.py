@@ -253,36 +253,6 @@ def test_state_bwd_row_scale_on_q(member, dtype, monkeypatch):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("member", MEMBERS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("K,V,BK", [(32, 64, 128), (64, 32, 32)], ids=["one-K-tile", "two-K-tiles"])
-def test_dqk_wy_fused(member, dtype, K, V, BK, monkeypatch):
-    """The fused dqk + wy_bwd kernel (``DELTA["dqk_wy"]["use"]``), with dK's partial kept in
-    registers (one K tile) and passed through its fp32 scratch (two), gives the reference's
-    gradients as the pair of kernels does, on packed sequences with an empty and a one-token
-    member, an initial state and grouped value heads. The members without the delta term keep
-    dqk and wy_bwd (their wy stage is only dγ's cumsum) and must be unaffected by the switch."""
-    cfg = dict(tuning.DELTA["dqk_wy"], use=True, BK=BK, BV=32)
-    monkeypatch.setitem(tuning.DELTA, "dqk_wy", cfg)
-    fused = _run_both(member, B=1, T=194, H=1, HV=2, K=K, V=V, dtype=dtype, lens=[65, 1, 0, 128], seed=13)
-    bad = {k: v for k, v in fused.items() if not v <= TOL[dtype]}
-    assert not bad, bad
-    d = make_inputs(B=1, T=130, H=1, HV=2, K=K, V=V, dtype=dtype, state=True, seed=4)
-    ch = common.make_chunks(1, 130, None, torch.device("cpu"))
-    from gdn.ops.delta.triton import chunk_bwd
-
-    qp, kp, vp = d["q"].reshape(130, 1, K), d["k"].reshape(130, 1, K), d["v"].reshape(130, 2, V)
-    gp = d["g"].reshape(130, 2).float() if HAS_G[member] else None
-    bp = d["beta"].reshape(130, 2).float() if HAS_BETA[member] else None
-    with L.recording() as rec:
-        chunk_bwd.backward(qp, kp, vp, gp, bp, None, vp, None, ch, 0.25, torch.zeros(130, 2, 64, dtype=dtype))
-    names = {k.fn.__name__ for k, _, _, _ in rec}
-    if HAS_BETA[member]:
-        assert "dqk_wy_kernel" in names and not names & {"dqk_kernel", "wy_bwd_kernel"}, names
-    else:
-        assert "dqk_wy_kernel" not in names and "dqk_kernel" in names, names
-
-
 def test_split_fp16_batched(monkeypatch):
     monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=2))
     errs = _run_both("gated_delta_rule", B=2, T=300, H=1, HV=2, K=32, V=16, dtype=torch.float16, seed=12)

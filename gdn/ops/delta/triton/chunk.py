@@ -81,7 +81,6 @@ class ChunkFunction(torch.autograd.Function):
         gdt = io if HV == H and q.dtype == k.dtype == v.dtype == io else torch.float32
         lay = layout(ch, HV, Kp, Vp, qp.device)
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
-            # (keyed by the backward's kernel choice too, so a run that switches dqk_wy compiles it here)
             def dry_run():  # the launches of one forward + backward, recorded by precompile, not run
                 dht = torch.empty(ch.N, HV, Kp, Vp, device=qp.device) if want_final else None
                 _, _, ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])
@@ -89,7 +88,7 @@ class ChunkFunction(torch.autograd.Function):
 
             inv = (DELTA["state_out"].get("from_inverse", False), DELTA["state_fwd"].get("from_inverse", False))
             precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt, lay,
-                        inv, DELTA["dqk_wy"]["use"]), dry_run)
+                        inv), dry_run)
         # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
         # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
         o, ht, Ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])
