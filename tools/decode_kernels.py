@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
-import tempfile
 from collections import Counter, defaultdict
 
 import torch
@@ -138,8 +136,11 @@ def cpu_counts(model, cache, tokens, triton: bool = False) -> tuple[dict[str, in
     return per_kind, detail
 
 
-def graph_kernels(fn) -> int:
-    """Kernel nodes of a CUDA graph that captures ``fn()`` (after two eager warm-up calls)."""
+def graph_kernels(fn, table: list | None = None) -> int:
+    """Kernels of one replay of a CUDA graph that captures ``fn()`` (after two eager warm-up calls),
+    as the profiler records them (copies and sets left out). With ``table`` (a list), appends the
+    replay's (GPU µs, kernel name) pairs to it."""
+    from torch.profiler import ProfilerActivity, profile as prof
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -147,18 +148,18 @@ def graph_kernels(fn) -> int:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    g.enable_debug_mode()
     with torch.cuda.graph(g):
         fn()
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "graph.dot")
-        g.debug_dump(path)
-        text = open(path).read()
-    # One definition per node, `"graph_<g>_node_<n>"[... label="..."]`; the verbose dump names each
-    # node's type in its label: every node that is not a copy, set, event or empty one is a kernel.
-    nodes = re.split(r'\n\s*"?graph_\d+_node_\d+"?\s*\[', "\n" + text)[1:]
-    other = ("MEMCPY", "MEMSET", "EVENT", "EMPTY", "HOST", "MEM_ALLOC", "MEM_FREE")
-    return sum(1 for n in nodes if not any(t in n.split('"];')[0] for t in other))
+    g.replay()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        g.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in p.events() if e.device_type.name == "CUDA"
+               and not e.name.lower().startswith(("memcpy", "memset"))]
+    if table is not None:
+        table.extend((e.device_time, e.name) for e in kernels)
+    return len(kernels)
 
 
 def cuda_counts(model, cache, tokens, profile: bool) -> dict[str, int]:
@@ -180,8 +181,17 @@ def cuda_counts(model, cache, tokens, profile: bool) -> dict[str, int]:
             return model.lm_head(model.model.norm.add_forward(e, e)[1])[:, -1].float()
 
         out["embed+norm+head"] = graph_kernels(head)
-        out["step"] = graph_kernels(lambda: static_decode_step(model, cache, tokens))
+        table: list = []
+        out["step"] = graph_kernels(lambda: static_decode_step(model, cache, tokens), table)
         if profile:
+            total = sum(t for t, _ in table)
+            by: dict = {}
+            for t, name in table:
+                n, s = by.get(name[:90], (0, 0.0))
+                by[name[:90]] = (n + 1, s + t)
+            print(f"one replayed step: {len(table)} kernels, {total:.1f} µs of kernel time")
+            for name, (n, s) in sorted(by.items(), key=lambda kv: -kv[1][1])[:25]:
+                print(f"  {s:8.1f} µs  x{n:<4d} {name}")
             from torch.profiler import ProfilerActivity, profile as prof
             static_decode_step(model, cache, tokens)
             torch.cuda.synchronize()

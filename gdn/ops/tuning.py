@@ -52,12 +52,13 @@ DELTA = {
     # from_inverse (delta members; read by the forward's two-stage pass only, the backward's
     # recompute keeps W and U since its reverse pass reads W): δ = T⁻¹ diag(β)(V − diag(Γ) K S)
     # formed in the pass from the in-chunk inverse, v and β, so the forward runs no wu kernel and
-    # stores no W or U; one more [64, 64] × [64, BV] product per chunk step. Off until timed on the GPU.
-    "state_fwd": dict(num_warps=4, stages=(3, 2, 1), waves=True, SV=8192, BV_min=16, from_inverse=False),
+    # stores no W or U; one more [64, 64] × [64, BV] product per chunk step. H200 forward kernels at
+    # (8, 2048): 422 → 346 µs; (1, 8192, HV = 32): 498 → 443 µs (docs/TRITON.md).
+    "state_fwd": dict(num_warps=4, stages=(3, 2, 1), waves=True, SV=8192, BV_min=16, from_inverse=True),
     # The forward's fused state-and-output pass, taken when its programs number at least ``fill``
     # times the multiprocessors (delta.triton.chunk.layout); else state_fwd then output. No third
     # stage: with it the GPU tests fail at T = 63, V = 16 bf16. from_inverse: as state_fwd's.
-    "state_out": dict(num_warps=4, stages=(2, 1), waves=True, SV=4096, fill=1.5, BV_min=32, from_inverse=False),
+    "state_out": dict(num_warps=4, stages=(2, 1), waves=True, SV=4096, fill=1.5, BV_min=32, from_inverse=True),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
     # Pipelined loops over value/key blocks, GPU µs at (4, 8192, 16, 128): dv_local 170 → 158 with
     # three stages, dqk 920 → 742 with two (→ 700 with three at 1 × 32768), wy_bwd 599 → 569 with three.
@@ -94,17 +95,14 @@ KDA = {
     "wu": dict(num_warps=8, stages=(2,), BK=32, BV=32),
     # BV_min 32: at tiles of 16 triton 3.6 compiles this state_fwd kernel (fp32, 8 warps) with an
     # out-of-range shared-memory read on the H200 (compute-sanitizer).
-    # The state passes: 4 warps, so two programs share a multiprocessor and the (sequence, head,
-    # tile) grid of 256 programs at (4, 8192) or (8, 2048) runs in one wave (8 warps: 150–222
-    # registers, one program each, two waves). bf16, K = V = 128, ptxas sm_90: state_fwd two stages,
-    # 80 KB shared, 220–230 registers, no spills at value tiles of 32 and 64. state_bwd one stage
-    # and tiles of at most 32 (SV 4096): 244 registers, no spills (tiles of 64: 28 bytes of spills;
-    # two stages: 128–144 KB shared, one program). fp32 keeps 8 warps: at 4 its 3-pass tf32
-    # operands spill 0.6–2.2 KB.
-    "state_fwd": dict(num_warps=4, stages=(2,), SV=8192, BV_min=32, fp32=dict(num_warps=8, stages=(1,))),
+    # The state passes: 8 warps, one stage. At 4 warps (two programs per multiprocessor, no spills
+    # in bf16 by ptxas's count) triton 3.6 miscompiles them on the H200: bf16 state_bwd gave dh0
+    # off by 6e-2 and dk, dv, dg, dβ by 2e-2 at every tests/gpu shape, and the T = 63, V = 16 case
+    # read out of bounds.
+    "state_fwd": dict(num_warps=8, stages=(1,), SV=8192, BV_min=32),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
-    "state_bwd": dict(num_warps=4, stages=(1,), SV=4096, BV_min=32, fp32=dict(num_warps=8, SV=8192)),
+    "state_bwd": dict(num_warps=8, stages=(1,), SV=8192, BV_min=32),
     # fp32: K tiles of 32 (no spills; 64: 284 bytes of spill stores). bf16 keeps 64: no spills
     # there, and 32 stays at one program per multiprocessor while reading dO, δ, dδ twice as often.
     "dqk": dict(num_warps=8, stages=(1,), BK=64, BV=32, fp32=dict(BK=32)),
