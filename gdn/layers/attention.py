@@ -11,6 +11,7 @@ from ..distributed import attention as cp_attention
 from .fused import FusedLinear
 from .recurrent import positive_int
 from ..ops.conv import seq_position
+from ..ops.gemv import decode_linear
 from .norm import RMSNorm
 from .state import KVState
 
@@ -215,7 +216,7 @@ class Attention(nn.Module):
         o = o.transpose(1, 2).reshape(B, 1, self.num_heads * self.head_dim)
         if self.output_gate:
             o = o * torch.sigmoid(p["g_proj"])
-        return self.o_proj(o)
+        return decode_linear(o, self.o_proj.weight)
 
     def _masked(self, q, keys, values, kvalid):
         """q: [B, Tq, HQ, D] (the last Tq of Tk slots); keys/values: [B, Tk, HKV, D]; kvalid: [B, Tk].

@@ -16,8 +16,9 @@ of them was written since (PyTorch counts every in-place write of a tensor in it
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ..ops.gemv import decode_linear
 
 
 class FusedWeight:
@@ -70,7 +71,7 @@ class FusedLinear(FusedWeight):
         super().__init__(linears)
 
     def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.split(F.linear(x, self.weight))
+        return self.split(decode_linear(x, self.weight))
 
 
 def refresh_all(parts) -> None:

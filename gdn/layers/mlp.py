@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.gemv import decode_linear
 from ..ops.library import autocast_of
 from ..ops.swiglu import swiglu_down
 from .fused import FusedLinear
@@ -43,7 +44,8 @@ class SwiGLU(nn.Module):
     def decode(self, x: torch.Tensor, weights: FusedLinear) -> torch.Tensor:
         """:meth:`forward` with gate and up from one GEMM (``weights``: :meth:`decode_weights`)."""
         p = weights(x)
-        return self._down(p["gate_proj"], p["up_proj"])
+        gate = p["gate_proj"]
+        return decode_linear(gate, self.down_proj.weight, p["up_proj"], autocast_of(gate) or gate.dtype)
 
     def _down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return swiglu_down(gate, up, self.down_proj.weight, autocast_of(gate) or gate.dtype)

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..distributed import halo
 from ..ops.conv import conv_step_
+from ..ops.gemv import decode_linear
 from .conv import ShortConvolution
 from .fused import FusedLinear, FusedWeight
 from .norm import GatedRMSNorm, RMSNorm
@@ -215,7 +216,7 @@ class RecurrentMixer(nn.Module):
         """
         B = x.shape[0]
         proj, convs = weights
-        y = F.linear(x, proj.weight)
+        y = decode_linear(x, proj.weight)
         p = proj.split(y)
         sizes = [self.key_dim, self.key_dim, self.value_dim]
         qkv = y[..., : sum(sizes)]  # q, k, v lead the projections
@@ -232,7 +233,7 @@ class RecurrentMixer(nn.Module):
             o = self.o_norm(o, p["g_proj"].view(B, 1, self.num_v_heads, self.head_v_dim))
         else:
             o = self.o_norm(o)
-        return self.o_proj(o.reshape(B, 1, self.value_dim))
+        return decode_linear(o.reshape(B, 1, self.value_dim), self.o_proj.weight)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, v_heads={self.num_v_heads}, head_dim={self.head_dim}, "

@@ -128,6 +128,10 @@ OTHER = {
     "rmsnorm": dict(elements=4096, max_rows=64, wide=2048, programs=1024),
     # Short convolution: token blocks of BT, feature blocks of BD (64 under the interpreter).
     "short_conv": dict(num_warps=4, BT=32, BD=128, BD_bwd=64, loop=4),
+    # Decode products of at most max_rows rows (gdn.ops.gemv): BN output columns per program, the
+    # largest power of two up to BN_max that leaves ``programs`` × the multiprocessors programs; K
+    # tiles of ``elements`` / BN.
+    "gemv": dict(max_rows=4, num_warps=4, BN_max=16, programs=2, elements=4096),
     # One decode step of the short convolution: BD channels of one row per program (the whole
     # row, up to 1024, under the interpreter).
     "conv_step": dict(num_warps=4, BD=512),

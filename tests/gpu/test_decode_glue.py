@@ -106,3 +106,23 @@ def test_fused_gdn_step(batch, dtype, neg, device=DEVICE):
         s_op = state.clone()
         o_op = ops.gated_delta_rule_fused_step_(q, k, v, a, b, A_log, dt_bias, s_op, allow_neg_eigval=neg)
         assert torch.equal(o_op, got) and torch.equal(s_op, s_got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("N,K", [(4620, 1024), (1024, 1536), (5632, 1024), (1024, 2816), (32000, 1024)])
+def test_gemv(M, N, K, dtype, device=DEVICE):
+    """The decode products of one to four rows (gdn.ops.triton.gemv) at the 340m layer's shapes, rows
+    read in place from a wider product, against float64; the SwiGLU form at the down projection's."""
+    from gdn.ops.triton.gemv import gemv
+
+    gen = torch.Generator(device=device).manual_seed(M + N + K)
+    p = torch.randn(M, 1, 2 * K + 8, device=device, generator=gen).to(dtype)
+    w = (torch.randn(N, K, device=device, generator=gen) / K ** 0.5).to(dtype)
+    x = p[..., 8:8 + K]
+    got = gemv(x, w)
+    assert got.shape == (M, 1, N) and got.dtype == dtype
+    assert rel_err(got, x.double() @ w.double().t()) < BOUND[dtype]
+    up = p[..., 8 + K:]
+    h = (torch.nn.functional.silu(x.double()) * up.double()).to(dtype).double()
+    assert rel_err(gemv(x, w, up), h @ w.double().t()) < BOUND[dtype]
