@@ -4,7 +4,7 @@ A call whose host side takes longer than its kernels leaves the GPU idle between
 ``do_bench`` then times the host. This prints, per pass at one shape: the host µs per call (calls
 queued back to back, timed before the final synchronisation), the GPU µs per call (the same calls
 replayed from a CUDA graph where capture works, else the sum of the profiled kernels), and the
-functions with the most own host time (cProfile).
+functions with the most own and cumulative host time (cProfile).
 
     python tools/host_profile.py --shape 8x2048 [--heads 16 --hv 16 --dim 128] [--top 25]
 """
@@ -67,6 +67,7 @@ def top(fn, k: int) -> str:
     torch.cuda.synchronize()
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(k)
+    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(k)
     return s.getvalue()
 
 
