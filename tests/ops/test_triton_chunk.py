@@ -410,6 +410,6 @@ def test_state_tile_and_long_sequences():
     # the layout (fused forward or not, the passes' tiles) keys the parallel first-call compile
     assert chunk_mod.layout(one, 1, 128, 128, cpu) == (False, 32, 32, 32)
     assert chunk_mod.layout(common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (True, 32, 64, 64)
-    assert chunk_mod._long_sequences(common.make_chunks(3, 200, None, cpu)) == 3
+    assert common.make_chunks(3, 200, None, cpu).long_sequences == 3
     packed = common.make_chunks(1, 700, torch.tensor([0, 640, 641, 641, 700]), cpu)
-    assert chunk_mod._long_sequences(packed) == 1
+    assert packed.long_sequences == 1

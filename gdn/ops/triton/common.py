@@ -35,6 +35,14 @@ class Chunks:
     host_cu: torch.Tensor | None = None  # [N + 1] token offsets on the CPU (int64)
     host_per: torch.Tensor | None = None  # [N] chunks per sequence on the CPU (int64)
 
+    @functools.cached_property
+    def long_sequences(self) -> int:
+        """Sequences of at least 90 % of the longest one's chunks: those whose programs are still
+        running at the end of a sequential pass (all N of a dense batch; in a packed batch often
+        one). Counted once per layout (a dense layout is reused across calls)."""
+        per = self.host_per
+        return self.N if per is None else int((per * 10 >= self.max_nc * 9).sum())
+
 
 @dataclass(frozen=True)
 class Segments:

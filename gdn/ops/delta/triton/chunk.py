@@ -17,16 +17,9 @@ from ...triton.launch import precompile
 from ...tuning import DELTA, MIN_DIM
 
 
-def _long_sequences(ch: Chunks) -> int:
-    """Sequences of at least 90 % of the longest one's chunks: those whose programs are still running
-    at the end of a sequential pass (all N of a dense batch; in a packed batch often one)."""
-    per = ch.host_per
-    return ch.N if per is None else int((per * 10 >= ch.max_nc * 9).sum())
-
-
 def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None):
     """(o, final state, Ai): the fused forward pass when its (sequence, head, value tile) programs
-    still running at the end of the pass (:func:`_long_sequences`; a packed batch's short sequences
+    still running at the end of the pass (``Chunks.long_sequences``; a packed batch's short sequences
     finish early and leave the longest one's programs alone on the card) number at least
     ``DELTA["state_out"]["fill"]`` (1.5) times the card's multiprocessors, else the
     state pass storing h and δ followed by the fully parallel output kernel. The fused pass's chunk
@@ -51,7 +44,7 @@ def layout(ch: Chunks, HV: int, K: int, V: int, device) -> tuple:
     # value heads narrower than 64 always take the fused pass: triton 3.6 on the H200 compiles the
     # output kernel wrong for bf16 value tiles of 16 and 32 (tests/gpu at T = 63, V = 16
     # padded to 32: o off by 180 %, everything else right; the fused pass is right there)
-    fused = V < 64 or _long_sequences(ch) * HV * -(-V // tiles[0]) >= DELTA["state_out"]["fill"] * sm_count(device)
+    fused = V < 64 or ch.long_sequences * HV * -(-V // tiles[0]) >= DELTA["state_out"]["fill"] * sm_count(device)
     return (fused,) + tiles
 
 
