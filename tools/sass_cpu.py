@@ -64,8 +64,8 @@ def record(B, T, H, HV, K, V=None, dtype=torch.bfloat16):
     g, beta = torch.empty(B * T, HV), torch.empty(B * T, HV)
     ch = common.make_chunks(B, T, None, torch.device("cpu"))
     with launcher.recording() as launches:
-        _, _, ai = chunk._forward(q, k, v, g, beta, None, ch, False, K ** -0.5, dtype)
-        chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, K ** -0.5, ai, dtype)
+        _, _, ai, gam = chunk._forward(q, k, v, g, beta, None, ch, False, K ** -0.5, dtype)
+        chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, K ** -0.5, ai, dtype, gam)
     return launches
 
 

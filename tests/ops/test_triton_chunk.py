@@ -226,7 +226,7 @@ def test_from_inverse_forward_runs_no_wu(fill, monkeypatch):
     q, v = torch.randn(130, 1, 32), torch.randn(130, 2, 64)
     g, b = -torch.rand(130, 2), torch.rand(130, 2)
     with L.recording() as rec:
-        _, _, ai = chunk_mod._forward(q, q, v, g, b, None, ch, False, 0.25, torch.float32)
+        _, _, ai, _ = chunk_mod._forward(q, q, v, g, b, None, ch, False, 0.25, torch.float32)
     names = [k.fn.__name__ for k, _, _, _ in rec]
     want = "state_out_kernel" if fill == 0 else "state_fwd_kernel"
     assert "kkt_solve_kernel" in names and want in names and "wu_kernel" not in names, names
@@ -291,7 +291,7 @@ def test_recording_collects_launches_without_running():
     qp, kp = d["q"].reshape(130, 1, 16), d["k"].reshape(130, 1, 16)
     vp, gp, bp = d["v"].reshape(130, 2, 16), d["g"].reshape(130, 2), d["beta"].reshape(130, 2)
     with L.recording() as rec:
-        h, vn, _, _, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, d["initial_state"], ch, True)
+        h, vn, _, _, _, _ = chunk_fwd.forward_intermediates(qp, kp, vp, gp, bp, d["initial_state"], ch, True)
         chunk_fwd.output(qp, kp, vp, gp, h, vn, ch, 0.25, torch.float32)
         chunk_fwd.forward(qp, kp, vp, gp, bp, d["initial_state"], ch, True, 0.25, torch.float32)
         chunk_bwd.backward(qp, kp, vp, gp, bp, d["initial_state"], vp, None, ch, 0.25)
@@ -413,3 +413,27 @@ def test_state_tile_and_long_sequences():
     assert common.make_chunks(3, 200, None, cpu).long_sequences == 3
     packed = common.make_chunks(1, 700, torch.tensor([0, 640, 641, 641, 700]), cpu)
     assert packed.long_sequences == 1
+
+
+@pytest.mark.parametrize("fill", [0, 10 ** 9], ids=["fused", "two-stage"])
+def test_gamma_computed_once_per_forward_and_backward(fill, monkeypatch):
+    """γ (the in-chunk cumulative decay) is made once by the forward and handed to the backward: one
+    cumsum launch per forward + backward, and the gradients those of a backward that recomputes it."""
+    from gdn.ops.delta.triton import chunk_bwd, chunk_fwd
+
+    monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=fill))
+    calls = []
+    real = chunk_fwd.chunk_cumsum
+    monkeypatch.setattr(chunk_fwd, "chunk_cumsum", lambda g, ch: calls.append(1) or real(g, ch))
+    d = make_inputs(B=1, T=100, H=1, HV=2, K=16, V=16, dtype=torch.float32, state=True, seed=5)
+    xs = {n: d[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    o, _ = chunk_op(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], initial_state=d["initial_state"])
+    o.sum().backward()
+    assert len(calls) == 1
+    # the backward on its own (no γ given) recomputes it and gives the same gradients
+    ch = common.make_chunks(1, 100, None, torch.device("cpu"))
+    qp, kp = d["q"].reshape(100, 1, 16), d["k"].reshape(100, 1, 16)
+    vp, gp, bp = d["v"].reshape(100, 2, 16), d["g"].reshape(100, 2), d["beta"].reshape(100, 2)
+    dq = chunk_bwd.backward(qp, kp, vp, gp, bp, d["initial_state"], torch.ones_like(vp), None, ch, 16 ** -0.5)[0]
+    assert len(calls) == 2
+    assert torch.allclose(dq.sum(1).reshape(1, 100, 1, 16), xs["q"].grad, atol=1e-5)

@@ -18,7 +18,7 @@ from ...tuning import DELTA, MIN_DIM
 
 
 def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None):
-    """(o, final state, Ai): the fused forward pass when its (sequence, head, value tile) programs
+    """(o, final state, Ai, γ): the fused forward pass when its (sequence, head, value tile) programs
     still running at the end of the pass (``Chunks.long_sequences``; a packed batch's short sequences
     finish early and leave the longest one's programs alone on the card) number at least
     ``DELTA["state_out"]["fill"]`` (1.5) times the card's multiprocessors, else the
@@ -31,9 +31,9 @@ def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None):
         fused = layout(ch, v.shape[1], k.shape[-1], v.shape[2], v.device)[0]
     if fused:
         return chunk_fwd.forward(q, k, v, g, beta, h0, ch, want_final, scale, io)
-    h, VN, ht, Ai, _ = chunk_fwd.forward_intermediates(q, k, v, g, beta, h0, ch, want_final,
-                                                       from_inverse=DELTA["state_fwd"].get("from_inverse", False))
-    return chunk_fwd.output(q, k, v, g, h, VN, ch, scale, io), ht, Ai
+    h, VN, ht, Ai, _, G = chunk_fwd.forward_intermediates(q, k, v, g, beta, h0, ch, want_final,
+                                                          from_inverse=DELTA["state_fwd"].get("from_inverse", False))
+    return chunk_fwd.output(q, k, v, g, h, VN, ch, scale, io), ht, Ai, G
 
 
 def layout(ch: Chunks, HV: int, K: int, V: int, device) -> tuple:
@@ -76,19 +76,19 @@ class ChunkFunction(torch.autograd.Function):
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
             def dry_run():  # the launches of one forward + backward, recorded by precompile, not run
                 dht = torch.empty(ch.N, HV, Kp, Vp, device=qp.device) if want_final else None
-                _, _, ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])
-                chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt)
+                _, _, ai, gam = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])
+                chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt, gam)
 
             inv = (DELTA["state_out"].get("from_inverse", False), DELTA["state_fwd"].get("from_inverse", False))
             precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt, lay,
                         inv), dry_run)
         # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
         # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
-        o, ht, Ai = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])
+        o, ht, Ai, G = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])
         o = o[..., :V]
         if ht is not None and (Kp, Vp) != (K, V):
             ht = ht[..., :K, :V].contiguous()
-        ctx.save_for_backward(qp, kp, vp, gp, bp, h0p, Ai)
+        ctx.save_for_backward(qp, kp, vp, gp, bp, h0p, Ai, G)
         ctx.meta = (B, T, H, HV, K, V, scale, ch, gdt, q.dtype, k.dtype, v.dtype,
                     None if g is None else g.dtype, None if beta is None else beta.dtype,
                     None if h0 is None else h0.dtype)
@@ -97,12 +97,12 @@ class ChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        qp, kp, vp, gp, bp, h0p, Ai = ctx.saved_tensors
+        qp, kp, vp, gp, bp, h0p, Ai, G = ctx.saved_tensors
         B, T, H, HV, K, V, scale, ch, gdt, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
         Kp, Vp = kp.shape[-1], vp.shape[-1]
         dop = pad_zeros(do.reshape(B * T, HV, V).to(vp.dtype), 0, Vp - V)
         dhtp = pad_zeros(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
-        DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale, Ai, gdt)
+        DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale, Ai, gdt, G)
         G = HV // H
         if G == 1:  # no group to sum over
             dq = DQ[..., :K].reshape(B, T, H, K).to(q_dt)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
+from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, gate_load,
                               launch, make_segments, pow2, tl_dtype, value_cols)
 from ...tuning import DELTA
 from ...tuning import chunk_tiles as tiles
@@ -315,10 +315,11 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DKO, DV, DB, DGAM, DG, cu, chun
         tl.store(DG + rows * HV + i_hv, b_dg, mask=m)
 
 
-def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, grad_dtype=torch.float32):
+def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, grad_dtype=torch.float32,
+             gamma=None):
     """Gradients of the chunk op. Shapes in the packed layout: q, k [T, H, K]; v, do [T, HV, V]
     (q, k, v, do of one dtype); g, beta [T, HV] fp32 or None; h0, dht [N, HV, K, V] fp32 or None;
-    ``Ai`` the forward's in-chunk inverse (recomputed when None).
+    ``Ai`` the forward's in-chunk inverse and ``gamma`` its γ (each recomputed when None).
     Returns (dq [T, HV, K], dk [T, HV, K], dv [T, HV, V], dg or None, dbeta or None, dh0 or None):
     dq, dk and dv in ``grad_dtype`` (each accumulated in fp32 and rounded once; dv of the members
     without the delta term is dδ, in the input dtype), the rest fp32; dq and dk are per value head
@@ -330,7 +331,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     delta, gated = beta is not None, g is not None
     prec, DT, io = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype
     dev, f32 = v.device, torch.float32
-    h, VN, _, Ai, W = forward_intermediates(q, k, v, g, beta, h0, ch, False, Ai)
+    h, VN, _, Ai, W, gamma = forward_intermediates(q, k, v, g, beta, h0, ch, False, Ai, gamma=gamma)
     dummy = v
     gp = g if gated else dummy
     DVL = torch.empty(T, HV, V, device=dev, dtype=io)
@@ -345,7 +346,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
                   name="state_bwd")
     Wp = W if delta else dummy
-    gs = chunk_cumsum(g, ch) if gated else dummy  # the state pass reads γ, not g
+    gs = gamma if gated else dummy  # the state pass reads γ, not g
     L = split_len(ch, HV, triton.cdiv(V, SV), dev)
     if L:
         # Split reverse pass, as in the forward: (1) each segment's map dS_end ↦ Aᵀ dS_end + D from

@@ -536,9 +536,17 @@ def state_tile(name: str, ch: Chunks, HV: int, K: int, V: int, device) -> tuple[
     return SK, SV
 
 
+def gamma_of(g, ch: Chunks, gamma=None):
+    """γ [T, HV] fp32, the in-chunk cumulative log decay the sequential passes read: ``gamma`` when
+    the caller has it (the backward gets the forward's), else computed (None without a gate)."""
+    if g is None or gamma is not None:
+        return gamma
+    return chunk_cumsum(g, ch)
+
+
 def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, out_dtype):
     """The forward of one call: (o [T, HV, V] in ``out_dtype``, final state [N, HV, K, V] fp32 or
-    None, Ai or None). q, k: [T, H, K]; v: [T, HV, V] (one dtype); g, beta: [T, HV] fp32 or None.
+    None, Ai or None, γ or None). q, k: [T, H, K]; v: [T, HV, V] (one dtype); g, beta: [T, HV] fp32 or None.
     kkt_solve and wu, then one fused sequential pass (:func:`state_out_kernel`); with
     ``DELTA["state_out"]["from_inverse"]`` no wu: the pass forms δ from T⁻¹, v and β."""
     T, H, K = k.shape
@@ -549,22 +557,24 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     o = torch.empty(T, HV, V, device=dev, dtype=out_dtype)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SK, SV = state_tile("state_out", ch, HV, K, V, dev)
-    gp = chunk_cumsum(g, ch) if g is not None else v
+    G = gamma_of(g, ch)
+    gp = G if G is not None else v
     launch(state_out_kernel, (triton.cdiv(V, SV), ch.N * HV), q, k, v, gp, W if W is not None else v,
            U if U is not None else v, Ai if from_inv else v, beta if from_inv else v,
            h0 if h0 is not None else v, o, ht if want_final else v, ch.cu,
            scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=beta is not None,
            USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=dot_precision(v.dtype), DT=tl_dtype(v.dtype),
            WHILE=INTERPRET, FROM_INV=from_inv, name="state_out")
-    return o, ht, Ai
+    return o, ht, Ai, G
 
 
-def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai=None, from_inverse=False):
+def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai=None, from_inverse=False,
+                          gamma=None):
     """Run the sequential part of the forward, storing what the backward needs: returns
-    (h [NT, HV, K, V], VN or None, ht or None, Ai or None, W or None); h, VN, Ai, W in the inputs'
-    dtype, ht fp32. q, k: [T, H, K]; v: [T, HV, V] (q, k, v of one dtype); g, beta: [T, HV] fp32 or
-    None. ``Ai`` [T, HV, BT], when given (the backward passes the forward's), is used instead of
-    being computed again. ``from_inverse``: no wu; the pass forms δ from T⁻¹, v and β, and W comes
+    (h [NT, HV, K, V], VN or None, ht or None, Ai or None, W or None, γ or None); h, VN, Ai, W in
+    the inputs' dtype, ht and γ fp32. q, k: [T, H, K]; v: [T, HV, V] (q, k, v of one dtype); g, beta:
+    [T, HV] fp32 or None. ``Ai`` [T, HV, BT] and ``gamma`` [T, HV], when given (the backward passes
+    the forward's), are used instead of being computed again. ``from_inverse``: no wu; the pass forms δ from T⁻¹, v and β, and W comes
     back None (the backward, whose state pass reads W, keeps wu)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
@@ -580,8 +590,9 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     dummy = v
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=g is not None, DELTA=delta, PREC=prec, DT=DT,
                   WHILE=INTERPRET, FROM_INV=from_inv, name="state_fwd")
-    # the state passes read γ (the in-chunk cumulative decay), computed once here
-    gp = chunk_cumsum(g, ch) if g is not None else dummy
+    # the state passes read γ (the in-chunk cumulative decay), computed once per forward + backward
+    G = gamma_of(g, ch, gamma)
+    gp = G if G is not None else dummy
     Wp, Up = (W, U) if delta and not from_inv else (dummy, dummy)
     Ap, bp = (Ai, beta) if from_inv else (dummy, dummy)
     L = split_len(ch, HV, triton.cdiv(V, SV), dev)
@@ -596,13 +607,13 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
         Sin = chain(X, h0, ht, sg, HV, K, V, False, prec)
         launch(state_fwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Ap, bp, Sin, h,
                VN if delta else dummy, dummy, sg.cu, sg.off, BV=SV, USE_INIT=True, STORE_FINAL=False, **common)
-        return h, VN, ht, Ai, W
+        return h, VN, ht, Ai, W, G
     SK, SV = state_tile("state_fwd", ch, HV, K, V, dev)
     launch(state_fwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
            k, v, gp, Wp, Up, Ap, bp, h0 if h0 is not None else dummy, h, VN if delta else dummy,
            ht if want_final else dummy,
            ch.cu, ch.chunk_off, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, **common)
-    return h, VN, ht, Ai, W
+    return h, VN, ht, Ai, W, G
 
 
 def output(q, k, v, g, h, VN, ch: Chunks, scale: float, out_dtype):
