@@ -13,6 +13,7 @@ case the module is skipped rather than run on a GPU-less compiler.
 from __future__ import annotations
 
 import copy
+import weakref
 import os
 import sys
 
@@ -437,3 +438,45 @@ def test_gamma_computed_once_per_forward_and_backward(fill, monkeypatch):
     dq = chunk_bwd.backward(qp, kp, vp, gp, bp, d["initial_state"], torch.ones_like(vp), None, ch, 16 ** -0.5)[0]
     assert len(calls) == 2
     assert torch.allclose(dq.sum(1).reshape(1, 100, 1, 16), xs["q"].grad, atol=1e-5)
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of the tensors allocated inside the mode (torch.empty / empty_like) still alive, and
+    their peak: what a backward holds at once on top of its inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def _free(self, n):
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default):
+            n = out.untyped_storage().nbytes()
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(out, self._free, n)
+        return out
+
+
+def test_backward_peak_holds_only_what_the_next_kernel_reads(monkeypatch):
+    """The backward drops W after the reverse state pass, δ after dqk, and allocates wy_bwd's dK
+    output after dqk: its peak is h and dh (two [chunks, HV, K, V] tensors each as large as two
+    [T, HV, K] ones) plus δ, dδ, dQ, dK (fp32) and dW: ten [T, HV, 128] half tensors, against
+    twelve when everything lived to the end."""
+    from gdn.ops.delta.triton import chunk_bwd, chunk_fwd
+
+    for mod in (chunk_bwd, chunk_fwd):  # launches as no-ops that keep no reference to their tensors
+        monkeypatch.setattr(mod, "launch", lambda *a, **k: None)
+    T, HV, K = 512, 2, 128
+    ch = common.make_chunks(1, T, None, torch.device("cpu"))
+    q = torch.randn(T, 1, K).half()
+    v = torch.randn(T, HV, K).half()
+    g, b = -torch.rand(T, HV), torch.rand(T, HV)
+    ai = torch.zeros(T, HV, 64).half()
+    unit = T * HV * K * 2
+    with _LiveBytes() as mem:
+        chunk_bwd.backward(q, q, v, g, b, None, v, None, ch, 0.25, ai, torch.float16, g.clone())
+    assert 10 * unit <= mem.peak < 10.5 * unit, mem.peak / unit

@@ -365,20 +365,22 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                q, k, gs, Wp, do, DVL, dht if dht is not None else dummy, dh, DD,
                dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, scale, BV=SV,
                USE_DHT=dht is not None, USE_INIT=h0 is not None, **common)
-    del DVL
+    # Each intermediate is dropped after its last reader and each output allocated before its first
+    # writer, so the backward's peak (during dqk) holds h, dh, δ, dδ and dqk's outputs only.
+    del DVL, W, Wp
     BK, BV = tiles("dqk", K, V)
     NK = triton.cdiv(K, BK)
     DQ = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
     # dK is final after dqk without the delta term; with it, wy_bwd adds two terms and writes DKO
     DK = torch.empty(T, HV, K, device=dev, dtype=f32 if delta else grad_dtype)
-    DKO = torch.empty(T, HV, K, device=dev, dtype=grad_dtype) if delta and grad_dtype != f32 else DK
     DW = torch.empty(T, HV, K, device=dev, dtype=io) if delta else None
     DGAM = torch.empty(NK, T, HV, device=dev, dtype=f32) if gated else None  # dγ of each K tile
     launch(dqk_kernel, (NK, ch.NT, HV),
            q, k, v, gp, VN if delta else dummy, do, h, dh, DD if delta else dummy, DQ, DK,
            DW if delta else dummy, DGAM if gated else dummy, ch.cu, ch.chunk_idx, scale, T, H=H, HV=HV, K=K,
            V=V, BT=BT, BK=BK, BV=BV, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, name="dqk")
-    del h, dh
+    del h, dh, VN
+    DKO = torch.empty(T, HV, K, device=dev, dtype=grad_dtype) if delta and grad_dtype != f32 else DK
     DV = torch.empty(T, HV, V, device=dev, dtype=grad_dtype) if delta else DD
     DB = torch.empty(T, HV, device=dev, dtype=f32) if delta else None
     DG = torch.empty(T, HV, device=dev, dtype=f32) if gated else None
