@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import logging
 import math
 import os
 import signal
@@ -78,7 +77,7 @@ from gdn.ops.kda import reference as kda_reference  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_gpu import per_step_in_graph_us  # noqa: E402  (one CUDA-graph timer for both)
-from ops_gpu import clean  # noqa: E402  (the JSON rows' cleaning, shared)
+from ops_gpu import clean, fla_backends  # noqa: E402  (the JSON rows' cleaning, FLA's backend choice: shared)
 
 PACKED = [4096, 1000, 7000, 300, 2048, 5000, 64, 3000, 1500, 4260, 2500, 2000]
 #: (name, B, T, H, HV, D, packed lengths or None)
@@ -617,13 +616,7 @@ def main():
                     help="let FLA run its TileLang kernel where it would (default FLA_TILELANG=0: its Triton kernels)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    if args.fla_tilelang:
-        os.environ.pop("FLA_TILELANG", None)
-    else:
-        os.environ["FLA_TILELANG"] = "0"
-    # FLA logs each backend other than its Triton default when it first runs it ("[FLA Backend] ... -> ...")
-    logging.basicConfig(format="%(name)s: %(message)s")
-    logging.getLogger("fla.backends").setLevel(logging.INFO)
+    fla_backends(args.fla_tilelang)
     on_cpu = args.device == "cpu"
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error("--device cpu runs the Triton kernels interpreted: set TRITON_INTERPRET=1")

@@ -467,6 +467,17 @@ def table(rs, mm_rate, copy_bw, peers=("gdn", "fla", "sdpa")):
     print(markdown(rs, peers), flush=True)
 
 
+def fla_backends(tilelang: bool) -> None:
+    """FLA on its Triton kernels (``FLA_TILELANG=0``) unless ``tilelang``, and its log line for each
+    other backend it first runs ("[FLA Backend] ... -> ...") shown. Before FLA is imported."""
+    if tilelang:
+        os.environ.pop("FLA_TILELANG", None)
+    else:
+        os.environ["FLA_TILELANG"] = "0"
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("fla.backends").setLevel(logging.INFO)
+
+
 def clean(x):
     """``x`` with non-finite floats as None (strict JSON)."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -610,13 +621,7 @@ def main():
         qla_rows = None if args.qla_shapes is None else parse_indices(args.qla_shapes, len(SHAPES))
     except ValueError as e:
         ap.error(str(e))
-    if args.fla_tilelang:
-        os.environ.pop("FLA_TILELANG", None)
-    else:
-        os.environ["FLA_TILELANG"] = "0"
-    # FLA logs each backend other than its Triton default when it first runs it ("[FLA Backend] ... -> ...")
-    logging.basicConfig(format="%(name)s: %(message)s")
-    logging.getLogger("fla.backends").setLevel(logging.INFO)
+    fla_backends(args.fla_tilelang)
     shapes = [SHAPES[i] for i in order]
     if args.config:
         from gdn.ops import tuning
