@@ -143,12 +143,12 @@ def counts(B, T, H, HV, V=D):
     return fwd_flops, 3 * fwd_flops, ins + out, 2 * ins + 2 * out + ins
 
 
-def inputs(B, T, H, HV, lens, V=D):
-    q = torch.randn(B, T, H, D, device=DEVICE, dtype=torch.bfloat16)
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=DEVICE), dim=-1).bfloat16()
-    v = torch.randn(B, T, HV, V, device=DEVICE, dtype=torch.bfloat16)
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device=DEVICE) + 3)
-    beta = torch.rand(B, T, HV, device=DEVICE).sigmoid()
+def inputs(B, T, H, HV, lens, V=D, device=DEVICE):
+    q = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=device), dim=-1).bfloat16()
+    v = torch.randn(B, T, HV, V, device=device, dtype=torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device=device) + 3)
+    beta = torch.rand(B, T, HV, device=device).sigmoid()
     cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     return [x.requires_grad_(True) for x in (q, k, v, g, beta)], cu
 

@@ -6,7 +6,9 @@ queued back to back, timed before the final synchronisation), the GPU µs per ca
 replayed from a CUDA graph where capture works, else the sum of the profiled kernels), and the
 functions with the most own and cumulative host time (cProfile).
 
-    python tools/host_profile.py --shape 8x2048 [--heads 16 --hv 16 --dim 128] [--top 25]
+    python tools/host_profile.py --shape 8x2048 [--heads 16 --hv 16] [--top 25]
+
+The inputs and the call are benchmarks/ops_gpu.py's (bf16, K = V = 128).
 
 With ``--cpu-stub`` (no GPU needed) the same calls take the Triton path on CPU tensors with every
 kernel launch replaced by a no-op: what is left is gdn's own host work per call (argument checks,
@@ -32,7 +34,8 @@ if "--cpu-stub" in sys.argv:  # before triton is imported: its interpreter takes
 
     os.environ["TRITON_INTERPRET"] = "1"
 
-from gdn import ops  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from ops_gpu import D, gdn_fn, inputs  # noqa: E402
 
 DEVICE = "cpu" if "--cpu-stub" in sys.argv else "cuda"
 LAUNCHES = [0]
@@ -53,15 +56,6 @@ def stub_launches() -> None:
     for mod in list(sys.modules.values()):  # the router and every module that imported its test
         if getattr(mod, "__name__", "").startswith("gdn.") and hasattr(mod, "use_triton"):
             mod.use_triton = lambda x: True
-
-
-def make(B, T, H, HV, D):
-    q = torch.randn(B, T, H, D, device=DEVICE, dtype=torch.bfloat16)
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=DEVICE), dim=-1).bfloat16()
-    v = torch.randn(B, T, HV, D, device=DEVICE, dtype=torch.bfloat16)
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device=DEVICE) + 3)
-    beta = torch.rand(B, T, HV, device=DEVICE).sigmoid()
-    return [x.requires_grad_(True) for x in (q, k, v, g, beta)]
 
 
 def sync() -> None:
@@ -114,22 +108,19 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="8x2048", help="BxT")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--hv", type=int, default=16)
-    p.add_argument("--dim", type=int, default=128)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--cpu-stub", action="store_true", help="CPU tensors, kernel launches as no-ops: gdn's own host time")
     a = p.parse_args(argv)
     if a.cpu_stub:
         stub_launches()
     B, T = (int(x) for x in a.shape.lower().split("x"))
-    xs = make(B, T, a.heads, a.hv, a.dim)
-    do = torch.randn(B, T, a.hv, a.dim, device=DEVICE, dtype=torch.bfloat16)
+    xs, _ = inputs(B, T, a.heads, a.hv, None, device=DEVICE)
+    do = torch.randn(B, T, a.hv, D, device=DEVICE, dtype=torch.bfloat16)
+    fwd = gdn_fn(xs, None)
 
     def fwd_nograd():
         with torch.no_grad():
-            return ops.gated_delta_rule(*xs, backend="triton")[0]
-
-    def fwd():
-        return ops.gated_delta_rule(*xs, backend="triton")[0]
+            return fwd()
 
     def fwd_bwd():
         for x in xs:
@@ -137,7 +128,7 @@ def main(argv=None) -> int:
         fwd().backward(do)
 
     where = "CPU, launches stubbed" if a.cpu_stub else torch.cuda.get_device_name()
-    print(f"shape ({B}, {T}, H={a.heads}, HV={a.hv}, {a.dim}) bf16; torch {torch.__version__}, {where}")
+    print(f"shape ({B}, {T}, H={a.heads}, HV={a.hv}, {D}) bf16; torch {torch.__version__}, {where}")
     for name, fn in (("forward, no grad", fwd_nograd), ("forward", fwd), ("forward+backward", fwd_bwd)):
         if a.cpu_stub:
             fn()
