@@ -143,7 +143,8 @@ def counts(B, T, H, HV, V=D):
     return fwd_flops, 3 * fwd_flops, ins + out, 2 * ins + 2 * out + ins
 
 
-def inputs(B, T, H, HV, lens, V=D, device=DEVICE):
+def inputs(B, T, H, HV, lens, V=D, device=None):
+    device = device or DEVICE  # (read at call time: tests point DEVICE elsewhere)
     q = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=device), dim=-1).bfloat16()
     v = torch.randn(B, T, HV, V, device=device, dtype=torch.bfloat16)
