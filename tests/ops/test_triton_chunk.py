@@ -416,10 +416,13 @@ def test_state_tile_and_long_sequences():
     assert packed.long_sequences == 1
 
 
+@pytest.mark.parametrize("member", ["gated_delta_rule", "gated_linear_attention"])
 @pytest.mark.parametrize("fill", [0, 10 ** 9], ids=["fused", "two-stage"])
-def test_gamma_computed_once_per_forward_and_backward(fill, monkeypatch):
-    """γ (the in-chunk cumulative decay) is made once by the forward and handed to the backward: one
-    cumsum launch per forward + backward, and the gradients those of a backward that recomputes it."""
+def test_gamma_made_once_per_forward_and_backward(member, fill, monkeypatch):
+    """γ (the in-chunk cumulative decay) is made once per forward + backward and handed from the
+    forward to the backward: by the inverse's kernel for the gated delta rule (no cumsum launch at
+    all), by one cumsum launch for the members without the delta term. The inverse kernel's γ equals
+    the cumsum kernel's, and a backward that recomputes γ gives the same gradients."""
     from gdn.ops.delta.triton import chunk_bwd, chunk_fwd
 
     monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=fill))
@@ -427,16 +430,21 @@ def test_gamma_computed_once_per_forward_and_backward(fill, monkeypatch):
     real = chunk_fwd.chunk_cumsum
     monkeypatch.setattr(chunk_fwd, "chunk_cumsum", lambda g, ch: calls.append(1) or real(g, ch))
     d = make_inputs(B=1, T=100, H=1, HV=2, K=16, V=16, dtype=torch.float32, state=True, seed=5)
-    xs = {n: d[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
-    o, _ = chunk_op(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], initial_state=d["initial_state"])
+    names = ("q", "k", "v", "g", "beta") if member == "gated_delta_rule" else ("q", "k", "v", "g")
+    xs = {n: d[n].clone().requires_grad_(True) for n in names}
+    o, _ = chunk_op(xs["q"], xs["k"], xs["v"], xs["g"], xs.get("beta"), initial_state=d["initial_state"])
     o.sum().backward()
-    assert len(calls) == 1
-    # the backward on its own (no γ given) recomputes it and gives the same gradients
+    assert len(calls) == (0 if member == "gated_delta_rule" else 1)
     ch = common.make_chunks(1, 100, None, torch.device("cpu"))
     qp, kp = d["q"].reshape(100, 1, 16), d["k"].reshape(100, 1, 16)
-    vp, gp, bp = d["v"].reshape(100, 2, 16), d["g"].reshape(100, 2), d["beta"].reshape(100, 2)
+    vp, gp = d["v"].reshape(100, 2, 16), d["g"].reshape(100, 2)
+    bp = d["beta"].reshape(100, 2) if member == "gated_delta_rule" else None
+    if bp is not None:
+        G = torch.empty_like(gp)
+        chunk_fwd.prepare(kp, vp, gp, bp, ch, wu=False, gamma_out=G)
+        assert torch.allclose(G, real(gp, ch), atol=1e-6)
+    # the backward on its own (no Ai, no γ given) recomputes both and gives the same gradients
     dq = chunk_bwd.backward(qp, kp, vp, gp, bp, d["initial_state"], torch.ones_like(vp), None, ch, 16 ** -0.5)[0]
-    assert len(calls) == 2
     assert torch.allclose(dq.sum(1).reshape(1, 100, 1, 16), xs["q"].grad, atol=1e-5)
 
 

@@ -44,9 +44,12 @@ def _block_a(Aij, b_i, gi, gj, DIAG: tl.constexpr, USE_G: tl.constexpr):
 
 
 @triton.jit
-def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H, HV, K: tl.constexpr,
-                     BK: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr, INV: tl.constexpr):
-    """Ai[t, hv, :] = rows of T = (I + A)⁻¹ for each chunk, built from four 16-row blocks."""
+def kkt_solve_kernel(k, g, beta, Ai, G, cu, chunk_idx, H, HV, K: tl.constexpr,
+                     BK: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr, INV: tl.constexpr,
+                     STORE_G: tl.constexpr):
+    """Ai[t, hv, :] = rows of T = (I + A)⁻¹ for each chunk, built from four 16-row blocks. With
+    STORE_G, also G[t, hv] = γ, the in-chunk cumulative log decay this kernel forms anyway (the
+    sequential passes read it, so the call needs no cumsum kernel)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
@@ -74,6 +77,11 @@ def kkt_solve_kernel(k, g, beta, Ai, cu, chunk_idx, H, HV, K: tl.constexpr,
         s += s2
         g3, s3 = gate_cumsum(g, r3, m3, HV, i_hv)
         g3 += s
+        if STORE_G:
+            tl.store(G + r0 * HV + i_hv, g0, mask=m0)
+            tl.store(G + r1 * HV + i_hv, g1, mask=m1)
+            tl.store(G + r2 * HV + i_hv, g2, mask=m2)
+            tl.store(G + r3 * HV + i_hv, g3, mask=m3)
     z = tl.zeros([16, 16], dtype=tl.float32)
     A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = z, z, z, z, z, z, z, z, z, z
     for i_k in range(0, tl.cdiv(K, BK)):
@@ -495,11 +503,12 @@ def state_out_kernel(q, k, v, g, W, U, Ai, beta, h0, o, ht, cu, scale, H, HV,
         tl.store(ht + p_s, b_s, mask=mkv)
 
 
-def prepare(k, v, g, beta, ch: Chunks, Ai=None, wu: bool = True):
+def prepare(k, v, g, beta, ch: Chunks, Ai=None, wu: bool = True, gamma_out=None):
     """The per-chunk factors of a delta member: (Ai [T, HV, BT] = T⁻¹ rows, W [T, HV, K], U [T, HV, V]),
     in the inputs' dtype; (None, None, None) without the delta term. ``Ai``, when given (the
     backward passes the forward's), is used instead of being computed again. Without ``wu`` only
-    Ai is made (W and U None): for the state passes that form δ from T (``FROM_INV``)."""
+    Ai is made (W and U None): for the state passes that form δ from T (``FROM_INV``).
+    ``gamma_out`` [T, HV] fp32: filled with γ by the inverse's kernel (gated members, Ai not given)."""
     if beta is None:
         return None, None, None
     T, H, K = k.shape
@@ -509,9 +518,10 @@ def prepare(k, v, g, beta, ch: Chunks, Ai=None, wu: bool = True):
     if Ai is None:
         Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
         BK, _ = tiles("kkt_solve", K, V)
-        launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, ch.cu, ch.chunk_idx, H=H, HV=HV, K=K, BK=BK,
-               USE_G=g is not None, PREC=prec, INV=DELTA["kkt_solve"]["INV"] if DT != tl.float32 else "ieee",
-               name="kkt_solve")
+        store_g = g is not None and gamma_out is not None
+        launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, gamma_out if store_g else gp, ch.cu, ch.chunk_idx,
+               H=H, HV=HV, K=K, BK=BK, USE_G=g is not None, PREC=prec,
+               INV=DELTA["kkt_solve"]["INV"] if DT != tl.float32 else "ieee", STORE_G=store_g, name="kkt_solve")
     if not wu:
         return Ai, None, None
     W = torch.empty(T, HV, K, device=dev, dtype=io)
@@ -538,10 +548,16 @@ def state_tile(name: str, ch: Chunks, HV: int, K: int, V: int, device) -> tuple[
 
 def gamma_of(g, ch: Chunks, gamma=None):
     """γ [T, HV] fp32, the in-chunk cumulative log decay the sequential passes read: ``gamma`` when
-    the caller has it (the backward gets the forward's), else computed (None without a gate)."""
+    the caller has it (the backward gets the forward's, the forward the inverse kernel's), else
+    computed (None without a gate)."""
     if g is None or gamma is not None:
         return gamma
     return chunk_cumsum(g, ch)
+
+
+def _gamma_buffer(g, beta, Ai):
+    """Where the inverse's kernel writes γ: a gated delta member whose inverse is computed here."""
+    return torch.empty_like(g) if g is not None and beta is not None and Ai is None else None
 
 
 def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, out_dtype):
@@ -553,11 +569,12 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     HV, V = v.shape[1], v.shape[2]
     dev = v.device
     from_inv = beta is not None and DELTA["state_out"].get("from_inverse", False)
-    Ai, W, U = prepare(k, v, g, beta, ch, wu=not from_inv)
+    G = _gamma_buffer(g, beta, None)
+    Ai, W, U = prepare(k, v, g, beta, ch, wu=not from_inv, gamma_out=G)
     o = torch.empty(T, HV, V, device=dev, dtype=out_dtype)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SK, SV = state_tile("state_out", ch, HV, K, V, dev)
-    G = gamma_of(g, ch)
+    G = gamma_of(g, ch, G)
     gp = G if G is not None else v
     launch(state_out_kernel, (triton.cdiv(V, SV), ch.N * HV), q, k, v, gp, W if W is not None else v,
            U if U is not None else v, Ai if from_inv else v, beta if from_inv else v,
@@ -582,7 +599,9 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     from_inv = delta and from_inverse
     prec, DT, io = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype
     dev = v.device
-    Ai, W, U = prepare(k, v, g, beta, ch, Ai, wu=not from_inv)
+    fill = _gamma_buffer(g, beta, Ai) if gamma is None else None
+    Ai, W, U = prepare(k, v, g, beta, ch, Ai, wu=not from_inv, gamma_out=fill)
+    gamma = fill if gamma is None else gamma
     VN = torch.empty(T, HV, V, device=dev, dtype=io) if delta else None
     h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
