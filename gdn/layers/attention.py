@@ -203,8 +203,18 @@ class Attention(nn.Module):
         length, nothing syncs with the host. Equals :meth:`forward` with a cache up to the order of
         the softmax sums.
         """
-        B = x.shape[0]
-        p = weights(x)
+        return self.decode_from(decode_linear(x, weights.weight), state, slot, positions, weights)
+
+    @staticmethod
+    def decode_input(weights: FusedLinear) -> FusedLinear:
+        """The joined input projection of :meth:`decode_weights`' ``weights`` (all of it)."""
+        return weights
+
+    def decode_from(self, y: torch.Tensor, state: KVState, slot: torch.Tensor, positions: torch.Tensor,
+                    weights: FusedLinear) -> torch.Tensor:
+        """:meth:`decode_into` from the joined input projection ``y`` = x W_inᵀ [B, 1, Σ out]."""
+        B = y.shape[0]
+        p = weights.split(y)
         q, k, v = self._heads(p["q_proj"], p["k_proj"], p["v_proj"], positions[:, None])
         idx = slot.reshape(1)
         state.key.index_copy_(1, idx, k.to(state.key.dtype))

@@ -43,7 +43,12 @@ class SwiGLU(nn.Module):
 
     def decode(self, x: torch.Tensor, weights: FusedLinear) -> torch.Tensor:
         """:meth:`forward` with gate and up from one GEMM (``weights``: :meth:`decode_weights`)."""
-        p = weights(x)
+        return self.decode_from(decode_linear(x, weights.weight), weights)
+
+    def decode_from(self, y: torch.Tensor, weights: FusedLinear) -> torch.Tensor:
+        """:meth:`decode` from the joined gate and up projection ``y`` [..., 2 I]: the down projection
+        of SiLU(gate) · up."""
+        p = weights.split(y)
         gate = p["gate_proj"]
         return decode_linear(gate, self.down_proj.weight, p["up_proj"], autocast_of(gate) or gate.dtype)
 

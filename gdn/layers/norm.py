@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.gemv import norm_linear
 from ..ops.library import autocast_of
 from ..ops.norm import add_rms_norm, gated_rms_norm, rms_norm
 
@@ -51,6 +52,15 @@ class RMSNorm(nn.Module):
         decode (:func:`gdn.ops.norm.add_rms_norm`). x, h: [..., D]."""
         self._check("x", x)
         return add_rms_norm(x, h, self.weight, self.eps, autocast_of(x) or torch.promote_types(x.dtype, h.dtype))
+
+    def linear_forward(self, x: torch.Tensor, delta: torch.Tensor | None,
+                       weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A residual add, this norm and the projection that reads it: ``(s, F.linear(self(s),
+        weight))`` with ``s = x + delta`` (x when delta is None); one kernel at decode for up to four
+        rows (:func:`gdn.ops.gemv.norm_linear`). x, delta: [..., D]; weight [N, D]."""
+        self._check("x", x)
+        dt = autocast_of(x) or (x.dtype if delta is None else torch.promote_types(x.dtype, delta.dtype))
+        return norm_linear(x, delta, self.weight, self.eps, weight, dt)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

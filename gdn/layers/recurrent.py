@@ -214,9 +214,18 @@ class RecurrentMixer(nn.Module):
         :func:`gdn.ops.recurrent_step_` (or the member's step op). The numbers are those of
         :meth:`forward` with ``state`` and ``use_cache=True``.
         """
-        B = x.shape[0]
+        return self.decode_from(decode_linear(x, weights[0].weight), state, weights)
+
+    @staticmethod
+    def decode_input(weights) -> FusedLinear:
+        """The joined input projection of :meth:`decode_weights`' ``weights``."""
+        return weights[0]
+
+    def decode_from(self, y: torch.Tensor, state: RecurrentState, weights) -> torch.Tensor:
+        """:meth:`decode_into` from the joined input projection ``y`` = x W_inᵀ [B, 1, Σ out] (the
+        caller may have formed it together with the norm before it)."""
+        B = y.shape[0]
         proj, convs = weights
-        y = decode_linear(x, proj.weight)
         p = proj.split(y)
         sizes = [self.key_dim, self.key_dim, self.value_dim]
         qkv = y[..., : sum(sizes)]  # q, k, v lead the projections

@@ -65,21 +65,20 @@ class GDNBlock(nn.Module):
         """One decode step of this block updating the preallocated ``state`` in place (see the
         mixers' ``decode_into``; ``slot`` and ``positions`` are for attention; ``weights``:
         :meth:`decode_weights`). x: [B, 1, D], the residual stream before this block, still without
-        ``delta`` (the previous block's MLP output, None for none): each residual add runs in the
-        kernel of the norm that reads its sum (:meth:`gdn.layers.RMSNorm.add_forward`). Returns
-        ``(x, delta)``: the stream after the mixer and this block's MLP output, which the next
-        norm adds (the block's output is their sum)."""
+        ``delta`` (the previous block's MLP output, None for none): each residual add runs with the
+        norm that reads its sum and the projection that reads the norm
+        (:meth:`gdn.layers.RMSNorm.linear_forward`, one kernel for up to four rows on CUDA); the
+        mixer and the MLP continue from that projection (``decode_from``). Returns ``(x, delta)``:
+        the stream after the mixer and this block's MLP output, which the next norm adds (the
+        block's output is their sum)."""
         mixer_w, mlp_w = weights
-        if delta is None:
-            h = self.mixer_norm(x)
-        else:
-            x, h = self.mixer_norm.add_forward(x, delta)
+        x, y = self.mixer_norm.linear_forward(x, delta, self.mixer.decode_input(mixer_w).weight)
         if isinstance(self.mixer, Attention):
-            h = self.mixer.decode_into(h, state, slot, positions, mixer_w)
+            h = self.mixer.decode_from(y, state, slot, positions, mixer_w)
         else:
-            h = self.mixer.decode_into(h, state, mixer_w)
-        x, h = self.mlp_norm.add_forward(x, h)
-        return x, self.mlp.decode(h, mlp_w)
+            h = self.mixer.decode_from(y, state, mixer_w)
+        x, y = self.mlp_norm.linear_forward(x, h, mlp_w.weight)
+        return x, self.mlp.decode_from(y, mlp_w)
 
     def mixer_state(self, x, attention_mask=None, state=None, positions=None):
         """The mixer's state after this block's input ``x`` [B, T, D] continuing from ``state`` (no MLP):

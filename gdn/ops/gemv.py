@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import library
+from .norm import add_rms_norm, rms_norm
 from .router import HAS_TRITON, use_triton
 from .swiglu import swiglu_down
 from .tuning import OTHER
@@ -43,3 +44,22 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, up: torch.Tensor | None
     if up is None:
         return F.linear(x, weight)
     return swiglu_down(x, up, weight, dtype or x.dtype)
+
+
+def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, norm_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, F.linear(rms_norm(s, norm_weight, eps, norm_dtype), weight))`` with the residual stream
+    s = x + delta (x itself when delta is None): the add, the RMSNorm after it and the projection
+    that reads the norm, as one streaming pass where :func:`decode_linear` takes the product and the
+    norm is in x's dtype (the pass forms each row's norm itself); the norm's ops and
+    :func:`decode_linear` otherwise."""
+    take = (_streams(x, weight, delta) and norm_dtype == x.dtype and norm_weight.dim() == 1
+            and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
+            and not (torch.is_grad_enabled() and norm_weight.requires_grad))
+    if take:
+        return kernels.norm_gemv(x, delta, norm_weight, eps, weight)
+    if delta is None:
+        s, h = x, rms_norm(x, norm_weight, eps, norm_dtype)
+    else:
+        s, h = add_rms_norm(x, delta, norm_weight, eps, norm_dtype)
+    return s, decode_linear(h, weight)

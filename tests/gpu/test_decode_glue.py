@@ -126,3 +126,26 @@ def test_gemv(M, N, K, dtype, device=DEVICE):
     up = p[..., 8 + K:]
     h = (torch.nn.functional.silu(x.double()) * up.double()).to(dtype).double()
     assert rel_err(gemv(x, w, up), h @ w.double().t()) < BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.parametrize("N", [4620, 5632])
+def test_norm_gemv(M, N, with_delta, dtype, device=DEVICE):
+    """A residual add, the RMSNorm and the projection after it in one pass at the 340m widths: the
+    stream exact, the product against the float64 norm and product."""
+    from gdn.ops.triton.gemv import norm_gemv
+
+    K = 1024
+    gen = torch.Generator(device=device).manual_seed(M + N)
+    x = (2 * torch.randn(M, 1, K, device=device, generator=gen)).to(dtype)
+    d = (2 * torch.randn(M, 1, K, device=device, generator=gen)).to(dtype) if with_delta else None
+    wn = (1 + 0.1 * torch.randn(K, device=device, generator=gen)).to(dtype)
+    w = (torch.randn(N, K, device=device, generator=gen) / K ** 0.5).to(dtype)
+    s, y = norm_gemv(x, d, wn, 1e-6, w)
+    s_ref = x if d is None else (x.float() + d.float()).to(dtype)
+    assert torch.equal(s, s_ref)
+    s64 = s_ref.double()
+    h = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-6) * wn.double()
+    assert rel_err(y, h @ w.double().t()) < BOUND[dtype]

@@ -88,3 +88,47 @@ def test_decode_linear_routes(monkeypatch):
             gemv_ops.decode_linear(torch.randn(1, 1, 16).half(), w)
     xg = torch.randn(1, 1, 16, requires_grad=True)
     assert gemv_ops.decode_linear(xg, w).requires_grad and calls == [False, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_norm_gemv_against_norm_then_linear(dtype, M, with_delta):
+    """The residual add, the RMSNorm and the projection in one pass (two K tiles and a masked tail):
+    the stream s bit-equal to x + delta rounded, the product within the bound of the separate norm
+    (rounded to the dtype) times the weight in float64; without delta s is x itself."""
+    from gdn.ops.norm import add_rms_norm, rms_norm
+
+    K, N = 300, 24
+    gen = torch.Generator().manual_seed(M + 10 * with_delta)
+    x = (2 * torch.randn(M, 1, K, generator=gen)).to(dtype)
+    d = (2 * torch.randn(M, 1, K, generator=gen)).to(dtype) if with_delta else None
+    wn = (1 + 0.1 * torch.randn(K, generator=gen)).to(dtype)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype)
+    s, y = kernels.norm_gemv(x, d, wn, 1e-6, w)
+    if with_delta:
+        s_ref, h = add_rms_norm(x, d, wn, 1e-6, dtype)  # CPU tensors: the PyTorch ops
+        assert torch.equal(s, s_ref)
+    else:
+        h = rms_norm(x, wn, 1e-6, dtype)
+        assert s is x
+    assert y.shape == (M, 1, N) and y.dtype == dtype
+    assert _rel(y, F.linear(h.double(), w.double())) < BOUND[dtype] * 2
+
+
+def test_norm_linear_routes(monkeypatch):
+    """Few rows in the norm's dtype take the one-pass kernel; a wider norm dtype, more rows or a
+    gradient take the norm's ops and decode_linear (same results on the CPU)."""
+    monkeypatch.setattr(gemv_ops, "use_triton", lambda x: True)
+    calls = []
+    monkeypatch.setattr(kernels, "norm_gemv", lambda *a: calls.append(1) or (a[0], None))
+    monkeypatch.setattr(kernels, "gemv", lambda x, w, up: torch.zeros(*x.shape[:-1], w.shape[0]))
+    x, wn, w = torch.randn(2, 1, 16), torch.ones(16), torch.randn(8, 16)
+    with torch.no_grad():
+        gemv_ops.norm_linear(x, None, wn, 1e-6, w, torch.float32)
+        assert calls == [1]
+        gemv_ops.norm_linear(x, x, wn, 1e-6, w.double(), torch.float64)  # the norm (and weight) in another dtype
+        gemv_ops.norm_linear(torch.randn(5, 1, 16), None, wn, 1e-6, w, torch.float32)  # five rows
+        assert calls == [1]
+    s, y = gemv_ops.norm_linear(x, x, wn.requires_grad_(), 1e-6, w, torch.float32)
+    assert calls == [1] and y.requires_grad and torch.equal(s, x + x)

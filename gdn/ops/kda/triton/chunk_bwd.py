@@ -74,11 +74,12 @@ def _state_bwd_step(j, b_ds, NC, QG, KT, G, W, do, DVL, dh, DD, bos, eos, c0, i_
     return tl.dot(tl.trans(b_w), -b_ddd, acc=b_ds, input_precision=PREC)
 
 
-@triton.jit(do_not_specialize=["max_nc"])
-def state_bwd_kernel(QG, KT, G, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max_nc, scale, HV,
+@triton.jit
+def state_bwd_kernel(QG, KT, G, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale, HV,
                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr,
                      USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
-    """Reverse pass over one sequence's chunks: dh[c] = dS' of chunk c, DD = dδ, dh0 = dS_0."""
+    """Reverse pass over one sequence's chunks (its own count: in a packed batch a short sequence's
+    programs end early): dh[c] = dS' of chunk c, DD = dδ, dh0 = dS_0."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -95,12 +96,12 @@ def state_bwd_kernel(QG, KT, G, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, max
         b_ds = tl.load(dht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s).to(tl.float32)
     if WHILE:
         j = 0
-        while j < max_nc:
+        while j < NC:
             b_ds = _state_bwd_step(j, b_ds, NC, QG, KT, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, o_t, o_k, o_v,
                                    p_s, scale, HV, K, V, PREC, DT)
             j += 1
     else:
-        for j in range(0, max_nc):
+        for j in range(0, NC):
             b_ds = _state_bwd_step(j, b_ds, NC, QG, KT, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, o_t, o_k, o_v,
                                    p_s, scale, HV, K, V, PREC, DT)
     if USE_INIT:
@@ -308,7 +309,7 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float):
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
     SV = state_vtile("state_bwd", K, V, ch.N * HV, dev, io)
     launch(state_bwd_kernel, (V // SV, ch.N * HV), fw.QG, fw.KT, G, W, do, DVL, dht if dht is not None else v, dh,
-           DD, dh0 if dh0 is not None else v, ch.cu, ch.chunk_off, ch.max_nc, scale, HV, K=K, V=V, BV=SV,
+           DD, dh0 if dh0 is not None else v, ch.cu, ch.chunk_off, scale, HV, K=K, V=V, BV=SV,
            USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_bwd",
            io=io)
     del DVL, fw

@@ -340,13 +340,13 @@ def _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, 
     return tl.dot(tl.trans(b_kt), b_d.to(DT), acc=b_s * tl.exp(b_gc)[:, None], input_precision=PREC)
 
 
-@triton.jit(do_not_specialize=["max_nc"])
-def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, HV, K: tl.constexpr,
+@triton.jit
+def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, HV, K: tl.constexpr,
                      V: tl.constexpr, BV: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
     """Sequential pass over one sequence's chunks for one value head and V tile: h [NT, HV, K, V]
-    (state entering each chunk), VN = δ [T, HV, V], final state ht [N, HV, K, V] (fp32). Runs
-    ``max_nc`` steps; steps past the sequence are masked and leave the state unchanged."""
+    (state entering each chunk), VN = δ [T, HV, V], final state ht [N, HV, K, V] (fp32). Runs the
+    sequence's own chunk count, so in a packed batch a short sequence's programs end early."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -360,14 +360,15 @@ def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, max_nc, HV, K: t
     b_s = tl.zeros([K, BV], dtype=tl.float32)
     if USE_INIT:
         b_s = tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s).to(tl.float32)
+    nc = tl.cdiv(eos - bos, 64)
     if WHILE:
         i_c = 0
-        while i_c < max_nc:
+        while i_c < nc:
             b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, p_s, HV,
                                   K, V, PREC, DT)
             i_c += 1
     else:
-        for i_c in range(0, max_nc):
+        for i_c in range(0, nc):
             b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, p_s, HV,
                                   K, V, PREC, DT)
     if STORE_FINAL:
@@ -444,7 +445,7 @@ def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool, sc
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SV = state_vtile("state_fwd", K, V, ch.N * HV, dev, io)
     launch(state_fwd_kernel, (V // SV, ch.N * HV), KT, G, W, U, h0 if h0 is not None else v, h, VN,
-           ht if ht is not None else v, ch.cu, ch.chunk_off, ch.max_nc, HV, K=K, V=V, BV=SV,
+           ht if ht is not None else v, ch.cu, ch.chunk_off, HV, K=K, V=V, BV=SV,
            USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_fwd",
            io=io)
     return Intermediates(Ai, P, W, QG, KT, h, VN, ht)
