@@ -51,6 +51,7 @@ rows are its Triton kernels, unless ``--fla-tilelang``.
 
     python benchmarks/kda_gpu.py [--max-seconds 300] [--step-seconds 30] [--no-fla] [--no-decode]
                                  [--recurrent] [--no-check] [--impls "gdn KDA,FLA chunk"] [--json PATH]
+    python benchmarks/kda_gpu.py --profile --shapes 0              # per-kernel µs, gdn KDA and FLA chunk
     TRITON_INTERPRET=1 python benchmarks/kda_gpu.py --dry-run      # plumbing on the CPU, tiny shapes
 """
 from __future__ import annotations
@@ -77,7 +78,7 @@ from gdn.ops.kda import reference as kda_reference  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_gpu import per_step_in_graph_us  # noqa: E402  (one CUDA-graph timer for both)
-from ops_gpu import clean, fla_backends  # noqa: E402  (the JSON rows' cleaning, FLA's backend choice: shared)
+from ops_gpu import clean, fla_backends, kernel_times  # noqa: E402  (JSON cleaning, FLA's backends, the per-kernel profile: shared)
 
 PACKED = [4096, 1000, 7000, 300, 2048, 5000, 64, 3000, 1500, 4260, 2500, 2000]
 #: (name, B, T, H, HV, D, packed lengths or None)
@@ -596,6 +597,19 @@ def print_tables(chunk_rows, dec_rows, impls, args, started):
     sys.stdout.flush()
 
 
+def profile(shapes, impls, dtype):
+    """Per-kernel GPU µs per call of each implementation, forward (no grad) and forward+backward."""
+    for name, B, T, H, HV, D, lens in shapes:
+        cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        x, do = make_inputs(B, T, H, HV, D, "cuda", dtype)
+        for impl in impls:
+            f = impl_fn(impl, x, cu, "cuda", False)
+            kernel_times(forward_only(f), f"{impl} at {name}, forward")
+            kernel_times(forward_backward(f, do), f"{impl} at {name}, forward+backward")
+        del x, do
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-seconds", type=float, default=300, help="wall-clock budget of the whole run")
@@ -614,6 +628,9 @@ def main():
     ap.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON, rewritten after every row")
     ap.add_argument("--fla-tilelang", action="store_true",
                     help="let FLA run its TileLang kernel where it would (default FLA_TILELANG=0: its Triton kernels)")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of the tables: per-kernel GPU µs of the chosen implementations (default gdn KDA, "
+                         "FLA chunk) at the chosen shapes, forward and forward+backward (torch.profiler)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     fla_backends(args.fla_tilelang)
@@ -630,6 +647,11 @@ def main():
     except ValueError as e:
         ap.error(str(e))
     impls = [i for i in chosen if not (i.startswith("FLA") and (args.no_fla or args.dry_run))]
+    if args.profile:
+        if on_cpu:
+            ap.error("--profile times CUDA kernels: it needs a GPU")
+        profile(shapes, impls if args.impls else [i for i in impls if i in ("gdn KDA", "FLA chunk")], args.dtype)
+        return
 
     started = time.monotonic()
     end = started + args.max_seconds
