@@ -631,8 +631,13 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="instead of the tables: per-kernel GPU µs of the chosen implementations (default gdn KDA, "
                          "FLA chunk) at the chosen shapes, forward and forward+backward (torch.profiler)")
+    ap.add_argument("--config", default=None, metavar="JSON",
+                    help='launch settings to try, inline JSON or a file (gdn.ops.tuning.update_from), e.g. '
+                         '\'{"kda.kkt": {"BK": 64}}\'')
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
+    if args.config:
+        tuning.update_from(args.config)
     fla_backends(args.fla_tilelang)
     on_cpu = args.device == "cpu"
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":

@@ -38,10 +38,13 @@ TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 
-def _errors(B, T, H, HV, K, V, dtype, lens=None, state=True, g_scale=0.5, seed=0):
-    """Relative errors of o, the final state and every gradient against the float64 recurrence."""
+def _errors(B, T, H, HV, K, V, dtype, lens=None, state=True, g_scale=0.5, seed=0, g_edit=None):
+    """Relative errors of o, the final state and every gradient against the float64 recurrence
+    (``g_edit(g)``: changes the log decays [B, T, HV, K] in place first)."""
     N = len(lens) if lens else B
     d = kda_inputs(B, T, H, HV, K, V, N=N, g_scale=g_scale, seed=seed)
+    if g_edit is not None:
+        g_edit(d["g"])
     names = [n for n in NAMES if state or n != "initial_state"]
     cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
     ref = {n: d[n].detach().clone().requires_grad_(True) for n in names}
@@ -96,6 +99,23 @@ def test_strong_decay_stays_finite_and_accurate():
     takes a positive exponent."""
     errs = _errors(1, 130, 1, 1, 16, 16, torch.float32, g_scale=40.0, seed=4)
     _check(errs, 1e-4)
+
+
+def test_decay_around_the_diagonal_blocks_span():
+    """Diagonal 16-row blocks go through their first row while no channel decays by more than
+    SPAN nats across the block, else through pairwise exponents. Here one chunk mixes both: tokens
+    20–40 decay by 12 nats per token in half the channels (blocks 1 and 2 take the pairwise form),
+    and the rest by 3.8 per token in one channel (≈ 57 nats across a block, just under SPAN: the
+    first-row form with column factors near e^57)."""
+    from gdn.ops.kda.triton.chunk_fwd import SPAN
+
+    assert 15 * 3.8 < SPAN < 15 * 12
+
+    def edit(g):
+        g[:, :, :, 0] = -3.8
+        g[:, 20:41, :, 8:] = -12.0
+
+    _check(_errors(1, 130, 1, 2, 16, 16, torch.float32, seed=5, g_edit=edit), 1e-4)
 
 
 def test_no_final_state_and_no_grad():

@@ -254,6 +254,52 @@ def store16(X_, X, rows, m, HV, i_hv, col0: tl.constexpr):
 
 
 @triton.jit
+def solve_blocks(A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, INV: tl.constexpr):
+    """The sixteen-by-sixteen blocks X_IJ (J ≤ I) of T = (I + A)⁻¹ for a strictly lower-triangular
+    64 × 64 A given by its blocks (the in-chunk solve of both families): the diagonal blocks by
+    :func:`inv_unit_lower16`, the rest by block forward substitution,
+    X_IJ = −X_II Σ_{J ≤ l < I} A_Il X_lJ. ``INV``: the dots' input precision."""
+    X00 = inv_unit_lower16(A00, INV)
+    X11 = inv_unit_lower16(A11, INV)
+    X22 = inv_unit_lower16(A22, INV)
+    X33 = inv_unit_lower16(A33, INV)
+    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision=INV), input_precision=INV)
+    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision=INV), input_precision=INV)
+    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision=INV) + tl.dot(A21, X10, input_precision=INV),
+                  input_precision=INV)
+    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision=INV), input_precision=INV)
+    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision=INV) + tl.dot(A32, X21, input_precision=INV),
+                  input_precision=INV)
+    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision=INV) + tl.dot(A31, X10, input_precision=INV)
+                  + tl.dot(A32, X20, input_precision=INV), input_precision=INV)
+    return X00, X10, X11, X20, X21, X22, X30, X31, X32, X33
+
+
+@triton.jit
+def store_blocks(X_, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, r0, r1, r2, r3, m0, m1, m2, m3, HV, i_hv):
+    """One chunk's rows of a [T, HV, 64] buffer from the blocks of a lower-triangular 64 × 64
+    matrix (rows r0 … r3 of the four row blocks, masks m0 … m3); the blocks above the diagonal
+    are written as zeros."""
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    store16(X_, X00, r0, m0, HV, i_hv, 0)
+    store16(X_, z, r0, m0, HV, i_hv, 16)
+    store16(X_, z, r0, m0, HV, i_hv, 32)
+    store16(X_, z, r0, m0, HV, i_hv, 48)
+    store16(X_, X10, r1, m1, HV, i_hv, 0)
+    store16(X_, X11, r1, m1, HV, i_hv, 16)
+    store16(X_, z, r1, m1, HV, i_hv, 32)
+    store16(X_, z, r1, m1, HV, i_hv, 48)
+    store16(X_, X20, r2, m2, HV, i_hv, 0)
+    store16(X_, X21, r2, m2, HV, i_hv, 16)
+    store16(X_, X22, r2, m2, HV, i_hv, 32)
+    store16(X_, z, r2, m2, HV, i_hv, 48)
+    store16(X_, X30, r3, m3, HV, i_hv, 0)
+    store16(X_, X31, r3, m3, HV, i_hv, 16)
+    store16(X_, X32, r3, m3, HV, i_hv, 32)
+    store16(X_, X33, r3, m3, HV, i_hv, 48)
+
+
+@triton.jit
 def tl_sum(x, axis: tl.constexpr):
     """``tl.sum`` spelled as ``tl.reduce`` with the standard sum combiner. ``tl.sum`` itself is a
     jit function decorated when triton is first imported: in a test run where something imported

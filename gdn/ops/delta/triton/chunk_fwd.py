@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
-                              inv_unit_lower16, launch, make_segments, pow2, sm_count, store16, tl_dtype, value_cols)
+                              launch, make_segments, pow2, sm_count, solve_blocks, store_blocks, tl_dtype, value_cols)
 from ...tuning import DELTA
 from ...tuning import chunk_tiles as tiles
 
@@ -111,36 +111,9 @@ def kkt_solve_kernel(k, g, beta, Ai, G, cu, chunk_idx, H, HV, K: tl.constexpr,
     A30 = _block_a(A30, b3, g3, g0, False, USE_G)
     A31 = _block_a(A31, b3, g3, g1, False, USE_G)
     A32 = _block_a(A32, b3, g3, g2, False, USE_G)
-    X00 = inv_unit_lower16(A00, INV)
-    X11 = inv_unit_lower16(A11, INV)
-    X22 = inv_unit_lower16(A22, INV)
-    X33 = inv_unit_lower16(A33, INV)
-    # Block forward substitution: X_ij = −X_ii Σ_{j ≤ l < i} A_il X_lj.
-    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision=INV), input_precision=INV)
-    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision=INV), input_precision=INV)
-    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision=INV) + tl.dot(A21, X10, input_precision=INV),
-                  input_precision=INV)
-    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision=INV), input_precision=INV)
-    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision=INV) + tl.dot(A32, X21, input_precision=INV),
-                  input_precision=INV)
-    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision=INV) + tl.dot(A31, X10, input_precision=INV)
-                  + tl.dot(A32, X20, input_precision=INV), input_precision=INV)
-    store16(Ai, X00, r0, m0, HV, i_hv, 0)
-    store16(Ai, z, r0, m0, HV, i_hv, 16)
-    store16(Ai, z, r0, m0, HV, i_hv, 32)
-    store16(Ai, z, r0, m0, HV, i_hv, 48)
-    store16(Ai, X10, r1, m1, HV, i_hv, 0)
-    store16(Ai, X11, r1, m1, HV, i_hv, 16)
-    store16(Ai, z, r1, m1, HV, i_hv, 32)
-    store16(Ai, z, r1, m1, HV, i_hv, 48)
-    store16(Ai, X20, r2, m2, HV, i_hv, 0)
-    store16(Ai, X21, r2, m2, HV, i_hv, 16)
-    store16(Ai, X22, r2, m2, HV, i_hv, 32)
-    store16(Ai, z, r2, m2, HV, i_hv, 48)
-    store16(Ai, X30, r3, m3, HV, i_hv, 0)
-    store16(Ai, X31, r3, m3, HV, i_hv, 16)
-    store16(Ai, X32, r3, m3, HV, i_hv, 32)
-    store16(Ai, X33, r3, m3, HV, i_hv, 48)
+    X00, X10, X11, X20, X21, X22, X30, X31, X32, X33 = solve_blocks(A00, A10, A11, A20, A21, A22, A30, A31, A32,
+                                                                    A33, INV)
+    store_blocks(Ai, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, r0, r1, r2, r3, m0, m1, m2, m3, HV, i_hv)
 
 
 @triton.jit

@@ -18,7 +18,7 @@ Every γ-dependence is a product with exp(±γ), so dγ is read off the gradient
 factors: each term x ⊙ exp(γ) gives dγ += x ⊙ dx-term and each x ⊙ exp(−γ) gives dγ −= …; the
 state decay exp(γ_C) adds exp(γ_C) ⊙ rowsum(S ⊙ dS') to γ_C. dg is the reverse in-chunk cumsum of
 dγ (γ_C is γ at the chunk's last row). The pair sums over P and A use the same 16-row sub-blocks
-as the forward (:mod:`.chunk_fwd`), so no exponent is positive.
+as the forward (:mod:`.chunk_fwd`), so no exponent is above SPAN.
 
 dQ, dK, dγ, dβ, dV are fp32; dq and dk are per value head (the caller sums each group).
 """
@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from ...triton.common import INTERPRET, Chunks, chunk_bounds, dot_precision, tl_dtype
-from .chunk_fwd import (STATE_DTYPE, after_ref, before_ref, diag_exponent, forward_intermediates, ktile, launch,
-                            load_rows, ref_row, state_vtile, vtile)
+from .chunk_fwd import (SPAN, STATE_DTYPE, after_ref, before_ref, block_span, diag_exponent, forward_intermediates,
+                        ktile, launch, load_rows, ref_row, state_vtile, vtile)
 
 
 @triton.jit
@@ -218,7 +218,7 @@ def _pair_block(X_, r_i, m_i, col0, HV, i_hv):
 
 @triton.jit(do_not_specialize=["T"])
 def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, cu, chunk_idx, T, H, HV,
-                     K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                     K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, SPAN: tl.constexpr):
     """Per chunk, value head and K tile: the gradients through P and A (see the module docstring),
     added to DQ, DK and dγ, this K tile's part of dβ into DBK [NK, T, HV], then dg = the reverse
     in-chunk cumsum of dγ into DG. Row blocks are visited last first, carrying the cumsum."""
@@ -238,17 +238,27 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, cu, chunk_idx
         k_i = load_rows(k, r_i, m_i, H, i_h, o_k, K)
         g_i = load_rows(G, r_i, m_i, HV, i_hv, o_k, K)
         b_i = tl.load(beta + r_i * HV + i_hv, mask=m_i, other=0.0)
-        # rows of block I against columns j ≤ i: dq (through P) and r (through A)
+        # the diagonal block: rows of block I against columns j ≤ i, dq (through P) and r (through
+        # A); columns of block I against rows i ≥ j, dk through P and through A. Through the
+        # reference row r = first row of I (column factor exp(γ_r − γ_j) ≤ e^SPAN) unless a
+        # channel decays by more than SPAN across the block: then pairwise exponents.
         dP_ii = _pair_block(DP, r_i, m_i, I * 16, HV, i_hv)
         dA_ii = _pair_block(DA, r_i, m_i, I * 16, HV, i_hv)
-        e3 = diag_exponent(g_i, m_i)
-        b_dq = tl.sum(dP_ii[:, :, None] * k_i[None, :, :] * e3, axis=1)
-        b_r = tl.sum(dA_ii[:, :, None] * k_i[None, :, :] * e3, axis=1)
-        # columns of block I against rows i ≥ j: dk through P and through A
-        b_dkp = tl.sum(dP_ii[:, :, None] * q_i[:, None, :] * e3, axis=0)
-        b_dka = tl.sum((dA_ii * b_i[:, None])[:, :, None] * k_i[:, None, :] * e3, axis=0)
-        # earlier column blocks J < I, through the reference row r = first row of I
         g_r = ref_row(G, t0 + I * 16, eos, HV, i_hv, o_k, K)
+        e_i = after_ref(g_i, g_r, m_i)
+        if tl.max(block_span(g_i, g_r, m_i), axis=0) > SPAN:
+            e3 = diag_exponent(g_i, m_i)
+            b_dq = tl.sum(dP_ii[:, :, None] * k_i[None, :, :] * e3, axis=1)
+            b_r = tl.sum(dA_ii[:, :, None] * k_i[None, :, :] * e3, axis=1)
+            b_dkp = tl.sum(dP_ii[:, :, None] * q_i[:, None, :] * e3, axis=0)
+            b_dka = tl.sum((dA_ii * b_i[:, None])[:, :, None] * k_i[:, None, :] * e3, axis=0)
+        else:
+            f_j = tl.exp(tl.minimum(g_r[None, :] - g_i, SPAN))
+            b_dq = tl.dot(dP_ii, k_i * f_j, input_precision=PREC) * e_i
+            b_r = tl.dot(dA_ii, k_i * f_j, input_precision=PREC) * e_i
+            b_dkp = tl.dot(tl.trans(dP_ii), q_i * e_i, input_precision=PREC) * f_j
+            b_dka = tl.dot(tl.trans(dA_ii * b_i[:, None]), k_i * e_i, input_precision=PREC) * f_j
+        # earlier column blocks J < I, through the same reference row
         acc_q = tl.zeros([16, BK], dtype=tl.float32)
         acc_r = tl.zeros([16, BK], dtype=tl.float32)
         J = 0
@@ -259,7 +269,6 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, cu, chunk_idx
             acc_q += tl.dot(_pair_block(DP, r_i, m_i, J * 16, HV, i_hv), k_j, input_precision=PREC)
             acc_r += tl.dot(_pair_block(DA, r_i, m_i, J * 16, HV, i_hv), k_j, input_precision=PREC)
             J += 1
-        e_i = after_ref(g_i, g_r, m_i)
         b_dq += acc_q * e_i
         b_r += acc_r * e_i
         # later row blocks L > I, each through its own first row
@@ -334,5 +343,5 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float):
     DBK = torch.empty(K // BK, T, HV, device=dev, dtype=f32)
     # the pair sums take fp32 operands (3-pass tf32 on the GPU): dP and dA feed dg directly
     launch(intra_bwd_kernel, (K // BK, ch.NT, HV), q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, ch.cu,
-           ch.chunk_idx, T, H, HV, K=K, BK=BK, PREC="tf32x3", name="intra_bwd", io=io)
+           ch.chunk_idx, T, H, HV, K=K, BK=BK, PREC="tf32x3", SPAN=SPAN, name="intra_bwd", io=io)
     return DQ, DK, DV, DG, DB + DBK.sum(0), dh0

@@ -13,9 +13,11 @@ the state entering the chunk::
 The pairwise decay exp(γ_i − γ_j) is per channel, so A and P are no masked Q Kᵀ: they are built
 from 16-row sub-blocks. For a block of rows I after a block of columns J the factor splits at r,
 the first row of I: exp(γ_i − γ_r) · exp(γ_r − γ_j), both exponents ≤ 0 (so nothing overflows
-however strongly a channel decays), and the block is one dot of the two rescaled tiles. Inside a
-diagonal block the exponent is taken pairwise, exp(γ_i − γ_j) masked to j ≤ i before the exp, as a
-[16, 16, BK] product summed over channels (one exponent tensor serves A and P). Rows past a
+however strongly a channel decays), and the block is one dot of the two rescaled tiles. A
+diagonal block is the same dot through its own first row, whose column factor exp(γ_r − γ_j) ≥ 1
+stays below e^SPAN while no channel decays by more than ``SPAN`` nats across the block; where one
+does, that block is recomputed from pairwise exponents, exp(γ_i − γ_j) masked to j ≤ i before the
+exp, as a [16, 16, BK] product summed over channels (exact at any decay). Rows past a
 sequence's end are masked to −∞ in the exponent and the reference row is clamped to the last
 valid row, so no 0 · ∞ arises.
 
@@ -32,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, inv_unit_lower16, sm_count,
-                              store16, tl_dtype)
+from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, sm_count, solve_blocks,
+                              store_blocks, tl_dtype)
 from ...triton.launch import launch as triton_launch
 from ...tuning import KDA
 
@@ -42,6 +44,12 @@ from ...tuning import KDA
 #: fp16 under the interpreter: dg 6.0e-4 vs 1.6e-4 for the fp32 chunk form on the same inputs),
 #: because dγ sums S ⊙ dS' and other state terms that largely cancel in the reverse cumsum.
 STATE_DTYPE = torch.float32
+
+#: Largest decay (nats, per key channel) across a 16-row block for which its diagonal pairs are
+#: formed through the block's first row: the column factor exp(γ_r − γ_j) is then at most e^60 ≈
+#: 1e26, far inside the range of fp32 and bf16 (e^88), so the dot cannot overflow. A block with a
+#: stronger decay in some channel takes exact pairwise exponents instead (kkt, intra_bwd).
+SPAN = 60.0
 
 
 def entry(name: str, io: torch.dtype) -> dict:
@@ -156,31 +164,10 @@ def gamma_kernel(g, G, cu, chunk_idx, HV, K: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _kkt_off(q, k, G, t0, eos, I: tl.constexpr, J: tl.constexpr, i_h, i_hv, H, HV, K: tl.constexpr,
-             BK: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """(A_IJ without β, P_IJ) [16, 16] for row block I after column block J, through the reference
-    row r = the first row of I, summed over every K tile."""
-    o = tl.arange(0, 16)
-    r_i = t0 + I * 16 + o
-    r_j = t0 + J * 16 + o
-    m_i = r_i < eos
-    m_j = r_j < eos
-    a = tl.zeros([16, 16], dtype=tl.float32)
-    p = tl.zeros([16, 16], dtype=tl.float32)
-    for i_k in range(0, K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        gr = ref_row(G, t0 + I * 16, eos, HV, i_hv, o_k, K)
-        e = after_ref(load_rows(G, r_i, m_i, HV, i_hv, o_k, K), gr, m_i)
-        kb = load_rows(k, r_j, m_j, H, i_h, o_k, K) * before_ref(load_rows(G, r_j, m_j, HV, i_hv, o_k, K), gr)
-        a += _mm(load_rows(k, r_i, m_i, H, i_h, o_k, K) * e, kb, DT, PREC)
-        p += _mm(load_rows(q, r_i, m_i, H, i_h, o_k, K) * e, kb, DT, PREC)
-    return a, p
-
-
-@triton.jit
 def _kkt_diag(q, k, G, t0, eos, I: tl.constexpr, i_h, i_hv, H, HV, K: tl.constexpr, BK: tl.constexpr):
-    """(A_II without β, P_II) [16, 16] of diagonal block I: pairwise exponents, one [16, 16, BK]
-    exponent tensor per K tile for both."""
+    """(A_II without β, P_II) [16, 16] of diagonal block I from pairwise exponents, one [16, 16, BK]
+    exponent tensor per K tile for both: exact for any decay, and the kernel's slow path (taken
+    only where a channel decays by more than ``SPAN`` across the block)."""
     o = tl.arange(0, 16)
     r_i = t0 + I * 16 + o
     m_i = r_i < eos
@@ -203,15 +190,30 @@ def _row_beta(beta, t0, eos, I: tl.constexpr, HV, i_hv):
 
 
 @triton.jit
+def block_span(gam, gref, m):
+    """[BK]: per channel, the decay from the block's reference row to its last valid row (≥ 0)."""
+    return tl.max(tl.where(m[:, None], gref[None, :] - gam, 0.0), axis=0)
+
+
+@triton.jit
+def lower(X):
+    """X with its upper triangle zeroed (16 × 16, diagonal kept)."""
+    o = tl.arange(0, 16)
+    return tl.where(o[:, None] >= o[None, :], X, 0.0)
+
+
+@triton.jit
 def kkt_kernel(q, k, G, beta, Ai, P, cu, chunk_idx, H, HV, K: tl.constexpr, BK: tl.constexpr,
-               BKD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+               BKD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr):
     """Ai = (I + A)⁻¹ and P (both [T, HV, 64], rows of each chunk) from 16-row sub-blocks.
 
-    Row block by row block: each block pair (I, J) is its own loop over K (off-diagonal pairs in K
-    tiles of BK, diagonal ones in BKD: their [16, 16, BKD] exponent tensors set the register
-    footprint), and row block I of P and of the inverse is stored before block I + 1 starts, so
-    only the inverse's earlier row blocks stay live (the forward substitution needs them), never
-    all twenty [16, 16] sums at once."""
+    Every block pair (I, J ≤ I) is one dot per K tile through row block I's reference row r (its
+    first row): (X_I ⊙ exp(γ_I − γ_r)) (K_J ⊙ exp(γ_r − γ_J))ᵀ with X = K for A and Q for P. For
+    J < I both exponents are ≤ 0. For the diagonal block the column factor exp(γ_r − γ_j) is ≥ 1, at
+    most e^SPAN while no channel decays by more than SPAN nats across the block (its exponent is
+    capped there, so nothing overflows); a block where one does is recomputed from pairwise
+    exponents (:func:`_kkt_diag`, exact at any decay). Fourteen [16, BK] exponentials per K tile
+    instead of the pairwise form's [16, 16, BK] per diagonal block."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
@@ -222,71 +224,92 @@ def kkt_kernel(q, k, G, beta, Ai, P, cu, chunk_idx, H, HV, K: tl.constexpr, BK: 
     r3 = r0 + 48
     m0, m1, m2, m3 = r0 < eos, r1 < eos, r2 < eos, r3 < eos
     z = tl.zeros([16, 16], dtype=tl.float32)
-    # row block 0
-    A00, P00 = _kkt_diag(q, k, G, t0, eos, 0, i_h, i_hv, H, HV, K, BKD)
-    X00 = inv_unit_lower16(strict(A00) * _row_beta(beta, t0, eos, 0, HV, i_hv), "ieee")
-    store16(P, P00, r0, m0, HV, i_hv, 0)
-    store16(P, z, r0, m0, HV, i_hv, 16)
-    store16(P, z, r0, m0, HV, i_hv, 32)
-    store16(P, z, r0, m0, HV, i_hv, 48)
-    store16(Ai, X00, r0, m0, HV, i_hv, 0)
-    store16(Ai, z, r0, m0, HV, i_hv, 16)
-    store16(Ai, z, r0, m0, HV, i_hv, 32)
-    store16(Ai, z, r0, m0, HV, i_hv, 48)
-    # row block 1; block forward substitution: X_IJ = −X_II Σ_{J ≤ l < I} A_Il X_lJ
-    A11, P11 = _kkt_diag(q, k, G, t0, eos, 1, i_h, i_hv, H, HV, K, BKD)
-    store16(P, P11, r1, m1, HV, i_hv, 16)
+    A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = z, z, z, z, z, z, z, z, z, z
+    P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = z, z, z, z, z, z, z, z, z, z
+    s0 = tl.zeros([BK], dtype=tl.float32)
+    s1, s2, s3 = s0, s0, s0
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        k0 = load_rows(k, r0, m0, H, i_h, o_k, K)
+        k1 = load_rows(k, r1, m1, H, i_h, o_k, K)
+        k2 = load_rows(k, r2, m2, H, i_h, o_k, K)
+        k3 = load_rows(k, r3, m3, H, i_h, o_k, K)
+        g0 = load_rows(G, r0, m0, HV, i_hv, o_k, K)
+        g1 = load_rows(G, r1, m1, HV, i_hv, o_k, K)
+        g2 = load_rows(G, r2, m2, HV, i_hv, o_k, K)
+        g3 = load_rows(G, r3, m3, HV, i_hv, o_k, K)
+        # row block 0
+        gr = ref_row(G, t0, eos, HV, i_hv, o_k, K)
+        s0 = tl.maximum(s0, block_span(g0, gr, m0))
+        e = after_ref(g0, gr, m0)
+        kl = k0 * e
+        ql = load_rows(q, r0, m0, H, i_h, o_k, K) * e
+        c = k0 * tl.exp(tl.minimum(gr[None, :] - g0, SPAN))
+        A00 += _mm(kl, c, DT, PREC)
+        P00 += _mm(ql, c, DT, PREC)
+        # row block 1
+        gr = ref_row(G, t0 + 16, eos, HV, i_hv, o_k, K)
+        s1 = tl.maximum(s1, block_span(g1, gr, m1))
+        e = after_ref(g1, gr, m1)
+        kl = k1 * e
+        ql = load_rows(q, r1, m1, H, i_h, o_k, K) * e
+        c = k0 * before_ref(g0, gr)
+        A10 += _mm(kl, c, DT, PREC)
+        P10 += _mm(ql, c, DT, PREC)
+        c = k1 * tl.exp(tl.minimum(gr[None, :] - g1, SPAN))
+        A11 += _mm(kl, c, DT, PREC)
+        P11 += _mm(ql, c, DT, PREC)
+        # row block 2
+        gr = ref_row(G, t0 + 32, eos, HV, i_hv, o_k, K)
+        s2 = tl.maximum(s2, block_span(g2, gr, m2))
+        e = after_ref(g2, gr, m2)
+        kl = k2 * e
+        ql = load_rows(q, r2, m2, H, i_h, o_k, K) * e
+        c = k0 * before_ref(g0, gr)
+        A20 += _mm(kl, c, DT, PREC)
+        P20 += _mm(ql, c, DT, PREC)
+        c = k1 * before_ref(g1, gr)
+        A21 += _mm(kl, c, DT, PREC)
+        P21 += _mm(ql, c, DT, PREC)
+        c = k2 * tl.exp(tl.minimum(gr[None, :] - g2, SPAN))
+        A22 += _mm(kl, c, DT, PREC)
+        P22 += _mm(ql, c, DT, PREC)
+        # row block 3
+        gr = ref_row(G, t0 + 48, eos, HV, i_hv, o_k, K)
+        s3 = tl.maximum(s3, block_span(g3, gr, m3))
+        e = after_ref(g3, gr, m3)
+        kl = k3 * e
+        ql = load_rows(q, r3, m3, H, i_h, o_k, K) * e
+        c = k0 * before_ref(g0, gr)
+        A30 += _mm(kl, c, DT, PREC)
+        P30 += _mm(ql, c, DT, PREC)
+        c = k1 * before_ref(g1, gr)
+        A31 += _mm(kl, c, DT, PREC)
+        P31 += _mm(ql, c, DT, PREC)
+        c = k2 * before_ref(g2, gr)
+        A32 += _mm(kl, c, DT, PREC)
+        P32 += _mm(ql, c, DT, PREC)
+        c = k3 * tl.exp(tl.minimum(gr[None, :] - g3, SPAN))
+        A33 += _mm(kl, c, DT, PREC)
+        P33 += _mm(ql, c, DT, PREC)
+    if tl.max(s0, axis=0) > SPAN:
+        A00, P00 = _kkt_diag(q, k, G, t0, eos, 0, i_h, i_hv, H, HV, K, BKD)
+    if tl.max(s1, axis=0) > SPAN:
+        A11, P11 = _kkt_diag(q, k, G, t0, eos, 1, i_h, i_hv, H, HV, K, BKD)
+    if tl.max(s2, axis=0) > SPAN:
+        A22, P22 = _kkt_diag(q, k, G, t0, eos, 2, i_h, i_hv, H, HV, K, BKD)
+    if tl.max(s3, axis=0) > SPAN:
+        A33, P33 = _kkt_diag(q, k, G, t0, eos, 3, i_h, i_hv, H, HV, K, BKD)
+    b0 = _row_beta(beta, t0, eos, 0, HV, i_hv)
     b1 = _row_beta(beta, t0, eos, 1, HV, i_hv)
-    X11 = inv_unit_lower16(strict(A11) * b1, "ieee")
-    A10, P10 = _kkt_off(q, k, G, t0, eos, 1, 0, i_h, i_hv, H, HV, K, BK, PREC, DT)
-    store16(P, P10, r1, m1, HV, i_hv, 0)
-    store16(P, z, r1, m1, HV, i_hv, 32)
-    store16(P, z, r1, m1, HV, i_hv, 48)
-    X10 = -tl.dot(X11, tl.dot(A10 * b1, X00, input_precision="ieee"), input_precision="ieee")
-    store16(Ai, X10, r1, m1, HV, i_hv, 0)
-    store16(Ai, X11, r1, m1, HV, i_hv, 16)
-    store16(Ai, z, r1, m1, HV, i_hv, 32)
-    store16(Ai, z, r1, m1, HV, i_hv, 48)
-    # row block 2
-    A22, P22 = _kkt_diag(q, k, G, t0, eos, 2, i_h, i_hv, H, HV, K, BKD)
-    store16(P, P22, r2, m2, HV, i_hv, 32)
-    store16(P, z, r2, m2, HV, i_hv, 48)
     b2 = _row_beta(beta, t0, eos, 2, HV, i_hv)
-    X22 = inv_unit_lower16(strict(A22) * b2, "ieee")
-    A20, P20 = _kkt_off(q, k, G, t0, eos, 2, 0, i_h, i_hv, H, HV, K, BK, PREC, DT)
-    store16(P, P20, r2, m2, HV, i_hv, 0)
-    A21, P21 = _kkt_off(q, k, G, t0, eos, 2, 1, i_h, i_hv, H, HV, K, BK, PREC, DT)
-    store16(P, P21, r2, m2, HV, i_hv, 16)
-    A21 *= b2
-    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision="ieee"), input_precision="ieee")
-    X20 = -tl.dot(X22, tl.dot(A20 * b2, X00, input_precision="ieee") + tl.dot(A21, X10, input_precision="ieee"),
-                  input_precision="ieee")
-    store16(Ai, X20, r2, m2, HV, i_hv, 0)
-    store16(Ai, X21, r2, m2, HV, i_hv, 16)
-    store16(Ai, X22, r2, m2, HV, i_hv, 32)
-    store16(Ai, z, r2, m2, HV, i_hv, 48)
-    # row block 3
-    A33, P33 = _kkt_diag(q, k, G, t0, eos, 3, i_h, i_hv, H, HV, K, BKD)
-    store16(P, P33, r3, m3, HV, i_hv, 48)
     b3 = _row_beta(beta, t0, eos, 3, HV, i_hv)
-    X33 = inv_unit_lower16(strict(A33) * b3, "ieee")
-    A30, P30 = _kkt_off(q, k, G, t0, eos, 3, 0, i_h, i_hv, H, HV, K, BK, PREC, DT)
-    store16(P, P30, r3, m3, HV, i_hv, 0)
-    A31, P31 = _kkt_off(q, k, G, t0, eos, 3, 1, i_h, i_hv, H, HV, K, BK, PREC, DT)
-    store16(P, P31, r3, m3, HV, i_hv, 16)
-    A32, P32 = _kkt_off(q, k, G, t0, eos, 3, 2, i_h, i_hv, H, HV, K, BK, PREC, DT)
-    store16(P, P32, r3, m3, HV, i_hv, 32)
-    A31 *= b3
-    A32 *= b3
-    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision="ieee"), input_precision="ieee")
-    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision="ieee") + tl.dot(A32, X21, input_precision="ieee"),
-                  input_precision="ieee")
-    X30 = -tl.dot(X33, tl.dot(A30 * b3, X00, input_precision="ieee") + tl.dot(A31, X10, input_precision="ieee")
-                  + tl.dot(A32, X20, input_precision="ieee"), input_precision="ieee")
-    store16(Ai, X30, r3, m3, HV, i_hv, 0)
-    store16(Ai, X31, r3, m3, HV, i_hv, 16)
-    store16(Ai, X32, r3, m3, HV, i_hv, 32)
-    store16(Ai, X33, r3, m3, HV, i_hv, 48)
+    store_blocks(P, lower(P00), P10, lower(P11), P20, P21, lower(P22), P30, P31, P32, lower(P33),
+                 r0, r1, r2, r3, m0, m1, m2, m3, HV, i_hv)
+    X00, X10, X11, X20, X21, X22, X30, X31, X32, X33 = solve_blocks(
+        strict(A00) * b0, A10 * b1, strict(A11) * b1, A20 * b2, A21 * b2, strict(A22) * b2, A30 * b3, A31 * b3,
+        A32 * b3, strict(A33) * b3, "ieee")
+    store_blocks(Ai, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, r0, r1, r2, r3, m0, m1, m2, m3, HV, i_hv)
 
 
 @triton.jit
@@ -435,7 +458,7 @@ def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool, sc
     Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
     P = torch.empty(T, HV, BT, device=dev, dtype=io)
     launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, ch.cu, ch.chunk_idx, H, HV, K=K, BK=ktile("kkt", K, io),
-           BKD=min(entry("kkt", io)["BKD"], K), PREC=prec, DT=DT, name="kkt", io=io)
+           BKD=min(entry("kkt", io)["BKD"], K), PREC=prec, DT=DT, SPAN=SPAN, name="kkt", io=io)
     W, QG, KT = (torch.empty(T, HV, K, device=dev, dtype=io) for _ in range(3))
     U = torch.empty(T, HV, V, device=dev, dtype=io)
     launch(wu_kernel, (ch.NT, HV), q, k, v, G, beta, Ai, W, U, QG, KT, ch.cu, ch.chunk_idx, scale, H, HV, K=K, V=V,
