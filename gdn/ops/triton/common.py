@@ -254,25 +254,54 @@ def store16(X_, X, rows, m, HV, i_hv, col0: tl.constexpr):
 
 
 @triton.jit
-def solve_blocks(A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, INV: tl.constexpr):
-    """The sixteen-by-sixteen blocks X_IJ (J ≤ I) of T = (I + A)⁻¹ for a strictly lower-triangular
-    64 × 64 A given by its blocks (the in-chunk solve of both families): the diagonal blocks by
-    :func:`inv_unit_lower16`, the rest by block forward substitution,
-    X_IJ = −X_II Σ_{J ≤ l < I} A_Il X_lJ. ``INV``: the dots' input precision."""
-    X00 = inv_unit_lower16(A00, INV)
+def inv_row1(A10, A11, X00, INV: tl.constexpr):
+    """Row block 1 of T = (I + A)⁻¹ (strictly lower-triangular 64 × 64 A in 16 × 16 blocks, the
+    in-chunk solve of both families): X11 = (I + A11)⁻¹ and X10 = −X11 A10 X00."""
     X11 = inv_unit_lower16(A11, INV)
-    X22 = inv_unit_lower16(A22, INV)
-    X33 = inv_unit_lower16(A33, INV)
     X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision=INV), input_precision=INV)
+    return X10, X11
+
+
+@triton.jit
+def inv_row2(A20, A21, A22, X00, X10, X11, INV: tl.constexpr):
+    """Row block 2 of T: block forward substitution, X_2J = −X22 Σ_{J ≤ l < 2} A_2l X_lJ."""
+    X22 = inv_unit_lower16(A22, INV)
     X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision=INV), input_precision=INV)
     X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision=INV) + tl.dot(A21, X10, input_precision=INV),
                   input_precision=INV)
+    return X20, X21, X22
+
+
+@triton.jit
+def inv_row3(A30, A31, A32, A33, X00, X10, X11, X20, X21, X22, INV: tl.constexpr):
+    """Row block 3 of T: X_3J = −X33 Σ_{J ≤ l < 3} A_3l X_lJ."""
+    X33 = inv_unit_lower16(A33, INV)
     X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision=INV), input_precision=INV)
     X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision=INV) + tl.dot(A32, X21, input_precision=INV),
                   input_precision=INV)
     X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision=INV) + tl.dot(A31, X10, input_precision=INV)
                   + tl.dot(A32, X20, input_precision=INV), input_precision=INV)
+    return X30, X31, X32, X33
+
+
+@triton.jit
+def solve_blocks(A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, INV: tl.constexpr):
+    """The blocks X_IJ (J ≤ I) of T = (I + A)⁻¹ from all of A's blocks at once: the diagonal ones
+    by :func:`inv_unit_lower16`, the rest by block forward substitution (:func:`inv_row1` …)."""
+    X00 = inv_unit_lower16(A00, INV)
+    X10, X11 = inv_row1(A10, A11, X00, INV)
+    X20, X21, X22 = inv_row2(A20, A21, A22, X00, X10, X11, INV)
+    X30, X31, X32, X33 = inv_row3(A30, A31, A32, A33, X00, X10, X11, X20, X21, X22, INV)
     return X00, X10, X11, X20, X21, X22, X30, X31, X32, X33
+
+
+@triton.jit
+def store_row(X_, X0, X1, X2, X3, rows, m, HV, i_hv):
+    """One row block (rows ``rows``, mask m) of a [T, HV, 64] buffer from its four 16 × 16 blocks."""
+    store16(X_, X0, rows, m, HV, i_hv, 0)
+    store16(X_, X1, rows, m, HV, i_hv, 16)
+    store16(X_, X2, rows, m, HV, i_hv, 32)
+    store16(X_, X3, rows, m, HV, i_hv, 48)
 
 
 @triton.jit
@@ -281,22 +310,10 @@ def store_blocks(X_, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, r0, r1, r
     matrix (rows r0 … r3 of the four row blocks, masks m0 … m3); the blocks above the diagonal
     are written as zeros."""
     z = tl.zeros([16, 16], dtype=tl.float32)
-    store16(X_, X00, r0, m0, HV, i_hv, 0)
-    store16(X_, z, r0, m0, HV, i_hv, 16)
-    store16(X_, z, r0, m0, HV, i_hv, 32)
-    store16(X_, z, r0, m0, HV, i_hv, 48)
-    store16(X_, X10, r1, m1, HV, i_hv, 0)
-    store16(X_, X11, r1, m1, HV, i_hv, 16)
-    store16(X_, z, r1, m1, HV, i_hv, 32)
-    store16(X_, z, r1, m1, HV, i_hv, 48)
-    store16(X_, X20, r2, m2, HV, i_hv, 0)
-    store16(X_, X21, r2, m2, HV, i_hv, 16)
-    store16(X_, X22, r2, m2, HV, i_hv, 32)
-    store16(X_, z, r2, m2, HV, i_hv, 48)
-    store16(X_, X30, r3, m3, HV, i_hv, 0)
-    store16(X_, X31, r3, m3, HV, i_hv, 16)
-    store16(X_, X32, r3, m3, HV, i_hv, 32)
-    store16(X_, X33, r3, m3, HV, i_hv, 48)
+    store_row(X_, X00, z, z, z, r0, m0, HV, i_hv)
+    store_row(X_, X10, X11, z, z, r1, m1, HV, i_hv)
+    store_row(X_, X20, X21, X22, z, r2, m2, HV, i_hv)
+    store_row(X_, X30, X31, X32, X33, r3, m3, HV, i_hv)
 
 
 @triton.jit

@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, sm_count, solve_blocks,
-                              store_blocks, tl_dtype)
+from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, inv_row1, inv_row2, inv_row3,
+                              inv_unit_lower16, sm_count, store_row, tl_dtype)
 from ...triton.launch import launch as triton_launch
 from ...tuning import KDA
 
@@ -203,17 +203,65 @@ def lower(X):
 
 
 @triton.jit
+def _col(k, G, t0, eos, J: tl.constexpr, gr, i_h, i_hv, H, HV, o_k, K: tl.constexpr):
+    """K_J ⊙ exp(γ_r − γ_J) for column block J before the reference row r (exponents ≤ 0)."""
+    r_j = t0 + J * 16 + tl.arange(0, 16)
+    m_j = r_j < eos
+    return load_rows(k, r_j, m_j, H, i_h, o_k, K) * before_ref(load_rows(G, r_j, m_j, HV, i_hv, o_k, K), gr)
+
+
+@triton.jit
+def _kkt_row(q, k, G, t0, eos, I: tl.constexpr, i_h, i_hv, H, HV, K: tl.constexpr, BK: tl.constexpr,
+             BKD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr):
+    """Row block I of A (without β) and of P: (A_I0, A_I1, A_I2, P_I0, P_I1, P_I2) for the column
+    blocks J < I (zeros for J ≥ I) and the diagonal pair (A_II, P_II), each block one dot per K
+    tile through the reference row r = the first row of I: (X_I ⊙ exp(γ_I − γ_r)) (K_J ⊙
+    exp(γ_r − γ_J))ᵀ with X = K for A and Q for P. For J < I both exponents are ≤ 0; on the
+    diagonal the column factor is capped at e^SPAN, exact while no channel decays by more than
+    SPAN nats across the block; where one does the diagonal pair is recomputed from pairwise
+    exponents (:func:`_kkt_diag`, exact at any decay)."""
+    o = tl.arange(0, 16)
+    r_i = t0 + I * 16 + o
+    m_i = r_i < eos
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    a0, a1, a2, ad, p0, p1, p2, pd = z, z, z, z, z, z, z, z
+    span = tl.zeros([BK], dtype=tl.float32)
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        gr = ref_row(G, t0 + I * 16, eos, HV, i_hv, o_k, K)
+        g_i = load_rows(G, r_i, m_i, HV, i_hv, o_k, K)
+        k_i = load_rows(k, r_i, m_i, H, i_h, o_k, K)
+        span = tl.maximum(span, block_span(g_i, gr, m_i))
+        e = after_ref(g_i, gr, m_i)
+        kl = k_i * e
+        ql = load_rows(q, r_i, m_i, H, i_h, o_k, K) * e
+        c = k_i * tl.exp(tl.minimum(gr[None, :] - g_i, SPAN))
+        ad += _mm(kl, c, DT, PREC)
+        pd += _mm(ql, c, DT, PREC)
+        if I >= 1:
+            c = _col(k, G, t0, eos, 0, gr, i_h, i_hv, H, HV, o_k, K)
+            a0 += _mm(kl, c, DT, PREC)
+            p0 += _mm(ql, c, DT, PREC)
+        if I >= 2:
+            c = _col(k, G, t0, eos, 1, gr, i_h, i_hv, H, HV, o_k, K)
+            a1 += _mm(kl, c, DT, PREC)
+            p1 += _mm(ql, c, DT, PREC)
+        if I >= 3:
+            c = _col(k, G, t0, eos, 2, gr, i_h, i_hv, H, HV, o_k, K)
+            a2 += _mm(kl, c, DT, PREC)
+            p2 += _mm(ql, c, DT, PREC)
+    if tl.max(span, axis=0) > SPAN:
+        ad, pd = _kkt_diag(q, k, G, t0, eos, I, i_h, i_hv, H, HV, K, BKD)
+    return a0, a1, a2, ad, p0, p1, p2, lower(pd)
+
+
+@triton.jit
 def kkt_kernel(q, k, G, beta, Ai, P, cu, chunk_idx, H, HV, K: tl.constexpr, BK: tl.constexpr,
                BKD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr):
-    """Ai = (I + A)⁻¹ and P (both [T, HV, 64], rows of each chunk) from 16-row sub-blocks.
-
-    Every block pair (I, J ≤ I) is one dot per K tile through row block I's reference row r (its
-    first row): (X_I ⊙ exp(γ_I − γ_r)) (K_J ⊙ exp(γ_r − γ_J))ᵀ with X = K for A and Q for P. For
-    J < I both exponents are ≤ 0. For the diagonal block the column factor exp(γ_r − γ_j) is ≥ 1, at
-    most e^SPAN while no channel decays by more than SPAN nats across the block (its exponent is
-    capped there, so nothing overflows); a block where one does is recomputed from pairwise
-    exponents (:func:`_kkt_diag`, exact at any decay). Fourteen [16, BK] exponentials per K tile
-    instead of the pairwise form's [16, 16, BK] per diagonal block."""
+    """Ai = (I + A)⁻¹ and P (both [T, HV, 64], rows of each chunk) from 16-row sub-blocks
+    (:func:`_kkt_row`), row block by row block: block I's rows of P and of the inverse are stored
+    before block I + 1 starts, so only the inverse's earlier blocks stay live (the block forward
+    substitution needs them), never all twenty [16, 16] sums at once."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
@@ -224,92 +272,28 @@ def kkt_kernel(q, k, G, beta, Ai, P, cu, chunk_idx, H, HV, K: tl.constexpr, BK: 
     r3 = r0 + 48
     m0, m1, m2, m3 = r0 < eos, r1 < eos, r2 < eos, r3 < eos
     z = tl.zeros([16, 16], dtype=tl.float32)
-    A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = z, z, z, z, z, z, z, z, z, z
-    P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = z, z, z, z, z, z, z, z, z, z
-    s0 = tl.zeros([BK], dtype=tl.float32)
-    s1, s2, s3 = s0, s0, s0
-    for i_k in range(0, K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        k0 = load_rows(k, r0, m0, H, i_h, o_k, K)
-        k1 = load_rows(k, r1, m1, H, i_h, o_k, K)
-        k2 = load_rows(k, r2, m2, H, i_h, o_k, K)
-        k3 = load_rows(k, r3, m3, H, i_h, o_k, K)
-        g0 = load_rows(G, r0, m0, HV, i_hv, o_k, K)
-        g1 = load_rows(G, r1, m1, HV, i_hv, o_k, K)
-        g2 = load_rows(G, r2, m2, HV, i_hv, o_k, K)
-        g3 = load_rows(G, r3, m3, HV, i_hv, o_k, K)
-        # row block 0
-        gr = ref_row(G, t0, eos, HV, i_hv, o_k, K)
-        s0 = tl.maximum(s0, block_span(g0, gr, m0))
-        e = after_ref(g0, gr, m0)
-        kl = k0 * e
-        ql = load_rows(q, r0, m0, H, i_h, o_k, K) * e
-        c = k0 * tl.exp(tl.minimum(gr[None, :] - g0, SPAN))
-        A00 += _mm(kl, c, DT, PREC)
-        P00 += _mm(ql, c, DT, PREC)
-        # row block 1
-        gr = ref_row(G, t0 + 16, eos, HV, i_hv, o_k, K)
-        s1 = tl.maximum(s1, block_span(g1, gr, m1))
-        e = after_ref(g1, gr, m1)
-        kl = k1 * e
-        ql = load_rows(q, r1, m1, H, i_h, o_k, K) * e
-        c = k0 * before_ref(g0, gr)
-        A10 += _mm(kl, c, DT, PREC)
-        P10 += _mm(ql, c, DT, PREC)
-        c = k1 * tl.exp(tl.minimum(gr[None, :] - g1, SPAN))
-        A11 += _mm(kl, c, DT, PREC)
-        P11 += _mm(ql, c, DT, PREC)
-        # row block 2
-        gr = ref_row(G, t0 + 32, eos, HV, i_hv, o_k, K)
-        s2 = tl.maximum(s2, block_span(g2, gr, m2))
-        e = after_ref(g2, gr, m2)
-        kl = k2 * e
-        ql = load_rows(q, r2, m2, H, i_h, o_k, K) * e
-        c = k0 * before_ref(g0, gr)
-        A20 += _mm(kl, c, DT, PREC)
-        P20 += _mm(ql, c, DT, PREC)
-        c = k1 * before_ref(g1, gr)
-        A21 += _mm(kl, c, DT, PREC)
-        P21 += _mm(ql, c, DT, PREC)
-        c = k2 * tl.exp(tl.minimum(gr[None, :] - g2, SPAN))
-        A22 += _mm(kl, c, DT, PREC)
-        P22 += _mm(ql, c, DT, PREC)
-        # row block 3
-        gr = ref_row(G, t0 + 48, eos, HV, i_hv, o_k, K)
-        s3 = tl.maximum(s3, block_span(g3, gr, m3))
-        e = after_ref(g3, gr, m3)
-        kl = k3 * e
-        ql = load_rows(q, r3, m3, H, i_h, o_k, K) * e
-        c = k0 * before_ref(g0, gr)
-        A30 += _mm(kl, c, DT, PREC)
-        P30 += _mm(ql, c, DT, PREC)
-        c = k1 * before_ref(g1, gr)
-        A31 += _mm(kl, c, DT, PREC)
-        P31 += _mm(ql, c, DT, PREC)
-        c = k2 * before_ref(g2, gr)
-        A32 += _mm(kl, c, DT, PREC)
-        P32 += _mm(ql, c, DT, PREC)
-        c = k3 * tl.exp(tl.minimum(gr[None, :] - g3, SPAN))
-        A33 += _mm(kl, c, DT, PREC)
-        P33 += _mm(ql, c, DT, PREC)
-    if tl.max(s0, axis=0) > SPAN:
-        A00, P00 = _kkt_diag(q, k, G, t0, eos, 0, i_h, i_hv, H, HV, K, BKD)
-    if tl.max(s1, axis=0) > SPAN:
-        A11, P11 = _kkt_diag(q, k, G, t0, eos, 1, i_h, i_hv, H, HV, K, BKD)
-    if tl.max(s2, axis=0) > SPAN:
-        A22, P22 = _kkt_diag(q, k, G, t0, eos, 2, i_h, i_hv, H, HV, K, BKD)
-    if tl.max(s3, axis=0) > SPAN:
-        A33, P33 = _kkt_diag(q, k, G, t0, eos, 3, i_h, i_hv, H, HV, K, BKD)
-    b0 = _row_beta(beta, t0, eos, 0, HV, i_hv)
-    b1 = _row_beta(beta, t0, eos, 1, HV, i_hv)
-    b2 = _row_beta(beta, t0, eos, 2, HV, i_hv)
-    b3 = _row_beta(beta, t0, eos, 3, HV, i_hv)
-    store_blocks(P, lower(P00), P10, lower(P11), P20, P21, lower(P22), P30, P31, P32, lower(P33),
-                 r0, r1, r2, r3, m0, m1, m2, m3, HV, i_hv)
-    X00, X10, X11, X20, X21, X22, X30, X31, X32, X33 = solve_blocks(
-        strict(A00) * b0, A10 * b1, strict(A11) * b1, A20 * b2, A21 * b2, strict(A22) * b2, A30 * b3, A31 * b3,
-        A32 * b3, strict(A33) * b3, "ieee")
-    store_blocks(Ai, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, r0, r1, r2, r3, m0, m1, m2, m3, HV, i_hv)
+    _, _, _, A00, _, _, _, P00 = _kkt_row(q, k, G, t0, eos, 0, i_h, i_hv, H, HV, K, BK, BKD, PREC, DT, SPAN)
+    store_row(P, P00, z, z, z, r0, m0, HV, i_hv)
+    X00 = inv_unit_lower16(strict(A00) * _row_beta(beta, t0, eos, 0, HV, i_hv), "ieee")
+    store_row(Ai, X00, z, z, z, r0, m0, HV, i_hv)
+    A10, _, _, A11, P10, _, _, P11 = _kkt_row(q, k, G, t0, eos, 1, i_h, i_hv, H, HV, K, BK, BKD, PREC, DT, SPAN)
+    store_row(P, P10, P11, z, z, r1, m1, HV, i_hv)
+    b = _row_beta(beta, t0, eos, 1, HV, i_hv)
+    X10, X11 = inv_row1(A10 * b, strict(A11) * b, X00, "ieee")
+    store_row(Ai, X10, X11, z, z, r1, m1, HV, i_hv)
+    A20, A21, _, A22, P20, P21, _, P22 = _kkt_row(q, k, G, t0, eos, 2, i_h, i_hv, H, HV, K, BK, BKD, PREC, DT,
+                                                  SPAN)
+    store_row(P, P20, P21, P22, z, r2, m2, HV, i_hv)
+    b = _row_beta(beta, t0, eos, 2, HV, i_hv)
+    X20, X21, X22 = inv_row2(A20 * b, A21 * b, strict(A22) * b, X00, X10, X11, "ieee")
+    store_row(Ai, X20, X21, X22, z, r2, m2, HV, i_hv)
+    A30, A31, A32, A33, P30, P31, P32, P33 = _kkt_row(q, k, G, t0, eos, 3, i_h, i_hv, H, HV, K, BK, BKD, PREC,
+                                                      DT, SPAN)
+    store_row(P, P30, P31, P32, P33, r3, m3, HV, i_hv)
+    b = _row_beta(beta, t0, eos, 3, HV, i_hv)
+    X30, X31, X32, X33 = inv_row3(A30 * b, A31 * b, A32 * b, strict(A33) * b, X00, X10, X11, X20, X21, X22,
+                                  "ieee")
+    store_row(Ai, X30, X31, X32, X33, r3, m3, HV, i_hv)
 
 
 @triton.jit
