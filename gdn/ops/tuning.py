@@ -87,11 +87,11 @@ DELTA = {
 #: for fp32 inputs (their 3-pass tf32 dots hold two tiles per operand).
 KDA = {
     "gamma": dict(num_warps=4, stages=(1,), BK=64),
-    # Row block by row block (kkt_kernel); BK the K tile of the off-diagonal block pairs, BKD of the
-    # diagonal ones ([16, 16, BKD] exponent tensors). K = V = 128, ptxas sm_90: bf16 224 registers,
-    # fp32 234, no spills, 2 programs per multiprocessor (8 warps: 175 / 231, one program; BK = 64:
-    # bf16 245, fp32 spills 96 bytes).
-    "kkt": dict(num_warps=4, stages=(1,), BK=32, BKD=8),
+    # Row block by row block (kkt_kernel): BK the K tile of the block pairs' dots, BKD of the pairwise
+    # fallback's [16, 16, BKD] exponent tensors. (8, 2048, 16, 128) bf16 on the H200: 2 warps 674 µs,
+    # 4 warps 1078 (BK = 64: 861), 8 warps 2014, 2 warps with BK = 16 796 (benchmarks/kda_gpu.py
+    # --profile --config).
+    "kkt": dict(num_warps=2, stages=(1,), BK=32, BKD=8),
     "wu": dict(num_warps=8, stages=(2,), BK=32, BV=32),
     # BV_min 32: at tiles of 16 triton 3.6 compiles this state_fwd kernel (fp32, 8 warps) with an
     # out-of-range shared-memory read on the H200 (compute-sanitizer).
@@ -107,7 +107,9 @@ KDA = {
     # there, and 32 stays at one program per multiprocessor while reading dO, δ, dδ twice as often.
     "dqk": dict(num_warps=8, stages=(1,), BK=64, BV=32, fp32=dict(BK=32)),
     "wy_bwd": dict(num_warps=8, stages=(1,), BK=32, BV=32),
-    "intra_bwd": dict(num_warps=8, stages=(1,), BK=32),
+    # 4 warps: 3014 µs at (8, 2048, 16, 128) bf16 against 5649 at 8 (two programs per multiprocessor
+    # instead of one; 255 registers, no spills).
+    "intra_bwd": dict(num_warps=4, stages=(1,), BK=32),
 }
 
 #: The token-recurrent and glue kernels (no candidates: one setting each, or a rule below).

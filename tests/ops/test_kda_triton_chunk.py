@@ -118,6 +118,23 @@ def test_decay_around_the_diagonal_blocks_span():
     _check(_errors(1, 130, 1, 2, 16, 16, torch.float32, seed=5, g_edit=edit), 1e-4)
 
 
+def test_backward_reuses_the_forwards_inverse(monkeypatch):
+    """The forward saves T⁻¹ and P: a forward + backward launches kkt once (wu and the state pass
+    twice: the backward recomputes them), and the gradients still match the recurrence."""
+    from gdn.ops.kda.triton import chunk_fwd as F
+
+    names = []
+    launch = F.launch
+
+    def counting(kernel, grid, *args, name, **kw):
+        names.append(name)
+        return launch(kernel, grid, *args, name=name, **kw)
+
+    monkeypatch.setattr(F, "launch", counting)
+    _check(_errors(1, 65, 1, 2, 16, 16, torch.float32, seed=6), TOL[torch.float32])
+    assert names.count("kkt") == 1 and names.count("wu") == 2 and names.count("state_fwd") == 2, names
+
+
 def test_no_final_state_and_no_grad():
     d = kda_inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32)
     with torch.no_grad():
@@ -184,4 +201,4 @@ def test_precompile_records_every_kernel_once_per_kind(monkeypatch):
     assert C._RECORD is None
     expected = {"gamma_kernel", "kkt_kernel", "wu_kernel", "state_fwd_kernel", "output_kernel", "dv_local_kernel",
                 "state_bwd_kernel", "dqk_kernel", "wy_bwd_kernel", "intra_bwd_kernel"}
-    assert set(warmed) == expected and len(warmed) == 13  # the backward recomputes kkt, wu and the state pass
+    assert set(warmed) == expected and len(warmed) == 12  # the backward recomputes wu and the state pass

@@ -30,14 +30,16 @@ def dry_run(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float) ->
     HV, K, V = v.shape[1], k.shape[2], v.shape[2]
     dht = torch.empty(ch.N, HV, K, V, device=v.device) if want_final else None
     G = chunk_fwd.gamma(g, ch)
-    chunk_fwd.output(chunk_fwd.forward_intermediates(q, k, v, G, beta, h0, ch, want_final, scale), ch, scale,
-                         v.dtype)
-    chunk_bwd.backward(q, k, v, G, beta, h0, v, dht, ch, scale)
+    fw = chunk_fwd.forward_intermediates(q, k, v, G, beta, h0, ch, want_final, scale)
+    chunk_fwd.output(fw, ch, scale, v.dtype)
+    chunk_bwd.backward(q, k, v, G, beta, h0, v, dht, ch, scale, (fw.Ai, fw.P))
 
 
 class KDAChunkFunction(torch.autograd.Function):
-    """Autograd node of one chunk KDA call. Saves the (padded) inputs and γ; the backward
-    recomputes the per-chunk intermediates and states instead of keeping them."""
+    """Autograd node of one chunk KDA call. Saves the (padded) inputs, γ and the in-chunk inverse
+    T⁻¹ and pair matrix P ([T, HV, 64] each, input dtype: 256 bytes per token and value head at
+    bf16; recomputing them cost the backward its second most expensive kernel); the backward
+    recomputes the rest of the per-chunk intermediates and the states instead of keeping them."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, scale: float, want_final: bool, ch: Chunks):
@@ -57,22 +59,23 @@ class KDAChunkFunction(torch.autograd.Function):
         G = chunk_fwd.gamma(gp, ch)
         fw = chunk_fwd.forward_intermediates(qp, kp, vp, G, bp, h0p, ch, want_final, scale)
         o, ht = chunk_fwd.output(fw, ch, scale, io)[..., :V], fw.ht
+        Ai, P = fw.Ai, fw.P
         del fw
         if ht is not None and (Kp, Vp) != (K, V):
             ht = ht[..., :K, :V].contiguous()
-        ctx.save_for_backward(qp, kp, vp, G, bp, h0p)
+        ctx.save_for_backward(qp, kp, vp, G, bp, h0p, Ai, P)
         ctx.meta = (B, T, H, HV, K, V, scale, ch, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
                     None if h0 is None else h0.dtype)
         return o.reshape(B, T, HV, V).to(v.dtype), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        qp, kp, vp, G, bp, h0p = ctx.saved_tensors
+        qp, kp, vp, G, bp, h0p, Ai, P = ctx.saved_tensors
         B, T, H, HV, K, V, scale, ch, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
         Kp, Vp = kp.shape[-1], vp.shape[-1]
         dop = pad_zeros(do.reshape(B * T, HV, V).to(vp.dtype), 0, Vp - V)
         dhtp = pad_zeros(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
-        DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, G, bp, h0p, dop, dhtp, ch, scale)
+        DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, G, bp, h0p, dop, dhtp, ch, scale, (Ai, P))
         m = HV // H
         dq = DQ.view(B, T, H, m, Kp)[..., :K].sum(3).to(q_dt)
         dk = DK.view(B, T, H, m, Kp)[..., :K].sum(3).to(k_dt)

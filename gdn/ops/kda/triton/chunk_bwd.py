@@ -299,15 +299,16 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, cu, chunk_idx
         I -= 1
 
 
-def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float):
+def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple | None = None):
     """Gradients of the chunk KDA. Packed, padded shapes: q, k [T, H, K]; v, do [T, HV, V] (one
     dtype); G [T, HV, K] fp32 (the forward's γ); beta [T, HV] fp32; h0, dht [N, HV, K, V] fp32 or
-    None. Returns (dq [T, HV, K], dk [T, HV, K], dv [T, HV, V], dg [T, HV, K], dbeta [T, HV],
-    dh0 [N, HV, K, V] or None), all fp32; dq and dk per value head."""
+    None; kkt: the forward's (Ai, P), else recomputed. Returns (dq [T, HV, K], dk [T, HV, K],
+    dv [T, HV, V], dg [T, HV, K], dbeta [T, HV], dh0 [N, HV, K, V] or None), all fp32; dq and dk per
+    value head."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     prec, DT, io, dev, f32 = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype, v.device, torch.float32
-    fw = forward_intermediates(q, k, v, G, beta, h0, ch, False, scale)
+    fw = forward_intermediates(q, k, v, G, beta, h0, ch, False, scale, kkt)
     Ai, W, h, VN = fw.Ai, fw.W, fw.h, fw.VN
     DVL = torch.empty(T, HV, V, device=dev, dtype=io)
     BV = vtile("dv_local", K, V, io)

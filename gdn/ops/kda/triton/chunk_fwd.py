@@ -433,16 +433,22 @@ class Intermediates:
     ht: torch.Tensor | None
 
 
-def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool, scale: float) -> Intermediates:
+def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool, scale: float,
+                          kkt: tuple | None = None) -> Intermediates:
     """The forward up to the output. q, k: [T, H, K]; v: [T, HV, V] (one dtype, K and V powers of
-    two ≥ 32); G: [T, HV, K] fp32 (:func:`gamma`); beta: [T, HV] fp32; h0: [N, HV, K, V] fp32 or None."""
+    two ≥ 32); G: [T, HV, K] fp32 (:func:`gamma`); beta: [T, HV] fp32; h0: [N, HV, K, V] fp32 or None.
+    ``kkt``: (Ai, P) of an earlier call on the same inputs (the backward's recompute), else made here."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     prec, DT, io, dev = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype, v.device
-    Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
-    P = torch.empty(T, HV, BT, device=dev, dtype=io)
-    launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, ch.cu, ch.chunk_idx, H, HV, K=K, BK=ktile("kkt", K, io),
-           BKD=min(entry("kkt", io)["BKD"], K), PREC=prec, DT=DT, SPAN=SPAN, name="kkt", io=io)
+    if kkt is None:
+        Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
+        P = torch.empty(T, HV, BT, device=dev, dtype=io)
+        launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, ch.cu, ch.chunk_idx, H, HV, K=K,
+               BK=ktile("kkt", K, io), BKD=min(entry("kkt", io)["BKD"], K), PREC=prec, DT=DT, SPAN=SPAN, name="kkt",
+               io=io)
+    else:
+        Ai, P = kkt
     W, QG, KT = (torch.empty(T, HV, K, device=dev, dtype=io) for _ in range(3))
     U = torch.empty(T, HV, V, device=dev, dtype=io)
     launch(wu_kernel, (ch.NT, HV), q, k, v, G, beta, Ai, W, U, QG, KT, ch.cu, ch.chunk_idx, scale, H, HV, K=K, V=V,
