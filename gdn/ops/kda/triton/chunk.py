@@ -77,8 +77,12 @@ class KDAChunkFunction(torch.autograd.Function):
         dhtp = pad_zeros(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
         DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, G, bp, h0p, dop, dhtp, ch, scale, (Ai, P))
         m = HV // H
-        dq = DQ.view(B, T, H, m, Kp)[..., :K].sum(3).to(q_dt)
-        dk = DK.view(B, T, H, m, Kp)[..., :K].sum(3).to(k_dt)
+        if m == 1:  # one value head per key head: nothing to sum (a size-1 sum is still a kernel)
+            dq = DQ[..., :K].reshape(B, T, H, K).to(q_dt)
+            dk = DK[..., :K].reshape(B, T, H, K).to(k_dt)
+        else:
+            dq = DQ.view(B, T, H, m, Kp)[..., :K].sum(3).to(q_dt)
+            dk = DK.view(B, T, H, m, Kp)[..., :K].sum(3).to(k_dt)
         dv = DV[..., :V].reshape(B, T, HV, V).to(v_dt)
         dg = DG[..., :K].reshape(B, T, HV, K).to(g_dt)
         db = DB.view(B, T, HV).to(b_dt)
