@@ -105,8 +105,11 @@ KDA = {
     "state_bwd": dict(num_warps=8, stages=(1,), SV=8192, BV_min=32),
     # fp32: K tiles of 32 (no spills; 64: 284 bytes of spill stores). bf16 keeps 64: no spills
     # there, and 32 stays at one program per multiprocessor while reading dO, δ, dδ twice as often.
-    "dqk": dict(num_warps=8, stages=(1,), BK=64, BV=32, fp32=dict(BK=32)),
-    "wy_bwd": dict(num_warps=8, stages=(1,), BK=32, BV=32),
+    # dqk and wy_bwd at 4 warps: 1265 → 822 and 869 → 575 µs at (8, 2048, 16, 128) bf16 on the H200
+    # (benchmarks/kda_gpu.py --profile --config; GPU tests passed at these settings). wu and output
+    # were level at 4 warps (522 → 525, 135 → 141) and keep 8.
+    "dqk": dict(num_warps=4, stages=(1,), BK=64, BV=32, fp32=dict(BK=32)),
+    "wy_bwd": dict(num_warps=4, stages=(1,), BK=32, BV=32),
     # 4 warps: 3014 µs at (8, 2048, 16, 128) bf16 against 5649 at 8 (two programs per multiprocessor
     # instead of one; 255 registers, no spills).
     "intra_bwd": dict(num_warps=4, stages=(1,), BK=32),
