@@ -7,7 +7,7 @@ use (bf16 q/k/v/do and intermediates, fp32 g/β/dγ, dk's fp32 partial between d
 the re-reads a tiling adds; FLOPs count the matmuls of the chunk algorithm (chunk C = 64). A kernel
 near its byte floor can only gain by fusion (fewer bytes); one far above both is latency-bound.
 
-    python benchmarks/floors.py --shape 1,32768,16,128 [--copy-gbs 4240 --tflops 714]
+    python benchmarks/floors.py --shape 1,32768,16,128 [--copy-gbs 4240 --tflops 714] [--op kda]
 """
 from __future__ import annotations
 
@@ -42,11 +42,44 @@ def floors(B: int, T: int, H: int, K: int, V: int, HV: int | None = None):
     return {k: (b * n, f * n) for k, (b, f) in out.items()}
 
 
+def floors_kda(B: int, T: int, H: int, K: int, V: int, HV: int | None = None):
+    """{kernel: (bytes, flops)} for one forward + backward of the KDA chunk kernels
+    (gdn/ops/kda/triton) at (B, T, H, K, V), bf16 inputs and intermediates, fp32 γ, per-chunk states,
+    dq/dk/dγ/dv partials and dP, dA (the dtypes those kernels use). The pair matrices A and P
+    count their ten lower 16 × 16 blocks (the kernels' sub-blocks)."""
+    HV = HV or H
+    n = B * (T // C) * HV
+    h16, f32 = 2, 4
+    tok = C
+    qk, vv = tok * K * h16, tok * V * h16
+    gam = tok * K * f32  # γ, or one fp32 [C, K] partial (dq, dk, dγ, dg)
+    st = K * V * f32  # one per-chunk state (fp32 here)
+    vec = tok * f32  # β, dβ
+    a_t = tok * C * h16  # one chunk's rows of T⁻¹ or P
+    a32 = tok * C * f32  # dP, dA
+    pairs = 10 * 16 * 16  # entries of the ten lower sub-blocks
+    out = {
+        "gamma": (2 * gam, 0),
+        "kkt": (2 * qk + gam + vec + 2 * a_t, 2 * 2 * pairs * K),
+        "wu": (2 * qk + vv + gam + vec + a_t + 3 * qk + vv, 2 * tok * tok * (K + V)),
+        "state_fwd": (2 * qk + vv + st + vv, 4 * tok * K * V),
+        "output": (qk + a_t + st + 2 * vv, 2 * (tok * K * V + tok * tok * V)),
+        "dv_local": (a_t + 2 * vv, 2 * tok * tok * V),
+        "state_bwd": (3 * qk + 3 * vv + st, 6 * tok * K * V),
+        "dqk": (2 * qk + gam + 3 * vv + 2 * st + 3 * gam + qk + a32, 2 * (tok * tok * V + 3 * tok * K * V)),
+        "wy_bwd": (2 * qk + 2 * vv + gam + vec + a_t + 2 * 2 * gam + 2 * tok * V * f32 + vec + a32,
+                   2 * (2 * tok * tok * V + 2 * tok * tok * K + 2 * tok ** 3)),
+        "intra_bwd": (2 * qk + gam + vec + 2 * a32 + 3 * 2 * gam + gam + vec, 4 * 2 * pairs * K),
+    }
+    return {k: (b * n, f * n) for k, (b, f) in out.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1,32768,16,128", help="B,T,H,D (K = V = D) or B,T,H,K,V")
     ap.add_argument("--copy-gbs", type=float, default=4240.0, help="measured copy bandwidth, GB/s")
     ap.add_argument("--tflops", type=float, default=714.0, help="measured bf16 matmul rate, TFLOP/s")
+    ap.add_argument("--op", choices=("delta", "kda"), default="delta", help="the scalar-gate kernels or KDA's")
     a = ap.parse_args(argv)
     dims = [int(x) for x in a.shape.split(",")]
     if len(dims) == 4:
@@ -58,11 +91,14 @@ def main(argv=None):
     print("| kernel | MB moved | GFLOP | byte floor µs | FLOP floor µs |")
     print("|---|---:|---:|---:|---:|")
     tb = tf = 0.0
-    for name, (nb, nf) in floors(B, T, H, K, V).items():
+    for name, (nb, nf) in (floors_kda if a.op == "kda" else floors)(B, T, H, K, V).items():
         ub, uf = nb / (a.copy_gbs * 1e9) * 1e6, nf / (a.tflops * 1e12) * 1e6
         tb, tf = tb + ub, tf + uf
         print(f"| {name} | {nb / 1e6:.0f} | {nf / 1e9:.1f} | {ub:.0f} | {uf:.0f} |")
     print(f"| sum, each kernel once (a fwd+bwd runs wu and state_fwd twice) | | | {tb:.0f} | {tf:.0f} |")
+    if a.op == "kda":
+        print("(FLOPs: the chunk algorithm's matmuls; KDA's exponentials, [C, K] per sub-block and operand, run on the"
+              " special-function units and are not counted)")
 
 
 if __name__ == "__main__":

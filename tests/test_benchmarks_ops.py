@@ -142,3 +142,22 @@ def test_kda_implementation_names(monkeypatch):
     with pytest.raises(ValueError):
         mod.parse_impls("gdn KDA,FLA")
     assert mod.clean({"a": [1.0, math.nan], "b": math.inf}) == {"a": [1.0, None], "b": None}
+
+
+def test_kda_floors_count_what_each_kernel_moves(capsys):
+    """benchmarks/floors.py --op kda: every KDA chunk kernel gets a byte floor, the matmul kernels
+    a FLOP floor; both scale with the tokens, and the wider value head moves more bytes where V
+    enters (state passes) and none more where it does not (kkt)."""
+    spec = importlib.util.spec_from_file_location("floors_under_test", PATH.parent / "floors.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    one, two = mod.floors_kda(1, 2048, 4, 128, 128), mod.floors_kda(2, 2048, 4, 128, 128)
+    assert set(one) == {"gamma", "kkt", "wu", "state_fwd", "output", "dv_local", "state_bwd", "dqk", "wy_bwd",
+                        "intra_bwd"}
+    assert all(b > 0 and f >= 0 for b, f in one.values()) and one["gamma"][1] == 0
+    assert all(two[k] == (2 * b, 2 * f) for k, (b, f) in one.items())
+    wide = mod.floors_kda(1, 2048, 4, 128, 256)
+    assert wide["kkt"] == one["kkt"] and wide["state_fwd"][0] > one["state_fwd"][0]
+    mod.main(["--op", "kda", "--shape", "1,2048,4,128"])
+    out = capsys.readouterr().out
+    assert "| intra_bwd |" in out and "exponentials" in out
