@@ -8,8 +8,8 @@
 # and flags: CHECK_ALL=1 (the slow cases of the GPU check too), CHECK_FLAGS (more pytest arguments,
 # e.g. "-k kda"), OPS_FLAGS, KDA_FLAGS, GEN_FLAGS. KDA_PROF_S: per-kernel GPU µs of the KDA chunk kernels
 # at (8, 2048) (benchmarks/kda_gpu.py --profile), with the launch settings of KDA_PROF_CONFIG (JSON)
-# if set. HOST_S: the chunk op's host time against its kernels (tools/host_profile.py); DECODE_S: the 340m decode step's kernels, batch 1, with their
-# times (tools/decode_kernels.py --profile). The GPU check is `pytest tests/gpu` in WORKERS pytest-xdist
+# if set. HOST_S: the chunk op's host time against its kernels (tools/host_profile.py); DECODE_S:
+# the 340m decode step's kernels, batch 1, with their times (tools/decode_kernels.py --profile). The GPU check is `pytest tests/gpu` in WORKERS pytest-xdist
 # processes (compilation is per process and CPU-bound; six fit the H200's memory with the largest cases).
 # A tuned launch table from a previous run ($OUT/tuned.json) is used by the timing steps; the
 # check runs the defaults unless GDN_TUNING names a table (tests/gpu/conftest.py).
