@@ -559,8 +559,9 @@ def variants(specs, prof=False, shapes=None):
         torch.cuda.empty_cache()
 
 
-def kernel_times(run, label, n=5, top=14):
-    """Print the per-kernel GPU time (µs per call of ``run``, torch.profiler, mean of n calls)."""
+def kernel_events(run, n=5):
+    """(the CUDA kernels of ``run`` from torch.profiler, longest total first; their µs per call):
+    two warm-up calls, then n profiled ones."""
     for _ in range(2):
         run()
     torch.cuda.synchronize()
@@ -570,7 +571,12 @@ def kernel_times(run, label, n=5, top=14):
         torch.cuda.synchronize()
     evs = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     evs.sort(key=lambda e: -e.device_time_total)
-    total = sum(e.device_time_total for e in evs) / n
+    return evs, sum(e.device_time_total for e in evs) / n
+
+
+def kernel_times(run, label, n=5, top=14):
+    """Print the per-kernel GPU time (µs per call of ``run``, torch.profiler, mean of n calls)."""
+    evs, total = kernel_events(run, n)
     print(f"\n{label}, µs per call (total {total:.0f} µs):")
     for e in evs[:top]:
         print(f"  {e.device_time_total / n:9.1f}  x{e.count // n:<3d} {e.key[:90]}")

@@ -26,6 +26,15 @@ def prompts_of(lengths, seed=0):
     return [torch.randint(1, 256, (n,), generator=g).tolist() for n in lengths]
 
 
+def until_eos(alone, limits, eos):
+    """Each prompt's tokens alone cut to its limit and after its first ``eos``: what the slots must give."""
+    out = []
+    for a, n in zip(alone, limits):
+        a = a[:n]
+        out.append(a[:a.index(eos) + 1] if eos in a else a)
+    return out
+
+
 @pytest.mark.parametrize("case", ["gdn", "gdn-h1", "transformer", "KMSA"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_packed_prefill_equals_each_prompt_alone(case, dtype):
@@ -69,10 +78,7 @@ def test_slots_refilled_as_sequences_finish_equal_each_alone(case, dtype, monkey
     limits = [3, 9, 1, 12, 6, 0, 8, 2, 11, 5]
     alone = [G.generate(m, torch.tensor([p]), max_new_tokens=12)[0, len(p):].tolist() for p in prompts]
     eos = alone[3][4]
-    expected = []
-    for a, n in zip(alone, limits):
-        a = a[:n]
-        expected.append(a[:a.index(eos) + 1] if eos in a else a)
+    expected = until_eos(alone, limits, eos)
     assert any(eos in e for e in expected)
     sizes, seen = [], []
     step = G.decode_step
@@ -116,10 +122,7 @@ def test_slots_on_the_graph_decoder_equal_eager_and_each_alone(case, dtype, leng
     limits = [(3, 9, 1, 12, 6, 0, 8, 2, 11, 5)[i % 10] for i in range(len(prompts))]
     alone = [G.generate(m, torch.tensor([p]), max_new_tokens=12)[0, len(p):].tolist() for p in prompts]
     eos = alone[3][2]
-    expected = []
-    for a, n in zip(alone, limits):
-        a = a[:n]
-        expected.append(a[:a.index(eos) + 1] if eos in a else a)
+    expected = until_eos(alone, limits, eos)
     assert any(eos in e and len(e) < n for e, n in zip(expected, limits))  # the eos ends a row early
     eager = G.generate_slots(m, prompts, max_new_tokens=limits, batch_size=3, eos_token_id=eos)
     assert eager == expected

@@ -35,7 +35,7 @@ if "--cpu-stub" in sys.argv:  # before triton is imported: its interpreter takes
     os.environ["TRITON_INTERPRET"] = "1"
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from ops_gpu import D, gdn_fn, inputs  # noqa: E402
+from ops_gpu import D, gdn_fn, inputs, kernel_events  # noqa: E402
 
 DEVICE = "cpu" if "--cpu-stub" in sys.argv else "cuda"
 LAUNCHES = [0]
@@ -78,14 +78,7 @@ def host_us(fn, n=50) -> float:
 
 def gpu_us(fn, n=50) -> float:
     """Kernel µs per call from the profiler (every CUDA kernel's time, summed)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    total = sum(e.self_device_time_total for e in prof.key_averages())
-    return total / n
+    return kernel_events(fn, n)[1]
 
 
 def top(fn, k: int) -> str:

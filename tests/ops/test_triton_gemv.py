@@ -18,6 +18,8 @@ pytest.importorskip("triton")
 from gdn.ops import gemv as gemv_ops  # noqa: E402
 from gdn.ops.tuning import INTERPRET  # noqa: E402
 
+from .helpers import rel_err  # noqa: E402
+
 if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
 
@@ -26,10 +28,6 @@ from gdn.ops.triton import gemv as kernels  # noqa: E402
 #: Relative error bound against float64: fp32 accumulation in another order (a few ulp of the sum);
 #: fp16 adds one rounding of the output (and of h in the SwiGLU form), ulp 2**-11 relative.
 BOUND = {torch.float32: 1e-5, torch.float16: 2e-3}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -42,7 +40,7 @@ def test_gemv_against_linear(dtype, M, N, K):
     w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype)
     got = kernels.gemv(x, w)
     assert got.shape == (M, 1, N) and got.dtype == dtype
-    assert _rel(got, F.linear(x.double(), w.double())) < BOUND[dtype]
+    assert rel_err(got, F.linear(x.double(), w.double())) < BOUND[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -57,7 +55,7 @@ def test_gemv_swiglu_form(dtype, M):
     h = (F.silu(gate.double()) * up.double()).to(dtype).double()  # h rounded to the input dtype, as the kernel
     got = kernels.gemv(gate, w, up)
     assert got.shape == (M, 1, N)
-    assert _rel(got, F.linear(h, w.double())) < BOUND[dtype]
+    assert rel_err(got, F.linear(h, w.double())) < BOUND[dtype]
 
 
 def test_tiles_spread_short_outputs():
@@ -113,7 +111,7 @@ def test_norm_gemv_against_norm_then_linear(dtype, M, with_delta):
         h = rms_norm(x, wn, 1e-6, dtype)
         assert s is x
     assert y.shape == (M, 1, N) and y.dtype == dtype
-    assert _rel(y, F.linear(h.double(), w.double())) < BOUND[dtype] * 2
+    assert rel_err(y, F.linear(h.double(), w.double())) < BOUND[dtype] * 2
 
 
 def test_norm_linear_routes(monkeypatch):
