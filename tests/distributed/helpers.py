@@ -15,7 +15,11 @@ def _entry(rank, world, init_file, fn, args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
+        # gloo's connect can return on one rank while a peer is still handshaking; a rank that ran
+        # ahead and tore its group down would close that handshake: meet before and after fn
+        dist.barrier()
         fn(rank, world, *args)
+        dist.barrier()
     except BaseException:
         # spawn reports one process's error, often a peer's "connection closed": print each rank's own
         traceback.print_exc()
