@@ -149,6 +149,12 @@ OTHER = {
 TABLES = {"delta": DELTA, "kda": KDA, "other": OTHER}
 
 
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ for host code (``triton.cdiv`` is a constexpr function there: ≈ 1.6 µs a call, and
+    a chunk op's forward + backward computes a dozen grids and tiles)."""
+    return -(-a // b)
+
+
 def pow2(n: int, lo: int = 16) -> int:
     """Smallest power of two ≥ max(n, lo) (tl.dot needs tiles of at least 16)."""
     return max(lo, 1 << (int(n) - 1).bit_length()) if n > 1 else lo

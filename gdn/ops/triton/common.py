@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tuning import BT, INTERPRET, chunk_tiles, pow2  # noqa: F401  (re-exported to the kernels)
+from ..tuning import BT, INTERPRET, cdiv, chunk_tiles, pow2  # noqa: F401  (re-exported to the kernels)
 from .launch import launch, sm_count  # noqa: F401  (re-exported to the kernels)
 
 
@@ -100,7 +100,7 @@ def make_segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
 def _dense_chunks(B: int, T: int, device: torch.device) -> Chunks:
     """The chunk layout of B rows of T tokens, built once per (B, T, device): a call at a shape seen
     before launches no index kernels (the tensors are read-only to every kernel)."""
-    n_per = triton.cdiv(T, BT)
+    n_per = cdiv(T, BT)
     NT = B * n_per
     ar = torch.arange(NT, device=device, dtype=torch.int32)
     idx = torch.stack([ar // n_per, ar % n_per], dim=1).contiguous()

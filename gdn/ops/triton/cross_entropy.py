@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tuning import OTHER
+from ..tuning import OTHER, cdiv, pow2
 
 
 
@@ -70,7 +70,7 @@ def logsumexp_pick(z: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor,
     picked = torch.empty(R, device=z.device, dtype=torch.float32)
     c = OTHER["cross_entropy"]
     if R:
-        _lse_pick_kernel[(R,)](z, target, lse, picked, V, BLOCK=min(c["BLOCK"], triton.next_power_of_2(V)),
+        _lse_pick_kernel[(R,)](z, target, lse, picked, V, BLOCK=min(c["BLOCK"], pow2(V, 1)),
                                  num_warps=c["num_warps"])
     return lse, picked
 
@@ -82,7 +82,7 @@ def softmax_grad(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, coef:
     dz = torch.empty_like(z)
     c = OTHER["cross_entropy"]
     if R:
-        B = min(c["BLOCK"], triton.next_power_of_2(V))
-        _softmax_grad_kernel[(R, triton.cdiv(V, B))](z, lse.float().contiguous(), target, coef.float().contiguous(),
+        B = min(c["BLOCK"], pow2(V, 1))
+        _softmax_grad_kernel[(R, cdiv(V, B))](z, lse.float().contiguous(), target, coef.float().contiguous(),
                                                      dz, V, BLOCK=B, num_warps=c["num_warps"])
     return dz

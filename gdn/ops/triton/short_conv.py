@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tuning import INTERPRET, OTHER
+from ..tuning import INTERPRET, OTHER, cdiv, pow2
 
 #: Input dtypes the kernels take.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -125,7 +125,7 @@ def _positions(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def _blocks(D: int) -> int:
-    return min(64 if INTERPRET else OTHER["short_conv"]["BD"], triton.next_power_of_2(D))
+    return min(64 if INTERPRET else OTHER["short_conv"]["BD"], pow2(D, 1))
 
 
 def _conv_fwd(x, weight, hist, pos, silu: bool) -> torch.Tensor:
@@ -135,7 +135,7 @@ def _conv_fwd(x, weight, hist, pos, silu: bool) -> torch.Tensor:
     c = OTHER["short_conv"]
     BT, BD = c["BT"], _blocks(D)
     has_hist = hist is not None and K > 1
-    grid = (triton.cdiv(D, BD), triton.cdiv(T, BT), B)
+    grid = (cdiv(D, BD), cdiv(T, BT), B)
     _conv_fwd_kernel[grid](x, weight, hist if has_hist else x, pos if pos is not None else x, y, T, D,
                            K=K, HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD,
                            num_warps=c["num_warps"])
@@ -147,15 +147,15 @@ def _conv_bwd(dy, x, weight, hist, pos, silu: bool) -> tuple[torch.Tensor, torch
     B, T, D = x.shape
     K = weight.shape[1]
     c = OTHER["short_conv"]
-    BT, BD = c["BT"], min(c["BD_bwd"], triton.next_power_of_2(D))
-    nloop = min(2 if INTERPRET else c["loop"], triton.next_power_of_2(triton.cdiv(T, BT)))  # token blocks a program
-    ntb = triton.cdiv(T, BT * nloop)
+    BT, BD = c["BT"], min(c["BD_bwd"], pow2(D, 1))
+    nloop = min(2 if INTERPRET else c["loop"], pow2(cdiv(T, BT), 1))  # token blocks a program
+    ntb = cdiv(T, BT * nloop)
     dx = torch.empty_like(x)
     dwp = torch.empty(B, ntb, D, K, device=x.device, dtype=torch.float32)
     has_hist = hist is not None and K > 1
-    grid = (triton.cdiv(D, BD), ntb, B)
+    grid = (cdiv(D, BD), ntb, B)
     _conv_bwd_kernel[grid](x, weight, hist if has_hist else x, pos if pos is not None else x, dy, dx, dwp, T, D, ntb,
-                           K=K, KP=triton.next_power_of_2(K), HAS_HIST=has_hist, PACKED=pos is not None,
+                           K=K, KP=pow2(K, 1), HAS_HIST=has_hist, PACKED=pos is not None,
                            SILU=silu, BT=BT, BD=BD, NLOOP=nloop, num_warps=c["num_warps"])
     return dx, dwp.sum((0, 1))
 
@@ -293,8 +293,8 @@ def conv_step_(x: torch.Tensor, weight: torch.Tensor, tails: torch.Tensor, activ
     if not B or not D:
         return y
     c = OTHER["conv_step"]
-    BD = min(1024 if INTERPRET else c["BD"], triton.next_power_of_2(D))
-    _conv_step_kernel[(B, triton.cdiv(D, BD))](x, weight.contiguous(), bias if bias is not None else weight, tails, y,
+    BD = min(1024 if INTERPRET else c["BD"], pow2(D, 1))
+    _conv_step_kernel[(B, cdiv(D, BD))](x, weight.contiguous(), bias if bias is not None else weight, tails, y,
                                                x.stride(0), D, K=K, HAS_BIAS=bias is not None,
                                                SILU=activation == "silu", BD=BD, num_warps=c["num_warps"])
     return y

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tuning import OTHER
+from ..tuning import OTHER, cdiv
 from .rows import row_start, rows, strided
 
 
@@ -89,7 +89,7 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if n:
         rg, ru, I = _operands(gate, up)
         c = OTHER["swiglu"]
-        _swiglu_fwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](rg.t, ru.t, h, n, I, *rg.args(), *ru.args(),
+        _swiglu_fwd_kernel[(cdiv(n, c["BLOCK"]),)](rg.t, ru.t, h, n, I, *rg.args(), *ru.args(),
                                                           STRIDED=strided(rg, ru), BLOCK=c["BLOCK"],
                                                           num_warps=c["num_warps"])
     return h
@@ -106,7 +106,7 @@ def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> t
     if n:
         rg, ru, I = _operands(gate, up)
         c = OTHER["swiglu"]
-        _swiglu_bwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](dh.contiguous(), rg.t, ru.t, dg, du, n, I, *rg.args(),
+        _swiglu_bwd_kernel[(cdiv(n, c["BLOCK"]),)](dh.contiguous(), rg.t, ru.t, dg, du, n, I, *rg.args(),
                                                           *ru.args(), STRIDED=strided(rg, ru), BLOCK=c["BLOCK"],
                                                           num_warps=c["num_warps"])
     return dg, du

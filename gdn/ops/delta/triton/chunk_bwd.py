@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, gate_load,
                               launch, make_segments, pow2, tl_dtype, value_cols)
-from ...tuning import DELTA
+from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
 from .chunk_fwd import chain, split_len, state_tile
 
@@ -336,7 +336,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     gp = g if gated else dummy
     DVL = torch.empty(T, HV, V, device=dev, dtype=io)
     BK, BV = tiles("dv_local", K, V)
-    launch(dv_local_kernel, (triton.cdiv(V, BV), ch.NT, HV),
+    launch(dv_local_kernel, (cdiv(V, BV), ch.NT, HV),
            q, k, gp, do, DVL, ch.cu, ch.chunk_idx, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
            USE_G=gated, PREC=prec, DT=DT, name="dv_local")
     dh = torch.empty(ch.NT, HV, K, V, device=dev, dtype=io)
@@ -347,21 +347,21 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                   name="state_bwd")
     Wp = W if delta else dummy
     gs = gamma if gated else dummy  # the state pass reads γ, not g
-    L = split_len(ch, HV, triton.cdiv(V, SV), dev)
+    L = split_len(ch, HV, cdiv(V, SV), dev)
     if L:
         # Split reverse pass, as in the forward: (1) each segment's map dS_end ↦ Aᵀ dS_end + D from
         # [I | 0]; (2) chain the maps from each sequence's end; (3) each segment from its true dS_end.
         sg = make_segments(ch, L, dev)
         X = torch.empty(sg.NS, HV, K, K + V, device=dev, dtype=f32)
         AV = min(pow2(K + V), max(16, DELTA["state_aug"]["SV"] // SK))
-        launch(state_bwd_kernel, (triton.cdiv(K + V, AV), sg.NS * HV), q, k, gs, Wp, do, DVL, dummy, dummy,
+        launch(state_bwd_kernel, (cdiv(K + V, AV), sg.NS * HV), q, k, gs, Wp, do, DVL, dummy, dummy,
                dummy, X, sg.cu, sg.off, scale, BV=AV, USE_DHT=False, USE_INIT=True, AUG=True,
                **dict(common, name="state_aug"))
         Send = chain(X, dht, dh0, sg, HV, K, V, True, prec)
-        launch(state_bwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL, Send, dh, DD, dummy,
+        launch(state_bwd_kernel, (cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL, Send, dh, DD, dummy,
                sg.cu, sg.off, scale, BV=SV, USE_DHT=True, USE_INIT=False, **common)
     else:
-        launch(state_bwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
+        launch(state_bwd_kernel, (cdiv(V, SV), ch.N * HV),
                q, k, gs, Wp, do, DVL, dht if dht is not None else dummy, dh, DD,
                dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, scale, BV=SV,
                USE_DHT=dht is not None, USE_INIT=h0 is not None, **common)
@@ -369,7 +369,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # writer, so the backward's peak (during dqk) holds h, dh, δ, dδ and dqk's outputs only.
     del DVL, W, Wp
     BK, BV = tiles("dqk", K, V)
-    NK = triton.cdiv(K, BK)
+    NK = cdiv(K, BK)
     DQ = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
     # dK is final after dqk without the delta term; with it, wy_bwd adds two terms and writes DKO
     DK = torch.empty(T, HV, K, device=dev, dtype=f32 if delta else grad_dtype)

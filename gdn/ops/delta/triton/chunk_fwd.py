@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
                               launch, make_segments, pow2, sm_count, solve_blocks, store_blocks, tl_dtype, value_cols)
-from ...tuning import DELTA
+from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
 
 
@@ -329,7 +329,7 @@ def chain(X, S0, Sfin, sg, HV: int, K: int, V: int, reverse: bool, prec: str):
     Sseg = torch.empty(sg.NS, HV, K, V, device=X.device, dtype=torch.float32)
     N = sg.first.numel()
     BV = min(pow2(V), max(16, DELTA["chain"]["SV"] // K))
-    launch(chain_kernel, (triton.cdiv(V, BV), N * HV), X, S0 if S0 is not None else X, Sseg,
+    launch(chain_kernel, (cdiv(V, BV), N * HV), X, S0 if S0 is not None else X, Sseg,
            Sfin if Sfin is not None else X, sg.first, sg.count, sg.max_ns, HV, K=K, V=V, BV=BV,
            BC=min(K, DELTA["chain"]["BC"]), REVERSE=reverse, USE_S0=S0 is not None, STORE_FIN=Sfin is not None,
            PREC=prec, WHILE=INTERPRET, name="chain")
@@ -347,8 +347,8 @@ def split_len(ch: Chunks, HV: int, tiles: int, device) -> int:
     programs = ch.N * HV * tiles
     if programs >= 2 * sms or ch.max_nc < 2 * DELTA["split"]["min_L"]:
         return 0
-    parts = triton.cdiv(2 * sms, programs)
-    return max(DELTA["split"]["min_L"], triton.cdiv(ch.max_nc, parts))
+    parts = cdiv(2 * sms, programs)
+    return max(DELTA["split"]["min_L"], cdiv(ch.max_nc, parts))
 
 
 @triton.jit
@@ -514,7 +514,7 @@ def state_tile(name: str, ch: Chunks, HV: int, K: int, V: int, device) -> tuple[
     Measured on the H200: value tiles of 16 instead of 32 at 1 × 32768: fwd 1.50 → 1.42 ms."""
     c, sms = DELTA[name], sm_count(device)
     SK, SV = tiles(name, K, V)
-    while ch.N * HV * triton.cdiv(V, SV) < sms and SV // 2 >= c["BV_min"]:
+    while ch.N * HV * cdiv(V, SV) < sms and SV // 2 >= c["BV_min"]:
         SV //= 2
     return SK, SV
 
@@ -549,7 +549,7 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     SK, SV = state_tile("state_out", ch, HV, K, V, dev)
     G = gamma_of(g, ch, G)
     gp = G if G is not None else v
-    launch(state_out_kernel, (triton.cdiv(V, SV), ch.N * HV), q, k, v, gp, W if W is not None else v,
+    launch(state_out_kernel, (cdiv(V, SV), ch.N * HV), q, k, v, gp, W if W is not None else v,
            U if U is not None else v, Ai if from_inv else v, beta if from_inv else v,
            h0 if h0 is not None else v, o, ht if want_final else v, ch.cu,
            scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=beta is not None,
@@ -587,21 +587,21 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     gp = G if G is not None else dummy
     Wp, Up = (W, U) if delta and not from_inv else (dummy, dummy)
     Ap, bp = (Ai, beta) if from_inv else (dummy, dummy)
-    L = split_len(ch, HV, triton.cdiv(V, SV), dev)
+    L = split_len(ch, HV, cdiv(V, SV), dev)
     if L:
         # Split pass: (1) every segment from [I | 0] gives its map S ↦ A S + B; (2) chain the maps
         # along each sequence; (3) every segment again from its true entering state, storing h, δ.
         sg = make_segments(ch, L, dev)
         X = torch.empty(sg.NS, HV, K, K + V, device=dev, dtype=torch.float32)
         AV = min(pow2(K + V), max(16, DELTA["state_aug"]["SV"] // SK))
-        launch(state_fwd_kernel, (triton.cdiv(K + V, AV), sg.NS * HV), k, v, gp, Wp, Up, Ap, bp, dummy, dummy, dummy,
+        launch(state_fwd_kernel, (cdiv(K + V, AV), sg.NS * HV), k, v, gp, Wp, Up, Ap, bp, dummy, dummy, dummy,
                X, sg.cu, sg.off, BV=AV, USE_INIT=False, STORE_FINAL=True, AUG=True, **dict(common, name="state_aug"))
         Sin = chain(X, h0, ht, sg, HV, K, V, False, prec)
-        launch(state_fwd_kernel, (triton.cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Ap, bp, Sin, h,
+        launch(state_fwd_kernel, (cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Ap, bp, Sin, h,
                VN if delta else dummy, dummy, sg.cu, sg.off, BV=SV, USE_INIT=True, STORE_FINAL=False, **common)
         return h, VN, ht, Ai, W, G
     SK, SV = state_tile("state_fwd", ch, HV, K, V, dev)
-    launch(state_fwd_kernel, (triton.cdiv(V, SV), ch.N * HV),
+    launch(state_fwd_kernel, (cdiv(V, SV), ch.N * HV),
            k, v, gp, Wp, Up, Ap, bp, h0 if h0 is not None else dummy, h, VN if delta else dummy,
            ht if want_final else dummy,
            ch.cu, ch.chunk_off, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, **common)
@@ -614,7 +614,7 @@ def output(q, k, v, g, h, VN, ch: Chunks, scale: float, out_dtype):
     HV, V = v.shape[1], v.shape[2]
     o = torch.empty(T, HV, V, device=v.device, dtype=out_dtype)
     BK, BV = tiles("output", K, V)
-    launch(output_kernel, (triton.cdiv(V, BV), ch.NT, HV),
+    launch(output_kernel, (cdiv(V, BV), ch.NT, HV),
            q, k, v, g if g is not None else v, h, VN if VN is not None else v, o, ch.cu, ch.chunk_idx, scale,
            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, DELTA=VN is not None,
            PREC=dot_precision(v.dtype), DT=tl_dtype(v.dtype), name="output")

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ...checks import shape_str
-from ...tuning import OTHER
+from ...tuning import OTHER, cdiv, pow2
 from .recurrent import (
     check_kernel_inputs,
     check_no_grad,
@@ -294,8 +294,8 @@ def commit_spec_states(state_pool, slot_indices, states, accepted_len, *, cu_seq
     if cu_seqlens is not None:
         _check_index("cu_seqlens", cu_seqlens, N + 1, states.device)
     c = OTHER["pool_commit"]
-    BLOCK = min(c["BLOCK"], triton.next_power_of_2(K * V))
-    grid = (N * HV, triton.cdiv(K * V, BLOCK))
+    BLOCK = min(c["BLOCK"], pow2(K * V, 1))
+    grid = (N * HV, cdiv(K * V, BLOCK))
     _commit_kernel[grid](states, state_pool, slot_indices, accepted_len,
                          states if cu_seqlens is None else cu_seqlens, T, P,
                          HV=HV, KV=K * V, BLOCK=BLOCK, IS_VARLEN=cu_seqlens is not None, num_warps=c["num_warps"])

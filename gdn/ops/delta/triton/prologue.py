@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ...gates import L2NORM_EPS
-from ...tuning import OTHER, pow2
+from ...tuning import OTHER, cdiv, pow2
 from ...triton.rows import row_start, rows, strided
 
 
@@ -130,7 +130,7 @@ class L2Norm(torch.autograd.Function):
         r = torch.empty(n, device=x.device, dtype=torch.float32)
         c = OTHER["l2norm"]
         if n:
-            l2norm_fwd_kernel[(triton.cdiv(n, c["BR"]),)](rx.t, y, r, n, *rx.args(), D=D, BD=pow2(D, 1), BR=c["BR"],
+            l2norm_fwd_kernel[(cdiv(n, c["BR"]),)](rx.t, y, r, n, *rx.args(), D=D, BD=pow2(D, 1), BR=c["BR"],
                                                            eps=eps, STRIDED=rx.strided, num_warps=c["num_warps"])
         ctx.save_for_backward(rx.t, r)
         return y
@@ -144,7 +144,7 @@ class L2Norm(torch.autograd.Function):
         dx = torch.empty(xs.shape, device=xs.device, dtype=xs.dtype)
         c = OTHER["l2norm"]
         if n:
-            l2norm_bwd_kernel[(triton.cdiv(n, c["BR"]),)](rx.t, r, dy.contiguous(), dx, n, *rx.args(), D=D,
+            l2norm_bwd_kernel[(cdiv(n, c["BR"]),)](rx.t, r, dy.contiguous(), dx, n, *rx.args(), D=D,
                                                            BD=pow2(D, 1), BR=c["BR"], STRIDED=rx.strided,
                                                            num_warps=c["num_warps"])
         return dx, None
@@ -164,7 +164,7 @@ class Gate(torch.autograd.Function):
         beta = torch.empty(a.shape, device=a.device, dtype=torch.float32)
         c = OTHER["gate"]
         if n:
-            gate_fwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](ra.t, rb.t, A_log.contiguous(), dt_bias.contiguous(), g,
+            gate_fwd_kernel[(cdiv(n, c["BLOCK"]),)](ra.t, rb.t, A_log.contiguous(), dt_bias.contiguous(), g,
                                                            beta, n, HV, *ra.args(), *rb.args(), BLOCK=c["BLOCK"],
                                                            NEG=neg, STRIDED=strided(ra, rb), num_warps=c["num_warps"])
         ctx.save_for_backward(ra.t, rb.t, A_log, dt_bias, g)
@@ -184,7 +184,7 @@ class Gate(torch.autograd.Function):
         dgg = torch.empty_like(g)
         c = OTHER["gate"]
         if n:
-            gate_bwd_kernel[(triton.cdiv(n, c["BLOCK"]),)](ra.t, rb.t, A_log.contiguous(), dt_bias.contiguous(), g,
+            gate_bwd_kernel[(cdiv(n, c["BLOCK"]),)](ra.t, rb.t, A_log.contiguous(), dt_bias.contiguous(), g,
                                                            dg, dbeta, da, db, dgg, n, HV, *ra.args(), *rb.args(),
                                                            BLOCK=c["BLOCK"], NEG=ctx.neg, STRIDED=strided(ra, rb),
                                                            num_warps=c["num_warps"])

@@ -29,7 +29,7 @@ import triton.language as tl
 from ...checks import check_recurrent, check_scale, float_tensor, shape_str
 from ...gates import L2NORM_EPS
 from ...triton.common import tl_sum
-from ...tuning import MAX_HEAD_DIM, recurrent_tiles
+from ...tuning import MAX_HEAD_DIM, cdiv, recurrent_tiles
 
 __all__ = [
     "fused_recurrent_gated_delta_rule",
@@ -213,7 +213,7 @@ def launch(q, k, v, g, beta, o, h0, ht, *, scale, slots=None, pool_size=0, cu_se
     if tiles is not None:
         BV, num_warps = tiles
     dummy = o
-    grid = (num_sequences * HV, triton.cdiv(V, BV))
+    grid = (num_sequences * HV, cdiv(V, BV))
     gs = g.stride() if g is not None else (0, 0, 0)
     bs = beta.stride() if beta is not None else (0, 0, 0)
     _fused_recurrent_fwd_kernel[grid](

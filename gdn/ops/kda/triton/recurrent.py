@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ...router import needs_grad
 from ...triton.common import tl_sum
-from ...tuning import MAX_HEAD_DIM, OTHER, kda_recurrent_tiles
+from ...tuning import MAX_HEAD_DIM, OTHER, cdiv, kda_recurrent_tiles
 
 
 @triton.jit
@@ -196,7 +196,7 @@ def _forward(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep_c
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=v.device) if output_final_state else None
     ckpt = torch.empty(max(n_ck, 1), HV, K, V, dtype=torch.float32, device=v.device) if keep_ckpt else None
-    grid = (triton.cdiv(V, BV), N * HV)
+    grid = (cdiv(V, BV), N * HV)
     _kda_fwd_kernel[grid](q, k, v, g, beta, o, h0 if h0 is not None else o, ht if ht is not None else o,
                           ckpt if ckpt is not None else o, cu, ck_off, scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
                           CKS=OTHER["kda_recurrent"]["CK"], USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_CKPT=ckpt is not None)
@@ -221,7 +221,7 @@ class _KDAFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         BK, BV = kda_recurrent_tiles(K, V)
-        NV, TT = triton.cdiv(V, BV), B * T
+        NV, TT = cdiv(V, BV), B * T
         f32 = dict(dtype=torch.float32, device=q.device)
         dq = torch.empty(NV, TT, HV, K, **f32)
         dk = torch.empty(NV, TT, HV, K, **f32)
