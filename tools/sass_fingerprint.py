@@ -1,0 +1,264 @@
+"""Fingerprints of what every Triton kernel compiles to on the H200 (sm_90), made without a GPU: a
+change to kernel code that leaves every fingerprint equal changes no instruction the card runs.
+
+Runs a set of workloads on CPU tensors with every Triton launch captured instead of run (the chunk
+ops of both families with and without each optional input, packed and split; the token-recurrent
+and speculative-step kernels; two small hybrid models forward and backward and their decode steps,
+eager and on the static cache; each in bf16 and fp32), then
+compiles each distinct launch the way Triton's own launcher would on an sm_90 device (its binder's
+specialisation of the arguments, its option parsing, then ``triton.compile``) and hashes the SASS
+(``cuobjdump --dump-sass``: the instructions and their encodings; line information is not part of
+it). Outputs are garbage (nothing runs); only the launches matter.
+
+    python tools/sass_fingerprint.py --out before.json            # on the tree before a change
+    python tools/sass_fingerprint.py --out after.json --compare before.json
+    python tools/sass_fingerprint.py --out kda.json --workloads kda        # some workloads only
+
+With ``--compare`` it lists each launch whose SASS differs, and launches found in only one of
+the two runs, then exits 1 if any differ. The kernels of ``gdn`` that no workload launched are
+listed at the end: for them the comparison proves nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TARGET = GPUTarget("cuda", 90, 32)
+SMS = 132  # the H200's multiprocessors: tile and pass choices as on the card
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+@contextlib.contextmanager
+def captured():
+    """Inside: every ``kernel[grid](...)`` and every :func:`gdn.ops.triton.launch.launch` records
+    (kernel, args, keywords) into the yielded list and runs nothing; the ops take their Triton
+    path on CPU tensors, and the launchers size grids for :data:`SMS` multiprocessors."""
+    from gdn.ops.triton import launch as launcher
+
+    out = []
+    saved = JITFunction.__getitem__
+
+    def getitem(self, grid):
+        def run(*args, **kwargs):
+            out.append((self, args, kwargs))
+        return run
+
+    patched = []
+    for mod in list(sys.modules.values()):
+        name = getattr(mod, "__name__", "") or ""
+        if name.startswith("gdn.") or name.startswith("tools.") or name == "__main__":
+            for attr, value in (("use_triton", lambda x: True), ("sm_count", lambda device: SMS)):
+                if hasattr(mod, attr) and callable(getattr(mod, attr)):
+                    patched.append((mod, attr, getattr(mod, attr)))
+                    setattr(mod, attr, value)
+    JITFunction.__getitem__ = getitem
+    try:
+        with launcher.recording() as rec:
+            yield out
+            for kernel, _, args, meta in rec:  # launch(): its candidates, as the card would compile them
+                out.append((kernel, args, meta))
+    finally:
+        JITFunction.__getitem__ = saved
+        for mod, attr, value in patched:
+            setattr(mod, attr, value)
+
+
+def workloads(dtypes):
+    """(name, callable) pairs; each callable runs one workload on CPU tensors."""
+    from gdn.ops import tuning
+    from gdn.ops.delta.triton.chunk import chunk_op
+    from gdn.ops.delta.triton.pool import commit_spec_states, fused_recurrent_gated_delta_rule_spec
+    from gdn.ops.delta.triton.recurrent import fused_recurrent_gated_delta_rule
+    from gdn.ops.kda.triton.chunk import chunk_kda
+    from gdn.ops.kda.triton.recurrent import recurrent_kda
+
+    def inputs(T, H, HV, K, V, dt, per_channel=False, N=2, grad=True):
+        g = torch.Generator().manual_seed(0)
+
+        def r(*s, dtype=dt):
+            return torch.randn(*s, generator=g, dtype=dtype).requires_grad_(grad)
+
+        B = 1 if N > 2 else N
+        q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
+        gate = (-torch.rand(B, T, HV, *((K,) if per_channel else ()), generator=g)).requires_grad_(grad)
+        beta = torch.rand(B, T, HV, generator=g).requires_grad_(grad)
+        h0 = r(N, HV, K, V, dtype=torch.float32)
+        return q, k, v, gate, beta, h0
+
+    def chunk(op, dt, g_on, b_on, per_channel=False, packed=False, K=128, V=128, HV=32, split=0):
+        def run():
+            N = 3 if packed else 2
+            q, k, v, gate, beta, h0 = inputs(256 if packed else 200, 16, HV, K, V, dt, per_channel, N)
+            cu = torch.tensor([0, 100, 130, 256], dtype=torch.int32) if packed else None
+            saved = dict(tuning.DELTA["split"])
+            tuning.DELTA["split"]["L"] = split  # the split state passes when > 0
+            try:
+                o, ht = op(q, k, v, gate if g_on else None, beta if b_on else None, initial_state=h0,
+                           output_final_state=True, cu_seqlens=cu)
+                (o.float().sum() + ht.sum()).backward()
+            finally:
+                tuning.DELTA["split"].update(saved)
+        return run
+
+    def recurrent(dt):
+        def run():
+            q, k, v, gate, beta, h0 = inputs(3, 16, 32, 128, 128, dt, grad=False)
+            fused_recurrent_gated_delta_rule(q, k, v, gate, beta, initial_state=h0, output_final_state=True)
+            o, states = fused_recurrent_gated_delta_rule_spec(q, k, v, gate, beta, initial_state=h0)
+            commit_spec_states(h0.clone(), torch.tensor([1, 0]), states, torch.tensor([2, 3]))
+            q, k, v, gate, beta, h0 = inputs(40, 16, 32, 128, 256, dt, per_channel=True)
+            o, ht = recurrent_kda(q, k, v, gate, beta, initial_state=h0, output_final_state=True)
+            (o.float().sum() + ht.sum()).backward()
+        return run
+
+    def model(preset, dt):
+        def run():
+            from gdn.models import GDNConfig, GDNForCausalLM
+            from gdn.generation import generate
+
+            cfg = GDNConfig.from_preset(preset, "tiny")
+            m = GDNForCausalLM(cfg).to(dt)
+            ids = torch.randint(0, cfg.vocab_size, (2, 70), generator=torch.Generator().manual_seed(0))
+            m(input_ids=ids, labels=ids).loss.backward()
+            m.eval()
+            with torch.no_grad():
+                generate(m, ids[:, :9], max_new_tokens=3)
+                generate(m, ids[:, :9], max_new_tokens=3, graph=True)  # the static-cache decode step
+        return run
+
+    for dt in dtypes:
+        tag = str(dt).split(".")[-1]
+        for g_on in (True, False):
+            for b_on in (True, False):
+                yield f"chunk {tag} g={g_on} beta={b_on}", chunk(chunk_op, dt, g_on, b_on)
+        yield f"chunk {tag} packed", chunk(chunk_op, dt, True, True, packed=True)
+        yield f"chunk {tag} K=V=64 HV=16", chunk(chunk_op, dt, True, True, K=64, V=64, HV=16)
+        yield f"chunk {tag} split", chunk(chunk_op, dt, True, True, split=2)
+        yield f"kda chunk {tag}", chunk(chunk_kda, dt, True, True, per_channel=True)
+        yield f"kda chunk {tag} packed", chunk(chunk_kda, dt, True, True, per_channel=True, packed=True)
+        yield f"recurrent {tag}", recurrent(dt)
+        for preset in ("gdn-h2", "qwen3next"):
+            yield f"model {preset} {tag}", model(preset, dt)
+
+
+def launch_key(kernel, args, kwargs, backend, binders):
+    """(key text, compile inputs) of one captured launch, as Triton's launcher computes them."""
+    binder = binders.get(kernel)
+    if binder is None:
+        binder = binders[kernel] = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kw = dict(kwargs)
+    kw["debug"] = kw.get("debug", kernel.debug) or knobs.runtime.debug
+    kw["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    bound, spec, opts = binder(*args, **kw)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kw, bound, spec, opts)
+    name = f"{kernel.fn.__module__}.{kernel.fn.__qualname__}"
+    consts = sorted((".".join([kernel.params[k[0]].name] + [str(i) for i in k[1:]]), repr(v))
+                    for k, v in constexprs.items())
+    text = json.dumps([name, signature, consts,
+                       sorted((str(k), repr(v)) for k, v in attrs.items()),
+                       {k: options.__dict__[k] for k in ("num_warps", "num_stages", "num_ctas", "maxnreg")
+                        if k in options.__dict__}], default=str)
+    return text, (kernel, signature, constexprs, attrs, options)
+
+
+def sass_hash(inputs) -> str:
+    kernel, signature, constexprs, attrs, options = inputs
+    ck = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+    body = [ln.strip() for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/|/\* 0x", ln)]
+    return hashlib.sha256("\n".join(body).encode()).hexdigest()[:16]
+
+
+def all_kernels() -> set:
+    """Every @triton.jit kernel of gdn's modules that are imported (qualified names)."""
+    out = set()
+    for mod in list(sys.modules.values()):
+        if (getattr(mod, "__name__", "") or "").startswith("gdn."):
+            for v in vars(mod).values():
+                if isinstance(v, JITFunction) and v.fn.__name__.endswith("kernel"):
+                    out.add(f"{v.fn.__module__}.{v.fn.__qualname__}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="where to write {launch key: SASS hash} (JSON)")
+    ap.add_argument("--compare", default=None, metavar="JSON", help="an earlier --out to compare with")
+    ap.add_argument("--dtypes", default="bf16,fp32", help="comma-separated, of bf16, fp16, fp32")
+    ap.add_argument("--workloads", default=None, metavar="TEXT",
+                    help="only the workloads whose name contains TEXT (e.g. 'kda', 'model', 'recurrent float32')")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="compile threads")
+    a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("unset TRITON_INTERPRET: the kernels must compile, not interpret")
+    import gdn.generation  # noqa: F401, PLC0415  (every module the workloads reach, imported before
+    import gdn.models  # noqa: F401, PLC0415   captured() patches their routing)
+    dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[d] for d in a.dtypes.split(",")]
+    t0 = time.time()
+    backend, binders, launches, failed = make_backend(TARGET), {}, {}, []
+    for name, run in workloads(dtypes):
+        if a.workloads and a.workloads not in name:
+            continue
+        with captured() as got:
+            try:
+                run()
+            except Exception as e:  # noqa: BLE001 - a workload that cannot run on the CPU is reported, not fatal
+                failed.append(f"{name}: {type(e).__name__}: {e}")
+        for kernel, args, kwargs in got:
+            text, inputs = launch_key(kernel, args, kwargs, backend, binders)
+            launches.setdefault(text, inputs)
+    print(f"{len(launches)} distinct launches captured in {time.time() - t0:.0f} s; compiling for sm_90", flush=True)
+    keys = sorted(launches)
+    with ThreadPoolExecutor(max(1, a.workers)) as ex:
+        hashes = dict(zip(keys, ex.map(lambda k: sass_hash(launches[k]), keys)))
+    tmp = a.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(hashes, f, indent=1, sort_keys=True)
+    os.replace(tmp, a.out)
+    seen = {json.loads(k)[0] for k in keys}
+    missing = sorted(all_kernels() - seen)
+    print(f"{len(hashes)} launches of {len(seen)} kernels fingerprinted in {time.time() - t0:.0f} s -> {a.out}")
+    for f in failed:
+        print(f"workload failed (its launches up to the failure are kept): {f}")
+    if missing and not a.workloads:
+        print("kernels no workload launched (not covered):\n  " + "\n  ".join(missing))
+    if a.compare is None:
+        return 0
+    with open(a.compare) as f:
+        old = json.load(f)
+    changed = [k for k in keys if k in old and old[k] != hashes[k]]
+    only_new, only_old = [k for k in keys if k not in old], [k for k in old if k not in hashes]
+    for label, rows in (("SASS differs", changed), ("only in this run", only_new), ("only in " + a.compare, only_old)):
+        for k in rows:
+            name, sig, consts = json.loads(k)[:3]
+            print(f"{label}: {name} {dict(consts)}")
+    same = len(keys) - len(changed) - len(only_new)
+    print(f"{same} of {len(keys)} launches compile to the same SASS; {len(changed)} differ, "
+          f"{len(only_new)} new, {len(only_old)} gone")
+    return 1 if changed or only_new or only_old else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
