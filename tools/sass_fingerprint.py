@@ -130,6 +130,25 @@ def workloads(dtypes):
             (o.float().sum() + ht.sum()).backward()
         return run
 
+    def glue_strided(dt):
+        def run():  # column slices of a wider product: the glue kernels' STRIDED variants
+            from gdn.ops.delta.triton.prologue import prologue
+            from gdn.ops.triton.rmsnorm import gated_rms_norm
+            from gdn.ops.triton.swiglu import swiglu_backward, swiglu_forward
+
+            g = torch.Generator().manual_seed(1)
+            wide = torch.randn(2, 70, 4 * 256 + 2 * 32, generator=g, dtype=dt).requires_grad_()
+            gate, up = wide[..., :256], wide[..., 256:512]
+            h = swiglu_forward(gate, up)
+            swiglu_backward(torch.ones_like(h), gate, up)
+            x, z = wide[..., 512:640].unflatten(-1, (2, 64)), wide[..., 640:768].unflatten(-1, (2, 64))
+            gated_rms_norm(x, z, torch.ones(64, dtype=dt)).float().sum().backward(retain_graph=True)
+            q, k = wide[..., 768:896].unflatten(-1, (2, 64)), wide[..., 896:1024].unflatten(-1, (2, 64))
+            a, b = wide[..., 1024:1056], wide[..., 1056:1088]
+            qn, kn, gg, beta = prologue(q, k, a, b, torch.zeros(32), torch.zeros(32), True, True)
+            (qn.float().sum() + kn.float().sum() + gg.sum() + beta.float().sum()).backward()
+        return run
+
     def model(preset, dt):
         def run():
             from gdn.models import GDNConfig, GDNForCausalLM
@@ -156,6 +175,7 @@ def workloads(dtypes):
         yield f"kda chunk {tag}", chunk(chunk_kda, dt, True, True, per_channel=True)
         yield f"kda chunk {tag} packed", chunk(chunk_kda, dt, True, True, per_channel=True, packed=True)
         yield f"recurrent {tag}", recurrent(dt)
+        yield f"glue strided {tag}", glue_strided(dt)
         for preset in ("gdn-h2", "qwen3next"):
             yield f"model {preset} {tag}", model(preset, dt)
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..tuning import INTERPRET, OTHER, cdiv, norm_tiles, pow2
-from .rows import row_start, rows, strided
+from .rows import row_offsets, rows, strided
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -40,12 +40,8 @@ def _norm_fwd_kernel(x, g, w, y, rstd, R, D, eps, x_inner, x_so, x_si, g_inner, 
     m_r, m_d = o_r < R, o_d < D
     m = m_r[:, None] & m_d[None, :]
     offs = o_r[:, None] * D + o_d[None, :]
-    if STRIDED:
-        offs_x = row_start(o_r, x_inner, x_so, x_si)[:, None] + o_d[None, :]
-        offs_g = row_start(o_r, g_inner, g_so, g_si)[:, None] + o_d[None, :]
-    else:
-        offs_x = offs
-        offs_g = offs
+    offs_x = row_offsets(o_r, o_d, offs, x_inner, x_so, x_si, STRIDED)
+    offs_g = row_offsets(o_r, o_d, offs, g_inner, g_so, g_si, STRIDED)
     b_x = tl.load(x + offs_x, mask=m, other=0.0).to(tl.float32)
     b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, 1) / D + eps)
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
@@ -73,12 +69,8 @@ def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, R, D, x_inner, x_so, x_si, 
         m_r = o_r < R
         m = m_r[:, None] & m_d[None, :]
         offs = o_r[:, None] * D + o_d[None, :]
-        if STRIDED:
-            offs_x = row_start(o_r, x_inner, x_so, x_si)[:, None] + o_d[None, :]
-            offs_g = row_start(o_r, g_inner, g_so, g_si)[:, None] + o_d[None, :]
-        else:
-            offs_x = offs
-            offs_g = offs
+        offs_x = row_offsets(o_r, o_d, offs, x_inner, x_so, x_si, STRIDED)
+        offs_g = row_offsets(o_r, o_d, offs, g_inner, g_so, g_si, STRIDED)
         b_rstd = tl.load(rstd + o_r, mask=m_r, other=0.0)
         xhat = tl.load(x + offs_x, mask=m, other=0.0).to(tl.float32) * b_rstd[:, None]
         dn = tl.load(dy + offs, mask=m, other=0.0).to(tl.float32)

@@ -88,3 +88,12 @@ def row_start(o_r, inner, s_outer, s_inner):
     """Element offset (int64) of the start of rows ``o_r`` in a :class:`Rows` layout."""
     o_r = o_r.to(tl.int64)
     return (o_r // inner) * s_outer + (o_r % inner) * s_inner
+
+
+@triton.jit
+def row_offsets(o_r, o_d, packed, inner, s_outer, s_inner, STRIDED: tl.constexpr):
+    """Element offsets [BR, BD] of columns ``o_d`` of rows ``o_r`` in a :class:`Rows` layout:
+    ``packed`` (the caller's offsets of the packed layout) unless STRIDED."""
+    if STRIDED:
+        return row_start(o_r, inner, s_outer, s_inner)[:, None] + o_d[None, :]
+    return packed

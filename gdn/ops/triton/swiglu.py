@@ -28,6 +28,15 @@ def _element_offsets(offs, I, inner, s_outer, s_inner):
     return row_start(r, inner, s_outer, s_inner) + (offs - r * I)
 
 
+@triton.jit
+def _gu_offsets(offs, I, g_inner, g_so, g_si, u_inner, u_so, u_si, STRIDED: tl.constexpr):
+    """Element offsets of the flat indices ``offs`` in g's and u's [R, I] row layouts (``offs``
+    itself unless STRIDED)."""
+    if STRIDED:
+        return _element_offsets(offs, I, g_inner, g_so, g_si), _element_offsets(offs, I, u_inner, u_so, u_si)
+    return offs, offs
+
+
 @triton.jit(do_not_specialize=["g_inner", "g_so", "g_si", "u_inner", "u_so", "u_si"])
 def _swiglu_fwd_kernel(g, u, h, n, I, g_inner, g_so, g_si, u_inner, u_so, u_si, STRIDED: tl.constexpr,
                        BLOCK: tl.constexpr):
@@ -35,12 +44,7 @@ def _swiglu_fwd_kernel(g, u, h, n, I, g_inner, g_so, g_si, u_inner, u_so, u_si, 
     STRIDED)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    if STRIDED:
-        offs_g = _element_offsets(offs, I, g_inner, g_so, g_si)
-        offs_u = _element_offsets(offs, I, u_inner, u_so, u_si)
-    else:
-        offs_g = offs
-        offs_u = offs
+    offs_g, offs_u = _gu_offsets(offs, I, g_inner, g_so, g_si, u_inner, u_so, u_si, STRIDED)
     b_g = tl.load(g + offs_g, mask=m, other=0.0).to(tl.float32)
     b_u = tl.load(u + offs_u, mask=m, other=0.0).to(tl.float32)
     b_h = b_g * tl.sigmoid(b_g) * b_u
@@ -53,12 +57,7 @@ def _swiglu_bwd_kernel(dh, g, u, dg, du, n, I, g_inner, g_so, g_si, u_inner, u_s
     """dg, du (packed) from dh (packed), g and u in their row layouts (packed unless STRIDED)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    if STRIDED:
-        offs_g = _element_offsets(offs, I, g_inner, g_so, g_si)
-        offs_u = _element_offsets(offs, I, u_inner, u_so, u_si)
-    else:
-        offs_g = offs
-        offs_u = offs
+    offs_g, offs_u = _gu_offsets(offs, I, g_inner, g_so, g_si, u_inner, u_so, u_si, STRIDED)
     b_dh = tl.load(dh + offs, mask=m, other=0.0).to(tl.float32)
     b_g = tl.load(g + offs_g, mask=m, other=0.0).to(tl.float32)
     b_u = tl.load(u + offs_u, mask=m, other=0.0).to(tl.float32)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ...gates import L2NORM_EPS
 from ...tuning import OTHER, cdiv, pow2
-from ...triton.rows import row_start, rows, strided
+from ...triton.rows import row_offsets, row_start, rows, strided
 
 
 @triton.jit(do_not_specialize=["inner", "s_outer", "s_inner"])
@@ -34,10 +34,7 @@ def l2norm_fwd_kernel(x, y, r, n_rows, inner, s_outer, s_inner, D: tl.constexpr,
     o_d = tl.arange(0, BD)
     m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
     p = o_r[:, None].to(tl.int64) * D + o_d[None, :]
-    if STRIDED:
-        p_x = row_start(o_r, inner, s_outer, s_inner)[:, None] + o_d[None, :]
-    else:
-        p_x = p
+    p_x = row_offsets(o_r, o_d, p, inner, s_outer, s_inner, STRIDED)
     b_x = tl.load(x + p_x, mask=m, other=0.0).to(tl.float32)
     b_r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + eps)
     tl.store(y + p, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
@@ -53,10 +50,7 @@ def l2norm_bwd_kernel(x, r, dy, dx, n_rows, inner, s_outer, s_inner, D: tl.const
     o_d = tl.arange(0, BD)
     m = (o_r < n_rows)[:, None] & (o_d < D)[None, :]
     p = o_r[:, None].to(tl.int64) * D + o_d[None, :]
-    if STRIDED:
-        p_x = row_start(o_r, inner, s_outer, s_inner)[:, None] + o_d[None, :]
-    else:
-        p_x = p
+    p_x = row_offsets(o_r, o_d, p, inner, s_outer, s_inner, STRIDED)
     b_r = tl.load(r + o_r, mask=o_r < n_rows, other=0.0)
     b_y = tl.load(x + p_x, mask=m, other=0.0).to(tl.float32) * b_r[:, None]
     b_dy = tl.load(dy + p, mask=m, other=0.0).to(tl.float32)
