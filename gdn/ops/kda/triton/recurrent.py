@@ -35,6 +35,19 @@ from ...tuning import MAX_HEAD_DIM, OTHER, cdiv, kda_recurrent_tiles
 
 
 @triton.jit
+def _step(b_h, k, v, g, beta, i_t, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+          V: tl.constexpr, o_k, o_v, m_k, m_v):
+    """The state [BK, BV] after token i_t: decay each key channel, then the delta rule's write."""
+    b_k = tl.load(k + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + (i_t * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_g = tl.load(g + (i_t * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + i_t * HV + i_hv).to(tl.float32)
+    b_h = b_h * tl.exp(b_g)[:, None]
+    b_e = b_v - tl_sum(b_h * b_k[:, None], axis=0)
+    return b_h + (b_beta * b_k)[:, None] * b_e[None, :]
+
+
+@triton.jit
 def _kda_fwd_kernel(q, k, v, g, beta, o, h0, ht, ckpt, cu, ck_off, scale,
                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, CKS: tl.constexpr,
@@ -70,13 +83,7 @@ def _kda_fwd_kernel(q, k, v, g, beta, o, h0, ht, ckpt, cu, ck_off, scale,
                 c = c0 + (i_t - bos) // CKS
                 tl.store(ckpt + (c * HV + i_hv) * K * V + o_h, b_h, mask=m_h)
         b_q = tl.load(q + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v + (i_t * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g + (i_t * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta + i_t * HV + i_hv).to(tl.float32)
-        b_h = b_h * tl.exp(b_g)[:, None]
-        b_e = b_v - tl_sum(b_h * b_k[:, None], axis=0)
-        b_h = b_h + (b_beta * b_k)[:, None] * b_e[None, :]
+        b_h = _step(b_h, k, v, g, beta, i_t, i_h, i_hv, H, HV, K, V, o_k, o_v, m_k, m_v)
         b_o = tl_sum(b_h * b_q[:, None], axis=0) * scale
         tl.store(o + (i_t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         i_t += 1
@@ -126,13 +133,7 @@ def _kda_bwd_kernel(q, k, v, g, beta, do, dht, ckpt, scratch, cu, ck_off,
         i_t = start
         while i_t < end:
             tl.store(p_scr + (i_t - start) * BK * BV + o_s, b_h)
-            b_k = tl.load(k + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_v = tl.load(v + (i_t * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            b_g = tl.load(g + (i_t * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_beta = tl.load(beta + i_t * HV + i_hv).to(tl.float32)
-            b_h = b_h * tl.exp(b_g)[:, None]
-            b_e = b_v - tl_sum(b_h * b_k[:, None], axis=0)
-            b_h = b_h + (b_beta * b_k)[:, None] * b_e[None, :]
+            b_h = _step(b_h, k, v, g, beta, i_t, i_h, i_hv, H, HV, K, V, o_k, o_v, m_k, m_v)
             i_t += 1
         tl.debug_barrier()
         # Adjoint of each step, last token first.
