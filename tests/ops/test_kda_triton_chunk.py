@@ -185,12 +185,19 @@ def test_precompile_records_every_kernel_once_per_kind(monkeypatch):
 
     from gdn.ops.triton import launch as C
 
-    warmed = []
+    warmed, built = [], []
+
+    class Compiled:  # what warmup hands back: a compiled kernel and its source
+        def __init__(self, name):
+            self.src = name
+            warmed.append(name)
+
     monkeypatch.setattr(C, "INTERPRET", False)
     monkeypatch.setattr(C, "_WARM", set())
     monkeypatch.setattr(triton, "AsyncCompileMode", lambda ex: contextlib.nullcontext())
+    monkeypatch.setattr(C, "build_launcher", lambda ck: built.append(ck.src))
     for kernel in {k for mod in (F, Bw) for k in vars(mod).values() if hasattr(k, "warmup")}:
-        monkeypatch.setattr(kernel, "warmup", lambda *a, _k=kernel, **kw: warmed.append(_k.fn.__name__))
+        monkeypatch.setattr(kernel, "warmup", lambda *a, _k=kernel, **kw: Compiled(_k.fn.__name__))
     d = kda_inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32)
     T, HV = 70, 2
     args = (d["q"].reshape(T, 1, 16), d["k"].reshape(T, 1, 16), d["v"].reshape(T, HV, 16),
@@ -202,3 +209,4 @@ def test_precompile_records_every_kernel_once_per_kind(monkeypatch):
     expected = {"gamma_kernel", "kkt_kernel", "wu_kernel", "state_fwd_kernel", "output_kernel", "dv_local_kernel",
                 "state_bwd_kernel", "dqk_kernel", "wy_bwd_kernel", "intra_bwd_kernel"}
     assert set(warmed) == expected and len(warmed) == 12  # the backward recomputes wu and the state pass
+    assert sorted(built) == sorted(warmed)  # and each compiled kernel's launcher built there too
