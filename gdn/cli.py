@@ -50,7 +50,7 @@ def _add_generate(sub) -> None:
                         "sequence's slot taking the next prompt (prefilled packed, no padding)")
     p.add_argument("--temperature", type=_non_negative_float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    p.add_argument("--top-p", type=_probability, default=0.95, help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--graph", action="store_true",
@@ -137,6 +137,17 @@ def _non_negative_float(text: str) -> float:
         value = -1.0
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
+    return value
+
+
+def _probability(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
     return value
 
 

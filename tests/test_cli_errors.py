@@ -57,6 +57,9 @@ def test_bad_numbers_and_devices_are_usage_errors(tmp_path):
     assert_one_line_error(res, "--batches", "positive int", "'0'")
     res = run_gdn("generate", "--ckpt", "nowhere", "--temperature", "-1", cwd=tmp_path)
     assert_one_line_error(res, "--temperature", "non-negative")
+    for bad in ("2", "0", "nan", "x"):
+        res = run_gdn("generate", "--ckpt", "nowhere", "--top-p", bad, cwd=tmp_path)
+        assert_one_line_error(res, "--top-p", "(0, 1]", repr(bad))
     import torch
 
     if not torch.cuda.is_available():
