@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
@@ -203,7 +204,8 @@ def cmd_train(args) -> int:
         build_config(args.config, flags, args.set)
     res = train(cfg, resume=args.resume)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"step {res.step}: train loss {res.train_loss:.4f}, val loss {res.val_loss:.4f}, "
+        trained = f"train loss {res.train_loss:.4f}" if math.isfinite(res.train_loss) else "no step trained"
+        print(f"step {res.step}: {trained}, val loss {res.val_loss:.4f}, "
               f"val {res.val_bpb:.3f} bits/byte (unigram {res.unigram_bpb:.3f}); run folder {res.out}")
     return 0
 

@@ -86,6 +86,16 @@ def tiny_run(tmp_path_factory):
     return root / "run"
 
 
+def test_resume_below_or_at_the_runs_step(tmp_path, tiny_run):
+    """Resuming with fewer steps than the checkpoint's is a usage error; with as many, nothing is
+    trained and the summary says so (no NaN loss)."""
+    res = run_gdn("train", "--resume", str(tiny_run), "--steps", "1", cwd=tmp_path)
+    assert_one_line_error(res, "steps = 1", "checkpoint's step 2", "--steps above 2")
+    res = run_gdn("train", "--resume", str(tiny_run), "--steps", "2", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "nothing to train" in res.stderr and "no step trained" in res.stdout and "nan" not in res.stdout, res.stdout
+
+
 def test_eval_task_without_network_says_how_to_use_a_local_task(tmp_path, tiny_run):
     pytest.importorskip("lm_eval")
     res = run_gdn("eval", "--ckpt", str(tiny_run), "--tasks", "lambada_openai", "--limit", "2", "--device", "cpu",

@@ -510,6 +510,12 @@ class Trainer(TrainLoop):
         cfg, main = self.cfg, self.dist.is_main
         if self.checkpoint is not None:
             self.load(self.checkpoint)
+            if self.step > cfg.steps:
+                raise ValueError(f"steps = {cfg.steps} is below the checkpoint's step {self.step}: pass --steps "
+                                 f"above {self.step} to train further")
+            if self.step == cfg.steps:
+                logger.info("the run is at its last step (%d): nothing to train; pass a larger --steps to "
+                            "continue it", self.step)
         if main:
             self.out.mkdir(parents=True, exist_ok=True)
             self._write_run_config()
