@@ -1,20 +1,21 @@
-"""Fingerprints of what every Triton kernel compiles to on the H200 (sm_90), made without a GPU: a
-change to kernel code that leaves every fingerprint equal changes no instruction the card runs.
+"""Fingerprints of what every Triton kernel compiles to for the H200 (sm_90), made without a GPU: a
+change to kernel code that leaves every fingerprint equal hands ptxas the same programs.
 
 Runs a set of workloads on CPU tensors with every Triton launch captured instead of run (the chunk
 ops of both families with and without each optional input, packed and split; the token-recurrent
 and speculative-step kernels; two small hybrid models forward and backward and their decode steps,
-eager and on the static cache; each in bf16 and fp32), then
+eager and on the static cache; the glue kernels on strided rows; each in bf16 and fp32), then
 compiles each distinct launch the way Triton's own launcher would on an sm_90 device (its binder's
-specialisation of the arguments, its option parsing, then ``triton.compile``) and hashes the SASS
-(``cuobjdump --dump-sass``: the instructions and their encodings; line information is not part of
-it). Outputs are garbage (nothing runs); only the launches matter.
+specialisation of the arguments, its option parsing, then ``triton.compile``) and hashes the PTX
+without its debug information (line directives, DWARF sections, comments), so moved lines do not
+count. Not the SASS: ptxas does not always give the same SASS for the same PTX (two cold compiles
+of state_bwd_kernel at fp32 differed). Outputs are garbage (nothing runs); only the launches matter.
 
-    python tools/sass_fingerprint.py --out before.json            # on the tree before a change
-    python tools/sass_fingerprint.py --out after.json --compare before.json
-    python tools/sass_fingerprint.py --out kda.json --workloads kda        # some workloads only
+    python tools/ptx_fingerprint.py --out before.json            # on the tree before a change
+    python tools/ptx_fingerprint.py --out after.json --compare before.json
+    python tools/ptx_fingerprint.py --out kda.json --workloads kda        # some workloads only
 
-With ``--compare`` it lists each launch whose SASS differs, and launches found in only one of
+With ``--compare`` it lists each launch whose PTX differs, and launches found in only one of
 the two runs, then exits 1 if any differ. The kernels of ``gdn`` that no workload launched are
 listed at the end: for them the comparison proves nothing.
 """
@@ -43,8 +44,9 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 TARGET = GPUTarget("cuda", 90, 32)
-SMS = 132  # the H200's multiprocessors: tile and pass choices as on the card
+DEBUG_LABEL = re.compile(r"\$L__tmp\d+:")  # labels only the line tables refer to (one per inlined scope)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+SMS = 132  # the H200's multiprocessors: tile and pass choices as on the card
 
 
 @contextlib.contextmanager
@@ -200,15 +202,30 @@ def launch_key(kernel, args, kwargs, backend, binders):
     return text, (kernel, signature, constexprs, attrs, options)
 
 
-def sass_hash(inputs) -> str:
+def compile_hashes(inputs, dump=None) -> dict:
+    """{"ptx": hash of the PTX without its debug information (line directives, the labels of the
+    line tables, DWARF sections, comments), "sass": hash of the SASS instructions} of one launch compiled for sm_90. Equal PTX
+    is the same program handed to ptxas; equal SASS is the same machine code. Either proves a
+    change left the launch alone; neither is implied by the other (ptxas does not always give the
+    same SASS for the same PTX: state_bwd_kernel at fp32, two cold compiles; and PTX that differs
+    only in the order of independent instructions can assemble to the same SASS). ``dump``: a
+    file to write the PTX without its debug information to."""
     kernel, signature, constexprs, attrs, options = inputs
     ck = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    ptx = ck.asm["ptx"]
+    cut = ptx.find(".section\t.debug")
+    body = [ln for ln in (ln.split("//", 1)[0].strip() for ln in (ptx if cut < 0 else ptx[:cut]).splitlines())
+            if ln and not ln.startswith((".loc", ".file")) and not DEBUG_LABEL.fullmatch(ln)]
+    if dump:
+        with open(dump, "w") as f:
+            f.write("\n".join(body) + "\n")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(ck.asm["cubin"])
         f.flush()
         sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
-    body = [ln.strip() for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/|/\* 0x", ln)]
-    return hashlib.sha256("\n".join(body).encode()).hexdigest()[:16]
+    instrs = [ln.strip() for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
+    return {"ptx": hashlib.sha256("\n".join(body).encode()).hexdigest()[:16],
+            "sass": hashlib.sha256("\n".join(instrs).encode()).hexdigest()[:16]}
 
 
 def all_kernels() -> set:
@@ -224,11 +241,13 @@ def all_kernels() -> set:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="where to write {launch key: SASS hash} (JSON)")
+    ap.add_argument("--out", required=True, help="where to write {launch key: {ptx, sass: hash}} (JSON)")
     ap.add_argument("--compare", default=None, metavar="JSON", help="an earlier --out to compare with")
     ap.add_argument("--dtypes", default="bf16,fp32", help="comma-separated, of bf16, fp16, fp32")
     ap.add_argument("--workloads", default=None, metavar="TEXT",
                     help="only the workloads whose name contains TEXT (e.g. 'kda', 'model', 'recurrent float32')")
+    ap.add_argument("--dump", default=None, metavar="DIR",
+                    help="also write each launch's PTX (without debug information) there, for diffing")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="compile threads")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -251,8 +270,16 @@ def main(argv=None) -> int:
             launches.setdefault(text, inputs)
     print(f"{len(launches)} distinct launches captured in {time.time() - t0:.0f} s; compiling for sm_90", flush=True)
     keys = sorted(launches)
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+
+    def one(i_key):
+        i, key = i_key
+        dump = None if not a.dump else os.path.join(a.dump, f"{json.loads(key)[0].rsplit('.', 1)[1]}.{i:04d}.ptx")
+        return compile_hashes(launches[key], dump)
+
     with ThreadPoolExecutor(max(1, a.workers)) as ex:
-        hashes = dict(zip(keys, ex.map(lambda k: sass_hash(launches[k]), keys)))
+        hashes = dict(zip(keys, ex.map(one, enumerate(keys))))
     tmp = a.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(hashes, f, indent=1, sort_keys=True)
@@ -268,16 +295,19 @@ def main(argv=None) -> int:
         return 0
     with open(a.compare) as f:
         old = json.load(f)
-    changed = [k for k in keys if k in old and old[k] != hashes[k]]
+    # the same launch when its PTX or its SASS is unchanged (compile_hashes says why either suffices)
+    changed = [k for k in keys if k in old and all(old[k][h] != hashes[k][h] for h in ("ptx", "sass"))]
     only_new, only_old = [k for k in keys if k not in old], [k for k in old if k not in hashes]
     if a.workloads:  # a partial run: the earlier run's other launches were not made, not lost
         only_old = []
-    for label, rows in (("SASS differs", changed), ("only in this run", only_new), ("only in " + a.compare, only_old)):
+    for label, rows in (("PTX and SASS differ", changed), ("only in this run", only_new), ("only in " + a.compare, only_old)):
         for k in rows:
             name, sig, consts = json.loads(k)[:3]
             print(f"{label}: {name} {dict(consts)}")
     same = len(keys) - len(changed) - len(only_new)
-    print(f"{same} of {len(keys)} launches compile to the same SASS; {len(changed)} differ, "
+    by_sass = sum(1 for k in keys if k in old and old[k]["ptx"] != hashes[k]["ptx"] and k not in changed)
+    print(f"{same} of {len(keys)} launches compile to the same PTX or SASS ({by_sass} by their SASS only); "
+          f"{len(changed)} differ, "
           f"{len(only_new)} new, {len(only_old)} gone")
     return 1 if changed or only_new or only_old else 0
 

@@ -1,4 +1,4 @@
-"""tools/sass_fingerprint.py: captured launches compile for sm_90 on the CPU, the same tree gives the
+"""tools/ptx_fingerprint.py: captured launches compile for sm_90 on the CPU, the same tree gives the
 same fingerprints, and a changed launch is reported (exit status 1)."""
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = """
 import sys
 sys.path.insert(0, {root!r})
-sys.argv = ["sass_fingerprint"]
-from tools import sass_fingerprint as F
+sys.argv = ["ptx_fingerprint"]
+from tools import ptx_fingerprint as F
 from gdn.ops import tuning
 if {warps}:
     tuning.OTHER["recurrent"]["max_warps"] = {warps}
