@@ -105,7 +105,8 @@ class _DefaultsFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action):
         text = action.help or ""
         default = action.default
-        if "%(default)" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+        if "%(default)" in text or "(default:" in text or default in (None, False, argparse.SUPPRESS) \
+                or not action.option_strings:
             return text
         return f"{text} (default: {default!r})" if default == "" else f"{text} (default: {default})"
 

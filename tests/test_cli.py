@@ -34,7 +34,11 @@ def test_every_subcommand_has_help(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main([cmd, "--help"])
     assert e.value.code == 0
-    assert "usage: gdn " + cmd in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "usage: gdn " + cmd in out
+    # each option states its default once (the formatter adds it unless the help text has it)
+    options = " ".join(out.split()).split(" --")
+    assert all(o.count("(default:") <= 1 for o in options), out
 
 
 def test_train_help_lists_every_flag():

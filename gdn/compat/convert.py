@@ -421,7 +421,7 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("family", choices=sorted(FAMILIES), help="the transformers architecture on the other side")
     p.add_argument("src", help="folder with config.json and model.safetensors (or a sharded index)")
     p.add_argument("dst", help="output folder (created)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="keep", help="cast the weights (default: keep)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="keep", help="cast the weights")
     p.add_argument("--force", action="store_true",
                    help="replace DST when it exists (its old contents are deleted); without it an existing, "
                         "non-empty DST is an error")
