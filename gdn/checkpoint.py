@@ -173,7 +173,7 @@ def locate(spec: str | Path | bool, out: str | Path) -> Path:
         return base
     found = list_checkpoints(base)
     if not found:
-        raise CheckpointError(f"no checkpoint under {checkpoints_root(base)} to resume from")
+        raise CheckpointError(f"{base} is not a checkpoint folder and {checkpoints_root(base)} holds no checkpoint")
     return found[-1]
 
 

@@ -137,3 +137,12 @@ def test_help_shows_defaults(tmp_path):
     assert res.returncode == 0
     text = " ".join(res.stdout.split())
     assert "tokens to generate (default: 200)" in text and "0 = greedy (default: 0.8)" in text
+
+
+def test_generate_from_a_folder_without_checkpoints(tmp_path):
+    """A --ckpt that is neither a checkpoint nor a run folder with checkpoints: one line naming both
+    places looked at (exit status 3, a checkpoint error), no traceback."""
+    res = run_gdn("generate", "--ckpt", str(tmp_path), "--prompt", "hi", cwd=tmp_path)
+    assert res.returncode == 3 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    line = res.stderr.strip().splitlines()[-1]
+    assert f"{tmp_path} is not a checkpoint folder" in line and str(tmp_path / "checkpoints") in line, line
