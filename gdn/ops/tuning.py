@@ -81,8 +81,10 @@ DELTA = {
 }
 
 #: The per-channel-gate (KDA) chunk kernels. Chosen from ptxas's register report for sm_90 at
-#: K = V = 128 (``python tools/sass_cpu.py --op kda --shape 4x8192 [--dtype fp32]``), not timed:
-#: the tiles and warps are those without spills, then with the most programs per multiprocessor.
+#: K = V = 128 (``python tools/sass_cpu.py --op kda --shape 4x8192 [--dtype fp32]``): the tiles and
+#: warps without spills, then with the most programs per multiprocessor; then kkt, dqk, wy_bwd,
+#: intra_bwd, wu and output by timing on the H200 (below; kkt and dqk spill in bf16 at their timed
+#: warps, docs/KDA.md).
 #: wu takes 8 warps for the reason the scalar-gate wu does. An entry's ``fp32`` dict overrides it
 #: for fp32 inputs (their 3-pass tf32 dots hold two tiles per operand).
 KDA = {
@@ -103,8 +105,8 @@ KDA = {
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
     "state_bwd": dict(num_warps=8, stages=(1,), SV=8192, BV_min=32),
-    # fp32: K tiles of 32 (no spills; 64: 284 bytes of spill stores). bf16 keeps 64: no spills
-    # there, and 32 stays at one program per multiprocessor while reading dO, δ, dδ twice as often.
+    # fp32: K tiles of 32 (at 8 warps: no spills; 64: 284 bytes of spill stores). bf16 keeps 64
+    # (32 reads dO, δ, dδ twice as often).
     # dqk and wy_bwd at 4 warps: 1265 → 822 and 869 → 575 µs at (8, 2048, 16, 128) bf16 on the H200
     # (benchmarks/kda_gpu.py --profile --config; GPU tests passed at these settings). wu and output
     # were level at 4 warps (522 → 525, 135 → 141) and keep 8.
