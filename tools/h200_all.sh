@@ -6,10 +6,13 @@
 # Seconds per step from the environment (0 skips the step):
 #   GPU_CHECK_S HOST_S DECODE_S TUNE_S OPS_S KDA_S KDA_PROF_S GEN_S TRAIN_S   e.g. GPU_CHECK_S=200 TUNE_S=0 bash tools/h200_all.sh
 # and flags: CHECK_ALL=1 (the slow cases of the GPU check too), CHECK_FLAGS (more pytest arguments,
-# e.g. "-k kda"), OPS_FLAGS, KDA_FLAGS, GEN_FLAGS. KDA_PROF_S: per-kernel GPU µs of the KDA chunk kernels
-# at (8, 2048) (benchmarks/kda_gpu.py --profile), with the launch settings of KDA_PROF_CONFIG (JSON)
-# if set. HOST_S: the chunk op's host time against its kernels (tools/host_profile.py); DECODE_S:
-# the 340m decode step's kernels, batch 1, with their times (tools/decode_kernels.py --profile). The GPU check is `pytest tests/gpu` in WORKERS pytest-xdist
+# e.g. "-k kda"), OPS_FLAGS, KDA_FLAGS, GEN_FLAGS. KDA_PROF_S: per-kernel GPU µs of the KDA chunk
+# kernels at (8, 2048) (benchmarks/kda_gpu.py --profile), with the launch settings of
+# KDA_PROF_CONFIG (JSON) if set, or once per setting of KDA_PROF_CONFIGS (JSON texts separated by
+# ';', '{}' for the defaults; logs kda_profile_1.log, ...), KDA_PROF_S seconds each. HOST_S: the
+# chunk op's host time against its kernels (tools/host_profile.py); DECODE_S: the 340m decode
+# step's kernels, batch 1, with their times (tools/decode_kernels.py --profile). The GPU check is
+# `pytest tests/gpu` in WORKERS pytest-xdist
 # processes (compilation is per process and CPU-bound; six fit the H200's memory with the largest cases).
 # A tuned launch table from a previous run ($OUT/tuned.json) is used by the timing steps; the
 # check runs the defaults unless GDN_TUNING names a table (tests/gpu/conftest.py).
@@ -41,8 +44,16 @@ step tune "${TUNE_S:-0}" python3 tools/tune_gpu.py --out "$OUT/tuned.json"
 [ -f "$OUT/tuned.json" ] && CFG=(--config "$OUT/tuned.json")
 step ops_gpu "${OPS_S:-150}" python3 benchmarks/ops_gpu.py --decode ${OPS_FLAGS:-} "${CFG[@]}"
 step kda "${KDA_S:-0}" python3 benchmarks/kda_gpu.py ${KDA_FLAGS:---max-seconds 150 --no-fla --no-decode --step-seconds 8}
-step kda_profile "${KDA_PROF_S:-0}" python3 benchmarks/kda_gpu.py --profile --impls "gdn KDA" --shapes 0 \
-  ${KDA_PROF_CONFIG:+--config "$KDA_PROF_CONFIG"}
+if [ -n "${KDA_PROF_CONFIGS:-}" ]; then
+  IFS=';' read -ra PROF_CFGS <<< "$KDA_PROF_CONFIGS"
+  for i in "${!PROF_CFGS[@]}"; do
+    step "kda_profile_$((i + 1))" "${KDA_PROF_S:-0}" python3 benchmarks/kda_gpu.py --profile --impls "gdn KDA" \
+      --shapes 0 --config "${PROF_CFGS[$i]}"
+  done
+else
+  step kda_profile "${KDA_PROF_S:-0}" python3 benchmarks/kda_gpu.py --profile --impls "gdn KDA" --shapes 0 \
+    ${KDA_PROF_CONFIG:+--config "$KDA_PROF_CONFIG"}
+fi
 # shellcheck disable=SC2086  # GEN_FLAGS holds several arguments
 step generation "${GEN_S:-0}" python3 benchmarks/generation.py --size 340m ${GEN_FLAGS:---new-tokens 128}
 step train "${TRAIN_S:-0}" python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4
