@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import offsets
 from .router import decode_step
 
 BACKENDS = ("naive", "chunk", "triton")
@@ -66,7 +67,7 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> tuple[
     if torch.compiler.is_compiling():
         # the values are data: reading them here would break the traced graph (eager calls check them)
         return cu_seqlens.numel() - 1, decode_step(T, cu_seqlens)
-    c = cu_seqlens.detach().to("cpu", torch.int64)
+    c = offsets.host(cu_seqlens)  # one host copy per offsets tensor, whatever the number of layers
     if int(c[0]) != 0 or int(c[-1]) != T:
         raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got first {int(c[0])} and last {int(c[-1])}")
     if bool((c[1:] < c[:-1]).any()):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import library
+from . import library, offsets
 from .router import HAS_TRITON, use_triton
 
 if HAS_TRITON:
@@ -24,7 +24,12 @@ if HAS_TRITON:
 
 
 def seq_position(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For packed offsets [N+1]: (index within its sequence [T], sequence index [T]) of every token."""
+    """For packed offsets [N+1]: (index within its sequence [T], sequence index [T]) of every token
+    (made once per offsets tensor: :mod:`gdn.ops.offsets`; not to be modified)."""
+    return offsets.memo(cu_seqlens, ("seq_position", T), lambda: _seq_position(cu_seqlens, T))
+
+
+def _seq_position(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
     t = torch.arange(T, device=cu_seqlens.device)
     seq = torch.bucketize(t, cu_seqlens[1:].long(), right=True)
     return t - cu_seqlens.long()[seq], seq

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import offsets
 from ..tuning import BT, INTERPRET, cdiv, chunk_tiles, pow2  # noqa: F401  (re-exported to the kernels)
 from .launch import launch, sm_count  # noqa: F401  (re-exported to the kernels)
 
@@ -119,9 +120,14 @@ def make_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.d
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return _dense_chunks.__wrapped__(B, T, device)  # made inside a graph: not reusable outside it
         return _dense_chunks(B, T, device)
+    # every layer of a packed forward asks for the same layout: made once per offsets tensor
+    return offsets.memo(cu_seqlens, ("chunks", device), lambda: _packed_chunks(cu_seqlens, device))
+
+
+def _packed_chunks(cu_seqlens: torch.Tensor, device: torch.device) -> Chunks:
     # host-side index arithmetic in numpy: single-threaded and fast (torch's CPU ops on a dozen
     # elements took milliseconds on a loaded many-core host, e.g. repeat_interleave)
-    host = cu_seqlens.detach().to("cpu", torch.int64)
+    host = offsets.host(cu_seqlens)
     h = host.numpy()
     per = (np.diff(h) + BT - 1) // BT
     N = len(per)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import offsets
 from ..tuning import INTERPRET, OTHER, cdiv, pow2
 
 #: Input dtypes the kernels take.
@@ -232,7 +233,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, hist: torch.Tensor | None 
             raise ValueError(f"cu_seqlens needs B == 1, got x of shape {tuple(x.shape)}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
             raise ValueError(f"cu_seqlens must be a 1-D tensor [N+1], got shape {tuple(cu_seqlens.shape)}")
-        pos = _positions(cu_seqlens.to(x.device), T)
+        pos = offsets.memo(cu_seqlens, ("positions", T, x.device), lambda: _positions(cu_seqlens.to(x.device), T))
     if hist is not None:
         if tuple(hist.shape) != (B, D, K - 1):
             raise ValueError(f"hist must have shape [B, D, K-1] = [{B}, {D}, {K - 1}], got {tuple(hist.shape)}")

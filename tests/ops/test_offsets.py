@@ -1,0 +1,108 @@
+"""gdn.ops.offsets: what the ops derive from packed offsets is derived once per offsets tensor, made
+again when the tensor is modified in place, and dropped with the tensor; a packed forward of a
+model copies its offsets to the host once, whatever its number of layers."""
+from __future__ import annotations
+
+import gc
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from gdn.ops import offsets  # noqa: E402
+from gdn.ops.conv import seq_position  # noqa: E402
+
+
+def test_memo_once_per_tensor_and_version():
+    calls = []
+
+    def make():
+        calls.append(1)
+        return object()
+
+    a = torch.tensor([0, 3, 7])
+    b = torch.tensor([0, 3, 7])  # equal values, another tensor: its own entry
+    first = offsets.memo(a, "k", make)
+    assert offsets.memo(a, "k", make) is first and len(calls) == 1
+    assert offsets.memo(b, "k", make) is not first and len(calls) == 2
+    assert offsets.memo(a, "other", make) is not first and len(calls) == 3
+    a[1] = 4  # an in-place write bumps the version: made again
+    assert offsets.memo(a, "k", make) is not first and len(calls) == 4
+    key = id(a)
+    del a
+    gc.collect()
+    assert key not in offsets._MEMO  # dropped with the tensor
+
+
+def test_host_copy_and_positions_follow_the_values():
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    h = offsets.host(cu)
+    assert h.dtype == torch.int64 and h.tolist() == [0, 2, 5] and offsets.host(cu) is h
+    pos, seq = seq_position(cu, 5)
+    assert pos.tolist() == [0, 1, 0, 1, 2] and seq.tolist() == [0, 0, 1, 1, 1]
+    assert seq_position(cu, 5)[0] is pos
+    cu[1] = 3
+    assert offsets.host(cu).tolist() == [0, 3, 5]
+    assert seq_position(cu, 5)[0].tolist() == [0, 1, 2, 0, 1]
+
+
+def test_chunk_layout_made_once_per_offsets_tensor():
+    pytest.importorskip("triton")
+    from gdn.ops.triton.common import make_chunks
+
+    cu = torch.tensor([0, 70, 200], dtype=torch.int32)
+    ch = make_chunks(1, 200, cu, torch.device("cpu"))
+    assert make_chunks(1, 200, cu, torch.device("cpu")) is ch
+    assert (ch.N, ch.NT, ch.max_nc) == (2, 2 + 3, 3)
+    cu[1] = 130
+    ch2 = make_chunks(1, 200, cu, torch.device("cpu"))
+    assert ch2 is not ch and (ch2.NT, ch2.max_nc) == (3 + 2, 3)
+
+
+class _Reads(TorchDispatchMode):
+    """Counts the aten ops that take (a view of) the tensor ``t`` as an argument."""
+
+    def __init__(self, t):
+        super().__init__()
+        self.ptr, self.n = t.untyped_storage().data_ptr(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = list(args) + list((kwargs or {}).values())
+        if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self.ptr for a in flat):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _packed_forward_reads(layers: int) -> int:
+    from gdn.models import GDNConfig, GDNForCausalLM
+
+    cfg = GDNConfig.from_preset("gdn", "tiny", num_hidden_layers=layers)
+    model = GDNForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, 40, 96], dtype=torch.int32)
+    with torch.no_grad(), _Reads(cu) as reads:
+        model(input_ids=ids, cu_seqlens=cu)
+    return reads.n
+
+
+def test_packed_forward_reads_the_offsets_a_fixed_number_of_times(monkeypatch):
+    """On the Triton path of a Gated DeltaNet model (kernels launched as no-ops: only the host work
+    runs), the ops touch the offsets tensor as often for 4 layers as for 2: the host copy (a device
+    synchronisation on a GPU), the chunk layout and the positions are made once per forward."""
+    pytest.importorskip("triton")
+    from gdn.ops.tuning import INTERPRET
+
+    if not INTERPRET:
+        pytest.skip("triton was imported without TRITON_INTERPRET")
+    import triton.runtime.interpreter as interp
+
+    from gdn.ops import conv, loss, norm, router, swiglu
+
+    monkeypatch.setattr(interp.InterpretedFunction, "__getitem__", lambda self, grid: (lambda *a, **k: None))
+    for module in (router, norm, conv, swiglu, loss):
+        monkeypatch.setattr(module, "use_triton", lambda x: True)
+    two, four = _packed_forward_reads(2), _packed_forward_reads(4)
+    assert 0 < two == four, (two, four)
