@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import library
+from . import library, offsets
 from .delta.reference import compute_dtype
 
 
@@ -55,7 +55,7 @@ def softmax_attention(q, k, v, *, scale=None, causal=True, window_size=None, cu_
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if cu_seqlens is None:
         return _dense(q, k, v, scale, causal, window_size)
-    bounds = cu_seqlens.tolist()
+    bounds = offsets.host(cu_seqlens).tolist()  # one host copy per offsets tensor, not per layer
     outs = [
         _dense(q[:, s:e], k[:, s:e], v[:, s:e], scale, causal, window_size)
         for s, e in zip(bounds[:-1], bounds[1:])

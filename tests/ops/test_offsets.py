@@ -79,7 +79,7 @@ class _Reads(TorchDispatchMode):
 def _packed_forward_reads(layers: int) -> int:
     from gdn.models import GDNConfig, GDNForCausalLM
 
-    cfg = GDNConfig.from_preset("gdn", "tiny", num_hidden_layers=layers)
+    cfg = GDNConfig.from_preset("gdn-h1", "tiny", num_hidden_layers=layers)  # Gated DeltaNet and attention
     model = GDNForCausalLM(cfg)
     ids = torch.randint(0, cfg.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
     cu = torch.tensor([0, 40, 96], dtype=torch.int32)
@@ -89,7 +89,7 @@ def _packed_forward_reads(layers: int) -> int:
 
 
 def test_packed_forward_reads_the_offsets_a_fixed_number_of_times(monkeypatch):
-    """On the Triton path of a Gated DeltaNet model (kernels launched as no-ops: only the host work
+    """On the Triton path of a hybrid model (kernels launched as no-ops: only the host work
     runs), the ops touch the offsets tensor as often for 4 layers as for 2: the host copy (a device
     synchronisation on a GPU), the chunk layout and the positions are made once per forward."""
     pytest.importorskip("triton")
