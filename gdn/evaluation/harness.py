@@ -13,6 +13,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ..ops import offsets
+
 logger = logging.getLogger(__name__)
 
 
@@ -58,7 +60,7 @@ class GDNLM(_lm_base()):
             spans.append((ids[-n:], n))
         lens = [len(s) for s in seqs]
         flat = torch.tensor([t for s in seqs for t in s], device=self._device)[None]
-        cu = torch.tensor([0] + lens, device=self._device).cumsum(0).to(torch.int32)
+        cu = offsets.to_device(torch.tensor([0] + lens).cumsum(0).to(torch.int32), self._device)
         with torch.no_grad():
             logp = F.log_softmax(self.model(input_ids=flat, cu_seqlens=cu, use_cache=False).logits[0].float(), -1)
         out = []

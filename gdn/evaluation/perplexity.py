@@ -9,6 +9,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..ops import offsets
+
 
 @dataclass
 class EvalResult:
@@ -57,7 +59,7 @@ def evaluate(model, batches, bytes_per_token, device=None, autocast=None) -> Eva
     nats = tokens = nbytes = 0
     try:
         for ids, cu in batches:
-            n, t, b = score_packed(model, ids.to(device), cu.to(device), bpt, autocast)
+            n, t, b = score_packed(model, ids.to(device), offsets.to_device(cu, device), bpt, autocast)
             nats, tokens, nbytes = nats + n, tokens + t, nbytes + b
     finally:
         model.train(was)

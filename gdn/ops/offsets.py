@@ -49,3 +49,13 @@ def memo(t: torch.Tensor, kind: Any, make: Callable[[], Any]) -> Any:
 def host(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """``cu_seqlens``'s values on the CPU, int64 (one copy, so one host synchronisation, per tensor)."""
     return memo(cu_seqlens, "host", lambda: cu_seqlens.detach().to("cpu", torch.int64))
+
+
+def to_device(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
+    """Offsets made on the host, on ``device``, with their host copy recorded (:func:`host` then
+    reads it instead of copying back: no synchronisation at all)."""
+    out = cu_seqlens.to(device, non_blocking=True)
+    if out is not cu_seqlens:
+        values = cu_seqlens.detach().to("cpu", torch.int64)
+        memo(out, "host", lambda: values)
+    return out

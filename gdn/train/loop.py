@@ -20,6 +20,7 @@ from ..data import PackedWindows, eval_batches, load_corpus, load_tokenizer, uni
 from ..distributed import ContextParallel
 from ..evaluation import evaluate
 from ..models import GDNConfig, GDNForCausalLM, param_groups
+from ..ops import offsets
 from . import distributed as D
 from .config import TrainConfig, changed_settings, read_saved_config
 from .metrics import MetricsLog, plot_loss_curve
@@ -484,7 +485,7 @@ class Trainer(TrainLoop):
         """Next-token loss of one packed row (no prediction across its documents' boundaries). With
         context parallelism: this rank's share of the row's mean loss times the group size (the
         mean over ranks of DDP / FSDP is then the mean over rows)."""
-        ids, cu = batch[0].to(self.device), batch[1].to(self.device)
+        ids, cu = batch[0].to(self.device), offsets.to_device(batch[1], self.device)
         if self.dist.cp_size == 1:
             return self.forward(input_ids=ids, labels=ids, cu_seqlens=cu).loss
         cp = ContextParallel.split(self.dist.cp_group, ids.shape[1], batch[1], self.cfg.context_parallel_attention)

@@ -106,3 +106,12 @@ def test_packed_forward_reads_the_offsets_a_fixed_number_of_times(monkeypatch):
         monkeypatch.setattr(module, "use_triton", lambda x: True)
     two, four = _packed_forward_reads(2), _packed_forward_reads(4)
     assert 0 < two == four, (two, four)
+
+
+def test_offsets_moved_to_a_device_keep_their_host_copy():
+    """to_device records the host values with the device copy: host() returns them without reading
+    the device tensor (here the meta device, which holds no values to read)."""
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    moved = offsets.to_device(cu, "meta")
+    assert moved.device.type == "meta" and offsets.host(moved).tolist() == [0, 4, 9]
+    assert offsets.to_device(cu, "cpu") is cu  # already there: the same tensor
