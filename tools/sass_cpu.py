@@ -3,8 +3,9 @@
 Records the launches of one forward + backward of the Triton chunk op (the delta family, or with
 ``--op kda`` the KDA chunk kernels of :mod:`gdn.ops.kda.triton`) at a benchmark shape (on the
 CPU: :func:`gdn.ops.triton.launch.recording` collects the launches instead of running them, with the card's 132
-multiprocessors assumed for the occupancy rules), compiles each kernel for sm_90 with the same
-compile-time arguments, warps and pipeline depth (Triton's bundled ptxas), and prints per kernel:
+multiprocessors assumed for the occupancy rules), compiles each kernel for sm_90 as Triton's
+launcher would (its binder's specialisation of the arguments, the constexprs, warps and pipeline
+depth; Triton's bundled ptxas), and prints per kernel:
 registers, spills (the stack frame, and ptxas -v's "bytes spill stores / loads"), shared memory, the programs one multiprocessor can hold (by shared memory,
 registers and warps), the number of waves of the grid, and the instruction mix of the innermost
 loop (a sequential pass's chunk step). Nothing here replaces timing on the card; it says why a
@@ -28,7 +29,6 @@ import sys
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -40,10 +40,13 @@ from gdn.ops.triton import common  # noqa: E402
 from gdn.ops.triton import launch as launcher  # noqa: E402
 from gdn.ops.tuning import DELTA, update_from  # noqa: E402
 from triton.backends.nvidia.compiler import sm_arch_from_capability  # noqa: E402
+from triton.compiler import make_backend  # noqa: E402
+
+from ptx_fingerprint import TARGET, launch_key  # noqa: E402  (the launcher's own compile inputs)
+
+_BACKEND, _BINDERS = make_backend(TARGET), {}
 
 SMS = 132  # H200 multiprocessors (per multiprocessor: launcher.SM90)
-DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-          torch.int64: "i64"}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -149,28 +152,11 @@ def depths(launches):
 
 
 def compile_sm90(kernel, args, meta):
-    """Compile ``kernel`` for sm_90 with the recorded arguments' types and compile-time values."""
-    names = kernel.arg_names
-    nostage = {k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")}
-    sig, consts, attrs = {}, {}, {}
-    for i, (n, a) in enumerate(zip(names, list(args) + [None] * (len(names) - len(args)))):
-        if n in nostage:
-            sig[n], consts[n] = "constexpr", nostage[n]
-        elif isinstance(a, torch.Tensor):
-            sig[n] = "*" + DTYPES[a.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(a, float):
-            sig[n] = "fp32"
-        elif isinstance(a, int):
-            sig[n] = "i32" if abs(a) < 2**31 else "i64"
-            if a % 16 == 0 and a != 0 and i not in kernel.do_not_specialize:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif a is None:
-            sig[n], consts[n] = "constexpr", None
-        else:
-            raise TypeError(f"argument {n}: {type(a).__name__}")
-    return triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=meta["num_warps"], num_stages=meta["num_stages"]))
+    """Compile ``kernel`` for sm_90 as Triton's launcher would for the recorded arguments: its
+    binder's specialisation of each run-time argument (an int's divisibility by 16 unless
+    ``do_not_specialize``, a pointer's alignment), the constexprs, warps and pipeline depth."""
+    _, (k, sig, consts, attrs, options) = launch_key(kernel, args, meta, _BACKEND, _BINDERS)
+    return triton.compile(ASTSource(k, sig, consts, attrs), target=TARGET, options=options.__dict__)
 
 
 def loop_mix(sass: str):
