@@ -5,9 +5,9 @@ the report gives its compile time, shared memory, registers and register spills 
 
 It runs the real launchers of :mod:`gdn.ops.delta.triton.chunk_fwd` / ``chunk_bwd`` (forward and
 backward of one small call) with the launch intercepted: each launch is compiled ahead of time
-with ``triton.compile`` for a ``GPUTarget("cuda", 90, 32)`` with the same compile-time arguments,
-warps and first pipelining candidate of its :data:`gdn.ops.tuning.DELTA` entry, and its cubin is
-read with the ``cuobjdump`` bundled with Triton.
+with ``triton.compile`` for sm_90 as Triton's launcher would (its binder's specialisation of the
+arguments), at the warps and first pipelining candidate of its :data:`gdn.ops.tuning.DELTA` entry,
+and its cubin is read with the ``cuobjdump`` bundled with Triton.
 
     python tools/resources.py [--K 128] [--V 128] [--dtype bf16] [--member gated_delta_rule]
 
@@ -24,8 +24,7 @@ import time
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -34,39 +33,18 @@ from gdn.ops.delta.triton.chunk import chunk_op  # noqa: E402
 from gdn.ops.triton import common  # noqa: E402
 from gdn.ops.triton import launch as launcher  # noqa: E402
 from gdn.ops.tuning import DELTA  # noqa: E402
+from ptx_fingerprint import TARGET, launch_key  # noqa: E402  (the launcher's own compile inputs)
 
-_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
-          torch.int64: "i64"}
-
-
-def _signature(kernel, args, meta):
-    names = [p.name for p in kernel.params]
-    bound = dict(zip(names, args))
-    bound.update(meta)
-    sig, consts, attrs = {}, {}, {}
-    for i, p in enumerate(kernel.params):
-        x = bound[p.name] if p.name in bound else p.default  # a constexpr left at its default
-        if p.is_constexpr:
-            sig[p.name] = "constexpr"
-            consts[(i,)] = x
-        elif isinstance(x, torch.Tensor):
-            sig[p.name] = "*" + _TYPES[x.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]  # what a launch specialises (16-byte aligned data)
-        elif isinstance(x, bool) or isinstance(x, int):
-            sig[p.name] = "i32"
-            if not isinstance(x, bool) and x % 16 == 0 and x != 0 and not p.do_not_specialize:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[p.name] = "fp32"
-    return sig, consts, attrs
+_BACKEND, _BINDERS = make_backend(TARGET), {}
 
 
 def compile_report(kernel, args, meta, num_warps, num_stages):
-    """(seconds, shared bytes, 'REG:n STACK:n') of one kernel compiled for sm_90."""
-    sig, consts, attrs = _signature(kernel, args, meta)
+    """(seconds, shared bytes, 'REG:n STACK:n') of one kernel compiled for sm_90 as Triton's
+    launcher compiles it (:func:`ptx_fingerprint.launch_key`: the binder's specialisation)."""
+    _, (k, sig, consts, attrs, options) = launch_key(kernel, args, dict(meta, num_warps=num_warps,
+                                                                         num_stages=num_stages), _BACKEND, _BINDERS)
     t0 = time.perf_counter()
-    c = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps, "num_stages": num_stages})
+    c = triton.compile(ASTSource(k, sig, consts, attrs), target=TARGET, options=options.__dict__)
     secs = time.perf_counter() - t0
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
