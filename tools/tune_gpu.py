@@ -24,7 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-FWD = ("kkt_solve", "wu", "state_fwd", "output")
+FWD = ("kkt_solve", "wu", "state_out", "state_fwd", "output")
 BWD = ("split", "dv_local", "state_bwd", "dqk", "wy_bwd", "chain")
 
 
@@ -38,6 +38,11 @@ def candidates(name):
         # their pipeline depth is the launch's (gdn.ops.triton.launch.by_waves, over the entry's
         # candidates); plain state_bwd at one stage must stay out of them (miscompiled, docs/TRITON.md)
         return [dict(SV=sv, num_warps=w) for sv in (2048, 4096, 8192) for w in (4, 8)]
+    if name == "state_out":
+        # the fused forward pass; its depth is the launch's too. Value tiles 32 or 64 (16 is below
+        # its BV_min), and one stage alone: as launched, two stages spill 24 bytes at value tiles
+        # of 32 (tools/sass_cpu.py) where one stage holds as many programs per multiprocessor
+        return [dict(SV=sv, num_warps=4, stages=st) for sv in (4096, 8192) for st in ((2, 1), (1,))]
     if name == "chain":
         return [dict(num_warps=w, BC=bc, SV=sv) for w in (4, 8) for bc in (16, 32) for sv in (2048, 4096)]
     # dqk and wy_bwd also with pipelined loops (2-3 stages), as FLA autotunes its matching kernels
