@@ -200,7 +200,10 @@ def precompile(key, dry_run) -> None:
             with triton.AsyncCompileMode(ex):
                 pending = [kernel.warmup(*args, grid=grid, **meta) for kernel, grid, args, meta in launches]
             compiled = [k.result() if hasattr(k, "result") else k for k in pending]
-            list(ex.map(build_launcher, {id(ck): ck for ck in compiled if hasattr(ck, "src")}.values()))
+            try:
+                list(ex.map(build_launcher, {id(ck): ck for ck in compiled if hasattr(ck, "src")}.values()))
+            except Exception as e:  # noqa: BLE001 - the kernels are compiled; a first launch builds its own
+                log.debug("building the launchers ahead failed (%s: %s)", type(e).__name__, e)
     except Exception as e:  # noqa: BLE001 - an optimisation only; the launches compile themselves
         log.warning("parallel precompile of the chunk kernels failed (%s: %s); compiling at launch",
                     type(e).__name__, e)
