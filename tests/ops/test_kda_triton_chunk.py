@@ -174,7 +174,7 @@ def test_sweep(T, H, HV, K, V, dtype):
 
 
 
-def test_precompile_records_every_kernel_once_per_kind(monkeypatch):
+def test_precompile_records_every_kernel_once_per_kind(monkeypatch, caplog):
     """The first CUDA call's dry run (kda_chunk.dry_run under launch.precompile) reaches every
     kernel of a forward and backward, launches none of them, and runs once per key; the compile
     step is replaced by a recorder here (the interpreter has nothing to compile)."""
@@ -210,3 +210,11 @@ def test_precompile_records_every_kernel_once_per_kind(monkeypatch):
                 "state_bwd_kernel", "dqk_kernel", "wy_bwd_kernel", "intra_bwd_kernel"}
     assert set(warmed) == expected and len(warmed) == 12  # the backward recomputes wu and the state pass
     assert sorted(built) == sorted(warmed)  # and each compiled kernel's launcher built there too
+
+    def fail(ck):
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(C, "build_launcher", fail)  # launchers left to the first launch, quietly
+    with caplog.at_level("WARNING", logger=C.log.name):
+        C.precompile("another key", lambda: dry_run(*args))
+    assert len(warmed) == 24 and not caplog.records
