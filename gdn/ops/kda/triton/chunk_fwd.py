@@ -203,11 +203,14 @@ def lower(X):
 
 
 @triton.jit
-def _col(k, G, t0, eos, J: tl.constexpr, gr, i_h, i_hv, H, HV, o_k, K: tl.constexpr):
-    """K_J ⊙ exp(γ_r − γ_J) for column block J before the reference row r (exponents ≤ 0)."""
+def _add_col(a, p, kl, ql, k, G, t0, eos, J: tl.constexpr, gr, i_h, i_hv, H, HV, o_k, K: tl.constexpr,
+             DT: tl.constexpr, PREC: tl.constexpr):
+    """(a + kl cᵀ, p + ql cᵀ) with c = K_J ⊙ exp(γ_r − γ_J), column block J before the reference
+    row r (exponents ≤ 0): one K tile of the pair (A_IJ, P_IJ)."""
     r_j = t0 + J * 16 + tl.arange(0, 16)
     m_j = r_j < eos
-    return load_rows(k, r_j, m_j, H, i_h, o_k, K) * before_ref(load_rows(G, r_j, m_j, HV, i_hv, o_k, K), gr)
+    c = load_rows(k, r_j, m_j, H, i_h, o_k, K) * before_ref(load_rows(G, r_j, m_j, HV, i_hv, o_k, K), gr)
+    return a + _mm(kl, c, DT, PREC), p + _mm(ql, c, DT, PREC)
 
 
 @triton.jit
@@ -239,17 +242,11 @@ def _kkt_row(q, k, G, t0, eos, I: tl.constexpr, i_h, i_hv, H, HV, K: tl.constexp
         ad += _mm(kl, c, DT, PREC)
         pd += _mm(ql, c, DT, PREC)
         if I >= 1:
-            c = _col(k, G, t0, eos, 0, gr, i_h, i_hv, H, HV, o_k, K)
-            a0 += _mm(kl, c, DT, PREC)
-            p0 += _mm(ql, c, DT, PREC)
+            a0, p0 = _add_col(a0, p0, kl, ql, k, G, t0, eos, 0, gr, i_h, i_hv, H, HV, o_k, K, DT, PREC)
         if I >= 2:
-            c = _col(k, G, t0, eos, 1, gr, i_h, i_hv, H, HV, o_k, K)
-            a1 += _mm(kl, c, DT, PREC)
-            p1 += _mm(ql, c, DT, PREC)
+            a1, p1 = _add_col(a1, p1, kl, ql, k, G, t0, eos, 1, gr, i_h, i_hv, H, HV, o_k, K, DT, PREC)
         if I >= 3:
-            c = _col(k, G, t0, eos, 2, gr, i_h, i_hv, H, HV, o_k, K)
-            a2 += _mm(kl, c, DT, PREC)
-            p2 += _mm(ql, c, DT, PREC)
+            a2, p2 = _add_col(a2, p2, kl, ql, k, G, t0, eos, 2, gr, i_h, i_hv, H, HV, o_k, K, DT, PREC)
     if tl.max(span, axis=0) > SPAN:
         ad, pd = _kkt_diag(q, k, G, t0, eos, I, i_h, i_hv, H, HV, K, BKD)
     return a0, a1, a2, ad, p0, p1, p2, lower(pd)
