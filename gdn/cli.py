@@ -122,35 +122,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
-    return value
+def _number(convert, ok, what: str):
+    """An argparse type: ``convert(text)`` when it parses and ``ok`` holds, else the usage error
+    "must be WHAT, got 'TEXT'"."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):  # (NaN fails every comparison)
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+    return parse
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
-    return value
-
-
-def _probability(text: str) -> float:
-    """A number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
-    return value
+_positive_int = _number(int, lambda v: v >= 1, "a positive int")
+_non_negative_float = _number(float, lambda v: v >= 0, "a non-negative number")
+_probability = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
 def _device(text: str) -> str:
