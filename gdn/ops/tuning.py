@@ -93,7 +93,11 @@ KDA = {
     # fallback's [16, 16, BKD] exponent tensors. (8, 2048, 16, 128) bf16 on the H200: 2 warps 674 µs,
     # 4 warps 1078 (BK = 64: 861), 8 warps 2014, 2 warps with BK = 16 796 (benchmarks/kda_gpu.py
     # --profile --config).
-    "kkt": dict(num_warps=2, stages=(1,), BK=32, BKD=8),
+    # dense: kkt_dense_kernel instead (whole-chunk [64, BK] × [BK, 64] products per row block, A
+    # through an fp32 scratch, then the block solve); off until timed against kkt_kernel on the GPU.
+    "kkt": dict(num_warps=2, stages=(1,), BK=32, BKD=8, dense=False),
+    # bf16, 8 warps: 248 registers at BK = 64, 184 at 32, no spills; fp32 spills 496 bytes at 64, 80 at 32.
+    "kkt_dense": dict(num_warps=8, stages=(1,), BK=64, BKD=8, fp32=dict(BK=32)),
     "wu": dict(num_warps=8, stages=(2,), BK=32, BV=32),
     # BV_min 32: at tiles of 16 triton 3.6 compiles this state_fwd kernel (fp32, 8 warps) with an
     # out-of-range shared-memory read on the H200 (compute-sanitizer).

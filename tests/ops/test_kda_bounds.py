@@ -223,9 +223,13 @@ def test_partial_chunks_grouped_heads_gpu_tiles(monkeypatch, dtype):
     check(monkeypatch, 1, 65, 1, 2, 20, 32, dtype, seed=1, tol=TOL[dtype])
 
 
-def test_packed_with_empty_and_one_token_members(monkeypatch):
+@pytest.mark.parametrize("dense", [False, True], ids=["kkt", "kkt_dense"])
+def test_packed_with_empty_and_one_token_members(monkeypatch, dense):
     """One token, an empty sequence, a whole chunk, a chunk and a token (a partial 16-row block), a
-    partial chunk; K = 20 (padded), grouped value heads; the H200's tiles."""
+    partial chunk; K = 20 (padded), grouped value heads; the H200's tiles; both kkt kernels."""
+    from gdn.ops import tuning
+
+    monkeypatch.setitem(tuning.KDA, "kkt", dict(tuning.KDA["kkt"], dense=dense))
     check(monkeypatch, 1, 148, 1, 2, 20, 32, torch.float32, lens=[1, 0, 64, 65, 18, 0], seed=2,
           tol=TOL[torch.float32])
 

@@ -135,6 +135,32 @@ def test_backward_reuses_the_forwards_inverse(monkeypatch):
     assert names.count("kkt") == 1 and names.count("wu") == 2 and names.count("state_fwd") == 2, names
 
 
+@pytest.mark.parametrize("g_scale", [0.5, 40.0], ids=["mild", "strong"])
+def test_dense_kkt(monkeypatch, g_scale):
+    """kkt_dense_kernel gives kkt_kernel's results: grouped heads, partial chunks, both diagonal
+    forms (strong decay takes the pairwise rewrite in every block), and the span test's mixed
+    chunk."""
+    monkeypatch.setitem(tuning.KDA, "kkt", dict(tuning.KDA["kkt"], dense=True))
+    from gdn.ops.kda.triton import chunk_fwd as F
+
+    names = []
+    launch = F.launch
+
+    def counting(kernel, grid, *args, name, **kw):
+        names.append(name)
+        return launch(kernel, grid, *args, name=name, **kw)
+
+    monkeypatch.setattr(F, "launch", counting)
+    _check(_errors(1, 130, 1, 2, 16, 16, torch.float32, g_scale=g_scale, seed=8), 1e-4)
+    assert names.count("kkt_dense") == 1 and "kkt" not in names, names
+
+    def edit(g):
+        g[:, :, :, 0] = -3.8
+        g[:, 20:41, :, 8:] = -12.0
+
+    _check(_errors(1, 130, 1, 2, 16, 16, torch.float32, seed=5, g_edit=edit), 1e-4)
+
+
 def test_no_final_state_and_no_grad():
     d = kda_inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32)
     with torch.no_grad():

@@ -253,6 +253,15 @@ def inv_unit_lower16(A, INV: tl.constexpr):
 
 
 @triton.jit
+def load16(X_, rows, m, HV, i_hv, col0):
+    """Rows ``rows`` of a [T, HV, 64] buffer, columns col0 … col0 + 15, as a fp32 16×16 block (0 off
+    the sequence)."""
+    o = tl.arange(0, 16)
+    return tl.load(X_ + (rows[:, None] * HV + i_hv) * 64 + col0 + o[None, :], mask=m[:, None], other=0.0).to(
+        tl.float32)
+
+
+@triton.jit
 def store16(X_, X, rows, m, HV, i_hv, col0: tl.constexpr):
     """Rows ``rows`` of a [T, HV, 64] buffer, columns col0 … col0 + 15, from the 16×16 block X."""
     o = tl.arange(0, 16)

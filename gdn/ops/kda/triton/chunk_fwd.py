@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, inv_row1, inv_row2, inv_row3,
-                              inv_unit_lower16, sm_count, store_row, tl_dtype)
+                              inv_unit_lower16, load16, sm_count, solve_blocks, store16, store_blocks, store_row,
+                              tl_dtype)
 from ...triton.launch import launch as triton_launch
 from ...tuning import KDA
 
@@ -294,6 +295,67 @@ def kkt_kernel(q, k, G, beta, Ai, P, cu, chunk_idx, H, HV, K: tl.constexpr, BK: 
 
 
 @triton.jit
+def kkt_dense_kernel(q, k, G, beta, Ai, P, A, cu, chunk_idx, H, HV, K: tl.constexpr, BK: tl.constexpr,
+                     BKD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr):
+    """kkt_kernel's results from whole-chunk products: per K tile, the rows scaled once through
+    their own block's reference row, X ⊙ exp(γ_i − γ_r(i)) (≤ 1), and for each row block I one
+    [64, BK] × [BK, 64] product of those rows of I with K ⊙ exp(min(γ_rI − γ_j, SPAN)) (≤ 1 for
+    j before I, capped on the diagonal, discarded past it). A = diag(β) (strict lower part) goes
+    through the fp32 scratch A ([T, HV, 64]); a diagonal block where a channel decays by more than
+    SPAN across it is rewritten there and in P from pairwise exponents; then the block solve
+    (common.solve_blocks) reads A's ten lower blocks back."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
+    o_t = tl.arange(0, 64)
+    rows = t0 + o_t
+    m = rows < eos
+    blk = o_t // 16
+    ref = tl.minimum(t0 + blk * 16, eos - 1)
+    b_A = tl.zeros([64, 64], dtype=tl.float32)
+    b_P = tl.zeros([64, 64], dtype=tl.float32)
+    span = tl.zeros([64], dtype=tl.float32)
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = load_rows(k, rows, m, H, i_h, o_k, K)
+        b_g = load_rows(G, rows, m, HV, i_hv, o_k, K)
+        b_d = tl.where(m[:, None], tl.load(G + (ref[:, None] * HV + i_hv) * K + o_k[None, :]) - b_g, 0.0)
+        span = tl.maximum(span, tl.max(b_d, axis=1))
+        b_e = tl.where(m[:, None], tl.exp(-b_d), 0.0)
+        kl = b_k * b_e
+        ql = load_rows(q, rows, m, H, i_h, o_k, K) * b_e
+        for I in tl.static_range(4):
+            gr = ref_row(G, t0 + I * 16, eos, HV, i_hv, o_k, K)
+            c = b_k * tl.exp(tl.minimum(gr[None, :] - b_g, SPAN))
+            sel = (blk == I)[:, None]
+            b_A += _mm(tl.where(sel, kl, 0.0), c, DT, PREC)
+            b_P += _mm(tl.where(sel, ql, 0.0), c, DT, PREC)
+    b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0)
+    p_a = (rows[:, None] * HV + i_hv) * 64 + o_t[None, :]
+    tl.store(A + p_a, tl.where(o_t[:, None] > o_t[None, :], b_A, 0.0) * b_b[:, None], mask=m[:, None])
+    tl.store(P + p_a, tl.where(o_t[:, None] >= o_t[None, :], b_P, 0.0).to(P.dtype.element_ty), mask=m[:, None])
+    o = tl.arange(0, 16)
+    for I in tl.static_range(4):
+        if tl.max(tl.where((blk == I) & m, span, 0.0), axis=0) > SPAN:
+            ad, pd = _kkt_diag(q, k, G, t0, eos, I, i_h, i_hv, H, HV, K, BKD)
+            r_i = t0 + I * 16 + o
+            store16(A, strict(ad) * _row_beta(beta, t0, eos, I, HV, i_hv), r_i, r_i < eos, HV, i_hv, I * 16)
+            store16(P, lower(pd), r_i, r_i < eos, HV, i_hv, I * 16)
+    tl.debug_barrier()
+    r0 = t0 + o
+    r1 = r0 + 16
+    r2 = r0 + 32
+    r3 = r0 + 48
+    m0, m1, m2, m3 = r0 < eos, r1 < eos, r2 < eos, r3 < eos
+    X00, X10, X11, X20, X21, X22, X30, X31, X32, X33 = solve_blocks(
+        load16(A, r0, m0, HV, i_hv, 0), load16(A, r1, m1, HV, i_hv, 0), load16(A, r1, m1, HV, i_hv, 16),
+        load16(A, r2, m2, HV, i_hv, 0), load16(A, r2, m2, HV, i_hv, 16), load16(A, r2, m2, HV, i_hv, 32),
+        load16(A, r3, m3, HV, i_hv, 0), load16(A, r3, m3, HV, i_hv, 16), load16(A, r3, m3, HV, i_hv, 32),
+        load16(A, r3, m3, HV, i_hv, 48), "ieee")
+    store_blocks(Ai, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, r0, r1, r2, r3, m0, m1, m2, m3, HV, i_hv)
+
+
+@triton.jit
 def wu_kernel(q, k, v, G, beta, Ai, W, U, QG, KT, cu, chunk_idx, scale, H, HV, K: tl.constexpr, V: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """W = T diag(β) (K ⊙ Γ) and U = T diag(β) V for one chunk and value head, and the decayed
@@ -441,9 +503,16 @@ def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool, sc
     if kkt is None:
         Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
         P = torch.empty(T, HV, BT, device=dev, dtype=io)
-        launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, ch.cu, ch.chunk_idx, H, HV, K=K,
-               BK=ktile("kkt", K, io), BKD=min(entry("kkt", io)["BKD"], K), PREC=prec, DT=DT, SPAN=SPAN, name="kkt",
-               io=io)
+        if entry("kkt", io).get("dense", False):
+            A = torch.empty(T, HV, BT, device=dev, dtype=torch.float32)
+            launch(kkt_dense_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, A, ch.cu, ch.chunk_idx, H, HV, K=K,
+                   BK=ktile("kkt_dense", K, io), BKD=min(entry("kkt_dense", io)["BKD"], K), PREC=prec, DT=DT,
+                   SPAN=SPAN, name="kkt_dense", io=io)
+            del A
+        else:
+            launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, ch.cu, ch.chunk_idx, H, HV, K=K,
+                   BK=ktile("kkt", K, io), BKD=min(entry("kkt", io)["BKD"], K), PREC=prec, DT=DT, SPAN=SPAN,
+                   name="kkt", io=io)
     else:
         Ai, P = kkt
     W, QG, KT = (torch.empty(T, HV, K, device=dev, dtype=io) for _ in range(3))
