@@ -89,15 +89,13 @@ DELTA = {
 #: for fp32 inputs (their 3-pass tf32 dots hold two tiles per operand).
 KDA = {
     "gamma": dict(num_warps=4, stages=(1,), BK=64),
-    # Row block by row block (kkt_kernel): BK the K tile of the block pairs' dots, BKD of the pairwise
-    # fallback's [16, 16, BKD] exponent tensors. (8, 2048, 16, 128) bf16 on the H200: 2 warps 674 µs,
-    # 4 warps 1078 (BK = 64: 861), 8 warps 2014, 2 warps with BK = 16 796 (benchmarks/kda_gpu.py
-    # --profile --config).
-    # dense: kkt_dense_kernel instead (whole-chunk [64, BK] × [BK, 64] products per row block, A
-    # through an fp32 scratch, then the block solve); off until timed against kkt_kernel on the GPU.
-    "kkt": dict(num_warps=2, stages=(1,), BK=32, BKD=8, dense=False),
-    # bf16, 8 warps: 248 registers at BK = 64, 184 at 32, no spills; fp32 spills 496 bytes at 64, 80 at 32.
-    "kkt_dense": dict(num_warps=8, stages=(1,), BK=64, BKD=8, fp32=dict(BK=32)),
+    # Whole-chunk products (kkt_kernel: per K tile one [64, BK] × [BK, 64] product per row block, A
+    # through an fp32 scratch, then the block solve). bf16, 8 warps: 248 registers at BK = 64, 184 at
+    # 32, no spills; fp32 spills 496 bytes at 64, 80 at 32. (8, 2048, 16, 128) bf16 on the H200:
+    # 602 µs, against 663 for the earlier row-block-by-row-block kernel at its best setting (2 warps,
+    # BK = 32, which spilled 128 bytes; BK = 16, BKD = 4 without spills: 788) (benchmarks/kda_gpu.py
+    # --profile --config, 2026-12-01).
+    "kkt": dict(num_warps=8, stages=(1,), BK=64, BKD=8, fp32=dict(BK=32)),
     "wu": dict(num_warps=8, stages=(2,), BK=32, BV=32),
     # BV_min 32: at tiles of 16 triton 3.6 compiles this state_fwd kernel (fp32, 8 warps) with an
     # out-of-range shared-memory read on the H200 (compute-sanitizer).

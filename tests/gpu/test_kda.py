@@ -3,9 +3,9 @@
 - Chunk kernels (:func:`gdn.ops.kda.triton.chunk.chunk_kda`), tier 3 (see :mod:`tests.gpu.helpers`):
   awkward shapes (K = 100, K = V = 60 and V = 16, padded inside; grouped heads; packed sequences
   with empty and one-token members; a strong per-channel decay of up to 5 nats a token) and two
-  benchmark shapes, fp32 and bf16, with an initial state and the final state: o, the final state
+  benchmark shapes, fp32, bf16 and fp16, with an initial state and the final state: o, the final state
   and every gradient (q, k, v, g, β, initial state) against the float64 PyTorch chunk form on the
-  fp32 inputs as drawn. bf16 runs round q, k, v only (g, β and the state stay fp32).
+  fp32 inputs as drawn. Half-precision runs round q, k, v only (g, β and the state stay fp32).
 - The public op (``backend="triton"``, with gradients: the chunk kernels), the token-recurrent
   kernels and the PyTorch chunk form at four more shapes (T = 1 and 777, K = 256, V = 100) with
   every input but the state rounded in bf16 runs, to fixed bounds: relative error ≤ 1e-4 in fp32
@@ -32,6 +32,8 @@ from .helpers import (DEVICE, assert_within, dtype_id, leaves, offsets, outputs_
                       tier3_bounds)
 
 DTYPES = (torch.float32, torch.bfloat16)
+#: the chunk kernels' cases run fp16 as well (its dot operands overflow past e^11: kkt's own bound)
+CHUNK_DTYPES = DTYPES + (torch.float16,)
 #: (name, B, T, H, HV, K, V, packed lengths or None, g scale or None). g is logsigmoid(x + 3), or
 #: with a scale s, −s·uniform(0, 1) (strong decay).
 CHECKS = [
@@ -93,13 +95,13 @@ def check_chunk_case(spec, seed, dtype, *, device=DEVICE, kernel=chunk_kda):
     return errs, tier3_bounds(dtype, ref, base)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("dtype", CHUNK_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("spec,seed", [pytest.param(c, 100 + i, id=c[0]) for i, c in enumerate(CHECKS)])
 def test_chunk_kernels(spec, seed, dtype):
     try:
         errs, bounds = check_chunk_case(spec, seed, dtype)
     finally:
-        if dtype == DTYPES[-1]:  # the case's last run: free its cached reference
+        if dtype == CHUNK_DTYPES[-1]:  # the case's last run: free its cached reference
             reference_case.cache_clear()
     assert_within(errs, bounds, f"chunk_kda at {spec[0]}, {dtype_id(dtype)}")
 

@@ -21,7 +21,6 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from gdn.ops.kda import reference as KR  # noqa: E402
-from gdn.ops import tuning  # noqa: E402
 from gdn.ops.tuning import INTERPRET  # noqa: E402
 
 from .helpers import rel_err  # noqa: E402
@@ -118,6 +117,20 @@ def test_decay_around_the_diagonal_blocks_span():
     _check(_errors(1, 130, 1, 2, 16, 16, torch.float32, seed=5, g_edit=edit), 1e-4)
 
 
+def test_fp16_decay_past_its_range_within_a_block():
+    """fp16 dot operands hold at most e^11.1: one channel decaying by 2 nats a token (30 nats across
+    a block, under SPAN but past fp16's range) takes the pairwise form in fp16 instead of
+    overflowing in the first-row form."""
+    from gdn.ops.kda.triton.chunk_fwd import SPAN, SPAN_FP16
+
+    assert SPAN_FP16 < 15 * 2.0 < SPAN and 2 ** 16 < torch.exp(torch.tensor(15 * 2.0))
+
+    def edit(g):
+        g[:, :, :, 0] = -2.0
+
+    _check(_errors(1, 130, 1, 2, 16, 16, torch.float16, seed=9, g_edit=edit), TOL[torch.float16])
+
+
 def test_backward_reuses_the_forwards_inverse(monkeypatch):
     """The forward saves T⁻¹ and P: a forward + backward launches kkt once (wu and the state pass
     twice: the backward recomputes them), and the gradients still match the recurrence."""
@@ -136,11 +149,9 @@ def test_backward_reuses_the_forwards_inverse(monkeypatch):
 
 
 @pytest.mark.parametrize("g_scale", [0.5, 40.0], ids=["mild", "strong"])
-def test_dense_kkt(monkeypatch, g_scale):
-    """kkt_dense_kernel gives kkt_kernel's results: grouped heads, partial chunks, both diagonal
-    forms (strong decay takes the pairwise rewrite in every block), and the span test's mixed
-    chunk."""
-    monkeypatch.setitem(tuning.KDA, "kkt", dict(tuning.KDA["kkt"], dense=True))
+def test_kkt_both_diagonal_forms(monkeypatch, g_scale):
+    """kkt_kernel against the reference: grouped heads, partial chunks, both diagonal forms (strong
+    decay takes the pairwise rewrite in every block), and the span test's mixed chunk."""
     from gdn.ops.kda.triton import chunk_fwd as F
 
     names = []
@@ -152,7 +163,7 @@ def test_dense_kkt(monkeypatch, g_scale):
 
     monkeypatch.setattr(F, "launch", counting)
     _check(_errors(1, 130, 1, 2, 16, 16, torch.float32, g_scale=g_scale, seed=8), 1e-4)
-    assert names.count("kkt_dense") == 1 and "kkt" not in names, names
+    assert names.count("kkt") == 1, names
 
     def edit(g):
         g[:, :, :, 0] = -3.8

@@ -34,9 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, inv_row1, inv_row2, inv_row3,
-                              inv_unit_lower16, load16, sm_count, solve_blocks, store16, store_blocks, store_row,
-                              tl_dtype)
+from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, load16, sm_count, solve_blocks,
+                              store16, store_blocks, tl_dtype)
 from ...triton.launch import launch as triton_launch
 from ...tuning import KDA
 
@@ -51,6 +50,8 @@ STATE_DTYPE = torch.float32
 #: 1e26, far inside the range of fp32 and bf16 (e^88), so the dot cannot overflow. A block with a
 #: stronger decay in some channel takes exact pairwise exponents instead (kkt, intra_bwd).
 SPAN = 60.0
+#: The same bound where kkt's dot operands are fp16 (largest finite value 65504 ≈ e^11.1): e^10.
+SPAN_FP16 = 10.0
 
 
 def entry(name: str, io: torch.dtype) -> dict:
@@ -204,106 +205,15 @@ def lower(X):
 
 
 @triton.jit
-def _add_col(a, p, kl, ql, k, G, t0, eos, J: tl.constexpr, gr, i_h, i_hv, H, HV, o_k, K: tl.constexpr,
-             DT: tl.constexpr, PREC: tl.constexpr):
-    """(a + kl cᵀ, p + ql cᵀ) with c = K_J ⊙ exp(γ_r − γ_J), column block J before the reference
-    row r (exponents ≤ 0): one K tile of the pair (A_IJ, P_IJ)."""
-    r_j = t0 + J * 16 + tl.arange(0, 16)
-    m_j = r_j < eos
-    c = load_rows(k, r_j, m_j, H, i_h, o_k, K) * before_ref(load_rows(G, r_j, m_j, HV, i_hv, o_k, K), gr)
-    return a + _mm(kl, c, DT, PREC), p + _mm(ql, c, DT, PREC)
-
-
-@triton.jit
-def _kkt_row(q, k, G, t0, eos, I: tl.constexpr, i_h, i_hv, H, HV, K: tl.constexpr, BK: tl.constexpr,
-             BKD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr):
-    """Row block I of A (without β) and of P: (A_I0, A_I1, A_I2, P_I0, P_I1, P_I2) for the column
-    blocks J < I (zeros for J ≥ I) and the diagonal pair (A_II, P_II), each block one dot per K
-    tile through the reference row r = the first row of I: (X_I ⊙ exp(γ_I − γ_r)) (K_J ⊙
-    exp(γ_r − γ_J))ᵀ with X = K for A and Q for P. For J < I both exponents are ≤ 0; on the
-    diagonal the column factor is capped at e^SPAN, exact while no channel decays by more than
-    SPAN nats across the block; where one does the diagonal pair is recomputed from pairwise
-    exponents (:func:`_kkt_diag`, exact at any decay)."""
-    o = tl.arange(0, 16)
-    r_i = t0 + I * 16 + o
-    m_i = r_i < eos
-    z = tl.zeros([16, 16], dtype=tl.float32)
-    a0, a1, a2, ad, p0, p1, p2, pd = z, z, z, z, z, z, z, z
-    span = tl.zeros([BK], dtype=tl.float32)
-    for i_k in range(0, K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        gr = ref_row(G, t0 + I * 16, eos, HV, i_hv, o_k, K)
-        g_i = load_rows(G, r_i, m_i, HV, i_hv, o_k, K)
-        k_i = load_rows(k, r_i, m_i, H, i_h, o_k, K)
-        span = tl.maximum(span, block_span(g_i, gr, m_i))
-        e = after_ref(g_i, gr, m_i)
-        kl = k_i * e
-        ql = load_rows(q, r_i, m_i, H, i_h, o_k, K) * e
-        c = k_i * tl.exp(tl.minimum(gr[None, :] - g_i, SPAN))
-        ad += _mm(kl, c, DT, PREC)
-        pd += _mm(ql, c, DT, PREC)
-        if I >= 1:
-            a0, p0 = _add_col(a0, p0, kl, ql, k, G, t0, eos, 0, gr, i_h, i_hv, H, HV, o_k, K, DT, PREC)
-        if I >= 2:
-            a1, p1 = _add_col(a1, p1, kl, ql, k, G, t0, eos, 1, gr, i_h, i_hv, H, HV, o_k, K, DT, PREC)
-        if I >= 3:
-            a2, p2 = _add_col(a2, p2, kl, ql, k, G, t0, eos, 2, gr, i_h, i_hv, H, HV, o_k, K, DT, PREC)
-    if tl.max(span, axis=0) > SPAN:
-        ad, pd = _kkt_diag(q, k, G, t0, eos, I, i_h, i_hv, H, HV, K, BKD)
-    return a0, a1, a2, ad, p0, p1, p2, lower(pd)
-
-
-@triton.jit
-def kkt_kernel(q, k, G, beta, Ai, P, cu, chunk_idx, H, HV, K: tl.constexpr, BK: tl.constexpr,
+def kkt_kernel(q, k, G, beta, Ai, P, A, cu, chunk_idx, H, HV, K: tl.constexpr, BK: tl.constexpr,
                BKD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr):
-    """Ai = (I + A)⁻¹ and P (both [T, HV, 64], rows of each chunk) from 16-row sub-blocks
-    (:func:`_kkt_row`), row block by row block: block I's rows of P and of the inverse are stored
-    before block I + 1 starts, so only the inverse's earlier blocks stay live (the block forward
-    substitution needs them), never all twenty [16, 16] sums at once."""
-    i_t, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
-    o = tl.arange(0, 16)
-    r0 = t0 + o
-    r1 = r0 + 16
-    r2 = r0 + 32
-    r3 = r0 + 48
-    m0, m1, m2, m3 = r0 < eos, r1 < eos, r2 < eos, r3 < eos
-    z = tl.zeros([16, 16], dtype=tl.float32)
-    _, _, _, A00, _, _, _, P00 = _kkt_row(q, k, G, t0, eos, 0, i_h, i_hv, H, HV, K, BK, BKD, PREC, DT, SPAN)
-    store_row(P, P00, z, z, z, r0, m0, HV, i_hv)
-    X00 = inv_unit_lower16(strict(A00) * _row_beta(beta, t0, eos, 0, HV, i_hv), "ieee")
-    store_row(Ai, X00, z, z, z, r0, m0, HV, i_hv)
-    A10, _, _, A11, P10, _, _, P11 = _kkt_row(q, k, G, t0, eos, 1, i_h, i_hv, H, HV, K, BK, BKD, PREC, DT, SPAN)
-    store_row(P, P10, P11, z, z, r1, m1, HV, i_hv)
-    b = _row_beta(beta, t0, eos, 1, HV, i_hv)
-    X10, X11 = inv_row1(A10 * b, strict(A11) * b, X00, "ieee")
-    store_row(Ai, X10, X11, z, z, r1, m1, HV, i_hv)
-    A20, A21, _, A22, P20, P21, _, P22 = _kkt_row(q, k, G, t0, eos, 2, i_h, i_hv, H, HV, K, BK, BKD, PREC, DT,
-                                                  SPAN)
-    store_row(P, P20, P21, P22, z, r2, m2, HV, i_hv)
-    b = _row_beta(beta, t0, eos, 2, HV, i_hv)
-    X20, X21, X22 = inv_row2(A20 * b, A21 * b, strict(A22) * b, X00, X10, X11, "ieee")
-    store_row(Ai, X20, X21, X22, z, r2, m2, HV, i_hv)
-    A30, A31, A32, A33, P30, P31, P32, P33 = _kkt_row(q, k, G, t0, eos, 3, i_h, i_hv, H, HV, K, BK, BKD, PREC,
-                                                      DT, SPAN)
-    store_row(P, P30, P31, P32, P33, r3, m3, HV, i_hv)
-    b = _row_beta(beta, t0, eos, 3, HV, i_hv)
-    X30, X31, X32, X33 = inv_row3(A30 * b, A31 * b, A32 * b, strict(A33) * b, X00, X10, X11, X20, X21, X22,
-                                  "ieee")
-    store_row(Ai, X30, X31, X32, X33, r3, m3, HV, i_hv)
-
-
-@triton.jit
-def kkt_dense_kernel(q, k, G, beta, Ai, P, A, cu, chunk_idx, H, HV, K: tl.constexpr, BK: tl.constexpr,
-                     BKD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr):
-    """kkt_kernel's results from whole-chunk products: per K tile, the rows scaled once through
-    their own block's reference row, X ⊙ exp(γ_i − γ_r(i)) (≤ 1), and for each row block I one
-    [64, BK] × [BK, 64] product of those rows of I with K ⊙ exp(min(γ_rI − γ_j, SPAN)) (≤ 1 for
-    j before I, capped on the diagonal, discarded past it). A = diag(β) (strict lower part) goes
-    through the fp32 scratch A ([T, HV, 64]); a diagonal block where a channel decays by more than
-    SPAN across it is rewritten there and in P from pairwise exponents; then the block solve
-    (common.solve_blocks) reads A's ten lower blocks back."""
+    """Ai = (I + A)⁻¹ and P (both [T, HV, 64], rows of each chunk) from whole-chunk products: per K
+    tile, the rows scaled once through their own block's reference row, X ⊙ exp(γ_i − γ_r(i)) (≤ 1),
+    and for each row block I one [64, BK] × [BK, 64] product of those rows of I with
+    K ⊙ exp(min(γ_rI − γ_j, SPAN)) (≤ 1 for j before I, capped on the diagonal, zero past it).
+    A = diag(β) (strict lower part) goes through the fp32 scratch A ([T, HV, 64]); a diagonal block
+    where a channel decays by more than SPAN across it is rewritten there and in P from pairwise
+    exponents; then the block solve (common.solve_blocks) reads A's ten lower blocks back."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
@@ -326,7 +236,9 @@ def kkt_dense_kernel(q, k, G, beta, Ai, P, A, cu, chunk_idx, H, HV, K: tl.conste
         ql = load_rows(q, rows, m, H, i_h, o_k, K) * b_e
         for I in tl.static_range(4):
             gr = ref_row(G, t0 + I * 16, eos, HV, i_hv, o_k, K)
-            c = b_k * tl.exp(tl.minimum(gr[None, :] - b_g, SPAN))
+            # rows past block I are zeroed, not only discarded afterwards: their factor can exceed
+            # fp16's range, and 0 · inf in the product would spoil the other row blocks' sums
+            c = tl.where((blk <= I)[:, None], b_k * tl.exp(tl.minimum(gr[None, :] - b_g, SPAN)), 0.0)
             sel = (blk == I)[:, None]
             b_A += _mm(tl.where(sel, kl, 0.0), c, DT, PREC)
             b_P += _mm(tl.where(sel, ql, 0.0), c, DT, PREC)
@@ -503,16 +415,11 @@ def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool, sc
     if kkt is None:
         Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
         P = torch.empty(T, HV, BT, device=dev, dtype=io)
-        if entry("kkt", io).get("dense", False):
-            A = torch.empty(T, HV, BT, device=dev, dtype=torch.float32)
-            launch(kkt_dense_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, A, ch.cu, ch.chunk_idx, H, HV, K=K,
-                   BK=ktile("kkt_dense", K, io), BKD=min(entry("kkt_dense", io)["BKD"], K), PREC=prec, DT=DT,
-                   SPAN=SPAN, name="kkt_dense", io=io)
-            del A
-        else:
-            launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, ch.cu, ch.chunk_idx, H, HV, K=K,
-                   BK=ktile("kkt", K, io), BKD=min(entry("kkt", io)["BKD"], K), PREC=prec, DT=DT, SPAN=SPAN,
-                   name="kkt", io=io)
+        A = torch.empty(T, HV, BT, device=dev, dtype=torch.float32)
+        launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, A, ch.cu, ch.chunk_idx, H, HV, K=K,
+               BK=ktile("kkt", K, io), BKD=min(entry("kkt", io)["BKD"], K), PREC=prec, DT=DT,
+               SPAN=SPAN_FP16 if io == torch.float16 else SPAN, name="kkt", io=io)
+        del A
     else:
         Ai, P = kkt
     W, QG, KT = (torch.empty(T, HV, K, device=dev, dtype=io) for _ in range(3))
