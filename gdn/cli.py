@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 
@@ -193,9 +192,16 @@ def cmd_train(args) -> int:
         build_config(args.config, flags, args.set)
     res = train(cfg, resume=args.resume)
     if int(os.environ.get("RANK", "0")) == 0:
-        trained = f"train loss {res.train_loss:.4f}" if math.isfinite(res.train_loss) else "no step trained"
+        trained = f"train loss {res.train_loss:.4f}" if res.trained else "no step trained"
+        if res.skipped:
+            trained += f" ({res.skipped} of {res.trained} updates skipped: non-finite loss or gradient norm)"
         print(f"step {res.step}: {trained}, val loss {res.val_loss:.4f}, "
               f"val {res.val_bpb:.3f} bits/byte (unigram {res.unigram_bpb:.3f}); run folder {res.out}")
+        if res.diverged:
+            print(f"gdn train: error: the run diverged: its last {cfg.max_bad_steps} steps had a non-finite loss or "
+                  f"gradient norm and were not applied; checkpoint {res.checkpoint} holds the weights from before them: "
+                  "resume from it with a lower learning rate (--resume --set lr=...)", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -76,14 +76,32 @@ def tiny_run(tmp_path_factory):
     (root / "data").mkdir()
     for i in range(6):
         (root / "data" / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * (20 + i))
-    sets = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.head_dim=16", "model.intermediate_size=64",
-            "seq_len=32", "batch_size=2", "eval_every=2", "eval_batches=1", "save_every=2", "tensorboard=false",
-            "progress=false", "val_fraction=0.25", "warmup_steps=1"]
     args = ["train", "--data", str(root / "data"), "--out", str(root / "run"), "--steps", "2"]
-    for s in sets:
+    for s in TINY:
         args += ["--set", s]
     assert main(args) == 0
     return root / "run"
+
+
+#: a model and run small enough for a few CPU steps in a test
+TINY = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.head_dim=16", "model.intermediate_size=64",
+        "seq_len=32", "batch_size=2", "eval_every=2", "eval_batches=1", "save_every=2", "tensorboard=false",
+        "progress=false", "val_fraction=0.25", "warmup_steps=1"]
+
+
+def test_a_diverging_run_stops_with_a_checkpoint_and_says_what_to_do(tmp_path, tiny_run):
+    """lr = 1e30: the first update blows the weights up and every later loss is NaN; with
+    max_bad_steps = 3 the run stops after step 4 (three updates skipped) with a checkpoint, exit
+    status 1, one error line saying how to go on, and the summary counts the skipped updates."""
+    args = ["train", "--data", str(tiny_run.parent / "data"), "--out", str(tmp_path / "run"), "--steps", "12"]
+    for s in TINY + ["lr=1e30", "max_bad_steps=3", "save_every=100"]:
+        args += ["--set", s]
+    res = run_gdn(*args, cwd=tmp_path)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    errors = [ln for ln in res.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 1 and "diverged" in errors[0] and "--resume --set lr=" in errors[0], res.stderr[-2000:]
+    assert "step_00000004" in errors[0] and (tmp_path / "run" / "checkpoints" / "step_00000004").is_dir()
+    assert res.stderr.count("update skipped") == 3 and "3 of 4 updates skipped" in res.stdout, res.stdout
 
 
 def test_resume_below_or_at_the_runs_step(tmp_path, tiny_run):

@@ -48,6 +48,7 @@ class TrainConfig:
     beta2: float = 0.95  #: AdamW second-moment decay
     adam_eps: float = 1e-8  #: AdamW epsilon
     grad_clip: float = 1.0  #: max global gradient norm (0 = off)
+    max_bad_steps: int = 10  #: steps in a row with a non-finite loss or gradient norm (their updates skipped) before the run stops with a checkpoint
     # runtime
     seed: int = 0  #: seed of the initial weights and the data order
     device: str = "auto"  #: auto (cuda when available), cpu, cuda
@@ -75,7 +76,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         pos = ("seq_len", "batch_size", "grad_accum", "steps", "log_every", "eval_every", "eval_batches",
-               "save_every", "keep_last", "context_parallel")
+               "save_every", "keep_last", "context_parallel", "max_bad_steps")
         for name in pos:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

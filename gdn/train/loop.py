@@ -41,6 +41,9 @@ class TrainResult:
     out: Path
     checkpoint: Path | None
     tokens_per_s: float
+    trained: int = 0  #: steps this run trained (0: it started at or past its last step)
+    skipped: int = 0  #: of those, steps whose update was skipped (non-finite loss or gradient norm)
+    diverged: bool = False  #: stopped after ``max_bad_steps`` such steps in a row
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float = 0.0, decay: int | None = None) -> float:
@@ -147,6 +150,7 @@ class LoopSettings:
     progress: bool = False  #: show a progress bar
     time_limit: float | None = None  #: stop after this many seconds
     stop_after: int | None = None  #: stop after this step
+    max_bad_steps: int = 10  #: stop after this many steps in a row with a non-finite loss or gradient norm
 
 
 @dataclass
@@ -160,6 +164,9 @@ class LoopOutcome:
     interrupted: bool
     checkpoint: Path | None
     tokens_per_s: float
+    trained: int = 0  #: steps run by this call
+    skipped: int = 0  #: of those, steps whose update was skipped (non-finite loss or gradient norm)
+    diverged: bool = False  #: stopped after ``settings.max_bad_steps`` such steps in a row
 
 
 class TrainLoop:
@@ -168,7 +175,11 @@ class TrainLoop:
     Every step runs the micro-batches of :meth:`micro_batches` (forward under ``autocast``, each
     loss divided by their count, backward; gradients synchronised only on the last one under DDP),
     clips the global gradient norm at ``settings.grad_clip``, then steps the optimizer and the
-    scheduler (build them with :func:`adamw` and :func:`lr_factor`). Every ``log_every`` steps the
+    scheduler (build them with :func:`adamw` and :func:`lr_factor`). A step whose loss or gradient
+    norm is not finite applies no update (the weights and the optimizer's moments stay as they were;
+    the step still counts, so its data is not seen twice) and is logged; after
+    ``settings.max_bad_steps`` such steps in a row the run stops as on a signal, with a checkpoint
+    of the last finite weights. Every ``log_every`` steps the
     loss, lr, gradient norm and throughput go to the metrics log of :meth:`begin`; every
     ``eval_every`` steps and at the end :meth:`validate` is logged; with ``save_every`` > 0 a
     checkpoint is written every ``save_every`` steps, at the end and when the run stops early
@@ -195,6 +206,8 @@ class TrainLoop:
         self.autocast = autocast
         self.tokens_per_step = tokens_per_step
         self.step = 0
+        self.skipped = 0  #: steps of this process's runs whose update was skipped
+        self.bad_in_a_row = 0
 
     # ---- what a run supplies -------------------------------------------------------------------
     def micro_batches(self) -> list:
@@ -240,11 +253,21 @@ class TrainLoop:
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else 1e30)
         if hasattr(gnorm, "full_tensor"):
             gnorm = gnorm.full_tensor()
-        self.optimizer.step()
+        # the same numbers on every rank (the mean loss, the global norm), so the same decision
+        loss, gnorm = float(D.all_reduce(total, "mean")), float(gnorm)
+        if math.isfinite(loss) and math.isfinite(gnorm):
+            self.optimizer.step()
+            self.bad_in_a_row = 0
+        else:
+            self.skipped += 1
+            self.bad_in_a_row += 1
+            if self.dist.is_main:
+                logger.warning("step %d: loss %s, gradient norm %s: update skipped (%d in a row)", self.step + 1,
+                               loss, gnorm, self.bad_in_a_row)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return float(D.all_reduce(total, "mean")), float(gnorm)
+        return loss, gnorm
 
     def _validate(self, log, bar=None) -> dict | None:
         metrics = self.validate()
@@ -266,6 +289,7 @@ class TrainLoop:
                    dynamic_ncols=True, desc="train")
         checkpoints = s.save_every > 0
         t0, rate, loss, val, last_saved, interrupted = time.time(), 0.0, float("nan"), None, None, False
+        first, skipped0, diverged = self.step, self.skipped, False
         self.wrapped.train()
         with _StopSignal(enabled=checkpoints) as stop:
             while self.step < s.steps:
@@ -283,8 +307,9 @@ class TrainLoop:
                     val = self._validate(log, bar)
                 over_time = s.time_limit is not None and time.time() - t0 > s.time_limit
                 paused = s.stop_after is not None and self.step >= s.stop_after
-                flag = D.all_reduce(torch.tensor([float(bool(stop.signum) or over_time or paused)], device=self.device),
-                                    "max")
+                diverged = self.bad_in_a_row >= s.max_bad_steps
+                flag = D.all_reduce(torch.tensor([float(bool(stop.signum) or over_time or paused or diverged)],
+                                                 device=self.device), "max")
                 interrupted = bool(flag.item())
                 if checkpoints and (self.step % s.save_every == 0 or self.step == s.steps or interrupted):
                     with stop.deferred():
@@ -294,6 +319,8 @@ class TrainLoop:
                         interrupted = bool(flag.item())
                 if interrupted:
                     reason = (signal.Signals(stop.signum).name if stop.signum else
+                              f"{self.bad_in_a_row} steps in a row with a non-finite loss or gradient norm, "
+                              "updates skipped" if diverged else
                               "time limit" if over_time else f"stop_after={s.stop_after}")
                     bar.write(f"stopped at step {self.step} ({reason}); checkpoint {last_saved}")
                     break
@@ -303,7 +330,8 @@ class TrainLoop:
         if log is not None:
             log.close()
         self.finish()
-        return LoopOutcome(self.step, loss, val, interrupted, last_saved, rate)
+        return LoopOutcome(self.step, loss, val, interrupted, last_saved, rate, self.step - first,
+                           self.skipped - skipped0, diverged)
 
 
 class Trainer(TrainLoop):
@@ -539,7 +567,7 @@ class Trainer(TrainLoop):
         """Train from the current (or resumed) step to ``cfg.steps``, or until a signal / the time limit."""
         o = self.fit()
         return TrainResult(o.step, o.train_loss, o.metrics["val_loss"], o.metrics["val_bpb"], self.unigram_bpb,
-                           o.interrupted, self.out, o.checkpoint, o.tokens_per_s)
+                           o.interrupted, self.out, o.checkpoint, o.tokens_per_s, o.trained, o.skipped, o.diverged)
 
 
 def _optimizer_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> dict:

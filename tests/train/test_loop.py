@@ -16,12 +16,14 @@ from gdn.train import LoopSettings, TrainLoop, lr_factor
 class Toy(TrainLoop):
     """Linear regression in two micro-batches of 8 rows."""
 
-    def __init__(self, steps: int, grad_clip: float, lr: float = 0.1):
+    def __init__(self, steps: int, grad_clip: float, lr: float = 0.1, bad: set = frozenset(), max_bad_steps: int = 10):
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 2, steps, 0.0, 3))
-        super().__init__(model, opt, sched, LoopSettings(steps=steps, grad_clip=grad_clip), device=torch.device("cpu"))
+        settings = LoopSettings(steps=steps, grad_clip=grad_clip, max_bad_steps=max_bad_steps)
+        super().__init__(model, opt, sched, settings, device=torch.device("cpu"))
+        self.bad = bad  # 0-based steps whose loss is NaN
         self.x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
         self.y = self.x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
         self.lrs, self.handlers = [], set()
@@ -32,7 +34,8 @@ class Toy(TrainLoop):
 
     def loss(self, batch):
         self.handlers.add(signal.getsignal(signal.SIGINT))
-        return F.mse_loss(self.model(batch[0]), batch[1])
+        loss = F.mse_loss(self.model(batch[0]), batch[1])
+        return loss * float("nan") if self.step in self.bad else loss
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.5])
@@ -69,3 +72,28 @@ def test_lr_factor_without_decay_is_warmup_then_cosine_to_min_ratio():
     assert lr_factor(0, 4, 20, 0.1) == 0.25 and lr_factor(3, 4, 20, 0.1) == 1.0
     assert lr_factor(4, 4, 20, 0.1) == 1.0 and lr_factor(20, 4, 20, 0.1) == pytest.approx(0.1)
     assert lr_factor(12, 4, 20, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+def test_a_non_finite_step_applies_no_update_and_the_run_goes_on():
+    """Steps 2 and 3 have a NaN loss: the weights after them are those after step 1, the schedule
+    still advances, and the run trains on to its last step."""
+    toy = Toy(steps=6, grad_clip=1.0, bad={1, 2})
+    w = []
+    step = toy.train_step
+    toy.train_step = lambda: (step(), w.append([p.detach().clone() for p in toy.model.parameters()]))[0]
+    out = toy.fit()
+    assert (out.step, out.trained, out.skipped, out.diverged, out.interrupted) == (6, 6, 2, False, False)
+    for a, b, c in zip(w[0], w[1], w[2]):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert not torch.equal(w[2][0], w[3][0]) and math.isfinite(out.train_loss)
+    assert all(torch.isfinite(p).all() for p in toy.model.parameters())
+    assert len(toy.lrs) == 6 and toy.scheduler.last_epoch == 6
+
+
+def test_max_bad_steps_in_a_row_stop_the_run():
+    """Three NaN steps in a row with max_bad_steps = 3 stop the run after the third (as a signal
+    would); two in a row, then a good one, do not."""
+    toy = Toy(steps=10, grad_clip=1.0, bad={1, 2, 4, 5, 6}, max_bad_steps=3)
+    out = toy.fit()
+    assert (out.step, out.trained, out.skipped, out.diverged, out.interrupted) == (7, 7, 5, True, True)
+    assert all(torch.isfinite(p).all() for p in toy.model.parameters())
