@@ -321,6 +321,15 @@ def test_narrow_values_take_the_fused_forward(monkeypatch):
         assert want in names and other not in names, (V, names)
 
 
+def test_fused_forward_never_takes_one_stage():
+    """state_out has no one-stage candidate, although the fewest-waves rule would take it where one
+    stage holds more programs per multiprocessor (K = V = 256, and fp32 at K = 128; tools/sass_cpu.py
+    --depths): on the H200 triton 3.6 compiles it so that it reads out of bounds (an illegal memory
+    access at (8, 2048, 16, 128) forced to one stage and at (8, 2048, 16, 256), bf16)."""
+    depths = [n for n, _ in L.candidates(tuning.DELTA["state_out"]["stages"])]
+    assert depths and min(depths) >= 2, depths
+
+
 def test_pipeline_depth_by_waves():
     """The sequential passes' launch rule: of the (depth, form) candidates, fewest waves of the
     grid, the first among equals; programs per multiprocessor from shared memory (1 KB reserved
