@@ -330,6 +330,18 @@ def test_fused_forward_never_takes_one_stage():
     assert depths and min(depths) >= 2, depths
 
 
+def test_fused_forward_only_at_value_tiles_of_bv_min():
+    """At K = V = 256 the fused pass's value tile would be 16, below its BV_min: such a call takes the
+    two-stage forward however many programs it has; at K = V = 128 the same call takes the fused
+    pass."""
+    from gdn.ops.delta.triton import chunk as chunk_mod
+
+    ch = common.make_chunks(64, 2048, None, torch.device("cpu"))
+    assert chunk_mod.layout(ch, 16, 128, 128, torch.device("cpu"))[0]
+    fused, bv, _, _ = chunk_mod.layout(ch, 16, 256, 256, torch.device("cpu"))
+    assert bv < tuning.DELTA["state_out"]["BV_min"] and not fused
+
+
 def test_pipeline_depth_by_waves():
     """The sequential passes' launch rule: of the (depth, form) candidates, fewest waves of the
     grid, the first among equals; programs per multiprocessor from shared memory (1 KB reserved

@@ -44,7 +44,12 @@ def layout(ch: Chunks, HV: int, K: int, V: int, device) -> tuple:
     # value heads narrower than 64 always take the fused pass: triton 3.6 on the H200 compiles the
     # output kernel wrong for bf16 value tiles of 16 and 32 (tests/gpu at T = 63, V = 16
     # padded to 32: o off by 180 %, everything else right; the fused pass is right there)
-    fused = V < 64 or ch.long_sequences * HV * -(-V // tiles[0]) >= DELTA["state_out"]["fill"] * sm_count(device)
+    # and the fused pass runs only at value tiles of at least BV_min: its narrower tiles (16 at
+    # K = 256) were never right on the H200 (the one case run, (8, 2048, 16, 256) bf16, faulted),
+    # while the two-stage pair is what the backward recomputes at every K anyway
+    c = DELTA["state_out"]
+    fills = ch.long_sequences * HV * -(-V // tiles[0]) >= c["fill"] * sm_count(device)
+    fused = V < 64 or (tiles[0] >= c["BV_min"] and fills)
     return (fused,) + tiles
 
 
