@@ -303,6 +303,9 @@ class TrainLoop:
                 if log is not None and (self.step % s.log_every == 0 or self.step == s.steps):
                     log.log(self.step, loss=loss, lr=lr, grad_norm=gnorm, tokens_per_s=rate,
                             tokens=self.step * self.tokens_per_step)
+                    if bar.disable:  # a run with a metrics log and no progress bar: its metric line shown too
+                        logger.info("step %d/%d: loss %.4f, grad norm %.3g, lr %.2e, %s tokens/s", self.step,
+                                    s.steps, loss, gnorm, lr, f"{rate:,.0f}")
                 if s.eval_every and (self.step % s.eval_every == 0 or self.step == s.steps):
                     val = self._validate(log, bar)
                 over_time = s.time_limit is not None and time.time() - t0 > s.time_limit

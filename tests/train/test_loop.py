@@ -97,3 +97,22 @@ def test_max_bad_steps_in_a_row_stop_the_run():
     out = toy.fit()
     assert (out.step, out.trained, out.skipped, out.diverged, out.interrupted) == (7, 7, 5, True, True)
     assert all(torch.isfinite(p).all() for p in toy.model.parameters())
+
+
+def test_without_a_progress_bar_every_logged_step_is_a_line_too(caplog):
+    """A run that keeps a metrics log shows each of its metric lines when it has no progress bar."""
+    class Log:
+        def log(self, step, **values):
+            pass
+
+        def close(self):
+            pass
+
+    toy = Toy(steps=5, grad_clip=1.0)
+    toy.begin = Log
+    toy.settings.log_every = 2
+    with caplog.at_level("INFO", logger="gdn.train.loop"):
+        toy.fit()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert [ln.split(":")[0] for ln in lines] == ["step 2/5", "step 4/5", "step 5/5"], lines
+    assert all("loss" in ln and "tokens/s" in ln for ln in lines)
