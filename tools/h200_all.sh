@@ -36,7 +36,7 @@ CFG=()
 CHECK=(python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-6}" -rf tests/gpu)
 [ "${CHECK_ALL:-0}" = 1 ] && CHECK+=(-m "")
 # shellcheck disable=SC2086  # CHECK_FLAGS holds several pytest arguments
-step gpu_check "${GPU_CHECK_S:-200}" "${CHECK[@]}" ${CHECK_FLAGS:-}
+step gpu_check "${GPU_CHECK_S:-280}" "${CHECK[@]}" ${CHECK_FLAGS:-}
 step host "${HOST_S:-0}" python3 tools/host_profile.py --shape 8x2048
 step decode "${DECODE_S:-0}" python3 tools/decode_kernels.py --preset gdn --size 340m --batch 1 --device cuda \
   --dtype bfloat16 --profile
