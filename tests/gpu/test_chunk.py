@@ -139,6 +139,18 @@ def test_chunk_kernels(case, member, seed, dtype):
     assert_within(errs, bounds, f"{member} at {case[0]}, {dtype_id(dtype)}")
 
 
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in AWKWARD])
+def test_chunk_kernels_fp16(case):
+    """fp16 inputs (in the op's contract; the dot operands and intermediates are fp16 then, with
+    a third of bf16's exponent range) at the awkward shapes, gated delta rule."""
+    member, seed = ORDER[0], 1000 + AWKWARD.index(case)
+    try:
+        errs, bounds = check_case(case, member, seed, torch.float16)
+    finally:
+        reference.cache_clear()
+    assert_within(errs, bounds, f"{member} at {case[0]}, float16")
+
+
 # ------------------------------------------------------------------------------- fused prologue
 #: (B, T, H, HV, K, V, allow_neg_eigval)
 FUSED = [(2, 300, 2, 4, 128, 128, False), (1, 65, 1, 2, 60, 100, False), (1, 65, 1, 2, 60, 100, True)]
