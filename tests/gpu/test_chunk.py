@@ -5,14 +5,16 @@ DeltaNet entry (prologue kernels + chunk kernels), against float64 references (t
 Per case the output, the final state and every gradient (q, k, v, g, β, initial state; reaching
 them through o and through the final state) of ``gdn.ops.<member>(..., backend="triton")`` are
 compared with the float64 PyTorch chunk form run on the fp32 inputs as drawn. fp32 runs take
-the inputs in fp32; bf16 runs round q, k, v, g and β to bf16 (the initial state stays fp32), and
-their bound is twice the PyTorch chunk form's error from the same bf16 inputs.
+the inputs in fp32; bf16 (and, at the awkward shapes, fp16) runs round q, k, v, g and β to that
+dtype (the initial state stays fp32), and their bound is twice the PyTorch chunk form's error from
+the same rounded inputs.
 
 Cases: awkward shapes (T = 1, 63, 65; K, V not powers of two or narrower than the 32-wide tiles;
 K = V = 256; packed sequences with an empty and a one-token member) and the benchmark shapes of
 ``benchmarks/ops_gpu.py`` (up to 32768 tokens, grouped value heads, 12 packed sequences). The
 default set takes Gated DeltaNet at every shape and the other members at one awkward and one
-benchmark shape; ``-m slow`` adds every member at every awkward shape.
+benchmark shape (and K = V = 256 at a benchmark size); ``-m slow`` adds every member at every
+awkward shape.
 """
 from __future__ import annotations
 
