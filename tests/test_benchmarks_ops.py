@@ -69,6 +69,8 @@ def _on_cpu(bench, monkeypatch, qla):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 2**29)
     monkeypatch.setattr(bench, "ceilings", lambda: (1e15, 1e12))
+    bench.READY = []
+    monkeypatch.setattr(bench, "triton_ready", lambda: bench.READY.append(len(bench.READY)))
 
     def do_bench(fn, warmup, rep, grad_to_none=None, return_mode="median"):
         for x in grad_to_none or ():
@@ -96,6 +98,7 @@ def test_rows_table_and_json(bench, monkeypatch, tmp_path):
                on_row=lambda _: bench.write_json(str(path), {"peers": bench.PEERS}, rs))
     assert [(r["idx"], r["pass"]) for r in rs] == [(1, "fwd"), (1, "fwd+bwd"), (0, "fwd"), (0, "fwd+bwd"),
                                                    (2, "fwd"), (2, "fwd+bwd")]
+    assert bench.READY == [0]  # Triton's one-time setup once, before the first row's first call
     for r in rs:
         for p in ("gdn", "fla", "sdpa"):
             assert r["peers"][p]["status"] == "ok", (r["shape"], p, r["peers"][p])
