@@ -43,11 +43,13 @@ def op_table(device="cpu", T=512):
     """Rows (op, backend, rel. error vs naive, ms) for every op and backend on ``device``
     (B=1, T, H=4, K=V=64, fp32)."""
     q, k, v, g, beta = _inputs(T=T, device=device)
+    gk = g[..., None] * torch.linspace(0.5, 1.5, q.shape[-1], device=device)  # a per-channel decay for KDA
     calls = {
         "linear_attention": lambda b: ops.linear_attention(q, k, v, backend=b)[0],
         "gated_linear_attention": lambda b: ops.gated_linear_attention(q, k, v, g, backend=b)[0],
         "delta_rule": lambda b: ops.delta_rule(q, k, v, beta, backend=b)[0],
         "gated_delta_rule": lambda b: ops.gated_delta_rule(q, k, v, g, beta, backend=b)[0],
+        "kimi_delta_attention": lambda b: ops.kimi_delta_attention(q, k, v, gk, beta, backend=b)[0],
         "softmax_attention": lambda b: ops.softmax_attention(q, k, v, backend=None if b == "chunk" else b),
     }
     rows = []
