@@ -131,9 +131,8 @@ def test_fp16_decay_past_its_range_within_a_block():
     _check(_errors(1, 130, 1, 2, 16, 16, torch.float16, seed=9, g_edit=edit), TOL[torch.float16])
 
 
-def test_backward_reuses_the_forwards_inverse(monkeypatch):
-    """The forward saves T⁻¹ and P: a forward + backward launches kkt once (wu and the state pass
-    twice: the backward recomputes them), and the gradients still match the recurrence."""
+def _count_launches(monkeypatch) -> list:
+    """The names of the forward module's launches from now on, in order (they still run)."""
     from gdn.ops.kda.triton import chunk_fwd as F
 
     names = []
@@ -144,6 +143,13 @@ def test_backward_reuses_the_forwards_inverse(monkeypatch):
         return launch(kernel, grid, *args, name=name, **kw)
 
     monkeypatch.setattr(F, "launch", counting)
+    return names
+
+
+def test_backward_reuses_the_forwards_inverse(monkeypatch):
+    """The forward saves T⁻¹ and P: a forward + backward launches kkt once (wu and the state pass
+    twice: the backward recomputes them), and the gradients still match the recurrence."""
+    names = _count_launches(monkeypatch)
     _check(_errors(1, 65, 1, 2, 16, 16, torch.float32, seed=6), TOL[torch.float32])
     assert names.count("kkt") == 1 and names.count("wu") == 2 and names.count("state_fwd") == 2, names
 
@@ -152,16 +158,7 @@ def test_backward_reuses_the_forwards_inverse(monkeypatch):
 def test_kkt_both_diagonal_forms(monkeypatch, g_scale):
     """kkt_kernel against the reference: grouped heads, partial chunks, both diagonal forms (strong
     decay takes the pairwise rewrite in every block), and the span test's mixed chunk."""
-    from gdn.ops.kda.triton import chunk_fwd as F
-
-    names = []
-    launch = F.launch
-
-    def counting(kernel, grid, *args, name, **kw):
-        names.append(name)
-        return launch(kernel, grid, *args, name=name, **kw)
-
-    monkeypatch.setattr(F, "launch", counting)
+    names = _count_launches(monkeypatch)
     _check(_errors(1, 130, 1, 2, 16, 16, torch.float32, g_scale=g_scale, seed=8), 1e-4)
     assert names.count("kkt") == 1, names
 
