@@ -61,7 +61,9 @@ DELTA = {
     # rule took at K = V = 256 and for fp32) the bf16 forward faults on the H200 (illegal memory
     # access at (8, 2048, 16, 128) and (8, 2048, 16, 256); docs/TRITON.md). from_inverse: as
     # state_fwd's.
-    "state_out": dict(num_warps=4, stages=(2,), waves=True, SV=4096, fill=1.5, BV_min=32, from_inverse=True),
+    # TMA: q, k, v and T⁻¹ read by bulk tensor copies (descriptors) instead of per-thread loads.
+    "state_out": dict(num_warps=4, stages=(2,), waves=True, SV=4096, fill=1.5, BV_min=32, from_inverse=True,
+                      TMA=False),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
     # Pipelined loops over value/key blocks, GPU µs at (4, 8192, 16, 128): dv_local 170 → 158 with
     # three stages, dqk 920 → 742 with two (→ 700 with three at 1 × 32768), wy_bwd 599 → 569 with three.

@@ -203,6 +203,32 @@ def test_forward_delta_from_inverse(member, dtype, fill, from_inverse, monkeypat
 
 
 @pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fused_forward_with_tensor_descriptors(member, dtype, monkeypatch):
+    """The fused pass reading q, k, v and T⁻¹ through tensor descriptors (``TMA``): packed with an
+    empty, a one-token and a partial sequence (the descriptor's block reaches into the next
+    sequence's rows, which must read as zeros), grouped value heads, an initial state, against the
+    float64 recurrence."""
+    from gdn.ops.delta.triton import chunk_fwd
+
+    monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=0, from_inverse=True,
+                                                        TMA=True))
+    seen = []
+    launch = chunk_fwd.launch
+
+    def spy(kernel, grid, *args, **meta):
+        if kernel is chunk_fwd.state_out_kernel:
+            seen.append(meta["TMA"])
+        return launch(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(chunk_fwd, "launch", spy)
+    errs = _run_both(member, B=1, T=194, H=1, HV=2, K=32, V=64, dtype=dtype, lens=[65, 1, 0, 128], seed=15)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, bad
+    assert seen and all(seen), seen
+
+
+@pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule"])
 def test_split_forward_from_inverse(member, monkeypatch):
     """The two-stage forward's split state pass (segments of one chunk: the augmented first phase
     forms δ from T⁻¹ too, its transition columns reading zero values) with ``from_inverse``."""

@@ -148,8 +148,23 @@ def wu_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr,
 
 
 @triton.jit
+def _rows_tile(x, row0, rows, m, width, col0, cols, TMA: tl.constexpr):
+    """Rows ``rows`` (the first is ``row0``) and columns ``col0 + cols`` of a row-major [T, width]
+    tensor. Without ``TMA`` a masked load: rows where ``m`` is false read as 0. With ``TMA`` x is a
+    tensor descriptor of it (block [len(rows), len(cols)]): one bulk copy by the tensor-memory
+    accelerator instead of a load per thread and element, which reads zeros past T but the rows of
+    a later sequence as they are: the caller must keep them out of every result it stores."""
+    if TMA:
+        t = x.load([row0.to(tl.int32), col0.to(tl.int32)])  # (descriptor offsets are 32-bit)
+    else:
+        t = tl.load(x + rows[:, None] * width + col0 + cols[None, :], mask=m[:, None], other=0.0)
+    return t
+
+
+@triton.jit
 def _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_u, mv, i_hv, HV, V: tl.constexpr,
-                        BT: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+                        BT: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+                        TMA: tl.constexpr = False, row0=0, v0=0):
     """δ = T X with X = diag(β)(V − diag(Γ) K S) for one chunk and value tile, fp32 [BT, BV]:
     U − W S without W and U, since W S = T diag(βΓ) K S. b_k: K [BT, K] in DT; b_sd: S in DT;
     b_gam: γ [BT] (unused without the gate); ``o_u``, ``mv`` as :func:`value_cols` gives them.
@@ -162,10 +177,14 @@ def _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_u, mv, i_
     b_ks = tl.dot(b_k, b_sd, input_precision=PREC)
     if USE_G:
         b_ks = b_ks * tl.exp(b_gam)[:, None]
-    b_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
+    if TMA:  # row0: the chunk's first row; v0: the value tile's first column (it never reaches past V)
+        b_v = _rows_tile(v, row0, rows, m, HV * V, i_hv * V + v0, o_u, True).to(tl.float32)
+        b_a = _rows_tile(Ai, row0, rows, m, HV * BT, i_hv * BT, o_t, True)
+    else:
+        b_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
+        b_a = tl.load(Ai + (rows[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
     b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
     b_x = ((b_v - b_ks) * b_b[:, None]).to(DT)
-    b_a = tl.load(Ai + (rows[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
     return tl.dot(b_a, b_x, input_precision=PREC)
 
 
@@ -393,31 +412,38 @@ def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H, HV,
 def _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
                     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                    FROM_INV: tl.constexpr):
+                    FROM_INV: tl.constexpr, TMA: tl.constexpr = False, v0=0):
     """One chunk of the fused forward pass: its output rows from the entering state, then the next
     state. The same arithmetic as ``_state_fwd_step`` followed by ``output_kernel`` (S and δ rounded
     to DT where those kernels store them), without S or δ leaving the chip. ``FROM_INV`` (delta
-    members only): δ from T and V (:func:`_delta_from_inverse`) instead of W and U."""
-    rows = bos + i_c * BT + o_t
+    members only): δ from T and V (:func:`_delta_from_inverse`) instead of W and U. ``TMA``: q, k
+    (and with ``FROM_INV`` v and Ai) are tensor descriptors (:func:`_rows_tile`); ``v0`` is the value
+    tile's first column."""
+    row0 = bos + i_c * BT
+    rows = row0 + o_t
     m = rows < eos
-    mk = m[:, None] & (o_k < K)[None, :]
     mv = m[:, None] & (o_v < V)[None, :]
     b_sd = b_s.to(DT)
-    b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
-    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+    b_q = _rows_tile(q, row0, rows, m, H * K, i_h * K, o_k, TMA)
+    b_k = _rows_tile(k, row0, rows, m, H * K, i_h * K, o_k, TMA)
     if FROM_INV:  # γ enters δ (Γ K S), so it is loaded first
         b_gam = tl.zeros([BT], dtype=tl.float32)
         if USE_G:
             cs = bos + i_c * BT
             b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
         b_d = _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_v, mv, i_hv, HV, V, BT, USE_G,
-                                  PREC, DT).to(DT)
+                                  PREC, DT, TMA, row0, v0).to(DT)
     elif DELTA:
-        b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
+        b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
         b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
         b_d = (b_u - tl.dot(b_w, b_sd, input_precision=PREC)).to(DT)
     else:
         b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(DT)
+    if TMA:
+        # rows of a later sequence (read as they are) give δ rows that only they would see: δ is
+        # zeroed there, so K̃ᵀ δ and P δ take nothing from them (K S, X and T X need no mask: β is 0
+        # there and T is lower triangular), and their o rows are not stored
+        b_d = tl.where(m[:, None], b_d, tl.zeros_like(b_d))
     b_o = tl.dot(b_q, b_sd, input_precision=PREC)
     b_p = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
     if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
@@ -440,13 +466,15 @@ def _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_
 def state_out_kernel(q, k, v, g, W, U, Ai, beta, h0, o, ht, cu, scale, H, HV,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, FROM_INV: tl.constexpr = False):
+                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, FROM_INV: tl.constexpr = False,
+                     TMA: tl.constexpr = False):
     """The forward's sequential pass with the output fused in, for one sequence, value head and V
     tile: per chunk, O = scale · (diag(Γ) Q S + (Q Kᵀ ⊙ D) δ) from the entering state S, then
     S ← Γ_C S + K̃ᵀ δ. Neither the per-chunk states nor δ are stored (the backward recomputes them);
     o [T, HV, V], the final state in ht [N, HV, K, V]. Runs the sequence's own chunk count of steps
     (as :func:`state_fwd_kernel`). δ = U − W S, or with ``FROM_INV`` T diag(β)(V − diag(Γ) K S)
-    from the in-chunk inverse Ai [T, HV, BT], v and beta (W and U are not read)."""
+    from the in-chunk inverse Ai [T, HV, BT], v and beta (W and U are not read). ``TMA``: q, k, v
+    and Ai come as tensor descriptors of their [T, heads × width] views (:func:`_rows_tile`)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -466,12 +494,12 @@ def state_out_kernel(q, k, v, g, W, U, Ai, beta, h0, o, ht, cu, scale, H, HV,
         i_c = 0
         while i_c < nc:
             b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_hv, i_h, o_t, o_k,
-                                  o_v, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, FROM_INV)
+                                  o_v, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, FROM_INV, TMA, i_v * BV)
             i_c += 1
     else:
         for i_c in range(0, nc):
             b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_hv, i_h, o_t, o_k,
-                                  o_v, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, FROM_INV)
+                                  o_v, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, FROM_INV, TMA, i_v * BV)
     if STORE_FINAL:
         tl.store(ht + p_s, b_s, mask=mkv)
 
@@ -549,13 +577,26 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     SK, SV = state_tile("state_out", ch, HV, K, V, dev)
     G = gamma_of(g, ch, G)
     gp = G if G is not None else v
-    launch(state_out_kernel, (cdiv(V, SV), ch.N * HV), q, k, v, gp, W if W is not None else v,
-           U if U is not None else v, Ai if from_inv else v, beta if from_inv else v,
+    # TMA (DELTA["state_out"]["TMA"]): q, k, v, Ai as tensor descriptors of their [T, heads × width]
+    # views, for the δ-from-inverse pass of contiguous inputs
+    tma = from_inv and DELTA["state_out"].get("TMA", False) and all(x.is_contiguous() for x in (q, k, v, Ai))
+    qa, ka, va, aa = (_descriptor(q, K), _descriptor(k, K), _descriptor(v, SV), _descriptor(Ai, BT)) if tma else \
+        (q, k, v, Ai if from_inv else v)
+    launch(state_out_kernel, (cdiv(V, SV), ch.N * HV), qa, ka, va, gp, W if W is not None else v,
+           U if U is not None else v, aa, beta if from_inv else v,
            h0 if h0 is not None else v, o, ht if want_final else v, ch.cu,
            scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=beta is not None,
            USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=dot_precision(v.dtype), DT=tl_dtype(v.dtype),
-           WHILE=INTERPRET, FROM_INV=from_inv, name="state_out")
+           WHILE=INTERPRET, FROM_INV=from_inv, TMA=tma, name="state_out")
     return o, ht, Ai, G
+
+
+def _descriptor(x, cols: int):
+    """A tensor descriptor of contiguous ``x`` [T, heads, width] as the row-major [T, heads × width]
+    matrix, read in blocks of one chunk's rows and ``cols`` columns."""
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
+
+    return TensorDescriptor.from_tensor(x.view(x.shape[0], -1), block_shape=[BT, cols])
 
 
 def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai=None, from_inverse=False,
