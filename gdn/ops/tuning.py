@@ -54,7 +54,7 @@ DELTA = {
     # formed in the pass from the in-chunk inverse, v and β, so the forward runs no wu kernel and
     # stores no W or U; one more [64, 64] × [64, BV] product per chunk step. H200 forward kernels at
     # (8, 2048): 422 → 346 µs; (1, 8192, HV = 32): 498 → 443 µs (docs/TRITON.md).
-    "state_fwd": dict(num_warps=4, stages=(3, 2, 1), waves=True, SV=8192, BV_min=16, from_inverse=True),
+    "state_fwd": dict(num_warps=4, stages=(3, 2, 1), waves=True, SV=8192, BV_min=16, from_inverse=True, TMA=False),
     # The forward's fused state-and-output pass, taken when its programs number at least ``fill``
     # times the multiprocessors (delta.triton.chunk.layout); else state_fwd then output. Two stages
     # only: with a third the GPU tests fail at T = 63, V = 16 bf16; at one (which the fewest-waves

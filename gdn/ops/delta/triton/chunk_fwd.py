@@ -192,12 +192,15 @@ def _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_u, mv, i_
 def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
                     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                    AUG: tl.constexpr, FROM_INV: tl.constexpr):
+                    AUG: tl.constexpr, FROM_INV: tl.constexpr, TMA: tl.constexpr = False, v0=0):
     """One chunk of the forward state pass: store S, compute δ, return the next S. With ``AUG`` the
     state's columns are [K transition columns | V value columns]: the first K read zero values and
     nothing is stored (see ``state_fwd_kernel``). ``FROM_INV`` (delta members only): δ from T and
-    V (:func:`_delta_from_inverse`) instead of W and U."""
-    rows = bos + i_c * BT + o_t
+    V (:func:`_delta_from_inverse`) instead of W and U. ``TMA`` (not with ``AUG``): k, v, W, U and
+    Ai are tensor descriptors (:func:`_rows_tile`), δ is zeroed on the rows of a later sequence, and
+    ``v0`` is the value tile's first column."""
+    row0 = bos + i_c * BT
+    rows = row0 + o_t
     b_sd = b_s.to(DT)
     if not AUG:
         tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_sd, mask=mkv & (bos + i_c * BT < eos))
@@ -205,28 +208,36 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv
     mk = m[:, None] & (o_k < K)[None, :]
     o_u, mv = value_cols(o_v, m, K, V, AUG)
     if FROM_INV:  # K S enters δ, so K and γ are loaded first
-        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        b_k = _rows_tile(k, row0, rows, m, H * K, i_h * K, o_k, TMA)
         b_gam = tl.zeros([BT], dtype=tl.float32)
         if USE_G:
             cs = bos + i_c * BT
             b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
         b_d = _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_u, mv, i_hv, HV, V, BT, USE_G,
-                                  PREC, DT)
+                                  PREC, DT, TMA, row0, v0)
         if not AUG:
             tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_d.to(DT), mask=mv)
     else:
         if DELTA:
-            b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
-            b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
+            if TMA:
+                b_w = _rows_tile(W, row0, rows, m, HV * K, i_hv * K, o_k, True)
+                b_u = _rows_tile(U, row0, rows, m, HV * V, i_hv * V + v0, o_u, True).to(tl.float32)
+            else:
+                b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
+                b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
             b_d = b_u - tl.dot(b_w, b_sd, input_precision=PREC)
             if not AUG:
                 tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_d.to(DT), mask=mv)
+        elif TMA:
+            b_d = _rows_tile(v, row0, rows, m, HV * V, i_hv * V + v0, o_u, True).to(tl.float32)
         else:
             b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
-        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        b_k = _rows_tile(k, row0, rows, m, H * K, i_h * K, o_k, TMA)
         if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
             cs = bos + i_c * BT
             b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
+    if TMA:  # the rows of a later sequence add nothing to the state
+        b_d = tl.where(m[:, None], b_d, tl.zeros_like(b_d))
     if USE_G:
         # K̃ᵀδ with K̃ = diag(exp(γ_C − γ)) K: the row scale goes on δ ([BT, BV]), so K feeds the dot
         # as loaded (no conversion of the [BT, K] tile each step)
@@ -240,7 +251,7 @@ def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, H
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, AUG: tl.constexpr = False,
-                     FROM_INV: tl.constexpr = False):
+                     FROM_INV: tl.constexpr = False, TMA: tl.constexpr = False):
     """Sequential pass over one sequence's chunks for one value head and one V tile.
 
     Stores the state entering each chunk in h [NT, HV, K, V] and, for delta members,
@@ -279,12 +290,14 @@ def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, H
         i_c = 0
         while i_c < nc:
             b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v,
-                                  mkv, p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, FROM_INV)
+                                  mkv, p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, FROM_INV, TMA,
+                                  i_v * BV)
             i_c += 1
     else:
         for i_c in range(0, nc):
             b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v,
-                                  mkv, p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, FROM_INV)
+                                  mkv, p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, FROM_INV, TMA,
+                                  i_v * BV)
     if STORE_FINAL:
         tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_s, mask=mkv)
 
@@ -642,10 +655,17 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
                VN if delta else dummy, dummy, sg.cu, sg.off, BV=SV, USE_INIT=True, STORE_FINAL=False, **common)
         return h, VN, ht, Ai, W, G
     SK, SV = state_tile("state_fwd", ch, HV, K, V, dev)
+    # TMA (DELTA["state_fwd"]["TMA"]): the per-chunk inputs as tensor descriptors, contiguous ones only
+    reads = (k, v) + ((Ai,) if from_inv else (W, U) if delta else ())
+    tma = DELTA["state_fwd"].get("TMA", False) and all(x.is_contiguous() for x in reads)
+    if tma:
+        k, v = _descriptor(k, K), _descriptor(v, SV)
+        Ap, Wp, Up = (_descriptor(Ai, BT) if from_inv else Ap, _descriptor(W, K) if delta and not from_inv else Wp,
+                      _descriptor(U, SV) if delta and not from_inv else Up)
     launch(state_fwd_kernel, (cdiv(V, SV), ch.N * HV),
            k, v, gp, Wp, Up, Ap, bp, h0 if h0 is not None else dummy, h, VN if delta else dummy,
            ht if want_final else dummy,
-           ch.cu, ch.chunk_off, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, **common)
+           ch.cu, ch.chunk_off, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, TMA=tma, **common)
     return h, VN, ht, Ai, W, G
 
 
