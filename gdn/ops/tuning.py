@@ -73,7 +73,8 @@ DELTA = {
     # (446 against 568 µs) and is slower where it saves none. Never the plain kernel at one stage:
     # triton 3.6 miscompiles it on the H200 (wrong dh0, dk, dv; an illegal access at K = V = 256).
     "state_bwd": dict(num_warps=4, waves=True, SV=8192, BV_min=16,
-                      stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True}))),
+                      stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True})),
+                      TMA=False),
     "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     "cumsum": dict(num_warps=1, stages=(1,)),
