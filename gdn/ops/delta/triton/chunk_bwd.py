@@ -27,7 +27,7 @@ from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision
                               launch, make_segments, pow2, tl_dtype, value_cols)
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
-from .chunk_fwd import _descriptor, _rows_tile, chain, split_len, state_tile
+from .chunk_fwd import _descriptor, _rows_tile, chain, split_len, state_tile, tma_ready
 
 
 @triton.jit
@@ -372,7 +372,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     else:
         # TMA (DELTA["state_bwd"]["TMA"]): the per-chunk inputs as tensor descriptors, contiguous ones only
         reads = (q, k, do, DVL) + ((W,) if delta else ())
-        tma = DELTA["state_bwd"].get("TMA", False) and all(x.is_contiguous() for x in reads)
+        tma = DELTA["state_bwd"].get("TMA", False) and tma_ready(*reads)
         qa, ka, da, la, wa = ((_descriptor(q, K), _descriptor(k, K), _descriptor(do, SV), _descriptor(DVL, SV),
                                _descriptor(W, K) if delta else Wp) if tma else (q, k, do, DVL, Wp))
         launch(state_bwd_kernel, (cdiv(V, SV), ch.N * HV),

@@ -592,7 +592,7 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     gp = G if G is not None else v
     # TMA (DELTA["state_out"]["TMA"]): q, k, v, Ai as tensor descriptors of their [T, heads × width]
     # views, for the δ-from-inverse pass of contiguous inputs
-    tma = from_inv and DELTA["state_out"].get("TMA", False) and all(x.is_contiguous() for x in (q, k, v, Ai))
+    tma = from_inv and DELTA["state_out"].get("TMA", False) and tma_ready(q, k, v, Ai)
     qa, ka, va, aa = (_descriptor(q, K), _descriptor(k, K), _descriptor(v, SV), _descriptor(Ai, BT)) if tma else \
         (q, k, v, Ai if from_inv else v)
     launch(state_out_kernel, (cdiv(V, SV), ch.N * HV), qa, ka, va, gp, W if W is not None else v,
@@ -602,6 +602,15 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
            USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=dot_precision(v.dtype), DT=tl_dtype(v.dtype),
            WHILE=INTERPRET, FROM_INV=from_inv, TMA=tma, name="state_out")
     return o, ht, Ai, G
+
+
+def tma_ready(*xs) -> bool:
+    """Whether tensors ``xs`` can be read through tensor descriptors: contiguous, 16-byte aligned,
+    on a GPU with the tensor-memory accelerator (compute capability 9 or later; the interpreter
+    reads descriptors too)."""
+    if not all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in xs):
+        return False
+    return INTERPRET or (xs[0].is_cuda and torch.cuda.get_device_capability(xs[0].device)[0] >= 9)
 
 
 def _descriptor(x, cols: int):
@@ -657,7 +666,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     SK, SV = state_tile("state_fwd", ch, HV, K, V, dev)
     # TMA (DELTA["state_fwd"]["TMA"]): the per-chunk inputs as tensor descriptors, contiguous ones only
     reads = (k, v) + ((Ai,) if from_inv else (W, U) if delta else ())
-    tma = DELTA["state_fwd"].get("TMA", False) and all(x.is_contiguous() for x in reads)
+    tma = DELTA["state_fwd"].get("TMA", False) and tma_ready(*reads)
     if tma:
         k, v = _descriptor(k, K), _descriptor(v, SV)
         Ap, Wp, Up = (_descriptor(Ai, BT) if from_inv else Ap, _descriptor(W, K) if delta and not from_inv else Wp,
