@@ -379,6 +379,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                qa, ka, gs, wa, da, la, dht if dht is not None else dummy, dh, DD,
                dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, scale, BV=SV,
                USE_DHT=dht is not None, USE_INIT=h0 is not None, TMA=tma, **common)
+        del reads, qa, ka, da, la, wa  # (they hold DVL and W, dropped below)
     # Each intermediate is dropped after its last reader and each output allocated before its first
     # writer, so the backward's peak (during dqk) holds h, dh, δ, dδ and dqk's outputs only.
     del DVL, W, Wp
