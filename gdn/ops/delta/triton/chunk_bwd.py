@@ -76,21 +76,20 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
         tl.store(dh + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_dsd, mask=mkv & (i_c >= 0))
     rows = bos + i_c * BT + o_t
     m = (rows >= bos) & (rows < eos)
+    mk = m[:, None] & (o_k < K)[None, :]
     o_u, mv = value_cols(o_v, m, K, V, AUG)
     # Q and K feed the dots as loaded: the row scales of K̃ = diag(exp(γ_C − γ)) K and of
     # scale·diag(Γ) Q go on the [BT, BV] products and dO instead of the [BT, K] tiles
     row0 = bos + i_c * BT
-    b_q = _rows_tile(q, row0, rows, m, H * K, i_h * K, o_k, TMA)
-    b_k = _rows_tile(k, row0, rows, m, H * K, i_h * K, o_k, TMA)
+    b_q = _rows_tile(q, (rows[:, None] * H + i_h) * K + o_k[None, :], mk, row0, i_h * K, TMA)
+    b_k = _rows_tile(k, (rows[:, None] * H + i_h) * K + o_k[None, :], mk, row0, i_h * K, TMA)
+    b_do = _rows_tile(do, (rows[:, None] * HV + i_hv) * V + o_u[None, :], mv, row0, i_hv * V + v0, TMA)
     if TMA:  # a later sequence's rows: no dO, and (below) no dδ, so they add nothing to dS
-        b_do = _rows_tile(do, row0, rows, m, HV * V, i_hv * V + v0, o_u, True)
         b_do = tl.where(m[:, None], b_do, tl.zeros_like(b_do))
-        b_dd = _rows_tile(DVL, row0, rows, m, HV * V, i_hv * V + v0, o_u, True).to(tl.float32)
-    else:
-        b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0)
-        b_dd = tl.load(DVL + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
     if not QS:
         b_do = b_do.to(tl.float32)
+    b_dd = _rows_tile(DVL, (rows[:, None] * HV + i_hv) * V + o_u[None, :], mv, row0, i_hv * V + v0, TMA).to(
+        tl.float32)
     b_kds = tl.dot(b_k, b_dsd, input_precision=PREC)
     # the row scale scale·Γ of the (ΓQ)ᵀ dO term goes on dO, or with QS on Q (see state_bwd_kernel)
     if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
@@ -115,7 +114,7 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
         b_ds = b_ds * tl.exp(b_gc)
     b_ds += tl.dot(tl.trans(b_q), b_do.to(DT), input_precision=PREC)
     if DELTA:
-        b_w = _rows_tile(W, row0, rows, m, HV * K, i_hv * K, o_k, TMA)
+        b_w = _rows_tile(W, (rows[:, None] * HV + i_hv) * K + o_k[None, :], mk, row0, i_hv * K, TMA)
         b_ds -= tl.dot(tl.trans(b_w), b_ddd, input_precision=PREC)
     return b_ds
 

@@ -148,16 +148,18 @@ def wu_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr,
 
 
 @triton.jit
-def _rows_tile(x, row0, rows, m, width, col0, cols, TMA: tl.constexpr):
-    """Rows ``rows`` (the first is ``row0``) and columns ``col0 + cols`` of a row-major [T, width]
-    tensor. Without ``TMA`` a masked load: rows where ``m`` is false read as 0. With ``TMA`` x is a
-    tensor descriptor of it (block [len(rows), len(cols)]): one bulk copy by the tensor-memory
-    accelerator instead of a load per thread and element, which reads zeros past T but the rows of
-    a later sequence as they are: the caller must keep them out of every result it stores."""
+def _rows_tile(x, offs, mask, row0, col0, TMA: tl.constexpr):
+    """A [rows, columns] tile of a row-major [T, width] tensor whose first row is ``row0``: without
+    ``TMA`` the masked load ``x + offs`` (rows where ``mask`` is false read as 0); with ``TMA`` x is
+    a tensor descriptor of it (block [rows, columns]) and the tile starts at column ``col0``: one
+    bulk copy by the tensor-memory accelerator instead of a load per thread and element, which
+    reads zeros past T but the rows of a later sequence as they are: the caller must keep them out
+    of every result it stores. (``offs`` and ``mask`` are the caller's own expressions, so that the
+    kernel without ``TMA`` compiles to the same code as a plain load.)"""
     if TMA:
         t = x.load([row0.to(tl.int32), col0.to(tl.int32)])  # (descriptor offsets are 32-bit)
     else:
-        t = tl.load(x + rows[:, None] * width + col0 + cols[None, :], mask=m[:, None], other=0.0)
+        t = tl.load(x + offs, mask=mask, other=0.0)
     return t
 
 
@@ -177,14 +179,11 @@ def _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_u, mv, i_
     b_ks = tl.dot(b_k, b_sd, input_precision=PREC)
     if USE_G:
         b_ks = b_ks * tl.exp(b_gam)[:, None]
-    if TMA:  # row0: the chunk's first row; v0: the value tile's first column (it never reaches past V)
-        b_v = _rows_tile(v, row0, rows, m, HV * V, i_hv * V + v0, o_u, True).to(tl.float32)
-        b_a = _rows_tile(Ai, row0, rows, m, HV * BT, i_hv * BT, o_t, True)
-    else:
-        b_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
-        b_a = tl.load(Ai + (rows[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
+    # (row0: the chunk's first row; v0: the value tile's first column, which never reaches past V)
+    b_v = _rows_tile(v, (rows[:, None] * HV + i_hv) * V + o_u[None, :], mv, row0, i_hv * V + v0, TMA).to(tl.float32)
     b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
     b_x = ((b_v - b_ks) * b_b[:, None]).to(DT)
+    b_a = _rows_tile(Ai, (rows[:, None] * HV + i_hv) * BT + o_t[None, :], m[:, None], row0, i_hv * BT, TMA)
     return tl.dot(b_a, b_x, input_precision=PREC)
 
 
@@ -208,7 +207,7 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv
     mk = m[:, None] & (o_k < K)[None, :]
     o_u, mv = value_cols(o_v, m, K, V, AUG)
     if FROM_INV:  # K S enters δ, so K and γ are loaded first
-        b_k = _rows_tile(k, row0, rows, m, H * K, i_h * K, o_k, TMA)
+        b_k = _rows_tile(k, (rows[:, None] * H + i_h) * K + o_k[None, :], mk, row0, i_h * K, TMA)
         b_gam = tl.zeros([BT], dtype=tl.float32)
         if USE_G:
             cs = bos + i_c * BT
@@ -220,8 +219,8 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv
     else:
         if DELTA:
             if TMA:
-                b_w = _rows_tile(W, row0, rows, m, HV * K, i_hv * K, o_k, True)
-                b_u = _rows_tile(U, row0, rows, m, HV * V, i_hv * V + v0, o_u, True).to(tl.float32)
+                b_w = _rows_tile(W, 0, m, row0, i_hv * K, True)
+                b_u = _rows_tile(U, 0, m, row0, i_hv * V + v0, True).to(tl.float32)
             else:
                 b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
                 b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
@@ -229,10 +228,10 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv
             if not AUG:
                 tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_d.to(DT), mask=mv)
         elif TMA:
-            b_d = _rows_tile(v, row0, rows, m, HV * V, i_hv * V + v0, o_u, True).to(tl.float32)
+            b_d = _rows_tile(v, 0, m, row0, i_hv * V + v0, True).to(tl.float32)
         else:
             b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
-        b_k = _rows_tile(k, row0, rows, m, H * K, i_h * K, o_k, TMA)
+        b_k = _rows_tile(k, (rows[:, None] * H + i_h) * K + o_k[None, :], mk, row0, i_h * K, TMA)
         if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
             cs = bos + i_c * BT
             b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
@@ -435,10 +434,11 @@ def _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_
     row0 = bos + i_c * BT
     rows = row0 + o_t
     m = rows < eos
+    mk = m[:, None] & (o_k < K)[None, :]
     mv = m[:, None] & (o_v < V)[None, :]
     b_sd = b_s.to(DT)
-    b_q = _rows_tile(q, row0, rows, m, H * K, i_h * K, o_k, TMA)
-    b_k = _rows_tile(k, row0, rows, m, H * K, i_h * K, o_k, TMA)
+    b_q = _rows_tile(q, (rows[:, None] * H + i_h) * K + o_k[None, :], mk, row0, i_h * K, TMA)
+    b_k = _rows_tile(k, (rows[:, None] * H + i_h) * K + o_k[None, :], mk, row0, i_h * K, TMA)
     if FROM_INV:  # γ enters δ (Γ K S), so it is loaded first
         b_gam = tl.zeros([BT], dtype=tl.float32)
         if USE_G:
@@ -447,7 +447,7 @@ def _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_
         b_d = _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_v, mv, i_hv, HV, V, BT, USE_G,
                                   PREC, DT, TMA, row0, v0).to(DT)
     elif DELTA:
-        b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
+        b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
         b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
         b_d = (b_u - tl.dot(b_w, b_sd, input_precision=PREC)).to(DT)
     else:
