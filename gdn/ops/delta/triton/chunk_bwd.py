@@ -27,7 +27,7 @@ from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision
                               launch, make_segments, pow2, tl_dtype, value_cols)
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
-from .chunk_fwd import _descriptor, _rows_tile, chain, split_len, state_tile, tma_ready
+from .chunk_fwd import _block, _descriptor, chain, split_len, state_tile, tma_ready
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
                     AUG: tl.constexpr, QS: tl.constexpr, TMA: tl.constexpr = False, v0=0):
     """Step j of the reverse pass (chunk NC − 1 − j): store dS_out, compute dδ, return dS_in. With
     ``AUG`` the first K columns read zero dO and dδ_loc and nothing is stored (see the kernel).
-    ``TMA`` (not with ``AUG``): q, k, do, DVL and W are tensor descriptors (``_rows_tile``; ``v0``
+    ``TMA`` (not with ``AUG``): q, k, do, DVL and W are tensor descriptors (``_block``; ``v0``
     the value tile's first column), and dO and dδ are zeroed on the rows of a later sequence."""
     i_c = NC - 1 - j
     b_dsd = b_ds.to(DT)
@@ -81,15 +81,21 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
     # Q and K feed the dots as loaded: the row scales of K̃ = diag(exp(γ_C − γ)) K and of
     # scale·diag(Γ) Q go on the [BT, BV] products and dO instead of the [BT, K] tiles
     row0 = bos + i_c * BT
-    b_q = _rows_tile(q, (rows[:, None] * H + i_h) * K + o_k[None, :], mk, row0, i_h * K, TMA)
-    b_k = _rows_tile(k, (rows[:, None] * H + i_h) * K + o_k[None, :], mk, row0, i_h * K, TMA)
-    b_do = _rows_tile(do, (rows[:, None] * HV + i_hv) * V + o_u[None, :], mv, row0, i_hv * V + v0, TMA)
     if TMA:  # a later sequence's rows: no dO, and (below) no dδ, so they add nothing to dS
+        b_q = _block(q, row0, i_h * K)
+        b_k = _block(k, row0, i_h * K)
+        b_do = _block(do, row0, i_hv * V + v0)
         b_do = tl.where(m[:, None], b_do, tl.zeros_like(b_do))
+    else:
+        b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0)
     if not QS:
         b_do = b_do.to(tl.float32)
-    b_dd = _rows_tile(DVL, (rows[:, None] * HV + i_hv) * V + o_u[None, :], mv, row0, i_hv * V + v0, TMA).to(
-        tl.float32)
+    if TMA:
+        b_dd = _block(DVL, row0, i_hv * V + v0).to(tl.float32)
+    else:
+        b_dd = tl.load(DVL + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
     b_kds = tl.dot(b_k, b_dsd, input_precision=PREC)
     # the row scale scale·Γ of the (ΓQ)ᵀ dO term goes on dO, or with QS on Q (see state_bwd_kernel)
     if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
@@ -114,7 +120,10 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
         b_ds = b_ds * tl.exp(b_gc)
     b_ds += tl.dot(tl.trans(b_q), b_do.to(DT), input_precision=PREC)
     if DELTA:
-        b_w = _rows_tile(W, (rows[:, None] * HV + i_hv) * K + o_k[None, :], mk, row0, i_hv * K, TMA)
+        if TMA:
+            b_w = _block(W, row0, i_hv * K)
+        else:
+            b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
         b_ds -= tl.dot(tl.trans(b_w), b_ddd, input_precision=PREC)
     return b_ds
 

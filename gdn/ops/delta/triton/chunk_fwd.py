@@ -148,19 +148,12 @@ def wu_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr,
 
 
 @triton.jit
-def _rows_tile(x, offs, mask, row0, col0, TMA: tl.constexpr):
-    """A [rows, columns] tile of a row-major [T, width] tensor whose first row is ``row0``: without
-    ``TMA`` the masked load ``x + offs`` (rows where ``mask`` is false read as 0); with ``TMA`` x is
-    a tensor descriptor of it (block [rows, columns]) and the tile starts at column ``col0``: one
-    bulk copy by the tensor-memory accelerator instead of a load per thread and element, which
-    reads zeros past T but the rows of a later sequence as they are: the caller must keep them out
-    of every result it stores. (``offs`` and ``mask`` are the caller's own expressions, so that the
-    kernel without ``TMA`` compiles to the same code as a plain load.)"""
-    if TMA:
-        t = x.load([row0.to(tl.int32), col0.to(tl.int32)])  # (descriptor offsets are 32-bit)
-    else:
-        t = tl.load(x + offs, mask=mask, other=0.0)
-    return t
+def _block(x, row0, col0):
+    """The block of tensor descriptor ``x`` (of a row-major [T, width] tensor) whose first row is
+    ``row0`` and first column ``col0``: one bulk copy by the tensor-memory accelerator instead of a
+    load per thread and element. It reads zeros past T but the rows of a later sequence as they
+    are: the caller keeps those out of every result it stores."""
+    return x.load([row0.to(tl.int32), col0.to(tl.int32)])  # (descriptor offsets are 32-bit)
 
 
 @triton.jit
@@ -180,10 +173,16 @@ def _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_u, mv, i_
     if USE_G:
         b_ks = b_ks * tl.exp(b_gam)[:, None]
     # (row0: the chunk's first row; v0: the value tile's first column, which never reaches past V)
-    b_v = _rows_tile(v, (rows[:, None] * HV + i_hv) * V + o_u[None, :], mv, row0, i_hv * V + v0, TMA).to(tl.float32)
+    if TMA:
+        b_v = _block(v, row0, i_hv * V + v0).to(tl.float32)
+    else:
+        b_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
     b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
     b_x = ((b_v - b_ks) * b_b[:, None]).to(DT)
-    b_a = _rows_tile(Ai, (rows[:, None] * HV + i_hv) * BT + o_t[None, :], m[:, None], row0, i_hv * BT, TMA)
+    if TMA:
+        b_a = _block(Ai, row0, i_hv * BT)
+    else:
+        b_a = tl.load(Ai + (rows[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
     return tl.dot(b_a, b_x, input_precision=PREC)
 
 
@@ -196,7 +195,7 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv
     state's columns are [K transition columns | V value columns]: the first K read zero values and
     nothing is stored (see ``state_fwd_kernel``). ``FROM_INV`` (delta members only): δ from T and
     V (:func:`_delta_from_inverse`) instead of W and U. ``TMA`` (not with ``AUG``): k, v, W, U and
-    Ai are tensor descriptors (:func:`_rows_tile`), δ is zeroed on the rows of a later sequence, and
+    Ai are tensor descriptors (:func:`_block`), δ is zeroed on the rows of a later sequence, and
     ``v0`` is the value tile's first column."""
     row0 = bos + i_c * BT
     rows = row0 + o_t
@@ -207,7 +206,10 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv
     mk = m[:, None] & (o_k < K)[None, :]
     o_u, mv = value_cols(o_v, m, K, V, AUG)
     if FROM_INV:  # K S enters δ, so K and γ are loaded first
-        b_k = _rows_tile(k, (rows[:, None] * H + i_h) * K + o_k[None, :], mk, row0, i_h * K, TMA)
+        if TMA:
+            b_k = _block(k, row0, i_h * K)
+        else:
+            b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
         b_gam = tl.zeros([BT], dtype=tl.float32)
         if USE_G:
             cs = bos + i_c * BT
@@ -219,8 +221,8 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv
     else:
         if DELTA:
             if TMA:
-                b_w = _rows_tile(W, 0, m, row0, i_hv * K, True)
-                b_u = _rows_tile(U, 0, m, row0, i_hv * V + v0, True).to(tl.float32)
+                b_w = _block(W, row0, i_hv * K)
+                b_u = _block(U, row0, i_hv * V + v0).to(tl.float32)
             else:
                 b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
                 b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
@@ -228,10 +230,13 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv
             if not AUG:
                 tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_d.to(DT), mask=mv)
         elif TMA:
-            b_d = _rows_tile(v, 0, m, row0, i_hv * V + v0, True).to(tl.float32)
+            b_d = _block(v, row0, i_hv * V + v0).to(tl.float32)
         else:
             b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
-        b_k = _rows_tile(k, (rows[:, None] * H + i_h) * K + o_k[None, :], mk, row0, i_h * K, TMA)
+        if TMA:
+            b_k = _block(k, row0, i_h * K)
+        else:
+            b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
         if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
             cs = bos + i_c * BT
             b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
@@ -429,7 +434,7 @@ def _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_
     state. The same arithmetic as ``_state_fwd_step`` followed by ``output_kernel`` (S and δ rounded
     to DT where those kernels store them), without S or δ leaving the chip. ``FROM_INV`` (delta
     members only): δ from T and V (:func:`_delta_from_inverse`) instead of W and U. ``TMA``: q, k
-    (and with ``FROM_INV`` v and Ai) are tensor descriptors (:func:`_rows_tile`); ``v0`` is the value
+    (and with ``FROM_INV`` v and Ai) are tensor descriptors (:func:`_block`); ``v0`` is the value
     tile's first column."""
     row0 = bos + i_c * BT
     rows = row0 + o_t
@@ -437,8 +442,12 @@ def _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_
     mk = m[:, None] & (o_k < K)[None, :]
     mv = m[:, None] & (o_v < V)[None, :]
     b_sd = b_s.to(DT)
-    b_q = _rows_tile(q, (rows[:, None] * H + i_h) * K + o_k[None, :], mk, row0, i_h * K, TMA)
-    b_k = _rows_tile(k, (rows[:, None] * H + i_h) * K + o_k[None, :], mk, row0, i_h * K, TMA)
+    if TMA:
+        b_q = _block(q, row0, i_h * K)
+        b_k = _block(k, row0, i_h * K)
+    else:
+        b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
     if FROM_INV:  # γ enters δ (Γ K S), so it is loaded first
         b_gam = tl.zeros([BT], dtype=tl.float32)
         if USE_G:
@@ -487,7 +496,7 @@ def state_out_kernel(q, k, v, g, W, U, Ai, beta, h0, o, ht, cu, scale, H, HV,
     o [T, HV, V], the final state in ht [N, HV, K, V]. Runs the sequence's own chunk count of steps
     (as :func:`state_fwd_kernel`). δ = U − W S, or with ``FROM_INV`` T diag(β)(V − diag(Γ) K S)
     from the in-chunk inverse Ai [T, HV, BT], v and beta (W and U are not read). ``TMA``: q, k, v
-    and Ai come as tensor descriptors of their [T, heads × width] views (:func:`_rows_tile`)."""
+    and Ai come as tensor descriptors of their [T, heads × width] views (:func:`_block`)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
