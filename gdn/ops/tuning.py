@@ -54,14 +54,16 @@ DELTA = {
     # formed in the pass from the in-chunk inverse, v and β, so the forward runs no wu kernel and
     # stores no W or U; one more [64, 64] × [64, BV] product per chunk step. H200 forward kernels at
     # (8, 2048): 422 → 346 µs; (1, 8192, HV = 32): 498 → 443 µs (docs/TRITON.md).
-    "state_fwd": dict(num_warps=4, stages=(3, 2, 1), waves=True, SV=8192, BV_min=16, from_inverse=True),
+    "state_fwd": dict(num_warps=4, stages=(3, 2, 1), waves=True, SV=8192, BV_min=16, from_inverse=True, TMA=False),
     # The forward's fused state-and-output pass, taken when its programs number at least ``fill``
     # times the multiprocessors (delta.triton.chunk.layout); else state_fwd then output. Two stages
     # only: with a third the GPU tests fail at T = 63, V = 16 bf16; at one (which the fewest-waves
     # rule took at K = V = 256 and for fp32) the bf16 forward faults on the H200 (illegal memory
     # access at (8, 2048, 16, 128) and (8, 2048, 16, 256); docs/TRITON.md). from_inverse: as
     # state_fwd's.
-    "state_out": dict(num_warps=4, stages=(2,), waves=True, SV=4096, fill=1.5, BV_min=32, from_inverse=True),
+    # TMA: q, k, v and T⁻¹ read by bulk tensor copies (descriptors) instead of per-thread loads.
+    "state_out": dict(num_warps=4, stages=(2,), waves=True, SV=4096, fill=1.5, BV_min=32, from_inverse=True,
+                      TMA=False),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
     # Pipelined loops over value/key blocks, GPU µs at (4, 8192, 16, 128): dv_local 170 → 158 with
     # three stages, dqk 920 → 742 with two (→ 700 with three at 1 × 32768), wy_bwd 599 → 569 with three.
@@ -71,7 +73,8 @@ DELTA = {
     # (446 against 568 µs) and is slower where it saves none. Never the plain kernel at one stage:
     # triton 3.6 miscompiles it on the H200 (wrong dh0, dk, dv; an illegal access at K = V = 256).
     "state_bwd": dict(num_warps=4, waves=True, SV=8192, BV_min=16,
-                      stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True}))),
+                      stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True})),
+                      TMA=False),
     "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     "cumsum": dict(num_warps=1, stages=(1,)),

@@ -202,6 +202,40 @@ def test_forward_delta_from_inverse(member, dtype, fill, from_inverse, monkeypat
     assert not bad, bad
 
 
+@pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule", "gated_linear_attention"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("fill", [0, 10 ** 9], ids=["fused", "two-stage"])
+def test_state_passes_with_tensor_descriptors(member, dtype, fill, monkeypatch):
+    """The state passes reading their per-chunk inputs through tensor descriptors (``TMA`` of
+    state_out, state_fwd and state_bwd; state_fwd also runs in the backward's recompute, from W and U):
+    packed with an empty, a one-token and a partial sequence (a chunk's block reaches into the next
+    sequence's rows, which must add nothing), grouped value heads, an initial state, against the
+    float64 recurrence."""
+    from gdn.ops.delta.triton import chunk_bwd, chunk_fwd
+
+    monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=fill, TMA=True))
+    monkeypatch.setitem(tuning.DELTA, "state_fwd", dict(tuning.DELTA["state_fwd"], TMA=True))
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], TMA=True))
+    seen = {}
+
+    def spy(launch):
+        def run(kernel, grid, *args, **meta):
+            if kernel in (chunk_fwd.state_out_kernel, chunk_fwd.state_fwd_kernel, chunk_bwd.state_bwd_kernel):
+                seen.setdefault(kernel.fn.__name__, []).append(meta["TMA"])
+            return launch(kernel, grid, *args, **meta)
+        return run
+
+    monkeypatch.setattr(chunk_fwd, "launch", spy(chunk_fwd.launch))
+    monkeypatch.setattr(chunk_bwd, "launch", spy(chunk_bwd.launch))
+    errs = _run_both(member, B=1, T=194, H=1, HV=2, K=32, V=64, dtype=dtype, lens=[65, 1, 0, 128], seed=15)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, bad
+    # the fused pass takes descriptors for the delta members (its δ-from-inverse form) only
+    assert seen["state_bwd_kernel"] == [True] and seen["state_fwd_kernel"][-1], seen
+    if member != "gated_linear_attention":
+        assert all(all(v) for v in seen.values()), seen
+
+
 @pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule"])
 def test_split_forward_from_inverse(member, monkeypatch):
     """The two-stage forward's split state pass (segments of one chunk: the augmented first phase

@@ -27,7 +27,7 @@ from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision
                               launch, make_segments, pow2, tl_dtype, value_cols)
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
-from .chunk_fwd import chain, split_len, state_tile
+from .chunk_fwd import _block, _descriptor, chain, split_len, state_tile, tma_ready
 
 
 @triton.jit
@@ -65,9 +65,11 @@ def dv_local_kernel(q, k, g, do, DVL, cu, chunk_idx, scale, H, HV, K: tl.constex
 def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
                     scale, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                    AUG: tl.constexpr, QS: tl.constexpr):
+                    AUG: tl.constexpr, QS: tl.constexpr, TMA: tl.constexpr = False, v0=0):
     """Step j of the reverse pass (chunk NC − 1 − j): store dS_out, compute dδ, return dS_in. With
-    ``AUG`` the first K columns read zero dO and dδ_loc and nothing is stored (see the kernel)."""
+    ``AUG`` the first K columns read zero dO and dδ_loc and nothing is stored (see the kernel).
+    ``TMA`` (not with ``AUG``): q, k, do, DVL and W are tensor descriptors (``_block``; ``v0``
+    the value tile's first column), and dO and dδ are zeroed on the rows of a later sequence."""
     i_c = NC - 1 - j
     b_dsd = b_ds.to(DT)
     if not AUG:
@@ -78,12 +80,22 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
     o_u, mv = value_cols(o_v, m, K, V, AUG)
     # Q and K feed the dots as loaded: the row scales of K̃ = diag(exp(γ_C − γ)) K and of
     # scale·diag(Γ) Q go on the [BT, BV] products and dO instead of the [BT, K] tiles
-    b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
-    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
-    b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0)
+    row0 = bos + i_c * BT
+    if TMA:  # a later sequence's rows: no dO, and (below) no dδ, so they add nothing to dS
+        b_q = _block(q, row0, i_h * K)
+        b_k = _block(k, row0, i_h * K)
+        b_do = _block(do, row0, i_hv * V + v0)
+        b_do = tl.where(m[:, None], b_do, tl.zeros_like(b_do))
+    else:
+        b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0)
     if not QS:
         b_do = b_do.to(tl.float32)
-    b_dd = tl.load(DVL + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
+    if TMA:
+        b_dd = _block(DVL, row0, i_hv * V + v0).to(tl.float32)
+    else:
+        b_dd = tl.load(DVL + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
     b_kds = tl.dot(b_k, b_dsd, input_precision=PREC)
     # the row scale scale·Γ of the (ΓQ)ᵀ dO term goes on dO, or with QS on Q (see state_bwd_kernel)
     if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
@@ -99,6 +111,8 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
     else:
         b_do = b_do * scale
     b_dd += b_kds
+    if TMA:
+        b_dd = tl.where(m[:, None], b_dd, tl.zeros_like(b_dd))
     b_ddd = b_dd.to(DT)
     if not AUG:
         tl.store(DD + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_ddd, mask=mv)
@@ -106,7 +120,10 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
         b_ds = b_ds * tl.exp(b_gc)
     b_ds += tl.dot(tl.trans(b_q), b_do.to(DT), input_precision=PREC)
     if DELTA:
-        b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
+        if TMA:
+            b_w = _block(W, row0, i_hv * K)
+        else:
+            b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
         b_ds -= tl.dot(tl.trans(b_w), b_ddd, input_precision=PREC)
     return b_ds
 
@@ -116,7 +133,7 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale
                      HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
                      USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr,
-                     AUG: tl.constexpr = False, QS: tl.constexpr = False):
+                     AUG: tl.constexpr = False, QS: tl.constexpr = False, TMA: tl.constexpr = False):
     """Reverse pass over one sequence's chunks: dh[c] = dS_out of chunk c, DD = dδ, dh0 = dS_0.
     Runs the sequence's own chunk count of steps, last chunk first, like the forward pass.
 
@@ -154,12 +171,12 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale
         j = 0
         while j < NC:
             b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, QS)
+                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, QS, TMA, i_v * BV)
             j += 1
     else:
         for j in range(0, NC):
             b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, QS)
+                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, QS, TMA, i_v * BV)
     if USE_INIT:
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_ds, mask=mkv)
 
@@ -361,10 +378,16 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         launch(state_bwd_kernel, (cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL, Send, dh, DD, dummy,
                sg.cu, sg.off, scale, BV=SV, USE_DHT=True, USE_INIT=False, **common)
     else:
+        # TMA (DELTA["state_bwd"]["TMA"]): the per-chunk inputs as tensor descriptors, contiguous ones only
+        reads = (q, k, do, DVL) + ((W,) if delta else ())
+        tma = DELTA["state_bwd"].get("TMA", False) and tma_ready(*reads)
+        qa, ka, da, la, wa = ((_descriptor(q, K), _descriptor(k, K), _descriptor(do, SV), _descriptor(DVL, SV),
+                               _descriptor(W, K) if delta else Wp) if tma else (q, k, do, DVL, Wp))
         launch(state_bwd_kernel, (cdiv(V, SV), ch.N * HV),
-               q, k, gs, Wp, do, DVL, dht if dht is not None else dummy, dh, DD,
+               qa, ka, gs, wa, da, la, dht if dht is not None else dummy, dh, DD,
                dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, scale, BV=SV,
-               USE_DHT=dht is not None, USE_INIT=h0 is not None, **common)
+               USE_DHT=dht is not None, USE_INIT=h0 is not None, TMA=tma, **common)
+        del reads, qa, ka, da, la, wa  # (they hold DVL and W, dropped below)
     # Each intermediate is dropped after its last reader and each output allocated before its first
     # writer, so the backward's peak (during dqk) holds h, dh, δ, dδ and dqk's outputs only.
     del DVL, W, Wp

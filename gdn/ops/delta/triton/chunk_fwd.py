@@ -148,8 +148,18 @@ def wu_kernel(k, v, g, beta, Ai, W, U, cu, chunk_idx, H, HV, K: tl.constexpr,
 
 
 @triton.jit
+def _block(x, row0, col0):
+    """The block of tensor descriptor ``x`` (of a row-major [T, width] tensor) whose first row is
+    ``row0`` and first column ``col0``: one bulk copy by the tensor-memory accelerator instead of a
+    load per thread and element. It reads zeros past T but the rows of a later sequence as they
+    are: the caller keeps those out of every result it stores."""
+    return x.load([row0.to(tl.int32), col0.to(tl.int32)])  # (descriptor offsets are 32-bit)
+
+
+@triton.jit
 def _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_u, mv, i_hv, HV, V: tl.constexpr,
-                        BT: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+                        BT: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+                        TMA: tl.constexpr = False, row0=0, v0=0):
     """δ = T X with X = diag(β)(V − diag(Γ) K S) for one chunk and value tile, fp32 [BT, BV]:
     U − W S without W and U, since W S = T diag(βΓ) K S. b_k: K [BT, K] in DT; b_sd: S in DT;
     b_gam: γ [BT] (unused without the gate); ``o_u``, ``mv`` as :func:`value_cols` gives them.
@@ -162,10 +172,17 @@ def _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_u, mv, i_
     b_ks = tl.dot(b_k, b_sd, input_precision=PREC)
     if USE_G:
         b_ks = b_ks * tl.exp(b_gam)[:, None]
-    b_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
+    # (row0: the chunk's first row; v0: the value tile's first column, which never reaches past V)
+    if TMA:
+        b_v = _block(v, row0, i_hv * V + v0).to(tl.float32)
+    else:
+        b_v = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
     b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
     b_x = ((b_v - b_ks) * b_b[:, None]).to(DT)
-    b_a = tl.load(Ai + (rows[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
+    if TMA:
+        b_a = _block(Ai, row0, i_hv * BT)
+    else:
+        b_a = tl.load(Ai + (rows[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
     return tl.dot(b_a, b_x, input_precision=PREC)
 
 
@@ -173,12 +190,15 @@ def _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_u, mv, i_
 def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
                     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                    AUG: tl.constexpr, FROM_INV: tl.constexpr):
+                    AUG: tl.constexpr, FROM_INV: tl.constexpr, TMA: tl.constexpr = False, v0=0):
     """One chunk of the forward state pass: store S, compute δ, return the next S. With ``AUG`` the
     state's columns are [K transition columns | V value columns]: the first K read zero values and
     nothing is stored (see ``state_fwd_kernel``). ``FROM_INV`` (delta members only): δ from T and
-    V (:func:`_delta_from_inverse`) instead of W and U."""
-    rows = bos + i_c * BT + o_t
+    V (:func:`_delta_from_inverse`) instead of W and U. ``TMA`` (not with ``AUG``): k, v, W, U and
+    Ai are tensor descriptors (:func:`_block`), δ is zeroed on the rows of a later sequence, and
+    ``v0`` is the value tile's first column."""
+    row0 = bos + i_c * BT
+    rows = row0 + o_t
     b_sd = b_s.to(DT)
     if not AUG:
         tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_sd, mask=mkv & (bos + i_c * BT < eos))
@@ -186,28 +206,42 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv
     mk = m[:, None] & (o_k < K)[None, :]
     o_u, mv = value_cols(o_v, m, K, V, AUG)
     if FROM_INV:  # K S enters δ, so K and γ are loaded first
-        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        if TMA:
+            b_k = _block(k, row0, i_h * K)
+        else:
+            b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
         b_gam = tl.zeros([BT], dtype=tl.float32)
         if USE_G:
             cs = bos + i_c * BT
             b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
         b_d = _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_u, mv, i_hv, HV, V, BT, USE_G,
-                                  PREC, DT)
+                                  PREC, DT, TMA, row0, v0)
         if not AUG:
             tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_d.to(DT), mask=mv)
     else:
         if DELTA:
-            b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
-            b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
+            if TMA:
+                b_w = _block(W, row0, i_hv * K)
+                b_u = _block(U, row0, i_hv * V + v0).to(tl.float32)
+            else:
+                b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
+                b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
             b_d = b_u - tl.dot(b_w, b_sd, input_precision=PREC)
             if not AUG:
                 tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_d.to(DT), mask=mv)
+        elif TMA:
+            b_d = _block(v, row0, i_hv * V + v0).to(tl.float32)
         else:
             b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
-        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        if TMA:
+            b_k = _block(k, row0, i_h * K)
+        else:
+            b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
         if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
             cs = bos + i_c * BT
             b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
+    if TMA:  # the rows of a later sequence add nothing to the state
+        b_d = tl.where(m[:, None], b_d, tl.zeros_like(b_d))
     if USE_G:
         # K̃ᵀδ with K̃ = diag(exp(γ_C − γ)) K: the row scale goes on δ ([BT, BV]), so K feeds the dot
         # as loaded (no conversion of the [BT, K] tile each step)
@@ -221,7 +255,7 @@ def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, H
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, AUG: tl.constexpr = False,
-                     FROM_INV: tl.constexpr = False):
+                     FROM_INV: tl.constexpr = False, TMA: tl.constexpr = False):
     """Sequential pass over one sequence's chunks for one value head and one V tile.
 
     Stores the state entering each chunk in h [NT, HV, K, V] and, for delta members,
@@ -260,12 +294,14 @@ def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, H
         i_c = 0
         while i_c < nc:
             b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v,
-                                  mkv, p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, FROM_INV)
+                                  mkv, p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, FROM_INV, TMA,
+                                  i_v * BV)
             i_c += 1
     else:
         for i_c in range(0, nc):
             b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v,
-                                  mkv, p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, FROM_INV)
+                                  mkv, p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, FROM_INV, TMA,
+                                  i_v * BV)
     if STORE_FINAL:
         tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_s, mask=mkv)
 
@@ -393,31 +429,43 @@ def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H, HV,
 def _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
                     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                    FROM_INV: tl.constexpr):
+                    FROM_INV: tl.constexpr, TMA: tl.constexpr = False, v0=0):
     """One chunk of the fused forward pass: its output rows from the entering state, then the next
     state. The same arithmetic as ``_state_fwd_step`` followed by ``output_kernel`` (S and δ rounded
     to DT where those kernels store them), without S or δ leaving the chip. ``FROM_INV`` (delta
-    members only): δ from T and V (:func:`_delta_from_inverse`) instead of W and U."""
-    rows = bos + i_c * BT + o_t
+    members only): δ from T and V (:func:`_delta_from_inverse`) instead of W and U. ``TMA``: q, k
+    (and with ``FROM_INV`` v and Ai) are tensor descriptors (:func:`_block`); ``v0`` is the value
+    tile's first column."""
+    row0 = bos + i_c * BT
+    rows = row0 + o_t
     m = rows < eos
     mk = m[:, None] & (o_k < K)[None, :]
     mv = m[:, None] & (o_v < V)[None, :]
     b_sd = b_s.to(DT)
-    b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
-    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+    if TMA:
+        b_q = _block(q, row0, i_h * K)
+        b_k = _block(k, row0, i_h * K)
+    else:
+        b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
     if FROM_INV:  # γ enters δ (Γ K S), so it is loaded first
         b_gam = tl.zeros([BT], dtype=tl.float32)
         if USE_G:
             cs = bos + i_c * BT
             b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
         b_d = _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_v, mv, i_hv, HV, V, BT, USE_G,
-                                  PREC, DT).to(DT)
+                                  PREC, DT, TMA, row0, v0).to(DT)
     elif DELTA:
         b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
         b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(tl.float32)
         b_d = (b_u - tl.dot(b_w, b_sd, input_precision=PREC)).to(DT)
     else:
         b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0).to(DT)
+    if TMA:
+        # rows of a later sequence (read as they are) give δ rows that only they would see: δ is
+        # zeroed there, so K̃ᵀ δ and P δ take nothing from them (K S, X and T X need no mask: β is 0
+        # there and T is lower triangular), and their o rows are not stored
+        b_d = tl.where(m[:, None], b_d, tl.zeros_like(b_d))
     b_o = tl.dot(b_q, b_sd, input_precision=PREC)
     b_p = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
     if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
@@ -440,13 +488,15 @@ def _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_
 def state_out_kernel(q, k, v, g, W, U, Ai, beta, h0, o, ht, cu, scale, H, HV,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, FROM_INV: tl.constexpr = False):
+                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, FROM_INV: tl.constexpr = False,
+                     TMA: tl.constexpr = False):
     """The forward's sequential pass with the output fused in, for one sequence, value head and V
     tile: per chunk, O = scale · (diag(Γ) Q S + (Q Kᵀ ⊙ D) δ) from the entering state S, then
     S ← Γ_C S + K̃ᵀ δ. Neither the per-chunk states nor δ are stored (the backward recomputes them);
     o [T, HV, V], the final state in ht [N, HV, K, V]. Runs the sequence's own chunk count of steps
     (as :func:`state_fwd_kernel`). δ = U − W S, or with ``FROM_INV`` T diag(β)(V − diag(Γ) K S)
-    from the in-chunk inverse Ai [T, HV, BT], v and beta (W and U are not read)."""
+    from the in-chunk inverse Ai [T, HV, BT], v and beta (W and U are not read). ``TMA``: q, k, v
+    and Ai come as tensor descriptors of their [T, heads × width] views (:func:`_block`)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -466,12 +516,12 @@ def state_out_kernel(q, k, v, g, W, U, Ai, beta, h0, o, ht, cu, scale, H, HV,
         i_c = 0
         while i_c < nc:
             b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_hv, i_h, o_t, o_k,
-                                  o_v, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, FROM_INV)
+                                  o_v, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, FROM_INV, TMA, i_v * BV)
             i_c += 1
     else:
         for i_c in range(0, nc):
             b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_hv, i_h, o_t, o_k,
-                                  o_v, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, FROM_INV)
+                                  o_v, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, FROM_INV, TMA, i_v * BV)
     if STORE_FINAL:
         tl.store(ht + p_s, b_s, mask=mkv)
 
@@ -549,13 +599,35 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     SK, SV = state_tile("state_out", ch, HV, K, V, dev)
     G = gamma_of(g, ch, G)
     gp = G if G is not None else v
-    launch(state_out_kernel, (cdiv(V, SV), ch.N * HV), q, k, v, gp, W if W is not None else v,
-           U if U is not None else v, Ai if from_inv else v, beta if from_inv else v,
+    # TMA (DELTA["state_out"]["TMA"]): q, k, v, Ai as tensor descriptors of their [T, heads × width]
+    # views, for the δ-from-inverse pass of contiguous inputs
+    tma = from_inv and DELTA["state_out"].get("TMA", False) and tma_ready(q, k, v, Ai)
+    qa, ka, va, aa = (_descriptor(q, K), _descriptor(k, K), _descriptor(v, SV), _descriptor(Ai, BT)) if tma else \
+        (q, k, v, Ai if from_inv else v)
+    launch(state_out_kernel, (cdiv(V, SV), ch.N * HV), qa, ka, va, gp, W if W is not None else v,
+           U if U is not None else v, aa, beta if from_inv else v,
            h0 if h0 is not None else v, o, ht if want_final else v, ch.cu,
            scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=beta is not None,
            USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=dot_precision(v.dtype), DT=tl_dtype(v.dtype),
-           WHILE=INTERPRET, FROM_INV=from_inv, name="state_out")
+           WHILE=INTERPRET, FROM_INV=from_inv, TMA=tma, name="state_out")
     return o, ht, Ai, G
+
+
+def tma_ready(*xs) -> bool:
+    """Whether tensors ``xs`` can be read through tensor descriptors: contiguous, 16-byte aligned,
+    on a GPU with the tensor-memory accelerator (compute capability 9 or later; the interpreter
+    reads descriptors too)."""
+    if not all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in xs):
+        return False
+    return INTERPRET or (xs[0].is_cuda and torch.cuda.get_device_capability(xs[0].device)[0] >= 9)
+
+
+def _descriptor(x, cols: int):
+    """A tensor descriptor of contiguous ``x`` [T, heads, width] as the row-major [T, heads × width]
+    matrix, read in blocks of one chunk's rows and ``cols`` columns."""
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
+
+    return TensorDescriptor.from_tensor(x.view(x.shape[0], -1), block_shape=[BT, cols])
 
 
 def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai=None, from_inverse=False,
@@ -601,10 +673,17 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
                VN if delta else dummy, dummy, sg.cu, sg.off, BV=SV, USE_INIT=True, STORE_FINAL=False, **common)
         return h, VN, ht, Ai, W, G
     SK, SV = state_tile("state_fwd", ch, HV, K, V, dev)
+    # TMA (DELTA["state_fwd"]["TMA"]): the per-chunk inputs as tensor descriptors, contiguous ones only
+    reads = (k, v) + ((Ai,) if from_inv else (W, U) if delta else ())
+    tma = DELTA["state_fwd"].get("TMA", False) and tma_ready(*reads)
+    if tma:
+        k, v = _descriptor(k, K), _descriptor(v, SV)
+        Ap, Wp, Up = (_descriptor(Ai, BT) if from_inv else Ap, _descriptor(W, K) if delta and not from_inv else Wp,
+                      _descriptor(U, SV) if delta and not from_inv else Up)
     launch(state_fwd_kernel, (cdiv(V, SV), ch.N * HV),
            k, v, gp, Wp, Up, Ap, bp, h0 if h0 is not None else dummy, h, VN if delta else dummy,
            ht if want_final else dummy,
-           ch.cu, ch.chunk_off, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, **common)
+           ch.cu, ch.chunk_off, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, TMA=tma, **common)
     return h, VN, ht, Ai, W, G
 
 
