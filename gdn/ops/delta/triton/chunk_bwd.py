@@ -27,7 +27,7 @@ from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision
                               launch, make_segments, pow2, tl_dtype, value_cols)
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
-from .chunk_fwd import _block, _descriptor, chain, split_len, state_tile, tma_ready
+from .chunk_fwd import _block, chain, split_len, state_tile, tile_reads
 
 
 @triton.jit
@@ -378,16 +378,13 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         launch(state_bwd_kernel, (cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL, Send, dh, DD, dummy,
                sg.cu, sg.off, scale, BV=SV, USE_DHT=True, USE_INIT=False, **common)
     else:
-        # TMA (DELTA["state_bwd"]["TMA"]): the per-chunk inputs as tensor descriptors, contiguous ones only
-        reads = (q, k, do, DVL) + ((W,) if delta else ())
-        tma = DELTA["state_bwd"].get("TMA", False) and tma_ready(*reads)
-        qa, ka, da, la, wa = ((_descriptor(q, K), _descriptor(k, K), _descriptor(do, SV), _descriptor(DVL, SV),
-                               _descriptor(W, K) if delta else Wp) if tma else (q, k, do, DVL, Wp))
+        # the per-chunk inputs, perhaps as tensor descriptors
+        tma, (qa, ka, da, la, wa) = tile_reads("state_bwd", (q, K), (k, K), (do, SV), (DVL, SV), (W if delta else k, K))
         launch(state_bwd_kernel, (cdiv(V, SV), ch.N * HV),
                qa, ka, gs, wa, da, la, dht if dht is not None else dummy, dh, DD,
                dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, scale, BV=SV,
                USE_DHT=dht is not None, USE_INIT=h0 is not None, TMA=tma, **common)
-        del reads, qa, ka, da, la, wa  # (they hold DVL and W, dropped below)
+        del qa, ka, da, la, wa  # (they hold DVL and W, dropped below)
     # Each intermediate is dropped after its last reader and each output allocated before its first
     # writer, so the backward's peak (during dqk) holds h, dh, δ, dδ and dqk's outputs only.
     del DVL, W, Wp

@@ -599,11 +599,9 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     SK, SV = state_tile("state_out", ch, HV, K, V, dev)
     G = gamma_of(g, ch, G)
     gp = G if G is not None else v
-    # TMA (DELTA["state_out"]["TMA"]): q, k, v, Ai as tensor descriptors of their [T, heads × width]
-    # views, for the δ-from-inverse pass of contiguous inputs
-    tma = from_inv and DELTA["state_out"].get("TMA", False) and tma_ready(q, k, v, Ai)
-    qa, ka, va, aa = (_descriptor(q, K), _descriptor(k, K), _descriptor(v, SV), _descriptor(Ai, BT)) if tma else \
-        (q, k, v, Ai if from_inv else v)
+    # the δ-from-inverse pass may read q, k, v and T⁻¹ through tensor descriptors
+    tma, (qa, ka, va, aa) = (tile_reads("state_out", (q, K), (k, K), (v, SV), (Ai, BT)) if from_inv
+                             else (False, (q, k, v, v)))
     launch(state_out_kernel, (cdiv(V, SV), ch.N * HV), qa, ka, va, gp, W if W is not None else v,
            U if U is not None else v, aa, beta if from_inv else v,
            h0 if h0 is not None else v, o, ht if want_final else v, ch.cu,
@@ -613,21 +611,20 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     return o, ht, Ai, G
 
 
-def tma_ready(*xs) -> bool:
-    """Whether tensors ``xs`` can be read through tensor descriptors: contiguous, 16-byte aligned,
-    on a GPU with the tensor-memory accelerator (compute capability 9 or later; the interpreter
-    reads descriptors too)."""
-    if not all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in xs):
-        return False
-    return INTERPRET or (xs[0].is_cuda and torch.cuda.get_device_capability(xs[0].device)[0] >= 9)
-
-
-def _descriptor(x, cols: int):
-    """A tensor descriptor of contiguous ``x`` [T, heads, width] as the row-major [T, heads × width]
-    matrix, read in blocks of one chunk's rows and ``cols`` columns."""
+def tile_reads(name: str, *reads) -> tuple:
+    """(TMA, tensors) for sequential pass ``name``'s per-chunk inputs ``reads`` [(x [T, heads, width],
+    block columns)]: with ``DELTA[name]["TMA"]``, and where every x is contiguous, 16-byte aligned
+    and on a GPU with the tensor-memory accelerator (compute capability 9 or later; the interpreter
+    reads descriptors too), (True, a tensor descriptor of each x as the row-major [T, heads × width]
+    matrix, read in blocks of one chunk's rows and its block columns); else (False, the x as given)."""
+    xs = tuple(x for x, _ in reads)
+    ready = DELTA[name]["TMA"] and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in xs) and (
+        INTERPRET or (xs[0].is_cuda and torch.cuda.get_device_capability(xs[0].device)[0] >= 9))
+    if not ready:
+        return False, xs
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
 
-    return TensorDescriptor.from_tensor(x.view(x.shape[0], -1), block_shape=[BT, cols])
+    return True, tuple(TensorDescriptor.from_tensor(x.view(x.shape[0], -1), block_shape=[BT, c]) for x, c in reads)
 
 
 def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai=None, from_inverse=False,
@@ -673,13 +670,13 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
                VN if delta else dummy, dummy, sg.cu, sg.off, BV=SV, USE_INIT=True, STORE_FINAL=False, **common)
         return h, VN, ht, Ai, W, G
     SK, SV = state_tile("state_fwd", ch, HV, K, V, dev)
-    # TMA (DELTA["state_fwd"]["TMA"]): the per-chunk inputs as tensor descriptors, contiguous ones only
-    reads = (k, v) + ((Ai,) if from_inv else (W, U) if delta else ())
-    tma = DELTA["state_fwd"].get("TMA", False) and tma_ready(*reads)
-    if tma:
-        k, v = _descriptor(k, K), _descriptor(v, SV)
-        Ap, Wp, Up = (_descriptor(Ai, BT) if from_inv else Ap, _descriptor(W, K) if delta and not from_inv else Wp,
-                      _descriptor(U, SV) if delta and not from_inv else Up)
+    # the per-chunk inputs, perhaps as tensor descriptors
+    if from_inv:
+        tma, (k, v, Ap) = tile_reads("state_fwd", (k, K), (v, SV), (Ai, BT))
+    elif delta:
+        tma, (k, v, Wp, Up) = tile_reads("state_fwd", (k, K), (v, SV), (W, K), (U, SV))
+    else:
+        tma, (k, v) = tile_reads("state_fwd", (k, K), (v, SV))
     launch(state_fwd_kernel, (cdiv(V, SV), ch.N * HV),
            k, v, gp, Wp, Up, Ap, bp, h0 if h0 is not None else dummy, h, VN if delta else dummy,
            ht if want_final else dummy,
