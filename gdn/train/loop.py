@@ -179,7 +179,7 @@ class TrainLoop:
     norm is not finite applies no update (the weights and the optimizer's moments stay as they were;
     the step still counts, so its data is not seen twice) and is logged; after
     ``settings.max_bad_steps`` such steps in a row the run stops as on a signal, with a checkpoint
-    of the last finite weights. Every ``log_every`` steps the
+    of the weights from before them. Every ``log_every`` steps the
     loss, lr, gradient norm and throughput go to the metrics log of :meth:`begin`; every
     ``eval_every`` steps and at the end :meth:`validate` is logged; with ``save_every`` > 0 a
     checkpoint is written every ``save_every`` steps, at the end and when the run stops early
