@@ -111,8 +111,11 @@ def state_bwd_kernel(QG, KT, G, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, sca
 @triton.jit
 def dqk_kernel(q, k, G, VN, do, h, dh, DD, DQ, DK, DW, DGAM, DP, cu, chunk_idx, scale, H, HV,
                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """Per chunk, value head and K tile: the state terms of dQ and dK, dW = −dδ Sᵀ, their dγ (the
-    γ_C terms on the chunk's last row) and, from the first K tile, dP = scale dO δᵀ (fp32).
+    """Per chunk and value head, program i_k < K / BK (a K tile): the state terms of dQ and dK,
+    dW = −dδ Sᵀ, their dγ (the γ_C terms on the chunk's last row); the program after the last K
+    tile: dP = scale dO δᵀ (fp32). dP has a program of its own so that its [64, 64] accumulator is
+    never live beside the K tile's three (the two branches are disjoint: the kernel holds the larger
+    of the two, not their sum).
 
     Every dot here takes fp32 operands (tf32 for half inputs, 3-pass tf32 for fp32) and the states
     are fp32 (``STATE_DTYPE``): dγ sums these terms per channel, and they cancel in dg's reverse
@@ -125,45 +128,48 @@ def dqk_kernel(q, k, G, VN, do, h, dh, DD, DQ, DK, DW, DGAM, DP, cu, chunk_idx, 
     o_t = tl.arange(0, 64)
     rows = t0 + o_t
     m = rows < eos
-    o_k = i_k * BK + tl.arange(0, BK)
-    base_h = (i_t.to(tl.int64) * HV + i_hv) * K * V
-    b_dp = tl.zeros([64, 64], dtype=tl.float32)
-    b_dqs = tl.zeros([64, BK], dtype=tl.float32)
-    b_dks = tl.zeros([64, BK], dtype=tl.float32)
-    b_dw = tl.zeros([64, BK], dtype=tl.float32)
-    b_gcs = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(0, V // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        p_v = (rows[:, None] * HV + i_hv) * V + o_v[None, :]
-        b_d = load_rows(VN, rows, m, HV, i_hv, o_v, V)
-        b_do = load_rows(do, rows, m, HV, i_hv, o_v, V)
-        b_dd = load_rows(DD, rows, m, HV, i_hv, o_v, V)
-        b_s = tl.load(h + base_h + o_k[:, None] * V + o_v[None, :])
-        b_ds = tl.load(dh + base_h + o_k[:, None] * V + o_v[None, :])
-        b_gcs += tl.sum(b_s * b_ds, axis=1)
-        b_dp += tl.dot(b_do, tl.trans(b_d), input_precision=PREC)
-        b_dqs += tl.dot(b_do, tl.trans(b_s), input_precision=PREC)
-        b_dks += tl.dot(b_d, tl.trans(b_ds), input_precision=PREC)
-        b_dw -= tl.dot(b_dd, tl.trans(b_s), input_precision=PREC)
-    b_g = load_rows(G, rows, m, HV, i_hv, o_k, K)
-    last = tl.minimum(eos, t0 + 64) - 1
-    b_gc = tl.load(G + (last * HV + i_hv) * K + o_k)
-    b_dq = b_dqs * (scale * tl.exp(b_g))
-    b_dk = b_dks * tl.exp(b_gc[None, :] - b_g)
-    b_q = load_rows(q, rows, m, H, i_h, o_k, K)
-    b_k = load_rows(k, rows, m, H, i_h, o_k, K)
-    b_kdk = b_k * b_dk
-    b_dgam = b_q * b_dq - b_kdk
-    b_end = tl.sum(b_kdk, axis=0) + tl.exp(b_gc) * b_gcs
-    b_dgam += tl.where((rows == last)[:, None], b_end[None, :], 0.0)
-    p_k = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
-    tl.store(DQ + p_k, b_dq, mask=m[:, None])
-    tl.store(DK + p_k, b_dk, mask=m[:, None])
-    tl.store(DW + p_k, b_dw.to(DW.dtype.element_ty), mask=m[:, None])
-    tl.store(DGAM + p_k, b_dgam, mask=m[:, None])
-    if i_k == 0:
+    if i_k == K // BK:
+        b_dp = tl.zeros([64, 64], dtype=tl.float32)
+        for i_v in range(0, V // BV):
+            o_v = i_v * BV + tl.arange(0, BV)
+            b_d = load_rows(VN, rows, m, HV, i_hv, o_v, V)
+            b_do = load_rows(do, rows, m, HV, i_hv, o_v, V)
+            b_dp += tl.dot(b_do, tl.trans(b_d), input_precision=PREC)
         b_dp = tl.where((o_t[:, None] >= o_t[None, :]) & m[:, None], b_dp * scale, 0.0)
         tl.store(DP + (rows[:, None] * HV + i_hv) * 64 + o_t[None, :], b_dp, mask=m[:, None])
+    else:
+        o_k = i_k * BK + tl.arange(0, BK)
+        base_h = (i_t.to(tl.int64) * HV + i_hv) * K * V
+        b_dqs = tl.zeros([64, BK], dtype=tl.float32)
+        b_dks = tl.zeros([64, BK], dtype=tl.float32)
+        b_dw = tl.zeros([64, BK], dtype=tl.float32)
+        b_gcs = tl.zeros([BK], dtype=tl.float32)
+        for i_v in range(0, V // BV):
+            o_v = i_v * BV + tl.arange(0, BV)
+            b_d = load_rows(VN, rows, m, HV, i_hv, o_v, V)
+            b_do = load_rows(do, rows, m, HV, i_hv, o_v, V)
+            b_dd = load_rows(DD, rows, m, HV, i_hv, o_v, V)
+            b_s = tl.load(h + base_h + o_k[:, None] * V + o_v[None, :])
+            b_ds = tl.load(dh + base_h + o_k[:, None] * V + o_v[None, :])
+            b_gcs += tl.sum(b_s * b_ds, axis=1)
+            b_dqs += tl.dot(b_do, tl.trans(b_s), input_precision=PREC)
+            b_dks += tl.dot(b_d, tl.trans(b_ds), input_precision=PREC)
+            b_dw -= tl.dot(b_dd, tl.trans(b_s), input_precision=PREC)
+        # each result stored as soon as it is final, so that few [64, BK] tiles are live at once
+        p_k = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
+        tl.store(DW + p_k, b_dw.to(DW.dtype.element_ty), mask=m[:, None])
+        b_g = load_rows(G, rows, m, HV, i_hv, o_k, K)
+        last = tl.minimum(eos, t0 + 64) - 1
+        b_gc = tl.load(G + (last * HV + i_hv) * K + o_k)
+        b_dq = b_dqs * (scale * tl.exp(b_g))
+        tl.store(DQ + p_k, b_dq, mask=m[:, None])
+        b_dgam = load_rows(q, rows, m, H, i_h, o_k, K) * b_dq
+        b_dk = b_dks * tl.exp(b_gc[None, :] - b_g)
+        tl.store(DK + p_k, b_dk, mask=m[:, None])
+        b_kdk = load_rows(k, rows, m, H, i_h, o_k, K) * b_dk
+        b_end = tl.sum(b_kdk, axis=0) + tl.exp(b_gc) * b_gcs
+        b_dgam += tl.where((rows == last)[:, None], b_end[None, :], 0.0) - b_kdk
+        tl.store(DGAM + p_k, b_dgam, mask=m[:, None])
 
 
 @triton.jit
@@ -329,7 +335,7 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple
     DW = torch.empty(T, HV, K, device=dev, dtype=io)
     DGAM = torch.empty(T, HV, K, device=dev, dtype=f32)
     DP = torch.empty(T, HV, 64, device=dev, dtype=f32)
-    launch(dqk_kernel, (K // BK, ch.NT, HV), q, k, G, VN, do, h, dh, DD, DQ, DK, DW, DGAM, DP, ch.cu, ch.chunk_idx,
+    launch(dqk_kernel, (K // BK + 1, ch.NT, HV), q, k, G, VN, do, h, dh, DD, DQ, DK, DW, DGAM, DP, ch.cu, ch.chunk_idx,
            scale, H, HV, K=K, V=V, BK=BK, BV=BV, PREC=prec, name="dqk", io=io)
     del h, dh, VN
     DV = torch.empty(T, HV, V, device=dev, dtype=f32)
