@@ -10,6 +10,13 @@ functions with the most own and cumulative host time (cProfile).
 
 The inputs and the call are benchmarks/ops_gpu.py's (bf16, K = V = 128).
 
+With ``--launches`` (CUDA): the host µs of each kernel launch of one forward + backward at the
+shape, repeated back to back with a one-program grid (the host's cost does not depend on the grid,
+and the GPU keeps up): through Triton's launch path (``kernel[grid](*args, **meta)``: argument
+binding, specialisation key, cache lookup, launcher) and through the compiled kernel's launcher
+alone (arguments bound once), beside a one-argument Triton kernel, ``torch.empty`` and an in-place
+add. It says how much of a call's host time is the launch mechanism rather than gdn's own work.
+
 With ``--cpu-stub`` (no GPU needed) the same calls take the Triton path on CPU tensors with every
 kernel launch replaced by a no-op: what is left is gdn's own host work per call (argument checks,
 chunk layout, tile and pass choices, allocations), without Triton's launch path or the CUDA
@@ -96,6 +103,75 @@ def top(fn, k: int) -> str:
     return s.getvalue()
 
 
+def per_launch_us(fn, n: int) -> float:
+    """Host µs per ``fn()`` over ``n`` back-to-back calls, best of three rounds, synchronised after."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return best / n * 1e6
+
+
+def launch_table(B: int, T: int, H: int, HV: int, n: int = 300) -> None:
+    """Print, for every launch of one forward + backward at (B, T, H, HV, D) bf16 (as recorded by
+    :func:`gdn.ops.triton.launch.recording`; a pass with several pipeline candidates records each),
+    the host µs per launch through Triton's path and through the compiled kernel's launcher."""
+    import triton  # noqa: PLC0415
+    import triton.language as tl  # noqa: PLC0415
+
+    from gdn.ops.delta.triton import chunk, chunk_bwd  # noqa: PLC0415
+    from gdn.ops.triton import common  # noqa: PLC0415
+    from gdn.ops.triton import launch as launcher  # noqa: PLC0415
+
+    @triton.jit
+    def one_arg(x):
+        tl.store(x, 1.0)
+
+    dev = torch.device("cuda")
+    q = torch.randn(B * T, H, D, device=dev, dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn(B * T, HV, D, device=dev, dtype=torch.bfloat16)
+    g = -torch.rand(B * T, HV, device=dev)
+    beta = torch.rand(B * T, HV, device=dev)
+    ch = common.make_chunks(B, T, None, dev)
+    scale = D ** -0.5
+    _, _, ai, gam = chunk._forward(q, k, v, g, beta, None, ch, False, scale, q.dtype)  # compiled and run once
+    chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, scale, ai, q.dtype, gam)
+    torch.cuda.synchronize()
+    with launcher.recording() as launches:
+        _, _, ai, gam = chunk._forward(q, k, v, g, beta, None, ch, False, scale, q.dtype)
+        chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, scale, ai, q.dtype, gam)
+    stream = torch.cuda.current_stream().cuda_stream
+    x = torch.zeros(1, device=dev)
+    rows = [("one-argument kernel", 1, per_launch_us(lambda: one_arg[(1,)](x), n), None),
+            ("torch.empty(1 MB)", 0, per_launch_us(lambda: torch.empty(1 << 18, device=dev), n), None),
+            ("x.add_(1)", 0, per_launch_us(lambda: x.add_(1), n), None)]
+    for kernel, _, args, meta in launches:
+        def via_triton(kernel=kernel, args=args, meta=meta):
+            kernel[(1,)](*args, **meta)
+
+        ck = kernel[(1,)](*args, **meta)  # the compiled kernel (compiled on the recording's first run)
+        bound, _, _ = kernel.device_caches[torch.cuda.current_device()][4](*args, **meta)
+        vals = tuple(bound.values())
+
+        def direct(ck=ck, vals=vals):
+            ck.run(1, 1, 1, stream, ck.function, ck.packed_metadata, None, None, None, *vals)
+
+        label = f"{kernel.fn.__name__} (stages {meta.get('num_stages')})"
+        rows.append((label, len(args), per_launch_us(via_triton, n), per_launch_us(direct, n)))
+    print(f"\nhost µs per launch, {n} back to back, best of 3 (one-program grids), "
+          f"at ({B}, {T}, H={H}, HV={HV}, {D}) bf16; {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {triton.__version__}")
+    print("| launch | run-time args | Triton's path µs | compiled kernel's launcher µs |")
+    print("|---|---:|---:|---:|")
+    for label, nargs, t, d in rows:
+        print(f"| {label} | {nargs} | {t:.1f} | {'' if d is None else f'{d:.1f}'} |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="8x2048", help="BxT")
@@ -103,7 +179,15 @@ def main(argv=None) -> int:
     p.add_argument("--hv", type=int, default=16)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--cpu-stub", action="store_true", help="CPU tensors, kernel launches as no-ops: gdn's own host time")
+    p.add_argument("--launches", action="store_true",
+                   help="(CUDA) host µs per kernel launch, Triton's path against the compiled kernel's launcher")
     a = p.parse_args(argv)
+    if a.launches:
+        if a.cpu_stub or not torch.cuda.is_available():
+            p.error("--launches needs CUDA (and no --cpu-stub)")
+        B, T = (int(x) for x in a.shape.lower().split("x"))
+        launch_table(B, T, a.heads, a.hv)
+        return 0
     if a.cpu_stub:
         stub_launches()
     B, T = (int(x) for x in a.shape.lower().split("x"))
