@@ -267,8 +267,12 @@ def forward_only(f):
     return run
 
 
-def forward_backward(f, do):
+def forward_backward(f, do, leaves=()):
+    """One forward + backward of ``f``; the gradients of ``leaves`` dropped first (as the timings
+    do), so no call adds into the previous call's gradients."""
     def run():
+        for x in leaves:
+            x.grad = None
         f().backward(do)
     return run
 
@@ -605,7 +609,7 @@ def profile(shapes, impls, dtype):
         for impl in impls:
             f = impl_fn(impl, x, cu, "cuda", False)
             kernel_times(forward_only(f), f"{impl} at {name}, forward")
-            kernel_times(forward_backward(f, do), f"{impl} at {name}, forward+backward")
+            kernel_times(forward_backward(f, do, x.values()), f"{impl} at {name}, forward+backward")
         del x, do
         torch.cuda.empty_cache()
 
