@@ -82,7 +82,7 @@ def record_kda(B, T, H, HV, K, V=None, dtype=torch.bfloat16):
     g, beta = torch.zeros(B * T, HV, K), torch.empty(B * T, HV)
     ch = common.make_chunks(B, T, None, torch.device("cpu"))
     with launcher.recording() as launches:
-        kda_chunk.dry_run(q, k, v, g, beta, None, ch, True, K ** -0.5)
+        kda_chunk.dry_run(q, k, v, g, beta, None, ch, True, K ** -0.5, dtype if HV == H else torch.float32)
     return launches
 
 

@@ -194,6 +194,28 @@ def test_gradients_without_final_state_and_state():
         assert rel_err(got[n].grad, ref[n].grad) < TOL[torch.float32], n
 
 
+def test_half_gradients_come_out_of_the_kernels_rounded_once():
+    """With one value head per key head and half inputs, the backward writes dq, dk and dv in the
+    inputs' dtype from the kernels that finish them: each equals the fp32 result rounded once, so
+    the caller casts nothing."""
+    from gdn.ops.kda.triton import chunk_bwd, chunk_fwd  # noqa: PLC0415
+
+    d = kda_inputs(1, 130, 2, 2, 32, 32, dtype=torch.float16, seed=3)
+    q, k, v = (d[n].reshape(130, 2, 32) for n in ("q", "k", "v"))
+    g, beta = d["g"].float().reshape(130, 2, 32), d["beta"].float().reshape(130, 2)
+    ch = common.make_chunks(1, 130, None, q.device)
+    G = chunk_fwd.gamma(g, ch)
+    do = torch.randn(130, 2, 32, generator=torch.Generator().manual_seed(4)).half()
+    wide = chunk_bwd.backward(q, k, v, G, beta, None, do, None, ch, 32 ** -0.5)
+    half = chunk_bwd.backward(q, k, v, G, beta, None, do, None, ch, 32 ** -0.5, grad_dtype=torch.float16)
+    for name, w, h in zip(("dq", "dk", "dv"), wide[:3], half[:3]):
+        assert w.dtype == torch.float32 and h.dtype == torch.float16, name
+        assert w.abs().max() > 0, name
+        assert torch.equal(h, w.half()), name
+    for w, h in zip(wide[3:5], half[3:5]):
+        assert torch.equal(w, h)
+
+
 def test_rejects_head_dims_beyond_256():
     d = kda_inputs(1, 2, 1, 1, 16, 264, dtype=torch.float32)
     with pytest.raises(ValueError, match="V <= 256"):

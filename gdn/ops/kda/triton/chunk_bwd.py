@@ -223,11 +223,13 @@ def _pair_block(X_, r_i, m_i, col0, HV, i_hv):
 
 
 @triton.jit(do_not_specialize=["T"])
-def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, cu, chunk_idx, T, H, HV,
+def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu, chunk_idx, T, H, HV,
                      K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, SPAN: tl.constexpr):
     """Per chunk, value head and K tile: the gradients through P and A (see the module docstring),
-    added to DQ, DK and dγ, this K tile's part of dβ into DBK [NK, T, HV], then dg = the reverse
-    in-chunk cumsum of dγ into DG. Row blocks are visited last first, carrying the cumsum."""
+    added to the fp32 partial DQ, DK and dγ, the final dq and dk stored into DQO, DKO (in their
+    own dtype; they may be DQ and DK themselves), this K tile's part of dβ into DBK [NK, T, HV],
+    then dg = the reverse in-chunk cumsum of dγ into DG. Row blocks are visited last first,
+    carrying the cumsum."""
     i_k, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
@@ -296,8 +298,10 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, cu, chunk_idx
         b_rb = b_r * b_i[:, None]
         b_dkc = b_dkp + b_dka
         p_k = (r_i[:, None] * HV + i_hv) * K + o_k[None, :]
-        tl.store(DQ + p_k, tl.load(DQ + p_k, mask=m_i[:, None], other=0.0) + b_dq, mask=m_i[:, None])
-        tl.store(DK + p_k, tl.load(DK + p_k, mask=m_i[:, None], other=0.0) + b_rb + b_dkc, mask=m_i[:, None])
+        b_dqf = tl.load(DQ + p_k, mask=m_i[:, None], other=0.0) + b_dq
+        tl.store(DQO + p_k, b_dqf.to(DQO.dtype.element_ty), mask=m_i[:, None])
+        b_dkf = tl.load(DK + p_k, mask=m_i[:, None], other=0.0) + b_rb + b_dkc
+        tl.store(DKO + p_k, b_dkf.to(DKO.dtype.element_ty), mask=m_i[:, None])
         b_dgam = tl.load(DGAM + p_k, mask=m_i[:, None], other=0.0) + q_i * b_dq + k_i * (b_rb - b_dkc)
         tl.store(DG + p_k, tl.cumsum(b_dgam, axis=0, reverse=True) + carry[None, :], mask=m_i[:, None])
         carry += tl.sum(b_dgam, axis=0)
@@ -305,12 +309,14 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, cu, chunk_idx
         I -= 1
 
 
-def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple | None = None):
+def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple | None = None,
+             grad_dtype=torch.float32):
     """Gradients of the chunk KDA. Packed, padded shapes: q, k [T, H, K]; v, do [T, HV, V] (one
     dtype); G [T, HV, K] fp32 (the forward's γ); beta [T, HV] fp32; h0, dht [N, HV, K, V] fp32 or
     None; kkt: the forward's (Ai, P), else recomputed. Returns (dq [T, HV, K], dk [T, HV, K],
-    dv [T, HV, V], dg [T, HV, K], dbeta [T, HV], dh0 [N, HV, K, V] or None), all fp32; dq and dk per
-    value head."""
+    dv [T, HV, V], dg [T, HV, K], dbeta [T, HV], dh0 [N, HV, K, V] or None): dq, dk and dv in
+    ``grad_dtype`` (each accumulated in fp32 and rounded once, by the kernel that finishes it), the
+    rest fp32; dq and dk per value head (the caller sums each group, so it asks for fp32 then)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     prec, DT, io, dev, f32 = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype, v.device, torch.float32
@@ -338,7 +344,7 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple
     launch(dqk_kernel, (K // BK + 1, ch.NT, HV), q, k, G, VN, do, h, dh, DD, DQ, DK, DW, DGAM, DP, ch.cu, ch.chunk_idx,
            scale, H, HV, K=K, V=V, BK=BK, BV=BV, PREC=prec, name="dqk", io=io)
     del h, dh, VN
-    DV = torch.empty(T, HV, V, device=dev, dtype=f32)
+    DV = torch.empty(T, HV, V, device=dev, dtype=grad_dtype)
     DB = torch.empty(T, HV, device=dev, dtype=f32)
     DA = torch.empty(T, HV, 64, device=dev, dtype=f32)
     launch(wy_bwd_kernel, (ch.NT, HV), k, v, G, beta, Ai, DD, DW, DK, DGAM, DV, DB, DA, ch.cu, ch.chunk_idx, H, HV,
@@ -348,8 +354,11 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple
     BK = ktile("intra_bwd", K, io)
     DG = torch.empty(T, HV, K, device=dev, dtype=f32)
     DBK = torch.empty(K // BK, T, HV, device=dev, dtype=f32)
+    # dq and dk are final after intra_bwd, which rounds them once into the outputs' dtype
+    DQO, DKO = (DQ, DK) if grad_dtype == f32 else (torch.empty_like(DQ, dtype=grad_dtype),
+                                                   torch.empty_like(DK, dtype=grad_dtype))
     # the pair sums take fp32 operands (by default 3-pass tf32 on the GPU): dP and dA feed dg directly
-    launch(intra_bwd_kernel, (K // BK, ch.NT, HV), q, k, G, beta, DP, DA, DQ, DK, DGAM, DG, DBK, ch.cu,
+    launch(intra_bwd_kernel, (K // BK, ch.NT, HV), q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, ch.cu,
            ch.chunk_idx, T, H, HV, K=K, BK=BK, PREC=entry("intra_bwd", io)["PREC"], SPAN=SPAN, name="intra_bwd",
            io=io)
-    return DQ, DK, DV, DG, DB + DBK.sum(0), dh0
+    return DQO, DKO, DV, DG, DB + DBK.sum(0), dh0
