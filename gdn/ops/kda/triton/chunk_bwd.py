@@ -229,7 +229,13 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu,
     added to the fp32 partial DQ, DK and dγ, the final dq and dk stored into DQO, DKO (in their
     own dtype; they may be DQ and DK themselves), this K tile's part of dβ into DBK [NK, T, HV],
     then dg = the reverse in-chunk cumsum of dγ into DG. Row blocks are visited last first,
-    carrying the cumsum."""
+    carrying the cumsum.
+
+    Each off-diagonal pair of blocks (I, J < I) is visited once, in block I's turn, through I's
+    reference row: its row side (dq and r of rows I) is summed in registers, its column side (dk
+    of rows J through P and A, and that term's share of dγ) is added into DK and DGAM at rows J,
+    which block J's own turn, later, reads back. Both sides share the pair blocks dP_IJ, dA_IJ,
+    the column factor exp(γ_r − γ_J) and the row factor exp(γ_I − γ_r) (each ≤ 1)."""
     i_k, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
@@ -266,35 +272,32 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu,
             b_r = tl.dot(dA_ii, k_i * f_j, input_precision=PREC) * e_i
             b_dkp = tl.dot(tl.trans(dP_ii), q_i * e_i, input_precision=PREC) * f_j
             b_dka = tl.dot(tl.trans(dA_ii * b_i[:, None]), k_i * e_i, input_precision=PREC) * f_j
-        # earlier column blocks J < I, through the same reference row
+        # earlier column blocks J < I, through the same reference row: the row side here, the
+        # column side (rows J's dk and its dγ term) added into DK and DGAM for block J's turn
         acc_q = tl.zeros([16, BK], dtype=tl.float32)
         acc_r = tl.zeros([16, BK], dtype=tl.float32)
+        qe_i = q_i * e_i
+        ke_i = k_i * e_i
         J = 0
         while J < I:
             r_j = t0 + J * 16 + o
             m_j = r_j < eos
-            k_j = load_rows(k, r_j, m_j, H, i_h, o_k, K) * before_ref(load_rows(G, r_j, m_j, HV, i_hv, o_k, K), g_r)
-            acc_q += tl.dot(_pair_block(DP, r_i, m_i, J * 16, HV, i_hv), k_j, input_precision=PREC)
-            acc_r += tl.dot(_pair_block(DA, r_i, m_i, J * 16, HV, i_hv), k_j, input_precision=PREC)
+            k_raw = load_rows(k, r_j, m_j, H, i_h, o_k, K)
+            f_j = before_ref(load_rows(G, r_j, m_j, HV, i_hv, o_k, K), g_r)
+            dP_ij = _pair_block(DP, r_i, m_i, J * 16, HV, i_hv)
+            dA_ij = _pair_block(DA, r_i, m_i, J * 16, HV, i_hv)
+            k_j = k_raw * f_j
+            acc_q += tl.dot(dP_ij, k_j, input_precision=PREC)
+            acc_r += tl.dot(dA_ij, k_j, input_precision=PREC)
+            dkc_j = (tl.dot(tl.trans(dP_ij), qe_i, input_precision=PREC)
+                     + tl.dot(tl.trans(dA_ij * b_i[:, None]), ke_i, input_precision=PREC)) * f_j
+            p_j = (r_j[:, None] * HV + i_hv) * K + o_k[None, :]
+            tl.store(DK + p_j, tl.load(DK + p_j, mask=m_j[:, None], other=0.0) + dkc_j, mask=m_j[:, None])
+            tl.store(DGAM + p_j, tl.load(DGAM + p_j, mask=m_j[:, None], other=0.0) - k_raw * dkc_j,
+                     mask=m_j[:, None])
             J += 1
         b_dq += acc_q * e_i
         b_r += acc_r * e_i
-        # later row blocks L > I, each through its own first row
-        L = I + 1
-        while L < 4:
-            r_l = t0 + L * 16 + o
-            m_l = r_l < eos
-            g_rl = ref_row(G, t0 + L * 16, eos, HV, i_hv, o_k, K)
-            e_l = after_ref(load_rows(G, r_l, m_l, HV, i_hv, o_k, K), g_rl, m_l)
-            b_l = tl.load(beta + r_l * HV + i_hv, mask=m_l, other=0.0)
-            q_l = load_rows(q, r_l, m_l, H, i_h, o_k, K) * e_l
-            k_l = load_rows(k, r_l, m_l, H, i_h, o_k, K) * e_l
-            f_j = before_ref(g_i, g_rl)
-            dP_li = _pair_block(DP, r_l, m_l, I * 16, HV, i_hv)
-            dA_li = _pair_block(DA, r_l, m_l, I * 16, HV, i_hv) * b_l[:, None]
-            b_dkp += tl.dot(tl.trans(dP_li), q_l, input_precision=PREC) * f_j
-            b_dka += tl.dot(tl.trans(dA_li), k_l, input_precision=PREC) * f_j
-            L += 1
         b_rb = b_r * b_i[:, None]
         b_dkc = b_dkp + b_dka
         p_k = (r_i[:, None] * HV + i_hv) * K + o_k[None, :]
@@ -306,6 +309,7 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu,
         tl.store(DG + p_k, tl.cumsum(b_dgam, axis=0, reverse=True) + carry[None, :], mask=m_i[:, None])
         carry += tl.sum(b_dgam, axis=0)
         tl.store(DBK + (i_k.to(tl.int64) * T + r_i) * HV + i_hv, tl.sum(k_i * b_r, axis=1), mask=m_i)
+        tl.debug_barrier()  # block I − 1's rows of DK and DGAM, written above by other threads, are read next
         I -= 1
 
 
