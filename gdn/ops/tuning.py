@@ -63,7 +63,7 @@ DELTA = {
     # state_fwd's.
     # TMA: q, k, v and T⁻¹ read by bulk tensor copies (descriptors) instead of per-thread loads.
     "state_out": dict(num_warps=4, stages=(2,), waves=True, SV=4096, fill=1.5, BV_min=32, from_inverse=True,
-                      TMA=False),
+                      TMA=False, pairs_from_kkt=False),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
     # Pipelined loops over value/key blocks, GPU µs at (4, 8192, 16, 128): dv_local 170 → 158 with
     # three stages, dqk 920 → 742 with two (→ 700 with three at 1 × 32768), wy_bwd 599 → 569 with three.

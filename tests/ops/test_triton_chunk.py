@@ -237,6 +237,64 @@ def test_state_passes_with_tensor_descriptors(member, dtype, fill, monkeypatch):
 
 
 @pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("tma", [False, True], ids=["loads", "descriptors"])
+def test_fused_forward_reads_kkt_solves_pairs(member, dtype, tma, monkeypatch):
+    """``pairs_from_kkt``: kkt_solve also stores each chunk's Q Kᵀ ⊙ D (lower, diagonal kept, the
+    decays exp(γ_i − γ_j)) and the fused pass reads it instead of forming it per value tile; packed
+    with an empty, a one-token and a partial sequence, grouped value heads, an initial state,
+    against the float64 recurrence, with plain loads and with tensor descriptors."""
+    from gdn.ops.delta.triton import chunk_fwd
+
+    monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=0, pairs_from_kkt=True,
+                                                        TMA=tma))
+    seen = []
+
+    def spy(launch):
+        def run(kernel, grid, *args, **meta):
+            if kernel is chunk_fwd.kkt_solve_kernel:
+                seen.append(("kkt_solve", meta["STORE_P"]))
+            if kernel is chunk_fwd.state_out_kernel:
+                seen.append(("state_out", meta["PRE_P"], meta["TMA"]))
+            return launch(kernel, grid, *args, **meta)
+        return run
+
+    monkeypatch.setattr(chunk_fwd, "launch", spy(chunk_fwd.launch))
+    errs = _run_both(member, B=1, T=194, H=1, HV=2, K=32, V=64, dtype=dtype, lens=[65, 1, 0, 128], seed=17)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, bad
+    # the forward's kkt_solve stores the pairs and the fused pass reads them; the backward's
+    # recompute (its own kkt_solve is not run: the forward's inverse is reused) is unchanged
+    assert ("kkt_solve", True) in seen and ("state_out", True, tma) in seen, seen
+
+
+def test_kkt_solve_pairs_are_the_gated_lower_qk():
+    """kkt_solve's pair matrix against its definition, P_ij = (q_i·k_j) exp(γ_i − γ_j) for j ≤ i
+    (0 above the diagonal and on rows past the sequence), at a partial chunk."""
+    from gdn.ops.delta.triton import chunk_fwd
+
+    T, H, HV, K = 100, 1, 2, 32
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(T, H, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(T, H, K, generator=gen), dim=-1)
+    v = torch.randn(T, HV, 16, generator=gen)
+    g = -torch.rand(T, HV, generator=gen)
+    beta = torch.rand(T, HV, generator=gen)
+    ch = common.make_chunks(1, T, None, q.device)
+    P = torch.full((T, HV, 64), float("nan"))
+    chunk_fwd.prepare(k, v, g, beta, ch, wu=False, q=q, pairs_out=P)
+    for t0 in (0, 64):
+        n = min(64, T - t0)
+        gam = g[t0:t0 + n].cumsum(0)  # [n, HV]
+        for hv in range(HV):
+            qk = q[t0:t0 + n, hv // (HV // H)] @ k[t0:t0 + n, hv // (HV // H)].T
+            want = torch.tril(qk * torch.exp(gam[:, None, hv] - gam[None, :, hv]).tril())
+            got = P[t0:t0 + n, hv, :n]
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (t0, hv, (got - want).abs().max())
+            assert torch.all(P[t0:t0 + n, hv, n:] == 0)
+
+
+@pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule"])
 def test_split_forward_from_inverse(member, monkeypatch):
     """The two-stage forward's split state pass (segments of one chunk: the augmented first phase
     forms δ from T⁻¹ too, its transition columns reading zero values) with ``from_inverse``."""

@@ -44,12 +44,29 @@ def _block_a(Aij, b_i, gi, gj, DIAG: tl.constexpr, USE_G: tl.constexpr):
 
 
 @triton.jit
-def kkt_solve_kernel(k, g, beta, Ai, G, cu, chunk_idx, H, HV, K: tl.constexpr,
+def _block_p(Pij, gi, gj, DIAG: tl.constexpr, USE_G: tl.constexpr):
+    """Scale the raw block Q_i K_jᵀ into P_ij = (q_i·k_j) exp(γ_i − γ_j) (j ≤ i: lower, diagonal kept)."""
+    o = tl.arange(0, 16)
+    if USE_G:
+        if DIAG:
+            Pij = Pij * tl.exp(tl.where(o[:, None] >= o[None, :], gi[:, None] - gj[None, :], float("-inf")))
+        else:
+            Pij = Pij * tl.exp(gi[:, None] - gj[None, :])
+    elif DIAG:
+        Pij = tl.where(o[:, None] >= o[None, :], Pij, 0.0)
+    return Pij
+
+
+@triton.jit
+def kkt_solve_kernel(k, g, beta, Ai, G, q, P, cu, chunk_idx, H, HV, K: tl.constexpr,
                      BK: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr, INV: tl.constexpr,
-                     STORE_G: tl.constexpr):
+                     STORE_G: tl.constexpr, STORE_P: tl.constexpr = False):
     """Ai[t, hv, :] = rows of T = (I + A)⁻¹ for each chunk, built from four 16-row blocks. With
     STORE_G, also G[t, hv] = γ, the in-chunk cumulative log decay this kernel forms anyway (the
-    sequential passes read it, so the call needs no cumsum kernel)."""
+    sequential passes read it, so the call needs no cumsum kernel). With STORE_P, also
+    P[t, hv, :] = rows of (Q Kᵀ ⊙ D) with D_ij = exp(γ_i − γ_j) for j ≤ i, else 0: the output's
+    in-chunk pair matrix, made here from the same K tiles and γ instead of once per value tile
+    in the fused forward pass."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
@@ -84,6 +101,7 @@ def kkt_solve_kernel(k, g, beta, Ai, G, cu, chunk_idx, H, HV, K: tl.constexpr,
             tl.store(G + r3 * HV + i_hv, g3, mask=m3)
     z = tl.zeros([16, 16], dtype=tl.float32)
     A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = z, z, z, z, z, z, z, z, z, z
+    P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = z, z, z, z, z, z, z, z, z, z
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         mk = o_k < K
@@ -101,6 +119,28 @@ def kkt_solve_kernel(k, g, beta, Ai, G, cu, chunk_idx, H, HV, K: tl.constexpr,
         A31 += tl.dot(k3, tl.trans(k1), input_precision=PREC)
         A32 += tl.dot(k3, tl.trans(k2), input_precision=PREC)
         A33 += tl.dot(k3, tl.trans(k3), input_precision=PREC)
+        if STORE_P:
+            q0 = tl.load(q + (r0[:, None] * H + i_h) * K + o_k[None, :], mask=m0[:, None] & mk[None, :], other=0.0)
+            q1 = tl.load(q + (r1[:, None] * H + i_h) * K + o_k[None, :], mask=m1[:, None] & mk[None, :], other=0.0)
+            q2 = tl.load(q + (r2[:, None] * H + i_h) * K + o_k[None, :], mask=m2[:, None] & mk[None, :], other=0.0)
+            q3 = tl.load(q + (r3[:, None] * H + i_h) * K + o_k[None, :], mask=m3[:, None] & mk[None, :], other=0.0)
+            P00 += tl.dot(q0, tl.trans(k0), input_precision=PREC)
+            P10 += tl.dot(q1, tl.trans(k0), input_precision=PREC)
+            P11 += tl.dot(q1, tl.trans(k1), input_precision=PREC)
+            P20 += tl.dot(q2, tl.trans(k0), input_precision=PREC)
+            P21 += tl.dot(q2, tl.trans(k1), input_precision=PREC)
+            P22 += tl.dot(q2, tl.trans(k2), input_precision=PREC)
+            P30 += tl.dot(q3, tl.trans(k0), input_precision=PREC)
+            P31 += tl.dot(q3, tl.trans(k1), input_precision=PREC)
+            P32 += tl.dot(q3, tl.trans(k2), input_precision=PREC)
+            P33 += tl.dot(q3, tl.trans(k3), input_precision=PREC)
+    if STORE_P:  # stored before the solve, whose blocks then have the registers
+        store_blocks(P, _block_p(P00, g0, g0, True, USE_G), _block_p(P10, g1, g0, False, USE_G),
+                     _block_p(P11, g1, g1, True, USE_G), _block_p(P20, g2, g0, False, USE_G),
+                     _block_p(P21, g2, g1, False, USE_G), _block_p(P22, g2, g2, True, USE_G),
+                     _block_p(P30, g3, g0, False, USE_G), _block_p(P31, g3, g1, False, USE_G),
+                     _block_p(P32, g3, g2, False, USE_G), _block_p(P33, g3, g3, True, USE_G),
+                     r0, r1, r2, r3, m0, m1, m2, m3, HV, i_hv)
     A00 = _block_a(A00, b0, g0, g0, True, USE_G)
     A11 = _block_a(A11, b1, g1, g1, True, USE_G)
     A22 = _block_a(A22, b2, g2, g2, True, USE_G)
@@ -426,16 +466,17 @@ def output_kernel(q, k, v, g, h, VN, o, cu, chunk_idx, scale, H, HV,
 
 
 @triton.jit
-def _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
+def _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, PQ, o, bos, eos, scale, i_hv, i_h, o_t, o_k, o_v,
                     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                    FROM_INV: tl.constexpr, TMA: tl.constexpr = False, v0=0):
+                    FROM_INV: tl.constexpr, TMA: tl.constexpr = False, v0=0, PRE_P: tl.constexpr = False):
     """One chunk of the fused forward pass: its output rows from the entering state, then the next
     state. The same arithmetic as ``_state_fwd_step`` followed by ``output_kernel`` (S and δ rounded
     to DT where those kernels store them), without S or δ leaving the chip. ``FROM_INV`` (delta
     members only): δ from T and V (:func:`_delta_from_inverse`) instead of W and U. ``TMA``: q, k
-    (and with ``FROM_INV`` v and Ai) are tensor descriptors (:func:`_block`); ``v0`` is the value
-    tile's first column."""
+    (and with ``FROM_INV`` v and Ai, with ``PRE_P`` PQ) are tensor descriptors (:func:`_block`); ``v0``
+    is the value tile's first column. ``PRE_P``: the pair matrix Q Kᵀ ⊙ D is read from PQ
+    [T, HV, BT] (kkt_solve's, in DT) instead of formed here."""
     row0 = bos + i_c * BT
     rows = row0 + o_t
     m = rows < eos
@@ -467,16 +508,24 @@ def _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_
         # there and T is lower triangular), and their o rows are not stored
         b_d = tl.where(m[:, None], b_d, tl.zeros_like(b_d))
     b_o = tl.dot(b_q, b_sd, input_precision=PREC)
-    b_p = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
     if USE_G:  # g holds the in-chunk cumulative decay γ here (chunk_cumsum)
         if not FROM_INV:
             cs = bos + i_c * BT
             b_gam, b_gc = gate_load(g, rows, m, HV, i_hv, tl.minimum(eos, cs + BT) - 1, cs < eos)
         b_o = b_o * tl.exp(b_gam)[:, None]
-        b_p = b_p * tl.exp(tl.where(o_t[:, None] >= o_t[None, :], b_gam[:, None] - b_gam[None, :], float("-inf")))
+    if PRE_P:
+        if TMA:
+            b_p = _block(PQ, row0, i_hv * BT)
+        else:
+            b_p = tl.load(PQ + (rows[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
     else:
-        b_p = tl.where(o_t[:, None] >= o_t[None, :], b_p, 0.0)
-    b_o = scale * (b_o + tl.dot(b_p.to(DT), b_d, input_precision=PREC))
+        b_p = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        if USE_G:
+            b_p = b_p * tl.exp(tl.where(o_t[:, None] >= o_t[None, :], b_gam[:, None] - b_gam[None, :], float("-inf")))
+        else:
+            b_p = tl.where(o_t[:, None] >= o_t[None, :], b_p, 0.0)
+        b_p = b_p.to(DT)
+    b_o = scale * (b_o + tl.dot(b_p, b_d, input_precision=PREC))
     tl.store(o + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=mv)
     if USE_G:
         b_d = (b_d.to(tl.float32) * tl.exp(b_gc - b_gam)[:, None]).to(DT)
@@ -485,18 +534,19 @@ def _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_
 
 
 @triton.jit
-def state_out_kernel(q, k, v, g, W, U, Ai, beta, h0, o, ht, cu, scale, H, HV,
+def state_out_kernel(q, k, v, g, W, U, Ai, beta, PQ, h0, o, ht, cu, scale, H, HV,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, FROM_INV: tl.constexpr = False,
-                     TMA: tl.constexpr = False):
+                     TMA: tl.constexpr = False, PRE_P: tl.constexpr = False):
     """The forward's sequential pass with the output fused in, for one sequence, value head and V
     tile: per chunk, O = scale · (diag(Γ) Q S + (Q Kᵀ ⊙ D) δ) from the entering state S, then
     S ← Γ_C S + K̃ᵀ δ. Neither the per-chunk states nor δ are stored (the backward recomputes them);
     o [T, HV, V], the final state in ht [N, HV, K, V]. Runs the sequence's own chunk count of steps
     (as :func:`state_fwd_kernel`). δ = U − W S, or with ``FROM_INV`` T diag(β)(V − diag(Γ) K S)
     from the in-chunk inverse Ai [T, HV, BT], v and beta (W and U are not read). ``TMA``: q, k, v
-    and Ai come as tensor descriptors of their [T, heads × width] views (:func:`_block`)."""
+    and Ai come as tensor descriptors of their [T, heads × width] views (:func:`_block`). ``PRE_P``:
+    the pair matrix is read from PQ [T, HV, BT] (kkt_solve's) instead of formed per value tile."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -515,23 +565,25 @@ def state_out_kernel(q, k, v, g, W, U, Ai, beta, h0, o, ht, cu, scale, H, HV,
     if WHILE:
         i_c = 0
         while i_c < nc:
-            b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_hv, i_h, o_t, o_k,
-                                  o_v, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, FROM_INV, TMA, i_v * BV)
+            b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, PQ, o, bos, eos, scale, i_hv, i_h, o_t, o_k,
+                                  o_v, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, FROM_INV, TMA, i_v * BV, PRE_P)
             i_c += 1
     else:
         for i_c in range(0, nc):
-            b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, o, bos, eos, scale, i_hv, i_h, o_t, o_k,
-                                  o_v, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, FROM_INV, TMA, i_v * BV)
+            b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, PQ, o, bos, eos, scale, i_hv, i_h, o_t, o_k,
+                                  o_v, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, FROM_INV, TMA, i_v * BV, PRE_P)
     if STORE_FINAL:
         tl.store(ht + p_s, b_s, mask=mkv)
 
 
-def prepare(k, v, g, beta, ch: Chunks, Ai=None, wu: bool = True, gamma_out=None):
+def prepare(k, v, g, beta, ch: Chunks, Ai=None, wu: bool = True, gamma_out=None, q=None, pairs_out=None):
     """The per-chunk factors of a delta member: (Ai [T, HV, BT] = T⁻¹ rows, W [T, HV, K], U [T, HV, V]),
     in the inputs' dtype; (None, None, None) without the delta term. ``Ai``, when given (the
     backward passes the forward's), is used instead of being computed again. Without ``wu`` only
     Ai is made (W and U None): for the state passes that form δ from T (``FROM_INV``).
-    ``gamma_out`` [T, HV] fp32: filled with γ by the inverse's kernel (gated members, Ai not given)."""
+    ``gamma_out`` [T, HV] fp32: filled with γ by the inverse's kernel (gated members, Ai not given).
+    ``pairs_out`` [T, HV, BT] in the inputs' dtype (with ``q``; Ai not given): filled with the rows of
+    each chunk's Q Kᵀ ⊙ D by the same kernel."""
     if beta is None:
         return None, None, None
     T, H, K = k.shape
@@ -542,9 +594,12 @@ def prepare(k, v, g, beta, ch: Chunks, Ai=None, wu: bool = True, gamma_out=None)
         Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
         BK, _ = tiles("kkt_solve", K, V)
         store_g = g is not None and gamma_out is not None
-        launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, gamma_out if store_g else gp, ch.cu, ch.chunk_idx,
+        store_p = pairs_out is not None
+        launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, gamma_out if store_g else gp,
+               q if store_p else k, pairs_out if store_p else Ai, ch.cu, ch.chunk_idx,
                H=H, HV=HV, K=K, BK=BK, USE_G=g is not None, PREC=prec,
-               INV=DELTA["kkt_solve"]["INV"] if DT != tl.float32 else "ieee", STORE_G=store_g, name="kkt_solve")
+               INV=DELTA["kkt_solve"]["INV"] if DT != tl.float32 else "ieee", STORE_G=store_g, STORE_P=store_p,
+               name="kkt_solve")
     if not wu:
         return Ai, None, None
     W = torch.empty(T, HV, K, device=dev, dtype=io)
@@ -593,21 +648,26 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     dev = v.device
     from_inv = beta is not None and DELTA["state_out"].get("from_inverse", False)
     G = _gamma_buffer(g, beta, None)
-    Ai, W, U = prepare(k, v, g, beta, ch, wu=not from_inv, gamma_out=G)
+    # the pair matrix Q Kᵀ ⊙ D from kkt_solve (delta members, which run it) instead of per value tile
+    pairs = torch.empty(T, HV, BT, device=dev, dtype=v.dtype) if (
+        beta is not None and DELTA["state_out"].get("pairs_from_kkt", False)) else None
+    Ai, W, U = prepare(k, v, g, beta, ch, wu=not from_inv, gamma_out=G, q=q, pairs_out=pairs)
     o = torch.empty(T, HV, V, device=dev, dtype=out_dtype)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SK, SV = state_tile("state_out", ch, HV, K, V, dev)
     G = gamma_of(g, ch, G)
     gp = G if G is not None else v
     # the δ-from-inverse pass may read q, k, v and T⁻¹ through tensor descriptors
-    tma, (qa, ka, va, aa) = (tile_reads("state_out", (q, K), (k, K), (v, SV), (Ai, BT)) if from_inv
-                             else (False, (q, k, v, v)))
+    reads = ((q, K), (k, K), (v, SV), (Ai, BT)) + (((pairs, BT),) if pairs is not None else ())
+    tma, tiles_ = tile_reads("state_out", *reads) if from_inv else (False, (q, k, v, v, pairs))
+    qa, ka, va, aa = tiles_[:4]
+    pa = tiles_[4] if pairs is not None else v
     launch(state_out_kernel, (cdiv(V, SV), ch.N * HV), qa, ka, va, gp, W if W is not None else v,
-           U if U is not None else v, aa, beta if from_inv else v,
+           U if U is not None else v, aa, beta if from_inv else v, pa,
            h0 if h0 is not None else v, o, ht if want_final else v, ch.cu,
            scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=beta is not None,
            USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=dot_precision(v.dtype), DT=tl_dtype(v.dtype),
-           WHILE=INTERPRET, FROM_INV=from_inv, TMA=tma, name="state_out")
+           WHILE=INTERPRET, FROM_INV=from_inv, TMA=tma, PRE_P=pairs is not None, name="state_out")
     return o, ht, Ai, G
 
 
