@@ -36,6 +36,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3 if cuda else 1, help="untimed steps first")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     p.add_argument("--compile", action="store_true", help="torch.compile the gdn model")
+    p.add_argument("--compile-mode", default="default",
+                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                   help="torch.compile's mode with --compile (reduce-overhead replays the compiled "
+                        "forward and backward as CUDA graphs: no per-kernel host work per step)")
     p.add_argument("--peak-tflops", type=float, default=989.0 if cuda else 0.0, help="for MFU (0 = not reported)")
     p.add_argument("--no-fla", action="store_true", help="skip the FLA comparison")
     p.add_argument("--profile", action="store_true", help="per-kernel GPU times of one step of each model (CUDA)")
@@ -131,7 +135,7 @@ def main(argv=None):
     model = GDNForCausalLM(cfg).to(device)
     if a.checkpointing:
         model.model.gradient_checkpointing = True
-    run = torch.compile(model) if a.compile else model
+    run = torch.compile(model, mode=None if a.compile_mode == "default" else a.compile_mode) if a.compile else model
     s, mem = time_steps(run, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, "gdn", a.profile,
                         use_cache=False)
     rows.append(("gdn", sum(p.numel() for p in model.parameters()), s, mem))
