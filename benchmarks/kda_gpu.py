@@ -78,7 +78,7 @@ from gdn.ops.kda import reference as kda_reference  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_gpu import per_step_in_graph_us  # noqa: E402  (one CUDA-graph timer for both)
-from ops_gpu import clean, fla_backends, kernel_times  # noqa: E402  (JSON cleaning, FLA's backends, the per-kernel profile: shared)
+from ops_gpu import clean, fla_backends, fresh_fwd_bwd, kernel_times  # noqa: E402  (JSON cleaning, FLA's backends, the per-kernel profile: shared)
 
 PACKED = [4096, 1000, 7000, 300, 2048, 5000, 64, 3000, 1500, 4260, 2500, 2000]
 #: (name, B, T, H, HV, D, packed lengths or None)
@@ -267,16 +267,6 @@ def forward_only(f):
     return run
 
 
-def forward_backward(f, do, leaves=()):
-    """One forward + backward of ``f``; the gradients of ``leaves`` dropped first (as the timings
-    do), so no call adds into the previous call's gradients."""
-    def run():
-        for x in leaves:
-            x.grad = None
-        f().backward(do)
-    return run
-
-
 def references(x, do, cu):
     """fp32 chunk-form outputs and gradients: {"kda": (o, grads), "scalar": (o, grads)}."""
     out = {}
@@ -325,7 +315,7 @@ def shape_rows(spec, impls, clock, args, report, check):
             if status:
                 report({**row, "status": status})
                 continue
-            fn = forward_only(made_fn) if p == "fwd" else forward_backward(made_fn, do)
+            fn = forward_only(made_fn) if p == "fwd" else fresh_fwd_bwd(made_fn, (), do)
             tensors = list(x.values())
 
             def first():
@@ -609,7 +599,7 @@ def profile(shapes, impls, dtype):
         for impl in impls:
             f = impl_fn(impl, x, cu, "cuda", False)
             kernel_times(forward_only(f), f"{impl} at {name}, forward")
-            kernel_times(forward_backward(f, do, x.values()), f"{impl} at {name}, forward+backward")
+            kernel_times(fresh_fwd_bwd(f, x.values(), do), f"{impl} at {name}, forward+backward")
         del x, do
         torch.cuda.empty_cache()
 

@@ -564,12 +564,7 @@ def variants(specs, prof=False, shapes=None):
             if prof:
                 with torch.no_grad():
                     kernel_times(g, f"gdn kernels at {name}, {json.dumps(spec)}, fwd", top=8)
-
-                def fwd_bwd():
-                    for x in xs:
-                        x.grad = None
-                    g().backward(do)
-                kernel_times(fwd_bwd, f"gdn kernels at {name}, {json.dumps(spec)}, fwd+bwd", top=14)
+                kernel_times(fresh_fwd_bwd(g, xs, do), f"gdn kernels at {name}, {json.dumps(spec)}, fwd+bwd", top=14)
         _restore(saved)
         del xs
         torch.cuda.empty_cache()
@@ -590,6 +585,16 @@ def kernel_events(run, n=5):
     return evs, sum(e.device_time_total for e in evs) / n
 
 
+def fresh_fwd_bwd(f, leaves, do):
+    """One forward + backward of ``f`` with the gradients of ``leaves`` dropped first, as the timings
+    do: no call adds into the previous call's gradients (whose add kernels a profile would count)."""
+    def run():
+        for x in leaves:
+            x.grad = None
+        f().backward(do)
+    return run
+
+
 def kernel_times(run, label, n=5, top=14):
     """Print the per-kernel GPU time (µs per call of ``run``, torch.profiler, mean of n calls)."""
     evs, total = kernel_events(run, n)
@@ -604,16 +609,9 @@ def profile(shapes=None):
         V = vd[0] if vd else D
         xs, cu = inputs(B, T, H, HV, lens, V)
         do = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
-        def fwd_bwd(f):
-            def run():
-                for x in xs:  # as the timings: no call adds into the previous call's gradients
-                    x.grad = None
-                f().backward(do)
-            return run
-
         for name, f in (("gdn", gdn_fn(xs, cu)), ("FLA", fla_fn(xs, cu))):
             if f is not None:
-                kernel_times(fwd_bwd(f), f"{name} kernels at {label}, fwd+bwd", top=18)
+                kernel_times(fresh_fwd_bwd(f, xs, do), f"{name} kernels at {label}, fwd+bwd", top=18)
 
 
 def main():

@@ -103,20 +103,6 @@ def top(fn, k: int) -> str:
     return s.getvalue()
 
 
-def per_launch_us(fn, n: int) -> float:
-    """Host µs per ``fn()`` over ``n`` back-to-back calls, best of three rounds, synchronised after."""
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, time.perf_counter() - t0)
-        torch.cuda.synchronize()
-    return best / n * 1e6
-
-
 def launch_table(B: int, T: int, H: int, HV: int, n: int = 300) -> None:
     """Print, for every launch of one forward + backward at (B, T, H, HV, D) bf16 (as recorded by
     :func:`gdn.ops.triton.launch.recording`; a pass with several pipeline candidates records each),
@@ -147,9 +133,9 @@ def launch_table(B: int, T: int, H: int, HV: int, n: int = 300) -> None:
         chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, scale, ai, q.dtype, gam)
     stream = torch.cuda.current_stream().cuda_stream
     x = torch.zeros(1, device=dev)
-    rows = [("one-argument kernel", 1, per_launch_us(lambda: one_arg[(1,)](x), n), None),
-            ("torch.empty(1 MB)", 0, per_launch_us(lambda: torch.empty(1 << 18, device=dev), n), None),
-            ("x.add_(1)", 0, per_launch_us(lambda: x.add_(1), n), None)]
+    rows = [("one-argument kernel", 1, host_us(lambda: one_arg[(1,)](x), n), None),
+            ("torch.empty(1 MB)", 0, host_us(lambda: torch.empty(1 << 18, device=dev), n), None),
+            ("x.add_(1)", 0, host_us(lambda: x.add_(1), n), None)]
     for kernel, _, args, meta in launches:
         def via_triton(kernel=kernel, args=args, meta=meta):
             kernel[(1,)](*args, **meta)
@@ -162,8 +148,8 @@ def launch_table(B: int, T: int, H: int, HV: int, n: int = 300) -> None:
             ck.run(1, 1, 1, stream, ck.function, ck.packed_metadata, None, None, None, *vals)
 
         label = f"{kernel.fn.__name__} (stages {meta.get('num_stages')})"
-        rows.append((label, len(args), per_launch_us(via_triton, n), per_launch_us(direct, n)))
-    print(f"\nhost µs per launch, {n} back to back, best of 3 (one-program grids), "
+        rows.append((label, len(args), host_us(via_triton, n), host_us(direct, n)))
+    print(f"\nhost µs per launch, {n} back to back, best of 3 rounds (one-program grids), "
           f"at ({B}, {T}, H={H}, HV={HV}, {D}) bf16; {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}")
     print("| launch | run-time args | Triton's path µs | compiled kernel's launcher µs |")

@@ -121,10 +121,9 @@ KDA = {
     "dqk": dict(num_warps=4, stages=(1,), BK=64, BV=32, fp32=dict(BK=32)),
     "wy_bwd": dict(num_warps=4, stages=(1,), BK=32, BV=32),
     # 4 warps: 3014 µs at (8, 2048, 16, 128) bf16 against 5649 at 8 (two programs per multiprocessor
-    # instead of one; 255 registers, no spills). PREC: the pair sums' dots on fp32 dP and dA, 3-pass
-    # tf32 for every input dtype (dg's terms cancel in its cumsum: docs/KDA.md "Precision"); one-pass
-    # "tf32" for half inputs is the setting to time against the GPU check's bounds.
-    "intra_bwd": dict(num_warps=4, stages=(1,), BK=32, PREC="tf32x3", fp32=dict(PREC="tf32x3")),
+    # instead of one; 255 registers, no spills). Its dots stay 3-pass tf32 for every input dtype
+    # (kda/triton/chunk_bwd.py): one-pass tf32 timed the same on the H200 (2935 against 2936 µs).
+    "intra_bwd": dict(num_warps=4, stages=(1,), BK=32),
 }
 
 #: The token-recurrent and glue kernels (no candidates: one setting each, or a rule below).

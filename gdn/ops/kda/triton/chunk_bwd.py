@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ...triton.common import INTERPRET, Chunks, chunk_bounds, dot_precision, tl_dtype
-from .chunk_fwd import (SPAN, STATE_DTYPE, after_ref, before_ref, block_span, diag_exponent, entry,
+from .chunk_fwd import (SPAN, STATE_DTYPE, after_ref, before_ref, block_span, diag_exponent,
                         forward_intermediates, ktile, launch, load_rows, ref_row, state_vtile, vtile)
 
 
@@ -361,8 +361,9 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple
     # dq and dk are final after intra_bwd, which rounds them once into the outputs' dtype
     DQO, DKO = (DQ, DK) if grad_dtype == f32 else (torch.empty_like(DQ, dtype=grad_dtype),
                                                    torch.empty_like(DK, dtype=grad_dtype))
-    # the pair sums take fp32 operands (by default 3-pass tf32 on the GPU): dP and dA feed dg directly
+    # the pair sums take fp32 operands, 3-pass tf32 on the GPU: dP and dA feed dg directly (one-pass
+    # tf32 is no faster there: the kernel is not bound by its dots)
     launch(intra_bwd_kernel, (K // BK, ch.NT, HV), q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, ch.cu,
-           ch.chunk_idx, T, H, HV, K=K, BK=BK, PREC=entry("intra_bwd", io)["PREC"], SPAN=SPAN, name="intra_bwd",
+           ch.chunk_idx, T, H, HV, K=K, BK=BK, PREC="tf32x3", SPAN=SPAN, name="intra_bwd",
            io=io)
     return DQO, DKO, DV, DG, DB + DBK.sum(0), dh0
