@@ -109,21 +109,31 @@ KDA = {
     # in bf16 by ptxas's count) triton 3.6 miscompiles them on the H200: bf16 state_bwd gave dh0
     # off by 6e-2 and dk, dv, dg, dβ by 2e-2 at every tests/gpu shape, and the T = 63, V = 16 case
     # read out of bounds.
-    "state_fwd": dict(num_warps=8, stages=(1,), SV=8192, BV_min=32),
+    # per_sm: the programs per multiprocessor a pass's value tile is sized for
+    # (chunk_fwd.state_vtile). state_fwd: the register cap (one stage at 128 registers: two programs
+    # per multiprocessor, a few spills) when it saves a wave: 311 -> 213 µs at (8, 2048, 16, 128)
+    # bf16. state_bwd: value tiles of 128 instead (one program per multiprocessor, 128 programs in
+    # one wave at (8, 2048)): 348 -> 278 µs, where the cap gave 327 (benchmarks/kda_gpu.py --profile
+    # --config, H200).
+    "state_fwd": dict(num_warps=8, stages=(1, (1, {"maxnreg": 128})), waves=True, SV=8192, BV_min=32, per_sm=2),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
-    "state_bwd": dict(num_warps=8, stages=(1,), SV=8192, BV_min=32),
+    "state_bwd": dict(num_warps=8, stages=(1,), SV=16384, BV_min=32, per_sm=1),
     # fp32: K tiles of 32 (at 8 warps: no spills; 64: 284 bytes of spill stores). bf16 keeps 64
     # (32 reads dO, δ, dδ twice as often).
     # dqk and wy_bwd at 4 warps: 1265 → 822 and 869 → 575 µs at (8, 2048, 16, 128) bf16 on the H200
     # (benchmarks/kda_gpu.py --profile --config; GPU tests passed at these settings). wu and output
     # were level at 4 warps (522 → 525, 135 → 141) and keep 8.
     "dqk": dict(num_warps=4, stages=(1,), BK=64, BV=32, fp32=dict(BK=32)),
-    "wy_bwd": dict(num_warps=4, stages=(1,), BK=32, BV=32),
+    # wy_bwd capped at 168 registers (three programs per multiprocessor): 554 -> 526 µs; dqk at 168
+    # slowed (731 -> 762) and kkt at 128 too (583 -> 684).
+    "wy_bwd": dict(num_warps=4, stages=((1, {"maxnreg": 168}),), BK=32, BV=32),
     # 4 warps: 3014 µs at (8, 2048, 16, 128) bf16 against 5649 at 8 (two programs per multiprocessor
-    # instead of one; 255 registers, no spills). Its dots stay 3-pass tf32 for every input dtype
-    # (kda/triton/chunk_bwd.py): one-pass tf32 timed the same on the H200 (2935 against 2936 µs).
-    "intra_bwd": dict(num_warps=4, stages=(1,), BK=32),
+    # instead of one; 255 registers, no spills). Capped at 168 registers (three programs per
+    # multiprocessor, 156 bytes of spills): 2850 -> 2236 µs; at 128 (four): 2084 µs. Its dots stay 3-pass tf32 for every
+    # input dtype (kda/triton/chunk_bwd.py): one-pass tf32 timed the same on the H200 (2935 against
+    # 2936 µs).
+    "intra_bwd": dict(num_warps=4, stages=((1, {"maxnreg": 128}),), BK=32),
 }
 
 #: The token-recurrent and glue kernels (no candidates: one setting each, or a rule below).

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from gdn.ops.kda import reference as KR  # noqa: E402
+from gdn.ops import tuning  # noqa: E402
 from gdn.ops.tuning import INTERPRET  # noqa: E402
 
 from .helpers import rel_err  # noqa: E402
@@ -264,7 +265,9 @@ def test_precompile_records_every_kernel_once_per_kind(monkeypatch, caplog):
     assert C._RECORD is None
     expected = {"gamma_kernel", "kkt_kernel", "wu_kernel", "state_fwd_kernel", "output_kernel", "dv_local_kernel",
                 "state_bwd_kernel", "dqk_kernel", "wy_bwd_kernel", "intra_bwd_kernel"}
-    assert set(warmed) == expected and len(warmed) == 12  # the backward recomputes wu and the state pass
+    # the backward recomputes wu and the state pass, which compiles each of its candidates (waves)
+    n_state = len(tuning.KDA["state_fwd"]["stages"])
+    assert set(warmed) == expected and len(warmed) == 10 + 2 * n_state
     assert sorted(built) == sorted(warmed)  # and each compiled kernel's launcher built there too
 
     def fail(ck):
@@ -273,4 +276,20 @@ def test_precompile_records_every_kernel_once_per_kind(monkeypatch, caplog):
     monkeypatch.setattr(C, "build_launcher", fail)  # launchers left to the first launch, quietly
     with caplog.at_level("WARNING", logger=C.log.name):
         C.precompile("another key", lambda: dry_run(*args))
-    assert len(warmed) == 24 and not caplog.records
+    assert len(warmed) == 2 * (10 + 2 * n_state) and not caplog.records
+
+
+@pytest.mark.parametrize("name,programs,want", [
+    # per_sm 1 (state_bwd, value tiles of 128): halved only while twice the programs fit one wave
+    ("state_bwd", 128, 128), ("state_bwd", 64, 64), ("state_bwd", 16, 32),
+    # per_sm 2 (state_fwd, value tiles of 64): halved while twice the programs fit two per multiprocessor
+    ("state_fwd", 128, 64), ("state_fwd", 64, 32), ("state_fwd", 256, 64),
+])
+def test_state_vtile_sizes_the_grid_to_one_wave(monkeypatch, name, programs, want):
+    """The sequential passes' value tile at K = V = 128 bf16 on a card of 132 multiprocessors."""
+    from gdn.ops.kda.triton import chunk_fwd as F
+
+    monkeypatch.setattr(F, "sm_count", lambda device: 132)
+    monkeypatch.setitem(tuning.KDA, "state_bwd", dict(tuning.KDA["state_bwd"], SV=16384, BV_min=32, per_sm=1))
+    monkeypatch.setitem(tuning.KDA, "state_fwd", dict(tuning.KDA["state_fwd"], SV=8192, BV_min=32, per_sm=2))
+    assert F.state_vtile(name, 128, 128, programs, None, torch.bfloat16) == want

@@ -80,11 +80,12 @@ def vtile(name: str, K: int, V: int, io: torch.dtype) -> int:
 
 def state_vtile(name: str, K: int, V: int, programs: int, device, io: torch.dtype) -> int:
     """V tile of a sequential pass with ``programs`` (sequence, value head) pairs: :func:`vtile`,
-    halved (down to the entry's ``BV_min``) while the programs would not fill the card's
-    multiprocessors; each program walks every chunk of its sequence, so idle multiprocessors are
-    lost for the whole pass."""
-    BV = vtile(name, K, V, io)
-    while BV > entry(name, io)["BV_min"] and programs * (V // BV) < sm_count(device):
+    halved (down to the entry's ``BV_min``) while twice the programs still run in one wave at the
+    entry's ``per_sm`` programs per multiprocessor. Each program walks every chunk of its sequence:
+    idle multiprocessors are lost for the whole pass, and so is a second wave."""
+    c = entry(name, io)
+    BV, slots = vtile(name, K, V, io), c.get("per_sm", 1) * sm_count(device)
+    while BV > c["BV_min"] and 2 * programs * (V // BV) <= slots:
         BV //= 2
     return BV
 
