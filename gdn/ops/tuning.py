@@ -92,8 +92,10 @@ DELTA = {
 #: The per-channel-gate (KDA) chunk kernels. Chosen from ptxas's register report for sm_90 at
 #: K = V = 128 (``python tools/sass_cpu.py --op kda --shape 4x8192 [--dtype fp32]``): the tiles and
 #: warps without spills, then with the most programs per multiprocessor; then kkt, dqk, wy_bwd,
-#: intra_bwd, wu and output by timing on the H200 (below; kkt and dqk spill in bf16 at their timed
-#: warps, docs/KDA.md).
+#: intra_bwd, wu and output by timing on the H200 (below). Register caps (a ``{"maxnreg": N}``
+#: form) were taken where the H200 timed them faster: intra_bwd, wy_bwd and state_fwd's capped
+#: candidate spill (ptxas: 424 + 420, 136 + 140 and 288 + 208 bytes of stores + loads in bf16) and
+#: run more programs per multiprocessor (docs/KDA.md "Register caps").
 #: wu takes 8 warps for the reason the scalar-gate wu does. An entry's ``fp32`` dict overrides it
 #: for fp32 inputs (their 3-pass tf32 dots hold two tiles per operand).
 KDA = {
