@@ -135,10 +135,13 @@ KDA = {
     "wy_bwd": dict(num_warps=4, stages=((1, {"maxnreg": 168}),), BK=32, BV=32),
     # 4 warps: 3014 µs at (8, 2048, 16, 128) bf16 against 5649 at 8 (two programs per multiprocessor
     # instead of one; 255 registers, no spills). Capped at 168 registers (three programs per
-    # multiprocessor, 156 bytes of spills): 2850 -> 2236 µs; at 128 (four): 2084 µs. Its dots stay 3-pass tf32 for every
-    # input dtype (kda/triton/chunk_bwd.py): one-pass tf32 timed the same on the H200 (2935 against
-    # 2936 µs).
-    "intra_bwd": dict(num_warps=4, stages=((1, {"maxnreg": 128}),), BK=32),
+    # multiprocessor, 156 bytes of spills): 2850 -> 2236 µs; at 128 (four): 2084 µs. PREC, the
+    # precision of its fp32 dots: one-pass tf32 for half inputs (their own rounding is coarser),
+    # whose operands take a third of 3-pass's registers: ptxas sm_90 bf16 at 128 registers spills
+    # 40 + 40 bytes instead of 160 + 148, and needs 167 registers uncapped (no spills at a cap of
+    # 168); 3-pass for fp32 inputs. The earlier kernel timed the two the same (2935 against 2936 µs,
+    # uncapped).
+    "intra_bwd": dict(num_warps=4, stages=((1, {"maxnreg": 128}),), BK=32, PREC="tf32", fp32=dict(PREC="tf32x3")),
 }
 
 #: The token-recurrent and glue kernels (no candidates: one setting each, or a rule below).
