@@ -22,6 +22,13 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def has_tma(x: torch.Tensor) -> bool:
+    """Whether ``x``'s device copies tensor tiles with the tensor-memory accelerator (CUDA compute
+    capability 9 or later), so that kernels may read or write it through tensor descriptors; under
+    the interpreter (which runs descriptors too) always."""
+    return INTERPRET or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
+                              has_tma,
                               launch, make_segments, pow2, sm_count, solve_blocks, store_blocks, tl_dtype, value_cols)
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
@@ -678,8 +679,7 @@ def tile_reads(name: str, *reads) -> tuple:
     reads descriptors too), (True, a tensor descriptor of each x as the row-major [T, heads × width]
     matrix, read in blocks of one chunk's rows and its block columns); else (False, the x as given)."""
     xs = tuple(x for x, _ in reads)
-    ready = DELTA[name]["TMA"] and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in xs) and (
-        INTERPRET or (xs[0].is_cuda and torch.cuda.get_device_capability(xs[0].device)[0] >= 9))
+    ready = DELTA[name]["TMA"] and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in xs) and has_tma(xs[0])
     if not ready:
         return False, xs
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415

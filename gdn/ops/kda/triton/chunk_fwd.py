@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, load16, sm_count, solve_blocks,
+from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, has_tma, load16, sm_count,
+                              solve_blocks,
                               store16, store_blocks, tl_dtype)
 from ...triton.launch import launch as triton_launch
 from ...tuning import KDA
@@ -78,16 +79,16 @@ def vtile(name: str, K: int, V: int, io: torch.dtype) -> int:
     return min(V, max(16, c["SV"] // K)) if "SV" in c else min(V, c["BV"])
 
 
-def h_descriptor(h: torch.Tensor, BV: int, io: torch.dtype):
-    """A tensor descriptor of the per-chunk states h [NT, HV, K, V] as the row-major [NT · HV · K, V]
-    matrix in blocks of one state tile [K, BV], for the forward state pass to store each S by one
-    bulk copy (:func:`_state_fwd_step`): with state_fwd's ``TMA`` set, on a GPU with the
-    tensor-memory accelerator (compute capability 9 or later; the interpreter stores through
+def h_descriptor(h: torch.Tensor, BV: int, io: torch.dtype, name: str = "state_fwd"):
+    """A tensor descriptor of per-chunk states h [NT, HV, K, V] (the forward's S or the backward's
+    dS') as the row-major [NT · HV · K, V] matrix in blocks of one state tile [K, BV], for sequential
+    pass ``name`` to store each chunk's state by one bulk copy: with the pass's ``TMA`` set, on a GPU
+    with the tensor-memory accelerator (compute capability 9 or later; the interpreter stores through
     descriptors too) and where the rows fit the descriptors' 32-bit offsets. Else None (plain stores)."""
     NT, HV, K, V = h.shape
-    if not entry("state_fwd", io).get("TMA", False) or NT * HV * K >= 2 ** 31:
+    if not entry(name, io).get("TMA", False) or NT * HV * K >= 2 ** 31:
         return None
-    if not (INTERPRET or (h.is_cuda and torch.cuda.get_device_capability(h.device)[0] >= 9)):
+    if not has_tma(h):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
 
