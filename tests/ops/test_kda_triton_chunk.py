@@ -323,7 +323,8 @@ def test_state_pass_stores_states_through_a_descriptor_as_plain_stores_do(monkey
                          output_final_state=True, cu_seqlens=cu)
         (o.sum() + S.square().sum()).backward()
         results.append([o, S] + [got[n].grad for n in NAMES])
-    passes = ["state_fwd", "state_fwd", "state_bwd"]  # the forward, the backward's recompute and reverse pass
+    # the forward's h and final state, the backward's recompute and its reverse pass
+    passes = ["state_fwd", "state_fwd", "state_fwd", "state_bwd"]
     assert seen == [(n, True) for n in passes] + [(n, False) for n in passes]
     for a, b in zip(*results):
         assert torch.equal(a, b)

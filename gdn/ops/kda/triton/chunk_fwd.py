@@ -346,8 +346,8 @@ def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, HV, K: tl.conste
                      V: tl.constexpr, BV: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, HD: tl.constexpr = False):
     """Sequential pass over one sequence's chunks for one value head and V tile: h [NT, HV, K, V]
-    (state entering each chunk; with ``HD`` a tensor descriptor, :func:`h_descriptor`), VN = δ
-    [T, HV, V], final state ht [N, HV, K, V] (fp32). Runs the sequence's own chunk count, so in a
+    (state entering each chunk; with ``HD`` a tensor descriptor, :func:`h_descriptor`, and so is
+    ht), VN = δ [T, HV, V], final state ht [N, HV, K, V] (fp32). Runs the sequence's own chunk count, so in a
     packed batch a short sequence's programs end early."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
@@ -374,7 +374,10 @@ def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, HV, K: tl.conste
             b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, HV,
                                   K, V, PREC, DT, HD, i_v * BV)
     if STORE_FINAL:
-        tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s)
+        if HD:  # ht a descriptor as h: no address tile kept across the pass for this one store
+            ht.store([((i_n * HV + i_hv) * K).to(tl.int32), i_v * BV], b_s)
+        else:
+            tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s)
 
 
 @triton.jit
@@ -454,10 +457,12 @@ def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool, sc
     VN = torch.empty(T, HV, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SV = state_vtile("state_fwd", K, V, ch.N * HV, dev, io)
-    hd = h_descriptor(h, SV, io)
-    launch(state_fwd_kernel, (V // SV, ch.N * HV), KT, G, W, U, h0 if h0 is not None else v,
-           hd if hd is not None else h, VN, ht if ht is not None else v, ch.cu, ch.chunk_off, HV, K=K, V=V, BV=SV,
-           USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, HD=hd is not None,
+    # the states h and the final state ht through descriptors, or both by plain stores
+    hd, htd = h_descriptor(h, SV, io), (h_descriptor(ht, SV, io) if want_final else None)
+    HD = hd is not None and (htd is not None or not want_final)
+    launch(state_fwd_kernel, (V // SV, ch.N * HV), KT, G, W, U, h0 if h0 is not None else v, hd if HD else h, VN,
+           (htd if HD else ht) if want_final else v, ch.cu, ch.chunk_off, HV, K=K, V=V, BV=SV,
+           USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, HD=HD,
            name="state_fwd", io=io)
     return Intermediates(Ai, P, W, QG, KT, h, VN, ht)
 
