@@ -120,10 +120,13 @@ KDA = {
     # bf16. state_bwd: value tiles of 128 instead (one program per multiprocessor, 128 programs in
     # one wave at (8, 2048)): 348 -> 278 µs, where the cap gave 327 (benchmarks/kda_gpu.py --profile
     # --config, H200).
-    "state_fwd": dict(num_warps=8, stages=(1, (1, {"maxnreg": 128})), waves=True, SV=8192, BV_min=32, per_sm=2),
+    # fp32 inputs: one candidate and value tiles of 64 in both passes (their states spill 1-2 KB
+    # at every setting by ptxas, and neither the cap nor tiles of 128 was timed for them).
+    "state_fwd": dict(num_warps=8, stages=(1, (1, {"maxnreg": 128})), waves=True, SV=8192, BV_min=32, per_sm=2,
+                      fp32=dict(stages=(1,), per_sm=1)),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
-    "state_bwd": dict(num_warps=8, stages=(1,), SV=16384, BV_min=32, per_sm=1),
+    "state_bwd": dict(num_warps=8, stages=(1,), SV=16384, BV_min=32, per_sm=1, fp32=dict(SV=8192)),
     # fp32: K tiles of 32 (at 8 warps: no spills; 64: 284 bytes of spill stores). bf16 keeps 64
     # (32 reads dO, δ, dδ twice as often).
     # dqk and wy_bwd at 4 warps: 1265 → 822 and 869 → 575 µs at (8, 2048, 16, 128) bf16 on the H200
