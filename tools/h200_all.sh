@@ -16,12 +16,24 @@
 # processes (compilation is per process and CPU-bound; six fit the H200's memory with the largest cases).
 # A tuned launch table from a previous run ($OUT/tuned.json) is used by the timing steps; the
 # check runs the defaults unless GDN_TUNING names a table (tests/gpu/conftest.py).
+# AUTOTUNE_CACHE=1: the peers' Triton autotuning results (FLA autotunes each kernel on its first
+# call at a shape, 30-140 s) are kept on disk (TRITON_CACHE_AUTOTUNING) and brought back as
+# $OUT/autotune.tar.gz; unpacked into .autotune/ at the repository root (ignored, carried) for a
+# later run, they are loaded instead of tuned again, so FLA compiles one configuration per kernel.
+# The peers' first-call column then leaves their tuning out; gdn (no autotuning) is unaffected.
 set -u
 OUT=${OUT:-/tmp/gdn-h200}
 mkdir -p "$OUT"
 SITE=/tmp/site
 [ -d "$SITE/fla" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl 2>&1 | tail -1
 export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1
+TCACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ "${AUTOTUNE_CACHE:-0}" = 1 ]; then
+  export TRITON_CACHE_AUTOTUNING=1
+  [ -d .autotune ] && mkdir -p "$TCACHE" && cp -r .autotune/. "$TCACHE"/ && echo "autotune results: $(find .autotune -name '*.autotune.json' | wc -l) carried"
+  # the results so far, whenever the script ends (a step cut by its timeout included)
+  trap '(cd "$TCACHE" && find . -name "*.autotune.json" -print0 | tar -czf "$OUT/autotune.tar.gz" --null -T -) 2>/dev/null' EXIT
+fi
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   [ "$secs" -gt 0 ] || { echo "=== $name skipped"; return; }

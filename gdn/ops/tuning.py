@@ -122,13 +122,15 @@ KDA = {
     # --config, H200).
     # TMA (both passes): each chunk's state stored by one bulk copy through a tensor descriptor
     # (chunk_fwd.h_descriptor). ptxas sm_90 bf16 at (8, 2048), spills of state_fwd's capped form:
-    # 100 + 84 B with plain stores, 84 + 64 with the descriptor (the backward's recompute 40 + 40 ->
+    # 100 + 84 B with plain stores, 60 + 48 with descriptors for h and ht (the backward's recompute 40 + 40 ->
     # 4 + 4); state_bwd 254 -> 246 registers.
+    # fp32 inputs: one candidate and value tiles of 64 in both passes (their states spill 1-2 KB
+    # at every setting by ptxas, and neither the cap nor tiles of 128 was timed for them).
     "state_fwd": dict(num_warps=8, stages=(1, (1, {"maxnreg": 128})), waves=True, SV=8192, BV_min=32, per_sm=2,
-                      TMA=True),
+                      TMA=True, fp32=dict(stages=(1,), per_sm=1)),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
-    "state_bwd": dict(num_warps=8, stages=(1,), SV=16384, BV_min=32, per_sm=1, TMA=True),
+    "state_bwd": dict(num_warps=8, stages=(1,), SV=16384, BV_min=32, per_sm=1, TMA=True, fp32=dict(SV=8192)),
     # fp32: K tiles of 32 (at 8 warps: no spills; 64: 284 bytes of spill stores). bf16 keeps 64
     # (32 reads dO, δ, dδ twice as often).
     # dqk and wy_bwd at 4 warps: 1265 → 822 and 869 → 575 µs at (8, 2048, 16, 128) bf16 on the H200

@@ -266,7 +266,9 @@ def test_precompile_records_every_kernel_once_per_kind(monkeypatch, caplog):
     expected = {"gamma_kernel", "kkt_kernel", "wu_kernel", "state_fwd_kernel", "output_kernel", "dv_local_kernel",
                 "state_bwd_kernel", "dqk_kernel", "wy_bwd_kernel", "intra_bwd_kernel"}
     # the backward recomputes wu and the state pass, which compiles each of its candidates (waves)
-    n_state = len(tuning.KDA["state_fwd"]["stages"])
+    from gdn.ops.kda.triton.chunk_fwd import entry
+
+    n_state = len(entry("state_fwd", torch.float32)["stages"])
     assert set(warmed) == expected and len(warmed) == 10 + 2 * n_state
     assert sorted(built) == sorted(warmed)  # and each compiled kernel's launcher built there too
 
