@@ -15,7 +15,8 @@ shape, repeated back to back with a one-program grid (the host's cost does not d
 and the GPU keeps up): through Triton's launch path (``kernel[grid](*args, **meta)``: argument
 binding, specialisation key, cache lookup, launcher) and through the compiled kernel's launcher
 alone (arguments bound once), beside a one-argument Triton kernel, ``torch.empty`` and an in-place
-add. It says how much of a call's host time is the launch mechanism rather than gdn's own work.
+add; then the functions Triton's path spends the launch with the most arguments in (cProfile). It
+says how much of a call's host time is the launch mechanism rather than gdn's own work, and where.
 
 With ``--cpu-stub`` (no GPU needed) the same calls take the Triton path on CPU tensors with every
 kernel launch replaced by a no-op: what is left is gdn's own host work per call (argument checks,
@@ -156,6 +157,18 @@ def launch_table(B: int, T: int, H: int, HV: int, n: int = 300) -> None:
     print("|---|---:|---:|---:|")
     for label, nargs, t, d in rows:
         print(f"| {label} | {nargs} | {t:.1f} | {'' if d is None else f'{d:.1f}'} |")
+    # where Triton's path spends a launch: the launch with the most arguments, profiled
+    kernel, _, args, meta = max(launches, key=lambda r: len(r[2]))
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        kernel[(1,)](*args, **meta)
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(15)
+    print(f"\n{kernel.fn.__name__} through Triton's path, {n} launches, own time per function (cProfile; "
+          f"its overhead inflates every figure alike):\n{s.getvalue()}")
 
 
 def main(argv=None) -> int:
