@@ -281,6 +281,18 @@ def test_precompile_records_every_kernel_once_per_kind(monkeypatch, caplog):
     assert len(warmed) == 2 * (10 + 2 * n_state) and not caplog.records
 
 
+def test_entry_takes_the_overrides_of_the_input_dtype(monkeypatch):
+    """A KDA table entry's ``fp32`` and ``fp16`` dicts override it for those inputs only."""
+    from gdn.ops.kda.triton.chunk_fwd import entry
+
+    monkeypatch.setitem(tuning.KDA, "probe", dict(BK=64, PREC="tf32", fp32=dict(BK=32, PREC="tf32x3"),
+                                                  fp16=dict(PREC="ieee")))
+    got = {dt: (entry("probe", dt)["BK"], entry("probe", dt)["PREC"])
+           for dt in (torch.bfloat16, torch.float16, torch.float32)}
+    assert got == {torch.bfloat16: (64, "tf32"), torch.float16: (64, "ieee"), torch.float32: (32, "tf32x3")}
+    assert entry("intra_bwd", torch.float16)["PREC"] == "tf32x3" != entry("intra_bwd", torch.bfloat16)["PREC"]
+
+
 @pytest.mark.parametrize("name,programs,want", [
     # per_sm 1 (state_bwd, value tiles of 128): halved only while twice the programs fit one wave
     ("state_bwd", 128, 128), ("state_bwd", 64, 64), ("state_bwd", 16, 32),

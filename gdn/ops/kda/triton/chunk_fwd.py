@@ -55,12 +55,17 @@ SPAN = 60.0
 SPAN_FP16 = 10.0
 
 
+_OVERRIDES = {torch.float32: "fp32", torch.float16: "fp16"}
+
+
 def entry(name: str, io: torch.dtype) -> dict:
     """Kernel ``name``'s entry of the KDA table for inputs of dtype ``io``: fp32 inputs take the
     entry's ``fp32`` overrides (3-pass tf32 dots hold each fp32 operand as two tiles, so they
-    need other tiles and warps than half inputs to stay clear of spills)."""
+    need other tiles and warps than half inputs to stay clear of spills), fp16 inputs its ``fp16``
+    ones (their 10-bit mantissa is as fine as one-pass tf32's)."""
     c = KDA[name]
-    return {**c, **c["fp32"]} if io == torch.float32 and "fp32" in c else c
+    over = _OVERRIDES.get(io)
+    return {**c, **c[over]} if over in c else c
 
 
 def launch(kernel, grid, *args, name: str, io: torch.dtype, **meta):
