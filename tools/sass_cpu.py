@@ -52,10 +52,13 @@ NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _card_sms():
-    """Make the launchers size their grids for the H200's multiprocessors (:data:`SMS`)."""
+    """Make the launchers size their grids for the H200's multiprocessors (:data:`SMS`) and take
+    the tensor-descriptor paths the H200 takes (``has_tma``)."""
     for mod in (launcher, common, chunk, chunk_fwd, chunk_bwd, kda_fwd, kda_bwd):
         if hasattr(mod, "sm_count"):
             mod.sm_count = lambda device: SMS
+        if hasattr(mod, "has_tma"):
+            mod.has_tma = lambda x: True
 
 
 def record(B, T, H, HV, K, V=None, dtype=torch.bfloat16):

@@ -120,13 +120,18 @@ KDA = {
     # bf16. state_bwd: value tiles of 128 instead (one program per multiprocessor, 128 programs in
     # one wave at (8, 2048)): 348 -> 278 µs, where the cap gave 327 (benchmarks/kda_gpu.py --profile
     # --config, H200).
+    # TMA (both passes): each chunk's state stored by one bulk copy through a tensor descriptor
+    # (chunk_fwd.h_descriptor). ptxas sm_90 bf16 at (8, 2048), spills of state_fwd's capped form:
+    # 100 + 84 B with plain stores, 60 + 48 with descriptors for h and ht (the backward's recompute 40 + 40 ->
+    # 4 + 4); state_bwd 254 -> 246 registers. Off: no faster on the H200 (state_fwd 216 -> 216 µs
+    # forward, 415 -> 431 over its two runs in forward+backward; state_bwd 278 -> 289).
     # fp32 inputs: one candidate and value tiles of 64 in both passes (their states spill 1-2 KB
     # at every setting by ptxas, and neither the cap nor tiles of 128 was timed for them).
     "state_fwd": dict(num_warps=8, stages=(1, (1, {"maxnreg": 128})), waves=True, SV=8192, BV_min=32, per_sm=2,
-                      fp32=dict(stages=(1,), per_sm=1)),
+                      TMA=False, fp32=dict(stages=(1,), per_sm=1)),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
-    "state_bwd": dict(num_warps=8, stages=(1,), SV=16384, BV_min=32, per_sm=1, fp32=dict(SV=8192)),
+    "state_bwd": dict(num_warps=8, stages=(1,), SV=16384, BV_min=32, per_sm=1, TMA=False, fp32=dict(SV=8192)),
     # fp32: K tiles of 32 (at 8 warps: no spills; 64: 284 bytes of spill stores). bf16 keeps 64
     # (32 reads dO, δ, dδ twice as often).
     # dqk and wy_bwd at 4 warps: 1265 → 822 and 869 → 575 µs at (8, 2048, 16, 128) bf16 on the H200
@@ -138,10 +143,15 @@ KDA = {
     "wy_bwd": dict(num_warps=4, stages=((1, {"maxnreg": 168}),), BK=32, BV=32),
     # 4 warps: 3014 µs at (8, 2048, 16, 128) bf16 against 5649 at 8 (two programs per multiprocessor
     # instead of one; 255 registers, no spills). Capped at 168 registers (three programs per
-    # multiprocessor, 156 bytes of spills): 2850 -> 2236 µs; at 128 (four): 2084 µs. Its dots stay 3-pass tf32 for every
-    # input dtype (kda/triton/chunk_bwd.py): one-pass tf32 timed the same on the H200 (2935 against
-    # 2936 µs).
-    "intra_bwd": dict(num_warps=4, stages=((1, {"maxnreg": 128}),), BK=32),
+    # multiprocessor, 156 bytes of spills): 2850 -> 2236 µs; at 128 (four): 2084 µs. PREC, the
+    # precision of its fp32 dots: one-pass tf32 for bf16 inputs (their own rounding is coarser),
+    # whose operands take a third of 3-pass's registers: ptxas sm_90 bf16 at 128 registers spills
+    # 40 + 40 bytes instead of 160 + 148, and needs 167 registers uncapped (no spills at a cap of
+    # 168); 1555 against 2043 µs at (8, 2048) on the H200. 3-pass for fp32 and fp16 inputs: fp16
+    # rounds as finely as one-pass tf32, and with it dq, dk and dg exceed the GPU tests' fp16 bounds
+    # by up to 25 % (tests/gpu/test_kda.py).
+    "intra_bwd": dict(num_warps=4, stages=((1, {"maxnreg": 128}),), BK=32, PREC="tf32", fp32=dict(PREC="tf32x3"),
+                      fp16=dict(PREC="tf32x3")),
 }
 
 #: The token-recurrent and glue kernels (no candidates: one setting each, or a rule below).

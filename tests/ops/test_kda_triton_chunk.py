@@ -281,6 +281,18 @@ def test_precompile_records_every_kernel_once_per_kind(monkeypatch, caplog):
     assert len(warmed) == 2 * (10 + 2 * n_state) and not caplog.records
 
 
+def test_entry_takes_the_overrides_of_the_input_dtype(monkeypatch):
+    """A KDA table entry's ``fp32`` and ``fp16`` dicts override it for those inputs only."""
+    from gdn.ops.kda.triton.chunk_fwd import entry
+
+    monkeypatch.setitem(tuning.KDA, "probe", dict(BK=64, PREC="tf32", fp32=dict(BK=32, PREC="tf32x3"),
+                                                  fp16=dict(PREC="ieee")))
+    got = {dt: (entry("probe", dt)["BK"], entry("probe", dt)["PREC"])
+           for dt in (torch.bfloat16, torch.float16, torch.float32)}
+    assert got == {torch.bfloat16: (64, "tf32"), torch.float16: (64, "ieee"), torch.float32: (32, "tf32x3")}
+    assert entry("intra_bwd", torch.float16)["PREC"] == "tf32x3" != entry("intra_bwd", torch.bfloat16)["PREC"]
+
+
 @pytest.mark.parametrize("name,programs,want", [
     # per_sm 1 (state_bwd, value tiles of 128): halved only while twice the programs fit one wave
     ("state_bwd", 128, 128), ("state_bwd", 64, 64), ("state_bwd", 16, 32),
@@ -295,3 +307,38 @@ def test_state_vtile_sizes_the_grid_to_one_wave(monkeypatch, name, programs, wan
     monkeypatch.setitem(tuning.KDA, "state_bwd", dict(tuning.KDA["state_bwd"], SV=16384, BV_min=32, per_sm=1))
     monkeypatch.setitem(tuning.KDA, "state_fwd", dict(tuning.KDA["state_fwd"], SV=8192, BV_min=32, per_sm=2))
     assert F.state_vtile(name, 128, 128, programs, None, torch.bfloat16) == want
+
+
+def test_state_pass_stores_states_through_a_descriptor_as_plain_stores_do(monkeypatch):
+    """The state passes' ``TMA``: each chunk's state (h in the forward and the backward's
+    recompute, dh in the reverse pass) stored by a bulk copy through a tensor descriptor
+    (chunk_fwd.h_descriptor) gives the bits the per-element stores give: o, the final state and
+    every gradient, packed with a partial sequence."""
+    from gdn.ops.kda.triton import chunk_bwd as Bw
+    from gdn.ops.kda.triton import chunk_fwd as F
+
+    d = kda_inputs(1, 100, 1, 2, 32, 32, N=2, seed=11)
+    cu = torch.tensor([0, 70, 100])
+    seen, results = [], []
+    real = F.h_descriptor
+
+    def spy(h, BV, io, name="state_fwd"):
+        desc = real(h, BV, io, name)
+        seen.append((name, desc is not None))
+        return desc
+
+    monkeypatch.setattr(F, "h_descriptor", spy)
+    monkeypatch.setattr(Bw, "h_descriptor", spy)
+    for tma in (True, False):
+        for name in ("state_fwd", "state_bwd"):
+            monkeypatch.setitem(tuning.KDA, name, dict(tuning.KDA[name], TMA=tma))
+        got = {n: d[n].detach().float().clone().requires_grad_(True) for n in NAMES}
+        o, S = chunk_kda(got["q"], got["k"], got["v"], got["g"], got["beta"], initial_state=got["initial_state"],
+                         output_final_state=True, cu_seqlens=cu)
+        (o.sum() + S.square().sum()).backward()
+        results.append([o, S] + [got[n].grad for n in NAMES])
+    # the forward's h and final state, the backward's recompute and its reverse pass
+    passes = ["state_fwd", "state_fwd", "state_fwd", "state_bwd"]
+    assert seen == [(n, True) for n in passes] + [(n, False) for n in passes]
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .. import offsets
 from ..tuning import BT, INTERPRET, cdiv, chunk_tiles, pow2  # noqa: F401  (re-exported to the kernels)
-from .launch import launch, sm_count  # noqa: F401  (re-exported to the kernels)
+from .launch import has_tma, launch, sm_count  # noqa: F401  (re-exported to the kernels)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,13 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def has_tma(x: torch.Tensor) -> bool:
+    """Whether ``x``'s device copies tensor tiles with the tensor-memory accelerator (CUDA compute
+    capability 9 or later), so that kernels may read or write it through tensor descriptors; under
+    the interpreter (which runs descriptors too) always."""
+    return INTERPRET or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -54,10 +61,10 @@ def launch(kernel, grid, *args, name: str, config: dict | None = None, **meta):
         return None
     if waves:
         ns, f = by_waves(kernel, grid, args, meta, cands, key + (_device_index(),))
-        return kernel[grid](*args, num_stages=ns, **dict(meta, **f))
+        return run(kernel, grid, args, dict(meta, **f, num_stages=ns), key + (ns, tuple(f.items())))
     if key in _STAGES:
         ns, f = _STAGES[key]
-        return kernel[grid](*args, num_stages=ns, **dict(meta, **f))
+        return run(kernel, grid, args, dict(meta, **f, num_stages=ns), key + (ns, tuple(f.items())))
     for i, (ns, f) in enumerate(cands):
         try:
             out = kernel[grid](*args, num_stages=ns, **dict(meta, **f))
@@ -67,6 +74,50 @@ def launch(kernel, grid, *args, name: str, config: dict | None = None, **meta):
             continue
         _STAGES[key] = (ns, f)
         return out
+
+
+_LAUNCHERS: dict = {}
+
+
+def run(kernel, grid, args, kw, key):
+    """``kernel[grid](*args, **kw)``; ``key`` names (kernel, its keyword arguments) for the cache.
+
+    Triton's own path (``JITFunction.run``) costs 25-42 µs of host time per launch of these
+    kernels on the H200's host, its compiled kernel's launcher 8-12 (docs/BENCHMARKS.md): the
+    first launch of each specialisation goes through Triton's path, which compiles and launches;
+    later ones bind the arguments with Triton's own binder (the specialisation Triton keys its
+    cache on, so the compiled kernel found is the one Triton would take) and call that kernel's
+    launcher directly. Under the interpreter, and while a launch hook is set (a profiler's), always
+    Triton's path."""
+    if INTERPRET or _hooked() or not hasattr(kernel, "device_caches"):
+        return kernel[grid](*args, **kw)
+    dev = torch.cuda.current_device()
+    bound, spec, _ = kernel.device_caches[dev][4](*args, **kw)
+    try:
+        fk = (key, dev, tuple(spec))
+        ck = _LAUNCHERS.get(fk)
+    except TypeError:  # a specialisation that does not hash (e.g. of a tensor descriptor): Triton's path
+        return kernel[grid](*args, **kw)
+    if ck is None:
+        ck = kernel[grid](*args, **kw)
+        if getattr(ck, "function", None) is not None:  # compiled and loaded (not a pending compile)
+            _LAUNCHERS[fk] = ck
+        return ck
+    g = tuple(grid) + (1, 1)
+    ck.run(g[0], g[1], g[2], _stream(dev), ck.function, ck.packed_metadata, None, None, None, *bound.values())
+    return ck
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (Triton keeps them in chains, empty by default: its own path
+    then still builds each launch's metadata and calls the empty chains)."""
+    rt = triton.knobs.runtime
+    return any(h is not None and getattr(h, "calls", True) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+
+
+def _stream(dev: int) -> int:
+    """The current CUDA stream of device ``dev`` (as Triton's launch path takes it)."""
+    return torch._C._cuda_getCurrentRawStream(dev)
 
 
 def candidates(stages) -> list:

@@ -24,37 +24,49 @@ import triton
 import triton.language as tl
 
 from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
+                              has_tma,
                               launch, make_segments, pow2, sm_count, solve_blocks, store_blocks, tl_dtype, value_cols)
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
 
 
 @triton.jit
-def _block_a(Aij, b_i, gi, gj, DIAG: tl.constexpr, USE_G: tl.constexpr):
-    """Scale the raw block K_i K_jᵀ into A_ij = β_i (k_i·k_j) exp(γ_i − γ_j) (strictly lower)."""
+def _decayed(X, gi, gj, DIAG: tl.constexpr, STRICT: tl.constexpr, USE_G: tl.constexpr):
+    """A raw 16 × 16 block X_i X_jᵀ times exp(γ_i − γ_j); a diagonal block (DIAG) keeps its lower
+    triangle, its diagonal too unless STRICT."""
     o = tl.arange(0, 16)
+    keep = o[:, None] > o[None, :] if STRICT else o[:, None] >= o[None, :]
     if USE_G:
         if DIAG:
-            Aij = Aij * tl.exp(tl.where(o[:, None] > o[None, :], gi[:, None] - gj[None, :], float("-inf")))
+            X = X * tl.exp(tl.where(keep, gi[:, None] - gj[None, :], float("-inf")))
         else:
-            Aij = Aij * tl.exp(gi[:, None] - gj[None, :])
+            X = X * tl.exp(gi[:, None] - gj[None, :])
     elif DIAG:
-        Aij = tl.where(o[:, None] > o[None, :], Aij, 0.0)
-    return Aij * b_i[:, None]
+        X = tl.where(keep, X, 0.0)
+    return X
+
+
+@triton.jit
+def _block_a(Aij, b_i, gi, gj, DIAG: tl.constexpr, USE_G: tl.constexpr):
+    """Scale the raw block K_i K_jᵀ into A_ij = β_i (k_i·k_j) exp(γ_i − γ_j) (strictly lower)."""
+    return _decayed(Aij, gi, gj, DIAG, True, USE_G) * b_i[:, None]
 
 
 @triton.jit
 def _block_p(Pij, gi, gj, DIAG: tl.constexpr, USE_G: tl.constexpr):
     """Scale the raw block Q_i K_jᵀ into P_ij = (q_i·k_j) exp(γ_i − γ_j) (j ≤ i: lower, diagonal kept)."""
-    o = tl.arange(0, 16)
-    if USE_G:
-        if DIAG:
-            Pij = Pij * tl.exp(tl.where(o[:, None] >= o[None, :], gi[:, None] - gj[None, :], float("-inf")))
-        else:
-            Pij = Pij * tl.exp(gi[:, None] - gj[None, :])
-    elif DIAG:
-        Pij = tl.where(o[:, None] >= o[None, :], Pij, 0.0)
-    return Pij
+    return _decayed(Pij, gi, gj, DIAG, False, USE_G)
+
+
+@triton.jit
+def _lower_dots(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, a0, a1, a2, a3, b0, b1, b2, b3,
+                PREC: tl.constexpr):
+    """The ten lower 16 × 16 blocks of [a0; a1; a2; a3] [b0; b1; b2; b3]ᵀ added to X00 … X33."""
+    return (X00 + tl.dot(a0, tl.trans(b0), input_precision=PREC), X10 + tl.dot(a1, tl.trans(b0), input_precision=PREC),
+            X11 + tl.dot(a1, tl.trans(b1), input_precision=PREC), X20 + tl.dot(a2, tl.trans(b0), input_precision=PREC),
+            X21 + tl.dot(a2, tl.trans(b1), input_precision=PREC), X22 + tl.dot(a2, tl.trans(b2), input_precision=PREC),
+            X30 + tl.dot(a3, tl.trans(b0), input_precision=PREC), X31 + tl.dot(a3, tl.trans(b1), input_precision=PREC),
+            X32 + tl.dot(a3, tl.trans(b2), input_precision=PREC), X33 + tl.dot(a3, tl.trans(b3), input_precision=PREC))
 
 
 @triton.jit
@@ -109,31 +121,15 @@ def kkt_solve_kernel(k, g, beta, Ai, G, q, P, cu, chunk_idx, H, HV, K: tl.conste
         k1 = tl.load(k + (r1[:, None] * H + i_h) * K + o_k[None, :], mask=m1[:, None] & mk[None, :], other=0.0)
         k2 = tl.load(k + (r2[:, None] * H + i_h) * K + o_k[None, :], mask=m2[:, None] & mk[None, :], other=0.0)
         k3 = tl.load(k + (r3[:, None] * H + i_h) * K + o_k[None, :], mask=m3[:, None] & mk[None, :], other=0.0)
-        A00 += tl.dot(k0, tl.trans(k0), input_precision=PREC)
-        A10 += tl.dot(k1, tl.trans(k0), input_precision=PREC)
-        A11 += tl.dot(k1, tl.trans(k1), input_precision=PREC)
-        A20 += tl.dot(k2, tl.trans(k0), input_precision=PREC)
-        A21 += tl.dot(k2, tl.trans(k1), input_precision=PREC)
-        A22 += tl.dot(k2, tl.trans(k2), input_precision=PREC)
-        A30 += tl.dot(k3, tl.trans(k0), input_precision=PREC)
-        A31 += tl.dot(k3, tl.trans(k1), input_precision=PREC)
-        A32 += tl.dot(k3, tl.trans(k2), input_precision=PREC)
-        A33 += tl.dot(k3, tl.trans(k3), input_precision=PREC)
+        A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = _lower_dots(
+            A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, k0, k1, k2, k3, k0, k1, k2, k3, PREC)
         if STORE_P:
             q0 = tl.load(q + (r0[:, None] * H + i_h) * K + o_k[None, :], mask=m0[:, None] & mk[None, :], other=0.0)
             q1 = tl.load(q + (r1[:, None] * H + i_h) * K + o_k[None, :], mask=m1[:, None] & mk[None, :], other=0.0)
             q2 = tl.load(q + (r2[:, None] * H + i_h) * K + o_k[None, :], mask=m2[:, None] & mk[None, :], other=0.0)
             q3 = tl.load(q + (r3[:, None] * H + i_h) * K + o_k[None, :], mask=m3[:, None] & mk[None, :], other=0.0)
-            P00 += tl.dot(q0, tl.trans(k0), input_precision=PREC)
-            P10 += tl.dot(q1, tl.trans(k0), input_precision=PREC)
-            P11 += tl.dot(q1, tl.trans(k1), input_precision=PREC)
-            P20 += tl.dot(q2, tl.trans(k0), input_precision=PREC)
-            P21 += tl.dot(q2, tl.trans(k1), input_precision=PREC)
-            P22 += tl.dot(q2, tl.trans(k2), input_precision=PREC)
-            P30 += tl.dot(q3, tl.trans(k0), input_precision=PREC)
-            P31 += tl.dot(q3, tl.trans(k1), input_precision=PREC)
-            P32 += tl.dot(q3, tl.trans(k2), input_precision=PREC)
-            P33 += tl.dot(q3, tl.trans(k3), input_precision=PREC)
+            P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = _lower_dots(
+                P00, P10, P11, P20, P21, P22, P30, P31, P32, P33, q0, q1, q2, q3, k0, k1, k2, k3, PREC)
     if STORE_P:  # stored before the solve, whose blocks then have the registers
         store_blocks(P, _block_p(P00, g0, g0, True, USE_G), _block_p(P10, g1, g0, False, USE_G),
                      _block_p(P11, g1, g1, True, USE_G), _block_p(P20, g2, g0, False, USE_G),
@@ -678,8 +674,7 @@ def tile_reads(name: str, *reads) -> tuple:
     reads descriptors too), (True, a tensor descriptor of each x as the row-major [T, heads × width]
     matrix, read in blocks of one chunk's rows and its block columns); else (False, the x as given)."""
     xs = tuple(x for x, _ in reads)
-    ready = DELTA[name]["TMA"] and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in xs) and (
-        INTERPRET or (xs[0].is_cuda and torch.cuda.get_device_capability(xs[0].device)[0] >= 9))
+    ready = DELTA[name]["TMA"] and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in xs) and has_tma(xs[0])
     if not ready:
         return False, xs
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415

@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from ...triton.common import INTERPRET, Chunks, chunk_bounds, dot_precision, tl_dtype
-from .chunk_fwd import (SPAN, STATE_DTYPE, after_ref, before_ref, block_span, diag_exponent,
-                        forward_intermediates, ktile, launch, load_rows, ref_row, state_vtile, vtile)
+from .chunk_fwd import (SPAN, STATE_DTYPE, after_ref, before_ref, block_span, entry, forward_intermediates,
+                        h_descriptor, ktile, launch, load_rows, ref_row, state_vtile, vtile)
 
 
 @triton.jit
@@ -51,11 +51,16 @@ def dv_local_kernel(P, do, DVL, cu, chunk_idx, scale, HV, V: tl.constexpr, BV: t
 
 @triton.jit
 def _state_bwd_step(j, b_ds, NC, QG, KT, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, o_t, o_k, o_v, p_s,
-                    scale, HV, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """Step j of the reverse pass (chunk NC − 1 − j): store dS', compute dδ, return dS."""
+                    scale, HV, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+                    HD: tl.constexpr, v0):
+    """Step j of the reverse pass (chunk NC − 1 − j): store dS' (``HD``: through a tensor
+    descriptor of dh, as the forward pass stores S), compute dδ, return dS."""
     i_c = NC - 1 - j
     b_dsd = b_ds.to(DT)
-    tl.store(dh + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_ds.to(dh.dtype.element_ty), mask=i_c >= 0)
+    if HD:
+        dh.store([(((c0 + i_c) * HV + i_hv) * K).to(tl.int32), v0], b_ds.to(dh.dtype))
+    else:
+        tl.store(dh + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_ds.to(dh.dtype.element_ty))
     cs = bos + i_c * 64
     rows = cs + o_t
     m = (rows >= bos) & (rows < eos)
@@ -77,9 +82,11 @@ def _state_bwd_step(j, b_ds, NC, QG, KT, G, W, do, DVL, dh, DD, bos, eos, c0, i_
 @triton.jit
 def state_bwd_kernel(QG, KT, G, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale, HV,
                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr,
-                     USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
+                     USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr,
+                     HD: tl.constexpr = False):
     """Reverse pass over one sequence's chunks (its own count: in a packed batch a short sequence's
-    programs end early): dh[c] = dS' of chunk c, DD = dδ, dh0 = dS_0."""
+    programs end early): dh[c] = dS' of chunk c (``HD``: dh a tensor descriptor,
+    chunk_fwd.h_descriptor), DD = dδ, dh0 = dS_0."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -98,12 +105,12 @@ def state_bwd_kernel(QG, KT, G, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, sca
         j = 0
         while j < NC:
             b_ds = _state_bwd_step(j, b_ds, NC, QG, KT, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, o_t, o_k, o_v,
-                                   p_s, scale, HV, K, V, PREC, DT)
+                                   p_s, scale, HV, K, V, PREC, DT, HD, i_v * BV)
             j += 1
     else:
         for j in range(0, NC):
             b_ds = _state_bwd_step(j, b_ds, NC, QG, KT, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, o_t, o_k, o_v,
-                                   p_s, scale, HV, K, V, PREC, DT)
+                                   p_s, scale, HV, K, V, PREC, DT, HD, i_v * BV)
     if USE_INIT:
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_ds)
 
@@ -222,6 +229,36 @@ def _pair_block(X_, r_i, m_i, col0, HV, i_hv):
     return tl.load(X_ + (r_i[:, None] * HV + i_hv) * 64 + col0 + o[None, :], mask=m_i[:, None], other=0.0)
 
 
+@triton.jit
+def _diag_pairwise(q_i, k_i, g_i, b_i, m_i, k, G, DP, DA, r_i, row0, col0, eos, H, HV, i_h, i_hv, o_k,
+                   K: tl.constexpr):
+    """The diagonal block's four products (dq and r of its rows, dk through P and through A of its
+    columns) with pairwise exponents exp(γ_i − γ_j), j ≤ i, for a block across which some channel
+    decays by more than SPAN: one column j at a time, its k and γ row and its dP, dA column read
+    from memory, so no [16, 16, BK] tile is ever live (the branch is rare; its registers are not)."""
+    o = tl.arange(0, 16)
+    b_dq = tl.zeros_like(k_i)
+    b_r = tl.zeros_like(k_i)
+    b_dkp = tl.zeros_like(k_i)
+    b_dka = tl.zeros_like(k_i)
+    for j in range(16):
+        rj = row0 + j
+        mj = rj < eos
+        k_j = tl.load(k + (rj * H + i_h) * K + o_k, mask=mj, other=0.0).to(tl.float32)
+        g_j = tl.load(G + (rj * HV + i_hv) * K + o_k, mask=mj, other=0.0).to(tl.float32)
+        keep = (o >= j) & m_i
+        e = tl.exp(tl.where(keep[:, None], g_i - g_j[None, :], float("-inf")))  # [16, BK], rows i ≥ j
+        dp = tl.load(DP + (r_i * HV + i_hv) * 64 + col0 + j, mask=keep, other=0.0)
+        da = tl.load(DA + (r_i * HV + i_hv) * 64 + col0 + j, mask=keep, other=0.0)
+        ke = k_j[None, :] * e
+        b_dq += dp[:, None] * ke
+        b_r += da[:, None] * ke
+        at_j = (o == j)[:, None]
+        b_dkp += tl.where(at_j, tl.sum(dp[:, None] * q_i * e, axis=0)[None, :], 0.0)
+        b_dka += tl.where(at_j, tl.sum((da * b_i)[:, None] * k_i * e, axis=0)[None, :], 0.0)
+    return b_dq, b_r, b_dkp, b_dka
+
+
 @triton.jit(do_not_specialize=["T"])
 def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu, chunk_idx, T, H, HV,
                      K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, SPAN: tl.constexpr):
@@ -248,36 +285,16 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu,
     while I >= 0:
         r_i = t0 + I * 16 + o
         m_i = r_i < eos
-        q_i = load_rows(q, r_i, m_i, H, i_h, o_k, K)
-        k_i = load_rows(k, r_i, m_i, H, i_h, o_k, K)
-        g_i = load_rows(G, r_i, m_i, HV, i_hv, o_k, K)
         b_i = tl.load(beta + r_i * HV + i_hv, mask=m_i, other=0.0)
-        # the diagonal block: rows of block I against columns j ≤ i, dq (through P) and r (through
-        # A); columns of block I against rows i ≥ j, dk through P and through A. Through the
-        # reference row r = first row of I (column factor exp(γ_r − γ_j) ≤ e^SPAN) unless a
-        # channel decays by more than SPAN across the block: then pairwise exponents.
-        dP_ii = _pair_block(DP, r_i, m_i, I * 16, HV, i_hv)
-        dA_ii = _pair_block(DA, r_i, m_i, I * 16, HV, i_hv)
         g_r = ref_row(G, t0 + I * 16, eos, HV, i_hv, o_k, K)
-        e_i = after_ref(g_i, g_r, m_i)
-        if tl.max(block_span(g_i, g_r, m_i), axis=0) > SPAN:
-            e3 = diag_exponent(g_i, m_i)
-            b_dq = tl.sum(dP_ii[:, :, None] * k_i[None, :, :] * e3, axis=1)
-            b_r = tl.sum(dA_ii[:, :, None] * k_i[None, :, :] * e3, axis=1)
-            b_dkp = tl.sum(dP_ii[:, :, None] * q_i[:, None, :] * e3, axis=0)
-            b_dka = tl.sum((dA_ii * b_i[:, None])[:, :, None] * k_i[:, None, :] * e3, axis=0)
-        else:
-            f_j = tl.exp(tl.minimum(g_r[None, :] - g_i, SPAN))
-            b_dq = tl.dot(dP_ii, k_i * f_j, input_precision=PREC) * e_i
-            b_r = tl.dot(dA_ii, k_i * f_j, input_precision=PREC) * e_i
-            b_dkp = tl.dot(tl.trans(dP_ii), q_i * e_i, input_precision=PREC) * f_j
-            b_dka = tl.dot(tl.trans(dA_ii * b_i[:, None]), k_i * e_i, input_precision=PREC) * f_j
-        # earlier column blocks J < I, through the same reference row: the row side here, the
-        # column side (rows J's dk and its dγ term) added into DK and DGAM for block J's turn
+        e_i = after_ref(load_rows(G, r_i, m_i, HV, i_hv, o_k, K), g_r, m_i)
+        # earlier column blocks J < I, through block I's reference row r (its first row): the row
+        # side here, the column side (rows J's dk and its dγ term) added into DK and DGAM for block
+        # J's turn. Before the diagonal block, so that its four products are not live across this loop.
         acc_q = tl.zeros([16, BK], dtype=tl.float32)
         acc_r = tl.zeros([16, BK], dtype=tl.float32)
-        qe_i = q_i * e_i
-        ke_i = k_i * e_i
+        qe_i = load_rows(q, r_i, m_i, H, i_h, o_k, K) * e_i
+        ke_i = load_rows(k, r_i, m_i, H, i_h, o_k, K) * e_i
         J = 0
         while J < I:
             r_j = t0 + J * 16 + o
@@ -296,6 +313,24 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu,
             tl.store(DGAM + p_j, tl.load(DGAM + p_j, mask=m_j[:, None], other=0.0) - k_raw * dkc_j,
                      mask=m_j[:, None])
             J += 1
+        # the diagonal block: rows of block I against columns j ≤ i, dq (through P) and r (through
+        # A); columns of block I against rows i ≥ j, dk through P and through A. Through the
+        # reference row unless a channel decays by more than SPAN across the block: then pairwise
+        # exponents. Its rows are read again here rather than kept across the loop.
+        q_i = load_rows(q, r_i, m_i, H, i_h, o_k, K)
+        k_i = load_rows(k, r_i, m_i, H, i_h, o_k, K)
+        g_i = load_rows(G, r_i, m_i, HV, i_hv, o_k, K)
+        if tl.max(block_span(g_i, g_r, m_i), axis=0) > SPAN:
+            b_dq, b_r, b_dkp, b_dka = _diag_pairwise(q_i, k_i, g_i, b_i, m_i, k, G, DP, DA, r_i, t0 + I * 16,
+                                                     I * 16, eos, H, HV, i_h, i_hv, o_k, K)
+        else:
+            dP_ii = _pair_block(DP, r_i, m_i, I * 16, HV, i_hv)
+            dA_ii = _pair_block(DA, r_i, m_i, I * 16, HV, i_hv)
+            f_j = tl.exp(tl.minimum(g_r[None, :] - g_i, SPAN))
+            b_dq = tl.dot(dP_ii, k_i * f_j, input_precision=PREC) * e_i
+            b_r = tl.dot(dA_ii, k_i * f_j, input_precision=PREC) * e_i
+            b_dkp = tl.dot(tl.trans(dP_ii), q_i * e_i, input_precision=PREC) * f_j
+            b_dka = tl.dot(tl.trans(dA_ii * b_i[:, None]), k_i * e_i, input_precision=PREC) * f_j
         b_dq += acc_q * e_i
         b_r += acc_r * e_i
         b_rb = b_r * b_i[:, None]
@@ -334,10 +369,11 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple
     DD = torch.empty(T, HV, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
     SV = state_vtile("state_bwd", K, V, ch.N * HV, dev, io)
-    launch(state_bwd_kernel, (V // SV, ch.N * HV), fw.QG, fw.KT, G, W, do, DVL, dht if dht is not None else v, dh,
-           DD, dh0 if dh0 is not None else v, ch.cu, ch.chunk_off, scale, HV, K=K, V=V, BV=SV,
-           USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_bwd",
-           io=io)
+    dhd = h_descriptor(dh, SV, io, "state_bwd")
+    launch(state_bwd_kernel, (V // SV, ch.N * HV), fw.QG, fw.KT, G, W, do, DVL, dht if dht is not None else v,
+           dhd if dhd is not None else dh, DD, dh0 if dh0 is not None else v, ch.cu, ch.chunk_off, scale, HV, K=K,
+           V=V, BV=SV, USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec, DT=DT, WHILE=INTERPRET,
+           HD=dhd is not None, name="state_bwd", io=io)
     del DVL, fw
     BK, BV = ktile("dqk", K, io), vtile("dqk", K, V, io)
     DQ = torch.empty(T, HV, K, device=dev, dtype=f32)
@@ -364,6 +400,5 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple
     # the pair sums take fp32 operands, 3-pass tf32 on the GPU: dP and dA feed dg directly (one-pass
     # tf32 is no faster there: the kernel is not bound by its dots)
     launch(intra_bwd_kernel, (K // BK, ch.NT, HV), q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, ch.cu,
-           ch.chunk_idx, T, H, HV, K=K, BK=BK, PREC="tf32x3", SPAN=SPAN, name="intra_bwd",
-           io=io)
+           ch.chunk_idx, T, H, HV, K=K, BK=BK, PREC=entry("intra_bwd", io)["PREC"], SPAN=SPAN, name="intra_bwd", io=io)
     return DQO, DKO, DV, DG, DB + DBK.sum(0), dh0
