@@ -107,7 +107,9 @@ KDA = {
     # BK = 32, which spilled 128 bytes; BK = 16, BKD = 4 without spills: 788) (benchmarks/kda_gpu.py
     # --profile --config, 2026-12-01).
     "kkt": dict(num_warps=8, stages=(1,), BK=64, BKD=8, fp32=dict(BK=32)),
-    "wu": dict(num_warps=8, stages=(2,), BK=32, BV=32),
+    # wu at three stages: 526 -> 437 µs over its two runs in a forward+backward at (8, 2048, 16, 128)
+    # bf16 on the H200 (K and V tiles of 64 at two stages: 453).
+    "wu": dict(num_warps=8, stages=(3,), BK=32, BV=32),
     # BV_min 32: at tiles of 16 triton 3.6 compiles this state_fwd kernel (fp32, 8 warps) with an
     # out-of-range shared-memory read on the H200 (compute-sanitizer).
     # The state passes: 8 warps, one stage. At 4 warps (two programs per multiprocessor, no spills
