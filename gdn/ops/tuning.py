@@ -105,8 +105,9 @@ KDA = {
     # 32, no spills; fp32 spills 496 bytes at 64, 80 at 32. (8, 2048, 16, 128) bf16 on the H200:
     # 602 µs, against 663 for the earlier row-block-by-row-block kernel at its best setting (2 warps,
     # BK = 32, which spilled 128 bytes; BK = 16, BKD = 4 without spills: 788) (benchmarks/kda_gpu.py
-    # --profile --config, 2026-12-01).
-    "kkt": dict(num_warps=8, stages=(1,), BK=64, BKD=8, fp32=dict(BK=32)),
+    # --profile --config, 2026-12-01). At 4 warps: 588 -> 361 µs at that shape (2026-12-02; two
+    # stages at 8 warps: 683; ptxas: 255 registers, 8 + 8 B of spills); fp32 inputs keep 8.
+    "kkt": dict(num_warps=4, stages=(1,), BK=64, BKD=8, fp32=dict(BK=32, num_warps=8)),
     # wu at three stages: 526 -> 437 µs over its two runs in a forward+backward at (8, 2048, 16, 128)
     # bf16 on the H200 (K and V tiles of 64 at two stages: 453).
     "wu": dict(num_warps=8, stages=(3,), BK=32, BV=32),
@@ -139,7 +140,9 @@ KDA = {
     # dqk and wy_bwd at 4 warps: 1265 → 822 and 869 → 575 µs at (8, 2048, 16, 128) bf16 on the H200
     # (benchmarks/kda_gpu.py --profile --config; GPU tests passed at these settings). wu and output
     # were level at 4 warps (522 → 525, 135 → 141) and keep 8.
-    "dqk": dict(num_warps=4, stages=(1,), BK=64, BV=32, fp32=dict(BK=32)),
+    # dqk at two stages: 732 -> 636 µs at (8, 2048) bf16 (96 + 96 B of spills; fp32 inputs keep one stage: their tiles
+    # take twice the shared memory).
+    "dqk": dict(num_warps=4, stages=(2,), BK=64, BV=32, fp32=dict(BK=32, stages=(1,))),
     # wy_bwd capped at 168 registers (three programs per multiprocessor): 554 -> 526 µs; dqk at 168
     # slowed (731 -> 762) and kkt at 128 too (583 -> 684).
     "wy_bwd": dict(num_warps=4, stages=((1, {"maxnreg": 168}),), BK=32, BV=32),
