@@ -140,12 +140,14 @@ KDA = {
     # dqk and wy_bwd at 4 warps: 1265 → 822 and 869 → 575 µs at (8, 2048, 16, 128) bf16 on the H200
     # (benchmarks/kda_gpu.py --profile --config; GPU tests passed at these settings). wu and output
     # were level at 4 warps (522 → 525, 135 → 141) and keep 8.
-    # dqk at two stages: 732 -> 636 µs at (8, 2048) bf16 (96 + 96 B of spills; fp32 inputs keep one stage: their tiles
-    # take twice the shared memory).
-    "dqk": dict(num_warps=4, stages=(2,), BK=64, BV=32, fp32=dict(BK=32, stages=(1,))),
+    # dqk at two stages: 732 -> 636 µs at (8, 2048) bf16 (96 + 96 B of spills), at three 590; fp32
+    # inputs keep one stage (their tiles take twice the shared memory).
+    "dqk": dict(num_warps=4, stages=(3,), BK=64, BV=32, fp32=dict(BK=32, stages=(1,))),
     # wy_bwd capped at 168 registers (three programs per multiprocessor): 554 -> 526 µs; dqk at 168
     # slowed (731 -> 762) and kkt at 128 too (583 -> 684).
-    "wy_bwd": dict(num_warps=4, stages=((1, {"maxnreg": 168}),), BK=32, BV=32),
+    # Two stages at the cap: 525 -> 466 µs (fp32 inputs keep one).
+    "wy_bwd": dict(num_warps=4, stages=((2, {"maxnreg": 168}),), BK=32, BV=32,
+                   fp32=dict(stages=((1, {"maxnreg": 168}),))),
     # 4 warps: 3014 µs at (8, 2048, 16, 128) bf16 against 5649 at 8 (two programs per multiprocessor
     # instead of one; 255 registers, no spills). Capped at 168 registers (three programs per
     # multiprocessor, 156 bytes of spills): 2850 -> 2236 µs; at 128 (four): 2084 µs. PREC, the
