@@ -123,18 +123,13 @@ KDA = {
     # bf16. state_bwd: value tiles of 128 instead (one program per multiprocessor, 128 programs in
     # one wave at (8, 2048)): 348 -> 278 µs, where the cap gave 327 (benchmarks/kda_gpu.py --profile
     # --config, H200).
-    # TMA (both passes): each chunk's state stored by one bulk copy through a tensor descriptor
-    # (chunk_fwd.h_descriptor). ptxas sm_90 bf16 at (8, 2048), spills of state_fwd's capped form:
-    # 100 + 84 B with plain stores, 60 + 48 with descriptors for h and ht (the backward's recompute 40 + 40 ->
-    # 4 + 4); state_bwd 254 -> 246 registers. Off: no faster on the H200 (state_fwd 216 -> 216 µs
-    # forward, 415 -> 431 over its two runs in forward+backward; state_bwd 278 -> 289).
     # fp32 inputs: one candidate and value tiles of 64 in both passes (their states spill 1-2 KB
     # at every setting by ptxas, and neither the cap nor tiles of 128 was timed for them).
     "state_fwd": dict(num_warps=8, stages=(1, (1, {"maxnreg": 128})), waves=True, SV=8192, BV_min=32, per_sm=2,
-                      TMA=False, fp32=dict(stages=(1,), per_sm=1)),
+                      fp32=dict(stages=(1,), per_sm=1)),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
-    "state_bwd": dict(num_warps=8, stages=(1,), SV=16384, BV_min=32, per_sm=1, TMA=False, fp32=dict(SV=8192)),
+    "state_bwd": dict(num_warps=8, stages=(1,), SV=16384, BV_min=32, per_sm=1, fp32=dict(SV=8192)),
     # fp32: K tiles of 32 (at 8 warps: no spills; 64: 284 bytes of spill stores). bf16 keeps 64
     # (32 reads dO, δ, dδ twice as often).
     # dqk and wy_bwd at 4 warps: 1265 → 822 and 869 → 575 µs at (8, 2048, 16, 128) bf16 on the H200

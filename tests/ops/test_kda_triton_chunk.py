@@ -307,38 +307,3 @@ def test_state_vtile_sizes_the_grid_to_one_wave(monkeypatch, name, programs, wan
     monkeypatch.setitem(tuning.KDA, "state_bwd", dict(tuning.KDA["state_bwd"], SV=16384, BV_min=32, per_sm=1))
     monkeypatch.setitem(tuning.KDA, "state_fwd", dict(tuning.KDA["state_fwd"], SV=8192, BV_min=32, per_sm=2))
     assert F.state_vtile(name, 128, 128, programs, None, torch.bfloat16) == want
-
-
-def test_state_pass_stores_states_through_a_descriptor_as_plain_stores_do(monkeypatch):
-    """The state passes' ``TMA``: each chunk's state (h in the forward and the backward's
-    recompute, dh in the reverse pass) stored by a bulk copy through a tensor descriptor
-    (chunk_fwd.h_descriptor) gives the bits the per-element stores give: o, the final state and
-    every gradient, packed with a partial sequence."""
-    from gdn.ops.kda.triton import chunk_bwd as Bw
-    from gdn.ops.kda.triton import chunk_fwd as F
-
-    d = kda_inputs(1, 100, 1, 2, 32, 32, N=2, seed=11)
-    cu = torch.tensor([0, 70, 100])
-    seen, results = [], []
-    real = F.h_descriptor
-
-    def spy(h, BV, io, name="state_fwd"):
-        desc = real(h, BV, io, name)
-        seen.append((name, desc is not None))
-        return desc
-
-    monkeypatch.setattr(F, "h_descriptor", spy)
-    monkeypatch.setattr(Bw, "h_descriptor", spy)
-    for tma in (True, False):
-        for name in ("state_fwd", "state_bwd"):
-            monkeypatch.setitem(tuning.KDA, name, dict(tuning.KDA[name], TMA=tma))
-        got = {n: d[n].detach().float().clone().requires_grad_(True) for n in NAMES}
-        o, S = chunk_kda(got["q"], got["k"], got["v"], got["g"], got["beta"], initial_state=got["initial_state"],
-                         output_final_state=True, cu_seqlens=cu)
-        (o.sum() + S.square().sum()).backward()
-        results.append([o, S] + [got[n].grad for n in NAMES])
-    # the forward's h and final state, the backward's recompute and its reverse pass
-    passes = ["state_fwd", "state_fwd", "state_fwd", "state_bwd"]
-    assert seen == [(n, True) for n in passes] + [(n, False) for n in passes]
-    for a, b in zip(*results):
-        assert torch.equal(a, b)

@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from ...triton.common import INTERPRET, Chunks, chunk_bounds, dot_precision, tl_dtype
-from .chunk_fwd import (SPAN, STATE_DTYPE, after_ref, before_ref, block_span, entry, forward_intermediates,
-                        h_descriptor, ktile, launch, load_rows, ref_row, state_vtile, vtile)
+from .chunk_fwd import (SPAN, STATE_DTYPE, after_ref, before_ref, block_span, entry, forward_intermediates, ktile,
+                        launch, load_rows, ref_row, state_vtile, vtile)
 
 
 @triton.jit
@@ -51,16 +51,11 @@ def dv_local_kernel(P, do, DVL, cu, chunk_idx, scale, HV, V: tl.constexpr, BV: t
 
 @triton.jit
 def _state_bwd_step(j, b_ds, NC, QG, KT, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, o_t, o_k, o_v, p_s,
-                    scale, HV, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                    HD: tl.constexpr, v0):
-    """Step j of the reverse pass (chunk NC − 1 − j): store dS' (``HD``: through a tensor
-    descriptor of dh, as the forward pass stores S), compute dδ, return dS."""
+                    scale, HV, K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """Step j of the reverse pass (chunk NC − 1 − j): store dS', compute dδ, return dS."""
     i_c = NC - 1 - j
     b_dsd = b_ds.to(DT)
-    if HD:
-        dh.store([(((c0 + i_c) * HV + i_hv) * K).to(tl.int32), v0], b_ds.to(dh.dtype))
-    else:
-        tl.store(dh + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_ds.to(dh.dtype.element_ty))
+    tl.store(dh + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_ds.to(dh.dtype.element_ty))
     cs = bos + i_c * 64
     rows = cs + o_t
     m = (rows >= bos) & (rows < eos)
@@ -82,11 +77,9 @@ def _state_bwd_step(j, b_ds, NC, QG, KT, G, W, do, DVL, dh, DD, bos, eos, c0, i_
 @triton.jit
 def state_bwd_kernel(QG, KT, G, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale, HV,
                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr,
-                     USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr,
-                     HD: tl.constexpr = False):
+                     USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
     """Reverse pass over one sequence's chunks (its own count: in a packed batch a short sequence's
-    programs end early): dh[c] = dS' of chunk c (``HD``: dh a tensor descriptor,
-    chunk_fwd.h_descriptor), DD = dδ, dh0 = dS_0."""
+    programs end early): dh[c] = dS' of chunk c, DD = dδ, dh0 = dS_0."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -105,12 +98,12 @@ def state_bwd_kernel(QG, KT, G, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, sca
         j = 0
         while j < NC:
             b_ds = _state_bwd_step(j, b_ds, NC, QG, KT, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, o_t, o_k, o_v,
-                                   p_s, scale, HV, K, V, PREC, DT, HD, i_v * BV)
+                                   p_s, scale, HV, K, V, PREC, DT)
             j += 1
     else:
         for j in range(0, NC):
             b_ds = _state_bwd_step(j, b_ds, NC, QG, KT, G, W, do, DVL, dh, DD, bos, eos, c0, i_hv, o_t, o_k, o_v,
-                                   p_s, scale, HV, K, V, PREC, DT, HD, i_v * BV)
+                                   p_s, scale, HV, K, V, PREC, DT)
     if USE_INIT:
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_ds)
 
@@ -369,11 +362,10 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple
     DD = torch.empty(T, HV, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
     SV = state_vtile("state_bwd", K, V, ch.N * HV, dev, io)
-    dhd = h_descriptor(dh, SV, io, "state_bwd")
-    launch(state_bwd_kernel, (V // SV, ch.N * HV), fw.QG, fw.KT, G, W, do, DVL, dht if dht is not None else v,
-           dhd if dhd is not None else dh, DD, dh0 if dh0 is not None else v, ch.cu, ch.chunk_off, scale, HV, K=K,
-           V=V, BV=SV, USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec, DT=DT, WHILE=INTERPRET,
-           HD=dhd is not None, name="state_bwd", io=io)
+    launch(state_bwd_kernel, (V // SV, ch.N * HV), fw.QG, fw.KT, G, W, do, DVL, dht if dht is not None else v, dh,
+           DD, dh0 if dh0 is not None else v, ch.cu, ch.chunk_off, scale, HV, K=K, V=V, BV=SV,
+           USE_DHT=dht is not None, USE_INIT=h0 is not None, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_bwd",
+           io=io)
     del DVL, fw
     BK, BV = ktile("dqk", K, io), vtile("dqk", K, V, io)
     DQ = torch.empty(T, HV, K, device=dev, dtype=f32)

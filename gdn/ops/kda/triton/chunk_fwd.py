@@ -34,8 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, has_tma, load16, sm_count,
-                              solve_blocks,
+from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, load16, sm_count, solve_blocks,
                               store16, store_blocks, tl_dtype)
 from ...triton.launch import launch as triton_launch
 from ...tuning import KDA
@@ -82,22 +81,6 @@ def vtile(name: str, K: int, V: int, io: torch.dtype) -> int:
     """The V tile of kernel ``name`` (sequential passes: ``SV // K`` values, at least 16)."""
     c = entry(name, io)
     return min(V, max(16, c["SV"] // K)) if "SV" in c else min(V, c["BV"])
-
-
-def h_descriptor(h: torch.Tensor, BV: int, io: torch.dtype, name: str = "state_fwd"):
-    """A tensor descriptor of per-chunk states h [NT, HV, K, V] (the forward's S or the backward's
-    dS') as the row-major [NT · HV · K, V] matrix in blocks of one state tile [K, BV], for sequential
-    pass ``name`` to store each chunk's state by one bulk copy: with the pass's ``TMA`` set, on a GPU
-    with the tensor-memory accelerator (compute capability 9 or later; the interpreter stores through
-    descriptors too) and where the rows fit the descriptors' 32-bit offsets. Else None (plain stores)."""
-    NT, HV, K, V = h.shape
-    if not entry(name, io).get("TMA", False) or NT * HV * K >= 2 ** 31:
-        return None
-    if not has_tma(h):
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
-
-    return TensorDescriptor.from_tensor(h.view(NT * HV * K, V), block_shape=[K, BV])
 
 
 def state_vtile(name: str, K: int, V: int, programs: int, device, io: torch.dtype) -> int:
@@ -326,17 +309,12 @@ def wu_kernel(q, k, v, G, beta, Ai, W, U, QG, KT, cu, chunk_idx, scale, H, HV, K
 
 @triton.jit
 def _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, HV,
-                    K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, HD: tl.constexpr, v0):
-    """Chunk i_c of the forward state pass: store S, δ = U − W S, return the next S. ``HD``: h is a
-    tensor descriptor of the [NT · HV · K, V] view, S stored by one bulk copy (no [K, BV] address
-    tile held in registers across the pass)."""
+                    K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """Chunk i_c of the forward state pass: store S, δ = U − W S, return the next S."""
     cs = bos + i_c * 64
     rows = cs + o_t
     m = rows < eos
-    if HD:
-        h.store([(((c0 + i_c) * HV + i_hv) * K).to(tl.int32), v0], b_s.to(h.dtype))
-    else:
-        tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_s.to(h.dtype.element_ty))
+    tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_s.to(h.dtype.element_ty))
     b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
     b_d = tl.dot(b_w, (-b_s).to(DT), acc=load_rows(U, rows, m, HV, i_hv, o_v, V), input_precision=PREC)
     tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
@@ -349,11 +327,10 @@ def _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, 
 @triton.jit
 def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, HV, K: tl.constexpr,
                      V: tl.constexpr, BV: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, HD: tl.constexpr = False):
+                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
     """Sequential pass over one sequence's chunks for one value head and V tile: h [NT, HV, K, V]
-    (state entering each chunk; with ``HD`` a tensor descriptor, :func:`h_descriptor`, and so is
-    ht), VN = δ [T, HV, V], final state ht [N, HV, K, V] (fp32). Runs the sequence's own chunk count, so in a
-    packed batch a short sequence's programs end early."""
+    (state entering each chunk), VN = δ [T, HV, V], final state ht [N, HV, K, V] (fp32). Runs the
+    sequence's own chunk count, so in a packed batch a short sequence's programs end early."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -372,17 +349,14 @@ def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, HV, K: tl.conste
         i_c = 0
         while i_c < nc:
             b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, HV,
-                                  K, V, PREC, DT, HD, i_v * BV)
+                                  K, V, PREC, DT)
             i_c += 1
     else:
         for i_c in range(0, nc):
             b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, HV,
-                                  K, V, PREC, DT, HD, i_v * BV)
+                                  K, V, PREC, DT)
     if STORE_FINAL:
-        if HD:  # ht a descriptor as h: no address tile kept across the pass for this one store
-            ht.store([((i_n * HV + i_hv) * K).to(tl.int32), i_v * BV], b_s)
-        else:
-            tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s)
+        tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s)
 
 
 @triton.jit
@@ -462,13 +436,10 @@ def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool, sc
     VN = torch.empty(T, HV, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SV = state_vtile("state_fwd", K, V, ch.N * HV, dev, io)
-    # the states h and the final state ht through descriptors, or both by plain stores
-    hd, htd = h_descriptor(h, SV, io), (h_descriptor(ht, SV, io) if want_final else None)
-    HD = hd is not None and (htd is not None or not want_final)
-    launch(state_fwd_kernel, (V // SV, ch.N * HV), KT, G, W, U, h0 if h0 is not None else v, hd if HD else h, VN,
-           (htd if HD else ht) if want_final else v, ch.cu, ch.chunk_off, HV, K=K, V=V, BV=SV,
-           USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, HD=HD,
-           name="state_fwd", io=io)
+    launch(state_fwd_kernel, (V // SV, ch.N * HV), KT, G, W, U, h0 if h0 is not None else v, h, VN,
+           ht if ht is not None else v, ch.cu, ch.chunk_off, HV, K=K, V=V, BV=SV,
+           USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_fwd",
+           io=io)
     return Intermediates(Ai, P, W, QG, KT, h, VN, ht)
 
 
