@@ -62,11 +62,11 @@ DELTA = {
     # access at (8, 2048, 16, 128) and (8, 2048, 16, 256); docs/TRITON.md). from_inverse: as
     # state_fwd's.
     # TMA: q, k, v and T⁻¹ read by bulk tensor copies (descriptors) instead of per-thread loads.
-    # pairs_from_kkt (delta members): kkt_solve stores each chunk's Q Kᵀ ⊙ D and the pass reads it
-    # instead of forming it per value tile: forward kernels at (8, 2048) 337 → 298 µs, forward at
+    # Delta members: kkt_solve stores each chunk's Q Kᵀ ⊙ D and the pass reads it instead of forming
+    # it per value tile (chunk_fwd.forward): forward kernels at (8, 2048) 337 → 298 µs, forward at
     # (4, 8192) 0.663 → 0.573 ms and at (1, 32768, HV = 64) 2.540 → 2.196 ms (docs/TRITON.md).
     "state_out": dict(num_warps=4, stages=(2,), waves=True, SV=4096, fill=1.5, BV_min=32, from_inverse=True,
-                      TMA=False, pairs_from_kkt=True),
+                      TMA=False),
     "output": dict(num_warps=4, stages=(1,), BK=128, BV=64),
     # Pipelined loops over value/key blocks, GPU µs at (4, 8192, 16, 128): dv_local 170 → 158 with
     # three stages, dqk 920 → 742 with two (→ 700 with three at 1 × 32768), wy_bwd 599 → 569 with three.

@@ -240,14 +240,13 @@ def test_state_passes_with_tensor_descriptors(member, dtype, fill, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("tma", [False, True], ids=["loads", "descriptors"])
 def test_fused_forward_reads_kkt_solves_pairs(member, dtype, tma, monkeypatch):
-    """``pairs_from_kkt``: kkt_solve also stores each chunk's Q Kᵀ ⊙ D (lower, diagonal kept, the
+    """Delta members: kkt_solve also stores each chunk's Q Kᵀ ⊙ D (lower, diagonal kept, the
     decays exp(γ_i − γ_j)) and the fused pass reads it instead of forming it per value tile; packed
     with an empty, a one-token and a partial sequence, grouped value heads, an initial state,
     against the float64 recurrence, with plain loads and with tensor descriptors."""
     from gdn.ops.delta.triton import chunk_fwd
 
-    monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=0, pairs_from_kkt=True,
-                                                        TMA=tma))
+    monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=0, TMA=tma))
     seen = []
 
     def spy(launch):

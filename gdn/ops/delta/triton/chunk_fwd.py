@@ -645,8 +645,7 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     from_inv = beta is not None and DELTA["state_out"].get("from_inverse", False)
     G = _gamma_buffer(g, beta, None)
     # the pair matrix Q Kᵀ ⊙ D from kkt_solve (delta members, which run it) instead of per value tile
-    pairs = torch.empty(T, HV, BT, device=dev, dtype=v.dtype) if (
-        beta is not None and DELTA["state_out"].get("pairs_from_kkt", False)) else None
+    pairs = torch.empty(T, HV, BT, device=dev, dtype=v.dtype) if beta is not None else None
     Ai, W, U = prepare(k, v, g, beta, ch, wu=not from_inv, gamma_out=G, q=q, pairs_out=pairs)
     o = torch.empty(T, HV, V, device=dev, dtype=out_dtype)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
