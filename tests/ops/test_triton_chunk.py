@@ -600,3 +600,18 @@ def test_backward_peak_holds_only_what_the_next_kernel_reads(monkeypatch):
     with _LiveBytes() as mem:
         chunk_bwd.backward(q, q, v, g, b, None, v, None, ch, 0.25, ai, torch.float16, g.clone())
     assert 10 * unit <= mem.peak < 10.5 * unit, mem.peak / unit
+
+
+# (not bf16: the interpreter truncates fp32 to bf16 where the GPU rounds; tests/gpu covers it)
+@pytest.mark.parametrize("G,D,width,dtype", [(4, 128, 128, torch.float16), (2, 64, 60, torch.float32),
+                                             (3, 32, 17, torch.float16)])
+def test_group_sum_is_the_fp32_sum_rounded_once(G, D, width, dtype):
+    """common.group_sum: x[..., G, D] summed over G in fp32, cut to ``width`` columns, rounded once
+    to ``dtype`` (the grouped heads' dq and dk)."""
+    x = torch.randn(2, 37, 3, G, D)
+    y = common.group_sum(x, width, dtype)
+    want = x[..., :width].double().sum(-2)
+    assert y.shape == (2, 37, 3, width) and y.dtype == dtype
+    # rounded once: within half a unit in the last place of ``dtype`` (plus the fp32 sum's error)
+    half_ulp = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -23}[dtype]
+    assert ((y.double() - want).abs() <= want.abs() * (half_ulp + 2e-7) + 1e-6).all()

@@ -339,3 +339,30 @@ def tl_sum(x, axis: tl.constexpr):
     module's functions follow the setting at the time it is imported (and the interpreter
     recognises the standard combiner and sums in numpy)."""
     return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def group_sum_kernel(x, y, R, G: tl.constexpr, D: tl.constexpr, DO: tl.constexpr, BR: tl.constexpr,
+                     BD: tl.constexpr):
+    """y[r, :DO] = Σ_j x[r, j, :DO] for rows r of one block: fp32 sums, one rounding to y's dtype."""
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    m = (o_r < R)[:, None] & (o_d < DO)[None, :]
+    rows = o_r.to(tl.int64)[:, None]
+    acc = tl.zeros([BR, BD], dtype=tl.float32)
+    for j in range(0, G):
+        acc += tl.load(x + (rows * G + j) * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(y + rows * DO + o_d[None, :], acc.to(y.dtype.element_ty), mask=m)
+
+
+def group_sum(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """``x[..., G, D]`` (contiguous) summed over G, its first ``width`` columns, in ``dtype``:
+    ``x[..., :width].sum(-2).to(dtype)`` in one pass (the per-value-head dq and dk of grouped
+    heads: torch's sum and cast read and write the fp32 sums twice more)."""
+    *lead, G, D = x.shape
+    R = x.numel() // (G * D)
+    y = torch.empty(*lead, width, device=x.device, dtype=dtype)
+    BD = pow2(width)
+    BR = max(1, min(64, 4096 // BD))
+    group_sum_kernel[(cdiv(R, BR),)](x, y, R, G=G, D=D, DO=width, BR=BR, BD=BD, num_warps=4)
+    return y

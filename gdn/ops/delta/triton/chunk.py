@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import chunk_bwd, chunk_fwd
-from ...triton.common import Chunks, kernel_dtype, make_chunks, pad_zeros, pow2, sm_count
+from ...triton.common import Chunks, group_sum, kernel_dtype, make_chunks, pad_zeros, pow2, sm_count
 from ...triton.launch import precompile
 from ...tuning import DELTA, MIN_DIM
 
@@ -75,17 +75,19 @@ class ChunkFunction(torch.autograd.Function):
         Kp, Vp = max(MIN_DIM, pow2(K)), max(MIN_DIM, pow2(V))
         qp, kp, vp = pad_zeros(qp, 0, Kp - K), pad_zeros(kp, 0, Kp - K), pad_zeros(vp, 0, Vp - V)
         h0p = pad_zeros(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
-        # dq, dk, dv straight in the caller's dtype when nothing is summed or cast afterwards
+        # dq, dk, dv straight in the caller's dtype when nothing is summed or cast afterwards (dq and
+        # dk of a group of value heads are summed here; dv never is)
         gdt = io if HV == H and q.dtype == k.dtype == v.dtype == io else torch.float32
+        vdt = io if v.dtype == io else torch.float32
         lay = layout(ch, HV, Kp, Vp, qp.device)
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
             def dry_run():  # the launches of one forward + backward, recorded by precompile, not run
                 dht = torch.empty(ch.N, HV, Kp, Vp, device=qp.device) if want_final else None
                 _, _, ai, gam = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])
-                chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt, gam)
+                chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt, gam, vdt)
 
             inv = (DELTA["state_out"].get("from_inverse", False), DELTA["state_fwd"].get("from_inverse", False))
-            precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt, lay,
+            precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt, vdt, lay,
                         inv), dry_run)
         # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
         # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
@@ -94,7 +96,7 @@ class ChunkFunction(torch.autograd.Function):
         if ht is not None and (Kp, Vp) != (K, V):
             ht = ht[..., :K, :V].contiguous()
         ctx.save_for_backward(qp, kp, vp, gp, bp, h0p, Ai, G)
-        ctx.meta = (B, T, H, HV, K, V, scale, ch, gdt, q.dtype, k.dtype, v.dtype,
+        ctx.meta = (B, T, H, HV, K, V, scale, ch, gdt, vdt, q.dtype, k.dtype, v.dtype,
                     None if g is None else g.dtype, None if beta is None else beta.dtype,
                     None if h0 is None else h0.dtype)
         o = o.reshape(B, T, HV, V).to(v.dtype)
@@ -103,18 +105,18 @@ class ChunkFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         qp, kp, vp, gp, bp, h0p, Ai, G = ctx.saved_tensors
-        B, T, H, HV, K, V, scale, ch, gdt, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
+        B, T, H, HV, K, V, scale, ch, gdt, vdt, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
         Kp, Vp = kp.shape[-1], vp.shape[-1]
         dop = pad_zeros(do.reshape(B * T, HV, V).to(vp.dtype), 0, Vp - V)
         dhtp = pad_zeros(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
-        DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale, Ai, gdt, G)
+        DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale, Ai, gdt, G, vdt)
         G = HV // H
         if G == 1:  # no group to sum over
             dq = DQ[..., :K].reshape(B, T, H, K).to(q_dt)
             dk = DK[..., :K].reshape(B, T, H, K).to(k_dt)
         else:
-            dq = DQ.view(B, T, H, G, Kp)[..., :K].sum(3).to(q_dt)
-            dk = DK.view(B, T, H, G, Kp)[..., :K].sum(3).to(k_dt)
+            dq = group_sum(DQ.view(B, T, H, G, Kp), K, q_dt)
+            dk = group_sum(DK.view(B, T, H, G, Kp), K, k_dt)
         dv = DV[..., :V].reshape(B, T, HV, V).to(v_dt)
         dg = None if DG is None else DG.view(B, T, HV).to(g_dt)
         db = None if DB is None else DB.view(B, T, HV).to(b_dt)

@@ -333,14 +333,15 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DKO, DV, DB, DGAM, DG, cu, chun
 
 
 def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, grad_dtype=torch.float32,
-             gamma=None):
+             gamma=None, dv_dtype=None):
     """Gradients of the chunk op. Shapes in the packed layout: q, k [T, H, K]; v, do [T, HV, V]
     (q, k, v, do of one dtype); g, beta [T, HV] fp32 or None; h0, dht [N, HV, K, V] fp32 or None;
     ``Ai`` the forward's in-chunk inverse and ``gamma`` its γ (each recomputed when None).
     Returns (dq [T, HV, K], dk [T, HV, K], dv [T, HV, V], dg or None, dbeta or None, dh0 or None):
-    dq, dk and dv in ``grad_dtype`` (each accumulated in fp32 and rounded once; dv of the members
-    without the delta term is dδ, in the input dtype), the rest fp32; dq and dk are per value head
-    (the caller sums each group, so it asks for fp32 then)."""
+    dq and dk in ``grad_dtype``, dv in ``dv_dtype`` (default ``grad_dtype``; each accumulated in
+    fp32 and rounded once; dv of the members without the delta term is dδ, in the input dtype), the
+    rest fp32; dq and dk are per value head (the caller sums each group, so it asks for fp32 then,
+    while dv needs no sum and may come in the input dtype)."""
     from .chunk_fwd import forward_intermediates  # noqa: PLC0415
 
     T, H, K = k.shape
@@ -401,7 +402,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
            V=V, BT=BT, BK=BK, BV=BV, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, name="dqk")
     del h, dh, VN
     DKO = torch.empty(T, HV, K, device=dev, dtype=grad_dtype) if delta and grad_dtype != f32 else DK
-    DV = torch.empty(T, HV, V, device=dev, dtype=grad_dtype) if delta else DD
+    DV = torch.empty(T, HV, V, device=dev, dtype=dv_dtype or grad_dtype) if delta else DD
     DB = torch.empty(T, HV, device=dev, dtype=f32) if delta else None
     DG = torch.empty(T, HV, device=dev, dtype=f32) if gated else None
     if delta or gated:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ...triton.common import Chunks, kernel_dtype, make_chunks, pad_zeros, pow2
+from ...triton.common import Chunks, group_sum, kernel_dtype, make_chunks, pad_zeros, pow2
 from ...triton.launch import precompile
 from ...tuning import MAX_HEAD_DIM, MIN_DIM
 from . import chunk_bwd, chunk_fwd
@@ -83,8 +83,8 @@ class KDAChunkFunction(torch.autograd.Function):
             dq = DQ[..., :K].reshape(B, T, H, K).to(q_dt)
             dk = DK[..., :K].reshape(B, T, H, K).to(k_dt)
         else:
-            dq = DQ.view(B, T, H, m, Kp)[..., :K].sum(3).to(q_dt)
-            dk = DK.view(B, T, H, m, Kp)[..., :K].sum(3).to(k_dt)
+            dq = group_sum(DQ.view(B, T, H, m, Kp), K, q_dt)
+            dk = group_sum(DK.view(B, T, H, m, Kp), K, k_dt)
         dv = DV[..., :V].reshape(B, T, HV, V).to(v_dt)
         dg = DG[..., :K].reshape(B, T, HV, K).to(g_dt)
         db = DB.view(B, T, HV).to(b_dt)
