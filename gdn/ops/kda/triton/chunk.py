@@ -23,7 +23,8 @@ from ...tuning import MAX_HEAD_DIM, MIN_DIM
 from . import chunk_bwd, chunk_fwd
 
 
-def dry_run(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, grad_dtype=torch.float32) -> None:
+def dry_run(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, grad_dtype=torch.float32,
+            dv_dtype=None) -> None:
     """Every launch of one forward + backward on padded, packed inputs (q, k [T, H, K]; v [T, HV, V];
     g [T, HV, K]; beta [T, HV]; h0 [N, HV, K, V] or None), for :func:`gdn.ops.triton.launch.precompile` to
     record (outputs are uninitialised buffers)."""
@@ -32,7 +33,7 @@ def dry_run(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, gr
     G = chunk_fwd.gamma(g, ch)
     fw = chunk_fwd.forward_intermediates(q, k, v, G, beta, h0, ch, want_final, scale)
     chunk_fwd.output(fw, ch, scale, v.dtype)
-    chunk_bwd.backward(q, k, v, G, beta, h0, v, dht, ch, scale, (fw.Ai, fw.P), grad_dtype)
+    chunk_bwd.backward(q, k, v, G, beta, h0, v, dht, ch, scale, (fw.Ai, fw.P), grad_dtype, dv_dtype)
 
 
 class KDAChunkFunction(torch.autograd.Function):
@@ -55,9 +56,10 @@ class KDAChunkFunction(torch.autograd.Function):
         h0p = pad_zeros(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
         # dq, dk, dv straight in the caller's dtype when nothing is summed or cast afterwards
         gdt = io if HV == H and q.dtype == k.dtype == v.dtype == io else torch.float32
+        vdt = io if v.dtype == io else torch.float32  # dv is never summed over a group
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
-            precompile(("kda", Kp, Vp, io, h0p is None, want_final, qp.device, H, HV, gdt),
-                       lambda: dry_run(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, gdt))
+            precompile(("kda", Kp, Vp, io, h0p is None, want_final, qp.device, H, HV, gdt, vdt),
+                       lambda: dry_run(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, gdt, vdt))
         G = chunk_fwd.gamma(gp, ch)
         fw = chunk_fwd.forward_intermediates(qp, kp, vp, G, bp, h0p, ch, want_final, scale)
         o, ht = chunk_fwd.output(fw, ch, scale, io)[..., :V], fw.ht
@@ -66,18 +68,18 @@ class KDAChunkFunction(torch.autograd.Function):
         if ht is not None and (Kp, Vp) != (K, V):
             ht = ht[..., :K, :V].contiguous()
         ctx.save_for_backward(qp, kp, vp, G, bp, h0p, Ai, P)
-        ctx.meta = (B, T, H, HV, K, V, scale, ch, gdt, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
+        ctx.meta = (B, T, H, HV, K, V, scale, ch, gdt, vdt, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
                     None if h0 is None else h0.dtype)
         return o.reshape(B, T, HV, V).to(v.dtype), ht
 
     @staticmethod
     def backward(ctx, do, dht):
         qp, kp, vp, G, bp, h0p, Ai, P = ctx.saved_tensors
-        B, T, H, HV, K, V, scale, ch, gdt, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
+        B, T, H, HV, K, V, scale, ch, gdt, vdt, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
         Kp, Vp = kp.shape[-1], vp.shape[-1]
         dop = pad_zeros(do.reshape(B * T, HV, V).to(vp.dtype), 0, Vp - V)
         dhtp = pad_zeros(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
-        DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, G, bp, h0p, dop, dhtp, ch, scale, (Ai, P), gdt)
+        DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, G, bp, h0p, dop, dhtp, ch, scale, (Ai, P), gdt, vdt)
         m = HV // H
         if m == 1:  # one value head per key head: nothing to sum (a size-1 sum is still a kernel)
             dq = DQ[..., :K].reshape(B, T, H, K).to(q_dt)

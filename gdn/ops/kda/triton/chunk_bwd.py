@@ -342,13 +342,14 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu,
 
 
 def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple | None = None,
-             grad_dtype=torch.float32):
+             grad_dtype=torch.float32, dv_dtype=None):
     """Gradients of the chunk KDA. Packed, padded shapes: q, k [T, H, K]; v, do [T, HV, V] (one
     dtype); G [T, HV, K] fp32 (the forward's γ); beta [T, HV] fp32; h0, dht [N, HV, K, V] fp32 or
     None; kkt: the forward's (Ai, P), else recomputed. Returns (dq [T, HV, K], dk [T, HV, K],
-    dv [T, HV, V], dg [T, HV, K], dbeta [T, HV], dh0 [N, HV, K, V] or None): dq, dk and dv in
-    ``grad_dtype`` (each accumulated in fp32 and rounded once, by the kernel that finishes it), the
-    rest fp32; dq and dk per value head (the caller sums each group, so it asks for fp32 then)."""
+    dv [T, HV, V], dg [T, HV, K], dbeta [T, HV], dh0 [N, HV, K, V] or None): dq and dk in
+    ``grad_dtype``, dv in ``dv_dtype`` (default ``grad_dtype``; each accumulated in fp32 and rounded
+    once, by the kernel that finishes it), the rest fp32; dq and dk per value head (the caller sums
+    each group, so it asks for fp32 then, while dv needs no sum)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     prec, DT, io, dev, f32 = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype, v.device, torch.float32
@@ -376,7 +377,7 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple
     launch(dqk_kernel, (K // BK + 1, ch.NT, HV), q, k, G, VN, do, h, dh, DD, DQ, DK, DW, DGAM, DP, ch.cu, ch.chunk_idx,
            scale, H, HV, K=K, V=V, BK=BK, BV=BV, PREC=prec, name="dqk", io=io)
     del h, dh, VN
-    DV = torch.empty(T, HV, V, device=dev, dtype=grad_dtype)
+    DV = torch.empty(T, HV, V, device=dev, dtype=dv_dtype or grad_dtype)
     DB = torch.empty(T, HV, device=dev, dtype=f32)
     DA = torch.empty(T, HV, 64, device=dev, dtype=f32)
     launch(wy_bwd_kernel, (ch.NT, HV), k, v, G, beta, Ai, DD, DW, DK, DGAM, DV, DB, DA, ch.cu, ch.chunk_idx, H, HV,
