@@ -1,6 +1,7 @@
 """Run a function on N CPU processes (gloo) with torch.multiprocessing.spawn."""
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import traceback
@@ -25,6 +26,10 @@ def _entry(rank, world, init_file, fn, args):
         traceback.print_exc()
         raise
     finally:
+        # the body's objects that hold the group (a ContextParallel kept by an autograd context) can
+        # sit in reference cycles: collect them, so that the group is torn down here and not by a
+        # destructor at interpreter exit, after the threads it joins may be gone
+        gc.collect()
         dist.destroy_process_group()
 
 
