@@ -358,8 +358,11 @@ def group_sum_kernel(x, y, R, G: tl.constexpr, D: tl.constexpr, DO: tl.constexpr
 def group_sum(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     """``x[..., G, D]`` (contiguous) summed over G, its first ``width`` columns, in ``dtype``:
     ``x[..., :width].sum(-2).to(dtype)`` in one pass (the per-value-head dq and dk of grouped
-    heads: torch's sum and cast read and write the fp32 sums twice more)."""
+    heads: torch's sum and cast read and write the fp32 sums twice more). With G = 1 nothing is
+    summed: a view of x, cast only if ``dtype`` differs."""
     *lead, G, D = x.shape
+    if G == 1:
+        return x[..., 0, :width].to(dtype)
     R = x.numel() // (G * D)
     y = torch.empty(*lead, width, device=x.device, dtype=dtype)
     BD = pow2(width)

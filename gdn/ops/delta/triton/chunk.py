@@ -110,13 +110,8 @@ class ChunkFunction(torch.autograd.Function):
         dop = pad_zeros(do.reshape(B * T, HV, V).to(vp.dtype), 0, Vp - V)
         dhtp = pad_zeros(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
         DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale, Ai, gdt, G, vdt)
-        G = HV // H
-        if G == 1:  # no group to sum over
-            dq = DQ[..., :K].reshape(B, T, H, K).to(q_dt)
-            dk = DK[..., :K].reshape(B, T, H, K).to(k_dt)
-        else:
-            dq = group_sum(DQ.view(B, T, H, G, Kp), K, q_dt)
-            dk = group_sum(DK.view(B, T, H, G, Kp), K, k_dt)
+        dq = group_sum(DQ.view(B, T, H, HV // H, Kp), K, q_dt)  # summed over each key head's value heads
+        dk = group_sum(DK.view(B, T, H, HV // H, Kp), K, k_dt)
         dv = DV[..., :V].reshape(B, T, HV, V).to(v_dt)
         dg = None if DG is None else DG.view(B, T, HV).to(g_dt)
         db = None if DB is None else DB.view(B, T, HV).to(b_dt)

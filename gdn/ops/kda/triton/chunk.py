@@ -80,13 +80,8 @@ class KDAChunkFunction(torch.autograd.Function):
         dop = pad_zeros(do.reshape(B * T, HV, V).to(vp.dtype), 0, Vp - V)
         dhtp = pad_zeros(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
         DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, G, bp, h0p, dop, dhtp, ch, scale, (Ai, P), gdt, vdt)
-        m = HV // H
-        if m == 1:  # one value head per key head: nothing to sum (a size-1 sum is still a kernel)
-            dq = DQ[..., :K].reshape(B, T, H, K).to(q_dt)
-            dk = DK[..., :K].reshape(B, T, H, K).to(k_dt)
-        else:
-            dq = group_sum(DQ.view(B, T, H, m, Kp), K, q_dt)
-            dk = group_sum(DK.view(B, T, H, m, Kp), K, k_dt)
+        dq = group_sum(DQ.view(B, T, H, HV // H, Kp), K, q_dt)  # summed over each key head's value heads
+        dk = group_sum(DK.view(B, T, H, HV // H, Kp), K, k_dt)
         dv = DV[..., :V].reshape(B, T, HV, V).to(v_dt)
         dg = DG[..., :K].reshape(B, T, HV, K).to(g_dt)
         db = DB.view(B, T, HV).to(b_dt)
