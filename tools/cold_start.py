@@ -3,6 +3,13 @@ times its first forward (which compiles the forward's and the backward's kernels
 threads), its first backward, then a second forward + backward (everything compiled).
 
     python tools/cold_start.py [--op gdn|kda] [--shape 8x2048] [--heads 16] [--dim 128] [--repeat 2]
+    python tools/cold_start.py --op kda --timeline   # where the first forward's seconds go
+
+``--timeline`` first runs a trivial Triton kernel (Triton's one-time setup of the process, timed
+apart), then prints for each kernel compiled during the first forward its start and end (seconds
+from the call) and the CPU seconds its thread spent, and the sum of those against the call's wall
+time: compiles that overlap in wall time but whose CPU seconds add up to the span are serialised
+(by the GIL or one busy core), not parallel.
 
 Each repeat is a new process with its own empty cache directory (removed afterwards). Inputs:
 bf16 q, k (L2-normalised), v; fp32 g = logsigmoid(N(0, 1) + 3) (per head for gdn, per channel for
@@ -27,7 +34,46 @@ sys.path.insert(0, str(ROOT))
 from gdn.cli import _positive_int as positive  # noqa: E402  (the CLI's argument type: one message for all)
 
 
-def child(op: str, B: int, T: int, H: int, D: int, device: str) -> None:
+def trace_compiles():
+    """Wrap Triton's compile entry point so each compile records (name, start, end, thread CPU s);
+    returns the list the records go to."""
+    import threading  # noqa: PLC0415
+
+    import triton.compiler as tc  # noqa: PLC0415
+
+    records, inner, lock = [], tc.compile, threading.Lock()
+
+    def timed(src, *args, **kwargs):
+        w0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return inner(src, *args, **kwargs)
+        finally:
+            name = getattr(getattr(src, "fn", None), "__name__", "?")
+            with lock:
+                records.append((name, w0, time.perf_counter(), time.thread_time() - c0))
+
+    tc.compile = timed
+    return records
+
+
+def setup_seconds() -> float:
+    """Seconds of a trivial Triton kernel's first launch: Triton's one-time setup of the process."""
+    import torch  # noqa: PLC0415
+    import triton  # noqa: PLC0415
+    import triton.language as tl  # noqa: PLC0415
+
+    @triton.jit
+    def _one(x):
+        tl.store(x, 1.0)
+
+    x = torch.zeros(1, device="cuda")
+    t0 = time.perf_counter()
+    _one[(1,)](x)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def child(op: str, B: int, T: int, H: int, D: int, device: str, timeline: bool = False) -> None:
     """Run in the fresh process: build the inputs, time the calls, print one line."""
     import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: PLC0415
@@ -55,10 +101,19 @@ def child(op: str, B: int, T: int, H: int, D: int, device: str) -> None:
             torch.cuda.synchronize()
 
     sync()
+    records = None
+    if timeline and device == "cuda":
+        print(f"Triton setup (a trivial kernel's first launch): {setup_seconds():.2f} s", flush=True)
+        records = trace_compiles()
     t0 = time.perf_counter()
     o, _ = fn(q, k, v, g, b)
     sync()
     t1 = time.perf_counter()
+    if records is not None:
+        for name, w0, w1, cpu in sorted(records, key=lambda r: r[1]):
+            print(f"  {name:28s} {w0 - t0:6.2f} → {w1 - t0:6.2f} s  (wall {w1 - w0:5.2f}, thread CPU {cpu:5.2f})")
+        print(f"  {len(records)} compiles: thread CPU {sum(r[3] for r in records):.2f} s, wall of the forward "
+              f"{t1 - t0:.2f} s", flush=True)
     o.float().square().sum().backward()
     sync()
     t2 = time.perf_counter()
@@ -90,11 +145,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=positive, default=128, help="K = V")
     ap.add_argument("--repeat", type=positive, default=1, help="cold processes, one after another")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--timeline", action="store_true", help="per-kernel compile times of the first forward")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     (B, T), H, D = a.shape, a.heads, a.dim
     if a.child:
-        child(a.op, B, T, H, D, a.device)
+        child(a.op, B, T, H, D, a.device, a.timeline)
         return 0
     for _ in range(a.repeat):
         cache = tempfile.mkdtemp(prefix="gdn-cold-")
@@ -103,7 +159,8 @@ def main(argv=None) -> int:
             env["TRITON_INTERPRET"] = "1"
         try:
             p = subprocess.run([sys.executable, __file__, "--child", "--op", a.op, "--shape", f"{B}x{T}",
-                                "--heads", str(H), "--dim", str(D), "--device", a.device], env=env)
+                                "--heads", str(H), "--dim", str(D), "--device", a.device]
+                               + (["--timeline"] if a.timeline else []), env=env)
         finally:
             shutil.rmtree(cache, ignore_errors=True)
         if p.returncode:
