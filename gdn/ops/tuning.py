@@ -101,13 +101,15 @@ DELTA = {
 KDA = {
     "gamma": dict(num_warps=4, stages=(1,), BK=64),
     # Whole-chunk products (kkt_kernel: per K tile one [64, BK] × [BK, 64] product per row block, A
-    # through an fp32 scratch, then the block solve). bf16, 8 warps: 248 registers at BK = 64, 184 at
+    # to an fp32 scratch; the block solve was its tail then, solve_kernel now). bf16, 8 warps: 248 registers at BK = 64, 184 at
     # 32, no spills; fp32 spills 496 bytes at 64, 80 at 32. (8, 2048, 16, 128) bf16 on the H200:
     # 602 µs, against 663 for the earlier row-block-by-row-block kernel at its best setting (2 warps,
     # BK = 32, which spilled 128 bytes; BK = 16, BKD = 4 without spills: 788) (benchmarks/kda_gpu.py
     # --profile --config, 2026-12-01). At 4 warps: 588 -> 361 µs at that shape (2026-12-02; two
     # stages at 8 warps: 683; ptxas: 255 registers, 8 + 8 B of spills); fp32 inputs keep 8.
     "kkt": dict(num_warps=4, stages=(1,), BK=64, BKD=8, fp32=dict(BK=32, num_warps=8)),
+    # The block solve of kkt's A (solve_kernel), split off kkt so the two compile in parallel.
+    "solve": dict(num_warps=2, stages=(1,)),
     # wu at three stages: 526 -> 437 µs over its two runs in a forward+backward at (8, 2048, 16, 128)
     # bf16 on the H200 (K and V tiles of 64 at two stages: 453).
     "wu": dict(num_warps=8, stages=(3,), BK=32, BV=32),

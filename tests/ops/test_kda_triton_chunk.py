@@ -263,13 +263,13 @@ def test_precompile_records_every_kernel_once_per_kind(monkeypatch, caplog):
     for _ in range(2):
         C.precompile("key", lambda: dry_run(*args))
     assert C._RECORD is None
-    expected = {"gamma_kernel", "kkt_kernel", "wu_kernel", "state_fwd_kernel", "output_kernel", "dv_local_kernel",
+    expected = {"gamma_kernel", "kkt_kernel", "solve_kernel", "wu_kernel", "state_fwd_kernel", "output_kernel", "dv_local_kernel",
                 "state_bwd_kernel", "dqk_kernel", "wy_bwd_kernel", "intra_bwd_kernel"}
     # the backward recomputes wu and the state pass, which compiles each of its candidates (waves)
     from gdn.ops.kda.triton.chunk_fwd import entry
 
     n_state = len(entry("state_fwd", torch.float32)["stages"])
-    assert set(warmed) == expected and len(warmed) == 10 + 2 * n_state
+    assert set(warmed) == expected and len(warmed) == 11 + 2 * n_state
     assert sorted(built) == sorted(warmed)  # and each compiled kernel's launcher built there too
 
     def fail(ck):
@@ -278,7 +278,7 @@ def test_precompile_records_every_kernel_once_per_kind(monkeypatch, caplog):
     monkeypatch.setattr(C, "build_launcher", fail)  # launchers left to the first launch, quietly
     with caplog.at_level("WARNING", logger=C.log.name):
         C.precompile("another key", lambda: dry_run(*args))
-    assert len(warmed) == 2 * (10 + 2 * n_state) and not caplog.records
+    assert len(warmed) == 2 * (11 + 2 * n_state) and not caplog.records
 
 
 def test_entry_takes_the_overrides_of_the_input_dtype(monkeypatch):

@@ -246,7 +246,7 @@ def inv_unit_lower16(A, INV: tl.constexpr):
     o = tl.arange(0, 16)
     M = -A
     X = (o[:, None] == o[None, :]).to(tl.float32) + M
-    for _ in tl.static_range(3):
+    for _ in range(3):
         M = tl.dot(M, M, input_precision=INV)
         X = X + tl.dot(X, M, input_precision=INV)
     return X
@@ -262,7 +262,7 @@ def load16(X_, rows, m, HV, i_hv, col0):
 
 
 @triton.jit
-def store16(X_, X, rows, m, HV, i_hv, col0: tl.constexpr):
+def store16(X_, X, rows, m, HV, i_hv, col0):
     """Rows ``rows`` of a [T, HV, 64] buffer, columns col0 … col0 + 15, from the 16×16 block X."""
     o = tl.arange(0, 16)
     tl.store(X_ + (rows[:, None] * HV + i_hv) * 64 + col0 + o[None, :], X.to(X_.dtype.element_ty), mask=m[:, None])

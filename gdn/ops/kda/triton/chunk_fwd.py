@@ -172,7 +172,7 @@ def gamma_kernel(g, G, cu, chunk_idx, HV, K: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _kkt_diag(q, k, G, t0, eos, I: tl.constexpr, i_h, i_hv, H, HV, K: tl.constexpr, BK: tl.constexpr):
+def _kkt_diag(q, k, G, t0, eos, I, i_h, i_hv, H, HV, K: tl.constexpr, BK: tl.constexpr):
     """(A_II without β, P_II) [16, 16] of diagonal block I from pairwise exponents, one [16, 16, BK]
     exponent tensor per K tile for both: exact for any decay, and the kernel's slow path (taken
     only where a channel decays by more than ``SPAN`` across the block)."""
@@ -191,7 +191,7 @@ def _kkt_diag(q, k, G, t0, eos, I: tl.constexpr, i_h, i_hv, H, HV, K: tl.constex
 
 
 @triton.jit
-def _row_beta(beta, t0, eos, I: tl.constexpr, HV, i_hv):
+def _row_beta(beta, t0, eos, I, HV, i_hv):
     """β of row block I as a [16, 1] column (0 off the sequence)."""
     r = t0 + I * 16 + tl.arange(0, 16)
     return tl.load(beta + r * HV + i_hv, mask=r < eos, other=0.0)[:, None]
@@ -211,15 +211,14 @@ def lower(X):
 
 
 @triton.jit
-def kkt_kernel(q, k, G, beta, Ai, P, A, cu, chunk_idx, H, HV, K: tl.constexpr, BK: tl.constexpr,
+def kkt_kernel(q, k, G, beta, P, A, cu, chunk_idx, H, HV, K: tl.constexpr, BK: tl.constexpr,
                BKD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr):
-    """Ai = (I + A)⁻¹ and P (both [T, HV, 64], rows of each chunk) from whole-chunk products: per K
-    tile, the rows scaled once through their own block's reference row, X ⊙ exp(γ_i − γ_r(i)) (≤ 1),
-    and for each row block I one [64, BK] × [BK, 64] product of those rows of I with
+    """A (fp32, β folded in, strictly lower) and P (both [T, HV, 64], rows of each chunk) from
+    whole-chunk products, for :func:`solve_kernel` to invert A: per K tile, the rows scaled once
+    through their own block's reference row, X ⊙ exp(γ_i − γ_r(i)) (≤ 1), and for each row block I one [64, BK] × [BK, 64] product of those rows of I with
     K ⊙ exp(min(γ_rI − γ_j, SPAN)) (≤ 1 for j before I, capped on the diagonal, zero past it).
-    A = diag(β) (strict lower part) goes through the fp32 scratch A ([T, HV, 64]); a diagonal block
-    where a channel decays by more than SPAN across it is rewritten there and in P from pairwise
-    exponents; then the block solve (common.solve_blocks) reads A's ten lower blocks back."""
+    A = diag(β) (strict lower part) is stored, then a diagonal block where a channel decays by
+    more than SPAN across it is rewritten there and in P from pairwise exponents."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
@@ -253,13 +252,23 @@ def kkt_kernel(q, k, G, beta, Ai, P, A, cu, chunk_idx, H, HV, K: tl.constexpr, B
     tl.store(A + p_a, tl.where(o_t[:, None] > o_t[None, :], b_A, 0.0) * b_b[:, None], mask=m[:, None])
     tl.store(P + p_a, tl.where(o_t[:, None] >= o_t[None, :], b_P, 0.0).to(P.dtype.element_ty), mask=m[:, None])
     o = tl.arange(0, 16)
-    for I in tl.static_range(4):
+    # the slow path in a run-time loop: unrolled, it is most of the kernel's compile time
+    for I in range(4):
         if tl.max(tl.where((blk == I) & m, span, 0.0), axis=0) > SPAN:
             ad, pd = _kkt_diag(q, k, G, t0, eos, I, i_h, i_hv, H, HV, K, BKD)
             r_i = t0 + I * 16 + o
             store16(A, strict(ad) * _row_beta(beta, t0, eos, I, HV, i_hv), r_i, r_i < eos, HV, i_hv, I * 16)
             store16(P, lower(pd), r_i, r_i < eos, HV, i_hv, I * 16)
-    tl.debug_barrier()
+
+
+@triton.jit
+def solve_kernel(A, Ai, cu, chunk_idx, HV):
+    """Ai = (I + A)⁻¹ for each chunk from kkt's A ([T, HV, 64] fp32, strictly lower): the block solve
+    (common.solve_blocks) in fp32. Its own kernel rather than kkt's tail: the two compile in
+    parallel on a first call (together, kkt was the longest compile of the chunk op by 2×)."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
+    o = tl.arange(0, 16)
     r0 = t0 + o
     r1 = r0 + 16
     r2 = r0 + 32
@@ -422,9 +431,10 @@ def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool, sc
         Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
         P = torch.empty(T, HV, BT, device=dev, dtype=io)
         A = torch.empty(T, HV, BT, device=dev, dtype=torch.float32)
-        launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, Ai, P, A, ch.cu, ch.chunk_idx, H, HV, K=K,
+        launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, P, A, ch.cu, ch.chunk_idx, H, HV, K=K,
                BK=ktile("kkt", K, io), BKD=min(entry("kkt", io)["BKD"], K), PREC=prec, DT=DT,
                SPAN=SPAN_FP16 if io == torch.float16 else SPAN, name="kkt", io=io)
+        launch(solve_kernel, (ch.NT, HV), A, Ai, ch.cu, ch.chunk_idx, HV, name="solve", io=io)
         del A
     else:
         Ai, P = kkt
