@@ -31,31 +31,19 @@ from ...tuning import chunk_tiles as tiles
 
 
 @triton.jit
-def _decayed(X, gi, gj, DIAG: tl.constexpr, STRICT: tl.constexpr, USE_G: tl.constexpr):
-    """A raw 16 × 16 block X_i X_jᵀ times exp(γ_i − γ_j); a diagonal block (DIAG) keeps its lower
-    triangle, its diagonal too unless STRICT."""
+def _block_a(Aij, b_i, gi, gj, DIAG: tl.constexpr, USE_G: tl.constexpr):
+    """Scale the raw block K_i K_jᵀ into A_ij = β_i (k_i·k_j) exp(γ_i − γ_j); a diagonal block (DIAG)
+    keeps its strict lower triangle."""
     o = tl.arange(0, 16)
-    keep = o[:, None] > o[None, :] if STRICT else o[:, None] >= o[None, :]
+    keep = o[:, None] > o[None, :]
     if USE_G:
         if DIAG:
-            X = X * tl.exp(tl.where(keep, gi[:, None] - gj[None, :], float("-inf")))
+            Aij = Aij * tl.exp(tl.where(keep, gi[:, None] - gj[None, :], float("-inf")))
         else:
-            X = X * tl.exp(gi[:, None] - gj[None, :])
+            Aij = Aij * tl.exp(gi[:, None] - gj[None, :])
     elif DIAG:
-        X = tl.where(keep, X, 0.0)
-    return X
-
-
-@triton.jit
-def _block_a(Aij, b_i, gi, gj, DIAG: tl.constexpr, USE_G: tl.constexpr):
-    """Scale the raw block K_i K_jᵀ into A_ij = β_i (k_i·k_j) exp(γ_i − γ_j) (strictly lower)."""
-    return _decayed(Aij, gi, gj, DIAG, True, USE_G) * b_i[:, None]
-
-
-@triton.jit
-def _block_p(Pij, gi, gj, DIAG: tl.constexpr, USE_G: tl.constexpr):
-    """Scale the raw block Q_i K_jᵀ into P_ij = (q_i·k_j) exp(γ_i − γ_j) (j ≤ i: lower, diagonal kept)."""
-    return _decayed(Pij, gi, gj, DIAG, False, USE_G)
+        Aij = tl.where(keep, Aij, 0.0)
+    return Aij * b_i[:, None]
 
 
 @triton.jit
@@ -111,9 +99,28 @@ def kkt_solve_kernel(k, g, beta, Ai, G, q, P, cu, chunk_idx, H, HV, K: tl.conste
             tl.store(G + r1 * HV + i_hv, g1, mask=m1)
             tl.store(G + r2 * HV + i_hv, g2, mask=m2)
             tl.store(G + r3 * HV + i_hv, g3, mask=m3)
+    if STORE_P:
+        # one whole-chunk [64, BK] × [BK, 64] product in its own loop, stored before the A blocks
+        # exist: accumulated beside them (ten 16 × 16 blocks each) ptxas spills 68 + 72 B at sm_90
+        rr = t0 + tl.arange(0, 64)
+        mr = rr < eos
+        b_p = tl.zeros([64, 64], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            mrk = mr[:, None] & (o_k < K)[None, :]
+            b_q = tl.load(q + (rr[:, None] * H + i_h) * K + o_k[None, :], mask=mrk, other=0.0)
+            b_kj = tl.load(k + (rr[:, None] * H + i_h) * K + o_k[None, :], mask=mrk, other=0.0)
+            b_p += tl.dot(b_q, tl.trans(b_kj), input_precision=PREC)
+        keep = rr[:, None] >= rr[None, :]
+        if USE_G:
+            gg, _ = gate_cumsum(g, rr, mr, HV, i_hv)
+            b_p = b_p * tl.exp(tl.where(keep, gg[:, None] - gg[None, :], float("-inf")))
+        else:
+            b_p = tl.where(keep, b_p, 0.0)
+        tl.store(P + (rr[:, None] * HV + i_hv) * 64 + tl.arange(0, 64)[None, :], b_p.to(P.dtype.element_ty),
+                 mask=mr[:, None])
     z = tl.zeros([16, 16], dtype=tl.float32)
     A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = z, z, z, z, z, z, z, z, z, z
-    P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = z, z, z, z, z, z, z, z, z, z
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         mk = o_k < K
@@ -125,20 +132,6 @@ def kkt_solve_kernel(k, g, beta, Ai, G, q, P, cu, chunk_idx, H, HV, K: tl.conste
         k3 = tl.load(k + (r3[:, None] * H + i_h) * K + o_k[None, :], mask=m3[:, None] & mk[None, :], other=0.0)
         A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = _lower_dots(
             A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, k0, k1, k2, k3, k0, k1, k2, k3, PREC)
-        if STORE_P:
-            q0 = tl.load(q + (r0[:, None] * H + i_h) * K + o_k[None, :], mask=m0[:, None] & mk[None, :], other=0.0)
-            q1 = tl.load(q + (r1[:, None] * H + i_h) * K + o_k[None, :], mask=m1[:, None] & mk[None, :], other=0.0)
-            q2 = tl.load(q + (r2[:, None] * H + i_h) * K + o_k[None, :], mask=m2[:, None] & mk[None, :], other=0.0)
-            q3 = tl.load(q + (r3[:, None] * H + i_h) * K + o_k[None, :], mask=m3[:, None] & mk[None, :], other=0.0)
-            P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = _lower_dots(
-                P00, P10, P11, P20, P21, P22, P30, P31, P32, P33, q0, q1, q2, q3, k0, k1, k2, k3, PREC)
-    if STORE_P:  # stored before the solve, whose blocks then have the registers
-        store_blocks(P, _block_p(P00, g0, g0, True, USE_G), _block_p(P10, g1, g0, False, USE_G),
-                     _block_p(P11, g1, g1, True, USE_G), _block_p(P20, g2, g0, False, USE_G),
-                     _block_p(P21, g2, g1, False, USE_G), _block_p(P22, g2, g2, True, USE_G),
-                     _block_p(P30, g3, g0, False, USE_G), _block_p(P31, g3, g1, False, USE_G),
-                     _block_p(P32, g3, g2, False, USE_G), _block_p(P33, g3, g3, True, USE_G),
-                     r0, r1, r2, r3, m0, m1, m2, m3, HV, i_hv)
     A00 = _block_a(A00, b0, g0, g0, True, USE_G)
     A11 = _block_a(A11, b1, g1, g1, True, USE_G)
     A22 = _block_a(A22, b2, g2, g2, True, USE_G)
