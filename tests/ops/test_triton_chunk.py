@@ -412,6 +412,23 @@ def test_narrow_values_take_the_fused_forward(monkeypatch):
         assert want in names and other not in names, (V, names)
 
 
+def test_output_kernel_keeps_value_tiles_of_64_for_half_inputs(monkeypatch):
+    """A launch table asking the output kernel for value tiles of 32 gets them for fp32 inputs only:
+    for bf16 and fp16 the tile stays 64 wide (narrower ones are miscompiled on the H200)."""
+    from gdn.ops.delta.triton import chunk_fwd
+
+    monkeypatch.setitem(tuning.DELTA, "output", dict(tuning.DELTA["output"], BV=32))
+    ch = common.make_chunks(1, 70, None, torch.device("cpu"))
+    for dtype, want in ((torch.float32, 32), (torch.bfloat16, 64), (torch.float16, 64)):
+        q = torch.randn(70, 1, 32, dtype=dtype)
+        v = torch.randn(70, 2, 128, dtype=dtype)
+        h = torch.zeros(ch.NT, 2, 32, 128, dtype=dtype)
+        with L.recording() as rec:
+            chunk_fwd.output(q, q, v, -torch.rand(70, 2), h, v, ch, 0.25, dtype)
+        (kernel, grid, _, meta), = rec
+        assert kernel.fn.__name__ == "output_kernel" and meta["BV"] == want and grid[0] == 128 // want, (dtype, meta)
+
+
 def test_fused_forward_never_takes_one_stage():
     """state_out has no one-stage candidate, although the fewest-waves rule would take it where one
     stage holds more programs per multiprocessor (K = V = 256, and fp32 at K = 128; tools/sass_cpu.py

@@ -739,6 +739,11 @@ def output(q, k, v, g, h, VN, ch: Chunks, scale: float, out_dtype):
     HV, V = v.shape[1], v.shape[2]
     o = torch.empty(T, HV, V, device=v.device, dtype=out_dtype)
     BK, BV = tiles("output", K, V)
+    if v.dtype != torch.float32:
+        # value tiles of at least 64 for half inputs, whatever the launch table says: triton 3.6 on
+        # the H200 compiles this kernel's 16- and 32-wide ones wrong (o off by 180 % at V = 16 and
+        # by 240 % at K = 128, BV = 32; docs/TRITON.md, "Rules from the GPU")
+        BV = max(BV, min(64, pow2(V)))
     launch(output_kernel, (cdiv(V, BV), ch.NT, HV),
            q, k, v, g if g is not None else v, h, VN if VN is not None else v, o, ch.cu, ch.chunk_idx, scale,
            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, DELTA=VN is not None,
