@@ -173,6 +173,60 @@ def test_split_state_pass(member, L, monkeypatch):
     assert not bad, bad
 
 
+def _warm(monkeypatch, L, log_eps=-16.0):
+    """Force the warm-started split state pass (segments of L chunks) and the two-stage forward,
+    whose state pass it splits (the fused pass is never split; value heads of 64 or more, as
+    narrower ones always take the fused pass)."""
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=L, warm=True, log_eps=log_eps))
+    monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=10 ** 9))
+
+
+@pytest.mark.parametrize("member", MEMBERS)
+@pytest.mark.parametrize("L", [1, 2])
+def test_warm_split_state_pass(member, L, monkeypatch):
+    """The warm-started split (each segment walks back until the chunks' decay bounds the carried
+    state below e^-16, or to its sequence's start) on packed sequences with an empty, a one-token
+    and multi-chunk members and an initial state, forward and backward: the reference's results.
+    (Members without a gate take the chained split instead.)"""
+    _warm(monkeypatch, L)
+    errs = _run_both(member, B=1, T=458, H=1, HV=2, K=16, V=64, dtype=torch.float32, lens=[65, 1, 0, 328, 64],
+                     seed=12)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
+    assert not bad, bad
+
+
+def _decaying(T, g_value, key_scale=1.0, seed=13):
+    d = make_inputs(B=1, T=T, H=1, HV=1, K=16, V=64, dtype=torch.float64, seed=seed)
+    d["g"] = torch.full_like(d["g"], g_value)
+    d["k"] = d["k"] * key_scale
+    ro, rS = reference.run(d["q"], d["k"], d["v"], d["g"], d["beta"], None, d["initial_state"], True, None)
+    f = {n: (x.float() if x is not None else None) for n, x in d.items()}
+    o, S = chunk_op(f["q"], f["k"], f["v"], f["g"], f["beta"], initial_state=f["initial_state"], output_final_state=True)
+    return rel_err(o, ro), rel_err(S, rS)
+
+
+def test_warm_split_truncates_only_what_the_decay_bounds(monkeypatch):
+    """One sequence of six chunks, segments of one chunk, every token decaying by 0.2 (12.8 per
+    chunk): with the bound at e^-16 each segment warms up over two chunks and the results are the
+    reference's; with no warm-up at all (the bound already met at the start) each segment starts
+    from a zero state and its first rows are wrong, so the warm-up is what makes them right."""
+    _warm(monkeypatch, 1)
+    eo, eS = _decaying(384, -0.2)
+    assert eo <= TOL[torch.float32] and eS <= TOL[torch.float32], (eo, eS)
+    _warm(monkeypatch, 1, log_eps=1.0)
+    eo, eS = _decaying(384, -0.2)
+    assert eo > 1e-2, eo
+
+
+def test_warm_split_counts_keys_that_expand_the_state(monkeypatch):
+    """Keys of norm 2 (β‖k‖² up to 4: I − β k kᵀ stretches along k by up to 3) under a decay that
+    alone would end the warm-up after one chunk: the bound adds log |1 − β‖k‖²| per token, the walk
+    goes back to the sequence start and the results are the reference's."""
+    _warm(monkeypatch, 1)
+    eo, eS = _decaying(256, -0.3, key_scale=2.0)
+    assert eo <= 1e-4 and eS <= 1e-4, (eo, eS)
+
+
 @pytest.mark.parametrize("member", MEMBERS)
 @pytest.mark.parametrize("fill", [0, 10 ** 9], ids=["fused", "two-stage"])
 def test_forward_paths(member, fill, monkeypatch):

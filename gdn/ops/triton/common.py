@@ -58,6 +58,7 @@ class Segments:
     NS: int
     L: int  # chunks per segment (the last of a sequence may have fewer)
     max_ns: int  # segments of the longest sequence
+    seq: torch.Tensor | None = None  # [NS] the sequence of each segment
 
 
 def _to_device_many(arrays, device: torch.device) -> list[torch.Tensor]:
@@ -93,8 +94,9 @@ def make_segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
     ends = torch.minimum(bos + L * BT, cu[1:][seq])
     seg_cu = torch.cat([bos, ends[-1:]]) if NS else cu[-1:]
     assert NS == 0 or bool((seg_cu[1:-1] == ends[:-1]).all()), "segments must tile the token stream"
-    d_cu, d_off, d_first, d_count = _to_device_many([t.numpy() for t in (seg_cu, off, first, count)], device)
-    return Segments(d_cu, d_off, d_first, d_count, NS, L, int(count.max()) if NS else 0)
+    d_cu, d_off, d_first, d_count, d_seq = _to_device_many(
+        [t.numpy() for t in (seg_cu, off, first, count, seq.to(torch.int32))], device)
+    return Segments(d_cu, d_off, d_first, d_count, NS, L, int(count.max()) if NS else 0, d_seq)
 
 
 @functools.lru_cache(maxsize=64)

@@ -27,7 +27,7 @@ from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision
                               launch, make_segments, pow2, tl_dtype, value_cols)
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
-from .chunk_fwd import _block, chain, split_len, state_tile, tile_reads
+from .chunk_fwd import _block, chain, split_len, state_tile, tile_reads, warm_split
 
 
 @triton.jit
@@ -365,7 +365,8 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                   name="state_bwd")
     Wp = W if delta else dummy
     gs = gamma if gated else dummy  # the state pass reads γ, not g
-    L = split_len(ch, HV, cdiv(V, SV), dev)
+    # (the warm-started split has no reverse form yet: its backward runs the unsplit reverse pass)
+    L = 0 if warm_split(g) else split_len(ch, HV, cdiv(V, SV), dev)
     if L:
         # Split reverse pass, as in the forward: (1) each segment's map dS_end ↦ Aᵀ dS_end + D from
         # [I | 0]; (2) chain the maps from each sequence's end; (3) each segment from its true dS_end.

@@ -221,8 +221,9 @@ def _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_u, mv, i_
 def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
                     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                    AUG: tl.constexpr, FROM_INV: tl.constexpr, TMA: tl.constexpr = False, v0=0):
-    """One chunk of the forward state pass: store S, compute δ, return the next S. With ``AUG`` the
+                    AUG: tl.constexpr, FROM_INV: tl.constexpr, TMA: tl.constexpr = False, v0=0, keep=True):
+    """One chunk of the forward state pass: store S, compute δ, return the next S (``keep`` false:
+    store nothing, a warm-up chunk of ``state_fwd_kernel``'s ``WARM`` form). With ``AUG`` the
     state's columns are [K transition columns | V value columns]: the first K read zero values and
     nothing is stored (see ``state_fwd_kernel``). ``FROM_INV`` (delta members only): δ from T and
     V (:func:`_delta_from_inverse`) instead of W and U. ``TMA`` (not with ``AUG``): k, v, W, U and
@@ -232,7 +233,7 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv
     rows = row0 + o_t
     b_sd = b_s.to(DT)
     if not AUG:
-        tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_sd, mask=mkv & (bos + i_c * BT < eos))
+        tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_sd, mask=mkv & (bos + i_c * BT < eos) & keep)
     m = rows < eos
     mk = m[:, None] & (o_k < K)[None, :]
     o_u, mv = value_cols(o_v, m, K, V, AUG)
@@ -248,7 +249,7 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv
         b_d = _delta_from_inverse(b_k, b_sd, v, beta, Ai, b_gam, rows, m, o_t, o_u, mv, i_hv, HV, V, BT, USE_G,
                                   PREC, DT, TMA, row0, v0)
         if not AUG:
-            tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_d.to(DT), mask=mv)
+            tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_d.to(DT), mask=mv & keep)
     else:
         if DELTA:
             if TMA:
@@ -259,7 +260,7 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv
                 b_u = tl.load(U + (rows[:, None] * HV + i_hv) * V + o_u[None, :], mask=mv, other=0.0).to(tl.float32)
             b_d = b_u - tl.dot(b_w, b_sd, input_precision=PREC)
             if not AUG:
-                tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_d.to(DT), mask=mv)
+                tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_d.to(DT), mask=mv & keep)
         elif TMA:
             b_d = _block(v, row0, i_hv * V + v0).to(tl.float32)
         else:
@@ -282,11 +283,28 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv
 
 
 @triton.jit
-def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, HV,
+def _chunk_log_bound(k, beta, G, r0, i_hv, i_h, H, HV, o_t, o_k, K: tl.constexpr, DELTA: tl.constexpr):
+    """log of a bound on the norm of one whole chunk's state map S ↦ A S (rows r0 … r0 + BT − 1):
+    Σ_t g_t (γ at the chunk's last row) plus, for the delta members, Σ_t log max(1, |1 − β_t‖k_t‖²|)
+    (the norm of I − β k kᵀ: 0 for unit keys with β ≤ 2)."""
+    rows = r0 + o_t
+    b = tl.load(G + (r0 + o_t.shape[0] - 1) * HV + i_hv)
+    if DELTA:
+        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=(o_k < K)[None, :], other=0.0)
+        b_k = b_k.to(tl.float32)
+        b_b = tl.load(beta + rows * HV + i_hv).to(tl.float32)
+        f = tl.abs(1.0 - b_b * tl.sum(b_k * b_k, axis=1))
+        b += tl.sum(tl.log(tl.maximum(f, 1.0)), axis=0)
+    return b
+
+
+@triton.jit
+def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, HV, seg_seq, seq_cu,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, AUG: tl.constexpr = False,
-                     FROM_INV: tl.constexpr = False, TMA: tl.constexpr = False):
+                     FROM_INV: tl.constexpr = False, TMA: tl.constexpr = False, WARM: tl.constexpr = False,
+                     LOG_EPS: tl.constexpr = -16.0):
     """Sequential pass over one sequence's chunks for one value head and one V tile.
 
     Stores the state entering each chunk in h [NT, HV, K, V] and, for delta members,
@@ -301,6 +319,15 @@ def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, H
     segments, the state is K × (K + V) and starts as [I | 0], the first K columns see zero values,
     nothing per chunk is stored, and the final state [A | B] is written to ``ht`` [N, HV, K, K + V]:
     the segment maps an entering state S to A S + B.
+
+    ``WARM`` (gated members; the warm-started split pass): the "sequences" are segments
+    (``cu``, ``chunk_off``), of sequence ``seg_seq[s]`` whose tokens ``seq_cu`` bounds. A segment's
+    program walks back over whole chunks before it, adding up :func:`_chunk_log_bound`, until the
+    bound falls to ``LOG_EPS`` or the sequence starts; it runs those warm-up chunks from a zero
+    state (from h0 at the sequence start) storing nothing, then its own chunks. The state it enters
+    its segment with differs from the true one by at most e^LOG_EPS times the true state at its
+    warm-up's start (the chunks' maps multiply, and so do their norms), exactly nothing when the
+    walk reached the sequence start. The last segment of a sequence stores its final state.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
@@ -315,26 +342,44 @@ def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, H
     NV: tl.constexpr = K + V if AUG else V
     mkv = (o_k < K)[:, None] & (o_v < NV)[None, :]
     p_s = (o_k[:, None] * V + o_v[None, :])
+    nc = tl.cdiv(eos - bos, BT)
+    i_init = i_n
+    at_start = True
+    last = True
+    nw = 0
+    if WARM:
+        i_init = tl.load(seg_seq + i_n)
+        sbos = tl.load(seq_cu + i_init).to(tl.int64)
+        last = eos == tl.load(seq_cu + i_init + 1).to(tl.int64)
+        acc = 0.0
+        while (acc > LOG_EPS) & (bos - nw * BT > sbos):
+            acc += _chunk_log_bound(k, beta, g, bos - (nw + 1) * BT, i_hv, i_h, H, HV, o_t, o_k, K, DELTA)
+            nw += 1
+        at_start = bos - nw * BT == sbos
+        bos -= nw * BT
+        c0 -= nw
+        nc += nw
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     if AUG:
         b_s = (o_k[:, None] == o_v[None, :]).to(tl.float32)
     elif USE_INIT:
-        b_s = tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, mask=mkv, other=0.0).to(tl.float32)
-    nc = tl.cdiv(eos - bos, BT)
+        b_s = tl.load(h0 + (i_init * HV + i_hv).to(tl.int64) * K * V + p_s, mask=mkv & at_start, other=0.0).to(
+            tl.float32)
     if WHILE:
         i_c = 0
         while i_c < nc:
             b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v,
                                   mkv, p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, FROM_INV, TMA,
-                                  i_v * BV)
+                                  i_v * BV, i_c >= nw)
             i_c += 1
     else:
         for i_c in range(0, nc):
             b_s = _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v,
                                   mkv, p_s, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, FROM_INV, TMA,
-                                  i_v * BV)
+                                  i_v * BV, i_c >= nw)
     if STORE_FINAL:
-        tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_s, mask=mkv)
+        tl.store(ht + (i_init * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_s,
+                 mask=mkv & last)
 
 
 @triton.jit
@@ -401,6 +446,12 @@ def chain(X, S0, Sfin, sg, HV: int, K: int, V: int, reverse: bool, prec: str):
            BC=min(K, DELTA["chain"]["BC"]), REVERSE=reverse, USE_S0=S0 is not None, STORE_FIN=Sfin is not None,
            PREC=prec, WHILE=INTERPRET, name="chain")
     return Sseg
+
+
+def warm_split(g) -> bool:
+    """Whether a split state pass takes the warm-started form (``DELTA["split"]["warm"]``; gated
+    members only: without a decay nothing bounds how far a segment must walk back)."""
+    return g is not None and bool(DELTA["split"].get("warm", False))
 
 
 def split_len(ch: Chunks, HV: int, tiles: int, device) -> int:
@@ -699,13 +750,26 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     SK, SV = tiles("state_fwd", K, V)
     dummy = v
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=g is not None, DELTA=delta, PREC=prec, DT=DT,
-                  WHILE=INTERPRET, FROM_INV=from_inv, name="state_fwd")
+                  WHILE=INTERPRET, FROM_INV=from_inv, seg_seq=ch.cu, seq_cu=ch.cu, name="state_fwd")
     # the state passes read γ (the in-chunk cumulative decay), computed once per forward + backward
     G = gamma_of(g, ch, gamma)
     gp = G if G is not None else dummy
     Wp, Up = (W, U) if delta and not from_inv else (dummy, dummy)
     Ap, bp = (Ai, beta) if from_inv else (dummy, dummy)
     L = split_len(ch, HV, cdiv(V, SV), dev)
+    if L and warm_split(g):
+        # Warm-started split pass: every segment starts a bounded walk back before its first chunk
+        # (state_fwd_kernel's WARM form); one launch, no maps, no chain
+        sg = make_segments(ch, L, dev)
+        launch(state_fwd_kernel, (cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Ap, beta if delta else dummy,
+               h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy, sg.cu, sg.off,
+               BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, WARM=True,
+               LOG_EPS=float(DELTA["split"]["log_eps"]), **dict(common, seg_seq=sg.seq))
+        if want_final and bool((ch.host_per == 0).any()):  # an empty sequence has no segment: S = h0
+            empty = torch.nonzero(ch.host_per == 0).flatten().to(dev, non_blocking=True)
+            ht.index_copy_(0, empty, h0.index_select(0, empty) if h0 is not None else ht.new_zeros(len(empty),
+                                                                                                    *ht.shape[1:]))
+        return h, VN, ht, Ai, W, G
     if L:
         # Split pass: (1) every segment from [I | 0] gives its map S ↦ A S + B; (2) chain the maps
         # along each sequence; (3) every segment again from its true entering state, storing h, δ.
