@@ -83,10 +83,10 @@ DELTA = {
     "cumsum": dict(num_warps=1, stages=(1,)),
     # The split state passes (chunk_fwd.split_len): L = 0 off, > 0 a fixed segment length in
     # chunks, -1 automatic. Off: correct on the H200 but slower there (docs/TRITON.md).
-    # warm: the gated members' split forward pass starts each segment from a zero state a bounded
-    # number of chunks early (chunk_fwd.state_fwd_kernel, WARM) instead of chaining the segments'
-    # K × (K + V) maps; log_eps is the log of the bound on the state entering a segment, relative
-    # to the true state where its warm-up starts. Not yet timed on the GPU: off.
+    # warm: the gated members' split state passes start each segment from a zero state a bounded
+    # number of chunks early (state_fwd_kernel / state_bwd_kernel, WARM) instead of chaining the
+    # segments' K × (K + V) maps; log_eps is the log of the bound on the state entering a segment,
+    # relative to the true state where its warm-up starts. Not yet timed on the GPU: off.
     "split": dict(L=0, min_L=8, warm=False, log_eps=-16.0),
     # The split passes' first phase (K + V columns per state; SV = K · columns of one tile).
     "state_aug": dict(num_warps=4, stages=(2, 1), SV=8192),

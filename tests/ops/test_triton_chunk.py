@@ -174,7 +174,7 @@ def test_split_state_pass(member, L, monkeypatch):
 
 
 def _warm(monkeypatch, L, log_eps=-16.0):
-    """Force the warm-started split state pass (segments of L chunks) and the two-stage forward,
+    """Force the warm-started split state passes (segments of L chunks) and the two-stage forward,
     whose state pass it splits (the fused pass is never split; value heads of 64 or more, as
     narrower ones always take the fused pass)."""
     monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=L, warm=True, log_eps=log_eps))
@@ -196,26 +196,37 @@ def test_warm_split_state_pass(member, L, monkeypatch):
 
 
 def _decaying(T, g_value, key_scale=1.0, seed=13):
+    """(max relative error of o and the final state, of the gradients of q, k, v and h0) of the chunk
+    op against the reference, every token decaying by ``g_value``."""
     d = make_inputs(B=1, T=T, H=1, HV=1, K=16, V=64, dtype=torch.float64, seed=seed)
     d["g"] = torch.full_like(d["g"], g_value)
     d["k"] = d["k"] * key_scale
-    ro, rS = reference.run(d["q"], d["k"], d["v"], d["g"], d["beta"], None, d["initial_state"], True, None)
-    f = {n: (x.float() if x is not None else None) for n, x in d.items()}
-    o, S = chunk_op(f["q"], f["k"], f["v"], f["g"], f["beta"], initial_state=f["initial_state"], output_final_state=True)
-    return rel_err(o, ro), rel_err(S, rS)
+    names = ("q", "k", "v", "initial_state")
+    ref = {n: d[n].clone().requires_grad_() for n in names}
+    got = {n: d[n].float().requires_grad_() for n in names}
+    ro, rS = reference.run(ref["q"], ref["k"], ref["v"], d["g"], d["beta"], None, ref["initial_state"], True, None)
+    o, S = chunk_op(got["q"], got["k"], got["v"], d["g"].float(), d["beta"].float(), initial_state=got["initial_state"],
+                    output_final_state=True)
+    gen = torch.Generator().manual_seed(seed)
+    do, dS = torch.randn(ro.shape, generator=gen, dtype=torch.float64), torch.randn(rS.shape, generator=gen,
+                                                                                  dtype=torch.float64)
+    ((ro * do).sum() + (rS * dS).sum()).backward()
+    ((o.double() * do).sum() + (S.double() * dS).sum()).backward()
+    return (max(rel_err(o, ro), rel_err(S, rS)), max(rel_err(got[n].grad, ref[n].grad) for n in names))
 
 
 def test_warm_split_truncates_only_what_the_decay_bounds(monkeypatch):
     """One sequence of six chunks, segments of one chunk, every token decaying by 0.2 (12.8 per
-    chunk): with the bound at e^-16 each segment warms up over two chunks and the results are the
-    reference's; with no warm-up at all (the bound already met at the start) each segment starts
-    from a zero state and its first rows are wrong, so the warm-up is what makes them right."""
+    chunk): with the bound at e^-16 each segment warms up over two chunks and the results and
+    gradients are the reference's; with no warm-up at all (the bound already met at the start) each
+    segment starts from a zero state (dS in the reverse pass) and both are wrong, so the warm-up is
+    what makes them right."""
     _warm(monkeypatch, 1)
-    eo, eS = _decaying(384, -0.2)
-    assert eo <= TOL[torch.float32] and eS <= TOL[torch.float32], (eo, eS)
+    ef, eb = _decaying(384, -0.2)
+    assert ef <= TOL[torch.float32] and eb <= TOL[torch.float32], (ef, eb)
     _warm(monkeypatch, 1, log_eps=1.0)
-    eo, eS = _decaying(384, -0.2)
-    assert eo > 1e-2, eo
+    ef, eb = _decaying(384, -0.2)
+    assert ef > 1e-2 and eb > 1e-2, (ef, eb)
 
 
 def test_warm_split_counts_keys_that_expand_the_state(monkeypatch):
@@ -223,8 +234,8 @@ def test_warm_split_counts_keys_that_expand_the_state(monkeypatch):
     alone would end the warm-up after one chunk: the bound adds log |1 − β‖k‖²| per token, the walk
     goes back to the sequence start and the results are the reference's."""
     _warm(monkeypatch, 1)
-    eo, eS = _decaying(256, -0.3, key_scale=2.0)
-    assert eo <= 1e-4 and eS <= 1e-4, (eo, eS)
+    ef, eb = _decaying(256, -0.3, key_scale=2.0)
+    assert ef <= 1e-4 and eb <= 1e-4, (ef, eb)
 
 
 @pytest.mark.parametrize("member", MEMBERS)

@@ -27,7 +27,7 @@ from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision
                               launch, make_segments, pow2, tl_dtype, value_cols)
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
-from .chunk_fwd import _block, chain, split_len, state_tile, tile_reads, warm_split
+from .chunk_fwd import _block, chain, chunk_log_bound, split_len, state_tile, tile_reads, warm_split
 
 
 @triton.jit
@@ -65,15 +65,16 @@ def dv_local_kernel(q, k, g, do, DVL, cu, chunk_idx, scale, H, HV, K: tl.constex
 def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
                     scale, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                    AUG: tl.constexpr, QS: tl.constexpr, TMA: tl.constexpr = False, v0=0):
-    """Step j of the reverse pass (chunk NC − 1 − j): store dS_out, compute dδ, return dS_in. With
+                    AUG: tl.constexpr, QS: tl.constexpr, TMA: tl.constexpr = False, v0=0, keep=True):
+    """Step j of the reverse pass (chunk NC − 1 − j): store dS_out, compute dδ, return dS_in (``keep``
+    false: store nothing, a warm-up chunk of ``state_bwd_kernel``'s ``WARM`` form). With
     ``AUG`` the first K columns read zero dO and dδ_loc and nothing is stored (see the kernel).
     ``TMA`` (not with ``AUG``): q, k, do, DVL and W are tensor descriptors (``_block``; ``v0``
     the value tile's first column), and dO and dδ are zeroed on the rows of a later sequence."""
     i_c = NC - 1 - j
     b_dsd = b_ds.to(DT)
     if not AUG:
-        tl.store(dh + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_dsd, mask=mkv & (i_c >= 0))
+        tl.store(dh + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_dsd, mask=mkv & (i_c >= 0) & keep)
     rows = bos + i_c * BT + o_t
     m = (rows >= bos) & (rows < eos)
     mk = m[:, None] & (o_k < K)[None, :]
@@ -115,7 +116,7 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
         b_dd = tl.where(m[:, None], b_dd, tl.zeros_like(b_dd))
     b_ddd = b_dd.to(DT)
     if not AUG:
-        tl.store(DD + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_ddd, mask=mv)
+        tl.store(DD + (rows[:, None] * HV + i_hv) * V + o_u[None, :], b_ddd, mask=mv & keep)
     if USE_G:
         b_ds = b_ds * tl.exp(b_gc)
     b_ds += tl.dot(tl.trans(b_q), b_do.to(DT), input_precision=PREC)
@@ -130,10 +131,11 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
 
 @triton.jit
 def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale, H,
-                     HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     HV, beta, seg_seq, seq_cu, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
                      USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr,
-                     AUG: tl.constexpr = False, QS: tl.constexpr = False, TMA: tl.constexpr = False):
+                     AUG: tl.constexpr = False, QS: tl.constexpr = False, TMA: tl.constexpr = False,
+                     WARM: tl.constexpr = False, LOG_EPS: tl.constexpr = -16.0):
     """Reverse pass over one sequence's chunks: dh[c] = dS_out of chunk c, DD = dδ, dh0 = dS_0.
     Runs the sequence's own chunk count of steps, last chunk first, like the forward pass.
 
@@ -147,7 +149,14 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale
     to 112.5 KB at value tiles of 32 (Q single-buffered, dO's staging copy gone): two programs per
     multiprocessor instead of one at two stages, at the price of scaling a [64, K] tile per step.
     Measured on the H200 (GPU µs): (4, 8192, 16, 128) 568 → 446 (one wave instead
-    of two); where it saves no wave it is slower (1 × 32768, three stages: 714 → 948)."""
+    of two); where it saves no wave it is slower (1 × 32768, three stages: 714 → 948).
+
+    ``WARM`` (gated members): the warm-started split, the reverse of ``state_fwd_kernel``'s: the
+    "sequences" are segments of sequence ``seg_seq[s]`` (tokens bounded by ``seq_cu``); a segment's
+    program walks forward over the chunks after it, adding up ``chunk_log_bound`` (β and k read for
+    it), until the bound falls to ``LOG_EPS`` or the sequence ends, runs those chunks in reverse from
+    a zero dS (from dht at the sequence end) storing nothing, then its own; the first segment of a
+    sequence stores dS_0."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -162,23 +171,43 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale
     NV: tl.constexpr = K + V if AUG else V
     mkv = (o_k < K)[:, None] & (o_v < NV)[None, :]
     p_s = o_k[:, None] * V + o_v[None, :]
+    i_seq = i_n
+    at_end = True
+    first = True
+    nw = 0
+    if WARM:
+        i_seq = tl.load(seg_seq + i_n)
+        sbos = tl.load(seq_cu + i_seq).to(tl.int64)
+        seos = tl.load(seq_cu + i_seq + 1).to(tl.int64)
+        first = bos == sbos
+        acc = 0.0
+        while (acc > LOG_EPS) & (eos + nw * BT < seos):
+            acc += chunk_log_bound(k, beta, g, eos + nw * BT, seos, i_hv, i_h, H, HV, o_t, o_k, K, DELTA)
+            nw += 1
+        eos = tl.minimum(eos + nw * BT, seos)
+        at_end = eos == seos
+        NC = tl.cdiv(eos - bos, BT)
     b_ds = tl.zeros([BK, BV], dtype=tl.float32)
     if AUG:
         b_ds = (o_k[:, None] == o_v[None, :]).to(tl.float32)
     elif USE_DHT:
-        b_ds = tl.load(dht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, mask=mkv, other=0.0).to(tl.float32)
+        b_ds = tl.load(dht + (i_seq * HV + i_hv).to(tl.int64) * K * V + p_s, mask=mkv & at_end, other=0.0).to(
+            tl.float32)
     if WHILE:
         j = 0
         while j < NC:
             b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, QS, TMA, i_v * BV)
+                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, QS, TMA, i_v * BV,
+                                   j >= nw)
             j += 1
     else:
         for j in range(0, NC):
             b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
-                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, QS, TMA, i_v * BV)
+                                   p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, QS, TMA, i_v * BV,
+                                   j >= nw)
     if USE_INIT:
-        tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_ds, mask=mkv)
+        tl.store(dh0 + (i_seq * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_ds,
+                 mask=mkv & first)
 
 
 @triton.jit(do_not_specialize=['T'])
@@ -362,12 +391,27 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
     SK, SV = state_tile("state_bwd", ch, HV, K, V, dev)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
-                  name="state_bwd")
+                  beta=dummy, seg_seq=ch.cu, seq_cu=ch.cu, name="state_bwd")
     Wp = W if delta else dummy
     gs = gamma if gated else dummy  # the state pass reads γ, not g
-    # (the warm-started split has no reverse form yet: its backward runs the unsplit reverse pass)
-    L = 0 if warm_split(g) else split_len(ch, HV, cdiv(V, SV), dev)
-    if L:
+    # the warm-started split's value tile: at most 32 (ptxas, sm_90, K = 128: 64-wide tiles of the
+    # reverse pass spill 168–512 B at every depth, 32-wide ones none); its segments fill the card
+    WV = min(tiles("state_bwd", K, V)[1], 32)
+    L = split_len(ch, HV, cdiv(V, WV if warm_split(g) else SV), dev)
+    if L and warm_split(g):
+        # Warm-started split reverse pass (state_bwd_kernel's WARM form), as in the forward
+        sg = make_segments(ch, L, dev)
+        SV = WV
+        launch(state_bwd_kernel, (cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL,
+               dht if dht is not None else dummy, dh, DD, dh0 if dh0 is not None else dummy, sg.cu, sg.off, scale,
+               BV=SV, USE_DHT=dht is not None, USE_INIT=h0 is not None, WARM=True,
+               LOG_EPS=float(DELTA["split"]["log_eps"]),
+               **dict(common, beta=beta if delta else dummy, seg_seq=sg.seq))
+        if dh0 is not None and bool((ch.host_per == 0).any()):  # an empty sequence has no segment
+            empty = torch.nonzero(ch.host_per == 0).flatten().to(dev, non_blocking=True)
+            dh0.index_copy_(0, empty, dht.index_select(0, empty) if dht is not None else dh0.new_zeros(
+                len(empty), *dh0.shape[1:]))
+    elif L:
         # Split reverse pass, as in the forward: (1) each segment's map dS_end ↦ Aᵀ dS_end + D from
         # [I | 0]; (2) chain the maps from each sequence's end; (3) each segment from its true dS_end.
         sg = make_segments(ch, L, dev)

@@ -283,18 +283,24 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv
 
 
 @triton.jit
-def _chunk_log_bound(k, beta, G, r0, i_hv, i_h, H, HV, o_t, o_k, K: tl.constexpr, DELTA: tl.constexpr):
-    """log of a bound on the norm of one whole chunk's state map S ↦ A S (rows r0 … r0 + BT − 1):
-    Σ_t g_t (γ at the chunk's last row) plus, for the delta members, Σ_t log max(1, |1 − β_t‖k_t‖²|)
-    (the norm of I − β k kᵀ: 0 for unit keys with β ≤ 2)."""
+def chunk_log_bound(k, beta, G, r0, end, i_hv, i_h, H, HV, o_t, o_k, K: tl.constexpr, DELTA: tl.constexpr):
+    """log of a bound on the norm of one chunk's state map S ↦ A S (rows r0 … min(r0 + BT, end) − 1;
+    the reverse pass's dS ↦ Aᵀ dS has the same norm): Σ_t g_t (γ at the chunk's last row) plus, for
+    the delta members, Σ_t log max(1, |1 − β_t‖k_t‖²|) (the norm of I − β k kᵀ: 0 for unit keys with
+    β ≤ 2)."""
     rows = r0 + o_t
-    b = tl.load(G + (r0 + o_t.shape[0] - 1) * HV + i_hv)
+    m = rows < end
+    b = tl.load(G + (tl.minimum(r0 + o_t.shape[0], end) - 1) * HV + i_hv)
     if DELTA:
-        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=(o_k < K)[None, :], other=0.0)
-        b_k = b_k.to(tl.float32)
-        b_b = tl.load(beta + rows * HV + i_hv).to(tl.float32)
-        f = tl.abs(1.0 - b_b * tl.sum(b_k * b_k, axis=1))
-        b += tl.sum(tl.log(tl.maximum(f, 1.0)), axis=0)
+        # ‖k‖² in 32-column slices: a whole [BT, K] fp32 tile beside the pass's state would spill
+        o_c = tl.arange(0, 32)
+        nk = tl.zeros([o_t.shape[0]], dtype=tl.float32)
+        for c in range(0, K, 32):
+            b_k = tl.load(k + (rows[:, None] * H + i_h) * K + c + o_c[None, :], mask=m[:, None] & (c + o_c < K)[None, :],
+                          other=0.0).to(tl.float32)
+            nk += tl.sum(b_k * b_k, axis=1)
+        b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
+        b += tl.sum(tl.log(tl.maximum(tl.abs(1.0 - b_b * nk), 1.0)), axis=0)
     return b
 
 
@@ -322,7 +328,7 @@ def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, H
 
     ``WARM`` (gated members; the warm-started split pass): the "sequences" are segments
     (``cu``, ``chunk_off``), of sequence ``seg_seq[s]`` whose tokens ``seq_cu`` bounds. A segment's
-    program walks back over whole chunks before it, adding up :func:`_chunk_log_bound`, until the
+    program walks back over whole chunks before it, adding up :func:`chunk_log_bound`, until the
     bound falls to ``LOG_EPS`` or the sequence starts; it runs those warm-up chunks from a zero
     state (from h0 at the sequence start) storing nothing, then its own chunks. The state it enters
     its segment with differs from the true one by at most e^LOG_EPS times the true state at its
@@ -353,7 +359,7 @@ def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, H
         last = eos == tl.load(seq_cu + i_init + 1).to(tl.int64)
         acc = 0.0
         while (acc > LOG_EPS) & (bos - nw * BT > sbos):
-            acc += _chunk_log_bound(k, beta, g, bos - (nw + 1) * BT, i_hv, i_h, H, HV, o_t, o_k, K, DELTA)
+            acc += chunk_log_bound(k, beta, g, bos - (nw + 1) * BT, bos, i_hv, i_h, H, HV, o_t, o_k, K, DELTA)
             nw += 1
         at_start = bos - nw * BT == sbos
         bos -= nw * BT
