@@ -631,7 +631,10 @@ def main():
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     if args.config:
-        tuning.update_from(args.config)
+        try:
+            tuning.update_from(args.config)
+        except ValueError as e:  # (bad JSON too: json's error is a ValueError)
+            ap.error(f"--config: {e}")
     fla_backends(args.fla_tilelang)
     on_cpu = args.device == "cpu"
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":

@@ -543,8 +543,8 @@ def variants(specs, prof=False, shapes=None):
         base = None
         for spec in specs:
             _restore(saved)
-            tuning.update(spec)
             try:
+                tuning.update(spec)
                 for x in xs:
                     x.grad = None
                 o = g()
@@ -654,7 +654,10 @@ def main():
     if args.config:
         from gdn.ops import tuning
 
-        tuning.update_from(args.config)
+        try:
+            tuning.update_from(args.config)
+        except ValueError as e:  # (bad JSON too: json's error is a ValueError)
+            ap.error(f"--config: {e}")
         print("launch configuration overrides:", args.config)
     if args.variants:
         variants(json.loads(args.variants), args.profile, shapes)

@@ -198,7 +198,10 @@ def main():
                          "'{\"kda.kkt\": {\"num_warps\": 4}}'")
     args = ap.parse_args()
     if args.config:
-        update_from(args.config)
+        try:
+            update_from(args.config)
+        except ValueError as e:  # (bad JSON too: json's error is a ValueError)
+            ap.error(f"--config: {e}")
     B, T = (int(x) for x in args.shape.lower().split("x"))
     HV = args.hv or args.h
     want = None if args.kernels is None else {f"{n}_kernel" for n in args.kernels.split(",")}

@@ -245,14 +245,31 @@ def norm_tiles(D: int) -> tuple[int, int, int]:
     return BR, BD, 8 if BD >= c["wide"] else 4
 
 
+#: settings the launch code reads with a default, so an entry may lack them
+OPTIONAL = ("waves", "per_sm")
+
+
 def update(partial: dict) -> None:
     """Apply ``{kernel: {key: value}}`` (e.g. parsed JSON) in place: plain names are chunk kernels
     of :data:`DELTA`, ``"kda.NAME"`` of :data:`KDA`, ``"other.NAME"`` of :data:`OTHER`. ``stages``
-    lists become tuples (a [depth, form] entry a pair). For benchmarks that try settings."""
+    lists become tuples (a [depth, form] entry a pair). For benchmarks that try settings. A kernel
+    or setting the tables do not have raises ValueError naming it (a misspelt setting would
+    otherwise be timed as the defaults), before anything is changed."""
+    plan = []
     for key, upd in partial.items():
-        table, name = (TABLES[key.split(".")[0]], key.split(".", 1)[1]) if "." in key else (DELTA, key)
-        table[name].update({k: tuple(x if isinstance(x, int) else (x[0], x[1]) for x in v) if k == "stages" else v
-                            for k, v in upd.items()})
+        prefix, name = key.split(".", 1) if "." in key else ("", key)
+        table = TABLES.get(prefix) if prefix else DELTA
+        if table is None or name not in table:
+            raise ValueError(f"launch settings: no kernel {key!r} (kernels: {', '.join(sorted(DELTA))}, "
+                             f"and kda.NAME / other.NAME of the KDA and OTHER tables)")
+        unknown = sorted(k for k in upd if k not in table[name] and k not in OPTIONAL)
+        if unknown:
+            raise ValueError(f"launch settings: {key!r} has no setting {', '.join(map(repr, unknown))} "
+                             f"(it has {', '.join(sorted(table[name]))})")
+        plan.append((table[name], upd))
+    for entry, upd in plan:
+        entry.update({k: tuple(x if isinstance(x, int) else (x[0], x[1]) for x in v) if k == "stages" else v
+                      for k, v in upd.items()})
 
 
 def update_from(arg: str) -> None:

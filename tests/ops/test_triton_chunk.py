@@ -697,3 +697,22 @@ def test_group_sum_is_the_fp32_sum_rounded_once(G, D, width, dtype):
     # rounded once: within half a unit in the last place of ``dtype`` (plus the fp32 sum's error)
     half_ulp = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -23}[dtype]
     assert ((y.double() - want).abs() <= want.abs() * (half_ulp + 2e-7) + 1e-6).all()
+
+
+def test_launch_settings_name_what_they_do_not_know():
+    """A misspelt kernel or setting in a launch-settings override (a benchmark's --config, GDN_TUNING)
+    raises one line naming it, and nothing of the override is applied; known ones apply."""
+    saved = copy.deepcopy(tuning.DELTA)
+    try:
+        with pytest.raises(ValueError, match="'split' has no setting 'wram'"):
+            tuning.update({"dqk": {"num_warps": 8}, "split": {"wram": True}})
+        assert tuning.DELTA["dqk"]["num_warps"] == saved["dqk"]["num_warps"]  # nothing applied
+        with pytest.raises(ValueError, match="no kernel 'dqkk'"):
+            tuning.update({"dqkk": {"num_warps": 8}})
+        with pytest.raises(ValueError, match="no kernel 'kda.nope'"):
+            tuning.update({"kda.nope": {"BK": 32}})
+        tuning.update_from('{"split": {"L": -1, "warm": true}, "state_fwd": {"waves": false}}')
+        assert tuning.DELTA["split"]["warm"] is True and tuning.DELTA["split"]["L"] == -1
+    finally:
+        tuning.DELTA.clear()
+        tuning.DELTA.update(saved)
