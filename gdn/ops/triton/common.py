@@ -58,7 +58,7 @@ class Segments:
     NS: int
     L: int  # chunks per segment (the last of a sequence may have fewer)
     max_ns: int  # segments of the longest sequence
-    seq: torch.Tensor | None = None  # [NS] the sequence of each segment
+    seq: torch.Tensor  # [NS] the sequence of each segment
 
 
 def _to_device_many(arrays, device: torch.device) -> list[torch.Tensor]:

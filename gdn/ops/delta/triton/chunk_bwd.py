@@ -27,7 +27,7 @@ from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision
                               launch, make_segments, pow2, tl_dtype, value_cols)
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
-from .chunk_fwd import _block, chain, chunk_log_bound, split_len, state_tile, tile_reads, warm_split
+from .chunk_fwd import _block, chain, fill_empty, split_len, state_tile, tile_reads, warm_split, warm_up
 
 
 @triton.jit
@@ -176,14 +176,9 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale
     first = True
     nw = 0
     if WARM:
-        i_seq = tl.load(seg_seq + i_n)
-        sbos = tl.load(seq_cu + i_seq).to(tl.int64)
-        seos = tl.load(seq_cu + i_seq + 1).to(tl.int64)
+        i_seq, sbos, seos, nw = warm_up(k, beta, g, seg_seq, seq_cu, i_n, bos, eos, i_hv, i_h, H, HV, o_t, o_k, K,
+                                        BT, DELTA, LOG_EPS, True)
         first = bos == sbos
-        acc = 0.0
-        while (acc > LOG_EPS) & (eos + nw * BT < seos):
-            acc += chunk_log_bound(k, beta, g, eos + nw * BT, seos, i_hv, i_h, H, HV, o_t, o_k, K, DELTA)
-            nw += 1
         eos = tl.minimum(eos + nw * BT, seos)
         at_end = eos == seos
         NC = tl.cdiv(eos - bos, BT)
@@ -407,10 +402,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                BV=SV, USE_DHT=dht is not None, USE_INIT=h0 is not None, WARM=True,
                LOG_EPS=float(DELTA["split"]["log_eps"]),
                **dict(common, beta=beta if delta else dummy, seg_seq=sg.seq))
-        if dh0 is not None and bool((ch.host_per == 0).any()):  # an empty sequence has no segment
-            empty = torch.nonzero(ch.host_per == 0).flatten().to(dev, non_blocking=True)
-            dh0.index_copy_(0, empty, dht.index_select(0, empty) if dht is not None else dh0.new_zeros(
-                len(empty), *dh0.shape[1:]))
+        fill_empty(dh0, dht, ch)
     elif L:
         # Split reverse pass, as in the forward: (1) each segment's map dS_end ↦ Aᵀ dS_end + D from
         # [I | 0]; (2) chain the maps from each sequence's end; (3) each segment from its true dS_end.

@@ -305,6 +305,29 @@ def chunk_log_bound(k, beta, G, r0, end, i_hv, i_h, H, HV, o_t, o_k, K: tl.const
 
 
 @triton.jit
+def warm_up(k, beta, G, seg_seq, seq_cu, i_s, bos, eos, i_hv, i_h, H, HV, o_t, o_k, K: tl.constexpr,
+            BT: tl.constexpr, DELTA: tl.constexpr, LOG_EPS: tl.constexpr, AFTER: tl.constexpr):
+    """(sequence, its first row, its end, warm-up chunks) of segment ``i_s`` = rows [bos, eos) of a
+    ``WARM`` state pass: whole chunks walked from the segment's first row back (``AFTER``: from its
+    end forward, the reverse pass's warm-up), adding up :func:`chunk_log_bound`, until the sum falls
+    to ``LOG_EPS`` or the walk reaches the sequence's edge."""
+    i_seq = tl.load(seg_seq + i_s)
+    sbos = tl.load(seq_cu + i_seq).to(tl.int64)
+    seos = tl.load(seq_cu + i_seq + 1).to(tl.int64)
+    nw = 0
+    acc = 0.0
+    if AFTER:
+        while (acc > LOG_EPS) & (eos + nw * BT < seos):
+            acc += chunk_log_bound(k, beta, G, eos + nw * BT, seos, i_hv, i_h, H, HV, o_t, o_k, K, DELTA)
+            nw += 1
+    else:
+        while (acc > LOG_EPS) & (bos - nw * BT > sbos):
+            acc += chunk_log_bound(k, beta, G, bos - (nw + 1) * BT, bos, i_hv, i_h, H, HV, o_t, o_k, K, DELTA)
+            nw += 1
+    return i_seq, sbos, seos, nw
+
+
+@triton.jit
 def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, HV, seg_seq, seq_cu,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
@@ -354,13 +377,9 @@ def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, H
     last = True
     nw = 0
     if WARM:
-        i_init = tl.load(seg_seq + i_n)
-        sbos = tl.load(seq_cu + i_init).to(tl.int64)
-        last = eos == tl.load(seq_cu + i_init + 1).to(tl.int64)
-        acc = 0.0
-        while (acc > LOG_EPS) & (bos - nw * BT > sbos):
-            acc += chunk_log_bound(k, beta, g, bos - (nw + 1) * BT, bos, i_hv, i_h, H, HV, o_t, o_k, K, DELTA)
-            nw += 1
+        i_init, sbos, seos, nw = warm_up(k, beta, g, seg_seq, seq_cu, i_n, bos, eos, i_hv, i_h, H, HV, o_t, o_k, K,
+                                         BT, DELTA, LOG_EPS, False)
+        last = eos == seos
         at_start = bos - nw * BT == sbos
         bos -= nw * BT
         c0 -= nw
@@ -457,7 +476,16 @@ def chain(X, S0, Sfin, sg, HV: int, K: int, V: int, reverse: bool, prec: str):
 def warm_split(g) -> bool:
     """Whether a split state pass takes the warm-started form (``DELTA["split"]["warm"]``; gated
     members only: without a decay nothing bounds how far a segment must walk back)."""
-    return g is not None and bool(DELTA["split"].get("warm", False))
+    return g is not None and bool(DELTA["split"]["warm"])
+
+
+def fill_empty(out, src, ch: Chunks) -> None:
+    """``out[n] = src[n]`` (0 without ``src``) for the empty sequences n of ``ch``: a warm-started
+    split pass has no segment, so no program, for them (the final state is h0, dS₀ is dht)."""
+    empty = torch.nonzero(ch.host_per == 0).flatten()
+    if out is not None and len(empty):
+        empty = empty.to(out.device, non_blocking=True)
+        out[empty] = src[empty] if src is not None else 0.0
 
 
 def split_len(ch: Chunks, HV: int, tiles: int, device) -> int:
@@ -771,10 +799,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
                h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy, sg.cu, sg.off,
                BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, WARM=True,
                LOG_EPS=float(DELTA["split"]["log_eps"]), **dict(common, seg_seq=sg.seq))
-        if want_final and bool((ch.host_per == 0).any()):  # an empty sequence has no segment: S = h0
-            empty = torch.nonzero(ch.host_per == 0).flatten().to(dev, non_blocking=True)
-            ht.index_copy_(0, empty, h0.index_select(0, empty) if h0 is not None else ht.new_zeros(len(empty),
-                                                                                                    *ht.shape[1:]))
+        fill_empty(ht, h0, ch)
         return h, VN, ht, Ai, W, G
     if L:
         # Split pass: (1) every segment from [I | 0] gives its map S ↦ A S + B; (2) chain the maps
