@@ -87,7 +87,11 @@ DELTA = {
     # number of chunks early (state_fwd_kernel / state_bwd_kernel, WARM) instead of chaining the
     # segments' K × (K + V) maps; log_eps is the log of the bound on the state entering a segment,
     # relative to the true state where its warm-up starts. Not yet timed on the GPU: off.
-    "split": dict(L=0, min_L=8, warm=False, log_eps=-16.0),
+    # fill, fill_bwd: the automatic rule splits the forward / reverse pass while its programs
+    # number fewer than that many times the multiprocessors; per_sm: the programs per
+    # multiprocessor the segments make (all in one wave). fused: a warm-split forward runs the fused
+    # state-and-output pass on the segments (else the two-stage forward's state pass).
+    "split": dict(L=0, min_L=8, warm=False, log_eps=-16.0, fill=2.0, fill_bwd=2.0, per_sm=2, fused=True),
     # The split passes' first phase (K + V columns per state; SV = K · columns of one tile).
     "state_aug": dict(num_warps=4, stages=(2, 1), SV=8192),
     "chain": dict(num_warps=4, stages=(1,), SV=4096, BC=32),

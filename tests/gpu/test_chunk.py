@@ -153,21 +153,22 @@ def test_chunk_kernels_fp16(case):
     assert_within(errs, bounds, f"{member} at {case[0]}, float16")
 
 
-#: cases for the warm-started split (value heads of 64 or more: narrower ones take the fused pass,
-#: which is never split); the last one walks 128 chunks in segments of 2
+#: cases for the warm-started split (value heads of 64 or more: narrower ones always take the fused
+#: pass); the last one walks 128 chunks in segments of 2
 WARM_CASES = [AWKWARD[3], AWKWARD[6], ("(1,8192,4,128)", 1, 8192, 4, 4, 128, 128, None, True)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in WARM_CASES])
-def test_warm_split(case, dtype, monkeypatch):
-    """The warm-started split state passes (``DELTA["split"]["warm"]``, off by default) forced with
-    segments of two chunks and the two-stage forward, gated delta rule: tier 3 against the float64
-    reference (g = logsigmoid(x + 3): about 3 nats of decay per chunk, so segments warm up over
-    several chunks or walk back to their sequence's start)."""
+@pytest.mark.parametrize("fused", [False, True], ids=["two-stage", "fused"])
+def test_warm_split(case, dtype, fused, monkeypatch):
+    """The warm-started split state passes (``DELTA["split"]["warm"]``) forced with segments of two
+    chunks, in the two-stage forward's state pass or the fused forward pass, gated delta rule: tier
+    3 against the float64 reference (g = logsigmoid(x + 3): about 3 nats of decay per chunk, so
+    segments warm up over several chunks or walk back to their sequence's start)."""
     from gdn.ops import tuning
 
-    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=2, warm=True))
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=2, warm=True, fused=fused))
     monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=10 ** 9))
     member, seed = ORDER[0], 2000 + WARM_CASES.index(case)
     try:

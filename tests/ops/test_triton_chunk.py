@@ -173,22 +173,24 @@ def test_split_state_pass(member, L, monkeypatch):
     assert not bad, bad
 
 
-def _warm(monkeypatch, L, log_eps=-16.0):
-    """Force the warm-started split state passes (segments of L chunks) and the two-stage forward,
-    whose state pass it splits (the fused pass is never split; value heads of 64 or more, as
-    narrower ones always take the fused pass)."""
-    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=L, warm=True, log_eps=log_eps))
+def _warm(monkeypatch, L, log_eps=-16.0, fused=False):
+    """Force the warm-started split state passes (segments of L chunks) in the two-stage forward's
+    state pass, or with ``fused`` in the fused forward pass (value heads of 64 or more, as narrower
+    ones always take the fused pass)."""
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=L, warm=True, log_eps=log_eps,
+                                                    fused=fused))
     monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=10 ** 9))
 
 
 @pytest.mark.parametrize("member", MEMBERS)
 @pytest.mark.parametrize("L", [1, 2])
-def test_warm_split_state_pass(member, L, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["two-stage", "fused"])
+def test_warm_split_state_pass(member, L, fused, monkeypatch):
     """The warm-started split (each segment walks back until the chunks' decay bounds the carried
     state below e^-16, or to its sequence's start) on packed sequences with an empty, a one-token
-    and multi-chunk members and an initial state, forward and backward: the reference's results.
-    (Members without a gate take the chained split instead.)"""
-    _warm(monkeypatch, L)
+    and multi-chunk members and an initial state, forward (the two-stage or the fused pass) and
+    backward: the reference's results. (Members without a gate take the chained split instead.)"""
+    _warm(monkeypatch, L, fused=fused)
     errs = _run_both(member, B=1, T=458, H=1, HV=2, K=16, V=64, dtype=torch.float32, lens=[65, 1, 0, 328, 64],
                      seed=12)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
@@ -221,21 +223,23 @@ def test_warm_split_truncates_only_what_the_decay_bounds(monkeypatch):
     gradients are the reference's; with no warm-up at all (the bound already met at the start) each
     segment starts from a zero state (dS in the reverse pass) and both are wrong, so the warm-up is
     what makes them right."""
-    _warm(monkeypatch, 1)
-    ef, eb = _decaying(384, -0.2)
-    assert ef <= TOL[torch.float32] and eb <= TOL[torch.float32], (ef, eb)
-    _warm(monkeypatch, 1, log_eps=1.0)
-    ef, eb = _decaying(384, -0.2)
-    assert ef > 1e-2 and eb > 1e-2, (ef, eb)
+    for fused in (False, True):
+        _warm(monkeypatch, 1, fused=fused)
+        ef, eb = _decaying(384, -0.2)
+        assert ef <= TOL[torch.float32] and eb <= TOL[torch.float32], (fused, ef, eb)
+        _warm(monkeypatch, 1, log_eps=1.0, fused=fused)
+        ef, eb = _decaying(384, -0.2)
+        assert ef > 1e-2 and eb > 1e-2, (fused, ef, eb)
 
 
 def test_warm_split_counts_keys_that_expand_the_state(monkeypatch):
     """Keys of norm 2 (β‖k‖² up to 4: I − β k kᵀ stretches along k by up to 3) under a decay that
     alone would end the warm-up after one chunk: the bound adds log |1 − β‖k‖²| per token, the walk
     goes back to the sequence start and the results are the reference's."""
-    _warm(monkeypatch, 1)
-    ef, eb = _decaying(256, -0.3, key_scale=2.0)
-    assert ef <= 1e-4 and eb <= 1e-4, (ef, eb)
+    for fused in (False, True):
+        _warm(monkeypatch, 1, fused=fused)
+        ef, eb = _decaying(256, -0.3, key_scale=2.0)
+        assert ef <= 1e-4 and eb <= 1e-4, (fused, ef, eb)
 
 
 @pytest.mark.parametrize("member", MEMBERS)
@@ -429,14 +433,22 @@ def test_segments_tile_the_stream():
 def test_split_len_rule(monkeypatch):
     from gdn.ops.delta.triton.chunk_fwd import split_len
 
-    ch = common.make_chunks(1, 64 * 512, None, torch.device("cpu"))
-    monkeypatch.setitem(tuning.DELTA, "split", dict(L=0, min_L=8))
-    assert split_len(ch, 1, 1, torch.device("cpu")) == 0
-    monkeypatch.setitem(tuning.DELTA, "split", dict(L=16, min_L=8))
-    assert split_len(ch, 1, 1, torch.device("cpu")) == 16
-    monkeypatch.setitem(tuning.DELTA, "split", dict(L=-1, min_L=8))  # auto: 4 "SMs" on the CPU
-    assert split_len(ch, 1, 1, torch.device("cpu")) == 64  # 512 chunks in 8 parts
-    assert split_len(ch, 8, 1, torch.device("cpu")) == 0  # 8 programs already fill 2 x 4
+    cpu = torch.device("cpu")
+    ch = common.make_chunks(1, 64 * 512, None, cpu)
+    base = dict(tuning.DELTA["split"], min_L=8, fill=2.0, fill_bwd=1.0, per_sm=2)
+    monkeypatch.setitem(tuning.DELTA, "split", dict(base, L=0))
+    assert split_len(ch, 1, 1, cpu) == 0
+    monkeypatch.setitem(tuning.DELTA, "split", dict(base, L=16))
+    assert split_len(ch, 1, 1, cpu) == 16
+    monkeypatch.setitem(tuning.DELTA, "split", dict(base, L=-1))  # auto: 4 "SMs" on the CPU
+    assert split_len(ch, 1, 1, cpu) == 64  # 512 chunks in 8 parts: 8 programs, 2 per SM
+    assert split_len(ch, 3, 1, cpu) == 256  # 3 programs: 2 parts of 256 chunks (6 programs, one wave)
+    assert split_len(ch, 8, 1, cpu) == 0  # 8 programs already fill 2 x 4
+    assert split_len(ch, 3, 1, cpu, reverse=True) == 256 and split_len(ch, 4, 1, cpu, reverse=True) == 0
+    # a packed batch: its one long sequence's programs are what runs at the end; the short ones are cut too
+    lens = [64 * 400, 64 * 20, 64 * 10]
+    pk = common.make_chunks(1, sum(lens), torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]), cpu)
+    assert pk.long_sequences == 1 and split_len(pk, 1, 1, cpu) == 50
 
 
 def test_recording_collects_launches_without_running():
@@ -511,7 +523,7 @@ def test_fused_forward_only_at_value_tiles_of_bv_min():
 
     ch = common.make_chunks(64, 2048, None, torch.device("cpu"))
     assert chunk_mod.layout(ch, 16, 128, 128, torch.device("cpu"))[0]
-    fused, bv, _, _ = chunk_mod.layout(ch, 16, 256, 256, torch.device("cpu"))
+    fused, bv, _, _, _ = chunk_mod.layout(ch, 16, 256, 256, torch.device("cpu"))
     assert bv < tuning.DELTA["state_out"]["BV_min"] and not fused
 
 
@@ -603,8 +615,8 @@ def test_state_tile_and_long_sequences():
     assert state_tile("state_out", one, 1, 128, 32, cpu) == (128, 32)  # floor 32
     assert state_tile("state_fwd", common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (128, 64)
     # the layout (fused forward or not, the passes' tiles) keys the parallel first-call compile
-    assert chunk_mod.layout(one, 1, 128, 128, cpu) == (False, 32, 32, 32)
-    assert chunk_mod.layout(common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (True, 32, 64, 64)
+    assert chunk_mod.layout(one, 1, 128, 128, cpu) == (False, 32, 32, 32, False)
+    assert chunk_mod.layout(common.make_chunks(8, 64, None, cpu), 1, 128, 128, cpu) == (True, 32, 64, 64, False)
     assert common.make_chunks(3, 200, None, cpu).long_sequences == 3
     packed = common.make_chunks(1, 700, torch.tensor([0, 640, 641, 641, 700]), cpu)
     assert packed.long_sequences == 1

@@ -10,7 +10,7 @@ first chunk (where its states live in the per-chunk state buffer).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -35,6 +35,8 @@ class Chunks:
     max_nc: int  # chunks of the longest sequence
     host_cu: torch.Tensor | None = None  # [N + 1] token offsets on the CPU (int64)
     host_per: torch.Tensor | None = None  # [N] chunks per sequence on the CPU (int64)
+    # what is derived from the layout once and reused by every later call on it (segments by L)
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property
     def long_sequences(self) -> int:
@@ -43,6 +45,12 @@ class Chunks:
         one). Counted once per layout (a dense layout is reused across calls)."""
         per = self.host_per
         return self.N if per is None else int((per * 10 >= self.max_nc * 9).sum())
+
+    @functools.cached_property
+    def empty_sequences(self) -> np.ndarray:
+        """Indices of the sequences without a token (host int64)."""
+        per = self.host_per
+        return np.zeros(0, dtype=np.int64) if per is None else np.flatnonzero(per.numpy() == 0)
 
 
 @dataclass(frozen=True)
@@ -76,26 +84,30 @@ def _to_device_many(arrays, device: torch.device) -> list[torch.Tensor]:
 
 
 def make_segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
-    """Cut every sequence of ``ch`` into segments of ``L`` chunks (built on the host; no sync)."""
-    per, cu = ch.host_per, ch.host_cu
+    """Cut every sequence of ``ch`` into segments of ``L`` chunks (built on the host in numpy, no
+    sync; made once per layout, L and device, and kept in ``ch.memo``: the layers of a model and
+    the backward reuse it)."""
+    key = ("segments", L, device)
+    if key not in ch.memo:
+        ch.memo[key] = _segments(ch, L, device)
+    return ch.memo[key]
+
+
+def _segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
+    per, cu = ch.host_per.numpy().astype(np.int64), ch.host_cu.numpy().astype(np.int64)
     count = (per + L - 1) // L
-    first = torch.zeros_like(count)
-    if count.numel() > 1:
-        first[1:] = torch.cumsum(count, 0)[:-1]
+    first = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
     NS = int(count.sum())
-    seq = torch.from_numpy(np.repeat(np.arange(len(count)), count.numpy()))
-    inner = torch.arange(NS) - first[seq]
-    chunk_first = torch.zeros_like(per)
-    if per.numel() > 1:
-        chunk_first[1:] = torch.cumsum(per, 0)[:-1]
+    seq = np.repeat(np.arange(len(count)), count)
+    inner = np.arange(NS) - first[seq]
+    chunk_first = np.concatenate([[0], np.cumsum(per)[:-1]]).astype(np.int64)
     off = chunk_first[seq] + inner * L
     bos = cu[:-1][seq] + inner * L * BT
     # a sequence's last segment ends at its own end, which is the next segment's start (or the total)
-    ends = torch.minimum(bos + L * BT, cu[1:][seq])
-    seg_cu = torch.cat([bos, ends[-1:]]) if NS else cu[-1:]
+    ends = np.minimum(bos + L * BT, cu[1:][seq])
+    seg_cu = np.concatenate([bos, ends[-1:]]) if NS else cu[-1:]
     assert NS == 0 or bool((seg_cu[1:-1] == ends[:-1]).all()), "segments must tile the token stream"
-    d_cu, d_off, d_first, d_count, d_seq = _to_device_many(
-        [t.numpy() for t in (seg_cu, off, first, count, seq.to(torch.int32))], device)
+    d_cu, d_off, d_first, d_count, d_seq = _to_device_many([seg_cu, off, first, count, seq], device)
     return Segments(d_cu, d_off, d_first, d_count, NS, L, int(count.max()) if NS else 0, d_seq)
 
 

@@ -28,7 +28,7 @@ def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None):
     grouped 1 × 8192, HV = 32 (128) 444 against 224 + 128; 1 × 32768 (64) 1669 against 830 + 284;
     packed, 12 sequences of 64-7000 tokens (one long): forward 1.63 ms fused against 1.31."""
     if fused is None:  # (the caller passes layout()'s decision when it has made it already)
-        fused = layout(ch, v.shape[1], k.shape[-1], v.shape[2], v.device)[0]
+        fused = layout(ch, v.shape[1], k.shape[-1], v.shape[2], v.device, g is not None)[0]
     if fused:
         return chunk_fwd.forward(q, k, v, g, beta, h0, ch, want_final, scale, io)
     h, VN, ht, Ai, _, G = chunk_fwd.forward_intermediates(q, k, v, g, beta, h0, ch, want_final,
@@ -36,8 +36,8 @@ def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None):
     return chunk_fwd.output(q, k, v, g, h, VN, ch, scale, io), ht, Ai, G
 
 
-def layout(ch: Chunks, HV: int, K: int, V: int, device) -> tuple:
-    """(fused forward?, value tiles of state_out, state_fwd, state_bwd) of a call: what decides
+def layout(ch: Chunks, HV: int, K: int, V: int, device, gated: bool = False) -> tuple:
+    """(fused forward?, value tiles of state_out, state_fwd, state_bwd, warm split?) of a call: what decides
     which kernels and tile widths it compiles (part of the parallel first-call compile's key, so a
     new shape that needs other tiles compiles them in parallel too)."""
     tiles = tuple(chunk_fwd.state_tile(n, ch, HV, K, V, device)[1] for n in ("state_out", "state_fwd", "state_bwd"))
@@ -47,10 +47,15 @@ def layout(ch: Chunks, HV: int, K: int, V: int, device) -> tuple:
     # and the fused pass runs only at value tiles of at least BV_min: its narrower tiles (16 at
     # K = 256) were never right on the H200 (the one case run, (8, 2048, 16, 256) bf16, faulted),
     # while the two-stage pair is what the backward recomputes at every K anyway
+    # A gated member whose sequences leave the card idle splits them into warm-started segments
+    # (chunk_fwd.split_len), which fill it: with DELTA["split"]["fused"] the fused pass runs on
+    # the segments, else the two-stage forward's state pass does.
     c = DELTA["state_out"]
     fills = ch.long_sequences * HV * -(-V // tiles[0]) >= c["fill"] * sm_count(device)
-    fused = V < 64 or (tiles[0] >= c["BV_min"] and fills)
-    return (fused,) + tiles
+    split = (gated and chunk_fwd.warm_split(True) and DELTA["split"]["fused"]
+             and chunk_fwd.split_len(ch, HV, -(-V // tiles[0]), device) > 0)
+    fused = V < 64 or (tiles[0] >= c["BV_min"] and (fills or split))
+    return (fused,) + tiles + (split,)
 
 
 class ChunkFunction(torch.autograd.Function):
@@ -79,7 +84,7 @@ class ChunkFunction(torch.autograd.Function):
         # dk of a group of value heads are summed here; dv never is)
         gdt = io if HV == H and q.dtype == k.dtype == v.dtype == io else torch.float32
         vdt = io if v.dtype == io else torch.float32
-        lay = layout(ch, HV, Kp, Vp, qp.device)
+        lay = layout(ch, HV, Kp, Vp, qp.device, gp is not None)
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
             def dry_run():  # the launches of one forward + backward, recorded by precompile, not run
                 dht = torch.empty(ch.N, HV, Kp, Vp, device=qp.device) if want_final else None
@@ -87,8 +92,9 @@ class ChunkFunction(torch.autograd.Function):
                 chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt, gam, vdt)
 
             inv = (DELTA["state_out"].get("from_inverse", False), DELTA["state_fwd"].get("from_inverse", False))
+            split = tuple(sorted(DELTA["split"].items()))
             precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt, vdt, lay,
-                        inv), dry_run)
+                        inv, split), dry_run)
         # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
         # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
         o, ht, Ai, G = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])

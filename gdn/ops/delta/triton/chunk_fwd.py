@@ -482,25 +482,30 @@ def warm_split(g) -> bool:
 def fill_empty(out, src, ch: Chunks) -> None:
     """``out[n] = src[n]`` (0 without ``src``) for the empty sequences n of ``ch``: a warm-started
     split pass has no segment, so no program, for them (the final state is h0, dS₀ is dht)."""
-    empty = torch.nonzero(ch.host_per == 0).flatten()
+    empty = ch.empty_sequences
     if out is not None and len(empty):
-        empty = empty.to(out.device, non_blocking=True)
+        empty = torch.from_numpy(empty).to(out.device)
         out[empty] = src[empty] if src is not None else 0.0
 
 
-def split_len(ch: Chunks, HV: int, tiles: int, device) -> int:
+def split_len(ch: Chunks, HV: int, tiles: int, device, reverse: bool = False) -> int:
     """Chunks per segment of a split state pass, 0 for no split. ``DELTA["split"]["L"]``: 0 never
     splits, a positive number always splits into segments of that many chunks, -1 ("auto") splits
-    when the (sequence, head, tile) programs would not fill twice the card's multiprocessors."""
-    L = DELTA["split"]["L"]
+    when the (sequence, head, tile) programs of the longest sequences (``Chunks.long_sequences``)
+    number fewer than ``fill`` (``fill_bwd`` for the
+    reverse pass) times the card's multiprocessors, into as many segments as keep the programs
+    within ``per_sm`` per multiprocessor (one wave: a second wave of long programs doubles the
+    pass)."""
+    c = DELTA["split"]
+    L = c["L"]
     if L >= 0:
         return L if L and ch.max_nc > L else 0
     sms = sm_count(device)
-    programs = ch.N * HV * tiles
-    if programs >= 2 * sms or ch.max_nc < 2 * DELTA["split"]["min_L"]:
+    programs = ch.long_sequences * HV * tiles  # (those still running at the pass's end)
+    if programs >= (c["fill_bwd"] if reverse else c["fill"]) * sms or ch.max_nc < 2 * c["min_L"]:
         return 0
-    parts = cdiv(2 * sms, programs)
-    return max(DELTA["split"]["min_L"], cdiv(ch.max_nc, parts))
+    parts = max(1, int(c["per_sm"] * sms) // programs)
+    return 0 if parts < 2 else max(c["min_L"], cdiv(ch.max_nc, parts))
 
 
 @triton.jit
@@ -610,11 +615,12 @@ def _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, PQ, o, bos, eos, scale
 
 
 @triton.jit
-def state_out_kernel(q, k, v, g, W, U, Ai, beta, PQ, h0, o, ht, cu, scale, H, HV,
+def state_out_kernel(q, k, v, g, W, U, Ai, beta, PQ, h0, o, ht, cu, scale, H, HV, seg_seq, seq_cu,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, FROM_INV: tl.constexpr = False,
-                     TMA: tl.constexpr = False, PRE_P: tl.constexpr = False):
+                     TMA: tl.constexpr = False, PRE_P: tl.constexpr = False, WARM: tl.constexpr = False,
+                     LOG_EPS: tl.constexpr = -16.0):
     """The forward's sequential pass with the output fused in, for one sequence, value head and V
     tile: per chunk, O = scale · (diag(Γ) Q S + (Q Kᵀ ⊙ D) δ) from the entering state S, then
     S ← Γ_C S + K̃ᵀ δ. Neither the per-chunk states nor δ are stored (the backward recomputes them);
@@ -622,7 +628,11 @@ def state_out_kernel(q, k, v, g, W, U, Ai, beta, PQ, h0, o, ht, cu, scale, H, HV
     (as :func:`state_fwd_kernel`). δ = U − W S, or with ``FROM_INV`` T diag(β)(V − diag(Γ) K S)
     from the in-chunk inverse Ai [T, HV, BT], v and beta (W and U are not read). ``TMA``: q, k, v
     and Ai come as tensor descriptors of their [T, heads × width] views (:func:`_block`). ``PRE_P``:
-    the pair matrix is read from PQ [T, HV, BT] (kkt_solve's) instead of formed per value tile."""
+    the pair matrix is read from PQ [T, HV, BT] (kkt_solve's) instead of formed per value tile.
+
+    ``WARM`` (gated members): the "sequences" are segments of sequence ``seg_seq[s]`` (tokens
+    bounded by ``seq_cu``), warm-started as in :func:`state_fwd_kernel`: the warm-up chunks before
+    a segment update the state only (no output), then the segment's own chunks give their output."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -633,10 +643,28 @@ def state_out_kernel(q, k, v, g, W, U, Ai, beta, PQ, h0, o, ht, cu, scale, H, HV
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     mkv = (o_k < K)[:, None] & (o_v < V)[None, :]
-    p_s = (i_n * HV + i_hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    i_init = i_n
+    at_start = True
+    last = True
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if WARM:
+        i_init, sbos, seos, nw = warm_up(k, beta, g, seg_seq, seq_cu, i_n, bos, eos, i_hv, i_h, H, HV, o_t, o_k, K,
+                                         BT, DELTA, LOG_EPS, False)
+        last = eos == seos
+        at_start = bos - nw * BT == sbos
+    p_s = (i_init * HV + i_hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     if USE_INIT:
-        b_s = tl.load(h0 + p_s, mask=mkv, other=0.0).to(tl.float32)
+        b_s = tl.load(h0 + p_s, mask=mkv & at_start, other=0.0).to(tl.float32)
+    if WARM:
+        # the warm-up chunks, whole ones before the segment: the state step alone, nothing stored
+        # (o stands in for the per-chunk stores _state_fwd_step makes only when ``keep``)
+        wbos = bos - nw * BT
+        i_w = 0
+        while i_w < nw:
+            b_s = _state_fwd_step(i_w, b_s, k, v, g, W, U, Ai, beta, o, o, wbos, bos, 0, i_hv, i_h, o_t, o_k, o_v,
+                                  mkv, o_k[:, None] * V + o_v[None, :], H, HV, K, V, BT, USE_G, DELTA, PREC, DT,
+                                  False, FROM_INV, TMA, i_v * BV, False)
+            i_w += 1
     nc = tl.cdiv(eos - bos, BT)
     if WHILE:
         i_c = 0
@@ -649,7 +677,7 @@ def state_out_kernel(q, k, v, g, W, U, Ai, beta, PQ, h0, o, ht, cu, scale, H, HV
             b_s = _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, PQ, o, bos, eos, scale, i_hv, i_h, o_t, o_k,
                                   o_v, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, FROM_INV, TMA, i_v * BV, PRE_P)
     if STORE_FINAL:
-        tl.store(ht + p_s, b_s, mask=mkv)
+        tl.store(ht + p_s, b_s, mask=mkv & last)
 
 
 def prepare(k, v, g, beta, ch: Chunks, Ai=None, wu: bool = True, gamma_out=None, q=None, pairs_out=None):
@@ -732,17 +760,29 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     SK, SV = state_tile("state_out", ch, HV, K, V, dev)
     G = gamma_of(g, ch, G)
     gp = G if G is not None else v
-    # the δ-from-inverse pass may read q, k, v and T⁻¹ through tensor descriptors
+    # warm-started segments when the sequences' programs would not fill the card (gated members)
+    L = split_len(ch, HV, cdiv(V, SV), dev) if warm_split(g) else 0
+    # the δ-from-inverse pass may read q, k, v and T⁻¹ through tensor descriptors (not the warm
+    # form: its walk reads k and β by address)
     reads = ((q, K), (k, K), (v, SV), (Ai, BT)) + (((pairs, BT),) if pairs is not None else ())
-    tma, tiles_ = tile_reads("state_out", *reads) if from_inv else (False, (q, k, v, v, pairs))
+    tma, tiles_ = tile_reads("state_out", *reads) if from_inv and not L else (False, (q, k, v, Ai if from_inv else v, pairs))
     qa, ka, va, aa = tiles_[:4]
     pa = tiles_[4] if pairs is not None else v
-    launch(state_out_kernel, (cdiv(V, SV), ch.N * HV), qa, ka, va, gp, W if W is not None else v,
-           U if U is not None else v, aa, beta if from_inv else v, pa,
-           h0 if h0 is not None else v, o, ht if want_final else v, ch.cu,
-           scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None, DELTA=beta is not None,
-           USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=dot_precision(v.dtype), DT=tl_dtype(v.dtype),
-           WHILE=INTERPRET, FROM_INV=from_inv, TMA=tma, PRE_P=pairs is not None, name="state_out")
+    seqs = ch.N
+    cu, seg_seq, warm = ch.cu, ch.cu, {}
+    if L:
+        sg = make_segments(ch, L, dev)
+        seqs, cu, seg_seq = sg.NS, sg.cu, sg.seq
+        warm = dict(WARM=True, LOG_EPS=float(DELTA["split"]["log_eps"]))
+    launch(state_out_kernel, (cdiv(V, SV), seqs * HV), qa, ka, va, gp, W if W is not None else v,
+           U if U is not None else v, aa, beta if beta is not None else v, pa,
+           h0 if h0 is not None else v, o, ht if want_final else v, cu,
+           scale, H=H, HV=HV, seg_seq=seg_seq, seq_cu=ch.cu, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None,
+           DELTA=beta is not None, USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=dot_precision(v.dtype),
+           DT=tl_dtype(v.dtype), WHILE=INTERPRET, FROM_INV=from_inv, TMA=tma, PRE_P=pairs is not None,
+           name="state_out", **warm)
+    if L:
+        fill_empty(ht, h0, ch)
     return o, ht, Ai, G
 
 
