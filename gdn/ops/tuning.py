@@ -82,16 +82,19 @@ DELTA = {
     "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # The split state passes (chunk_fwd.split_len): L = 0 off, > 0 a fixed segment length in
-    # chunks, -1 automatic. Off: correct on the H200 but slower there (docs/TRITON.md).
-    # warm: the gated members' split state passes start each segment from a zero state a bounded
-    # number of chunks early (state_fwd_kernel / state_bwd_kernel, WARM) instead of chaining the
-    # segments' K × (K + V) maps; log_eps is the log of the bound on the state entering a segment,
-    # relative to the true state where its warm-up starts. Not yet timed on the GPU: off.
-    # fill, fill_bwd: the automatic rule splits the forward / reverse pass while its programs
-    # number fewer than that many times the multiprocessors; per_sm: the programs per
-    # multiprocessor the segments make (all in one wave). fused: a warm-split forward runs the fused
-    # state-and-output pass on the segments (else the two-stage forward's state pass).
-    "split": dict(L=0, min_L=8, warm=False, log_eps=-16.0, fill=2.0, fill_bwd=2.0, per_sm=2, fused=True),
+    # chunks, -1 automatic (warm-started passes only). warm: the gated members' split passes start
+    # each segment from a zero state a bounded number of chunks early (state_fwd_kernel,
+    # state_out_kernel and state_bwd_kernel, WARM) instead of chaining the segments' K × (K + V)
+    # maps (the chained split, for the members without a gate, is correct on the H200 but slower,
+    # so only an explicit L takes it); log_eps is the log of the bound on the state entering a
+    # segment, relative to the true state where its warm-up starts. fill: split while the longest
+    # sequences' programs number fewer than that many times the multiprocessors; per_sm: the
+    # programs per multiprocessor the segments make (one wave). fused: the forward runs the fused
+    # state-and-output pass on the segments (else the two-stage forward's state pass). GPU µs of
+    # fwd | fwd+bwd kernels on the H200, off → on: 1 × 32768 1067 | 3898 → 592 | 2928; HV = 32 at
+    # 1 × 8192 431 | 1882 → 300 | 1621; packed 12 sequences 750 | 3326 → 652 | 3113 (two-stage
+    # forward on the segments: 673 | 2999 and 332 | 1660, docs/TRITON.md).
+    "split": dict(L=-1, min_L=8, warm=True, log_eps=-16.0, fill=2.0, per_sm=2, fused=True),
     # The split passes' first phase (K + V columns per state; SV = K · columns of one tile).
     "state_aug": dict(num_warps=4, stages=(2, 1), SV=8192),
     "chain": dict(num_warps=4, stages=(1,), SV=4096, BC=32),

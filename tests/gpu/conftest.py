@@ -3,7 +3,7 @@ docs/DESIGN.md §6). Without a CUDA device every test in this folder is collecte
 
 ``GDN_TUNING`` (a JSON file or inline JSON, read by :func:`gdn.ops.tuning.update_from`) runs the
 tests under launch-setting overrides, e.g. a ``tools/tune_gpu.py --out`` file or
-``GDN_TUNING='{"split": {"L": -1}}'`` for the split state passes.
+``GDN_TUNING='{"split": {"L": 2, "warm": false}}'`` for the chained split state passes.
 """
 from __future__ import annotations
 

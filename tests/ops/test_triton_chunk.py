@@ -166,7 +166,7 @@ def test_split_state_pass(member, L, monkeypatch):
     """The split state passes (segments of L chunks: per-segment maps from [I | 0], the chain
     along each sequence, the rerun from the true states), forward and backward, on packed sequences
     with an empty, a one-token and a multi-chunk member and an initial state."""
-    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=L))
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=L, warm=False))
     errs = _run_both(member, B=1, T=330, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 200, 64],
                      seed=11)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
@@ -368,7 +368,7 @@ def test_split_forward_from_inverse(member, monkeypatch):
     forms δ from T⁻¹ too, its transition columns reading zero values) with ``from_inverse``."""
     monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=10 ** 9))
     monkeypatch.setitem(tuning.DELTA, "state_fwd", dict(tuning.DELTA["state_fwd"], from_inverse=True))
-    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=1))
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=1, warm=False))
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=64, dtype=torch.float32, lens=[65, 1, 0, 128], seed=14)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
     assert not bad, bad
@@ -408,14 +408,14 @@ def test_state_bwd_row_scale_on_q(member, dtype, monkeypatch):
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=32, dtype=dtype, lens=[65, 1, 0, 128], seed=7)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
     assert not bad, bad
-    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=1))
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=1, warm=False))
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=16, V=32, dtype=dtype, lens=[65, 1, 0, 128], seed=7)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
     assert not bad, bad
 
 
 def test_split_fp16_batched(monkeypatch):
-    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=2))
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=2, warm=False))
     errs = _run_both("gated_delta_rule", B=2, T=300, H=1, HV=2, K=32, V=16, dtype=torch.float16, seed=12)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float16]}
     assert not bad, bad
@@ -435,7 +435,7 @@ def test_split_len_rule(monkeypatch):
 
     cpu = torch.device("cpu")
     ch = common.make_chunks(1, 64 * 512, None, cpu)
-    base = dict(tuning.DELTA["split"], min_L=8, fill=2.0, fill_bwd=1.0, per_sm=2)
+    base = dict(tuning.DELTA["split"], min_L=8, fill=2.0, per_sm=2)
     monkeypatch.setitem(tuning.DELTA, "split", dict(base, L=0))
     assert split_len(ch, 1, 1, cpu) == 0
     monkeypatch.setitem(tuning.DELTA, "split", dict(base, L=16))
@@ -444,7 +444,7 @@ def test_split_len_rule(monkeypatch):
     assert split_len(ch, 1, 1, cpu) == 64  # 512 chunks in 8 parts: 8 programs, 2 per SM
     assert split_len(ch, 3, 1, cpu) == 256  # 3 programs: 2 parts of 256 chunks (6 programs, one wave)
     assert split_len(ch, 8, 1, cpu) == 0  # 8 programs already fill 2 x 4
-    assert split_len(ch, 3, 1, cpu, reverse=True) == 256 and split_len(ch, 4, 1, cpu, reverse=True) == 0
+    assert split_len(ch, 1, 1, cpu, warm=False) == 0  # auto never takes the chained split
     # a packed batch: its one long sequence's programs are what runs at the end; the short ones are cut too
     lens = [64 * 400, 64 * 20, 64 * 10]
     pk = common.make_chunks(1, sum(lens), torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]), cpu)

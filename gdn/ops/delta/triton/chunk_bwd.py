@@ -392,7 +392,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # the warm-started split's value tile: at most 32 (ptxas, sm_90, K = 128: 64-wide tiles of the
     # reverse pass spill 168–512 B at every depth, 32-wide ones none); its segments fill the card
     WV = min(tiles("state_bwd", K, V)[1], 32)
-    L = split_len(ch, HV, cdiv(V, WV if warm_split(g) else SV), dev, reverse=True)
+    L = split_len(ch, HV, cdiv(V, WV if warm_split(g) else SV), dev, warm_split(g))
     if L and warm_split(g):
         # Warm-started split reverse pass (state_bwd_kernel's WARM form), as in the forward
         sg = make_segments(ch, L, dev)

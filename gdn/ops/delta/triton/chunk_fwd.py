@@ -488,23 +488,23 @@ def fill_empty(out, src, ch: Chunks) -> None:
         out[empty] = src[empty] if src is not None else 0.0
 
 
-def split_len(ch: Chunks, HV: int, tiles: int, device, reverse: bool = False) -> int:
+def split_len(ch: Chunks, HV: int, tiles: int, device, warm: bool = True) -> int:
     """Chunks per segment of a split state pass, 0 for no split. ``DELTA["split"]["L"]``: 0 never
     splits, a positive number always splits into segments of that many chunks, -1 ("auto") splits
-    when the (sequence, head, tile) programs of the longest sequences (``Chunks.long_sequences``)
-    number fewer than ``fill`` (``fill_bwd`` for the
-    reverse pass) times the card's multiprocessors, into as many segments as keep the programs
-    within ``per_sm`` per multiprocessor (one wave: a second wave of long programs doubles the
-    pass)."""
+    a ``warm``-started pass (the chained split is never chosen by itself: slower on the H200) when
+    the (sequence, head, tile) programs of the longest sequences (``Chunks.long_sequences``: those
+    still running at the pass's end) number fewer than ``fill`` times the card's multiprocessors,
+    into as many segments as keep the programs within ``per_sm`` per multiprocessor (one wave: a
+    second wave of long programs doubles the pass)."""
     c = DELTA["split"]
     L = c["L"]
     if L >= 0:
         return L if L and ch.max_nc > L else 0
     sms = sm_count(device)
-    programs = ch.long_sequences * HV * tiles  # (those still running at the pass's end)
-    if programs >= (c["fill_bwd"] if reverse else c["fill"]) * sms or ch.max_nc < 2 * c["min_L"]:
+    programs = ch.long_sequences * HV * tiles
+    if not warm or programs >= c["fill"] * sms or ch.max_nc < 2 * c["min_L"]:
         return 0
-    parts = max(1, int(c["per_sm"] * sms) // programs)
+    parts = int(c["per_sm"] * sms) // programs
     return 0 if parts < 2 else max(c["min_L"], cdiv(ch.max_nc, parts))
 
 
@@ -830,7 +830,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     gp = G if G is not None else dummy
     Wp, Up = (W, U) if delta and not from_inv else (dummy, dummy)
     Ap, bp = (Ai, beta) if from_inv else (dummy, dummy)
-    L = split_len(ch, HV, cdiv(V, SV), dev)
+    L = split_len(ch, HV, cdiv(V, SV), dev, warm_split(g))
     if L and warm_split(g):
         # Warm-started split pass: every segment starts a bounded walk back before its first chunk
         # (state_fwd_kernel's WARM form); one launch, no maps, no chain
