@@ -49,8 +49,8 @@ DELTA = {
     "wu": dict(num_warps=8, stages=(3, 2, 1), BK=64, BV=64),
     # The value tile halves (down to BV_min) while the (sequence, head, tile) programs would not
     # fill the card (chunk_fwd.state_tile): (1, 32768, 16, 128) forward 1.78 → 1.63 ms.
-    # from_inverse (delta members; read by the forward's two-stage pass only, the backward's
-    # recompute keeps W and U since its reverse pass reads W): δ = T⁻¹ diag(β)(V − diag(Γ) K S)
+    # from_inverse (delta members; read by the forward's two-stage pass; the backward's recompute
+    # follows state_bwd's from_inverse, since its reverse pass reads W unless that is set): δ = T⁻¹ diag(β)(V − diag(Γ) K S)
     # formed in the pass from the in-chunk inverse, v and β, so the forward runs no wu kernel and
     # stores no W or U; one more [64, 64] × [64, BV] product per chunk step. H200 forward kernels at
     # (8, 2048): 422 → 346 µs; (1, 8192, HV = 32): 498 → 443 µs (docs/TRITON.md).
@@ -75,9 +75,12 @@ DELTA = {
     # Q: 4 KB less shared memory for a [64, K] scaling per step), which saves a wave at (4, 8192)
     # (446 against 568 µs) and is slower where it saves none. Never the plain kernel at one stage:
     # triton 3.6 miscompiles it on the H200 (wrong dh0, dk, dv; an illegal access at K = V = 256).
+    # from_inverse (delta members): the backward runs no wu and keeps no W or U; its recomputed
+    # state pass forms δ from T⁻¹ (as state_fwd's from_inverse) and this pass forms Wᵀ dδ as
+    # Kᵀ diag(βΓ) (Tᵀ dδ), one more [64, 64] × [64, BV] product per chunk step.
     "state_bwd": dict(num_warps=4, waves=True, SV=8192, BV_min=16,
                       stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True})),
-                      TMA=False),
+                      TMA=False, from_inverse=False),
     "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     "cumsum": dict(num_warps=1, stages=(1,)),

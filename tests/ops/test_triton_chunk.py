@@ -307,6 +307,42 @@ def test_state_passes_with_tensor_descriptors(member, dtype, fill, monkeypatch):
 
 @pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("form", ["plain", "descriptors", "warm split", "chained split"])
+def test_backward_from_inverse(member, dtype, form, monkeypatch):
+    """``DELTA["state_bwd"]["from_inverse"]``: the backward launches no wu; its recomputed state
+    pass forms δ from T⁻¹ and its reverse pass Wᵀ dδ as Kᵀ diag(βΓ) (Tᵀ dδ). Every form of the
+    reverse pass (per-thread loads, tensor descriptors, the warm-started split, the chained split's
+    three phases), packed with an empty, a one-token and a partial sequence, grouped value heads
+    and an initial state: the reference's gradients."""
+    from gdn.ops.delta.triton import chunk_bwd
+
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], from_inverse=True,
+                                                        TMA=form == "descriptors"))
+    split = {"warm split": dict(L=1, warm=True), "chained split": dict(L=1, warm=False)}.get(form, dict(L=0))
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], **split))
+    names = []
+
+    def spy(launch):
+        def run(kernel, grid, *args, **meta):
+            names.append((kernel.fn.__name__, meta.get("FROM_INV")))
+            return launch(kernel, grid, *args, **meta)
+        return run
+
+    monkeypatch.setattr(chunk_bwd, "launch", spy(chunk_bwd.launch))
+    from gdn.ops.delta.triton import chunk_fwd
+
+    monkeypatch.setattr(chunk_fwd, "launch", spy(chunk_fwd.launch))
+    errs = _run_both(member, B=1, T=194, H=1, HV=2, K=32, V=64, dtype=dtype, lens=[65, 1, 0, 128], seed=16)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, bad
+    backward = names[names.index(("dv_local_kernel", None)) - 2:]  # from the recomputed state pass on
+    assert ("wu_kernel", None) not in names, names
+    assert [f for n, f in names if n == "state_bwd_kernel"] and all(f for n, f in names if n == "state_bwd_kernel"), names
+    assert any(n == "state_fwd_kernel" and f for n, f in backward), backward
+
+
+@pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("tma", [False, True], ids=["loads", "descriptors"])
 def test_fused_forward_reads_kkt_solves_pairs(member, dtype, tma, monkeypatch):
     """Delta members: kkt_solve also stores each chunk's Q Kᵀ ⊙ D (lower, diagonal kept, the

@@ -60,9 +60,10 @@ def layout(ch: Chunks, HV: int, K: int, V: int, device, gated: bool = False) -> 
 
 class ChunkFunction(torch.autograd.Function):
     """Autograd node of one chunk-kernel call. Saves the inputs and the in-chunk inverse; the
-    backward recomputes W, U and the per-chunk states (one forward state pass) instead of keeping them.
-    The backward always recomputes δ as U − W S (its reverse state pass reads W), also where the
-    forward formed δ from T⁻¹ (``from_inverse``): the two differ by rounding in the input dtype only.
+    backward recomputes the per-chunk states (one forward state pass) instead of keeping them, and
+    δ as U − W S from recomputed W and U (its reverse state pass reads W), also where the forward
+    formed δ from T⁻¹ (``from_inverse``): the two differ by rounding in the input dtype only. With
+    ``DELTA["state_bwd"]["from_inverse"]`` the backward forms δ and Wᵀ dδ from T⁻¹ too (no W, U).
 
     K and V that are not powers of two (60, 100), or narrower than 32, are zero-padded to the next
     power of two (≥ 32) on the way in and cut back on the way out: zero key/query columns and zero value columns change no result,

@@ -65,12 +65,15 @@ def dv_local_kernel(q, k, g, do, DVL, cu, chunk_idx, scale, H, HV, K: tl.constex
 def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv, p_s,
                     scale, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                    AUG: tl.constexpr, QS: tl.constexpr, TMA: tl.constexpr = False, v0=0, keep=True):
+                    AUG: tl.constexpr, QS: tl.constexpr, TMA: tl.constexpr = False, v0=0, keep=True,
+                    FROM_INV: tl.constexpr = False, beta=None):
     """Step j of the reverse pass (chunk NC − 1 − j): store dS_out, compute dδ, return dS_in (``keep``
     false: store nothing, a warm-up chunk of ``state_bwd_kernel``'s ``WARM`` form). With
     ``AUG`` the first K columns read zero dO and dδ_loc and nothing is stored (see the kernel).
     ``TMA`` (not with ``AUG``): q, k, do, DVL and W are tensor descriptors (``_block``; ``v0``
-    the value tile's first column), and dO and dδ are zeroed on the rows of a later sequence."""
+    the value tile's first column), and dO and dδ are zeroed on the rows of a later sequence.
+    ``FROM_INV`` (delta members): ``W`` holds the in-chunk inverse T [T, HV, BT] instead, and the
+    Wᵀ dδ term is formed from it as Kᵀ diag(βΓ) (Tᵀ dδ), since W = T diag(βΓ) K."""
     i_c = NC - 1 - j
     b_dsd = b_ds.to(DT)
     if not AUG:
@@ -121,11 +124,24 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
         b_ds = b_ds * tl.exp(b_gc)
     b_ds += tl.dot(tl.trans(b_q), b_do.to(DT), input_precision=PREC)
     if DELTA:
-        if TMA:
-            b_w = _block(W, row0, i_hv * K)
+        if FROM_INV:
+            # Wᵀ dδ = Kᵀ (diag(βΓ) Tᵀ dδ): Tᵀ dδ accumulates in fp32, takes the row scale and is
+            # rounded to DT once (the stored path rounds W instead); rows past the end have β = 0
+            if TMA:
+                b_a = _block(W, row0, i_hv * BT)
+            else:
+                b_a = tl.load(W + (rows[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
+            b_y = tl.dot(tl.trans(b_a), b_ddd, input_precision=PREC)
+            b_bg = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
+            if USE_G:
+                b_bg = b_bg * tl.exp(b_gam)
+            b_ds -= tl.dot(tl.trans(b_k), (b_y * b_bg[:, None]).to(DT), input_precision=PREC)
         else:
-            b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
-        b_ds -= tl.dot(tl.trans(b_w), b_ddd, input_precision=PREC)
+            if TMA:
+                b_w = _block(W, row0, i_hv * K)
+            else:
+                b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=mk, other=0.0)
+            b_ds -= tl.dot(tl.trans(b_w), b_ddd, input_precision=PREC)
     return b_ds
 
 
@@ -135,9 +151,11 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale
                      BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
                      USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr,
                      AUG: tl.constexpr = False, QS: tl.constexpr = False, TMA: tl.constexpr = False,
-                     WARM: tl.constexpr = False, LOG_EPS: tl.constexpr = -16.0):
+                     WARM: tl.constexpr = False, LOG_EPS: tl.constexpr = -16.0, FROM_INV: tl.constexpr = False):
     """Reverse pass over one sequence's chunks: dh[c] = dS_out of chunk c, DD = dδ, dh0 = dS_0.
     Runs the sequence's own chunk count of steps, last chunk first, like the forward pass.
+    ``FROM_INV`` (delta members): ``W`` is the in-chunk inverse T and ``beta`` is read; the pass
+    forms Wᵀ dδ from them (``_state_bwd_step``), so the backward needs neither W nor U.
 
     ``AUG`` (first phase of the split pass): the "sequences" are segments, dS is K × (K + V) and
     starts as [I | 0], the first K columns see zero dO and dδ_loc, nothing per chunk is stored, and
@@ -193,13 +211,13 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale
         while j < NC:
             b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
                                    p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, QS, TMA, i_v * BV,
-                                   j >= nw)
+                                   j >= nw, FROM_INV, beta)
             j += 1
     else:
         for j in range(0, NC):
             b_ds = _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv, i_h, o_t, o_k, o_v, mkv,
                                    p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, QS, TMA, i_v * BV,
-                                   j >= nw)
+                                   j >= nw, FROM_INV, beta)
     if USE_INIT:
         tl.store(dh0 + (i_seq * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_ds,
                  mask=mkv & first)
@@ -373,7 +391,10 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     delta, gated = beta is not None, g is not None
     prec, DT, io = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype
     dev, f32 = v.device, torch.float32
-    h, VN, _, Ai, W, gamma = forward_intermediates(q, k, v, g, beta, h0, ch, False, Ai, gamma=gamma)
+    # from_inverse: the recomputed state pass and the reverse pass form δ and Wᵀ dδ from T⁻¹ (no wu)
+    from_inv = delta and bool(DELTA["state_bwd"]["from_inverse"])
+    h, VN, _, Ai, W, gamma = forward_intermediates(q, k, v, g, beta, h0, ch, False, Ai, from_inverse=from_inv,
+                                                   gamma=gamma)
     dummy = v
     gp = g if gated else dummy
     DVL = torch.empty(T, HV, V, device=dev, dtype=io)
@@ -386,8 +407,8 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
     SK, SV = state_tile("state_bwd", ch, HV, K, V, dev)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
-                  beta=dummy, seg_seq=ch.cu, seq_cu=ch.cu, name="state_bwd")
-    Wp = W if delta else dummy
+                  beta=beta if delta else dummy, seg_seq=ch.cu, seq_cu=ch.cu, FROM_INV=from_inv, name="state_bwd")
+    Wp = (Ai if from_inv else W) if delta else dummy
     gs = gamma if gated else dummy  # the state pass reads γ, not g
     # the warm-started split's value tile: at most 32 (ptxas, sm_90, K = 128: 64-wide tiles of the
     # reverse pass spill 168–512 B at every depth, 32-wide ones none); its segments fill the card
@@ -400,8 +421,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         launch(state_bwd_kernel, (cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL,
                dht if dht is not None else dummy, dh, DD, dh0 if dh0 is not None else dummy, sg.cu, sg.off, scale,
                BV=SV, USE_DHT=dht is not None, USE_INIT=h0 is not None, WARM=True,
-               LOG_EPS=float(DELTA["split"]["log_eps"]),
-               **dict(common, beta=beta if delta else dummy, seg_seq=sg.seq))
+               LOG_EPS=float(DELTA["split"]["log_eps"]), **dict(common, seg_seq=sg.seq))
         fill_empty(dh0, dht, ch)
     elif L:
         # Split reverse pass, as in the forward: (1) each segment's map dS_end ↦ Aᵀ dS_end + D from
@@ -417,12 +437,13 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                sg.cu, sg.off, scale, BV=SV, USE_DHT=True, USE_INIT=False, **common)
     else:
         # the per-chunk inputs, perhaps as tensor descriptors
-        tma, (qa, ka, da, la, wa) = tile_reads("state_bwd", (q, K), (k, K), (do, SV), (DVL, SV), (W if delta else k, K))
+        wr = ((Ai, BT) if from_inv else (W, K)) if delta else (k, K)
+        tma, (qa, ka, da, la, wa) = tile_reads("state_bwd", (q, K), (k, K), (do, SV), (DVL, SV), wr)
         launch(state_bwd_kernel, (cdiv(V, SV), ch.N * HV),
                qa, ka, gs, wa, da, la, dht if dht is not None else dummy, dh, DD,
                dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, scale, BV=SV,
                USE_DHT=dht is not None, USE_INIT=h0 is not None, TMA=tma, **common)
-        del qa, ka, da, la, wa  # (they hold DVL and W, dropped below)
+        del qa, ka, da, la, wa, wr  # (they hold DVL and W, dropped below)
     # Each intermediate is dropped after its last reader and each output allocated before its first
     # writer, so the backward's peak (during dqk) holds h, dh, δ, dδ and dqk's outputs only.
     del DVL, W, Wp
