@@ -7,7 +7,7 @@ use (bf16 q/k/v/do and intermediates, fp32 g/β/dγ, dk's fp32 partial between d
 the re-reads a tiling adds; FLOPs count the matmuls of the chunk algorithm (chunk C = 64). A kernel
 near its byte floor can only gain by fusion (fewer bytes); one far above both is latency-bound.
 
-    python benchmarks/floors.py --shape 1,32768,16,128 [--copy-gbs 4240 --tflops 714] [--op kda]
+    python benchmarks/floors.py --shape 1,32768,16,128 [--copy-gbs 4240 --tflops 714] [--op kda|fused]
 """
 from __future__ import annotations
 
@@ -38,6 +38,34 @@ def floors(B: int, T: int, H: int, K: int, V: int, HV: int | None = None):
         "dqk": (4 * qk + 3 * vv + 2 * st + dk32 + 2 * tok * f32, 2 * (tok * tok * V + 3 * tok * K * V + 3 * tok * tok * K)),
         "wy_bwd": (3 * qk + 3 * vv + a_t + dk32 + gb + 3 * tok * f32,
                    2 * (2 * tok * tok * V + 5 * tok * tok * K + 2 * tok ** 3)),
+    }
+    return {k: (b * n, f * n) for k, (b, f) in out.items()}
+
+
+def floors_fused(B: int, T: int, H: int, K: int, V: int, HV: int | None = None):
+    """{kernel: (bytes, flops)} of a per-chunk fused backward, the design the present kernels point
+    to (the forward as now: kkt_solve and the fused state_out pass). Only the per-chunk states h and
+    their gradients dh go through memory between the backward's kernels: a state pass stores h
+    (δ formed from T⁻¹ in the pass, not stored), a reverse pass stores dh (dδ_loc = scale·Pᵀ dO and
+    Wᵀ dδ formed in the pass from q, k, T⁻¹ and β), then one kernel per chunk and value head reads
+    q, k, v, dO, T⁻¹, h and dh and writes dq, dk, dv, dβ and dγ, forming δ, dδ, dW, dT and dA on
+    chip (what dv_local, dqk and wy_bwd compute now, with none of their intermediates stored)."""
+    HV = HV or H
+    n = B * (T // C) * HV
+    h16, f32 = 2, 4
+    tok = C
+    qk, vv = tok * K * h16, tok * V * h16
+    st = K * V * h16
+    gb = tok * f32 * 2
+    a_t = tok * C * h16
+    out = {
+        "kkt_solve": (2 * qk + gb + 2 * a_t, 2 * 2 * tok * tok * K),
+        "state_out": (2 * qk + 2 * vv + 2 * a_t + gb, 2 * (3 * tok * K * V + 2 * tok * tok * V)),
+        "state_fwd (h only)": (qk + vv + a_t + gb + st, 4 * tok * K * V + 2 * tok * tok * V),
+        "state_bwd (dh only)": (2 * qk + vv + a_t + gb + st,
+                                6 * tok * K * V + 2 * tok * tok * K + 2 * 2 * tok * tok * V),
+        "fused per-chunk backward": (2 * qk + 2 * vv + a_t + gb + 2 * st + 2 * qk + vv + 2 * tok * f32,
+                                     2 * (3 * tok * tok * V + 6 * tok * K * V + 6 * tok * tok * K + 2 * tok ** 3)),
     }
     return {k: (b * n, f * n) for k, (b, f) in out.items()}
 
@@ -79,7 +107,8 @@ def main(argv=None):
     ap.add_argument("--shape", default="1,32768,16,128", help="B,T,H,D (K = V = D) or B,T,H,K,V")
     ap.add_argument("--copy-gbs", type=float, default=4240.0, help="measured copy bandwidth, GB/s")
     ap.add_argument("--tflops", type=float, default=714.0, help="measured bf16 matmul rate, TFLOP/s")
-    ap.add_argument("--op", choices=("delta", "kda"), default="delta", help="the scalar-gate kernels or KDA's")
+    ap.add_argument("--op", choices=("delta", "kda", "fused"), default="delta",
+                    help="the scalar-gate kernels, KDA's, or the per-chunk fused backward's design (floors_fused)")
     a = ap.parse_args(argv)
     dims = [int(x) for x in a.shape.split(",")]
     if len(dims) == 4:
@@ -91,11 +120,13 @@ def main(argv=None):
     print("| kernel | MB moved | GFLOP | byte floor µs | FLOP floor µs |")
     print("|---|---:|---:|---:|---:|")
     tb = tf = 0.0
-    for name, (nb, nf) in (floors_kda if a.op == "kda" else floors)(B, T, H, K, V).items():
+    table = {"delta": floors, "kda": floors_kda, "fused": floors_fused}[a.op]
+    for name, (nb, nf) in table(B, T, H, K, V).items():
         ub, uf = nb / (a.copy_gbs * 1e9) * 1e6, nf / (a.tflops * 1e12) * 1e6
         tb, tf = tb + ub, tf + uf
         print(f"| {name} | {nb / 1e6:.0f} | {nf / 1e9:.1f} | {ub:.0f} | {uf:.0f} |")
-    print(f"| sum, each kernel once (a fwd+bwd runs wu and state_fwd twice) | | | {tb:.0f} | {tf:.0f} |")
+    what = "sum, each kernel once" if a.op == "fused" else "sum, each kernel once (a fwd+bwd runs wu and state_fwd twice)"
+    print(f"| {what} | | | {tb:.0f} | {tf:.0f} |")
     if a.op == "kda":
         print("(FLOPs: the chunk algorithm's matmuls; KDA's exponentials, [C, K] per sub-block and operand, run on the"
               " special-function units and are not counted)")

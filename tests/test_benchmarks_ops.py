@@ -164,3 +164,24 @@ def test_kda_floors_count_what_each_kernel_moves(capsys):
     mod.main(["--op", "kda", "--shape", "1,2048,4,128"])
     out = capsys.readouterr().out
     assert "| intra_bwd |" in out and "exponentials" in out
+
+
+def test_fused_backward_floors_move_fewer_bytes(capsys):
+    """benchmarks/floors.py --op fused: the per-chunk fused backward's design (only h and dh between
+    its kernels) moves fewer bytes than the present backward's kernels at every shape, its fused
+    kernel reads h and dh (two K × V states per chunk: its bytes grow with K · V), and the table
+    prints every kernel."""
+    spec = importlib.util.spec_from_file_location("floors_under_test", PATH.parent / "floors.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    bwd_now = ("wu", "state_fwd", "dv_local", "state_bwd", "dqk", "wy_bwd")
+    bwd_fused = ("state_fwd (h only)", "state_bwd (dh only)", "fused per-chunk backward")
+    for shape in ((8, 2048, 16, 128, 128), (1, 32768, 16, 128, 128), (4, 4096, 6, 128, 256)):
+        now, fused = mod.floors(*shape), mod.floors_fused(*shape)
+        assert sum(fused[k][0] for k in bwd_fused) < sum(now[k][0] for k in bwd_now), shape
+    small, wide = mod.floors_fused(1, 2048, 4, 128, 128), mod.floors_fused(1, 2048, 4, 128, 256)
+    key = "fused per-chunk backward"
+    assert wide[key][0] - small[key][0] >= 2 * (2048 // 64) * 4 * 128 * 128 * 2  # h and dh doubled with V
+    mod.main(["--op", "fused", "--shape", "1,2048,4,128"])
+    out = capsys.readouterr().out
+    assert all(f"| {k} |" in out for k in bwd_fused + ("kkt_solve", "state_out"))
