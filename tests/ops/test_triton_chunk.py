@@ -343,6 +343,33 @@ def test_backward_from_inverse(member, dtype, form, monkeypatch):
 
 @pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("K,V,from_inverse", [(32, 64, False), (64, 32, True)])
+def test_dqk_and_wy_fused(member, dtype, K, V, from_inverse, monkeypatch):
+    """``DELTA["dqk_wy"]["on"]``: one kernel per chunk and value head in place of dqk and wy_bwd
+    (dW, dK's partial and dγ's partials on chip), packed with an empty, a one-token and a partial
+    sequence, grouped value heads and an initial state, with either backward recompute: the
+    reference's gradients, and neither dqk nor wy_bwd launched."""
+    from gdn.ops.delta.triton import chunk_bwd
+
+    monkeypatch.setitem(tuning.DELTA, "dqk_wy", dict(tuning.DELTA["dqk_wy"], on=True))
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], from_inverse=from_inverse))
+    names = []
+
+    def spy(launch):
+        def run(kernel, grid, *args, **meta):
+            names.append(kernel.fn.__name__)
+            return launch(kernel, grid, *args, **meta)
+        return run
+
+    monkeypatch.setattr(chunk_bwd, "launch", spy(chunk_bwd.launch))
+    errs = _run_both(member, B=1, T=194, H=1, HV=2, K=K, V=V, dtype=dtype, lens=[65, 1, 0, 128], seed=17)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, bad
+    assert "dqk_wy_kernel" in names and "dqk_kernel" not in names and "wy_bwd_kernel" not in names, names
+
+
+@pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("tma", [False, True], ids=["loads", "descriptors"])
 def test_fused_forward_reads_kkt_solves_pairs(member, dtype, tma, monkeypatch):
     """Delta members: kkt_solve also stores each chunk's Q Kᵀ ⊙ D (lower, diagonal kept, the

@@ -374,6 +374,124 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DKO, DV, DB, DGAM, DG, cu, chun
         tl.store(DG + rows * HV + i_hv, b_dg, mask=m)
 
 
+@triton.jit
+def dqk_wy_kernel(q, k, v, g, beta, Ai, VN, do, h, dh, DD, DQ, DK, DV, DB, DG, cu, chunk_idx, scale, H,
+                  HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+                  PREC: tl.constexpr, DT: tl.constexpr):
+    """dqk_kernel and wy_bwd_kernel in one program per chunk and value head (delta members, the
+    whole K): dW = −dδ Sᵀ, dK's state and output terms and dγ's stay on chip instead of going
+    through memory between the two; dQ, dK, dV, dβ and dg are written once, final. Two passes over
+    the value tiles keep three [BT, K] fp32 accumulators from being live at once: the first
+    carries dO δᵀ and dO Sᵀ (dQ, stored after it) with wy's dδ (βV)ᵀ part of dT and dV; the
+    second δ dSᵀ and dW (its tiles of δ, S and dδ read again, from L2)."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, BT)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m = rows < eos
+    o_k = tl.arange(0, K)
+    mk = m[:, None] & (o_k < K)[None, :]
+    base_h = (i_t.to(tl.int64) * HV + i_hv) * K * V
+    b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
+    b_A = tl.load(Ai + (rows[:, None] * HV + i_hv) * BT + o_t[None, :], mask=m[:, None], other=0.0)
+    b_dod = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dqs = tl.zeros([BT, K], dtype=tl.float32)
+    b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = m[:, None] & (o_v < V)[None, :]
+        mkv = (o_k < K)[:, None] & (o_v < V)[None, :]
+        p_v = (rows[:, None] * HV + i_hv) * V + o_v[None, :]
+        b_d = tl.load(VN + p_v, mask=mv, other=0.0)
+        b_do = tl.load(do + p_v, mask=mv, other=0.0)
+        b_s = tl.load(h + base_h + o_k[:, None] * V + o_v[None, :], mask=mkv, other=0.0)
+        b_dod += tl.dot(b_do, tl.trans(b_d), input_precision=PREC)
+        b_dqs += tl.dot(b_do, tl.trans(b_s), input_precision=PREC)
+        # wy: dT's dδ (βV)ᵀ part and dV = diag(β) Tᵀ dδ
+        b_dd = tl.load(DD + p_v, mask=mv, other=0.0)
+        b_vv = tl.load(v + p_v, mask=mv, other=0.0).to(tl.float32)
+        b_dT += tl.dot(b_dd, tl.trans((b_vv * b_b[:, None]).to(DT)), input_precision=PREC)
+        b_tdu = tl.dot(tl.trans(b_A), b_dd, input_precision=PREC)
+        tl.store(DV + p_v, (b_tdu * b_b[:, None]).to(DV.dtype.element_ty), mask=mv)
+        b_db += tl.sum(b_vv * b_tdu, axis=1)
+    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+    lower = o_t[:, None] >= o_t[None, :]
+    b_G = tl.full([BT], 1.0, dtype=tl.float32)
+    if USE_G:
+        b_gam, b_gc = gate_cumsum(g, rows, m, HV, i_hv)
+        b_G = tl.exp(b_gam)
+        b_dm = tl.exp(tl.where(lower, b_gam[:, None] - b_gam[None, :], float("-inf")))
+        b_dsm = b_dod * b_dm * scale
+        b_dqs = b_dqs * (scale * b_G)[:, None]
+    else:
+        b_dsm = tl.where(lower, b_dod * scale, 0.0)
+        b_dqs = b_dqs * scale
+    b_dq = tl.dot(b_dsm.to(DT), b_k, input_precision=PREC) + b_dqs
+    tl.store(DQ + (rows[:, None] * HV + i_hv) * K + o_k[None, :], b_dq.to(DQ.dtype.element_ty), mask=mk)
+    b_q = tl.load(q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mk, other=0.0)
+    b_qdqs = tl.sum(b_q.to(tl.float32) * b_dqs, axis=1)
+    b_dks = tl.zeros([BT, K], dtype=tl.float32)
+    b_dw = tl.zeros([BT, K], dtype=tl.float32)
+    b_gcs = tl.zeros([K], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = m[:, None] & (o_v < V)[None, :]
+        mkv = (o_k < K)[:, None] & (o_v < V)[None, :]
+        p_v = (rows[:, None] * HV + i_hv) * V + o_v[None, :]
+        b_d = tl.load(VN + p_v, mask=mv, other=0.0)
+        b_dd = tl.load(DD + p_v, mask=mv, other=0.0)
+        b_s = tl.load(h + base_h + o_k[:, None] * V + o_v[None, :], mask=mkv, other=0.0)
+        b_ds = tl.load(dh + base_h + o_k[:, None] * V + o_v[None, :], mask=mkv, other=0.0)
+        b_dks += tl.dot(b_d, tl.trans(b_ds), input_precision=PREC)
+        b_dw -= tl.dot(b_dd, tl.trans(b_s), input_precision=PREC)
+        if USE_G:
+            b_gcs += tl.sum(b_s.to(tl.float32) * b_ds.to(tl.float32), axis=1)
+    b_dwd = b_dw.to(DT)
+    b_dgam = tl.zeros([BT], dtype=tl.float32)
+    if USE_G:
+        b_dks = b_dks * tl.exp(b_gc - b_gam)[:, None]
+        b_a = tl.sum(b_k.to(tl.float32) * b_dks, axis=1)
+    b_dk = tl.dot(tl.trans(b_dsm.to(DT)), b_q, input_precision=PREC) + b_dks
+    if USE_G:
+        b_e = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * b_dsm
+        b_dgam = tl.sum(b_e, axis=1) - tl.sum(b_e, axis=0) + b_qdqs - b_a
+        # γ_C is γ at the chunk's last valid row (g is 0 past the sequence end).
+        b_last = tl.sum(b_a, axis=0) + tl.exp(b_gc) * tl.sum(b_gcs, axis=0)
+        b_dgam += tl.where(rows == tl.minimum(eos, t0 + BT) - 1, b_last, 0.0)
+    # wy: dT's dW (βΓK)ᵀ part, then dA = −Tᵀ dT Tᵀ and the K, β and γ terms of W and A
+    b_bg = b_b * b_G
+    b_dT += tl.dot(b_dwd, tl.trans((b_k.to(tl.float32) * b_bg[:, None]).to(DT)), input_precision=PREC)
+    # Tᵀ dW enters dK (scaled by βΓ) and, reduced against K, dβ (by Γ) and dγ (by βΓ)
+    b_tdw = tl.dot(tl.trans(b_A), b_dwd, input_precision=PREC)
+    b_ktdw = tl.sum(b_k.to(tl.float32) * b_tdw, axis=1)
+    b_dk += b_tdw * b_bg[:, None]
+    b_db += b_ktdw * b_G
+    if USE_G:
+        b_dgam += b_ktdw * b_bg
+    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    # dA on fp32 operands (tf32 for half inputs): it feeds dβ and dγ directly
+    b_Af = b_A.to(tl.float32)
+    b_dA = -tl.dot(tl.dot(tl.trans(b_Af), b_dT, input_precision=PREC), tl.trans(b_Af), input_precision=PREC)
+    strict = o_t[:, None] > o_t[None, :]
+    if USE_G:
+        b_dec = tl.exp(tl.where(strict, b_gam[:, None] - b_gam[None, :], float("-inf")))
+    else:
+        b_dec = tl.where(strict, 1.0, 0.0)
+    b_dA = tl.where(strict, b_dA, 0.0) * b_dec
+    b_db += tl.sum(b_dA * b_kk, axis=1)
+    b_mf = b_dA * b_b[:, None]
+    if USE_G:
+        b_e2 = b_mf * b_kk
+        b_dgam += tl.sum(b_e2, axis=1) - tl.sum(b_e2, axis=0)
+    b_dk += tl.dot((b_mf + tl.trans(b_mf)).to(DT), b_k, input_precision=PREC)
+    tl.store(DK + (rows[:, None] * HV + i_hv) * K + o_k[None, :], b_dk.to(DK.dtype.element_ty), mask=mk)
+    tl.store(DB + rows * HV + i_hv, b_db, mask=m)
+    if USE_G:
+        tl.store(DG + rows * HV + i_hv, tl.cumsum(b_dgam, axis=0, reverse=True), mask=m)
+
+
 def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, grad_dtype=torch.float32,
              gamma=None, dv_dtype=None):
     """Gradients of the chunk op. Shapes in the packed layout: q, k [T, H, K]; v, do [T, HV, V]
@@ -447,6 +565,18 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # Each intermediate is dropped after its last reader and each output allocated before its first
     # writer, so the backward's peak (during dqk) holds h, dh, δ, dδ and dqk's outputs only.
     del DVL, W, Wp
+    if delta and DELTA["dqk_wy"]["on"]:
+        # dqk and wy_bwd in one kernel: dW, dK's partial and dγ's partials stay on chip
+        DQ = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
+        DKO = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
+        DV = torch.empty(T, HV, V, device=dev, dtype=dv_dtype or grad_dtype)
+        DB = torch.empty(T, HV, device=dev, dtype=f32)
+        DG = torch.empty(T, HV, device=dev, dtype=f32) if gated else None
+        _, BV = tiles("dqk_wy", K, V)
+        launch(dqk_wy_kernel, (ch.NT, HV), q, k, v, gp, beta, Ai, VN, do, h, dh, DD, DQ, DKO, DV, DB,
+               DG if gated else dummy, ch.cu, ch.chunk_idx, scale, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV,
+               USE_G=gated, PREC=prec, DT=DT, name="dqk_wy")
+        return DQ, DKO, DV, DG, DB, dh0
     BK, BV = tiles("dqk", K, V)
     NK = cdiv(K, BK)
     DQ = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
