@@ -54,6 +54,22 @@ def _tuning_overrides():
             table[key].update(entry)
 
 
+def _record_launches(monkeypatch, *modules):
+    """[(kernel name, launch settings)] of every kernel the launchers of ``modules`` start from
+    now on (each still runs)."""
+    seen = []
+
+    def spy(launch):
+        def run(kernel, grid, *args, **meta):
+            seen.append((kernel.fn.__name__, meta))
+            return launch(kernel, grid, *args, **meta)
+        return run
+
+    for mod in modules:
+        monkeypatch.setattr(mod, "launch", spy(mod.launch))
+    return seen
+
+
 def _run_both(member, B, T, H, HV, K, V, dtype, lens=None, state=True, seed=0):
     N = len(lens) if lens else B
     d = make_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=torch.float64, N=N, state=state, seed=seed)
@@ -285,20 +301,14 @@ def test_state_passes_with_tensor_descriptors(member, dtype, fill, monkeypatch):
     monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=fill, TMA=True))
     monkeypatch.setitem(tuning.DELTA, "state_fwd", dict(tuning.DELTA["state_fwd"], TMA=True))
     monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], TMA=True))
-    seen = {}
-
-    def spy(launch):
-        def run(kernel, grid, *args, **meta):
-            if kernel in (chunk_fwd.state_out_kernel, chunk_fwd.state_fwd_kernel, chunk_bwd.state_bwd_kernel):
-                seen.setdefault(kernel.fn.__name__, []).append(meta["TMA"])
-            return launch(kernel, grid, *args, **meta)
-        return run
-
-    monkeypatch.setattr(chunk_fwd, "launch", spy(chunk_fwd.launch))
-    monkeypatch.setattr(chunk_bwd, "launch", spy(chunk_bwd.launch))
+    launches = _record_launches(monkeypatch, chunk_fwd, chunk_bwd)
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=32, V=64, dtype=dtype, lens=[65, 1, 0, 128], seed=15)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
     assert not bad, bad
+    seen = {}
+    for name, meta in launches:
+        if name in ("state_out_kernel", "state_fwd_kernel", "state_bwd_kernel"):
+            seen.setdefault(name, []).append(meta["TMA"])
     # the fused pass takes descriptors for the delta members (its δ-from-inverse form) only
     assert seen["state_bwd_kernel"] == [True] and seen["state_fwd_kernel"][-1], seen
     if member != "gated_linear_attention":
@@ -320,21 +330,13 @@ def test_backward_from_inverse(member, dtype, form, monkeypatch):
                                                         TMA=form == "descriptors"))
     split = {"warm split": dict(L=1, warm=True), "chained split": dict(L=1, warm=False)}.get(form, dict(L=0))
     monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], **split))
-    names = []
-
-    def spy(launch):
-        def run(kernel, grid, *args, **meta):
-            names.append((kernel.fn.__name__, meta.get("FROM_INV")))
-            return launch(kernel, grid, *args, **meta)
-        return run
-
-    monkeypatch.setattr(chunk_bwd, "launch", spy(chunk_bwd.launch))
     from gdn.ops.delta.triton import chunk_fwd
 
-    monkeypatch.setattr(chunk_fwd, "launch", spy(chunk_fwd.launch))
+    launches = _record_launches(monkeypatch, chunk_bwd, chunk_fwd)
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=32, V=64, dtype=dtype, lens=[65, 1, 0, 128], seed=16)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
     assert not bad, bad
+    names = [(name, meta.get("FROM_INV")) for name, meta in launches]
     backward = names[names.index(("dv_local_kernel", None)) - 2:]  # from the recomputed state pass on
     assert ("wu_kernel", None) not in names, names
     assert [f for n, f in names if n == "state_bwd_kernel"] and all(f for n, f in names if n == "state_bwd_kernel"), names
@@ -353,18 +355,11 @@ def test_dqk_and_wy_fused(member, dtype, K, V, from_inverse, monkeypatch):
 
     monkeypatch.setitem(tuning.DELTA, "dqk_wy", dict(tuning.DELTA["dqk_wy"], on=True))
     monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], from_inverse=from_inverse))
-    names = []
-
-    def spy(launch):
-        def run(kernel, grid, *args, **meta):
-            names.append(kernel.fn.__name__)
-            return launch(kernel, grid, *args, **meta)
-        return run
-
-    monkeypatch.setattr(chunk_bwd, "launch", spy(chunk_bwd.launch))
+    launches = _record_launches(monkeypatch, chunk_bwd)
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=K, V=V, dtype=dtype, lens=[65, 1, 0, 128], seed=17)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
     assert not bad, bad
+    names = [name for name, _ in launches]
     assert "dqk_wy_kernel" in names and "dqk_kernel" not in names and "wy_bwd_kernel" not in names, names
 
 
@@ -379,21 +374,12 @@ def test_fused_forward_reads_kkt_solves_pairs(member, dtype, tma, monkeypatch):
     from gdn.ops.delta.triton import chunk_fwd
 
     monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=0, TMA=tma))
-    seen = []
-
-    def spy(launch):
-        def run(kernel, grid, *args, **meta):
-            if kernel is chunk_fwd.kkt_solve_kernel:
-                seen.append(("kkt_solve", meta["STORE_P"]))
-            if kernel is chunk_fwd.state_out_kernel:
-                seen.append(("state_out", meta["PRE_P"], meta["TMA"]))
-            return launch(kernel, grid, *args, **meta)
-        return run
-
-    monkeypatch.setattr(chunk_fwd, "launch", spy(chunk_fwd.launch))
+    launches = _record_launches(monkeypatch, chunk_fwd)
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=32, V=64, dtype=dtype, lens=[65, 1, 0, 128], seed=17)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
     assert not bad, bad
+    seen = [("kkt_solve", meta["STORE_P"]) if name == "kkt_solve_kernel" else ("state_out", meta["PRE_P"], meta["TMA"])
+            for name, meta in launches if name in ("kkt_solve_kernel", "state_out_kernel")]
     # the forward's kkt_solve stores the pairs and the fused pass reads them; the backward's
     # recompute (its own kkt_solve is not run: the forward's inverse is reused) is unchanged
     assert ("kkt_solve", True) in seen and ("state_out", True, tma) in seen, seen

@@ -52,7 +52,7 @@ def layout(ch: Chunks, HV: int, K: int, V: int, device, gated: bool = False) -> 
     # the segments, else the two-stage forward's state pass does.
     c = DELTA["state_out"]
     fills = ch.long_sequences * HV * -(-V // tiles[0]) >= c["fill"] * sm_count(device)
-    split = (gated and chunk_fwd.warm_split(True) and DELTA["split"]["fused"]
+    split = (gated and DELTA["split"]["warm"] and DELTA["split"]["fused"]
              and chunk_fwd.split_len(ch, HV, -(-V // tiles[0]), device) > 0)
     fused = V < 64 or (tiles[0] >= c["BV_min"] and (fills or split))
     return (fused,) + tiles + (split,)
