@@ -78,19 +78,12 @@ DELTA = {
     # from_inverse (delta members): the backward runs no wu and keeps no W or U; its recomputed
     # state pass forms δ from T⁻¹ (as state_fwd's from_inverse) and this pass forms Wᵀ dδ as
     # Kᵀ diag(βΓ) (Tᵀ dδ), one more [64, 64] × [64, BV] product per chunk step. H200 fwd+bwd:
-    # (4, 8192) 2.868 → 2.627 ms, Qwen3.5-397B 12.545 → 11.643 (docs/TRITON.md). Off until the
-    # GPU check has passed at every case (a kernel form is taken only after tests/gpu on the H200).
+    # (4, 8192) 2.867 → 2.627 ms, Qwen3.5-397B 12.533 → 11.672 (docs/TRITON.md).
     "state_bwd": dict(num_warps=4, waves=True, SV=8192, BV_min=16,
                       stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True})),
-                      TMA=False, from_inverse=False),
+                      TMA=False, from_inverse=True),
     "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
-    # dqk and wy_bwd fused for the delta members (chunk_bwd.dqk_wy_kernel): one program per chunk
-    # and value head over the whole K, dW, dK's fp32 partial and dγ's partials kept on chip. Off:
-    # not yet run on the GPU. ptxas for sm_90 at K = V = 128, bf16 (tools/sass_cpu.py): 255
-    # registers and 696 / 800 B of spill stores / loads at one stage and 8 warps (two stages:
-    # 1060 / 1092 B with one pass over the values; a K loop in halves: 1256 / 1532 B).
-    "dqk_wy": dict(num_warps=8, stages=(1,), BV=32, on=False),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # The split state passes (chunk_fwd.split_len): L = 0 off, > 0 a fixed segment length in
     # chunks, -1 automatic (warm-started passes only). warm: the gated members' split passes start

@@ -345,22 +345,22 @@ def test_backward_from_inverse(member, dtype, form, monkeypatch):
 
 @pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("K,V,from_inverse", [(32, 64, False), (64, 32, True)])
-def test_dqk_and_wy_fused(member, dtype, K, V, from_inverse, monkeypatch):
-    """``DELTA["dqk_wy"]["on"]``: one kernel per chunk and value head in place of dqk and wy_bwd
-    (dW, dK's partial and dγ's partials on chip), packed with an empty, a one-token and a partial
-    sequence, grouped value heads and an initial state, with either backward recompute: the
-    reference's gradients, and neither dqk nor wy_bwd launched."""
-    from gdn.ops.delta.triton import chunk_bwd
+@pytest.mark.parametrize("split", [0, 1], ids=["plain", "warm split"])
+def test_backward_from_stored_w_and_u(member, dtype, split, monkeypatch):
+    """``DELTA["state_bwd"]["from_inverse"]`` off: the backward recomputes W and U (wu), its state
+    pass forms δ = U − W S and its reverse pass reads W; packed with an empty, a one-token and a
+    partial sequence, grouped value heads and an initial state: the reference's gradients."""
+    from gdn.ops.delta.triton import chunk_bwd, chunk_fwd
 
-    monkeypatch.setitem(tuning.DELTA, "dqk_wy", dict(tuning.DELTA["dqk_wy"], on=True))
-    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], from_inverse=from_inverse))
-    launches = _record_launches(monkeypatch, chunk_bwd)
-    errs = _run_both(member, B=1, T=194, H=1, HV=2, K=K, V=V, dtype=dtype, lens=[65, 1, 0, 128], seed=17)
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], from_inverse=False))
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=split))
+    launches = _record_launches(monkeypatch, chunk_bwd, chunk_fwd)
+    errs = _run_both(member, B=1, T=194, H=1, HV=2, K=64, V=32, dtype=dtype, lens=[65, 1, 0, 128], seed=17)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
     assert not bad, bad
-    names = [name for name, _ in launches]
-    assert "dqk_wy_kernel" in names and "dqk_kernel" not in names and "wy_bwd_kernel" not in names, names
+    names = [(name, meta.get("FROM_INV")) for name, meta in launches]
+    assert ("wu_kernel", None) in names, names
+    assert not any(f for n, f in names if n == "state_bwd_kernel"), names
 
 
 @pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule"])
@@ -426,7 +426,8 @@ def test_split_forward_from_inverse(member, monkeypatch):
 @pytest.mark.parametrize("fill", [0, 10 ** 9], ids=["fused", "two-stage"])
 def test_from_inverse_forward_runs_no_wu(fill, monkeypatch):
     """With ``from_inverse`` the forward launches kkt_solve and the state pass but no wu kernel,
-    and its state pass gets the inverse and β; the backward still runs wu (its reverse pass reads W)."""
+    and its state pass gets the inverse and β; so does the backward's recomputed state pass, and
+    its reverse pass (``DELTA["state_bwd"]["from_inverse"]``, the default)."""
     from gdn.ops.delta.triton import chunk as chunk_mod
     from gdn.ops.delta.triton import chunk_bwd
 
@@ -443,8 +444,9 @@ def test_from_inverse_forward_runs_no_wu(fill, monkeypatch):
     assert all(m["FROM_INV"] for k, _, _, m in rec if k.fn.__name__ == want)
     with L.recording() as rec:
         chunk_bwd.backward(q, q, v, g, b, None, v, None, ch, 0.25, ai)
-    assert "wu_kernel" in [k.fn.__name__ for k, _, _, _ in rec]
-    assert not any(m["FROM_INV"] for k, _, _, m in rec if k.fn.__name__ == "state_fwd_kernel")
+    assert "wu_kernel" not in [k.fn.__name__ for k, _, _, _ in rec]
+    passes = [m["FROM_INV"] for k, _, _, m in rec if k.fn.__name__ in ("state_fwd_kernel", "state_bwd_kernel")]
+    assert len(passes) == 2 and all(passes), passes
 
 
 @pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule", "gated_linear_attention"])

@@ -60,10 +60,10 @@ def layout(ch: Chunks, HV: int, K: int, V: int, device, gated: bool = False) -> 
 
 class ChunkFunction(torch.autograd.Function):
     """Autograd node of one chunk-kernel call. Saves the inputs and the in-chunk inverse; the
-    backward recomputes the per-chunk states (one forward state pass) instead of keeping them, and
-    δ as U − W S from recomputed W and U (its reverse state pass reads W), also where the forward
-    formed δ from T⁻¹ (``from_inverse``): the two differ by rounding in the input dtype only. With
-    ``DELTA["state_bwd"]["from_inverse"]`` the backward forms δ and Wᵀ dδ from T⁻¹ too (no W, U).
+    backward recomputes the per-chunk states (one forward state pass) instead of keeping them,
+    with δ formed from the in-chunk inverse as the forward forms it (``DELTA["state_bwd"]
+    ["from_inverse"]``: its reverse pass forms Wᵀ dδ from T⁻¹ too, so no W or U is made; without
+    it both passes read W and U recomputed by wu, equal up to rounding in the input dtype).
 
     K and V that are not powers of two (60, 100), or narrower than 32, are zero-padded to the next
     power of two (≥ 32) on the way in and cut back on the way out: zero key/query columns and zero value columns change no result,
@@ -92,7 +92,7 @@ class ChunkFunction(torch.autograd.Function):
                 _, _, ai, gam = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])
                 chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt, gam, vdt)
 
-            inv = (DELTA["state_out"].get("from_inverse", False), DELTA["state_fwd"].get("from_inverse", False))
+            inv = tuple(DELTA[n].get("from_inverse", False) for n in ("state_out", "state_fwd", "state_bwd"))
             split = tuple(sorted(DELTA["split"].items()))
             precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt, vdt, lay,
                         inv, split), dry_run)
