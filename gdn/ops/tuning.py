@@ -85,7 +85,7 @@ DELTA = {
     "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     "cumsum": dict(num_warps=1, stages=(1,)),
-    # The split state passes (chunk_fwd.split_len): L = 0 off, > 0 a fixed segment length in
+    # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in
     # chunks, -1 automatic (warm-started passes only). warm: the gated members' split passes start
     # each segment from a zero state a bounded number of chunks early (state_fwd_kernel,
     # state_out_kernel and state_bwd_kernel, WARM) instead of chaining the segments' K × (K + V)

@@ -482,7 +482,7 @@ def test_segments_tile_the_stream():
 
 
 def test_split_len_rule(monkeypatch):
-    from gdn.ops.delta.triton.chunk_fwd import split_len
+    from gdn.ops.delta.triton.split import split_len
 
     cpu = torch.device("cpu")
     ch = common.make_chunks(1, 64 * 512, None, cpu)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import chunk_bwd, chunk_fwd
+from . import chunk_bwd, chunk_fwd, split as split_mod
 from ...triton.common import Chunks, group_sum, kernel_dtype, make_chunks, pad_zeros, pow2, sm_count
 from ...triton.launch import precompile
 from ...tuning import DELTA, MIN_DIM
@@ -48,12 +48,12 @@ def layout(ch: Chunks, HV: int, K: int, V: int, device, gated: bool = False) -> 
     # K = 256) were never right on the H200 (the one case run, (8, 2048, 16, 256) bf16, faulted),
     # while the two-stage pair is what the backward recomputes at every K anyway
     # A gated member whose sequences leave the card idle splits them into warm-started segments
-    # (chunk_fwd.split_len), which fill it: with DELTA["split"]["fused"] the fused pass runs on
+    # (split.split_len), which fill it: with DELTA["split"]["fused"] the fused pass runs on
     # the segments, else the two-stage forward's state pass does.
     c = DELTA["state_out"]
     fills = ch.long_sequences * HV * -(-V // tiles[0]) >= c["fill"] * sm_count(device)
     split = (gated and DELTA["split"]["warm"] and DELTA["split"]["fused"]
-             and chunk_fwd.split_len(ch, HV, -(-V // tiles[0]), device) > 0)
+             and split_mod.split_len(ch, HV, -(-V // tiles[0]), device) > 0)
     fused = V < 64 or (tiles[0] >= c["BV_min"] and (fills or split))
     return (fused,) + tiles + (split,)
 

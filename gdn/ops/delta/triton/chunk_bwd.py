@@ -27,7 +27,8 @@ from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision
                               launch, make_segments, pow2, tl_dtype, value_cols)
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
-from .chunk_fwd import _block, chain, fill_empty, split_len, state_tile, tile_reads, warm_split, warm_up
+from .chunk_fwd import _block, state_tile, tile_reads
+from .split import chain, fill_empty, split_len, warm_split, warm_up
 
 
 @triton.jit

@@ -1,0 +1,164 @@
+"""The split state passes: a sequence's chunks cut into segments that run in parallel, so that
+few long sequences still fill the card (docs/TRITON.md "Split state passes").
+
+Warm-started (gated members, ``DELTA["split"]["warm"]``): each segment's program starts from a
+zero state a bounded number of chunks early (:func:`warm_up`, adding up :func:`chunk_log_bound`)
+and reaches the true state within ``log_eps``; the state kernels' ``WARM`` form. Chained (any
+member, an explicit ``L`` only): each segment's map S ↦ A S + B is formed from [I | 0] (the state
+kernels' ``AUG`` form), then :func:`chain` walks the maps in order, then each segment runs from
+its true entering state. :func:`split_len` decides the segment length.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...triton.common import INTERPRET, Chunks, launch, pow2, sm_count
+from ...tuning import DELTA, cdiv
+
+
+@triton.jit
+def chunk_log_bound(k, beta, G, r0, end, i_hv, i_h, H, HV, o_t, o_k, K: tl.constexpr, DELTA: tl.constexpr):
+    """log of a bound on the norm of one chunk's state map S ↦ A S (rows r0 … min(r0 + BT, end) − 1;
+    the reverse pass's dS ↦ Aᵀ dS has the same norm): Σ_t g_t (γ at the chunk's last row) plus, for
+    the delta members, Σ_t log max(1, |1 − β_t‖k_t‖²|) (the norm of I − β k kᵀ: 0 for unit keys with
+    β ≤ 2)."""
+    rows = r0 + o_t
+    m = rows < end
+    b = tl.load(G + (tl.minimum(r0 + o_t.shape[0], end) - 1) * HV + i_hv)
+    if DELTA:
+        # ‖k‖² in 32-column slices: a whole [BT, K] fp32 tile beside the pass's state would spill
+        o_c = tl.arange(0, 32)
+        nk = tl.zeros([o_t.shape[0]], dtype=tl.float32)
+        for c in range(0, K, 32):
+            b_k = tl.load(k + (rows[:, None] * H + i_h) * K + c + o_c[None, :], mask=m[:, None] & (c + o_c < K)[None, :],
+                          other=0.0).to(tl.float32)
+            nk += tl.sum(b_k * b_k, axis=1)
+        b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
+        b += tl.sum(tl.log(tl.maximum(tl.abs(1.0 - b_b * nk), 1.0)), axis=0)
+    return b
+
+
+@triton.jit
+def warm_up(k, beta, G, seg_seq, seq_cu, i_s, bos, eos, i_hv, i_h, H, HV, o_t, o_k, K: tl.constexpr,
+            BT: tl.constexpr, DELTA: tl.constexpr, LOG_EPS: tl.constexpr, AFTER: tl.constexpr):
+    """(sequence, its first row, its end, warm-up chunks) of segment ``i_s`` = rows [bos, eos) of a
+    ``WARM`` state pass: whole chunks walked from the segment's first row back (``AFTER``: from its
+    end forward, the reverse pass's warm-up), adding up :func:`chunk_log_bound`, until the sum falls
+    to ``LOG_EPS`` or the walk reaches the sequence's edge."""
+    i_seq = tl.load(seg_seq + i_s)
+    sbos = tl.load(seq_cu + i_seq).to(tl.int64)
+    seos = tl.load(seq_cu + i_seq + 1).to(tl.int64)
+    nw = 0
+    acc = 0.0
+    if AFTER:
+        while (acc > LOG_EPS) & (eos + nw * BT < seos):
+            acc += chunk_log_bound(k, beta, G, eos + nw * BT, seos, i_hv, i_h, H, HV, o_t, o_k, K, DELTA)
+            nw += 1
+    else:
+        while (acc > LOG_EPS) & (bos - nw * BT > sbos):
+            acc += chunk_log_bound(k, beta, G, bos - (nw + 1) * BT, bos, i_hv, i_h, H, HV, o_t, o_k, K, DELTA)
+            nw += 1
+    return i_seq, sbos, seos, nw
+
+
+@triton.jit
+def _chain_step(j, b_s, X, Sseg, s0, ns, i_hv, HV, o_k, o_v, mv, K: tl.constexpr, V: tl.constexpr,
+                BC: tl.constexpr, REVERSE: tl.constexpr, PREC: tl.constexpr):
+    """Store the state entering segment j of the walk, then apply its map: S ← A S + B."""
+    valid = j < ns
+    seg = s0 + (ns - 1 - j if REVERSE else j)
+    base = (seg * HV + i_hv).to(tl.int64)
+    NV: tl.constexpr = K + V
+    tl.store(Sseg + base * K * V + o_k[:, None] * V + o_v[None, :], b_s, mask=mv[None, :] & valid)
+    tl.debug_barrier()  # the blocks of S read back below were written by other threads
+    b_n = tl.load(X + base * K * NV + o_k[:, None] * NV + K + o_v[None, :], mask=mv[None, :] & valid, other=0.0)
+    o_c = tl.arange(0, BC)
+    for kk in tl.static_range(K // BC):
+        b_a = tl.load(X + base * K * NV + o_k[:, None] * NV + kk * BC + o_c[None, :], mask=valid, other=0.0)
+        b_p = tl.load(Sseg + base * K * V + (kk * BC + o_c)[:, None] * V + o_v[None, :],
+                      mask=mv[None, :] & valid, other=0.0)
+        b_n += tl.dot(b_a, b_p, input_precision=PREC)
+    tl.debug_barrier()  # every thread has read S before the next step overwrites nothing it needs
+    return tl.where(valid, b_n, b_s)
+
+
+@triton.jit(do_not_specialize=['max_ns'])
+def chain_kernel(X, S0, Sseg, Sfin, first, count, max_ns, HV, K: tl.constexpr, V: tl.constexpr,
+                 BV: tl.constexpr, BC: tl.constexpr, REVERSE: tl.constexpr, USE_S0: tl.constexpr,
+                 STORE_FIN: tl.constexpr, PREC: tl.constexpr, WHILE: tl.constexpr):
+    """Second phase of a split state pass, one program per (sequence, value head, V tile): walk the
+    sequence's segments in order (``REVERSE``: last to first), store the state entering each in
+    Sseg [NS, HV, K, V] and apply the segment's map S ← A S + B from X [NS, HV, K, K + V] = [A | B];
+    the state after the last segment goes to Sfin [N, HV, K, V]. S starts from S0 (or zero)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    s0 = tl.load(first + i_n)
+    ns = tl.load(count + i_n)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mv = o_v < V
+    p_n = (i_n * HV + i_hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.zeros([K, BV], dtype=tl.float32)
+    if USE_S0:
+        b_s = tl.load(S0 + p_n, mask=mv[None, :], other=0.0).to(tl.float32)
+    if WHILE:
+        j = 0
+        while j < max_ns:
+            b_s = _chain_step(j, b_s, X, Sseg, s0, ns, i_hv, HV, o_k, o_v, mv, K, V, BC, REVERSE, PREC)
+            j += 1
+    else:
+        for j in range(0, max_ns):
+            b_s = _chain_step(j, b_s, X, Sseg, s0, ns, i_hv, HV, o_k, o_v, mv, K, V, BC, REVERSE, PREC)
+    if STORE_FIN:
+        tl.store(Sfin + p_n, b_s, mask=mv[None, :])
+
+
+def chain(X, S0, Sfin, sg, HV: int, K: int, V: int, reverse: bool, prec: str):
+    """Run :func:`chain_kernel`: returns Sseg [NS, HV, K, V] fp32 (the state entering each segment
+    in the walk's direction); writes the state after the walk into ``Sfin`` when it is given."""
+    Sseg = torch.empty(sg.NS, HV, K, V, device=X.device, dtype=torch.float32)
+    N = sg.first.numel()
+    BV = min(pow2(V), max(16, DELTA["chain"]["SV"] // K))
+    launch(chain_kernel, (cdiv(V, BV), N * HV), X, S0 if S0 is not None else X, Sseg,
+           Sfin if Sfin is not None else X, sg.first, sg.count, sg.max_ns, HV, K=K, V=V, BV=BV,
+           BC=min(K, DELTA["chain"]["BC"]), REVERSE=reverse, USE_S0=S0 is not None, STORE_FIN=Sfin is not None,
+           PREC=prec, WHILE=INTERPRET, name="chain")
+    return Sseg
+
+
+def warm_split(g) -> bool:
+    """Whether a split state pass takes the warm-started form (``DELTA["split"]["warm"]``; gated
+    members only: without a decay nothing bounds how far a segment must walk back)."""
+    return g is not None and bool(DELTA["split"]["warm"])
+
+
+def fill_empty(out, src, ch: Chunks) -> None:
+    """``out[n] = src[n]`` (0 without ``src``) for the empty sequences n of ``ch``: a warm-started
+    split pass has no segment, so no program, for them (the final state is h0, dS₀ is dht)."""
+    empty = ch.empty_sequences
+    if out is not None and len(empty):
+        empty = torch.from_numpy(empty).to(out.device)
+        out[empty] = src[empty] if src is not None else 0.0
+
+
+def split_len(ch: Chunks, HV: int, tiles: int, device, warm: bool = True) -> int:
+    """Chunks per segment of a split state pass, 0 for no split. ``DELTA["split"]["L"]``: 0 never
+    splits, a positive number always splits into segments of that many chunks, -1 ("auto") splits
+    a ``warm``-started pass (the chained split is never chosen by itself: slower on the H200) when
+    the (sequence, head, tile) programs of the longest sequences (``Chunks.long_sequences``: those
+    still running at the pass's end) number fewer than ``fill`` times the card's multiprocessors,
+    into as many segments as keep the programs within ``per_sm`` per multiprocessor (one wave: a
+    second wave of long programs doubles the pass)."""
+    c = DELTA["split"]
+    L = c["L"]
+    if L >= 0:
+        return L if L and ch.max_nc > L else 0
+    sms = sm_count(device)
+    programs = ch.long_sequences * HV * tiles
+    if not warm or programs >= c["fill"] * sms or ch.max_nc < 2 * c["min_L"]:
+        return 0
+    parts = int(c["per_sm"] * sms) // programs
+    return 0 if parts < 2 else max(c["min_L"], cdiv(ch.max_nc, parts))
