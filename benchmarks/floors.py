@@ -17,7 +17,8 @@ C = 64
 
 
 def floors(B: int, T: int, H: int, K: int, V: int, HV: int | None = None):
-    """{kernel: (bytes, flops)} for one forward + backward at (B, T, H, K, V), bf16, gated."""
+    """{kernel: (bytes, flops)} for one forward + backward at (B, T, H, K, V), bf16, gated, as the
+    default launches run it (the fused forward; δ and Wᵀ dδ formed from T⁻¹, so no wu)."""
     HV = HV or H
     n = B * (T // C) * HV  # (chunk, value head) pairs
     h16, f32 = 2, 4
@@ -29,12 +30,15 @@ def floors(B: int, T: int, H: int, K: int, V: int, HV: int | None = None):
     a_t = tok * C * h16  # one chunk's rows of T⁻¹
     dk32 = tok * K * f32  # dk's fp32 partial
     out = {
-        "kkt_solve": (qk + gb + a_t, 2 * tok * tok * K),
-        "wu": (2 * qk + 2 * vv + a_t + gb, 2 * tok * tok * (K + V)),
-        "state_fwd": (2 * qk + 2 * vv + st, 4 * tok * K * V),  # W, K, U in; h, δ out
-        "output": (2 * qk + st + 2 * vv + tok * f32, 2 * (tok * tok * K + tok * K * V + tok * tok * V)),
+        # forward: T⁻¹ and the output's pair matrix P from q, k; the fused state-and-output pass
+        # forming δ from T⁻¹, v and β
+        "kkt_solve": (2 * qk + gb + 2 * a_t, 2 * 2 * tok * tok * K),
+        "state_out": (2 * qk + 2 * vv + 2 * a_t + gb, 2 * (3 * tok * K * V + 2 * tok * tok * V)),
+        # backward: the state pass again (h and δ stored), dδ_loc, the reverse pass (Wᵀ dδ formed
+        # from T⁻¹; dh and dδ stored), then dqk and wy_bwd
+        "state_fwd (recompute)": (qk + 2 * vv + a_t + gb + st, 4 * tok * K * V + 2 * tok * tok * V),
         "dv_local": (2 * qk + 2 * vv + tok * f32, 2 * (tok * tok * K + tok * tok * V)),
-        "state_bwd": (3 * qk + 3 * vv + st, 6 * tok * K * V),
+        "state_bwd": (2 * qk + 3 * vv + a_t + gb + st, 6 * tok * K * V + 2 * tok * tok * V),
         "dqk": (4 * qk + 3 * vv + 2 * st + dk32 + 2 * tok * f32, 2 * (tok * tok * V + 3 * tok * K * V + 3 * tok * tok * K)),
         "wy_bwd": (3 * qk + 3 * vv + a_t + dk32 + gb + 3 * tok * f32,
                    2 * (2 * tok * tok * V + 5 * tok * tok * K + 2 * tok ** 3)),
@@ -125,7 +129,7 @@ def main(argv=None):
         ub, uf = nb / (a.copy_gbs * 1e9) * 1e6, nf / (a.tflops * 1e12) * 1e6
         tb, tf = tb + ub, tf + uf
         print(f"| {name} | {nb / 1e6:.0f} | {nf / 1e9:.1f} | {ub:.0f} | {uf:.0f} |")
-    what = "sum, each kernel once" if a.op == "fused" else "sum, each kernel once (a fwd+bwd runs wu and state_fwd twice)"
+    what = "sum, each kernel once"
     print(f"| {what} | | | {tb:.0f} | {tf:.0f} |")
     if a.op == "kda":
         print("(FLOPs: the chunk algorithm's matmuls; KDA's exponentials, [C, K] per sub-block and operand, run on the"
