@@ -82,7 +82,9 @@ DELTA = {
     "state_bwd": dict(num_warps=4, waves=True, SV=8192, BV_min=16,
                       stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True})),
                       TMA=False, from_inverse=True),
-    "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
+    # TMA: the value loop's five tiles by tensor descriptors (chunk_bwd.dqk_kernel): ptxas for sm_90
+    # at (4, 8192) bf16 spills 64 / 64 B instead of 108 / 108. Off: not yet run on the GPU.
+    "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64, TMA=False),
     "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in
