@@ -1,0 +1,35 @@
+"""tools/gluon_budget.py: the Gluon sketch of the fused backward's value loop compiles for sm_90 on
+the CPU, and its resources follow its tiles (the figures docs/TRITON.md quotes)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[1]
+
+RUN = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tools import gluon_budget as G
+print(json.dumps([G.resources(128, 128, bv, 8) for bv in (32, 64)]))
+"""
+
+
+def test_value_loop_fits_eight_warps_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, never interpreted
+    p = subprocess.run([sys.executable, "-c", RUN.format(root=str(ROOT))], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    narrow, wide = json.loads(p.stdout.strip().splitlines()[-1])
+    # five bf16 tiles a step in shared memory: three [64, BV] and two [128, BV]
+    assert narrow["shared"] == (3 * 64 + 2 * 128) * 32 * 2 and wide["shared"] == 2 * narrow["shared"]
+    # the five fp32 accumulators (2 · 64 · 64 + 3 · 64 · 128 values over 256 threads: 128 registers)
+    # and the 32-wide tiles' loads fit without spilling
+    assert narrow["spill"] == 0 and 128 < narrow["regs"] <= 255, narrow
+    assert wide["regs"] >= narrow["regs"], (narrow, wide)

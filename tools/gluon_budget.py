@@ -1,0 +1,130 @@
+"""Registers, spills and shared memory, for sm_90, of the value loop of a per-chunk fused backward
+written in Gluon (Triton's explicit-layout language), without a GPU.
+
+The loop is what decides whether the fused backward fits (docs/TRITON.md, "The next structure"):
+per value tile of one chunk and value head it accumulates dO δᵀ and dδ δᵀ ([64, 64]) and dO Sᵀ,
+δ dSᵀ and dδ Sᵀ ([64, K]) by warpgroup MMAs whose operands sit in shared memory and whose fp32
+accumulators are laid out over the warps explicitly. Its tiles come in by plain loads (a tensor-copy
+ring would keep them out of registers altogether); the five accumulators are stored at the end so
+that nothing is optimised away. Outputs are never checked: nothing runs.
+
+    python tools/gluon_budget.py                 # K = V = 128, 8 and 4 warps, value tiles of 64 and 32
+    python tools/gluon_budget.py --K 256 --V 256
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+@gluon.constexpr_function
+def acc_layout(N, num_warps):
+    """A [64, N] fp32 accumulator of warpgroup MMAs: four warps down the 64 rows (16 each), the
+    other warpgroups splitting N."""
+    wn = num_warps // 4
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, wn], instr_shape=[16, N // wn, 16])
+
+
+@gluon.jit
+def value_loop(d_ptr, do_ptr, dd_ptr, h_ptr, dh_ptr, out, BT: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+               BV: gl.constexpr, num_warps: gl.constexpr):
+    """One program: a chunk's δ, dO, dδ [BT, V] and its states S, dS [K, V] (bf16, row-major) in,
+    the five accumulators out (fp32)."""
+    pid = gl.program_id(0)
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BV], gl.bfloat16)
+    state: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BV], gl.bfloat16)
+    s_d = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], rows)
+    s_do = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], rows)
+    s_dd = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], rows)
+    s_h = gl.allocate_shared_memory(gl.bfloat16, [K, BV], state)
+    s_dh = gl.allocate_shared_memory(gl.bfloat16, [K, BV], state)
+    a_t: gl.constexpr = acc_layout(BT, num_warps)
+    a_k: gl.constexpr = acc_layout(K, num_warps)
+    dod = gl.zeros([BT, BT], gl.float32, a_t)
+    ddd = gl.zeros([BT, BT], gl.float32, a_t)
+    dqs = gl.zeros([BT, K], gl.float32, a_k)
+    dks = gl.zeros([BT, K], gl.float32, a_k)
+    dw = gl.zeros([BT, K], gl.float32, a_k)
+    r = gl.arange(0, BT, layout=gl.SliceLayout(1, ld))
+    rk = gl.arange(0, K, layout=gl.SliceLayout(1, ld))
+    c = gl.arange(0, BV, layout=gl.SliceLayout(0, ld))
+    base = pid.to(gl.int64) * BT * V
+    base_s = pid.to(gl.int64) * K * V
+    for i_v in range(0, V // BV):
+        p_t = base + r[:, None] * V + (i_v * BV + c)[None, :]
+        p_s = base_s + rk[:, None] * V + (i_v * BV + c)[None, :]
+        s_d.store(gl.load(d_ptr + p_t))
+        s_do.store(gl.load(do_ptr + p_t))
+        s_dd.store(gl.load(dd_ptr + p_t))
+        s_h.store(gl.load(h_ptr + p_s))
+        s_dh.store(gl.load(dh_ptr + p_s))
+        fence_async_shared()
+        dod = warpgroup_mma(s_do, s_d.permute((1, 0)), dod, is_async=True)
+        ddd = warpgroup_mma(s_dd, s_d.permute((1, 0)), ddd, is_async=True)
+        dqs = warpgroup_mma(s_do, s_h.permute((1, 0)), dqs, is_async=True)
+        dks = warpgroup_mma(s_d, s_dh.permute((1, 0)), dks, is_async=True)
+        dw = warpgroup_mma(s_dd, s_h.permute((1, 0)), dw, is_async=True)
+        dod, ddd, dqs, dks, dw = warpgroup_mma_wait(num_outstanding=0, deps=(dod, ddd, dqs, dks, dw))
+    o_t = gl.arange(0, BT, layout=gl.SliceLayout(1, a_t))
+    c_t = gl.arange(0, BT, layout=gl.SliceLayout(0, a_t))
+    o_k = gl.arange(0, BT, layout=gl.SliceLayout(1, a_k))
+    c_k = gl.arange(0, K, layout=gl.SliceLayout(0, a_k))
+    ob = pid.to(gl.int64) * (2 * BT * BT + 3 * BT * K)
+    gl.store(out + ob + o_t[:, None] * BT + c_t[None, :], dod)
+    gl.store(out + ob + BT * BT + o_t[:, None] * BT + c_t[None, :], ddd)
+    gl.store(out + ob + 2 * BT * BT + o_k[:, None] * K + c_k[None, :], dqs)
+    gl.store(out + ob + 2 * BT * BT + BT * K + o_k[:, None] * K + c_k[None, :], dks)
+    gl.store(out + ob + 2 * BT * BT + 2 * BT * K + o_k[:, None] * K + c_k[None, :], dw)
+
+
+def resources(K: int, V: int, BV: int, num_warps: int) -> dict:
+    """{"regs", "spill" (stack bytes), "shared" (bytes)} of :func:`value_loop` compiled for sm_90."""
+    sig = {n: "*bf16" for n in ("d_ptr", "do_ptr", "dd_ptr", "h_ptr", "dh_ptr")}
+    sig["out"] = "*fp32"
+    sig.update({n: "constexpr" for n in ("BT", "K", "V", "BV", "num_warps")})
+    consts = {(6,): 64, (7,): K, (8,): V, (9,): BV, (10,): num_warps}
+    opts = make_backend(TARGET).parse_options({"num_warps": num_warps})
+    ck = triton.compile(GluonASTSource(value_loop, sig, consts, {}), target=TARGET, options=opts.__dict__)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    field = {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
+    return {"regs": field["REG"], "spill": field["STACK"] + field["LOCAL"], "shared": ck.metadata.shared}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--K", type=int, default=128, help="key width (a power of two, 64-256)")
+    ap.add_argument("--V", type=int, default=128, help="value width (a power of two ≥ the tiles)")
+    ap.add_argument("--warps", default="8,4", help="warps per program to try (multiples of 4)")
+    ap.add_argument("--tiles", default="64,32", help="value tile widths to try")
+    a = ap.parse_args(argv)
+    print(f"Gluon value loop of the per-chunk fused backward, K = {a.K}, V = {a.V}, bf16, sm_90, triton {triton.__version__}")
+    print("| warps | value tile | registers | spill bytes | shared KB |")
+    print("|---|---|---|---|---|")
+    for w in (int(x) for x in a.warps.split(",")):
+        for bv in (int(x) for x in a.tiles.split(",")):
+            r = resources(a.K, a.V, bv, w)
+            print(f"| {w} | {bv} | {r['regs']} | {r['spill']} | {r['shared'] / 1024:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
