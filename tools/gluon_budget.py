@@ -1,5 +1,6 @@
 """Registers, spills and shared memory, for sm_90, of the value loop of a per-chunk fused backward
-written in Gluon (Triton's explicit-layout language), without a GPU.
+written in Gluon (Triton's explicit-layout language), and of the fused backward kernel itself
+(gdn.ops.delta.triton.fused_bwd), without a GPU.
 
 The loop is what decides whether the fused backward fits (docs/TRITON.md, "The next structure"):
 per value tile of one chunk and value head it accumulates dO δᵀ and dδ δᵀ ([64, 64]) and dO Sᵀ,
@@ -19,6 +20,9 @@ import re
 import subprocess
 import tempfile
 
+import sys
+from pathlib import Path
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
@@ -27,6 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -98,8 +103,27 @@ def resources(K: int, V: int, BV: int, num_warps: int) -> dict:
     sig["out"] = "*fp32"
     sig.update({n: "constexpr" for n in ("BT", "K", "V", "BV", "num_warps")})
     consts = {(6,): 64, (7,): K, (8,): V, (9,): BV, (10,): num_warps}
+    return _compiled(GluonASTSource(value_loop, sig, consts, {}), num_warps)
+
+
+def kernel_resources(K: int, V: int, BV: int, num_warps: int) -> dict:
+    """{"regs", "spill", "shared"} of the fused backward kernel itself
+    (:func:`gdn.ops.delta.triton.fused_bwd.fused_bwd_kernel`, bf16) compiled for sm_90."""
+    from gdn.ops.delta.triton import fused_bwd as F  # noqa: PLC0415
+
+    names = F.fused_bwd_kernel.arg_names
+    sig = {n: "*bf16" for n in names}
+    sig.update({n: "*fp32" for n in ("G", "beta", "DB", "DG")})
+    sig.update(cu="*i32", chunk_idx="*i32", scale="fp32", H="i32", HV="i32", K="constexpr", V="constexpr",
+               BV="constexpr", DT="constexpr")
+    at = {n: i for i, n in enumerate(names)}
+    consts = {(at["K"],): K, (at["V"],): V, (at["BV"],): BV, (at["DT"],): gl.bfloat16}
+    return _compiled(GluonASTSource(F.fused_bwd_kernel, sig, consts, {}), num_warps)
+
+
+def _compiled(src, num_warps: int) -> dict:
     opts = make_backend(TARGET).parse_options({"num_warps": num_warps})
-    ck = triton.compile(GluonASTSource(value_loop, sig, consts, {}), target=TARGET, options=opts.__dict__)
+    ck = triton.compile(src, target=TARGET, options=opts.__dict__)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(ck.asm["cubin"])
         f.flush()
@@ -122,6 +146,13 @@ def main(argv=None) -> int:
     for w in (int(x) for x in a.warps.split(",")):
         for bv in (int(x) for x in a.tiles.split(",")):
             r = resources(a.K, a.V, bv, w)
+            print(f"| {w} | {bv} | {r['regs']} | {r['spill']} | {r['shared'] / 1024:.0f} |")
+    print(f"\nThe fused backward kernel (gdn.ops.delta.triton.fused_bwd), K = {a.K}, V = {a.V}, bf16, sm_90")
+    print("| warps | value tile | registers | spill bytes | shared KB |")
+    print("|---|---|---|---|---|")
+    for w in (int(x) for x in a.warps.split(",")):
+        for bv in (int(x) for x in a.tiles.split(",")):
+            r = kernel_resources(a.K, a.V, bv, w)
             print(f"| {w} | {bv} | {r['regs']} | {r['spill']} | {r['shared'] / 1024:.0f} |")
     return 0
 

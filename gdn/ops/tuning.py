@@ -86,6 +86,11 @@ DELTA = {
     # at (4, 8192) bf16 spills 64 / 64 B instead of 108 / 108. Off: not yet run on the GPU.
     "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64, TMA=False),
     "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
+    # The per-chunk backward of the gated delta members in one Gluon kernel (delta.triton.fused_bwd:
+    # dqk and wy_bwd's work, accumulators placed over two warpgroups). Compiled for sm_90 at
+    # K = V = 128 bf16 (tools/gluon_budget.py): 255 registers, no spills, 125 KB of shared memory
+    # at value tiles of 32. Off: not yet run on a GPU (Gluon has no interpreter).
+    "fused_bwd": dict(num_warps=8, stages=(1,), BV=32, on=False),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in
     # chunks, -1 automatic (warm-started passes only). warm: the gated members' split passes start

@@ -93,7 +93,7 @@ class ChunkFunction(torch.autograd.Function):
                 chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt, gam, vdt)
 
             inv = tuple(DELTA[n].get("from_inverse", False) for n in ("state_out", "state_fwd", "state_bwd"))
-            split = tuple(sorted(DELTA["split"].items()))
+            split = tuple(sorted(DELTA["split"].items())) + (bool(DELTA["fused_bwd"]["on"]),)
             precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt, vdt, lay,
                         inv, split), dry_run)
         # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
