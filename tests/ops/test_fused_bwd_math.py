@@ -1,0 +1,115 @@
+"""The math of the Gluon fused backward (gdn.ops.delta.triton.fused_bwd), which has no interpreter:
+a PyTorch transcription of its kernel, step for step (the same products, masks, decays, the
+rounded operands and dA from dδ δᵀ split in two), put in its place in the chunk op's backward on
+the CPU, gives the float64 reference's gradients. The GPU test (tests/gpu/test_fused_bwd.py)
+checks the kernel itself."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gdn.ops import tuning
+
+from .test_triton_chunk import TOL, _record_launches, _run_both
+
+BT = 64
+
+
+def transcription(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype, dv_dtype):
+    """fused_bwd.backward's results, computed chunk by chunk as fused_bwd_kernel does (fp32
+    accumulation; operands rounded to the input dtype where the kernel rounds them)."""
+    T, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    dt, f = v.dtype, torch.float32
+    DQ = torch.zeros(T, HV, K, dtype=f)
+    DK, DV = torch.zeros(T, HV, K, dtype=f), torch.zeros(T, HV, V, dtype=f)
+    DB, DG = torch.zeros(T, HV, dtype=f), torch.zeros(T, HV, dtype=f)
+    idx = ch.chunk_idx.view(-1, 2).tolist()
+    cu = ch.cu.tolist()
+    o = torch.arange(BT)
+    for i_t, (i_n, i_c) in enumerate(idx):
+        t0, eos = cu[i_n] + i_c * BT, cu[i_n + 1]
+        n = min(eos, t0 + BT) - t0  # valid rows
+        for i_hv in range(HV):
+            i_h = i_hv // (HV // H)
+
+            def rows(x, w):  # the chunk's rows of x[:, head], zero past the sequence end
+                out = torch.zeros(BT, w, dtype=f)
+                out[:n] = x[t0:t0 + n].float()
+                return out
+
+            tq, tk = rows(q[:, i_h], K), rows(k[:, i_h], K)
+            tt = rows(Ai[:, i_hv], BT).T  # Tᵀ
+            dl, dO, dd, vv = (rows(x[:, i_hv], V) for x in (VN, do, DD, v))
+            S, dS = h[i_t, i_hv].float(), dh[i_t, i_hv].float()
+            g = torch.zeros(BT)
+            g[:n] = G[t0:t0 + n, i_hv]
+            g_last = float(G[t0 + n - 1, i_hv])
+            b = torch.zeros(BT)
+            b[:n] = beta[t0:t0 + n, i_hv].float()
+            valid = o < n
+            # the value loop
+            dod, ddd = dO @ dl.T, dd @ dl.T
+            dqs, dks, wac = dO @ S.T, dl @ dS.T, dd @ S.T
+            y = tt @ dd
+            DV[t0:t0 + n, i_hv] = (y * b[:, None])[:n]
+            dbu = (vv * y).sum(1)
+            gcs = (S * dS).sum()
+            # the epilogue
+            dW = (-wac).to(dt).float()
+            hi = ddd.to(dt).float()
+            lo = (ddd - hi).to(dt).float()
+            lower = (o[:, None] >= o[None, :]) & valid[:, None]
+            dsm = dod * torch.exp(torch.where(lower, g[:, None] - g[None, :], float("-inf"))) * scale
+            dqs = dqs * (scale * torch.exp(g))[:, None]
+            dg = (tq * dqs).sum(1)
+            dq = dsm.to(dt).float() @ tk + dqs
+            dks = dks * torch.exp(g_last - g)[:, None]
+            a = (tk * dks).sum(1)
+            dg = dg - a
+            dg[n - 1] += a.sum() + torch.exp(torch.tensor(g_last)) * gcs
+            dk = dsm.to(dt).float().T @ tq + dks
+            e = (tq @ tk.T) * dsm
+            dg = dg + e.sum(1) - e.sum(0)
+            bg = b * torch.exp(g)
+            tdw = tt @ dW
+            ktdw = (tk * tdw).sum(1)
+            dk = dk + tdw * bg[:, None]
+            db = ktdw * torch.exp(g) + dbu
+            dg = dg + ktdw * bg
+            strict = (o[:, None] > o[None, :]) & valid[:, None]
+            da = tt @ hi + tt @ lo
+            da = -torch.where(strict, da * torch.exp(torch.where(strict, g[:, None] - g[None, :], float("-inf"))),
+                              torch.zeros(()))
+            kk = tk @ tk.T
+            db = db + (da * kk).sum(1)
+            m = da * b[:, None]
+            e2 = m * kk
+            dg = dg + e2.sum(1) - e2.sum(0)
+            mr = m.to(dt).float()
+            dk = dk + mr @ tk + mr.T @ tk
+            after = o[None, :] >= o[:, None]
+            DQ[t0:t0 + n, i_hv] = dq[:n]
+            DK[t0:t0 + n, i_hv] = dk[:n]
+            DB[t0:t0 + n, i_hv] = db[:n]
+            DG[t0:t0 + n, i_hv] = torch.where(after, dg[None, :], torch.zeros(())).sum(1)[:n]
+    return DQ.to(grad_dtype), DK.to(grad_dtype), DV.to(dv_dtype or grad_dtype), DG, DB
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("K,V", [(32, 64), (64, 32)])
+def test_fused_backward_math(dtype, K, V, monkeypatch):
+    """Packed with an empty, a one-token and a partial sequence, grouped value heads, an initial
+    state: the transcription in the backward gives the reference's gradients, and the chunk op
+    launches neither dqk nor wy_bwd then."""
+    from gdn.ops.delta.triton import chunk_bwd, fused_bwd
+
+    monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=True))
+    monkeypatch.setattr(fused_bwd, "usable", lambda *a: True)
+    monkeypatch.setattr(fused_bwd, "backward", transcription)
+    launches = _record_launches(monkeypatch, chunk_bwd)
+    errs = _run_both("gated_delta_rule", B=1, T=194, H=1, HV=2, K=K, V=V, dtype=dtype, lens=[65, 1, 0, 128], seed=19)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, bad
+    names = [name for name, _ in launches]
+    assert "dqk_kernel" not in names and "wy_bwd_kernel" not in names, names
