@@ -15,6 +15,7 @@ from .helpers import assert_within, dtype_id
 from .test_chunk import AWKWARD, BENCH, check_case, reference
 
 CASES = [c for c in AWKWARD if max(32, c[5]) <= 128] + [BENCH[0], BENCH[3]]
+SMALL = [c for c in CASES if c in AWKWARD]
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
@@ -38,3 +39,36 @@ def test_fused_backward(case, dtype, monkeypatch):
         reference.cache_clear()
     assert "fused_bwd_kernel" in seen and "dqk_kernel" not in seen and "wy_bwd_kernel" not in seen, seen
     assert_within(errs, bounds, f"fused backward at {case[0]}, {dtype_id(dtype)}")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in SMALL])
+def test_fused_backward_outputs_match_its_transcription(case, monkeypatch):
+    """Each output of the kernel (dQ, dK, dV, dg, dβ per value head, before any group sum) against
+    tests/ops/test_fused_bwd_math.py's transcription of it run on the same intermediates (on the
+    CPU, in fp32): which output goes wrong, when the end-to-end check above fails."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMAs: compute capability 9")
+    from gdn.ops.delta.triton import fused_bwd
+    from tests.ops.test_fused_bwd_math import transcription
+
+    monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=True))
+    real = fused_bwd.backward
+    diffs = {}
+
+    def both(*args):
+        got = real(*args)
+        cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+        ch = args[11]
+        cpu[11] = type("Ch", (), {"chunk_idx": ch.chunk_idx.cpu(), "cu": ch.cu.cpu()})()
+        want = transcription(*cpu)
+        for name, x, y in zip(("dq", "dk", "dv", "dg", "db"), got, want):
+            y = y.float()
+            diffs[name] = float((x.float().cpu() - y).norm() / y.norm().clamp_min(1e-30))
+        return got
+
+    monkeypatch.setattr(fused_bwd, "backward", both)
+    try:
+        check_case(case, "gated_delta_rule", 3100 + SMALL.index(case), torch.bfloat16)
+    finally:
+        reference.cache_clear()
+    assert diffs and all(v < 2e-2 for v in diffs.values()), diffs
