@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gdn.ops import tuning
-from gdn.ops.delta.triton import chunk_bwd
+from gdn.ops.delta.triton import chunk_bwd, fused_bwd
 
 from .helpers import assert_within, dtype_id
 from .test_chunk import AWKWARD, BENCH, check_case, reference
@@ -31,7 +31,7 @@ def test_fused_backward(case, dtype, monkeypatch):
         seen.append(kernel.fn.__name__)
         return run(kernel, grid, *args, **meta)
 
-    monkeypatch.setattr(chunk_bwd.fused_bwd, "launch", spy)
+    monkeypatch.setattr(fused_bwd, "launch", spy)
     monkeypatch.setattr(chunk_bwd, "launch", spy)
     try:
         errs, bounds = check_case(case, "gated_delta_rule", 3000 + CASES.index(case), dtype)
@@ -48,7 +48,6 @@ def test_fused_backward_outputs_match_its_transcription(case, monkeypatch):
     CPU, in fp32): which output goes wrong, when the end-to-end check above fails."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warpgroup MMAs: compute capability 9")
-    from gdn.ops.delta.triton import fused_bwd
     from tests.ops.test_fused_bwd_math import transcription
 
     monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=True))

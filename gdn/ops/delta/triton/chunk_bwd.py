@@ -27,7 +27,6 @@ from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision
                               launch, make_segments, pow2, tl_dtype, value_cols)
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
-from . import fused_bwd
 from .chunk_fwd import _block, state_tile, tile_reads
 from .split import chain, fill_empty, split_len, warm_split, warm_up
 
@@ -468,11 +467,14 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # Each intermediate is dropped after its last reader and each output allocated before its first
     # writer, so the backward's peak (during dqk) holds h, dh, δ, dδ and dqk's outputs only.
     del DVL, W, Wp
-    if fused_bwd.usable(q, g, beta, K, V):
-        # dqk and wy_bwd's work in one Gluon kernel per chunk and value head
-        DQ, DKO, DV, DG, DB = fused_bwd.backward(q, k, v, gamma, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype,
-                                                 dv_dtype)
-        return DQ, DKO, DV, DG, DB, dh0
+    if DELTA["fused_bwd"]["on"]:
+        from . import fused_bwd  # noqa: PLC0415  (Gluon, imported only when asked for)
+
+        if fused_bwd.usable(q, g, beta, K, V):
+            # dqk and wy_bwd's work in one Gluon kernel per chunk and value head
+            DQ, DKO, DV, DG, DB = fused_bwd.backward(q, k, v, gamma, beta, Ai, VN, do, h, dh, DD, ch, scale,
+                                                     grad_dtype, dv_dtype)
+            return DQ, DKO, DV, DG, DB, dh0
     BK, BV = tiles("dqk", K, V)
     NK = cdiv(K, BK)
     DQ = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
