@@ -113,3 +113,24 @@ def test_fused_backward_math(dtype, K, V, monkeypatch):
     assert not bad, bad
     names = [name for name, _ in launches]
     assert "dqk_kernel" not in names and "wy_bwd_kernel" not in names, names
+
+
+def test_fused_backward_launch():
+    """fused_bwd.backward's launch as recorded (nothing runs): one program per chunk and value head,
+    the kernel's compile-time arguments and 8 warps, outputs of the caller's dtypes."""
+    from gdn.ops.delta.triton import fused_bwd
+    from gdn.ops.triton import common
+    from gdn.ops.triton import launch as L
+
+    T, H, HV, K, V = 130, 1, 2, 64, 64
+    ch = common.make_chunks(1, T, None, torch.device("cpu"))
+    bf = torch.bfloat16
+    q, v = torch.zeros(T, H, K, dtype=bf), torch.zeros(T, HV, V, dtype=bf)
+    G, beta, Ai = torch.zeros(T, HV), torch.zeros(T, HV), torch.zeros(T, HV, 64, dtype=bf)
+    h = torch.zeros(ch.NT, HV, K, V, dtype=bf)
+    with L.recording() as rec:
+        DQ, DK, DV, DG, DB = fused_bwd.backward(q, q, v, G, beta, Ai, v, v, h, h, v, ch, 0.125, torch.float32, bf)
+    assert [(kern.fn.__name__, tuple(grid)) for kern, grid, _, _ in rec] == [("fused_bwd_kernel", (ch.NT, HV))]
+    meta = rec[0][3]
+    assert (meta["K"], meta["V"], meta["BV"], meta["num_warps"]) == (K, V, tuning.DELTA["fused_bwd"]["BV"], 8)
+    assert DQ.dtype == DK.dtype == torch.float32 and DV.dtype == bf and DG.dtype == DB.dtype == torch.float32
