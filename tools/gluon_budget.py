@@ -32,16 +32,10 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gdn.ops.delta.triton.fused_bwd import acc_layout  # noqa: E402  (the kernel's accumulator layout)
+
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-
-
-@gluon.constexpr_function
-def acc_layout(N, num_warps):
-    """A [64, N] fp32 accumulator of warpgroup MMAs: four warps down the 64 rows (16 each), the
-    other warpgroups splitting N."""
-    wn = num_warps // 4
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, wn], instr_shape=[16, N // wn, 16])
 
 
 @gluon.jit
@@ -110,7 +104,6 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int) -> dict:
     """{"regs", "spill", "shared"} of the fused backward kernel itself
     (:func:`gdn.ops.delta.triton.fused_bwd.fused_bwd_kernel`, bf16) compiled for sm_90."""
     from gdn.ops.delta.triton import fused_bwd as F  # noqa: PLC0415
-
     names = F.fused_bwd_kernel.arg_names
     sig = {n: "*bf16" for n in names}
     sig.update({n: "*fp32" for n in ("G", "beta", "DB", "DG")})
@@ -140,20 +133,17 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", default="8,4", help="warps per program to try (multiples of 4)")
     ap.add_argument("--tiles", default="64,32", help="value tile widths to try")
     a = ap.parse_args(argv)
-    print(f"Gluon value loop of the per-chunk fused backward, K = {a.K}, V = {a.V}, bf16, sm_90, triton {triton.__version__}")
-    print("| warps | value tile | registers | spill bytes | shared KB |")
-    print("|---|---|---|---|---|")
-    for w in (int(x) for x in a.warps.split(",")):
-        for bv in (int(x) for x in a.tiles.split(",")):
-            r = resources(a.K, a.V, bv, w)
-            print(f"| {w} | {bv} | {r['regs']} | {r['spill']} | {r['shared'] / 1024:.0f} |")
-    print(f"\nThe fused backward kernel (gdn.ops.delta.triton.fused_bwd), K = {a.K}, V = {a.V}, bf16, sm_90")
-    print("| warps | value tile | registers | spill bytes | shared KB |")
-    print("|---|---|---|---|---|")
-    for w in (int(x) for x in a.warps.split(",")):
-        for bv in (int(x) for x in a.tiles.split(",")):
-            r = kernel_resources(a.K, a.V, bv, w)
-            print(f"| {w} | {bv} | {r['regs']} | {r['spill']} | {r['shared'] / 1024:.0f} |")
+    tables = (("Gluon value loop of the per-chunk fused backward", resources),
+              ("The fused backward kernel (gdn.ops.delta.triton.fused_bwd)", kernel_resources))
+    for title, measure in tables:
+        print(f"{title}, K = {a.K}, V = {a.V}, bf16, sm_90, triton {triton.__version__}")
+        print("| warps | value tile | registers | spill bytes | shared KB |")
+        print("|---|---|---|---|---|")
+        for w in (int(x) for x in a.warps.split(",")):
+            for bv in (int(x) for x in a.tiles.split(",")):
+                r = measure(a.K, a.V, bv, w)
+                print(f"| {w} | {bv} | {r['regs']} | {r['spill']} | {r['shared'] / 1024:.0f} |")
+        print()
     return 0
 
 

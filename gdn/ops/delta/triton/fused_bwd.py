@@ -21,14 +21,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+from ...triton.common import BT as CHUNK
 from ...triton.launch import launch
 from ...tuning import DELTA, INTERPRET
 
-BT = gl.constexpr(64)  # chunk rows (the chunk kernels' BT)
+BT = gl.constexpr(CHUNK)  # chunk rows, as the Triton chunk kernels'
 
 
 @gluon.constexpr_function
-def _acc(N, num_warps):
+def acc_layout(N, num_warps):
     """Layout of a [64, N] fp32 accumulator of warpgroup MMAs: four warps down the rows (16 each),
     the warpgroups splitting N."""
     wn = num_warps // 4
@@ -74,9 +75,9 @@ def fused_bwd_kernel(q, k, v, G, beta, Ai, VN, do, h, dh, DD, DQ, DK, DV, DB, DG
     ld_t: gl.constexpr = _rows(BT, num_warps)
     ld_k: gl.constexpr = _rows(K, num_warps)
     ld_v: gl.constexpr = _rows(BV, num_warps)
-    a_t: gl.constexpr = _acc(BT, num_warps)
-    a_k: gl.constexpr = _acc(K, num_warps)
-    a_v: gl.constexpr = _acc(BV, num_warps)
+    a_t: gl.constexpr = acc_layout(BT, num_warps)
+    a_k: gl.constexpr = acc_layout(K, num_warps)
+    a_v: gl.constexpr = acc_layout(BV, num_warps)
     r_t: gl.constexpr = gl.SliceLayout(1, a_t)  # row vectors of [64, 64]
     c_t: gl.constexpr = gl.SliceLayout(0, a_t)
     r_k: gl.constexpr = gl.SliceLayout(1, a_k)  # row vectors of [64, K]
