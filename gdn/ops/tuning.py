@@ -82,14 +82,15 @@ DELTA = {
     "state_bwd": dict(num_warps=4, waves=True, SV=8192, BV_min=16,
                       stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True})),
                       TMA=False, from_inverse=True),
-    # TMA: the value loop's five tiles by tensor descriptors (chunk_bwd.dqk_kernel): ptxas for sm_90
-    # at (4, 8192) bf16 spills 64 / 64 B instead of 108 / 108. Off: not yet run on the GPU.
-    "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64, TMA=False),
+    # TMA: the value loop's five tiles by tensor descriptors (chunk_bwd.dqk_kernel), on GPUs that
+    # have them: ptxas for sm_90 at (4, 8192) bf16 spills 64 / 64 B instead of 108 / 108; H200 µs
+    # 699 → 651 at (4, 8192), 359 → 332 at (8, 2048) (docs/TRITON.md).
+    "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64, TMA=True),
     "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     # The per-chunk backward of the gated delta members in one Gluon kernel (delta.triton.fused_bwd:
-    # dqk and wy_bwd's work, accumulators placed over two warpgroups). Compiled for sm_90 at
-    # K = V = 128 bf16 (tools/gluon_budget.py): 255 registers, no spills, 125 KB of shared memory
-    # at value tiles of 32. Off: not yet run on a GPU (Gluon has no interpreter).
+    # dqk and wy_bwd's work, accumulators placed over two warpgroups). Correct on the H200
+    # (tests/gpu/test_fused_bwd.py, 22 of 22) but slower than dqk + wy_bwd: 1564 against 1222 µs at
+    # (4, 8192) with 64-wide value tiles (docs/TRITON.md).
     "fused_bwd": dict(num_warps=8, stages=(1,), BV=32, on=False),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in

@@ -290,19 +290,21 @@ def test_forward_delta_from_inverse(member, dtype, fill, from_inverse, monkeypat
 @pytest.mark.parametrize("member", MEMBERS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("K,V", [(32, 64), (128, 32)])
-def test_dqk_with_tensor_descriptors(member, dtype, K, V, monkeypatch):
-    """dqk reading δ (v), dO, dδ, h and dh through tensor descriptors (``DELTA["dqk"]["TMA"]``): packed
-    with an empty, a one-token and a partial sequence (a chunk's block reaches into the next
-    sequence's rows, which must add nothing), grouped value heads, an initial state, one and two
-    K tiles: the reference's gradients, and the launch takes the descriptor form."""
+@pytest.mark.parametrize("tma", [True, False], ids=["descriptors", "pointers"])
+def test_dqk_reads(member, dtype, K, V, tma, monkeypatch):
+    """dqk reading δ (v), dO, dδ, h and dh through tensor descriptors (``DELTA["dqk"]["TMA"]``, taken
+    on GPUs that have them) and through pointers (the form for the others): packed with an empty, a
+    one-token and a partial sequence (a chunk's block reaches into the next sequence's rows, which
+    must add nothing), grouped value heads, an initial state, one and two K tiles: the reference's
+    gradients, and the launch takes the form asked for."""
     from gdn.ops.delta.triton import chunk_bwd
 
-    monkeypatch.setitem(tuning.DELTA, "dqk", dict(tuning.DELTA["dqk"], TMA=True))
+    monkeypatch.setitem(tuning.DELTA, "dqk", dict(tuning.DELTA["dqk"], TMA=tma))
     launches = _record_launches(monkeypatch, chunk_bwd)
     errs = _run_both(member, B=1, T=194, H=1, HV=2, K=K, V=V, dtype=dtype, lens=[65, 1, 0, 128], seed=18)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
     assert not bad, bad
-    assert [meta["TMA"] for name, meta in launches if name == "dqk_kernel"] == [True], launches
+    assert [meta["TMA"] for name, meta in launches if name == "dqk_kernel"] == [tma], launches
 
 
 @pytest.mark.parametrize("member", ["gated_delta_rule", "delta_rule", "gated_linear_attention"])
