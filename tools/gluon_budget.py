@@ -100,17 +100,23 @@ def resources(K: int, V: int, BV: int, num_warps: int) -> dict:
     return _compiled(GluonASTSource(value_loop, sig, consts, {}), num_warps)
 
 
-def kernel_resources(K: int, V: int, BV: int, num_warps: int) -> dict:
+def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int = 2) -> dict:
     """{"regs", "spill", "shared"} of the fused backward kernel itself
     (:func:`gdn.ops.delta.triton.fused_bwd.fused_bwd_kernel`, bf16) compiled for sm_90."""
     from gdn.ops.delta.triton import fused_bwd as F  # noqa: PLC0415
     names = F.fused_bwd_kernel.arg_names
     sig = {n: "*bf16" for n in names}
     sig.update({n: "*fp32" for n in ("G", "beta", "DB", "DG")})
+
+    def desc(rows):
+        return f"tensordesc<bf16[{rows}, {BV}],{F._smem([rows, BV], gl.bfloat16)!r}>"
+
+    sig.update({n: desc(64) for n in ("d_t", "do_t", "dd_t", "v_t")})
+    sig.update(h_t=desc(K), dh_t=desc(K))
     sig.update(cu="*i32", chunk_idx="*i32", scale="fp32", H="i32", HV="i32", K="constexpr", V="constexpr",
-               BV="constexpr", DT="constexpr")
+               BV="constexpr", NS="constexpr", DT="constexpr")
     at = {n: i for i, n in enumerate(names)}
-    consts = {(at["K"],): K, (at["V"],): V, (at["BV"],): BV, (at["DT"],): gl.bfloat16}
+    consts = {(at["K"],): K, (at["V"],): V, (at["BV"],): BV, (at["NS"],): NS, (at["DT"],): gl.bfloat16}
     return _compiled(GluonASTSource(F.fused_bwd_kernel, sig, consts, {}), num_warps)
 
 

@@ -88,10 +88,14 @@ DELTA = {
     "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64, TMA=True),
     "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     # The per-chunk backward of the gated delta members in one Gluon kernel (delta.triton.fused_bwd:
-    # dqk and wy_bwd's work, accumulators placed over two warpgroups). Correct on the H200
-    # (tests/gpu/test_fused_bwd.py, 22 of 22) but slower than dqk + wy_bwd: 1564 against 1222 µs at
-    # (4, 8192) with 64-wide value tiles (docs/TRITON.md).
-    "fused_bwd": dict(num_warps=8, stages=(1,), BV=32, on=False),
+    # dqk and wy_bwd's work, accumulators placed over two warpgroups), one program per chunk and
+    # value head, taken on compute capability 9 for 16-bit inputs, K ≤ 128: value tiles of BV (32
+    # where BV does not divide V) through a ring of NS slots filled by tensor copies, products
+    # asynchronous. H200 µs against dqk + wy_bwd: 961 against 1226 at (4, 8192), 487 against 624 at
+    # (8, 2048), 3796 against 5721 at (1, 32768, HV = 64); value tiles of 32: 1021 at (4, 8192); a
+    # third slot: 1050; persistent programs looping over the chunks spill and took 1523
+    # (docs/TRITON.md).
+    "fused_bwd": dict(num_warps=8, stages=(1,), BV=64, NS=2, on=False),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in
     # chunks, -1 automatic (warm-started passes only). warm: the gated members' split passes start

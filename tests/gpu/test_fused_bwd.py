@@ -71,3 +71,25 @@ def test_fused_backward_outputs_match_its_transcription(case, monkeypatch):
     finally:
         reference.cache_clear()
     assert diffs and all(v < 2e-2 for v in diffs.values()), diffs
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in SMALL[:4] + [BENCH[0]]])
+def test_pair_backward(case, dtype, monkeypatch):
+    """The pair the fused kernel replaces (dqk, wy_bwd: what GPUs without warpgroup MMAs run, and
+    every other member) still gives the reference's gradients for the gated delta rule in 16 bits."""
+    monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=False))
+    seen = []
+    run = chunk_bwd.launch
+
+    def spy(kernel, grid, *args, **meta):
+        seen.append(kernel.fn.__name__)
+        return run(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(chunk_bwd, "launch", spy)
+    try:
+        errs, bounds = check_case(case, "gated_delta_rule", 3200 + CASES.index(case), dtype)
+    finally:
+        reference.cache_clear()
+    assert "dqk_kernel" in seen and "wy_bwd_kernel" in seen, seen
+    assert_within(errs, bounds, f"dqk + wy_bwd at {case[0]}, {dtype_id(dtype)}")

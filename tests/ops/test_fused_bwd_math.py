@@ -130,7 +130,8 @@ def test_fused_backward_launch():
     h = torch.zeros(ch.NT, HV, K, V, dtype=bf)
     with L.recording() as rec:
         DQ, DK, DV, DG, DB = fused_bwd.backward(q, q, v, G, beta, Ai, v, v, h, h, v, ch, 0.125, torch.float32, bf)
-    assert [(kern.fn.__name__, tuple(grid)) for kern, grid, _, _ in rec] == [("fused_bwd_kernel", (ch.NT, HV))]
+    assert [(kern.fn.__name__, tuple(grid)) for kern, grid, _, _ in rec] == [("fused_bwd_kernel", (ch.NT * HV,))]
     meta = rec[0][3]
-    assert (meta["K"], meta["V"], meta["BV"], meta["num_warps"]) == (K, V, tuning.DELTA["fused_bwd"]["BV"], 8)
+    c = tuning.DELTA["fused_bwd"]
+    assert (meta["K"], meta["V"], meta["BV"], meta["NS"], meta["num_warps"]) == (K, V, c["BV"], c["NS"], 8)
     assert DQ.dtype == DK.dtype == torch.float32 and DV.dtype == bf and DG.dtype == DB.dtype == torch.float32

@@ -394,6 +394,16 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DKO, DV, DB, DGAM, DG, cu, chun
         tl.store(DG + rows * HV + i_hv, b_dg, mask=m)
 
 
+def _fused_bwd():
+    """The Gluon fused backward's module (delta.triton.fused_bwd), imported on first use; None where
+    this triton has no Gluon."""
+    try:
+        from . import fused_bwd  # noqa: PLC0415
+    except ImportError:
+        return None
+    return fused_bwd
+
+
 def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, grad_dtype=torch.float32,
              gamma=None, dv_dtype=None):
     """Gradients of the chunk op. Shapes in the packed layout: q, k [T, H, K]; v, do [T, HV, V]
@@ -467,12 +477,11 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # Each intermediate is dropped after its last reader and each output allocated before its first
     # writer, so the backward's peak (during dqk) holds h, dh, δ, dδ and dqk's outputs only.
     del DVL, W, Wp
-    if DELTA["fused_bwd"]["on"]:
-        from . import fused_bwd  # noqa: PLC0415  (Gluon, imported only when asked for)
-
-        if fused_bwd.usable(q, g, beta, K, V):
+    fused = _fused_bwd() if DELTA["fused_bwd"]["on"] else None
+    if fused is not None:
+        if fused.usable(q, g, beta, K, V):
             # dqk and wy_bwd's work in one Gluon kernel per chunk and value head
-            DQ, DKO, DV, DG, DB = fused_bwd.backward(q, k, v, gamma, beta, Ai, VN, do, h, dh, DD, ch, scale,
+            DQ, DKO, DV, DG, DB = fused.backward(q, k, v, gamma, beta, Ai, VN, do, h, dh, DD, ch, scale,
                                                      grad_dtype, dv_dtype)
             return DQ, DKO, DV, DG, DB, dh0
     BK, BV = tiles("dqk", K, V)
