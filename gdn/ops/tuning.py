@@ -95,7 +95,7 @@ DELTA = {
     # (8, 2048), 3796 against 5721 at (1, 32768, HV = 64); value tiles of 32: 1021 at (4, 8192); a
     # third slot: 1050; persistent programs looping over the chunks spill and took 1523
     # (docs/TRITON.md).
-    "fused_bwd": dict(num_warps=8, stages=(1,), BV=64, NS=2, on=False),
+    "fused_bwd": dict(num_warps=8, stages=(1,), BV=64, NS=2, on=True),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in
     # chunks, -1 automatic (warm-started passes only). warm: the gated members' split passes start
