@@ -7,7 +7,7 @@ use (bf16 q/k/v/do and intermediates, fp32 g/β/dγ, dk's fp32 partial between d
 the re-reads a tiling adds; FLOPs count the matmuls of the chunk algorithm (chunk C = 64). A kernel
 near its byte floor can only gain by fusion (fewer bytes); one far above both is latency-bound.
 
-    python benchmarks/floors.py --shape 1,32768,16,128 [--copy-gbs 4240 --tflops 714] [--op kda|fused]
+    python benchmarks/floors.py --shape 1,32768,16,128 [--copy-gbs 4240 --tflops 714] [--op pair|kda|fused]
 """
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ import argparse
 C = 64
 
 
-def floors(B: int, T: int, H: int, K: int, V: int, HV: int | None = None):
+def floors(B: int, T: int, H: int, K: int, V: int, HV: int | None = None, pair: bool = False):
     """{kernel: (bytes, flops)} for one forward + backward at (B, T, H, K, V), bf16, gated, as the
-    default launches run it (the fused forward; δ and Wᵀ dδ formed from T⁻¹, so no wu)."""
+    default launches run it on compute capability 9 (the fused forward; δ and Wᵀ dδ formed from
+    T⁻¹, so no wu; the Gluon fused_bwd after the reverse pass), or with ``pair`` dqk and wy_bwd
+    instead of fused_bwd (other GPUs)."""
     HV = HV or H
     n = B * (T // C) * HV  # (chunk, value head) pairs
     h16, f32 = 2, 4
@@ -42,8 +44,14 @@ def floors(B: int, T: int, H: int, K: int, V: int, HV: int | None = None):
         "dqk": (4 * qk + 3 * vv + 2 * st + dk32 + 2 * tok * f32, 2 * (tok * tok * V + 3 * tok * K * V + 3 * tok * tok * K)),
         "wy_bwd": (3 * qk + 3 * vv + a_t + dk32 + gb + 3 * tok * f32,
                    2 * (2 * tok * tok * V + 5 * tok * tok * K + 2 * tok ** 3)),
+        # their work in one program per chunk and value head: q, k, δ, dO, dδ, v, T⁻¹, g, β, h, dh
+        # in; dq, dk, dv, dβ, dγ out. Products: dO δᵀ, dδ δᵀ, Tᵀ dδ; dO Sᵀ, δ dSᵀ, dδ Sᵀ; Q Kᵀ,
+        # K Kᵀ, Tᵀ dW, (dO δᵀ ⊙ D) K and its transpose with Q, (M + Mᵀ) K; Tᵀ (dδ δᵀ) in two parts
+        "fused_bwd": (4 * qk + 5 * vv + a_t + gb + 2 * st + 2 * tok * f32,
+                      2 * (3 * tok * tok * V + 3 * tok * K * V + 7 * tok * tok * K + 2 * tok ** 3)),
     }
-    return {k: (b * n, f * n) for k, (b, f) in out.items()}
+    drop = ("fused_bwd",) if pair else ("dqk", "wy_bwd")
+    return {k: (b * n, f * n) for k, (b, f) in out.items() if k not in drop}
 
 
 def floors_fused(B: int, T: int, H: int, K: int, V: int, HV: int | None = None):
@@ -111,8 +119,9 @@ def main(argv=None):
     ap.add_argument("--shape", default="1,32768,16,128", help="B,T,H,D (K = V = D) or B,T,H,K,V")
     ap.add_argument("--copy-gbs", type=float, default=4240.0, help="measured copy bandwidth, GB/s")
     ap.add_argument("--tflops", type=float, default=714.0, help="measured bf16 matmul rate, TFLOP/s")
-    ap.add_argument("--op", choices=("delta", "kda", "fused"), default="delta",
-                    help="the scalar-gate kernels, KDA's, or the per-chunk fused backward's design (floors_fused)")
+    ap.add_argument("--op", choices=("delta", "pair", "kda", "fused"), default="delta",
+                    help="the scalar-gate kernels as launched on compute capability 9, the same with dqk and wy_bwd "
+                         "(other GPUs), KDA's, or the per-chunk fused backward's design (floors_fused)")
     a = ap.parse_args(argv)
     dims = [int(x) for x in a.shape.split(",")]
     if len(dims) == 4:
@@ -124,7 +133,8 @@ def main(argv=None):
     print("| kernel | MB moved | GFLOP | byte floor µs | FLOP floor µs |")
     print("|---|---:|---:|---:|---:|")
     tb = tf = 0.0
-    table = {"delta": floors, "kda": floors_kda, "fused": floors_fused}[a.op]
+    table = {"delta": floors, "pair": lambda *d: floors(*d, pair=True), "kda": floors_kda,
+             "fused": floors_fused}[a.op]
     for name, (nb, nf) in table(B, T, H, K, V).items():
         ub, uf = nb / (a.copy_gbs * 1e9) * 1e6, nf / (a.tflops * 1e12) * 1e6
         tb, tf = tb + ub, tf + uf
