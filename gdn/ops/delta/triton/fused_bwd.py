@@ -127,7 +127,7 @@ def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK,
     fence_async_shared()
     for i_s in gl.static_range(min(NS, NV)):
         _issue(tile_bytes, w, i_s, i_s, HV, cu, chunk_idx, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd,
-                   ring_v, ring_h, ring_dh, bars, K, V, BV)
+               ring_v, ring_h, ring_dh, bars, K, V, BV)
 
     o_64 = gl.arange(0, BT, layout=gl.SliceLayout(0, ld_t))
     o_kc = gl.arange(0, K, layout=gl.SliceLayout(0, ld_k))
