@@ -564,7 +564,11 @@ def variants(specs, prof=False, shapes=None):
             if prof:
                 with torch.no_grad():
                     kernel_times(g, f"gdn kernels at {name}, {json.dumps(spec)}, fwd", top=8)
-                kernel_times(fresh_fwd_bwd(g, xs, do), f"gdn kernels at {name}, {json.dumps(spec)}, fwd+bwd", top=14)
+                    h_f = host_ms(g)
+                run = fresh_fwd_bwd(g, xs, do)
+                kernel_times(run, f"gdn kernels at {name}, {json.dumps(spec)}, fwd+bwd", top=14)
+                print(f"gdn host ms at {name}, {json.dumps(spec)}: fwd {h_f:.3f}, fwd+bwd {host_ms(run):.3f}")
+                host_times(run, f"gdn host at {name}, {json.dumps(spec)}, fwd+bwd")
         _restore(saved)
         del xs
         torch.cuda.empty_cache()
@@ -603,6 +607,37 @@ def kernel_times(run, label, n=5, top=14):
         print(f"  {e.device_time_total / n:9.1f}  x{e.count // n:<3d} {e.key[:90]}")
 
 
+def host_ms(run, n=10):
+    """Host milliseconds per call of ``run``, the GPU held by a sleep kernel meanwhile so that the
+    host never waits for it (one warm-up call first). A wall time near this, above the kernels' sum,
+    means the call is host-bound."""
+    run()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(4e9))  # ≈ 2 s of GPU cycles: longer than n calls take on the host
+    t = time.perf_counter()
+    for _ in range(n):
+        run()
+    ms = (time.perf_counter() - t) / n * 1e3
+    torch.cuda.synchronize()
+    return ms
+
+
+def host_times(run, label, n=5, top=12):
+    """Print where ``run``'s host time goes: torch.profiler's CPU events, by their own time per call
+    (the launches show as cuLaunchKernel / cudaLaunchKernel, torch's ops as aten::…)."""
+    for _ in range(2):
+        run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            run()
+        torch.cuda.synchronize()
+    evs = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    print(f"\n{label}, host µs per call by own time (count per call):")
+    for e in evs[:top]:
+        print(f"  {e.self_cpu_time_total / n:9.1f}  x{e.count / n:<5.1f} {e.key[:90]}")
+
+
 def profile(shapes=None):
     """Per-kernel GPU time (µs per call) of one fwd+bwd at every shape, gdn and FLA, from torch.profiler."""
     for label, B, T, H, HV, lens, *vd in SHAPES if shapes is None else shapes:
@@ -633,7 +668,8 @@ def main():
     ap.add_argument("--fla-tilelang", action="store_true",
                     help="let FLA run its TileLang kernels where it would (default FLA_TILELANG=0: FLA's Triton path)")
     ap.add_argument("--decode", action="store_true", help="also the decode rows of benchmarks/decode_gpu.py")
-    ap.add_argument("--profile", action="store_true", help="per-kernel times at every shape (torch.profiler)")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel times at every shape (torch.profiler); with --variants also host time per call")
     ap.add_argument("--only-profile", action="store_true", help="only the per-kernel profile")
     ap.add_argument("--variants", default=None, metavar="JSON",
                     help="only gdn, timed under each of a JSON list of partial launch configurations")
