@@ -135,3 +135,36 @@ def test_fused_backward_launch():
     c = tuning.DELTA["fused_bwd"]
     assert (meta["K"], meta["V"], meta["BV"], meta["NS"], meta["num_warps"]) == (K, V, c["BV"], c["NS"], 8)
     assert DQ.dtype == DK.dtype == torch.float32 and DV.dtype == bf and DG.dtype == DB.dtype == torch.float32
+
+
+def test_value_tile_and_usable_rules(monkeypatch):
+    """The value tile: the setting's width where it divides V, else 32, else none (the pair runs);
+    the kernel is taken only for gated delta members on a CUDA device (never on the CPU)."""
+    from gdn.ops.delta.triton import fused_bwd
+
+    monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], BV=64, on=True))
+    assert [fused_bwd.value_tile(V) for V in (128, 256, 96, 32, 48)] == [64, 64, 32, 32, 0]
+    q, g, beta = torch.zeros(4, 1, 64, dtype=torch.bfloat16), torch.zeros(4, 1), torch.zeros(4, 1)
+    assert not fused_bwd.usable(q, g, beta, 64, 64)  # a CPU tensor
+
+
+def test_backward_without_gluon(monkeypatch):
+    """A triton without Gluon: the fused module does not import, the chunk op's backward runs the
+    pair (dqk, wy_bwd) and gives the reference's gradients."""
+    import sys
+
+    from gdn.ops.delta.triton import chunk_bwd
+
+    monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=True))
+    from gdn.ops.delta import triton as package
+
+    monkeypatch.setitem(sys.modules, "gdn.ops.delta.triton.fused_bwd", None)  # import raises ImportError
+    monkeypatch.delattr(package, "fused_bwd", raising=False)  # (an earlier import left it on the package)
+    assert chunk_bwd._fused_bwd() is None
+    launches = _record_launches(monkeypatch, chunk_bwd)
+    errs = _run_both("gated_delta_rule", B=1, T=130, H=1, HV=2, K=32, V=32, dtype=torch.float16, lens=None,
+                     seed=23)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float16]}
+    assert not bad, bad
+    names = [name for name, _ in launches]
+    assert "dqk_kernel" in names and "wy_bwd_kernel" in names, names
