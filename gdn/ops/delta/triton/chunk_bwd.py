@@ -11,7 +11,9 @@ the next chunk, or the final-state gradient), S the state entering it and δ as 
     dT     = dδ (βV)ᵀ + dW (βΓK)ᵀ ;  dA = −Tᵀ dT Tᵀ             wy           (parallel)
     dV = β Tᵀ dδ ;  dK, dβ, dγ from W and A ;  dg = reverse cumsum of dγ in the chunk
 
-Without the delta term dδ is dV and the wy stage only turns dγ into dg.
+Without the delta term dδ is dV and the wy stage only turns dγ into dg. On compute capability 9,
+for the gated delta members in 16 bits with K ≤ 128, the dqk and wy stages run as one Gluon kernel
+per chunk and value head instead (:mod:`.fused_bwd`, ``DELTA["fused_bwd"]``).
 
 As in the forward, intermediates (dδ_loc, dδ, the per-chunk dS, dW) are stored in the input dtype
 and every dot takes operands of that dtype (fp32 accumulation); dβ, dγ are fp32; dQ, dK, dV are
