@@ -41,7 +41,8 @@ def floors(B: int, T: int, H: int, K: int, V: int, HV: int | None = None, pair: 
         "state_fwd (recompute)": (qk + 2 * vv + a_t + gb + st, 4 * tok * K * V + 2 * tok * tok * V),
         "dv_local": (2 * qk + 2 * vv + tok * f32, 2 * (tok * tok * K + tok * tok * V)),
         "state_bwd": (2 * qk + 3 * vv + a_t + gb + st, 6 * tok * K * V + 2 * tok * tok * V),
-        "dqk": (4 * qk + 3 * vv + 2 * st + dk32 + 2 * tok * f32, 2 * (tok * tok * V + 3 * tok * K * V + 3 * tok * tok * K)),
+        "dqk": (4 * qk + 3 * vv + 2 * st + dk32 + 2 * tok * f32,
+                2 * (tok * tok * V + 3 * tok * K * V + 3 * tok * tok * K)),
         "wy_bwd": (3 * qk + 3 * vv + a_t + dk32 + gb + 3 * tok * f32,
                    2 * (2 * tok * tok * V + 5 * tok * tok * K + 2 * tok ** 3)),
         # their work in one program per chunk and value head: q, k, δ, dO, dδ, v, T⁻¹, g, β, h, dh

@@ -57,8 +57,8 @@ def _vec(x, layout: gl.constexpr):
 
 
 @gluon.jit
-def _issue(n, w, i_v, s, HV, cu, chunk_idx, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars,
-           K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr):
+def _issue(n, w, i_v, s, HV, cu, chunk_idx, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v,
+           ring_h, ring_dh, bars, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr):
     """Start the tensor copies of item ``w``'s value tile ``i_v`` (δ, dO, dδ, v rows; h, dh rows) into
     ring slot ``s``; its barrier completes when all ``n`` bytes have landed."""
     i_t = w // HV
@@ -77,8 +77,8 @@ def _issue(n, w, i_v, s, HV, cu, chunk_idx, d_t, do_t, dd_t, v_t, h_t, dh_t, rin
 
 
 @gluon.jit
-def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, DB, DG, cu, chunk_idx, scale, H, HV,
-                     K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr):
+def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, DB, DG, cu, chunk_idx, scale, H,
+                     HV, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr):
     """One program per chunk i_t and value head i_hv (w = i_t · HV + i_hv). q, k [T, H, K]; G [T, HV]
     the in-chunk cumulative log decay γ; beta [T, HV]; Ai [T, HV, 64] the rows of T⁻¹. Descriptors:
     d_t (δ), do_t (dO), dd_t (dδ), v_t (v) of [T, HV · V] in [64, BV] blocks; h_t, dh_t of
