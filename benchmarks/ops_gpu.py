@@ -574,17 +574,23 @@ def variants(specs, prof=False, shapes=None):
         torch.cuda.empty_cache()
 
 
-def kernel_events(run, n=5):
-    """(the CUDA kernels of ``run`` from torch.profiler, longest total first; their µs per call):
-    two warm-up calls, then n profiled ones."""
+def _profiled(run, activity, n):
+    """torch.profiler's events of n calls of ``run`` (``activity`` CPU or CUDA), after two warm-up calls."""
     for _ in range(2):
         run()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[activity]) as prof:
         for _ in range(n):
             run()
         torch.cuda.synchronize()
-    evs = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return prof.key_averages()
+
+
+def kernel_events(run, n=5):
+    """(the CUDA kernels of ``run`` from torch.profiler, longest total first; their µs per call):
+    two warm-up calls, then n profiled ones."""
+    evs = [e for e in _profiled(run, torch.profiler.ProfilerActivity.CUDA, n)
+           if e.device_type == torch.autograd.DeviceType.CUDA]
     evs.sort(key=lambda e: -e.device_time_total)
     return evs, sum(e.device_time_total for e in evs) / n
 
@@ -625,14 +631,7 @@ def host_ms(run, n=10):
 def host_times(run, label, n=5, top=12):
     """Print where ``run``'s host time goes: torch.profiler's CPU events, by their own time per call
     (the launches show as cuLaunchKernel / cudaLaunchKernel, torch's ops as aten::…)."""
-    for _ in range(2):
-        run()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(n):
-            run()
-        torch.cuda.synchronize()
-    evs = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    evs = sorted(_profiled(run, torch.profiler.ProfilerActivity.CPU, n), key=lambda e: -e.self_cpu_time_total)
     print(f"\n{label}, host µs per call by own time (count per call):")
     for e in evs[:top]:
         print(f"  {e.self_cpu_time_total / n:9.1f}  x{e.count / n:<5.1f} {e.key[:90]}")
