@@ -100,16 +100,20 @@ def resources(K: int, V: int, BV: int, num_warps: int) -> dict:
     return _compiled(GluonASTSource(value_loop, sig, consts, {}), num_warps)
 
 
-def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int = 2) -> dict:
+def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = None) -> dict:
     """{"regs", "spill", "shared"} of the fused backward kernel itself
-    (:func:`gdn.ops.delta.triton.fused_bwd.fused_bwd_kernel`, bf16) compiled for sm_90."""
+    (:func:`gdn.ops.delta.triton.fused_bwd.fused_bwd_kernel`, bf16) compiled for sm_90, with a ring
+    of ``NS`` slots (default: the launch setting's)."""
     from gdn.ops.delta.triton import fused_bwd as F  # noqa: PLC0415
+    from gdn.ops.tuning import DELTA  # noqa: PLC0415
+
+    NS = DELTA["fused_bwd"]["NS"] if NS is None else NS
     names = F.fused_bwd_kernel.arg_names
     sig = {n: "*bf16" for n in names}
     sig.update({n: "*fp32" for n in ("G", "beta", "DB", "DG")})
 
     def desc(rows):
-        return f"tensordesc<bf16[{rows}, {BV}],{F._smem([rows, BV], gl.bfloat16)!r}>"
+        return f"tensordesc<bf16[{rows}, {BV}],{F._tile_layout((rows, BV), gl.bfloat16)!r}>"
 
     sig.update({n: desc(64) for n in ("d_t", "do_t", "dd_t", "v_t")})
     sig.update(h_t=desc(K), dh_t=desc(K))

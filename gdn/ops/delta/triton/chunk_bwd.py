@@ -480,12 +480,11 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # writer, so the backward's peak (during dqk) holds h, dh, δ, dδ and dqk's outputs only.
     del DVL, W, Wp
     fused = _fused_bwd() if DELTA["fused_bwd"]["on"] else None
-    if fused is not None:
-        if fused.usable(q, g, beta, K, V):
-            # dqk and wy_bwd's work in one Gluon kernel per chunk and value head
-            DQ, DKO, DV, DG, DB = fused.backward(q, k, v, gamma, beta, Ai, VN, do, h, dh, DD, ch, scale,
-                                                     grad_dtype, dv_dtype)
-            return DQ, DKO, DV, DG, DB, dh0
+    if fused is not None and fused.usable(q, g, beta, K, V):
+        # dqk and wy_bwd's work in one Gluon kernel per chunk and value head
+        DQ, DKO, DV, DG, DB = fused.backward(q, k, v, gamma, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype,
+                                             dv_dtype)
+        return DQ, DKO, DV, DG, DB, dh0
     BK, BV = tiles("dqk", K, V)
     NK = cdiv(K, BK)
     DQ = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
