@@ -671,6 +671,15 @@ def test_launch_by_waves_picks_from_compiled_resources(monkeypatch):
     assert len(compiled) == 5 and launched[-1] == ((4, 32), 2, False)  # the first that fits
     L.launch(k, (8, 64), name="state_bwd", BV=32)  # 512: two waves at two per multiprocessor
     assert launched[-1] == ((8, 64), 2, True)
+    # a tensor passed by keyword (state_bwd's β) is an argument: each call's new tensor neither
+    # compiles the candidates again nor stays alive in the remembered choice
+    L.launch(k, (4, 64), name="state_bwd", BV=32, beta=torch.zeros(3))
+    n, b = len(compiled), torch.zeros(3)
+    alive = weakref.ref(b)
+    L.launch(k, (4, 64), name="state_bwd", BV=32, beta=b)
+    assert len(compiled) == n and launched[-1] == ((4, 64), 2, True)
+    del b
+    assert alive() is None
 
 
 def test_state_tile_and_long_sequences():

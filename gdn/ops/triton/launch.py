@@ -53,7 +53,7 @@ def launch(kernel, grid, *args, name: str, config: dict | None = None, **meta):
     cfg = (DELTA if config is None else config)[name]
     cands, ckey = _candidates(cfg["stages"])
     meta["num_warps"] = cfg["num_warps"]
-    key = (kernel, tuple(meta.items()), ckey)  # (callers pass their keywords in a fixed order)
+    key = (kernel, settings(meta), ckey)
     waves = cfg.get("waves", False) and len(cands) > 1 and not INTERPRET
     if _RECORD is not None:
         for ns, f in (cands if waves else [_STAGES.get(key, cands[0])]):
@@ -74,6 +74,14 @@ def launch(kernel, grid, *args, name: str, config: dict | None = None, **meta):
             continue
         _STAGES[key] = (ns, f)
         return out
+
+
+def settings(meta: dict) -> tuple:
+    """A launch's keyword arguments as the caches' keys hold them: a tensor passed by keyword (an
+    argument like any positional one, e.g. β in the shared keywords of state_bwd's launches) by its
+    dtype, so that the caches neither miss on every call's new tensor nor keep it alive. (Callers
+    pass their keywords in a fixed order.)"""
+    return tuple((k, ("tensor", v.dtype)) if isinstance(v, torch.Tensor) else (k, v) for k, v in meta.items())
 
 
 _LAUNCHERS: dict = {}
