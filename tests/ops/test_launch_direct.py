@@ -86,3 +86,37 @@ def test_unhashable_specialisation_takes_tritons_path(cuda_like, monkeypatch):
     for _ in range(2):
         L.run(k, (1,), (x,), {}, key=("k",))
     assert len(k.via_triton) == 2
+
+
+class Launcher:
+    """Triton 3.6's CudaLauncher as :func:`L._direct` reads it: the C ``launch`` and its flags."""
+
+    def __init__(self, scratch=0):
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.c_calls, self.py_calls = [], []
+
+    def launch(self, *a):
+        self.c_calls.append(a)
+
+    def __call__(self, *a):
+        self.py_calls.append(a)
+
+
+@pytest.mark.parametrize("scratch", [0, 64])
+def test_launcher_without_scratch_is_called_in_c(cuda_like, monkeypatch, scratch):
+    """A compiled kernel whose launcher needs no scratch memory is launched by the launcher's C
+    function (grid, stream, function, flags, no scratch, then the launcher call's own arguments);
+    one that needs scratch through the launcher's call, which allocates it."""
+    monkeypatch.setattr(L, "_DIRECT_LAYOUT", True)
+    k, x = Kernel(), torch.zeros(4)
+    ck = L.run(k, (3,), (x, 32), {"num_warps": 4}, key=("k",))
+    ck.run = Launcher(scratch)
+    L._LAUNCHERS.clear()
+    L.run(k, (3,), (x, 32), {"num_warps": 4}, key=("k",))  # found in Triton's cache: kept with its launcher
+    L.run(k, (2, 5), (x, 48), {"num_warps": 4}, key=("k",))
+    if scratch:
+        assert ck.run.c_calls == [] and ck.run.py_calls == [(2, 5, 1, 77, "fn", "meta", None, None, None, x, 48)]
+    else:
+        assert ck.run.py_calls == []
+        assert ck.run.c_calls == [(2, 5, 1, 77, "fn", False, True, None, None, "meta", None, None, None, x, 48)]

@@ -299,7 +299,17 @@ def _tiles(x, rows: int, block, dt):
     x = x.reshape(rows, -1)
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.contiguous().clone()
-    return TensorDescriptor.from_tensor(x, list(block), _tile_layout(tuple(block), dt))
+    return descriptor(x, list(block), _tile_layout(tuple(block), dt))
+
+
+def descriptor(x, block: list, layout):
+    """``TensorDescriptor.from_tensor(x, block, layout)`` for a contiguous, 16-byte aligned matrix
+    ``x`` whose rows are whole 16-byte multiples (what :func:`_tiles` makes), less the constructor's
+    checks of those facts, block and layout (fixed per tile shape): its fields are set directly, as
+    the launch reads them. The checks are most of a descriptor's host time."""
+    d = TensorDescriptor.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = x, x.shape, x.stride(), block, layout, "zero"
+    return d
 
 
 def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dtype, dv_dtype):
