@@ -569,7 +569,6 @@ def variants(specs, prof=False, shapes=None):
                 kernel_times(run, f"gdn kernels at {name}, {json.dumps(spec)}, fwd+bwd", top=14)
                 print(f"gdn host ms at {name}, {json.dumps(spec)}: fwd {h_f:.3f}, fwd+bwd {host_ms(run):.3f}")
                 host_times(run, f"gdn host at {name}, {json.dumps(spec)}, fwd+bwd")
-                host_python(run, f"gdn host at {name}, {json.dumps(spec)}, fwd+bwd")
         _restore(saved)
         del xs
         torch.cuda.empty_cache()
@@ -636,30 +635,6 @@ def host_times(run, label, n=5, top=12):
     print(f"\n{label}, host µs per call by own time (count per call):")
     for e in evs[:top]:
         print(f"  {e.self_cpu_time_total / n:9.1f}  x{e.count / n:<5.1f} {e.key[:90]}")
-
-
-def host_python(run, label, n=10, top=25):
-    """Print where ``run``'s host time goes by Python function (cProfile, own time per call, the GPU
-    held by a sleep kernel so that no call waits for it): Triton's launch path, descriptor building
-    and torch's autograd show here by name, where torch.profiler sees only the ops they end in."""
-    import cProfile
-    import pstats
-
-    run()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(4e9))
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(n):
-        run()
-    pr.disable()
-    torch.cuda.synchronize()
-    st = pstats.Stats(pr)
-    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])  # (file, line, name) -> (cc, nc, tt, ct, callers)
-    print(f"\n{label}, host µs per call by Python function (own | with callees, calls per call):")
-    for (file, line, fn), (_, nc, tt, ct, _) in rows[:top]:
-        where = f"{os.path.basename(file)}:{line}" if line else file
-        print(f"  {tt / n * 1e6:9.1f} | {ct / n * 1e6:9.1f}  x{nc / n:<5.1f} {fn[:50]} ({where[-40:]})")
 
 
 def profile(shapes=None):
