@@ -112,7 +112,7 @@ def run(kernel, grid, args, kw, key):
     first launch of each specialisation goes through Triton's path, which compiles and launches;
     later ones bind the arguments with Triton's own binder (the specialisation Triton keys its
     cache on, so the compiled kernel found is the one Triton would take) and call that kernel's
-    launcher directly. Under the interpreter, and while a launch hook is set (a profiler's), always
+    launcher directly, or its launcher's C function (:func:`_direct`). Under the interpreter, and while a launch hook is set (a profiler's), always
     Triton's path."""
     if INTERPRET or _hooked() or not hasattr(kernel, "device_caches"):
         return kernel[grid](*args, **kw)
