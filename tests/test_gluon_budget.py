@@ -53,3 +53,24 @@ def test_fused_backward_kernel_compiles_without_spills():
     at K = 64, V = 256 and at K = 32, V = 96, in the card's shared memory (227 KB a block)."""
     for r in _run(KERNEL):
         assert r["spill"] == 0 and r["regs"] <= 255 and r["shared"] <= 227 * 1024, r
+
+FORWARD = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tools import gluon_budget as G
+from gdn.ops.tuning import DELTA
+c = DELTA["fused_fwd"]
+print(json.dumps([G.forward_resources(K, 128, c["BV"], c["num_warps"]) for K in (128, 64)]))
+"""
+
+
+def test_forward_pass_kernel_compiles_two_programs_a_multiprocessor():
+    """gdn.ops.delta.triton.fused_fwd at its launch setting, bf16, K = 128 and 64, V = 128: compiles
+    for sm_90 without spilling, and two programs fit one multiprocessor (228 KB of shared memory
+    with 1 KB reserved per block; 64 K registers)."""
+    from gdn.ops.tuning import DELTA
+
+    warps = DELTA["fused_fwd"]["num_warps"]
+    for r in _run(FORWARD):
+        assert r["spill"] == 0 and r["regs"] <= 255, r
+        assert 2 * (r["shared"] + 1024) <= 228 * 1024 and 2 * warps * 32 * r["regs"] <= 65536, r

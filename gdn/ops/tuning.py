@@ -96,6 +96,13 @@ DELTA = {
     # third slot: 1050; persistent programs looping over the chunks spill and took 1523
     # (docs/TRITON.md).
     "fused_bwd": dict(num_warps=8, stages=(1,), BV=64, NS=2, on=True),
+    # The forward's sequential pass in one Gluon kernel (delta.triton.fused_fwd: state_out's δ-from-
+    # inverse form with kkt_solve's pair matrix), for gated delta members in 16 bits on compute
+    # capability 9 without the warm-started split: value tiles of BV, the chunks' tiles through a
+    # ring of NS slots. One slot at four warps holds two programs per multiprocessor (sm_90 at K = V =
+    # 128: 255 registers, 88 KB shared; two slots 236 and 144 KB, one program). Off: not yet run on
+    # a GPU.
+    "fused_fwd": dict(num_warps=4, stages=(1,), BV=64, NS=1, on=False),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in
     # chunks, -1 automatic (warm-started passes only). warm: the gated members' split passes start
