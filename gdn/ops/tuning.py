@@ -100,8 +100,8 @@ DELTA = {
     # inverse form with kkt_solve's pair matrix), for gated delta members in 16 bits on compute
     # capability 9 without the warm-started split: value tiles of BV, the chunks' tiles through a
     # ring of NS slots. One slot at four warps holds two programs per multiprocessor (sm_90 at K = V =
-    # 128: 255 registers, 88 KB shared; two slots 236 and 144 KB, one program). Off: not yet run on
-    # a GPU.
+    # 128: 255 registers, 88 KB shared; two slots 236 and 144 KB, one program). Off: correct on the
+    # H200 but slower than state_out (forward at (8, 2048) 0.417 ms against 0.302; docs/TRITON.md).
     "fused_fwd": dict(num_warps=4, stages=(1,), BV=64, NS=1, on=False),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in

@@ -1,5 +1,5 @@
 """The forward's sequential pass of the gated delta rule in one Gluon kernel (``DELTA["fused_fwd"]``,
-off by default): the work of chunk_fwd's ``state_out_kernel`` with δ from the in-chunk inverse and
+off by default: slower than state_out so far, docs/TRITON.md): the work of chunk_fwd's ``state_out_kernel`` with δ from the in-chunk inverse and
 kkt_solve's pair matrix, for 16-bit inputs on compute capability 9.
 
 The pass is a chain: each chunk's products need the state the previous chunk left. Per chunk and
