@@ -71,3 +71,18 @@ def outputs_and_grads(call, xs: dict, do: torch.Tensor, dS: torch.Tensor) -> dic
 def offsets(lens, device="cpu") -> torch.Tensor:
     """Packed-sequence offsets ``[0, l0, l0 + l1, ...]`` (int32) for sequence lengths ``lens``."""
     return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
+def launched(monkeypatch, *modules) -> list:
+    """The names of the kernels launched from here on through ``modules``' ``launch`` (each module's
+    name for gdn.ops.triton.launch.launch), each still launched."""
+    seen = []
+    run = modules[0].launch
+
+    def spy(kernel, grid, *args, **meta):
+        seen.append(kernel.fn.__name__)
+        return run(kernel, grid, *args, **meta)
+
+    for m in modules:
+        monkeypatch.setattr(m, "launch", spy)
+    return seen

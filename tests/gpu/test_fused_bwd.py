@@ -11,26 +11,11 @@ import torch
 from gdn.ops import tuning
 from gdn.ops.delta.triton import chunk_bwd, fused_bwd
 
-from .helpers import assert_within, dtype_id
+from .helpers import assert_within, dtype_id, launched
 from .test_chunk import AWKWARD, BENCH, check_case, reference
 
 CASES = [c for c in AWKWARD if max(32, c[5]) <= 128] + [BENCH[0], BENCH[3]]
 SMALL = [c for c in CASES if c in AWKWARD]
-
-
-def _launched(monkeypatch) -> list:
-    """The names of the kernels the backward launches from here on (chunk_bwd's and fused_bwd's),
-    each still launched."""
-    seen = []
-    run = chunk_bwd.launch
-
-    def spy(kernel, grid, *args, **meta):
-        seen.append(kernel.fn.__name__)
-        return run(kernel, grid, *args, **meta)
-
-    monkeypatch.setattr(fused_bwd, "launch", spy)
-    monkeypatch.setattr(chunk_bwd, "launch", spy)
-    return seen
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
@@ -39,7 +24,7 @@ def test_fused_backward(case, dtype, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warpgroup MMAs: compute capability 9")
     monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=True))
-    seen = _launched(monkeypatch)
+    seen = launched(monkeypatch, fused_bwd, chunk_bwd)
     try:
         errs, bounds = check_case(case, "gated_delta_rule", 3000 + CASES.index(case), dtype)
     finally:
@@ -86,7 +71,7 @@ def test_pair_backward(case, dtype, monkeypatch):
     """The pair the fused kernel replaces (dqk, wy_bwd: what GPUs without warpgroup MMAs run, and
     every other member) still gives the reference's gradients for the gated delta rule in 16 bits."""
     monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=False))
-    seen = _launched(monkeypatch)
+    seen = launched(monkeypatch, fused_bwd, chunk_bwd)
     try:
         errs, bounds = check_case(case, "gated_delta_rule", 3200 + CASES.index(case), dtype)
     finally:

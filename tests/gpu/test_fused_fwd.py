@@ -11,25 +11,11 @@ import torch
 from gdn.ops import tuning
 from gdn.ops.delta.triton import chunk_fwd, fused_fwd
 
-from .helpers import assert_within, dtype_id
+from .helpers import assert_within, dtype_id, launched
 from .test_chunk import AWKWARD, BENCH, check_case, reference
 
 CASES = ([c for c in AWKWARD if max(32, 1 << (c[5] - 1).bit_length()) in (64, 128)
           and (1 << (c[6] - 1).bit_length()) % 64 == 0] + [BENCH[0], BENCH[3]])
-
-
-def _launched(monkeypatch) -> list:
-    """The names of the kernels the forward launches from here on, each still launched."""
-    seen = []
-    run = chunk_fwd.launch
-
-    def spy(kernel, grid, *args, **meta):
-        seen.append(kernel.fn.__name__)
-        return run(kernel, grid, *args, **meta)
-
-    monkeypatch.setattr(fused_fwd, "launch", spy)
-    monkeypatch.setattr(chunk_fwd, "launch", spy)
-    return seen
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
@@ -41,7 +27,7 @@ def test_fused_forward(case, dtype, monkeypatch):
     # the fused pass (which the Gluon one replaces) at every case, and no warm-started split
     monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=0))
     monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], warm=False))
-    seen = _launched(monkeypatch)
+    seen = launched(monkeypatch, fused_fwd, chunk_fwd)
     try:
         errs, bounds = check_case(case, "gated_delta_rule", 3300 + CASES.index(case), dtype)
     finally:
