@@ -64,13 +64,15 @@ print(json.dumps([G.forward_resources(K, 128, c["BV"], c["num_warps"]) for K in 
 """
 
 
-def test_forward_pass_kernel_compiles_two_programs_a_multiprocessor():
+def test_forward_pass_kernel_compiles_without_spills():
     """gdn.ops.delta.triton.fused_fwd at its launch setting, bf16, K = 128 and 64, V = 128: compiles
-    for sm_90 without spilling, and two programs fit one multiprocessor (228 KB of shared memory
-    with 1 KB reserved per block; 64 K registers)."""
+    for sm_90 without spilling and fits a multiprocessor (227 KB of shared memory a block, 64 K
+    registers); the chain's operands in registers leave shared memory to the copied tiles alone
+    (q, k, v, T⁻¹, P per ring slot, plus the compiler's scratch)."""
     from gdn.ops.tuning import DELTA
 
-    warps = DELTA["fused_fwd"]["num_warps"]
-    for r in _run(FORWARD):
-        assert r["spill"] == 0 and r["regs"] <= 255, r
-        assert 2 * (r["shared"] + 1024) <= 228 * 1024 and 2 * warps * 32 * r["regs"] <= 65536, r
+    c = DELTA["fused_fwd"]
+    for K, r in zip((128, 64), _run(FORWARD)):
+        assert r["spill"] == 0 and r["regs"] <= 255 and c["num_warps"] * 32 * r["regs"] <= 65536, r
+        tiles = c["NS"] * (2 * 64 * K + 64 * c["BV"] + 2 * 64 * 64) * 2
+        assert tiles <= r["shared"] <= tiles + 16 * 1024, (r, tiles)

@@ -1,16 +1,18 @@
 """The forward's sequential pass of the gated delta rule in one Gluon kernel (``DELTA["fused_fwd"]``,
-off by default: slower than state_out so far, docs/TRITON.md): the work of chunk_fwd's ``state_out_kernel`` with δ from the in-chunk inverse and
-kkt_solve's pair matrix, for 16-bit inputs on compute capability 9.
+off by default: not yet timed in this form, docs/TRITON.md): the work of chunk_fwd's
+``state_out_kernel`` with δ from the in-chunk inverse and kkt_solve's pair matrix, for 16-bit
+inputs on compute capability 9.
 
 The pass is a chain: each chunk's products need the state the previous chunk left. Per chunk and
-value tile it runs X = K S and Q S (both from S in shared memory), δ = T⁻¹ diag(β)(V − diag(Γ) X),
-O = scale · (diag(Γ) Q S + P δ) and S ← Γ_C S + Kᵀ diag(Γ_C / Γ) δ: three warpgroup MMAs on the
-chain (K S, T⁻¹ X, Kᵀ δ̃) and two beside it (Q S, P δ). The chunk's q, k, v, T⁻¹ and P tiles come by
-tensor copies into a ring of ``NS`` slots, the next chunks' requested while this one computes; the
-state stays in registers as the fp32 accumulator of its own update (one program holds its value
-tile of S for the whole sequence). Same arithmetic and roundings as ``state_out_kernel``'s
-``FROM_INV`` + ``PRE_P`` form: S and X rounded to the input dtype as MMA operands, δ rounded once,
-then scaled and rounded again for the state update.
+value tile: X = K S, δ = T⁻¹ diag(β)(V − diag(Γ) X), S ← Γ_C S + Kᵀ diag(Γ_C / Γ) δ on the chain,
+O = scale · (diag(Γ) Q S + P δ) beside it. It runs transposed (Xᵀ = Sᵀ Kᵀ, δᵀ = Xsᵀ T⁻ᵀ,
+Sᵀ ← Γ_C Sᵀ + δ̃ᵀ K, Oᵀ = (Sᵀ Qᵀ) diag(Γ) + δᵀ Pᵀ) so that every product takes its left operand
+from registers, where the previous product left it: nothing on the chain goes through shared
+memory, which holds only the chunk's q, k, v, T⁻¹ and P tiles, brought by tensor copies into a
+ring of ``NS`` slots (the next chunks' requested while this one computes). The state's value tile
+stays in registers for the whole sequence as the fp32 accumulator of its own update. Same
+arithmetic and roundings as ``state_out_kernel``'s ``FROM_INV`` + ``PRE_P`` form: S and X rounded
+to the input dtype as MMA operands, δ rounded once, then scaled and rounded again for the update.
 
 Gluon does not run under Triton's interpreter: the GPU tests check it (tests/gpu/test_fused_fwd.py);
 on the CPU a transcription of its math is checked against the reference and the kernel is compiled
@@ -55,16 +57,23 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, p_t, G, beta, h0, o, ht, cu, scale, H, 
     Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; v_t of [T, HV · V] in [64, BV] blocks;
     a_t (T⁻¹ rows, kkt_solve's Ai) and p_t (the pair matrix Q Kᵀ ⊙ D, kkt_solve's) of [T, HV · 64]
     in [64, 64] blocks. G [T, HV] the in-chunk cumulative log decay γ; beta [T, HV] fp32; h0, ht
-    [N, HV, K, V] fp32; o [T, HV, V].
+    [N, HV, K, V] fp32; o [T, HV, V]. BV = 64 (the MMAs' M).
+
+    The chain runs transposed, so that each of its products takes its left operand from registers
+    and only the copied tiles sit in shared memory: Xᵀ = Sᵀ Kᵀ, δᵀ = Xsᵀ T⁻ᵀ, Sᵀ ← Γ_C Sᵀ + δ̃ᵀ K,
+    and beside it Oᵀ = (Sᵀ Qᵀ) diag(Γ) + δᵀ Pᵀ (Sᵀ [BV, K] is the accumulator of its own update).
 
     A chunk's block may reach into the next sequence's rows (or past T, where the copies give zeros):
     β reads 0 there, so X's rows are 0 and T⁻¹ (lower triangular) keeps the valid rows of δ clean;
     δ is zeroed on those rows before P δ and the state update, and their o rows are not stored."""
     f32: gl.constexpr = gl.float32
     num_warps: gl.constexpr = gl.num_warps()
-    a_v: gl.constexpr = acc_layout(BV, num_warps)  # [64, BV] and [K, BV] fp32 accumulators
-    r_v: gl.constexpr = gl.SliceLayout(1, a_v)
-    c_v: gl.constexpr = gl.SliceLayout(0, a_v)
+    l_t: gl.constexpr = acc_layout(BT, num_warps)  # [BV, 64] accumulators: value columns × chunk rows
+    l_s: gl.constexpr = acc_layout(K, num_warps)  # Sᵀ [BV, K]
+    op_t: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_t, k_width=2)  # left operands into a_t
+    op_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_s, k_width=2)  # and into l_s
+    c_t: gl.constexpr = gl.SliceLayout(0, l_t)  # vectors over the chunk's rows
+    st: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, num_warps], [0, 1])  # Oᵀ stored along V
     tile_bytes: gl.constexpr = (2 * BT * K + BT * BV + 2 * BT * BT) * 2  # 16-bit tiles
     i_v = gl.program_id(0)
     i_nh = gl.program_id(1)
@@ -82,10 +91,6 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, p_t, G, beta, h0, o, ht, cu, scale, H, 
     ring_a = gl.allocate_shared_memory(DT, [NS, BT, BT], a_t.layout)
     ring_p = gl.allocate_shared_memory(DT, [NS, BT, BT], p_t.layout)
     bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    s_s = gl.allocate_shared_memory(DT, [K, BV], _smem([K, BV], DT))  # S: the B operand of K S and Q S
-    # X = diag(β)(V − diag(Γ) K S), then (its product done) δ̃ = diag(Γ_C / Γ) δ; and δ
-    s_x = gl.allocate_shared_memory(DT, [BT, BV], _smem([BT, BV], DT))
-    s_d = gl.allocate_shared_memory(DT, [BT, BV], _smem([BT, BV], DT))
     for i_s in gl.static_range(NS):
         mbarrier.init(bars.index(i_s), count=1)
     fence_async_shared()
@@ -94,16 +99,18 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, p_t, G, beta, h0, o, ht, cu, scale, H, 
             _request(tile_bytes, bos + i_s * BT, i_h, i_hv, col, q_t, k_t, v_t, a_t, p_t, ring_q, ring_k, ring_v,
                      ring_a, ring_p, bars, i_s, K)
 
-    # the state's value tile, in the accumulator layout of its update
-    o_k = gl.arange(0, K, layout=r_v)
-    o_c = i_v * BV + gl.arange(0, BV, layout=c_v)
-    p_s = (i_n * HV + i_hv).to(gl.int64) * K * V + o_k[:, None] * V + o_c[None, :]
+    # Sᵀ, the state's value tile transposed, in the accumulator layout of its update
+    o_vs = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, l_s))
+    o_ks = gl.arange(0, K, layout=gl.SliceLayout(0, l_s))
+    p_s = (i_n * HV + i_hv).to(gl.int64) * K * V + o_ks[None, :] * V + o_vs[:, None]
     if USE_INIT:
         b_s = gl.load(h0 + p_s)
     else:
-        b_s = gl.zeros([K, BV], f32, a_v)
-    o_t = gl.arange(0, BT, layout=r_v)
-    zero = gl.zeros([BT, BV], f32, a_v)
+        b_s = gl.zeros([BV, K], f32, l_s)
+    o_t = gl.arange(0, BT, layout=c_t)
+    o_vo = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, st))
+    o_to = gl.arange(0, BT, layout=gl.SliceLayout(0, st))
+    zero = gl.zeros([BV, BT], f32, l_t)
     for c in range(0, nc):
         s = c % NS
         t0 = bos + c * BT
@@ -113,37 +120,33 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, p_t, G, beta, h0, o, ht, cu, scale, H, 
         g_t = gl.load(G + rt * HV + i_hv, mask=m, other=0.0)
         g_last = gl.load(G + last * HV + i_hv)
         b_b = gl.load(beta + rt * HV + i_hv, mask=m, other=0.0)
-        s_s.store(b_s.to(DT))
-        fence_async_shared()
-        gl.thread_barrier()
         mbarrier.wait(bars.index(s), (c // NS) & 1)
         sk = ring_k.index(s)
-        b_x = warpgroup_mma(sk, s_s, zero, use_acc=False, is_async=True)
-        b_o = warpgroup_mma(ring_q.index(s), s_s, zero, use_acc=False, is_async=True)
-        b_v = ring_v.index(s).load(a_v).to(f32)
+        b_x = warpgroup_mma(gl.convert_layout(b_s.to(DT), op_t), sk.permute((1, 0)), zero, use_acc=False, is_async=True)
+        b_vt = ring_v.index(s).permute((1, 0)).load(l_t).to(f32)
         b_g = gl.exp(g_t)
-        b_x = warpgroup_mma_wait(1, deps=[b_x])  # K S (Q S may still run)
-        s_x.store(((b_v - b_x * b_g[:, None]) * b_b[:, None]).to(DT))
-        fence_async_shared()
-        gl.thread_barrier()
-        b_d = warpgroup_mma(ring_a.index(s), s_x, zero, use_acc=False, is_async=True)
+        b_x = warpgroup_mma_wait(0, deps=[b_x])
+        b_y = gl.convert_layout(((b_vt - b_x * b_g[None, :]) * b_b[None, :]).to(DT), op_t)
+        b_d = warpgroup_mma(b_y, ring_a.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        # Q S beside T⁻¹ X (its left operand made again: kept from K S it would hold 32 registers
+        # across the chain's first wait, and four warps spill)
+        b_o = warpgroup_mma(gl.convert_layout(b_s.to(DT), op_t), ring_q.index(s).permute((1, 0)), zero, use_acc=False,
+                            is_async=True)
         b_d, b_o = warpgroup_mma_wait(0, deps=[b_d, b_o])
-        gl.thread_barrier()  # every warpgroup's T⁻¹ X is done before δ̃ takes X's place
-        b_dt = gl.where(m[:, None], b_d, 0.0).to(DT)
-        s_d.store(b_dt)
+        b_dt = gl.where(m[None, :], b_d, 0.0).to(DT)
         b_w = gl.where(m, gl.exp(g_last - g_t), 0.0)
-        s_x.store((b_dt.to(f32) * b_w[:, None]).to(DT))
-        fence_async_shared()
-        gl.thread_barrier()
-        b_o = warpgroup_mma(ring_p.index(s), s_d, b_o * b_g[:, None], is_async=True)
-        b_s = warpgroup_mma(sk.permute((1, 0)), s_x, b_s * gl.exp(g_last), is_async=True)
+        b_e = gl.convert_layout((b_dt.to(f32) * b_w[None, :]).to(DT), op_s)
+        b_o = warpgroup_mma(gl.convert_layout(b_dt, op_t), ring_p.index(s).permute((1, 0)), b_o * b_g[None, :],
+                            is_async=True)
+        b_s = warpgroup_mma(b_e, sk, b_s * gl.exp(g_last), is_async=True)
         b_o, b_s = warpgroup_mma_wait(0, deps=[b_o, b_s])
         gl.thread_barrier()  # every warp is done with slot s: request the chunk NS further on
         if c + NS < nc:
             _request(tile_bytes, t0 + NS * BT, i_h, i_hv, col, q_t, k_t, v_t, a_t, p_t, ring_q, ring_k, ring_v,
                      ring_a, ring_p, bars, s, K)
-        p_o = (rt.to(gl.int64)[:, None] * HV + i_hv) * V + o_c[None, :]
-        gl.store(o + p_o, (b_o * scale).to(o.dtype.element_ty), mask=m[:, None])
+        ro = t0 + o_to
+        p_o = (ro.to(gl.int64)[None, :] * HV + i_hv) * V + o_vo[:, None]
+        gl.store(o + p_o, gl.convert_layout((b_o * scale).to(o.dtype.element_ty), st), mask=(ro < eos)[None, :])
     if STORE_FINAL:
         gl.store(ht + p_s, b_s)
 
