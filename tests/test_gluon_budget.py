@@ -69,6 +69,7 @@ def test_forward_pass_kernel_compiles_without_spills():
     for sm_90 without spilling and fits a multiprocessor (227 KB of shared memory a block, 64 K
     registers); the chain's operands in registers leave shared memory to the copied tiles alone
     (q, k, v, T⁻¹, P per ring slot, plus the compiler's scratch)."""
+    from gdn.ops.triton import launch as L
     from gdn.ops.tuning import DELTA
 
     c = DELTA["fused_fwd"]
@@ -76,3 +77,5 @@ def test_forward_pass_kernel_compiles_without_spills():
         assert r["spill"] == 0 and r["regs"] <= 255 and c["num_warps"] * 32 * r["regs"] <= 65536, r
         tiles = c["NS"] * (2 * 64 * K + 64 * c["BV"] + 2 * 64 * 64) * 2
         assert tiles <= r["shared"] <= tiles + 16 * 1024, (r, tiles)
+        # the setting's reason: two programs share a multiprocessor (the launch's own count)
+        assert L.per_sm(r["shared"], r["regs"], c["num_warps"], L.SM90) >= 2, r

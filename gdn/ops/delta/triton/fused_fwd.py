@@ -122,24 +122,26 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, p_t, G, beta, h0, o, ht, cu, scale, H, 
         b_b = gl.load(beta + rt * HV + i_hv, mask=m, other=0.0)
         mbarrier.wait(bars.index(s), (c // NS) & 1)
         sk = ring_k.index(s)
-        b_x = warpgroup_mma(gl.convert_layout(b_s.to(DT), op_t), sk.permute((1, 0)), zero, use_acc=False, is_async=True)
+        b_x = warpgroup_mma(gl.convert_layout(b_s.to(DT), op_t), sk.permute((1, 0)), zero, use_acc=False,
+                            is_async=True)
         b_vt = ring_v.index(s).permute((1, 0)).load(l_t).to(f32)
         b_g = gl.exp(g_t)
         b_x = warpgroup_mma_wait(0, deps=[b_x])
         b_y = gl.convert_layout(((b_vt - b_x * b_g[None, :]) * b_b[None, :]).to(DT), op_t)
         b_d = warpgroup_mma(b_y, ring_a.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-        # Q S beside T⁻¹ X (its left operand made again: kept from K S it would hold 32 registers
-        # across the chain's first wait, and four warps spill)
-        b_o = warpgroup_mma(gl.convert_layout(b_s.to(DT), op_t), ring_q.index(s).permute((1, 0)), zero, use_acc=False,
-                            is_async=True)
-        b_d, b_o = warpgroup_mma_wait(0, deps=[b_d, b_o])
+        b_d = warpgroup_mma_wait(0, deps=[b_d])
         b_dt = gl.where(m[None, :], b_d, 0.0).to(DT)
         b_w = gl.where(m, gl.exp(g_last - g_t), 0.0)
-        b_e = gl.convert_layout((b_dt.to(f32) * b_w[None, :]).to(DT), op_s)
+        # Q S (from S before its update: the left operand is a converted copy) and the update
+        # together, then P δ onto Γ Q S
+        b_o = warpgroup_mma(gl.convert_layout(b_s.to(DT), op_t), ring_q.index(s).permute((1, 0)), zero,
+                            use_acc=False, is_async=True)
+        b_s = warpgroup_mma(gl.convert_layout((b_dt.to(f32) * b_w[None, :]).to(DT), op_s), sk,
+                            b_s * gl.exp(g_last), is_async=True)
+        b_o = warpgroup_mma_wait(1, deps=[b_o])
         b_o = warpgroup_mma(gl.convert_layout(b_dt, op_t), ring_p.index(s).permute((1, 0)), b_o * b_g[None, :],
                             is_async=True)
-        b_s = warpgroup_mma(b_e, sk, b_s * gl.exp(g_last), is_async=True)
-        b_o, b_s = warpgroup_mma_wait(0, deps=[b_o, b_s])
+        b_s, b_o = warpgroup_mma_wait(0, deps=[b_s, b_o])
         gl.thread_barrier()  # every warp is done with slot s: request the chunk NS further on
         if c + NS < nc:
             _request(tile_bytes, t0 + NS * BT, i_h, i_hv, col, q_t, k_t, v_t, a_t, p_t, ring_q, ring_k, ring_v,
