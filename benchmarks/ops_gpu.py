@@ -616,7 +616,9 @@ def kernel_times(run, label, n=5, top=14):
 def host_ms(run, n=10):
     """Host milliseconds per call of ``run``, the GPU held by a sleep kernel meanwhile so that the
     host never waits for it (one warm-up call first). A wall time near this, above the kernels' sum,
-    means the call is host-bound."""
+    means the call is host-bound. An upper bound: on the H200's host a launch costs more host time
+    the more launches wait queued behind the sleep (23 µs with few, up to 180 with about a thousand),
+    so n is kept small; calls run back to back, where the GPU keeps the queue short, cost less."""
     run()
     torch.cuda.synchronize()
     torch.cuda._sleep(int(4e9))  # ≈ 2 s of GPU cycles: longer than n calls take on the host
