@@ -8,6 +8,10 @@ functions with the most own and cumulative host time (cProfile).
 
     python tools/host_profile.py --shape 8x2048 [--heads 16 --hv 16] [--top 25]
 
+With ``--timeline``: where one forward + backward's host time goes in order, from calls run back to
+back with marks at each kernel launch and at the chunk op's autograd Function (on the H200 this
+located the host time the autograd engine takes around the backward, and each launch's cost).
+
 The inputs and the call are benchmarks/ops_gpu.py's (bf16, K = V = 128).
 
 With ``--launches`` (CUDA): the host µs of each kernel launch of one forward + backward at the
@@ -104,6 +108,77 @@ def top(fn, k: int) -> str:
     return s.getvalue()
 
 
+def timeline(fn, n: int = 40) -> list[tuple[str, float]]:
+    """[(marks "a → b", mean host µs per call between them)] of ``fn``'s calls run back to back (the
+    GPU, slower than the host or not, keeps no long queue: launches cost what they cost in use).
+    Marks: each call's start and end, the chunk op's autograd Function (entry and exit of its forward
+    and backward) and every chunk-kernel launch (:func:`gdn.ops.triton.launch.launch`, by kernel).
+    The gaps are gdn's own code, torch's ops and the autograd engine; a launch's span is gdn's
+    launch code, Triton's binder and the launcher."""
+    from gdn.ops.delta.triton import chunk as C  # noqa: PLC0415
+    from gdn.ops.triton import launch as L  # noqa: PLC0415
+
+    ev, pc, patched = [], time.perf_counter, []
+
+    def mark(label):
+        ev.append((label, pc()))
+
+    def patch(obj, name, new):
+        patched.append((obj, name, obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)))
+        setattr(obj, name, new)
+
+    real = L.launch
+
+    def launch(kernel, grid, *args, **meta):
+        name = kernel.fn.__name__.removesuffix("_kernel")
+        mark(name + ">")
+        out = real(kernel, grid, *args, **meta)
+        mark("<" + name)
+        return out
+
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "launch", None) is real and mod is not L:
+            patch(mod, "launch", launch)
+    fwd0, bwd0 = C.ChunkFunction.forward, C.ChunkFunction.backward
+
+    def fwd(ctx, *args):
+        mark("Function.forward>")
+        out = fwd0(ctx, *args)
+        mark("<Function.forward")
+        return out
+
+    def bwd(ctx, *args):
+        mark("Function.backward>")
+        out = bwd0(ctx, *args)
+        mark("<Function.backward")
+        return out
+
+    patch(C.ChunkFunction, "forward", staticmethod(fwd))
+    patch(C.ChunkFunction, "backward", staticmethod(bwd))
+
+    def call():
+        mark("call>")
+        fn()
+        mark("<call")
+
+    try:
+        for _ in range(3):
+            call()
+        sync()
+        ev.clear()
+        for _ in range(n):
+            call()
+        sync()
+    finally:
+        for obj, name, old in reversed(patched):
+            setattr(obj, name, old)
+    acc: dict = {}
+    for (a, ta), (b, tb) in zip(ev, ev[1:]):
+        if a != "<call":
+            acc[f"{a} → {b}"] = acc.get(f"{a} → {b}", 0.0) + tb - ta
+    return [(k, t / n * 1e6) for k, t in acc.items()]
+
+
 def launch_table(B: int, T: int, H: int, HV: int, n: int = 300) -> None:
     """Print, for every launch of one forward + backward at (B, T, H, HV, D) bf16 (as recorded by
     :func:`gdn.ops.triton.launch.recording`; a pass with several pipeline candidates records each),
@@ -178,6 +253,9 @@ def main(argv=None) -> int:
     p.add_argument("--hv", type=int, default=16)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--cpu-stub", action="store_true", help="CPU tensors, kernel launches as no-ops: gdn's own host time")
+    p.add_argument("--timeline", action="store_true",
+                   help="host µs between marks of a forward+backward's calls run back to back (launches by kernel, "
+                        "the autograd Function, the engine between them)")
     p.add_argument("--launches", action="store_true",
                    help="(CUDA) host µs per kernel launch, Triton's path against the compiled kernel's launcher")
     a = p.parse_args(argv)
@@ -205,6 +283,13 @@ def main(argv=None) -> int:
 
     where = "CPU, launches stubbed" if a.cpu_stub else torch.cuda.get_device_name()
     print(f"shape ({B}, {T}, H={a.heads}, HV={a.hv}, {D}) bf16; torch {torch.__version__}, {where}")
+    if a.timeline:
+        rows = timeline(fwd_bwd)
+        print("\nforward+backward, calls back to back: host µs per call between marks")
+        for k, us in rows:
+            print(f"  {us:8.1f}  {k}")
+        print(f"  {sum(us for _, us in rows):8.1f}  in all")
+        return 0
     for name, fn in (("forward, no grad", fwd_nograd), ("forward", fwd), ("forward+backward", fwd_bwd)):
         if a.cpu_stub:
             fn()

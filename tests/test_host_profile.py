@@ -1,0 +1,29 @@
+"""tools/host_profile.py --cpu-stub --timeline: the marks of a forward + backward come out in call
+order (the Function's forward, its launches, its backward), each span non-negative."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_timeline_marks_in_call_order():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "host_profile.py"), "--cpu-stub", "--timeline",
+                        "--shape", "1x128", "--heads", "2", "--hv", "2"], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [(float(m.group(1)), m.group(2)) for m in re.finditer(r"^\s+(-?[\d.]+)\s+(.+)$", p.stdout, re.M)]
+    marks = [r for _, r in rows]
+    assert marks[0] == "call> → Function.forward>" and marks[-1] == "in all", marks
+    order = [m for m in marks if "> → <" in m]  # the launches' own spans, in call order
+    assert order[0] == "kkt_solve> → <kkt_solve" and "state_bwd> → <state_bwd" in order, order
+    assert marks.index("<Function.forward → Function.backward>") < marks.index("state_bwd> → <state_bwd")
+    assert all(us >= 0 for us, _ in rows) and rows[-1][0] > 0
