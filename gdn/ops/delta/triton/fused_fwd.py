@@ -28,8 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ...triton.common import BT as CHUNK
 from ...triton.launch import launch
-from ...tuning import DELTA, INTERPRET
-from .fused_bwd import _smem, _tile_layout, acc_layout, descriptor
+from ...tuning import DELTA
+from .fused_bwd import acc_layout, hopper_16bit, tile_descriptor
 
 BT = gl.constexpr(CHUNK)
 
@@ -155,12 +155,10 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, p_t, G, beta, h0, o, ht, cu, scale, H, 
 
 def usable(q, g, beta, K: int, V: int, split: bool) -> bool:
     """Whether the Gluon pass takes this forward (``DELTA["fused_fwd"]["on"]``): gated delta member,
-    16-bit inputs on a CUDA device of compute capability 9, K of 64 or 128, V a multiple of the
-    value tile, and no warm-started split (its segments run chunk_fwd's pass)."""
-    return (bool(DELTA["fused_fwd"]["on"]) and g is not None and beta is not None and not split and q.is_cuda
-            and not INTERPRET and q.dtype in (torch.bfloat16, torch.float16)
-            and torch.cuda.get_device_capability(q.device)[0] == 9 and K in (64, 128)
-            and V % DELTA["fused_fwd"]["BV"] == 0)
+    ``hopper_16bit``, K of 64 or 128, V a multiple of the value tile, and no warm-started split (its
+    segments run chunk_fwd's pass)."""
+    return (bool(DELTA["fused_fwd"]["on"]) and g is not None and beta is not None and not split
+            and hopper_16bit(q) and K in (64, 128) and V % DELTA["fused_fwd"]["BV"] == 0)
 
 
 def forward(q, k, v, G, beta, Ai, pairs, h0, o, ht, ch, scale: float):
@@ -172,15 +170,9 @@ def forward(q, k, v, G, beta, Ai, pairs, h0, o, ht, ch, scale: float):
     c = DELTA["fused_fwd"]
     BV = c["BV"]
     DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
-
-    def tiles(x, block):
-        x = x.reshape(T, -1)
-        if not x.is_contiguous() or x.data_ptr() % 16:
-            x = x.contiguous()
-        return descriptor(x, [CHUNK, block], _tile_layout((CHUNK, block), DT))
-
-    q_t, k_t, v_t = tiles(q, K), tiles(k, K), tiles(v, BV)
-    a_t, p_t = tiles(Ai, CHUNK), tiles(pairs, CHUNK)
+    q_t, k_t = (tile_descriptor(x, T, (CHUNK, K), DT) for x in (q, k))
+    v_t = tile_descriptor(v, T, (CHUNK, BV), DT)
+    a_t, p_t = (tile_descriptor(x, T, (CHUNK, CHUNK), DT) for x in (Ai, pairs))
     launch(fused_fwd_kernel, (V // BV, ch.N * HV), q_t, k_t, v_t, a_t, p_t, G, beta,
            h0 if h0 is not None else G, o, ht if ht is not None else G, ch.cu, scale, H, HV, K=K, V=V, BV=BV,
            NS=c["NS"], DT=DT, USE_INIT=h0 is not None, STORE_FINAL=ht is not None, name="fused_fwd")
