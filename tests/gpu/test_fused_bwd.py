@@ -12,7 +12,7 @@ from gdn.ops import tuning
 from gdn.ops.delta.triton import chunk_bwd, fused_bwd
 
 from .helpers import assert_within, dtype_id, launched
-from .test_chunk import AWKWARD, BENCH, check_case, reference
+from .test_chunk import AWKWARD, BENCH, check_once
 
 CASES = [c for c in AWKWARD if max(32, c[5]) <= 128] + [BENCH[0], BENCH[3]]
 SMALL = [c for c in CASES if c in AWKWARD]
@@ -25,10 +25,7 @@ def test_fused_backward(case, dtype, monkeypatch):
         pytest.skip("warpgroup MMAs: compute capability 9")
     monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=True))
     seen = launched(monkeypatch, fused_bwd, chunk_bwd)
-    try:
-        errs, bounds = check_case(case, "gated_delta_rule", 3000 + CASES.index(case), dtype)
-    finally:
-        reference.cache_clear()
+    errs, bounds = check_once(case, "gated_delta_rule", 3000 + CASES.index(case), dtype)
     assert "fused_bwd_kernel" in seen and "dqk_kernel" not in seen and "wy_bwd_kernel" not in seen, seen
     assert_within(errs, bounds, f"fused backward at {case[0]}, {dtype_id(dtype)}")
 
@@ -58,10 +55,7 @@ def test_fused_backward_outputs_match_its_transcription(case, monkeypatch):
         return got
 
     monkeypatch.setattr(fused_bwd, "backward", both)
-    try:
-        check_case(case, "gated_delta_rule", 3100 + SMALL.index(case), torch.bfloat16)
-    finally:
-        reference.cache_clear()
+    check_once(case, "gated_delta_rule", 3100 + SMALL.index(case), torch.bfloat16)
     assert diffs and all(v < 2e-2 for v in diffs.values()), diffs
 
 
@@ -72,9 +66,6 @@ def test_pair_backward(case, dtype, monkeypatch):
     every other member) still gives the reference's gradients for the gated delta rule in 16 bits."""
     monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=False))
     seen = launched(monkeypatch, fused_bwd, chunk_bwd)
-    try:
-        errs, bounds = check_case(case, "gated_delta_rule", 3200 + CASES.index(case), dtype)
-    finally:
-        reference.cache_clear()
+    errs, bounds = check_once(case, "gated_delta_rule", 3200 + CASES.index(case), dtype)
     assert "dqk_kernel" in seen and "wy_bwd_kernel" in seen, seen
     assert_within(errs, bounds, f"dqk + wy_bwd at {case[0]}, {dtype_id(dtype)}")

@@ -12,7 +12,7 @@ from gdn.ops import tuning
 from gdn.ops.delta.triton import chunk_fwd, fused_fwd
 
 from .helpers import assert_within, dtype_id, launched
-from .test_chunk import AWKWARD, BENCH, check_case, reference
+from .test_chunk import AWKWARD, BENCH, check_once
 
 CASES = ([c for c in AWKWARD if max(32, 1 << (c[5] - 1).bit_length()) in (64, 128)
           and (1 << (c[6] - 1).bit_length()) % 64 == 0] + [BENCH[0], BENCH[3]])
@@ -28,9 +28,6 @@ def test_fused_forward(case, dtype, monkeypatch):
     monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=0))
     monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], warm=False))
     seen = launched(monkeypatch, fused_fwd, chunk_fwd)
-    try:
-        errs, bounds = check_case(case, "gated_delta_rule", 3300 + CASES.index(case), dtype)
-    finally:
-        reference.cache_clear()
+    errs, bounds = check_once(case, "gated_delta_rule", 3300 + CASES.index(case), dtype)
     assert "fused_fwd_kernel" in seen and "state_out_kernel" not in seen, seen
     assert_within(errs, bounds, f"Gluon forward pass at {case[0]}, {dtype_id(dtype)}")
