@@ -89,7 +89,7 @@ def test_unhashable_specialisation_takes_tritons_path(cuda_like, monkeypatch):
 
 
 class Launcher:
-    """Triton 3.6's CudaLauncher as :func:`L._direct` reads it: the C ``launch`` and its flags."""
+    """Triton 3.6's CudaLauncher as :func:`L._launcher` reads it: the C ``launch`` and its flags."""
 
     def __init__(self, scratch=0):
         self.global_scratch_size, self.profile_scratch_size = scratch, 0

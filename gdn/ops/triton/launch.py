@@ -112,8 +112,8 @@ def run(kernel, grid, args, kw, key):
     first launch of each specialisation goes through Triton's path, which compiles and launches;
     later ones bind the arguments with Triton's own binder (the specialisation Triton keys its
     cache on, so the compiled kernel found is the one Triton would take) and call that kernel's
-    launcher directly, or its launcher's C function (:func:`_direct`). Under the interpreter, and while a launch hook is set (a profiler's), always
-    Triton's path."""
+    launcher directly (:func:`_launcher`). Under the interpreter, and while a launch hook is set (a
+    profiler's), always Triton's path."""
     if INTERPRET or _hooked() or not hasattr(kernel, "device_caches"):
         return kernel[grid](*args, **kw)
     dev = torch.cuda.current_device()
@@ -126,34 +126,33 @@ def run(kernel, grid, args, kw, key):
     if ck is None:
         ck = kernel[grid](*args, **kw)
         if getattr(ck, "function", None) is not None:  # compiled and loaded (not a pending compile)
-            _LAUNCHERS[fk] = (ck, _direct(ck))
+            _LAUNCHERS[fk] = (ck, _launcher(ck))
         return ck
-    ck, direct = ck
+    ck, go = ck
     g = tuple(grid) + (1, 1)
-    if direct is None:
-        ck.run(g[0], g[1], g[2], _stream(dev), ck.function, ck.packed_metadata, None, None, None, *bound.values())
-    else:
-        fn, coop, pdl = direct
-        fn(g[0], g[1], g[2], _stream(dev), ck.function, coop, pdl, None, None, ck.packed_metadata, None, None, None,
-           *bound.values())
+    go(g[0], g[1], g[2], _stream(dev), *bound.values())
     return ck
 
 
-#: The launcher layout :func:`_direct` calls into: triton 3.6's CudaLauncher (its ``launch``, the C
+#: The launcher layout :func:`_launcher` calls into: triton 3.6's CudaLauncher (its ``launch``, the C
 #: function, takes the grid, stream, function, the cooperative-grid and PDL flags, the two scratch
 #: buffers, then what the launcher's own call passes on)
 _DIRECT_LAYOUT = tuple(triton.__version__.split(".")[:2]) == ("3", "6")
 
 
-def _direct(ck):
-    """(C launch function, cooperative-grid flag, PDL flag) of compiled kernel ``ck``'s launcher,
-    for kernels that need no scratch memory: calling it straight is what the launcher's own call
-    does for them, less its Python (≈ 2 µs of host per launch on the development CPU); else None."""
-    r = ck.run
-    fn = getattr(r, "launch", None)
-    if not _DIRECT_LAYOUT or fn is None or getattr(r, "global_scratch_size", 1) or getattr(r, "profile_scratch_size", 1):
-        return None
-    return fn, r.launch_cooperative_grid, r.launch_pdl
+def _launcher(ck):
+    """``go(gx, gy, gz, stream, *bound values)`` launching compiled kernel ``ck``: its launcher's C
+    function straight for a kernel that needs no scratch memory (what the launcher's own call does
+    for it, less its Python: ≈ 2 µs of host per launch on the development CPU), else the launcher's
+    call."""
+    r, fn, meta = ck.run, ck.function, ck.packed_metadata
+    c_launch = getattr(r, "launch", None)
+    if (_DIRECT_LAYOUT and c_launch is not None and not getattr(r, "global_scratch_size", 1)
+            and not getattr(r, "profile_scratch_size", 1)):
+        coop, pdl = r.launch_cooperative_grid, r.launch_pdl
+        return lambda gx, gy, gz, stream, *a: c_launch(gx, gy, gz, stream, fn, coop, pdl, None, None, meta, None,
+                                                       None, None, *a)
+    return lambda gx, gy, gz, stream, *a: r(gx, gy, gz, stream, fn, meta, None, None, None, *a)
 
 
 def _hooked() -> bool:
