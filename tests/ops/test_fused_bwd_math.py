@@ -144,6 +144,32 @@ def test_fused_backward_launch():
         assert d.block_shape in ([64, c["BV"]], [K, c["BV"]]) and d.base.is_contiguous()
 
 
+@pytest.mark.parametrize("K,grad_dtype,dv_dtype", [(64, torch.bfloat16, torch.bfloat16), (64, torch.float32, None),
+                                                   (32, torch.bfloat16, torch.float32)])
+def test_fused_backward_writes_over_inputs(K, grad_dtype, dv_dtype):
+    """dV takes dδ's storage and dQ δ's wherever shape and dtype match (each program reads its rows
+    of both before writing them), and fresh tensors otherwise."""
+    from gdn.ops.delta.triton import fused_bwd
+    from gdn.ops.triton import common
+    from gdn.ops.triton import launch as L
+
+    T, H, HV, V = 130, 1, 2, 64
+    ch = common.make_chunks(1, T, None, torch.device("cpu"))
+    bf = torch.bfloat16
+    q, v, do = torch.zeros(T, H, K, dtype=bf), torch.zeros(T, HV, V, dtype=bf), torch.zeros(T, HV, V, dtype=bf)
+    VN, DD = torch.zeros(T, HV, V, dtype=bf), torch.zeros(T, HV, V, dtype=bf)
+    G, beta, Ai = torch.zeros(T, HV), torch.zeros(T, HV), torch.zeros(T, HV, 64, dtype=bf)
+    h = torch.zeros(ch.NT, HV, K, V, dtype=bf)
+    with L.recording():
+        DQ, DK, DV, _, _ = fused_bwd.backward(q, q, v, G, beta, Ai, VN, do, h, h.clone(), DD, ch, 0.125, grad_dtype,
+                                              dv_dtype)
+    assert (DQ.data_ptr() == VN.data_ptr()) == (K == V and grad_dtype == bf)
+    assert (DV.data_ptr() == DD.data_ptr()) == ((dv_dtype or grad_dtype) == bf)
+    assert DQ.shape == DK.shape == (T, HV, K) and DV.shape == (T, HV, V)
+    assert DQ.dtype == DK.dtype == grad_dtype and DV.dtype == (dv_dtype or grad_dtype)
+    assert DK.data_ptr() not in (VN.data_ptr(), DD.data_ptr(), DQ.data_ptr(), DV.data_ptr())
+
+
 def test_value_tile_and_usable_rules(monkeypatch):
     """The value tile: the setting's width where it divides V, else 32, else none (the pair runs);
     the kernel is taken only for gated delta members on a CUDA device (never on the CPU)."""

@@ -477,7 +477,8 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                USE_DHT=dht is not None, USE_INIT=h0 is not None, TMA=tma, **common)
         del qa, ka, da, la, wa, wr  # (they hold DVL and W, dropped below)
     # Each intermediate is dropped after its last reader and each output allocated before its first
-    # writer, so the backward's peak (during dqk) holds h, dh, δ, dδ and dqk's outputs only.
+    # writer, so the backward's peak (during dqk) holds h, dh, δ, dδ and dqk's outputs only (the
+    # fused kernel writes dV and dQ over dδ and δ: its peak holds h, dh, δ, dδ and dK).
     del DVL, W, Wp
     fused = _fused_bwd() if DELTA["fused_bwd"]["on"] else None
     if fused is not None and fused.usable(q, g, beta, K, V):

@@ -323,9 +323,15 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     HV, V = v.shape[1], v.shape[2]
     dev, f32 = v.device, torch.float32
     BV = value_tile(V)
-    DQ = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
+    # dV is written over dδ and dQ over δ where shape and dtype allow: a program reads its chunk's
+    # rows of both (tensor copies into its ring) before it writes a value tile of dV (after that
+    # tile's products) or dQ (after the value loop), and reads no other program's rows but those
+    # past its sequence's end, which it masks. The backward's peak then holds h, dh, δ, dδ and dK
+    # besides the saved tensors, not dQ and dV as well.
+    dv_dtype = dv_dtype or grad_dtype
+    DQ = VN if VN.shape == (T, HV, K) and VN.dtype == grad_dtype else torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
     DK = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
-    DV = torch.empty(T, HV, V, device=dev, dtype=dv_dtype or grad_dtype)
+    DV = DD if DD.dtype == dv_dtype else torch.empty(T, HV, V, device=dev, dtype=dv_dtype)
     DB = torch.empty(T, HV, device=dev, dtype=f32)
     DG = torch.empty(T, HV, device=dev, dtype=f32)
     DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
