@@ -1,7 +1,6 @@
 """Registers, spills and shared memory, for sm_90, of the value loop of a per-chunk fused backward
-written in Gluon (Triton's explicit-layout language), of the fused backward kernel itself
-(gdn.ops.delta.triton.fused_bwd) and of the Gluon forward pass (gdn.ops.delta.triton.fused_fwd),
-without a GPU.
+written in Gluon (Triton's explicit-layout language) and of the fused backward kernel itself
+(gdn.ops.delta.triton.fused_bwd), without a GPU.
 
 The loop is what decides whether the fused backward fits (docs/TRITON.md, "The next structure"):
 per value tile of one chunk and value head it accumulates dO δᵀ and dδ δᵀ ([64, 64]) and dO Sᵀ,
@@ -125,30 +124,6 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = N
     return _compiled(GluonASTSource(F.fused_bwd_kernel, sig, consts, {}), num_warps)
 
 
-def forward_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = None) -> dict:
-    """{"regs", "spill", "shared"} of the Gluon forward pass
-    (:func:`gdn.ops.delta.triton.fused_fwd.fused_fwd_kernel`, bf16, initial and final state)
-    compiled for sm_90, with a ring of ``NS`` slots (default: the launch setting's)."""
-    from gdn.ops.delta.triton import fused_bwd as B  # noqa: PLC0415
-    from gdn.ops.delta.triton import fused_fwd as F  # noqa: PLC0415
-    from gdn.ops.tuning import DELTA  # noqa: PLC0415
-
-    NS = DELTA["fused_fwd"]["NS"] if NS is None else NS
-    names = F.fused_fwd_kernel.arg_names
-
-    def desc(cols):
-        return f"tensordesc<bf16[64, {cols}],{B._tile_layout((64, cols), gl.bfloat16)!r}>"
-
-    sig = dict(q_t=desc(K), k_t=desc(K), v_t=desc(BV), a_t=desc(64), p_t=desc(64), G="*fp32", beta="*fp32",
-               h0="*fp32", o="*bf16", ht="*fp32", cu="*i32", scale="fp32", H="i32", HV="i32")
-    sig.update({n: "constexpr" for n in ("K", "V", "BV", "NS", "DT", "USE_INIT", "STORE_FINAL")})
-    at = {n: i for i, n in enumerate(names)}
-    consts = {(at["K"],): K, (at["V"],): V, (at["BV"],): BV, (at["NS"],): NS, (at["DT"],): gl.bfloat16,
-              (at["USE_INIT"],): True, (at["STORE_FINAL"],): True}
-    sig = {n: sig[n] for n in names}
-    return _compiled(GluonASTSource(F.fused_fwd_kernel, sig, consts, {}), num_warps)
-
-
 def _compiled(src, num_warps: int) -> dict:
     opts = make_backend(TARGET).parse_options({"num_warps": num_warps})
     ck = triton.compile(src, target=TARGET, options=opts.__dict__)
@@ -169,9 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", default="64,32", help="value tile widths to try")
     a = ap.parse_args(argv)
     tables = (("Gluon value loop of the per-chunk fused backward", resources),
-              ("The fused backward kernel (gdn.ops.delta.triton.fused_bwd)", kernel_resources),
-              ("The forward pass kernel (gdn.ops.delta.triton.fused_fwd), ring of the launch setting",
-               forward_resources))
+              ("The fused backward kernel (gdn.ops.delta.triton.fused_bwd)", kernel_resources))
     for title, measure in tables:
         print(f"{title}, K = {a.K}, V = {a.V}, bf16, sm_90, triton {triton.__version__}")
         print("| warps | value tile | registers | spill bytes | shared KB |")

@@ -96,15 +96,6 @@ DELTA = {
     # third slot: 1050; persistent programs looping over the chunks spill and took 1523
     # (docs/TRITON.md).
     "fused_bwd": dict(num_warps=8, stages=(1,), BV=64, NS=2, on=True),
-    # The forward's sequential pass in one Gluon kernel (delta.triton.fused_fwd: state_out's δ-from-
-    # inverse form with kkt_solve's pair matrix, its chain transposed so that every product on it
-    # takes its left operand from registers), for gated delta members in 16 bits on compute
-    # capability 9 without the warm-started split: value tiles of 64 (the MMAs' M), the chunks'
-    # tiles through a ring of NS slots. sm_90 at K = V = 128, no spills: 4 warps, one slot 255
-    # registers and 58 KB (two programs a multiprocessor), two slots 114 KB (one); 8 warps, two
-    # slots 167 registers, 120 KB. Off: not yet timed in this form (its first form, S, X and δ
-    # through shared memory, was correct on the H200 and slower than state_out; docs/TRITON.md).
-    "fused_fwd": dict(num_warps=4, stages=(1,), BV=64, NS=1, on=False),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in
     # chunks, -1 automatic (warm-started passes only). warm: the gated members' split passes start
