@@ -1,0 +1,46 @@
+"""tools/byte_floor.py: the per-kernel floors of one forward + backward."""
+from __future__ import annotations
+
+import pytest
+
+from tools import byte_floor as F
+
+
+def test_floors_scale_with_tokens_and_states_with_chunks():
+    """Twice the tokens (whole chunks) moves twice the bytes and FLOPs in every kernel; a partial
+    last chunk still stores a whole state per chunk and value head."""
+    one, two = F.kernels(2, 1024, 4, 8, 64, 128), F.kernels(2, 2048, 4, 8, 64, 128)
+    assert one.keys() == two.keys() == {"kkt_solve", "state_out", "state_fwd", "dv_local", "state_bwd", "fused_bwd"}
+    for name in one:
+        assert two[name][0] == 2 * one[name][0] and two[name][1] == 2 * one[name][1], name
+    full, part = F.kernels(1, 128, 1, 1, 64, 64), F.kernels(1, 65, 1, 1, 64, 64)
+    state = 64 * 64 * 2  # one [K, V] state, 16-bit
+    # 65 tokens: two chunks as 128 tokens, so state_fwd (which writes h) moves the same state bytes
+    assert full["state_fwd"][0] - part["state_fwd"][0] == 63 * (64 + 64 + 64 + 64) * 2 + 63 * 2 * 4
+
+
+def test_fused_backward_bytes_are_its_tensors():
+    """fused_bwd at (1, 64, 1, 1, K = 32, V = 64): q, k, δ, dO, dδ, v, h, dh, T⁻¹, γ, β in; dQ, dK, dV,
+    dβ, dg out."""
+    nb, _ = F.kernels(1, 64, 1, 1, 32, 64)["fused_bwd"]
+    rows = 64
+    want = (2 * rows * 32 + 4 * rows * 64 + 2 * 32 * 64 + rows * 64 + 2 * rows * 32 + rows * 64) * 2 + 4 * rows * 4
+    assert nb == want
+
+
+def test_table_and_cli(capsys):
+    assert F.main(["--shape", "8,2048,16,16,128,128", "--measured", "fused_bwd=430,kkt_solve=96"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("| fused_bwd"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    floor = float(cells[3])
+    assert cells[4] == "430" and abs(float(cells[5]) - 430 / floor) < 0.06
+    assert "| total |" in out
+
+
+@pytest.mark.parametrize("argv", [["--shape", "1,2"], ["--shape", "8,2048,16,16,128,x"],
+                                  ["--measured", "nope=3"], ["--measured", "fused_bwd"]])
+def test_bad_arguments_exit_2_with_one_line(argv, capsys):
+    assert F.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("byte_floor: ") and "\n" not in err
