@@ -14,7 +14,6 @@ def test_floors_scale_with_tokens_and_states_with_chunks():
     for name in one:
         assert two[name][0] == 2 * one[name][0] and two[name][1] == 2 * one[name][1], name
     full, part = F.kernels(1, 128, 1, 1, 64, 64), F.kernels(1, 65, 1, 1, 64, 64)
-    state = 64 * 64 * 2  # one [K, V] state, 16-bit
     # 65 tokens: two chunks as 128 tokens, so state_fwd (which writes h) moves the same state bytes
     assert full["state_fwd"][0] - part["state_fwd"][0] == 63 * (64 + 64 + 64 + 64) * 2 + 63 * 2 * 4
 

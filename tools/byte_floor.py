@@ -64,14 +64,16 @@ def table(shape, bandwidth: float, rate: float, measured: dict) -> str:
     return "\n".join(rows)
 
 
+NAMES = tuple(kernels(1, BT, 1, 1, 16, 16))  # the kernels of the model, in launch order
+
+
 def parse_measured(text: str | None) -> dict:
     """``name=µs,name=µs`` as {name: µs}; a name that is no kernel of the model raises ValueError."""
     out = {}
     for part in filter(None, (text or "").split(",")):
         name, sep, val = part.partition("=")
-        if not sep or name.strip() not in kernels(1, BT, 1, 1, 16, 16):
-            raise ValueError(f"--measured: expected kernel=µs with a kernel of {sorted(kernels(1, BT, 1, 1, 16, 16))}, "
-                             f"got {part!r}")
+        if not sep or name.strip() not in NAMES:
+            raise ValueError(f"--measured: expected kernel=µs with a kernel of {sorted(NAMES)}, got {part!r}")
         out[name.strip()] = float(val)
     return out
 

@@ -278,17 +278,12 @@ def value_tile(V: int) -> int:
     return next((b for b in (DELTA["fused_bwd"]["BV"], 32) if V % b == 0), 0)
 
 
-def hopper_16bit(q) -> bool:
-    """Whether the Gluon kernels can run on ``q``: 16-bit, on a CUDA device of compute capability 9
-    (warpgroup MMAs, tensor copies), not under the interpreter (Gluon has none)."""
-    return (q.is_cuda and not INTERPRET and q.dtype in (torch.bfloat16, torch.float16)
-            and torch.cuda.get_device_capability(q.device)[0] == 9)
-
-
 def usable(q, g, beta, K: int, V: int) -> bool:
     """Whether the fused kernel takes this call (``DELTA["fused_bwd"]["on"]``): gated delta member,
-    :func:`hopper_16bit`, K of 32 to 128 and V a multiple of 32."""
-    return (bool(DELTA["fused_bwd"]["on"]) and g is not None and beta is not None and hopper_16bit(q)
+    16-bit inputs on a CUDA device of compute capability 9 (warpgroup MMAs), K of 32 to 128 and V a
+    multiple of 32."""
+    return (bool(DELTA["fused_bwd"]["on"]) and g is not None and beta is not None and q.is_cuda and not INTERPRET
+            and q.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(q.device)[0] == 9
             and K in (32, 64, 128) and value_tile(V) > 0)
 
 
@@ -298,7 +293,7 @@ def _tile_layout(block: tuple, dt):
     return _smem(list(block), dt)
 
 
-def tile_descriptor(x, rows: int, block, dt):
+def _tiles(x, rows: int, block, dt):
     """A tensor descriptor of ``x`` as a row-major [rows, ·] matrix read in ``block``s (a contiguous,
     16-byte aligned copy where ``x`` is neither)."""
     x = x.reshape(rows, -1)
@@ -309,7 +304,7 @@ def tile_descriptor(x, rows: int, block, dt):
 
 def descriptor(x, block: list, layout):
     """``TensorDescriptor.from_tensor(x, block, layout)`` for a contiguous, 16-byte aligned matrix
-    ``x`` whose rows are whole 16-byte multiples (what :func:`tile_descriptor` makes), less the constructor's
+    ``x`` whose rows are whole 16-byte multiples (what :func:`_tiles` makes), less the constructor's
     checks of those facts, block and layout (fixed per tile shape): its fields are set directly, as
     the launch reads them. The checks are most of a descriptor's host time."""
     d = TensorDescriptor.__new__(TensorDescriptor)
@@ -329,14 +324,15 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     # past its sequence's end, which it masks. The backward's peak then holds h, dh, δ, dδ and dK
     # besides the saved tensors, not dQ and dV as well.
     dv_dtype = dv_dtype or grad_dtype
-    DQ = VN if VN.shape == (T, HV, K) and VN.dtype == grad_dtype else torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
+    DQ = (VN if VN.shape == (T, HV, K) and VN.dtype == grad_dtype
+          else torch.empty(T, HV, K, device=dev, dtype=grad_dtype))
     DK = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
     DV = DD if DD.dtype == dv_dtype else torch.empty(T, HV, V, device=dev, dtype=dv_dtype)
     DB = torch.empty(T, HV, device=dev, dtype=f32)
     DG = torch.empty(T, HV, device=dev, dtype=f32)
     DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
-    d_t, do_t, dd_t, v_t = (tile_descriptor(x.to(v.dtype), T, (CHUNK, BV), DT) for x in (VN, do, DD, v))
-    h_t, dh_t = (tile_descriptor(x, x.numel() // V, (K, BV), DT) for x in (h, dh))
+    d_t, do_t, dd_t, v_t = (_tiles(x.to(v.dtype), T, (CHUNK, BV), DT) for x in (VN, do, DD, v))
+    h_t, dh_t = (_tiles(x, x.numel() // V, (K, BV), DT) for x in (h, dh))
     launch(fused_bwd_kernel, (ch.NT * HV,), q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, DB, DG,
            ch.cu, ch.chunk_idx, scale, H, HV, K=K, V=V, BV=BV, NS=DELTA["fused_bwd"]["NS"], DT=DT,
            name="fused_bwd")
