@@ -42,8 +42,9 @@ DELTA = {
     # fp32; "tf32x3": three tensor-core passes; "tf32": one); fp32 inputs always take "ieee". "tf32"
     # makes the forward 7–37 % faster on the H200 and moves results by ≈ 2e-3 relative (half of
     # what bf16 inputs cost), within tier 3 at every case of tests/gpu. Two stages: 188 → 151 µs
-    # at (4, 8192, 16, 128).
-    "kkt_solve": dict(num_warps=2, stages=(2, 1), BK=64, BV=64, INV="tf32"),
+    # at (4, 8192, 16, 128); three: 113 → 105 µs at (8, 2048), 217 → 202 at (4, 8192), outputs
+    # identical bit for bit (docs/BENCHMARKS.md).
+    "kkt_solve": dict(num_warps=2, stages=(3, 2, 1), BK=64, BV=64, INV="tf32"),
     # 8 warps: with 4, triton 3.6 on the H200 compiles an out-of-range shared-memory access at
     # K = 60/64, T = 63 (compute-sanitizer); 8 warps time the same.
     "wu": dict(num_warps=8, stages=(3, 2, 1), BK=64, BV=64),
@@ -82,10 +83,11 @@ DELTA = {
     "state_bwd": dict(num_warps=4, waves=True, SV=8192, BV_min=16,
                       stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True})),
                       TMA=False, from_inverse=True),
-    # TMA: the value loop's five tiles by tensor descriptors (chunk_bwd.dqk_kernel), on GPUs that
-    # have them: ptxas for sm_90 at (4, 8192) bf16 spills 64 / 64 B instead of 108 / 108; H200 µs
-    # 699 → 651 at (4, 8192), 359 → 332 at (8, 2048) (docs/TRITON.md).
-    "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64, TMA=True),
+    # TMA: the value loop's five tiles by tensor descriptors (chunk_bwd.dqk_kernel). Off: with
+    # them, triton 3.6 on the H200 gives a non-finite dg (its row sums Σ S ⊙ dS of the copied h and
+    # dh tiles) in 16 of 4440 runs of the T = 1 case under load, 0 of 4698 without; they would
+    # save 699 → 651 µs at (4, 8192) (docs/TRITON.md).
+    "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64, TMA=False),
     "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     # The per-chunk backward of the gated delta members in one Gluon kernel (delta.triton.fused_bwd:
     # dqk and wy_bwd's work, accumulators placed over two warpgroups), one program per chunk and
