@@ -527,14 +527,15 @@ def variants(specs, prof=False, shapes=None):
     """gdn alone at every shape under each launch-configuration variant (a JSON list of partial
     :func:`gdn.ops.tuning.update` arguments, e.g. ``[{}, {"split": {"L": -1}},
     {"state_fwd": {"num_warps": 8}}]``): ms and the largest relative difference of o and every
-    gradient against the first variant; with ``prof`` also the forward's per-kernel times under each."""
+    gradient against the first variant, the forward + backward's peak memory above its inputs (GiB);
+    with ``prof`` also the forward's per-kernel times under each."""
     import copy
 
     from gdn.ops import tuning
 
     saved = copy.deepcopy(tuning.TABLES)
-    print("\n| shape | variant | fwd ms | fwd+bwd ms | max rel diff vs first |")
-    print("|---|---|---|---|---|")
+    print("\n| shape | variant | fwd ms | fwd+bwd ms | peak GiB | max rel diff vs first |")
+    print("|---|---|---|---|---|---|")
     for name, B, T, H, HV, lens, *vd in SHAPES if shapes is None else shapes:
         V = vd[0] if vd else D
         xs, cu = inputs(B, T, H, HV, lens, V)
@@ -557,10 +558,11 @@ def variants(specs, prof=False, shapes=None):
                 with torch.no_grad():
                     t_f = timed(g, False, do)
                 t_b = timed(g, True, do, xs)
+                gib = peak(g, True, do, xs)
             except Exception as e:  # noqa: BLE001 - one failing variant must not end the table
-                print(f"| {name} | {json.dumps(spec)} | err | err | {one_line(e)} |", flush=True)
+                print(f"| {name} | {json.dumps(spec)} | err | err | err | {one_line(e)} |", flush=True)
                 continue
-            print(f"| {name} | {json.dumps(spec)} | {t_f:.3f} | {t_b:.3f} | {diff:.1e} |", flush=True)
+            print(f"| {name} | {json.dumps(spec)} | {t_f:.3f} | {t_b:.3f} | {gib:.2f} | {diff:.1e} |", flush=True)
             if prof:
                 with torch.no_grad():
                     kernel_times(g, f"gdn kernels at {name}, {json.dumps(spec)}, fwd", top=8)

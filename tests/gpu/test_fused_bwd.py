@@ -40,20 +40,26 @@ def test_fused_backward_outputs_match_its_transcription(case, monkeypatch):
     from tests.ops.test_fused_bwd_math import transcription
 
     monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=True))
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=0))
     real = fused_bwd.backward
     diffs = {}
 
     def both(*args):
-        # the inputs copied before the kernel runs: it writes dV and dQ over dδ and δ
-        cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
-        got = real(*args)
+        got, run = real(*args)
         ch = args[11]
-        cpu[11] = type("Ch", (), {"chunk_idx": ch.chunk_idx.cpu(), "cu": ch.cu.cpu()})()
-        want = transcription(*cpu)
-        for name, x, y in zip(("dq", "dk", "dv", "dg", "db"), got, want):
-            y = y.float()
-            diffs[name] = float((x.float().cpu() - y).norm() / y.norm().clamp_min(1e-30))
-        return got
+
+        def checked(chunk_idx, NT):
+            # the inputs copied once the reverse pass has filled dh and dδ, before the kernel runs:
+            # it writes dV and dQ over dδ and δ
+            cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+            cpu[11] = type("Ch", (), {"chunk_idx": ch.chunk_idx.cpu(), "cu": ch.cu.cpu()})()
+            run(chunk_idx, NT)
+            want = transcription(*cpu)
+            for name, x, y in zip(("dq", "dk", "dv", "dg", "db"), got, want):
+                y = y.float()
+                diffs[name] = float((x.float().cpu() - y).norm() / y.norm().clamp_min(1e-30))
+
+        return got, checked
 
     monkeypatch.setattr(fused_bwd, "backward", both)
     check_once(case, "gated_delta_rule", 3100 + SMALL.index(case), torch.bfloat16)
@@ -70,3 +76,19 @@ def test_pair_backward(case, dtype, monkeypatch):
     errs, bounds = check_once(case, "gated_delta_rule", 3200 + CASES.index(case), dtype)
     assert "dqk_kernel" in seen and "wy_bwd_kernel" in seen, seen
     assert_within(errs, bounds, f"dqk + wy_bwd at {case[0]}, {dtype_id(dtype)}")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in [c for c in SMALL if c[0] in ("T=300 K=V=128", "packed")] + [BENCH[0]]])
+def test_sliced_reverse_pass(case, monkeypatch):
+    """The reverse pass and the per-chunk kernels run slice by slice (``DELTA["state_bwd"]["slice_MB"]``
+    forced below every dh, so each slice holds one chunk of each sequence): the same errors against
+    the reference as the unsliced backward, to the bit, with the fused kernel (on compute capability
+    9) or the pair."""
+    seed = 3300 + CASES.index(case)
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=0))
+    whole = check_once(case, "gated_delta_rule", seed, torch.bfloat16)[0]
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=1e-6))
+    seen = launched(monkeypatch, fused_bwd, chunk_bwd)
+    sliced = check_once(case, "gated_delta_rule", seed, torch.bfloat16)[0]
+    assert seen.count("state_bwd_kernel") > 1, seen
+    assert sliced == whole, (sliced, whole)

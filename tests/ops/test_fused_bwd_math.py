@@ -96,6 +96,22 @@ def transcription(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype
     return DQ.to(grad_dtype), DK.to(grad_dtype), DV.to(dv_dtype or grad_dtype), DG, DB
 
 
+def _as_backward(*args):
+    """The transcription in fused_bwd.backward's form: the outputs, allocated, and ``run``, which fills
+    them (the whole call's chunks at once: the cases here are too small to be sliced)."""
+    q, v, ch, grad_dtype, dv_dtype = args[0], args[2], args[11], args[13], args[14]
+    T, HV, K, V = q.shape[0], v.shape[1], q.shape[2], v.shape[2]
+    outs = (torch.empty(T, HV, K, dtype=grad_dtype), torch.empty(T, HV, K, dtype=grad_dtype),
+            torch.empty(T, HV, V, dtype=dv_dtype or grad_dtype), torch.empty(T, HV), torch.empty(T, HV))
+
+    def run(chunk_idx, NT):
+        assert NT == ch.NT
+        for o, x in zip(outs, transcription(*args)):
+            o.copy_(x)
+
+    return outs, run
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("K,V", [(32, 64), (64, 32)])
 def test_fused_backward_math(dtype, K, V, monkeypatch):
@@ -106,7 +122,7 @@ def test_fused_backward_math(dtype, K, V, monkeypatch):
 
     monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=True))
     monkeypatch.setattr(fused_bwd, "usable", lambda *a: True)
-    monkeypatch.setattr(fused_bwd, "backward", transcription)
+    monkeypatch.setattr(fused_bwd, "backward", _as_backward)
     launches = _record_launches(monkeypatch, chunk_bwd)
     errs = _run_both("gated_delta_rule", B=1, T=194, H=1, HV=2, K=K, V=V, dtype=dtype, lens=[65, 1, 0, 128], seed=19)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
@@ -129,7 +145,9 @@ def test_fused_backward_launch():
     G, beta, Ai = torch.zeros(T, HV), torch.zeros(T, HV), torch.zeros(T, HV, 64, dtype=bf)
     h = torch.zeros(ch.NT, HV, K, V, dtype=bf)
     with L.recording() as rec:
-        DQ, DK, DV, DG, DB = fused_bwd.backward(q, q, v, G, beta, Ai, v, v, h, h, v, ch, 0.125, torch.float32, bf)
+        (DQ, DK, DV, DG, DB), run = fused_bwd.backward(q, q, v, G, beta, Ai, v, v, h, h, v, ch, 0.125, torch.float32,
+                                                       bf)
+        run(ch.chunk_idx, ch.NT)
     assert [(kern.fn.__name__, tuple(grid)) for kern, grid, _, _ in rec] == [("fused_bwd_kernel", (ch.NT * HV,))]
     meta = rec[0][3]
     c = tuning.DELTA["fused_bwd"]
@@ -161,8 +179,8 @@ def test_fused_backward_writes_over_inputs(K, grad_dtype, dv_dtype):
     G, beta, Ai = torch.zeros(T, HV), torch.zeros(T, HV), torch.zeros(T, HV, 64, dtype=bf)
     h = torch.zeros(ch.NT, HV, K, V, dtype=bf)
     with L.recording():
-        DQ, DK, DV, _, _ = fused_bwd.backward(q, q, v, G, beta, Ai, VN, do, h, h.clone(), DD, ch, 0.125, grad_dtype,
-                                              dv_dtype)
+        (DQ, DK, DV, _, _), _ = fused_bwd.backward(q, q, v, G, beta, Ai, VN, do, h, h.clone(), DD, ch, 0.125,
+                                                   grad_dtype, dv_dtype)
     assert (DQ.data_ptr() == VN.data_ptr()) == (K == V and grad_dtype == bf)
     assert (DV.data_ptr() == DD.data_ptr()) == ((dv_dtype or grad_dtype) == bf)
     assert DQ.shape == DK.shape == (T, HV, K) and DV.shape == (T, HV, V)

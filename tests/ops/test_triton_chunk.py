@@ -189,6 +189,40 @@ def test_split_state_pass(member, L, monkeypatch):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("member", MEMBERS)
+@pytest.mark.parametrize("slice_mb,slices", [(0.04, 2), (1e-6, 4)], ids=["two-chunk-slices", "one-chunk-slices"])
+def test_sliced_reverse_pass(member, slice_mb, slices, monkeypatch):
+    """dh over the budget (DELTA["state_bwd"]["slice_MB"]): the reverse pass and the per-chunk kernels
+    run slice by slice, dS carried between them, on packed sequences with an empty, a one-token and
+    multi-chunk members, an initial state and a final-state gradient: the reference's gradients, and
+    the unsliced backward's bit for bit."""
+    from gdn.ops.delta.triton import chunk_bwd
+
+    args = dict(B=1, T=330, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 200, 64], seed=14)
+    whole = _grads(member, **args)
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=slice_mb))
+    seen = _record_launches(monkeypatch, chunk_bwd)
+    errs = _run_both(member, **args)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
+    assert not bad, bad
+    assert sum(name == "state_bwd_kernel" for name, _ in seen) == slices, seen
+    sliced = _grads(member, **args)
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced)), [(a - b).abs().max() for a, b in zip(whole, sliced)]
+
+
+def _grads(member, B, T, H, HV, K, V, dtype, lens, seed):
+    """The chunk op's gradients of every input at one seeded draw (the final-state gradient given)."""
+    d = make_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, N=len(lens), state=True, seed=seed)
+    names = ["q", "k", "v"] + (["g"] if HAS_G[member] else []) + (["beta"] if HAS_BETA[member] else [])
+    x = {n: d[n].detach().clone().requires_grad_(True) for n in names + ["initial_state"]}
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    o, S = chunk_op(x["q"], x["k"], x["v"], x.get("g"), x.get("beta"), initial_state=x["initial_state"],
+                    output_final_state=True, cu_seqlens=cu)
+    gen = torch.Generator().manual_seed(seed)
+    ((o * torch.randn(o.shape, generator=gen)).sum() + (S * torch.randn(S.shape, generator=gen)).sum()).backward()
+    return [x[n].grad for n in x]
+
+
 def _warm(monkeypatch, L, log_eps=-16.0, fused=False):
     """Force the warm-started split state passes (segments of L chunks) in the two-stage forward's
     state pass, or with ``fused`` in the fused forward pass (value heads of 64 or more, as narrower

@@ -111,6 +111,45 @@ def _segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
     return Segments(d_cu, d_off, d_first, d_count, NS, L, int(count.max()) if NS else 0, d_seq)
 
 
+@dataclass(frozen=True)
+class Slice:
+    """Chunk positions [a, b) of every sequence (one slice of :func:`make_slices`), as the reverse
+    pass and the per-chunk backward kernels take them. Tensors on the compute device (int32)."""
+
+    starts: torch.Tensor  # [N] first token of each sequence's part (where it would start if empty)
+    ends: torch.Tensor  # [N] end of each sequence's part (= its start if empty)
+    off: torch.Tensor  # [N] first chunk of each sequence's part, in the slice's own numbering
+    chunk_idx: torch.Tensor  # [NT, 2] (sequence, chunk in sequence) of the slice's chunks
+    NT: int
+
+
+def make_slices(ch: "Chunks", L: int, device: torch.device) -> list[Slice]:
+    """Cut the chunk positions of every sequence of ``ch`` into slices of ``L`` (slice j: chunks
+    [jL, (j + 1)L) of each sequence, empty for the shorter ones), last slice first: the order in which
+    the reverse pass runs them. Built on the host in numpy (no sync), once per layout, L and device."""
+    key = ("slices", L, device)
+    if key not in ch.memo:
+        ch.memo[key] = _slices(ch, L, device)
+    return ch.memo[key]
+
+
+def _slices(ch: "Chunks", L: int, device: torch.device) -> list[Slice]:
+    per, cu = ch.host_per.numpy().astype(np.int64), ch.host_cu.numpy().astype(np.int64)
+    out, arrays = [], []
+    for j in reversed(range(cdiv(ch.max_nc, L))):
+        a, b = np.minimum(j * L, per), np.minimum((j + 1) * L, per)
+        cnt = b - a
+        ends = np.minimum(cu[:-1] + b * BT, cu[1:])
+        starts = np.minimum(cu[:-1] + a * BT, ends)
+        off = np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.int64)
+        seq = np.repeat(np.arange(len(per)), cnt)
+        idx = np.stack([seq, a[seq] + np.arange(int(cnt.sum())) - off[seq]], axis=1)
+        arrays += [starts, ends, off, idx.reshape(-1)]
+        out.append(int(cnt.sum()))
+    d = _to_device_many(arrays, device)
+    return [Slice(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3].view(nt, 2), nt) for i, nt in enumerate(out)]
+
+
 @functools.lru_cache(maxsize=64)
 def _dense_chunks(B: int, T: int, device: torch.device) -> Chunks:
     """The chunk layout of B rows of T tokens, built once per (B, T, device): a call at a shape seen

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, gate_load,
-                              launch, make_segments, pow2, tl_dtype, value_cols)
+                              launch, make_segments, make_slices, pow2, tl_dtype, value_cols)
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
 from .chunk_fwd import _block, state_tile, tile_reads
@@ -149,14 +149,16 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
 
 
 @triton.jit
-def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale, H,
+def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, ends, chunk_off, scale, H,
                      HV, beta, seg_seq, seq_cu, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
                      USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr,
                      AUG: tl.constexpr = False, QS: tl.constexpr = False, TMA: tl.constexpr = False,
                      WARM: tl.constexpr = False, LOG_EPS: tl.constexpr = -16.0, FROM_INV: tl.constexpr = False):
     """Reverse pass over one sequence's chunks: dh[c] = dS_out of chunk c, DD = dδ, dh0 = dS_0.
-    Runs the sequence's own chunk count of steps, last chunk first, like the forward pass.
+    Runs the sequence's own chunk count of steps, last chunk first, like the forward pass. Program
+    n takes tokens [cu[n], ends[n]) (``ends`` is ``cu[1:]`` but for a slice of the sequences,
+    :func:`gdn.ops.triton.common.make_slices`) and its chunks' dS_out go to dh from chunk_off[n] on.
     ``FROM_INV`` (delta members): ``W`` is the in-chunk inverse T and ``beta`` is read; the pass
     forms Wᵀ dδ from them (``_state_bwd_step``), so the backward needs neither W nor U.
 
@@ -183,7 +185,7 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
     bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    eos = tl.load(ends + i_n).to(tl.int64)
     c0 = tl.load(chunk_off + i_n).to(tl.int64)
     NC = tl.cdiv(eos - bos, BT)
     o_t = tl.arange(0, BT)
@@ -227,11 +229,13 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, scale
 
 
 @triton.jit(do_not_specialize=['T'])
-def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, scale, T, H,
+def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, chunk_off, scale, T, H,
                HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
                TMA: tl.constexpr = False):
-    """dQ, the O- and state-terms of dK, dW = −dδ Sᵀ and this K tile's part of dγ, per chunk.
+    """dQ, the O- and state-terms of dK, dW = −dδ Sᵀ and this K tile's part of dγ, per chunk i_t of
+    ``chunk_idx`` (all of the call's chunks or a slice of them): its state entering from h at its
+    global index chunk_off[n] + c, the gradient of the one leaving from dh at i_t.
     ``TMA``: δ (or v), dO, dδ, h and dh are tensor descriptors (``_block``; the per-chunk states
     as [chunks · HV · K, V] rows), their value tiles read by bulk copies instead of through a
     pointer and a mask per thread and element. A block's rows of a later sequence are read as
@@ -247,13 +251,17 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, s
     m = rows < eos
     o_k = i_k * BK + tl.arange(0, BK)
     mk = m[:, None] & (o_k < K)[None, :]
-    base_h = (i_t.to(tl.int64) * HV + i_hv) * K * V
+    i_g = tl.load(chunk_off + i_n) + tl.load(chunk_idx + 2 * i_t + 1)  # the chunk's global index, for h
+    base_h = (i_g.to(tl.int64) * HV + i_hv) * K * V
+    base_dh = (i_t.to(tl.int64) * HV + i_hv) * K * V
     b_dod = tl.zeros([BT, BT], dtype=tl.float32)
     b_dqs = tl.zeros([BT, BK], dtype=tl.float32)
     b_dks = tl.zeros([BT, BK], dtype=tl.float32)
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
     b_gcs = tl.zeros([BK], dtype=tl.float32)
-    row_h = (i_t * HV + i_hv) * K + i_k * BK  # the state tile's first row in the [chunks · HV · K, V] view
+    # the state tiles' first rows in the [chunks · HV · K, V] views
+    row_h = (i_g * HV + i_hv) * K + i_k * BK
+    row_dh = (i_t * HV + i_hv) * K + i_k * BK
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         mv = m[:, None] & (o_v < V)[None, :]
@@ -263,7 +271,7 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, s
             b_d = _block(VN if DELTA else v, t0, i_hv * V + v0)
             b_do = _block(do, t0, i_hv * V + v0)
             b_s = _block(h, row_h, v0)
-            b_ds = _block(dh, row_h, v0)
+            b_ds = _block(dh, row_dh, v0)
         else:
             if DELTA:
                 b_d = tl.load(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
@@ -271,7 +279,7 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, s
                 b_d = tl.load(v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
             b_do = tl.load(do + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mv, other=0.0)
             b_s = tl.load(h + base_h + o_k[:, None] * V + o_v[None, :], mask=mkv, other=0.0)
-            b_ds = tl.load(dh + base_h + o_k[:, None] * V + o_v[None, :], mask=mkv, other=0.0)
+            b_ds = tl.load(dh + base_dh + o_k[:, None] * V + o_v[None, :], mask=mkv, other=0.0)
         b_dod += tl.dot(b_do, tl.trans(b_d), input_precision=PREC)
         b_dqs += tl.dot(b_do, tl.trans(b_s), input_precision=PREC)
         b_dks += tl.dot(b_d, tl.trans(b_ds), input_precision=PREC)
@@ -434,25 +442,38 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     launch(dv_local_kernel, (cdiv(V, BV), ch.NT, HV),
            q, k, gp, do, DVL, ch.cu, ch.chunk_idx, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
            USE_G=gated, PREC=prec, DT=DT, name="dv_local")
-    dh = torch.empty(ch.NT, HV, K, V, device=dev, dtype=io)
-    DD = torch.empty(T, HV, V, device=dev, dtype=io)
-    dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
     SK, SV = state_tile("state_bwd", ch, HV, K, V, dev)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
                   beta=beta if delta else dummy, seg_seq=ch.cu, seq_cu=ch.cu, FROM_INV=from_inv, name="state_bwd")
     Wp = (Ai if from_inv else W) if delta else dummy
+    del W
     gs = gamma if gated else dummy  # the state pass reads γ, not g
     # the warm-started split's value tile: at most 32 (ptxas, sm_90, K = 128: 64-wide tiles of the
     # reverse pass spill 168–512 B at every depth, 32-wide ones none); its segments fill the card
     WV = min(tiles("state_bwd", K, V)[1], 32)
     L = split_len(ch, HV, cdiv(V, WV if warm_split(g) else SV), dev, warm_split(g))
-    if L and warm_split(g):
+    warm = bool(L) and warm_split(g)
+    # dδ is written over dδ_loc (each program reads a chunk's rows before it writes them, and no
+    # other program's), except by the warm-started split, whose warm-up reads the next segment's rows
+    DD = torch.empty(T, HV, V, device=dev, dtype=io) if warm else DVL
+    # Sliced reverse pass (the plain one, where dS_out of every chunk would take more than
+    # DELTA["state_bwd"]["slice_MB"]): the chunk positions are cut into slices, run last first, each
+    # the reverse pass over its chunks (from the dS carried out of the slice after it) and then the
+    # per-chunk kernels over them, so that dh holds one slice's chunks instead of all.
+    budget = DELTA["state_bwd"]["slice_MB"] * 2 ** 20
+    nsl = 1 if L or not budget else min(ch.max_nc, cdiv(ch.NT * HV * K * V * DVL.element_size(), max(1, int(budget))))
+    slices = make_slices(ch, cdiv(ch.max_nc, nsl), dev) if nsl > 1 else None
+    dh = torch.empty(max(sl.NT for sl in slices) if slices else ch.NT, HV, K, V, device=dev, dtype=io)
+    dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None and not slices else None
+    per_chunk = _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch, scale, grad_dtype, dv_dtype)
+    del h, VN
+    if warm:
         # Warm-started split reverse pass (state_bwd_kernel's WARM form), as in the forward
         sg = make_segments(ch, L, dev)
         SV = WV
         launch(state_bwd_kernel, (cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL,
-               dht if dht is not None else dummy, dh, DD, dh0 if dh0 is not None else dummy, sg.cu, sg.off, scale,
-               BV=SV, USE_DHT=dht is not None, USE_INIT=h0 is not None, WARM=True,
+               dht if dht is not None else dummy, dh, DD, dh0 if dh0 is not None else dummy, sg.cu, sg.cu[1:],
+               sg.off, scale, BV=SV, USE_DHT=dht is not None, USE_INIT=h0 is not None, WARM=True,
                LOG_EPS=float(DELTA["split"]["log_eps"]), **dict(common, seg_seq=sg.seq))
         fill_empty(dh0, dht, ch)
     elif L:
@@ -462,30 +483,60 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         X = torch.empty(sg.NS, HV, K, K + V, device=dev, dtype=f32)
         AV = min(pow2(K + V), max(16, DELTA["state_aug"]["SV"] // SK))
         launch(state_bwd_kernel, (cdiv(K + V, AV), sg.NS * HV), q, k, gs, Wp, do, DVL, dummy, dummy,
-               dummy, X, sg.cu, sg.off, scale, BV=AV, USE_DHT=False, USE_INIT=True, AUG=True,
+               dummy, X, sg.cu, sg.cu[1:], sg.off, scale, BV=AV, USE_DHT=False, USE_INIT=True, AUG=True,
                **dict(common, name="state_aug"))
         Send = chain(X, dht, dh0, sg, HV, K, V, True, prec)
         launch(state_bwd_kernel, (cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL, Send, dh, DD, dummy,
-               sg.cu, sg.off, scale, BV=SV, USE_DHT=True, USE_INIT=False, **common)
+               sg.cu, sg.cu[1:], sg.off, scale, BV=SV, USE_DHT=True, USE_INIT=False, **common)
     else:
         # the per-chunk inputs, perhaps as tensor descriptors
-        wr = ((Ai, BT) if from_inv else (W, K)) if delta else (k, K)
+        wr = ((Ai, BT) if from_inv else (Wp, K)) if delta else (k, K)
         tma, (qa, ka, da, la, wa) = tile_reads("state_bwd", (q, K), (k, K), (do, SV), (DVL, SV), wr)
-        launch(state_bwd_kernel, (cdiv(V, SV), ch.N * HV),
-               qa, ka, gs, wa, da, la, dht if dht is not None else dummy, dh, DD,
-               dh0 if dh0 is not None else dummy, ch.cu, ch.chunk_off, scale, BV=SV,
-               USE_DHT=dht is not None, USE_INIT=h0 is not None, TMA=tma, **common)
-        del qa, ka, da, la, wa, wr  # (they hold DVL and W, dropped below)
-    # Each intermediate is dropped after its last reader and each output allocated before its first
-    # writer, so the backward's peak (during dqk) holds h, dh, δ, dδ and dqk's outputs only (the
-    # fused kernel writes dV and dQ over dδ and δ: its peak holds h, dh, δ, dδ and dK).
-    del DVL, W, Wp
+        args = (cdiv(V, SV), ch.N * HV), qa, ka, gs, wa, da, la
+        kw = dict(BV=SV, TMA=tma, **common)
+        if slices:
+            # dS carried between slices in place: a program reads its tile of it first and writes it last
+            carry = dht.clone() if dht is not None else torch.empty(ch.N, HV, K, V, device=dev, dtype=f32)
+            for j, sl in enumerate(slices):
+                last = j == len(slices) - 1
+                launch(state_bwd_kernel, *args, carry, dh, DD, carry, sl.starts, sl.ends, sl.off, scale,
+                       USE_DHT=j > 0 or dht is not None, USE_INIT=not last or h0 is not None, **kw)
+                outs = per_chunk(sl.chunk_idx, sl.NT, last)
+            if h0 is not None:
+                dh0 = carry
+        else:
+            launch(state_bwd_kernel, *args, dht if dht is not None else dummy, dh, DD,
+                   dh0 if dh0 is not None else dummy, ch.cu, ch.cu[1:], ch.chunk_off, scale,
+                   USE_DHT=dht is not None, USE_INIT=h0 is not None, **kw)
+        del qa, ka, da, la, wa, wr, args  # (they hold DVL and W)
+    if not slices:
+        del dh
+        outs = per_chunk(ch.chunk_idx, ch.NT, True)
+    return (*outs, dh0)
+
+
+def _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch: Chunks, scale: float, grad_dtype, dv_dtype):
+    """The backward's per-chunk stage after the reverse pass: ``run(chunk_idx, NT, last)`` fills the rows of
+    those chunks (dh holding their dS_out in that order) of its outputs and returns them (dQ, dK, dV,
+    dg, dβ; dg and dβ None where the member has no gate or no delta term); ``last``: no later call, so
+    it may drop its inputs as it goes. On compute capability 9 for the gated delta members in 16
+    bits one Gluon kernel (``fused_bwd``); else dqk then wy_bwd."""
+    T, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    delta, gated = beta is not None, g is not None
+    prec, DT, io = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype
+    dev, f32, dummy = v.device, torch.float32, v
+    gp = g if gated else dummy
     fused = _fused_bwd() if DELTA["fused_bwd"]["on"] else None
     if fused is not None and fused.usable(q, g, beta, K, V):
         # dqk and wy_bwd's work in one Gluon kernel per chunk and value head
-        DQ, DKO, DV, DG, DB = fused.backward(q, k, v, gamma, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype,
-                                             dv_dtype)
-        return DQ, DKO, DV, DG, DB, dh0
+        outs, run = fused.backward(q, k, v, gamma, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype, dv_dtype)
+
+        def fused_run(chunk_idx, NT: int, last: bool):
+            run(chunk_idx, NT)
+            return outs
+
+        return fused_run
     BK, BV = tiles("dqk", K, V)
     NK = cdiv(K, BK)
     DQ = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
@@ -493,27 +544,40 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     DK = torch.empty(T, HV, K, device=dev, dtype=f32 if delta else grad_dtype)
     DW = torch.empty(T, HV, K, device=dev, dtype=io) if delta else None
     DGAM = torch.empty(NK, T, HV, device=dev, dtype=f32) if gated else None  # dγ of each K tile
-    # the value-loop inputs, perhaps as tensor descriptors (h and dh as [chunks · HV · K, V] rows)
+    # the value-loop inputs, perhaps as tensor descriptors (h and dh as [chunks · HV · K, V] rows);
+    # dropped after the last dqk, and wy_bwd's outputs allocated at its first launch, so that the
+    # peak (during dqk) holds h, dh, δ, dδ and dqk's outputs only
     tma, (vd, dod, ddd) = tile_reads("dqk", (VN if delta else v, BV), (do, BV), (DD if delta else v, BV))
     hd, dhd = h, dh
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
 
         hd, dhd = (TensorDescriptor.from_tensor(x.view(-1, V), block_shape=[BK, BV]) for x in (h, dh))
-    launch(dqk_kernel, (NK, ch.NT, HV),
-           q, k, v if not tma else vd, gp, vd if delta else dummy, dod, hd, dhd, ddd if delta else dummy, DQ, DK,
-           DW if delta else dummy, DGAM if gated else dummy, ch.cu, ch.chunk_idx, scale, T, H=H, HV=HV, K=K,
-           V=V, BT=BT, BK=BK, BV=BV, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, TMA=tma, name="dqk")
+    reads = [(v if not tma else vd, vd if delta else dummy, dod, hd, dhd, ddd if delta else dummy)]  # dqk's order
     del h, dh, VN, hd, dhd, vd, dod, ddd
-    DKO = torch.empty(T, HV, K, device=dev, dtype=grad_dtype) if delta and grad_dtype != f32 else DK
-    DV = torch.empty(T, HV, V, device=dev, dtype=dv_dtype or grad_dtype) if delta else DD
-    DB = torch.empty(T, HV, device=dev, dtype=f32) if delta else None
-    DG = torch.empty(T, HV, device=dev, dtype=f32) if gated else None
-    if delta or gated:
-        WK, WV = tiles("wy_bwd", K, V)
-        launch(wy_bwd_kernel, (ch.NT, HV),
-               k, v, gp, beta if delta else dummy, Ai if delta else dummy, DD, DW if delta else dummy, DK, DKO,
-               DV, DB if delta else dummy, DGAM if gated else dummy, DG if gated else dummy, ch.cu, ch.chunk_idx,
-               T, H=H, HV=HV, K=K, V=V, BT=BT, BK=WK, BV=WV, NK=NK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT,
-               name="wy_bwd")
-    return DQ, DKO, DV, DG, DB, dh0
+    WK, WV = tiles("wy_bwd", K, V)
+    outs = []
+
+    def run(chunk_idx, NT: int, last: bool):
+        r = reads[0]
+        launch(dqk_kernel, (NK, NT, HV), q, k, r[0], gp, *r[1:], DQ, DK,
+               DW if delta else dummy, DGAM if gated else dummy, ch.cu, chunk_idx, ch.chunk_off, scale, T, H=H,
+               HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, TMA=tma, name="dqk")
+        del r
+        if last:
+            reads.clear()
+        if not outs:
+            DKO = torch.empty(T, HV, K, device=dev, dtype=grad_dtype) if delta and grad_dtype != f32 else DK
+            DV = torch.empty(T, HV, V, device=dev, dtype=dv_dtype or grad_dtype) if delta else DD
+            DB = torch.empty(T, HV, device=dev, dtype=f32) if delta else None
+            DG = torch.empty(T, HV, device=dev, dtype=f32) if gated else None
+            outs.extend((DQ, DKO, DV, DG, DB))
+        if delta or gated:
+            launch(wy_bwd_kernel, (NT, HV),
+                   k, v, gp, beta if delta else dummy, Ai if delta else dummy, DD, DW if delta else dummy, DK,
+                   *outs[1:3], outs[4] if delta else dummy, DGAM if gated else dummy, outs[3] if gated else dummy,
+                   ch.cu, chunk_idx, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=WK, BV=WV, NK=NK, USE_G=gated, DELTA=delta,
+                   PREC=prec, DT=DT, name="wy_bwd")
+        return tuple(outs)
+
+    return run

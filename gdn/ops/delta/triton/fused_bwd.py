@@ -59,33 +59,37 @@ def _vec(x, layout: gl.constexpr):
 
 
 @gluon.jit
-def _issue(n, w, i_v, s, HV, cu, chunk_idx, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v,
-           ring_h, ring_dh, bars, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr):
+def _issue(n, w, i_v, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd,
+           ring_v, ring_h, ring_dh, bars, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr):
     """Start the tensor copies of item ``w``'s value tile ``i_v`` (δ, dO, dδ, v rows; h, dh rows) into
     ring slot ``s``; its barrier completes when all ``n`` bytes have landed."""
     i_t = w // HV
     i_hv = w % HV
-    t0 = gl.load(cu + gl.load(chunk_idx + 2 * i_t)) + gl.load(chunk_idx + 2 * i_t + 1) * BT
+    i_n = gl.load(chunk_idx + 2 * i_t)
+    i_c = gl.load(chunk_idx + 2 * i_t + 1)
+    t0 = gl.load(cu + i_n) + i_c * BT
     col = i_hv * V + i_v * BV
-    row = (i_t * HV + i_hv) * K
+    row_h = ((gl.load(chunk_off + i_n) + i_c) * HV + i_hv) * K  # h: the chunk's global index
+    row = (i_t * HV + i_hv) * K  # dh: the chunk's index in this launch
     bar = bars.index(s)
     mbarrier.expect(bar, n)
     tma.async_copy_global_to_shared(d_t, [t0, col], bar, ring_d.index(s))
     tma.async_copy_global_to_shared(do_t, [t0, col], bar, ring_do.index(s))
     tma.async_copy_global_to_shared(dd_t, [t0, col], bar, ring_dd.index(s))
     tma.async_copy_global_to_shared(v_t, [t0, col], bar, ring_v.index(s))
-    tma.async_copy_global_to_shared(h_t, [row, i_v * BV], bar, ring_h.index(s))
+    tma.async_copy_global_to_shared(h_t, [row_h, i_v * BV], bar, ring_h.index(s))
     tma.async_copy_global_to_shared(dh_t, [row, i_v * BV], bar, ring_dh.index(s))
 
 
 @gluon.jit
-def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, DB, DG, cu, chunk_idx, scale, H,
-                     HV, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr):
-    """One program per chunk i_t and value head i_hv (w = i_t · HV + i_hv). q, k [T, H, K]; G [T, HV]
+def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, DB, DG, cu, chunk_idx, chunk_off,
+                     scale, H, HV, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr):
+    """One program per chunk i_t of ``chunk_idx`` (all of the call's chunks, or a slice of them) and
+    value head i_hv (w = i_t · HV + i_hv). q, k [T, H, K]; G [T, HV]
     the in-chunk cumulative log decay γ; beta [T, HV]; Ai [T, HV, 64] the rows of T⁻¹. Descriptors:
     d_t (δ), do_t (dO), dd_t (dδ), v_t (v) of [T, HV · V] in [64, BV] blocks; h_t, dh_t of
-    [chunks · HV · K, V] (the state entering each chunk and the gradient of the one leaving it) in
-    [K, BV] blocks. Writes dQ, dK [T, HV, K], dV [T, HV, V], dβ and dg [T, HV].
+    [chunks · HV · K, V] (the state entering each chunk, at its global index chunk_off[n] + c, and the
+    gradient of the one leaving it, at i_t) in [K, BV] blocks. Writes dQ, dK [T, HV, K], dV [T, HV, V], dβ and dg [T, HV].
 
     The value tiles stream through a ring of NS slots filled by tensor copies: the first NS are
     requested before anything else (they arrive while T⁻¹, q and k load), tile i + NS as soon as
@@ -128,8 +132,8 @@ def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK,
         mbarrier.init(bars.index(i_s), count=1)
     fence_async_shared()
     for i_s in gl.static_range(min(NS, NV)):
-        _issue(tile_bytes, w, i_s, i_s, HV, cu, chunk_idx, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd,
-               ring_v, ring_h, ring_dh, bars, K, V, BV)
+        _issue(tile_bytes, w, i_s, i_s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do,
+               ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
 
     o_64 = gl.arange(0, BT, layout=gl.SliceLayout(0, ld_t))
     o_kc = gl.arange(0, K, layout=gl.SliceLayout(0, ld_k))
@@ -197,7 +201,7 @@ def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK,
         # every warpgroup is done with slot s: request the tile NS further on
         gl.thread_barrier()
         if i_v + NS < NV:
-            _issue(tile_bytes, w, i_v + NS, s, HV, cu, chunk_idx, d_t, do_t, dd_t,
+            _issue(tile_bytes, w, i_v + NS, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t,
                    v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
         p_o = (rv[:, None] * HV + i_hv) * V + (i_v * BV + o_vv)[None, :]
         gl.store(DV + p_o, (b_y * b_bv[:, None]).to(DV.dtype.element_ty), mask=m_v[:, None])
@@ -313,7 +317,9 @@ def descriptor(x, block: list, layout):
 
 
 def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dtype, dv_dtype):
-    """(dQ, dK, dV, dg, dβ) of the chunk op from the reverse pass's results (chunk_bwd.backward)."""
+    """(dQ, dK, dV, dg, dβ) of the chunk op, allocated, and ``run(chunk_idx, NT)``, which fills their rows
+    of those NT chunks (``chunk_idx`` [NT, 2] as ``Chunks.chunk_idx``; dh holds their dS_out in that
+    order) from the reverse pass's results (chunk_bwd.backward)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dev, f32 = v.device, torch.float32
@@ -333,7 +339,10 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
     d_t, do_t, dd_t, v_t = (_tiles(x.to(v.dtype), T, (CHUNK, BV), DT) for x in (VN, do, DD, v))
     h_t, dh_t = (_tiles(x, x.numel() // V, (K, BV), DT) for x in (h, dh))
-    launch(fused_bwd_kernel, (ch.NT * HV,), q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, DB, DG,
-           ch.cu, ch.chunk_idx, scale, H, HV, K=K, V=V, BV=BV, NS=DELTA["fused_bwd"]["NS"], DT=DT,
-           name="fused_bwd")
-    return DQ, DK, DV, DG, DB
+
+    def run(chunk_idx, NT: int):
+        launch(fused_bwd_kernel, (NT * HV,), q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, DB, DG,
+               ch.cu, chunk_idx, ch.chunk_off, scale, H, HV, K=K, V=V, BV=BV, NS=DELTA["fused_bwd"]["NS"], DT=DT,
+               name="fused_bwd")
+
+    return (DQ, DK, DV, DG, DB), run
