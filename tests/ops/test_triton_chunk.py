@@ -535,6 +535,23 @@ def test_segments_tile_the_stream():
     assert (sg.NS, sg.L, sg.max_ns) == (5, 2, 2)
 
 
+def test_slices_cover_every_chunk_once():
+    """make_slices: slices of L chunk positions, last first; each sequence's part as token bounds
+    (empty parts start where they end), chunks numbered in the slice's own order from off[n]; every
+    chunk of the call in exactly one slice."""
+    ch = common.make_chunks(1, 330, torch.tensor([0, 65, 66, 66, 266, 330]), torch.device("cpu"))
+    sl = common.make_slices(ch, 2, torch.device("cpu"))
+    # chunks per sequence 2, 1, 0, 4, 1: slice 1 holds sequence 3's chunks 2 and 3 only
+    assert [s.NT for s in sl] == [2, 6]
+    assert sl[0].chunk_idx.tolist() == [[3, 2], [3, 3]] and sl[0].off.tolist() == [0, 0, 0, 0, 2]
+    assert sl[0].starts.tolist() == [65, 66, 66, 194, 330] and sl[0].ends.tolist() == [65, 66, 66, 266, 330]
+    assert sl[1].starts.tolist() == [0, 65, 66, 66, 266] and sl[1].ends.tolist() == [65, 66, 66, 194, 330]
+    assert sl[1].off.tolist() == [0, 2, 3, 3, 5]
+    every = sorted(tuple(c) for s in sl for c in s.chunk_idx.tolist())
+    assert every == sorted(tuple(c) for c in ch.chunk_idx.tolist())
+    assert common.make_slices(ch, 2, torch.device("cpu")) is sl  # made once per layout
+
+
 def test_split_len_rule(monkeypatch):
     from gdn.ops.delta.triton.split import split_len
 
