@@ -496,7 +496,9 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         kw = dict(BV=SV, TMA=tma, **common)
         if slices:
             # dS carried between slices in place: a program reads its tile of it first and writes it last
-            carry = dht.clone() if dht is not None else torch.empty(ch.N, HV, K, V, device=dev, dtype=f32)
+            carry = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32)
+            if dht is not None:
+                carry.copy_(dht)
             for j, sl in enumerate(slices):
                 last = j == len(slices) - 1
                 launch(state_bwd_kernel, *args, carry, dh, DD, carry, sl.starts, sl.ends, sl.off, scale,
