@@ -117,8 +117,8 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = N
 
     sig.update({n: desc(64) for n in ("d_t", "do_t", "dd_t", "v_t")})
     sig.update(h_t=desc(K), dh_t=desc(K))
-    sig.update(cu="*i32", chunk_idx="*i32", chunk_off="*i32", scale="fp32", H="i32", HV="i32", K="constexpr", V="constexpr",
-               BV="constexpr", NS="constexpr", DT="constexpr")
+    sig.update(cu="*i32", chunk_idx="*i32", chunk_off="*i32", scale="fp32", H="i32", HV="i32", K="constexpr",
+               V="constexpr", BV="constexpr", NS="constexpr", DT="constexpr")
     at = {n: i for i, n in enumerate(names)}
     consts = {(at["K"],): K, (at["V"],): V, (at["BV"],): BV, (at["NS"],): NS, (at["DT"],): gl.bfloat16}
     return _compiled(GluonASTSource(F.fused_bwd_kernel, sig, consts, {}), num_warps)

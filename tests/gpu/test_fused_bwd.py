@@ -78,7 +78,10 @@ def test_pair_backward(case, dtype, monkeypatch):
     assert_within(errs, bounds, f"dqk + wy_bwd at {case[0]}, {dtype_id(dtype)}")
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in [c for c in SMALL if c[0] in ("T=300 K=V=128", "packed")] + [BENCH[0]]])
+SLICED = [c for c in SMALL if c[0] in ("T=300 K=V=128", "packed")] + [BENCH[0]]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in SLICED])
 def test_sliced_reverse_pass(case, monkeypatch):
     """The reverse pass and the per-chunk kernels run slice by slice (``DELTA["state_bwd"]["slice_MB"]``
     forced below every dh, so each slice holds one chunk of each sequence): the same errors against

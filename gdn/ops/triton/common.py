@@ -87,9 +87,13 @@ def make_segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
     """Cut every sequence of ``ch`` into segments of ``L`` chunks (built on the host in numpy, no
     sync; made once per layout, L and device, and kept in ``ch.memo``: the layers of a model and
     the backward reuse it)."""
-    key = ("segments", L, device)
+    return _memo(ch, ("segments", L, device), lambda: _segments(ch, L, device))
+
+
+def _memo(ch: "Chunks", key, build):
+    """``ch.memo[key]``, built by ``build()`` on first use."""
     if key not in ch.memo:
-        ch.memo[key] = _segments(ch, L, device)
+        ch.memo[key] = build()
     return ch.memo[key]
 
 
@@ -127,10 +131,7 @@ def make_slices(ch: "Chunks", L: int, device: torch.device) -> list[Slice]:
     """Cut the chunk positions of every sequence of ``ch`` into slices of ``L`` (slice j: chunks
     [jL, (j + 1)L) of each sequence, empty for the shorter ones), last slice first: the order in which
     the reverse pass runs them. Built on the host in numpy (no sync), once per layout, L and device."""
-    key = ("slices", L, device)
-    if key not in ch.memo:
-        ch.memo[key] = _slices(ch, L, device)
-    return ch.memo[key]
+    return _memo(ch, ("slices", L, device), lambda: _slices(ch, L, device))
 
 
 def _slices(ch: "Chunks", L: int, device: torch.device) -> list[Slice]:

@@ -83,13 +83,14 @@ def _issue(n, w, i_v, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t
 
 @gluon.jit
 def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, DB, DG, cu, chunk_idx, chunk_off,
-                     scale, H, HV, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr):
+                     scale, H, HV, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr,
+                     DT: gl.constexpr):
     """One program per chunk i_t of ``chunk_idx`` (all of the call's chunks, or a slice of them) and
-    value head i_hv (w = i_t · HV + i_hv). q, k [T, H, K]; G [T, HV]
-    the in-chunk cumulative log decay γ; beta [T, HV]; Ai [T, HV, 64] the rows of T⁻¹. Descriptors:
-    d_t (δ), do_t (dO), dd_t (dδ), v_t (v) of [T, HV · V] in [64, BV] blocks; h_t, dh_t of
-    [chunks · HV · K, V] (the state entering each chunk, at its global index chunk_off[n] + c, and the
-    gradient of the one leaving it, at i_t) in [K, BV] blocks. Writes dQ, dK [T, HV, K], dV [T, HV, V], dβ and dg [T, HV].
+    value head i_hv (w = i_t · HV + i_hv). q, k [T, H, K]; G [T, HV] the in-chunk cumulative log
+    decay γ; beta [T, HV]; Ai [T, HV, 64] the rows of T⁻¹. Descriptors: d_t (δ), do_t (dO), dd_t
+    (dδ), v_t (v) of [T, HV · V] in [64, BV] blocks; h_t, dh_t of [chunks · HV · K, V] (the state
+    entering each chunk, at its global index chunk_off[n] + c, and the gradient of the one leaving
+    it, at i_t) in [K, BV] blocks. Writes dQ, dK [T, HV, K], dV [T, HV, V], dβ and dg [T, HV].
 
     The value tiles stream through a ring of NS slots filled by tensor copies: the first NS are
     requested before anything else (they arrive while T⁻¹, q and k load), tile i + NS as soon as
