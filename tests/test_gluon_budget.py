@@ -53,3 +53,30 @@ def test_fused_backward_kernel_compiles_without_spills():
     at K = 64, V = 256 and at K = 32, V = 96, in the card's shared memory (227 KB a block)."""
     for r in _run(KERNEL):
         assert r["spill"] == 0 and r["regs"] <= 255 and r["shared"] <= 227 * 1024, r
+
+FORWARD = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tools import gluon_budget as G
+print(json.dumps([G.forward_resources(K, V, warm=w) for K, V, w in ((128, 128, False), (128, 128, True),
+                                                                    (64, 64, True))]
+                 + [G.forward_resources(128, 128, regs=(24, 120, 120))]))
+"""
+
+
+def test_warp_specialised_forward_compiles_without_spills():
+    """gdn.ops.delta.triton.fused_fwd at its launch setting (the state, δ and output warpgroups and
+    the copy warp; a ring of two), bf16: compiles for sm_90 without spilling at K = V = 128 (whole
+    sequences and warm-started segments) and at K = V = 64, within the card's shared memory; the
+    shared memory is the ring's tiles plus S, Y, δ and δ̃ (and the compiler's scratch for the
+    output's layout conversion, under 16 KB); and the registers the
+    setting gives the δ and output warpgroups are what they need: at 120 a thread they spill."""
+    from gdn.ops.tuning import DELTA
+
+    *fits, tight = _run(FORWARD)
+    NS = DELTA["fused_fwd"]["NS"]
+    for (K, V), r in zip(((128, 128), (128, 128), (64, 64)), fits):
+        assert r["spill"] == 0 and r["shared"] <= 227 * 1024, r
+        tiles = NS * (2 * 64 * K + 64 * V + 2 * 64 * 64) * 2 + (K * V + 3 * 64 * V) * 2
+        assert tiles <= r["shared"] <= tiles + 16 * 1024, (r, tiles)
+    assert tight["spill"] > 0, tight

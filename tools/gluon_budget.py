@@ -124,8 +124,39 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = N
     return _compiled(GluonASTSource(F.fused_bwd_kernel, sig, consts, {}), num_warps)
 
 
-def _compiled(src, num_warps: int) -> dict:
-    opts = make_backend(TARGET).parse_options({"num_warps": num_warps})
+def forward_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg: int | None = None,
+                      warm: bool = False) -> dict:
+    """{"regs", "spill", "shared"} of the warp-specialised forward pass
+    (:func:`gdn.ops.delta.triton.fused_fwd.fused_fwd_kernel`, bf16, initial and final state)
+    compiled for sm_90 at the launch setting (or the given ring slots, partition registers and
+    maxnreg; ``warm``: the warm-started segments' form)."""
+    from gdn.ops.delta.triton import fused_bwd as B  # noqa: PLC0415
+    from gdn.ops.delta.triton import fused_fwd as F  # noqa: PLC0415
+    from gdn.ops.tuning import DELTA  # noqa: PLC0415
+
+    c = DELTA["fused_fwd"]
+    NS = c["NS"] if NS is None else NS
+    regs = c["regs"] if regs is None else regs
+    names = F.fused_fwd_kernel.arg_names
+
+    def desc(cols):
+        return f"tensordesc<bf16[64, {cols}],{B._tile_layout((64, cols), gl.bfloat16)!r}>"
+
+    sig = dict(q_t=desc(K), k_t=desc(K), v_t=desc(V), a_t=desc(64), p_t=desc(64), G="*fp32", beta="*fp32",
+               h0="*fp32", o="*bf16", ht="*fp32", cu="*i32", plan="*i32", seg_seq="*i32", seq_cu="*i32", scale="fp32",
+               H="i32", HV="i32")
+    const = dict(K=K, V=V, NS=NS, DT=gl.bfloat16, USE_INIT=True, STORE_FINAL=True, WARM=warm, R_COPY=regs[0],
+                 R_DELTA=regs[1], R_OUT=regs[2])
+    sig.update({n: "constexpr" for n in const})
+    at = {n: i for i, n in enumerate(names)}
+    consts = {(at[n],): v for n, v in const.items()}
+    sig = {n: sig[n] for n in names}
+    return _compiled(GluonASTSource(F.fused_fwd_kernel, sig, consts, {}), c["num_warps"],
+                     maxnreg=c["maxnreg"] if maxnreg is None else maxnreg)
+
+
+def _compiled(src, num_warps: int, **extra) -> dict:
+    opts = make_backend(TARGET).parse_options({"num_warps": num_warps, **extra})
     ck = triton.compile(src, target=TARGET, options=opts.__dict__)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(ck.asm["cubin"])

@@ -101,7 +101,18 @@ DELTA = {
     # third slot: 1050; persistent programs looping over the chunks spill and took 1523
     # (docs/TRITON.md).
     "fused_bwd": dict(num_warps=8, stages=(1,), BV=64, NS=2, on=True),
+    # The forward's sequential pass as one warp-specialised Gluon kernel (delta.triton.fused_fwd),
+    # on for gated delta members in 16 bits on compute capability 9 with K and V of 64 or 128 (else
+    # state_out): one program per (sequence or warm-started segment, value head) holding the whole
+    # state, a state, a δ and an output warpgroup and a copy warp, the chunks' tiles through a ring
+    # of NS slots. regs: the copy, δ and output partitions' registers a thread (the state's takes
+    # the rest of maxnreg times the program's 16 warps: 232; at 120 for δ and output they spill).
+    # H200 GPU µs against state_out (bf16, K = V = 128): (8, 2048) 105 against 182; (4, 8192)
+    # 205 + 20 (warm_plan) against 350; 1 × 32768 205 + 24 against 366; HV = 32 at 1 × 8192
+    # 110 + 20 against 192; Qwen3.5-397B 760 + 23 against 1353 (docs/TRITON.md).
+    "fused_fwd": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 128, 128), maxnreg=128, on=True),
     "cumsum": dict(num_warps=1, stages=(1,)),
+    "warm_plan": dict(num_warps=4, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in
     # chunks, -1 automatic (warm-started passes only). warm: the gated members' split passes start
     # each segment from a zero state a bounded number of chunks early (state_fwd_kernel,

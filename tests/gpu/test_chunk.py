@@ -170,9 +170,12 @@ def test_warm_split(case, dtype, fused, monkeypatch):
     """The warm-started split state passes (``DELTA["split"]["warm"]``) forced with segments of two
     chunks, in the two-stage forward's state pass or the fused forward pass, gated delta rule: tier
     3 against the float64 reference (g = logsigmoid(x + 3): about 3 nats of decay per chunk, so
-    segments warm up over several chunks or walk back to their sequence's start)."""
+    segments warm up over several chunks or walk back to their sequence's start). The Triton
+    passes' forms: the warp-specialised forward is off here (its own warm form is
+    test_fused_fwd.py's)."""
     from gdn.ops import tuning
 
+    monkeypatch.setitem(tuning.DELTA, "fused_fwd", dict(tuning.DELTA["fused_fwd"], on=False))
     monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=2, warm=True, fused=fused))
     monkeypatch.setitem(tuning.DELTA, "state_out", dict(tuning.DELTA["state_out"], fill=10 ** 9))
     member, seed = ORDER[0], 2000 + WARM_CASES.index(case)

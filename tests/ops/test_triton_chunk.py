@@ -859,3 +859,38 @@ def test_launch_settings_name_what_they_do_not_know():
     finally:
         tuning.DELTA.clear()
         tuning.DELTA.update(saved)
+
+
+def test_warm_plan_counts_the_walk_of_each_segment():
+    """split.warm_plan (the warm-up chunks of each segment and value head, which the warp-specialised
+    forward reads before it starts) walks back as the passes' own warm-up does: packed sequences
+    (one empty, one of a single token) in segments of one chunk, each head its own decay and keys
+    of mixed norms, against the walk written out in torch from the raw gate (a chunk's bound: the
+    sum of its g, plus log max(1, |1 − β‖k‖²|) of each row)."""
+    from gdn.ops.delta.triton import split
+    from gdn.ops.triton.common import chunk_cumsum, make_chunks, make_segments
+
+    lens, H, HV, K, BT = [65, 1, 0, 700, 200], 1, 2, 16, 64
+    T = sum(lens)
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(T, H, K, generator=gen) * torch.rand(T, H, 1, generator=gen) * 0.5
+    beta = torch.rand(T, HV, generator=gen)
+    g = -torch.rand(T, HV, generator=gen) * torch.tensor([0.4, 0.02])
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    ch = make_chunks(1, T, cu, k.device)
+    sg = make_segments(ch, 1, k.device)
+    nw = split.warm_plan(k, beta, chunk_cumsum(g, ch), sg, ch, HV)
+    seg_cu, seq = sg.cu.tolist(), sg.seq.tolist()
+    nk = (k.double() ** 2).sum(-1)  # [T, H]
+    for s in range(sg.NS):
+        sbos = int(cu[seq[s]])
+        for hv in range(HV):
+            expect, acc, bos = 0, 0.0, seg_cu[s]
+            while acc > -16.0 and bos - expect * BT > sbos:
+                r0 = bos - (expect + 1) * BT
+                rows = slice(r0, r0 + BT)
+                acc += float(g[rows, hv].double().sum()
+                             + (1 - beta[rows, hv].double() * nk[rows, hv // (HV // H)]).abs().clamp(min=1).log().sum())
+                expect += 1
+            assert int(nw[s, hv]) == expect, (s, hv, int(nw[s, hv]), expect)
+    assert int(nw.max()) >= 2  # the walks are not all trivial

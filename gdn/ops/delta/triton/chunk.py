@@ -28,7 +28,8 @@ def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None):
     grouped 1 × 8192, HV = 32 (128) 444 against 224 + 128; 1 × 32768 (64) 1669 against 830 + 284;
     packed, 12 sequences of 64-7000 tokens (one long): forward 1.63 ms fused against 1.31."""
     if fused is None:  # (the caller passes layout()'s decision when it has made it already)
-        fused = layout(ch, v.shape[1], k.shape[-1], v.shape[2], v.device, g is not None)[0]
+        K, V = k.shape[-1], v.shape[2]
+        fused = layout(ch, v.shape[1], K, V, v.device, g is not None, chunk_fwd.warp_specialised(q, g, beta, K, V))[0]
     if fused:
         return chunk_fwd.forward(q, k, v, g, beta, h0, ch, want_final, scale, io)
     h, VN, ht, Ai, _, G = chunk_fwd.forward_intermediates(q, k, v, g, beta, h0, ch, want_final,
@@ -36,10 +37,12 @@ def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None):
     return chunk_fwd.output(q, k, v, g, h, VN, ch, scale, io), ht, Ai, G
 
 
-def layout(ch: Chunks, HV: int, K: int, V: int, device, gated: bool = False) -> tuple:
+def layout(ch: Chunks, HV: int, K: int, V: int, device, gated: bool = False, ws: bool = False) -> tuple:
     """(fused forward?, value tiles of state_out, state_fwd, state_bwd, warm split?) of a call: what decides
     which kernels and tile widths it compiles (part of the parallel first-call compile's key, so a
-    new shape that needs other tiles compiles them in parallel too)."""
+    new shape that needs other tiles compiles them in parallel too). ``ws``: the warp-specialised
+    forward pass takes the call (chunk_fwd.warp_specialised), which is always the fused forward
+    (it splits the sequences itself where they would leave the card idle)."""
     tiles = tuple(chunk_fwd.state_tile(n, ch, HV, K, V, device)[1] for n in ("state_out", "state_fwd", "state_bwd"))
     # value heads narrower than 64 always take the fused pass: triton 3.6 on the H200 compiles the
     # output kernel wrong for bf16 value tiles of 16 and 32 (tests/gpu at T = 63, V = 16
@@ -54,7 +57,7 @@ def layout(ch: Chunks, HV: int, K: int, V: int, device, gated: bool = False) -> 
     fills = ch.long_sequences * HV * -(-V // tiles[0]) >= c["fill"] * sm_count(device)
     split = (gated and DELTA["split"]["warm"] and DELTA["split"]["fused"]
              and split_mod.split_len(ch, HV, -(-V // tiles[0]), device) > 0)
-    fused = V < 64 or (tiles[0] >= c["BV_min"] and (fills or split))
+    fused = ws or V < 64 or (tiles[0] >= c["BV_min"] and (fills or split))
     return (fused,) + tiles + (split,)
 
 
@@ -85,7 +88,7 @@ class ChunkFunction(torch.autograd.Function):
         # dk of a group of value heads are summed here; dv never is)
         gdt = io if HV == H and q.dtype == k.dtype == v.dtype == io else torch.float32
         vdt = io if v.dtype == io else torch.float32
-        lay = layout(ch, HV, Kp, Vp, qp.device, gp is not None)
+        lay = layout(ch, HV, Kp, Vp, qp.device, gp is not None, chunk_fwd.warp_specialised(qp, gp, bp, Kp, Vp))
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
             def dry_run():  # the launches of one forward + backward, recorded by precompile, not run
                 dht = torch.empty(ch.N, HV, Kp, Vp, device=qp.device) if want_final else None
@@ -95,7 +98,7 @@ class ChunkFunction(torch.autograd.Function):
             inv = tuple(DELTA[n].get("from_inverse", False) for n in ("state_out", "state_fwd", "state_bwd"))
             split = tuple(sorted(DELTA["split"].items()))
             precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt, vdt, lay,
-                        inv, split, bool(DELTA["fused_bwd"]["on"])), dry_run)
+                        inv, split, bool(DELTA["fused_bwd"]["on"]), bool(DELTA["fused_fwd"]["on"])), dry_run)
         # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
         # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
         o, ht, Ai, G = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])

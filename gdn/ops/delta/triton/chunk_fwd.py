@@ -449,11 +449,32 @@ def _gamma_buffer(g, beta, Ai):
     return torch.empty_like(g) if g is not None and beta is not None and Ai is None else None
 
 
+def _fused_fwd():
+    """The warp-specialised forward pass's module (delta.triton.fused_fwd), imported on first use;
+    None where this triton has no Gluon."""
+    try:
+        from . import fused_fwd  # noqa: PLC0415
+    except ImportError:
+        return None
+    return fused_fwd
+
+
+def warp_specialised(q, g, beta, K: int, V: int) -> bool:
+    """Whether the forward's pass is the warp-specialised one (delta.triton.fused_fwd): on, δ from
+    the inverse, and the call is one it takes."""
+    if not (DELTA["fused_fwd"]["on"] and DELTA["state_out"].get("from_inverse", False)):
+        return False
+    ws = _fused_fwd()
+    return ws is not None and ws.usable(q, g, beta, K, V)
+
+
 def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, out_dtype):
     """The forward of one call: (o [T, HV, V] in ``out_dtype``, final state [N, HV, K, V] fp32 or
     None, Ai or None, γ or None). q, k: [T, H, K]; v: [T, HV, V] (one dtype); g, beta: [T, HV] fp32 or None.
     kkt_solve and wu, then one fused sequential pass (:func:`state_out_kernel`); with
-    ``DELTA["state_out"]["from_inverse"]`` no wu: the pass forms δ from T⁻¹, v and β."""
+    ``DELTA["state_out"]["from_inverse"]`` no wu: the pass forms δ from T⁻¹, v and β. With
+    ``DELTA["fused_fwd"]["on"]`` the warp-specialised form of that pass (delta.triton.fused_fwd)
+    runs where it applies."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dev = v.device
@@ -481,6 +502,9 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
         sg = make_segments(ch, L, dev)
         seqs, cu, seg_seq = sg.NS, sg.cu, sg.seq
         warm = dict(WARM=True, LOG_EPS=float(DELTA["split"]["log_eps"]))
+    if warp_specialised(q, g, beta, K, V):
+        _fused_fwd().forward(q, k, v, G, beta, Ai, pairs, h0, o, ht if want_final else None, ch, scale)
+        return o, ht, Ai, G
     launch(state_out_kernel, (cdiv(V, SV), seqs * HV), qa, ka, va, gp, W if W is not None else v,
            U if U is not None else v, aa, beta if beta is not None else v, pa,
            h0 if h0 is not None else v, o, ht if want_final else v, cu,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton.common import INTERPRET, Chunks, launch, pow2, sm_count
+from ...triton.common import BT, INTERPRET, Chunks, launch, pow2, sm_count
 from ...tuning import DELTA, cdiv
 
 
@@ -61,6 +61,31 @@ def warm_up(k, beta, G, seg_seq, seq_cu, i_s, bos, eos, i_hv, i_h, H, HV, o_t, o
             acc += chunk_log_bound(k, beta, G, bos - (nw + 1) * BT, bos, i_hv, i_h, H, HV, o_t, o_k, K, DELTA)
             nw += 1
     return i_seq, sbos, seos, nw
+
+
+@triton.jit
+def warm_plan_kernel(k, beta, G, cu, seg_seq, seq_cu, nw_out, H, HV, K: tl.constexpr, BT: tl.constexpr,
+                     DELTA: tl.constexpr, LOG_EPS: tl.constexpr):
+    """For each segment and value head (program (s, hv)): the warm-up chunks :func:`warm_up` walks
+    back before the segment, into nw_out [NS, HV] (int32), for a pass that takes them from memory
+    (delta.triton.fused_fwd, whose roles all need the count before they start)."""
+    i_s, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu + i_s).to(tl.int64)
+    eos = tl.load(cu + i_s + 1).to(tl.int64)
+    _, _, _, nw = warm_up(k, beta, G, seg_seq, seq_cu, i_s, bos, eos, i_hv, i_h, H, HV, tl.arange(0, BT),
+                          tl.arange(0, K), K, BT, DELTA, LOG_EPS, False)
+    tl.store(nw_out + i_s * HV + i_hv, nw)
+
+
+def warm_plan(k, beta, G, sg, ch: Chunks, HV: int):
+    """nw [NS, HV] int32: :func:`warm_plan_kernel` over segments ``sg`` of the sequences ``ch``
+    (gated members)."""
+    T, H, K = k.shape
+    nw = torch.empty(sg.NS, HV, device=k.device, dtype=torch.int32)
+    launch(warm_plan_kernel, (sg.NS, HV), k, beta if beta is not None else G, G, sg.cu, sg.seq, ch.cu, nw, H,
+           HV, K=K, BT=BT, DELTA=beta is not None, LOG_EPS=float(DELTA["split"]["log_eps"]), name="warm_plan")
+    return nw
 
 
 @triton.jit
@@ -144,14 +169,15 @@ def fill_empty(out, src, ch: Chunks) -> None:
         out[empty] = src[empty] if src is not None else 0.0
 
 
-def split_len(ch: Chunks, HV: int, tiles: int, device, warm: bool = True) -> int:
+def split_len(ch: Chunks, HV: int, tiles: int, device, warm: bool = True, per_sm: float | None = None) -> int:
     """Chunks per segment of a split state pass, 0 for no split. ``DELTA["split"]["L"]``: 0 never
     splits, a positive number always splits into segments of that many chunks, -1 ("auto") splits
     a ``warm``-started pass (the chained split is never chosen by itself: slower on the H200) when
     the (sequence, head, tile) programs of the longest sequences (``Chunks.long_sequences``: those
     still running at the pass's end) number fewer than ``fill`` times the card's multiprocessors,
     into as many segments as keep the programs within ``per_sm`` per multiprocessor (one wave: a
-    second wave of long programs doubles the pass)."""
+    second wave of long programs doubles the pass; ``per_sm`` overrides the setting's, for a pass
+    whose program fills a multiprocessor)."""
     c = DELTA["split"]
     L = c["L"]
     if L >= 0:
@@ -160,5 +186,5 @@ def split_len(ch: Chunks, HV: int, tiles: int, device, warm: bool = True) -> int
     programs = ch.long_sequences * HV * tiles
     if not warm or programs >= c["fill"] * sms or ch.max_nc < 2 * c["min_L"]:
         return 0
-    parts = int(c["per_sm"] * sms) // programs
+    parts = int((c["per_sm"] if per_sm is None else per_sm) * sms) // programs
     return 0 if parts < 2 else max(c["min_L"], cdiv(ch.max_nc, parts))

@@ -1,0 +1,300 @@
+"""The forward's sequential pass of the gated delta rule as one warp-specialised Gluon kernel
+(``DELTA["fused_fwd"]``): the work of chunk_fwd's ``state_out_kernel`` (δ from the in-chunk
+inverse, kkt_solve's pair matrix) for 16-bit inputs on compute capability 9, one program per
+(sequence, value head) holding the whole [K, V] state.
+
+The pass is a chain: each chunk's products need the state the previous chunk left. Per chunk,
+from the entering state S:
+
+    X = K S,  δ = T⁻¹ diag(β)(V − diag(Γ) X)            (the chain)
+    O = scale · (diag(Γ) Q S + P δ)                      (beside it)
+    S ← Γ_C S + Kᵀ diag(Γ_C / Γ) δ                       (the chain)
+
+Four roles run side by side in one program, each in warps of its own, handing tiles through
+shared memory and mbarriers:
+
+- the state warpgroup (the default partition) holds S in fp32 registers as the accumulator of its
+  own update; per chunk it writes S in 16 bits to shared memory, then waits for δ̃ = diag(Γ_C/Γ) δ
+  and adds Kᵀ δ̃ onto Γ_C S;
+- the δ warpgroup forms X = K S, Y = diag(β)(V − diag(Γ) X) (through shared memory) and δ = T⁻¹ Y,
+  and writes δ and δ̃;
+- the output warpgroup forms diag(Γ) Q S, adds P δ and stores the chunk's output rows;
+- one copy warp fills a ring of ``NS`` slots with each chunk's q, k, v, T⁻¹ and P tiles by
+  tensor copies, as soon as the three warpgroups have released the slot.
+
+So the chain is three products (X, δ, the update) and the output's two products run beside it,
+as does the next chunk's copy. The arithmetic and roundings are state_out_kernel's ``FROM_INV`` +
+``PRE_P`` form: S and Y rounded to the input dtype as MMA operands, δ rounded once, then scaled and
+rounded again for the update.
+
+Gluon does not run under Triton's interpreter: the GPU tests check it (tests/gpu/test_fused_fwd.py);
+the CPU tests compile it for sm_90 (tools/gluon_budget.py).
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from ...triton.common import BT as CHUNK
+from ...triton.common import make_segments
+from ...triton.launch import launch
+from ...tuning import DELTA, INTERPRET
+from .fused_bwd import _rows, _tiles, acc_layout
+from .split import fill_empty, split_len, warm_plan, warm_split
+
+BT = gl.constexpr(CHUNK)
+WG = gl.constexpr(4)  # warps of a warpgroup: each role but the copies'
+
+
+@gluon.jit
+def _bounds(cu, i_n, i_hv, HV, plan, WARM: gl.constexpr):
+    """(first row, end, warm-up chunks, chunks in all) of program (i_n, i_hv): the warm-up chunks
+    (``WARM``: plan [NS, HV], whole chunks before the segment) come first, then the segment's own.
+    Every row of a warm-up chunk lies before the segment's start, so masking rows by the end holds
+    for both."""
+    bos = gl.load(cu + i_n)
+    eos = gl.load(cu + i_n + 1)
+    nw = 0
+    if WARM:
+        nw = gl.load(plan + i_n * HV + i_hv)
+    return bos - nw * BT, eos, nw, nw + (eos - bos + BT - 1) // BT
+
+
+@gluon.jit
+def _copies(q_t, k_t, v_t, a_t, p_t, ring_q, ring_k, ring_v, ring_a, ring_p, ready, empty, cu, plan, i_n, i_h, i_hv,
+            HV, K: gl.constexpr, V: gl.constexpr, WARM: gl.constexpr):
+    """The copy warp: chunk c's tiles into slot c % NS once the slot's three readers released it."""
+    NS: gl.constexpr = ring_q.shape[0]
+    nbytes: gl.constexpr = (2 * BT * K + BT * V + 2 * BT * BT) * 2
+    bos, eos, nw, nc = _bounds(cu, i_n, i_hv, HV, plan, WARM)
+    for c in range(nc):
+        s = c % NS
+        mbarrier.wait(empty.index(s), ((c // NS) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+        bar = ready.index(s)
+        t0 = bos + c * BT
+        mbarrier.expect(bar, nbytes)
+        tma.async_copy_global_to_shared(q_t, [t0, i_h * K], bar, ring_q.index(s))
+        tma.async_copy_global_to_shared(k_t, [t0, i_h * K], bar, ring_k.index(s))
+        tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], bar, ring_v.index(s))
+        tma.async_copy_global_to_shared(a_t, [t0, i_hv * BT], bar, ring_a.index(s))
+        tma.async_copy_global_to_shared(p_t, [t0, i_hv * BT], bar, ring_p.index(s))
+
+
+@gluon.jit
+def _state(ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_empty, G, h0, ht, cu, plan, seg_seq,
+           seq_cu, i_n, i_hv, HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr, USE_INIT: gl.constexpr,
+           STORE_FINAL: gl.constexpr, WARM: gl.constexpr):
+    """The state warpgroup: S [K, V] in fp32 registers, published in 16 bits per chunk, updated by
+    Kᵀ δ̃ onto Γ_C S. ``WARM``: program i_n is a segment of sequence seg_seq[i_n] (tokens bounded
+    by seq_cu); it starts from h0 only where its warm-up reaches the sequence's start and stores
+    the final state only if it ends the sequence."""
+    NS: gl.constexpr = ring_k.shape[0]
+    l_s: gl.constexpr = acc_layout(V, WG)
+    bos, eos, nw, nc = _bounds(cu, i_n, i_hv, HV, plan, WARM)
+    i_seq = i_n
+    at_start = True
+    at_end = True
+    if WARM:
+        i_seq = gl.load(seg_seq + i_n)
+        at_start = bos == gl.load(seq_cu + i_seq)
+        at_end = eos == gl.load(seq_cu + i_seq + 1)
+    o_k = gl.arange(0, K, layout=gl.SliceLayout(1, l_s))
+    o_v = gl.arange(0, V, layout=gl.SliceLayout(0, l_s))
+    p_s = (i_seq * HV + i_hv).to(gl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    if USE_INIT:
+        b_s = gl.load(h0 + p_s, mask=(o_k < K)[:, None] & at_start, other=0.0)
+    else:
+        b_s = gl.zeros([K, V], gl.float32, l_s)
+    for c in range(nc):
+        s = c % NS
+        par = c & 1
+        mbarrier.wait(s_empty, par ^ 1)  # both readers are done with the previous chunk's S
+        s_buf.store(b_s.to(DT))
+        fence_async_shared()
+        mbarrier.arrive(s_ready, count=1)
+        last = gl.minimum(eos, bos + (c + 1) * BT) - 1
+        b_gc = gl.exp(gl.load(G + last * HV + i_hv))
+        mbarrier.wait(ready.index(s), (c // NS) & 1)
+        mbarrier.wait(d_ready, par)
+        b_s = warpgroup_mma(ring_k.index(s).permute((1, 0)), dt_buf, b_s * b_gc, is_async=True)
+        b_s = warpgroup_mma_wait(0, deps=[b_s])
+        mbarrier.arrive(d_empty, count=1)
+        mbarrier.arrive(empty.index(s), count=1)
+    if STORE_FINAL:
+        gl.store(ht + p_s, b_s, mask=(o_k < K)[:, None] & at_end)
+
+
+@gluon.jit
+def _delta(ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf, d_buf, dt_buf, d_ready, d_empty, G,
+           beta, cu, plan, i_n, i_hv, HV, V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr):
+    """The δ warpgroup: X = K S, Y = diag(β)(V − diag(Γ) X), δ = T⁻¹ Y (zero on rows past the
+    sequence), δ̃ = diag(Γ_C / Γ) δ."""
+    NS: gl.constexpr = ring_k.shape[0]
+    l_v: gl.constexpr = acc_layout(V, WG)
+    r_v: gl.constexpr = gl.SliceLayout(1, l_v)
+    bos, eos, nw, nc = _bounds(cu, i_n, i_hv, HV, plan, WARM)
+    o_t = gl.arange(0, BT, layout=r_v)
+    zero = gl.zeros([BT, V], gl.float32, l_v)
+    for c in range(nc):
+        s = c % NS
+        par = c & 1
+        t0 = bos + c * BT
+        rt = t0 + o_t
+        m = rt < eos
+        last = gl.minimum(eos, t0 + BT) - 1
+        g_t = gl.load(G + rt * HV + i_hv, mask=m, other=0.0)
+        b_b = gl.load(beta + rt * HV + i_hv, mask=m, other=0.0)
+        g_last = gl.load(G + last * HV + i_hv)
+        mbarrier.wait(ready.index(s), (c // NS) & 1)
+        mbarrier.wait(s_ready, par)
+        b_x = warpgroup_mma(ring_k.index(s), s_buf, zero, use_acc=False, is_async=True)
+        b_x = warpgroup_mma_wait(0, deps=[b_x])
+        mbarrier.arrive(s_empty, count=1)
+        b_v = ring_v.index(s).load(l_v).to(gl.float32)
+        y_buf.store(((b_v - b_x * gl.exp(g_t)[:, None]) * b_b[:, None]).to(DT))
+        fence_async_shared()
+        b_d = warpgroup_mma(ring_a.index(s), y_buf, zero, use_acc=False, is_async=True)
+        b_d = warpgroup_mma_wait(0, deps=[b_d])
+        mbarrier.arrive(empty.index(s), count=1)
+        b_d = gl.where(m[:, None], b_d, 0.0).to(DT)
+        b_w = gl.where(m, gl.exp(g_last - g_t), 0.0)
+        mbarrier.wait(d_empty, par ^ 1)  # the previous δ and δ̃ are consumed
+        d_buf.store(b_d)
+        dt_buf.store((b_d.to(gl.float32) * b_w[:, None]).to(DT))
+        fence_async_shared()
+        mbarrier.arrive(d_ready, count=1)
+
+
+@gluon.jit
+def _output(ring_q, ring_p, ready, empty, s_buf, s_ready, s_empty, d_buf, d_ready, d_empty, G, o, cu, plan, i_n,
+            i_hv, HV, scale, V: gl.constexpr, WARM: gl.constexpr):
+    """The output warpgroup: O = scale · (diag(Γ) Q S + P δ), stored on the sequence's rows. On a
+    warm-up chunk it only passes the handshakes (its arrivals count on every barrier)."""
+    NS: gl.constexpr = ring_q.shape[0]
+    l_v: gl.constexpr = acc_layout(V, WG)
+    r_v: gl.constexpr = gl.SliceLayout(1, l_v)
+    st: gl.constexpr = _rows(V, WG)
+    bos, eos, nw, nc = _bounds(cu, i_n, i_hv, HV, plan, WARM)
+    o_t = gl.arange(0, BT, layout=r_v)
+    o_to = gl.arange(0, BT, layout=gl.SliceLayout(1, st))
+    o_vo = gl.arange(0, V, layout=gl.SliceLayout(0, st))
+    zero = gl.zeros([BT, V], gl.float32, l_v)
+    for c in range(nc):
+        s = c % NS
+        par = c & 1
+        mbarrier.wait(ready.index(s), (c // NS) & 1)
+        mbarrier.wait(s_ready, par)
+        if c < nw:
+            mbarrier.arrive(s_empty, count=1)
+            mbarrier.wait(d_ready, par)
+            mbarrier.arrive(d_empty, count=1)
+            mbarrier.arrive(empty.index(s), count=1)
+        else:
+            t0 = bos + c * BT
+            rt = t0 + o_t
+            g_t = gl.load(G + rt * HV + i_hv, mask=rt < eos, other=0.0)
+            b_o = warpgroup_mma(ring_q.index(s), s_buf, zero, use_acc=False, is_async=True)
+            b_o = warpgroup_mma_wait(0, deps=[b_o])
+            mbarrier.arrive(s_empty, count=1)
+            mbarrier.wait(d_ready, par)
+            b_o = warpgroup_mma(ring_p.index(s), d_buf, b_o * gl.exp(g_t)[:, None], is_async=True)
+            b_o = warpgroup_mma_wait(0, deps=[b_o])
+            mbarrier.arrive(d_empty, count=1)
+            mbarrier.arrive(empty.index(s), count=1)
+            ro = t0 + o_to
+            p_o = (ro.to(gl.int64)[:, None] * HV + i_hv) * V + o_vo[None, :]
+            gl.store(o + p_o, gl.convert_layout((b_o * scale).to(o.dtype.element_ty), st), mask=(ro < eos)[:, None])
+
+
+@gluon.jit
+def fused_fwd_kernel(q_t, k_t, v_t, a_t, p_t, G, beta, h0, o, ht, cu, plan, seg_seq, seq_cu, scale, H, HV,
+                     K: gl.constexpr, V: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr, USE_INIT: gl.constexpr,
+                     STORE_FINAL: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr, R_DELTA: gl.constexpr,
+                     R_OUT: gl.constexpr):
+    """One program per (sequence, value head) i_nh, walking the sequence's chunks. Descriptors: q_t,
+    k_t of [T, H · K] in [64, K] blocks; v_t of [T, HV · V] in [64, V] blocks; a_t (T⁻¹ rows,
+    kkt_solve's Ai) and p_t (the pair matrix Q Kᵀ ⊙ D, kkt_solve's) of [T, HV · 64] in [64, 64]
+    blocks. G [T, HV] the in-chunk cumulative log decay γ; beta [T, HV] fp32; h0, ht [N, HV, K, V]
+    fp32; o [T, HV, V]. ``WARM``: the programs are warm-started segments (cu their bounds, seg_seq
+    their sequences, seq_cu the sequences' bounds, plan [NS, HV] their warm-up chunks:
+    split.warm_plan), as state_out_kernel's ``WARM`` form. R_*: the registers a thread of the copy, δ and output partitions holds (the
+    state's partition takes the rest of the launch's ``maxnreg`` budget).
+
+    A chunk's block may reach into the next sequence's rows (or past T, where the copies give
+    zeros): β reads 0 there, so Y's rows are 0 and T⁻¹ (lower triangular) keeps the valid rows of δ
+    clean; δ is zeroed on those rows before P δ and the state update, and their o rows are not
+    stored."""
+    i_nh = gl.program_id(0)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    ring_q = gl.allocate_shared_memory(DT, [NS, BT, K], q_t.layout)
+    ring_k = gl.allocate_shared_memory(DT, [NS, BT, K], k_t.layout)
+    ring_v = gl.allocate_shared_memory(DT, [NS, BT, V], v_t.layout)
+    ring_a = gl.allocate_shared_memory(DT, [NS, BT, BT], a_t.layout)
+    ring_p = gl.allocate_shared_memory(DT, [NS, BT, BT], p_t.layout)
+    s_buf = gl.allocate_shared_memory(DT, [K, V], gl.NVMMASharedLayout.get_default_for([K, V], DT))
+    rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, V], DT)
+    y_buf = gl.allocate_shared_memory(DT, [BT, V], rows)
+    d_buf = gl.allocate_shared_memory(DT, [BT, V], rows)
+    dt_buf = gl.allocate_shared_memory(DT, [BT, V], rows)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    hand = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=3)  # the state, δ and output warpgroups
+    mbarrier.init(hand.index(0), count=1)  # S written
+    mbarrier.init(hand.index(1), count=2)  # S read by the δ and output warpgroups
+    mbarrier.init(hand.index(2), count=1)  # δ, δ̃ written
+    mbarrier.init(hand.index(3), count=2)  # δ read by the output, δ̃ by the state warpgroup
+    fence_async_shared()
+    s_ready, s_empty, d_ready, d_empty = hand.index(0), hand.index(1), hand.index(2), hand.index(3)
+    gl.warp_specialize([
+        (_state, (ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_empty, G, h0, ht, cu, plan,
+                  seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, USE_INIT, STORE_FINAL, WARM)),
+        (_copies, (q_t, k_t, v_t, a_t, p_t, ring_q, ring_k, ring_v, ring_a, ring_p, ready, empty, cu, plan, i_n, i_h,
+                   i_hv, HV, K, V, WARM)),
+        (_delta, (ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf, d_buf, dt_buf, d_ready,
+                  d_empty, G, beta, cu, plan, i_n, i_hv, HV, V, DT, WARM)),
+        (_output, (ring_q, ring_p, ready, empty, s_buf, s_ready, s_empty, d_buf, d_ready, d_empty, G, o, cu, plan,
+                   i_n, i_hv, HV, scale, V, WARM)),
+    ], [1, WG, WG], [R_COPY, R_DELTA, R_OUT])
+
+
+def usable(q, g, beta, K: int, V: int) -> bool:
+    """Whether this pass takes the forward (``DELTA["fused_fwd"]["on"]``): gated delta member, 16-bit
+    inputs on a CUDA device of compute capability 9, K and V of 64 or 128."""
+    return (bool(DELTA["fused_fwd"]["on"]) and g is not None and beta is not None and q.is_cuda
+            and not INTERPRET and q.dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(q.device)[0] == 9 and K in (64, 128) and V in (64, 128))
+
+
+def forward(q, k, v, G, beta, Ai, pairs, h0, o, ht, ch, scale: float):
+    """Run the pass: fills o [T, HV, V] and, when ``ht`` is given, the final state. q, k [T, H, K];
+    v [T, HV, V] (16-bit); G, beta [T, HV] fp32; Ai, pairs [T, HV, 64] from kkt_solve; h0
+    [N, HV, K, V] fp32 or None. Where the (sequence, value head) programs would leave
+    multiprocessors idle, the sequences run as warm-started segments (split.split_len at one
+    program a multiprocessor: this program's shared memory takes the whole of one)."""
+    T, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    c = DELTA["fused_fwd"]
+    L = split_len(ch, HV, 1, v.device, per_sm=1) if warm_split(G) else 0
+    programs, cu, plan, seg_seq = ch.N, ch.cu, ch.cu, ch.cu
+    if L:
+        sg = make_segments(ch, L, v.device)
+        programs, cu, seg_seq = sg.NS, sg.cu, sg.seq
+        plan = warm_plan(k, beta, G, sg, ch, HV)
+    DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
+    q_t, k_t = (_tiles(x, T, (CHUNK, K), DT) for x in (q, k))
+    v_t = _tiles(v, T, (CHUNK, V), DT)
+    a_t, p_t = (_tiles(x, T, (CHUNK, CHUNK), DT) for x in (Ai, pairs))
+    launch(fused_fwd_kernel, (programs * HV,), q_t, k_t, v_t, a_t, p_t, G, beta, h0 if h0 is not None else G, o,
+           ht if ht is not None else G, cu, plan, seg_seq, ch.cu, scale, H, HV, K=K, V=V, NS=c["NS"], DT=DT,
+           USE_INIT=h0 is not None, STORE_FINAL=ht is not None, WARM=bool(L), R_COPY=c["regs"][0],
+           R_DELTA=c["regs"][1], R_OUT=c["regs"][2], maxnreg=c["maxnreg"], name="fused_fwd")
+    if L:
+        fill_empty(ht, h0, ch)
