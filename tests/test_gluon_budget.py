@@ -60,6 +60,8 @@ sys.path.insert(0, {root!r})
 from tools import gluon_budget as G
 print(json.dumps([G.forward_resources(K, V, warm=w) for K, V, w in ((128, 128, False), (128, 128, True),
                                                                     (64, 64, True))]
+                 + [G.forward_resources(K, V, warm=w, states=True) for K, V, w in ((128, 128, False),
+                                                                                   (128, 128, True))]
                  + [G.forward_resources(128, 128, regs=(24, 120, 120))]))
 """
 
@@ -67,7 +69,8 @@ print(json.dumps([G.forward_resources(K, V, warm=w) for K, V, w in ((128, 128, F
 def test_warp_specialised_forward_compiles_without_spills():
     """gdn.ops.delta.triton.fused_fwd at its launch setting (the state, δ and output warpgroups and
     the copy warp; a ring of two), bf16: compiles for sm_90 without spilling at K = V = 128 (whole
-    sequences and warm-started segments) and at K = V = 64, within the card's shared memory; the
+    sequences and warm-started segments) and at K = V = 64, and as the backward's state pass, within
+    the card's shared memory; the
     shared memory is the ring's tiles plus S, Y, δ and δ̃ (and the compiler's scratch for the
     output's layout conversion, under 16 KB); and the registers the
     setting gives the δ and output warpgroups are what they need: at 120 a thread they spill."""
@@ -75,8 +78,12 @@ def test_warp_specialised_forward_compiles_without_spills():
 
     *fits, tight = _run(FORWARD)
     NS = DELTA["fused_fwd"]["NS"]
-    for (K, V), r in zip(((128, 128), (128, 128), (64, 64)), fits):
+    for (K, V), r in zip(((128, 128), (128, 128), (64, 64)), fits[:3]):
         assert r["spill"] == 0 and r["shared"] <= 227 * 1024, r
         tiles = NS * (2 * 64 * K + 64 * V + 2 * 64 * 64) * 2 + (K * V + 3 * 64 * V) * 2
         assert tiles <= r["shared"] <= tiles + 16 * 1024, (r, tiles)
+    # the backward's state pass (fused_states): no q or P tiles, no output warpgroup
+    for r in fits[3:]:
+        tiles = DELTA["fused_states"]["NS"] * (2 * 64 * 128 + 64 * 64) * 2 + (128 * 128 + 3 * 64 * 128) * 2
+        assert r["spill"] == 0 and tiles <= r["shared"] <= tiles + 16 * 1024, (r, tiles)
     assert tight["spill"] > 0, tight

@@ -125,27 +125,30 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = N
 
 
 def forward_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg: int | None = None,
-                      warm: bool = False) -> dict:
+                      warm: bool = False, states: bool = False) -> dict:
     """{"regs", "spill", "shared"} of the warp-specialised forward pass
     (:func:`gdn.ops.delta.triton.fused_fwd.fused_fwd_kernel`, bf16, initial and final state)
     compiled for sm_90 at the launch setting (or the given ring slots, partition registers and
-    maxnreg; ``warm``: the warm-started segments' form)."""
+    maxnreg; ``warm``: the warm-started segments' form; ``states``: the backward's state pass, no
+    output warpgroup, h and δ stored)."""
     from gdn.ops.delta.triton import fused_bwd as B  # noqa: PLC0415
     from gdn.ops.delta.triton import fused_fwd as F  # noqa: PLC0415
     from gdn.ops.tuning import DELTA  # noqa: PLC0415
 
-    c = DELTA["fused_fwd"]
+    c = DELTA["fused_states" if states else "fused_fwd"]
     NS = c["NS"] if NS is None else NS
-    regs = c["regs"] if regs is None else regs
+    regs = tuple(c["regs"] if regs is None else regs) + (0,)
     names = F.fused_fwd_kernel.arg_names
 
     def desc(cols):
         return f"tensordesc<bf16[64, {cols}],{B._tile_layout((64, cols), gl.bfloat16)!r}>"
 
-    sig = dict(q_t=desc(K), k_t=desc(K), v_t=desc(V), a_t=desc(64), p_t=desc(64), G="*fp32", beta="*fp32",
-               h0="*fp32", o="*bf16", ht="*fp32", cu="*i32", plan="*i32", seg_seq="*i32", seq_cu="*i32", scale="fp32",
-               H="i32", HV="i32")
-    const = dict(K=K, V=V, NS=NS, DT=gl.bfloat16, USE_INIT=True, STORE_FINAL=True, WARM=warm, R_COPY=regs[0],
+    hdesc = f"tensordesc<bf16[{K}, {V}],{B._tile_layout((K, V), gl.bfloat16)!r}>"
+    sig = dict(q_t=desc(K), k_t=desc(K), v_t=desc(V), a_t=desc(64), p_t=desc(64), h_t=hdesc, G="*fp32",
+               beta="*fp32", h0="*fp32", o="*bf16", VN="*bf16", ht="*fp32", cu="*i32", off="*i32", plan="*i32",
+               seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
+    const = dict(K=K, V=V, NS=NS, DT=gl.bfloat16, USE_INIT=True, STORE_FINAL=True, WARM=warm, OUT=not states,
+                 STORE_H=states, R_COPY=regs[0],
                  R_DELTA=regs[1], R_OUT=regs[2])
     sig.update({n: "constexpr" for n in const})
     at = {n: i for i, n in enumerate(names)}

@@ -111,6 +111,10 @@ DELTA = {
     # 205 + 20 (warm_plan) against 350; 1 × 32768 205 + 24 against 366; HV = 32 at 1 × 8192
     # 110 + 20 against 192; Qwen3.5-397B 760 + 23 against 1353 (docs/TRITON.md).
     "fused_fwd": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 128, 128), maxnreg=128, on=True),
+    # The same kernel as the backward's recomputed state pass (no output warpgroup; S copied out to
+    # h and δ stored as the chain forms them): regs of the copy and δ partitions (the state's gets
+    # 3 · 136 − 24 − 160 = 224; at 152 for δ it spills).
+    "fused_states": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 160), maxnreg=136, on=True),
     "cumsum": dict(num_warps=1, stages=(1,)),
     "warm_plan": dict(num_warps=4, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in

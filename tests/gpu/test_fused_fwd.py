@@ -1,8 +1,9 @@
-"""The warp-specialised forward pass of the gated delta rule (``DELTA["fused_fwd"]``,
-gdn.ops.delta.triton.fused_fwd) on the GPU, forced on: the cases of test_chunk.py it takes (K and V
-of 64 or 128 after padding), bf16 and fp16, against the float64 reference at tier 3 (forward and
-backward: the backward recomputes its states itself); and the launches show it replaced
-state_out. Gluon has no interpreter, so this is its only check of results."""
+"""The warp-specialised sequential pass of the gated delta rule (gdn.ops.delta.triton.fused_fwd),
+as the forward (``DELTA["fused_fwd"]``) and as the backward's recomputed state pass
+(``DELTA["fused_states"]``), on the GPU: the cases of test_chunk.py it takes (K and V of 64 or 128
+after padding), bf16 and fp16, against the float64 reference at tier 3 (forward and backward);
+and the launches show it replaced state_out or state_fwd. Gluon has no interpreter, so this is
+its only check of results."""
 from __future__ import annotations
 
 import pytest
@@ -23,19 +24,24 @@ def _width(n: int) -> int:
 CASES = [c for c in AWKWARD if _width(c[5]) in (64, 128) and _width(c[6]) in (64, 128)] + [BENCH[0], BENCH[3]]
 
 
+@pytest.mark.parametrize("which", ("fused_fwd", "fused_states"))
 @pytest.mark.parametrize("split", (0, 2), ids=("whole", "segments-of-2"))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in CASES])
-def test_fused_forward(case, dtype, split, monkeypatch):
-    """Whole sequences (no split), or warm-started segments of two chunks (each program first walks
-    back through its warm-up chunks: split.warm_plan)."""
+def test_fused_forward(case, dtype, split, which, monkeypatch):
+    """The pass as the forward (``fused_fwd``: the output warpgroup, o) or as the backward's
+    recomputed state pass (``fused_states``: h and δ stored), the other use off; whole sequences
+    (no split), or warm-started segments of two chunks (each program first walks back through its
+    warm-up chunks: split.warm_plan)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warpgroup MMAs: compute capability 9")
-    monkeypatch.setitem(tuning.DELTA, "fused_fwd", dict(tuning.DELTA["fused_fwd"], on=True))
+    for name in ("fused_fwd", "fused_states"):
+        monkeypatch.setitem(tuning.DELTA, name, dict(tuning.DELTA[name], on=name == which))
     monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], warm=bool(split), L=split))
     seen = launched(monkeypatch, fused_fwd, chunk_fwd, split_mod)
     errs, bounds = check_once(case, "gated_delta_rule", 3300 + CASES.index(case), dtype)
-    assert "fused_fwd_kernel" in seen and "state_out_kernel" not in seen, seen
+    replaced = "state_out_kernel" if which == "fused_fwd" else "state_fwd_kernel"
+    assert "fused_fwd_kernel" in seen and replaced not in seen, seen
     if split and max(case[7] or [case[2]]) > 2 * 64:  # a sequence of more than two chunks: segments
         assert "warm_plan_kernel" in seen, seen
     assert_within(errs, bounds, f"warp-specialised forward pass at {case[0]}, {dtype_id(dtype)}, split {split}")

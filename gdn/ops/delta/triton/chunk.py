@@ -98,7 +98,8 @@ class ChunkFunction(torch.autograd.Function):
             inv = tuple(DELTA[n].get("from_inverse", False) for n in ("state_out", "state_fwd", "state_bwd"))
             split = tuple(sorted(DELTA["split"].items()))
             precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt, vdt, lay,
-                        inv, split, bool(DELTA["fused_bwd"]["on"]), bool(DELTA["fused_fwd"]["on"])), dry_run)
+                        inv, split, tuple(bool(DELTA[n]["on"]) for n in ("fused_bwd", "fused_fwd", "fused_states"))),
+                       dry_run)
         # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
         # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
         o, ht, Ai, G = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])

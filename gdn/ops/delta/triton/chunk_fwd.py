@@ -459,13 +459,14 @@ def _fused_fwd():
     return fused_fwd
 
 
-def warp_specialised(q, g, beta, K: int, V: int) -> bool:
-    """Whether the forward's pass is the warp-specialised one (delta.triton.fused_fwd): on, δ from
-    the inverse, and the call is one it takes."""
-    if not (DELTA["fused_fwd"]["on"] and DELTA["state_out"].get("from_inverse", False)):
+def warp_specialised(q, g, beta, K: int, V: int, name: str = "fused_fwd") -> bool:
+    """Whether a sequential pass is the warp-specialised one (delta.triton.fused_fwd; ``fused_fwd``
+    the forward's, δ from the inverse; ``fused_states`` the backward's recomputed state pass): on,
+    and the call is one it takes."""
+    if not (DELTA[name]["on"] and (name != "fused_fwd" or DELTA["state_out"].get("from_inverse", False))):
         return False
     ws = _fused_fwd()
-    return ws is not None and ws.usable(q, g, beta, K, V)
+    return ws is not None and ws.usable(q, g, beta, K, V, name)
 
 
 def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, out_dtype):
@@ -558,6 +559,9 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
                   WHILE=INTERPRET, FROM_INV=from_inv, seg_seq=ch.cu, seq_cu=ch.cu, name="state_fwd")
     # the state passes read γ (the in-chunk cumulative decay), computed once per forward + backward
     G = gamma_of(g, ch, gamma)
+    if from_inv and warp_specialised(k, g, beta, K, V, "fused_states"):
+        _fused_fwd().states(k, v, G, beta, Ai, h0, h, VN, ht, ch)
+        return h, VN, ht, Ai, W, G
     gp = G if G is not None else dummy
     Wp, Up = (W, U) if delta and not from_inv else (dummy, dummy)
     Ap, bp = (Ai, beta) if from_inv else (dummy, dummy)

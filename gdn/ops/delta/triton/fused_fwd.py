@@ -65,10 +65,14 @@ def _bounds(cu, i_n, i_hv, HV, plan, WARM: gl.constexpr):
 
 @gluon.jit
 def _copies(q_t, k_t, v_t, a_t, p_t, ring_q, ring_k, ring_v, ring_a, ring_p, ready, empty, cu, plan, i_n, i_h, i_hv,
-            HV, K: gl.constexpr, V: gl.constexpr, WARM: gl.constexpr):
-    """The copy warp: chunk c's tiles into slot c % NS once the slot's three readers released it."""
-    NS: gl.constexpr = ring_q.shape[0]
-    nbytes: gl.constexpr = (2 * BT * K + BT * V + 2 * BT * BT) * 2
+            HV, K: gl.constexpr, V: gl.constexpr, WARM: gl.constexpr, OUT: gl.constexpr):
+    """The copy warp: chunk c's tiles into slot c % NS once the slot's readers released it (q and P
+    only with the output)."""
+    NS: gl.constexpr = ring_k.shape[0]
+    if OUT:
+        nbytes: gl.constexpr = (2 * BT * K + BT * V + 2 * BT * BT) * 2
+    else:
+        nbytes: gl.constexpr = (BT * K + BT * V + BT * BT) * 2
     bos, eos, nw, nc = _bounds(cu, i_n, i_hv, HV, plan, WARM)
     for c in range(nc):
         s = c % NS
@@ -76,21 +80,24 @@ def _copies(q_t, k_t, v_t, a_t, p_t, ring_q, ring_k, ring_v, ring_a, ring_p, rea
         bar = ready.index(s)
         t0 = bos + c * BT
         mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(q_t, [t0, i_h * K], bar, ring_q.index(s))
         tma.async_copy_global_to_shared(k_t, [t0, i_h * K], bar, ring_k.index(s))
         tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], bar, ring_v.index(s))
         tma.async_copy_global_to_shared(a_t, [t0, i_hv * BT], bar, ring_a.index(s))
-        tma.async_copy_global_to_shared(p_t, [t0, i_hv * BT], bar, ring_p.index(s))
+        if OUT:
+            tma.async_copy_global_to_shared(q_t, [t0, i_h * K], bar, ring_q.index(s))
+            tma.async_copy_global_to_shared(p_t, [t0, i_hv * BT], bar, ring_p.index(s))
 
 
 @gluon.jit
-def _state(ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_empty, G, h0, ht, cu, plan, seg_seq,
-           seq_cu, i_n, i_hv, HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr, USE_INIT: gl.constexpr,
-           STORE_FINAL: gl.constexpr, WARM: gl.constexpr):
+def _state(ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_empty, G, h0, ht, h_t, off, cu, plan,
+           seg_seq, seq_cu, i_n, i_hv, HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
+           USE_INIT: gl.constexpr, STORE_FINAL: gl.constexpr, WARM: gl.constexpr, STORE_H: gl.constexpr):
     """The state warpgroup: S [K, V] in fp32 registers, published in 16 bits per chunk, updated by
     Kᵀ δ̃ onto Γ_C S. ``WARM``: program i_n is a segment of sequence seg_seq[i_n] (tokens bounded
     by seq_cu); it starts from h0 only where its warm-up reaches the sequence's start and stores
-    the final state only if it ends the sequence."""
+    the final state only if it ends the sequence. ``STORE_H``: the 16-bit S entering each of the
+    program's own chunks is also copied out to h (descriptor h_t of [chunks · HV · K, V], the
+    chunk's global index off[i_n] + its index in the program's own chunks)."""
     NS: gl.constexpr = ring_k.shape[0]
     l_s: gl.constexpr = acc_layout(V, WG)
     bos, eos, nw, nc = _bounds(cu, i_n, i_hv, HV, plan, WARM)
@@ -111,10 +118,15 @@ def _state(ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_emp
     for c in range(nc):
         s = c % NS
         par = c & 1
-        mbarrier.wait(s_empty, par ^ 1)  # both readers are done with the previous chunk's S
+        mbarrier.wait(s_empty, par ^ 1)  # the readers are done with the previous chunk's S
+        if STORE_H:
+            tma.store_wait(0)  # and so is the copy of it out to h
         s_buf.store(b_s.to(DT))
         fence_async_shared()
         mbarrier.arrive(s_ready, count=1)
+        if STORE_H:
+            if c >= nw:
+                tma.async_copy_shared_to_global(h_t, [((gl.load(off + i_n) + c - nw) * HV + i_hv) * K, 0], s_buf)
         last = gl.minimum(eos, bos + (c + 1) * BT) - 1
         b_gc = gl.exp(gl.load(G + last * HV + i_hv))
         mbarrier.wait(ready.index(s), (c // NS) & 1)
@@ -125,18 +137,25 @@ def _state(ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_emp
         mbarrier.arrive(empty.index(s), count=1)
     if STORE_FINAL:
         gl.store(ht + p_s, b_s, mask=(o_k < K)[:, None] & at_end)
+    if STORE_H:
+        tma.store_wait(0)
 
 
 @gluon.jit
 def _delta(ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf, d_buf, dt_buf, d_ready, d_empty, G,
-           beta, cu, plan, i_n, i_hv, HV, V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr):
+           beta, VN, cu, plan, i_n, i_hv, HV, V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr,
+           STORE_H: gl.constexpr):
     """The δ warpgroup: X = K S, Y = diag(β)(V − diag(Γ) X), δ = T⁻¹ Y (zero on rows past the
-    sequence), δ̃ = diag(Γ_C / Γ) δ."""
+    sequence), δ̃ = diag(Γ_C / Γ) δ. ``STORE_H``: δ of the program's own chunks also goes to VN
+    [T, HV, V] (on the sequence's rows)."""
     NS: gl.constexpr = ring_k.shape[0]
     l_v: gl.constexpr = acc_layout(V, WG)
     r_v: gl.constexpr = gl.SliceLayout(1, l_v)
+    st: gl.constexpr = _rows(V, WG)
     bos, eos, nw, nc = _bounds(cu, i_n, i_hv, HV, plan, WARM)
     o_t = gl.arange(0, BT, layout=r_v)
+    o_to = gl.arange(0, BT, layout=gl.SliceLayout(1, st))
+    o_vo = gl.arange(0, V, layout=gl.SliceLayout(0, st))
     zero = gl.zeros([BT, V], gl.float32, l_v)
     for c in range(nc):
         s = c % NS
@@ -161,6 +180,11 @@ def _delta(ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf,
         mbarrier.arrive(empty.index(s), count=1)
         b_d = gl.where(m[:, None], b_d, 0.0).to(DT)
         b_w = gl.where(m, gl.exp(g_last - g_t), 0.0)
+        if STORE_H:
+            if c >= nw:
+                ro = t0 + o_to
+                p_d = (ro.to(gl.int64)[:, None] * HV + i_hv) * V + o_vo[None, :]
+                gl.store(VN + p_d, gl.convert_layout(b_d, st), mask=(ro < eos)[:, None])
         mbarrier.wait(d_empty, par ^ 1)  # the previous δ and δ̃ are consumed
         d_buf.store(b_d)
         dt_buf.store((b_d.to(gl.float32) * b_w[:, None]).to(DT))
@@ -210,17 +234,20 @@ def _output(ring_q, ring_p, ready, empty, s_buf, s_ready, s_empty, d_buf, d_read
 
 
 @gluon.jit
-def fused_fwd_kernel(q_t, k_t, v_t, a_t, p_t, G, beta, h0, o, ht, cu, plan, seg_seq, seq_cu, scale, H, HV,
-                     K: gl.constexpr, V: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr, USE_INIT: gl.constexpr,
-                     STORE_FINAL: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr, R_DELTA: gl.constexpr,
-                     R_OUT: gl.constexpr):
+def fused_fwd_kernel(q_t, k_t, v_t, a_t, p_t, h_t, G, beta, h0, o, VN, ht, cu, off, plan, seg_seq, seq_cu, scale, H,
+                     HV, K: gl.constexpr, V: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr, USE_INIT: gl.constexpr,
+                     STORE_FINAL: gl.constexpr, WARM: gl.constexpr, OUT: gl.constexpr, STORE_H: gl.constexpr,
+                     R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_OUT: gl.constexpr):
     """One program per (sequence, value head) i_nh, walking the sequence's chunks. Descriptors: q_t,
     k_t of [T, H · K] in [64, K] blocks; v_t of [T, HV · V] in [64, V] blocks; a_t (T⁻¹ rows,
     kkt_solve's Ai) and p_t (the pair matrix Q Kᵀ ⊙ D, kkt_solve's) of [T, HV · 64] in [64, 64]
     blocks. G [T, HV] the in-chunk cumulative log decay γ; beta [T, HV] fp32; h0, ht [N, HV, K, V]
     fp32; o [T, HV, V]. ``WARM``: the programs are warm-started segments (cu their bounds, seg_seq
     their sequences, seq_cu the sequences' bounds, plan [NS, HV] their warm-up chunks:
-    split.warm_plan), as state_out_kernel's ``WARM`` form. R_*: the registers a thread of the copy, δ and output partitions holds (the
+    split.warm_plan), as state_out_kernel's ``WARM`` form. ``OUT``: the output warpgroup runs (else
+    q and P are not copied and the program is the state pass alone). ``STORE_H``: the pass keeps
+    what the backward reads, as state_fwd_kernel does: h (descriptor h_t of the [chunks, HV, K, V]
+    states, the chunk's global index off[i_n] + c) and δ in VN [T, HV, V]. R_*: the registers a thread of the copy, δ and output partitions holds (the
     state's partition takes the rest of the launch's ``maxnreg`` budget).
 
     A chunk's block may reach into the next sequence's rows (or past T, where the copies give
@@ -231,11 +258,15 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, p_t, G, beta, h0, o, ht, cu, plan, seg_
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
-    ring_q = gl.allocate_shared_memory(DT, [NS, BT, K], q_t.layout)
     ring_k = gl.allocate_shared_memory(DT, [NS, BT, K], k_t.layout)
     ring_v = gl.allocate_shared_memory(DT, [NS, BT, V], v_t.layout)
     ring_a = gl.allocate_shared_memory(DT, [NS, BT, BT], a_t.layout)
-    ring_p = gl.allocate_shared_memory(DT, [NS, BT, BT], p_t.layout)
+    if OUT:
+        ring_q = gl.allocate_shared_memory(DT, [NS, BT, K], q_t.layout)
+        ring_p = gl.allocate_shared_memory(DT, [NS, BT, BT], p_t.layout)
+    else:  # not read
+        ring_q = ring_k
+        ring_p = ring_a
     s_buf = gl.allocate_shared_memory(DT, [K, V], gl.NVMMASharedLayout.get_default_for([K, V], DT))
     rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, V], DT)
     y_buf = gl.allocate_shared_memory(DT, [BT, V], rows)
@@ -244,57 +275,90 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, p_t, G, beta, h0, o, ht, cu, plan, seg_
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     hand = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    readers: gl.constexpr = 2 if OUT else 1  # of S (δ and output warpgroups) and of δ (state and output)
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=3)  # the state, δ and output warpgroups
+        mbarrier.init(empty.index(i), count=readers + 1)  # the state, δ (and output) warpgroups
     mbarrier.init(hand.index(0), count=1)  # S written
-    mbarrier.init(hand.index(1), count=2)  # S read by the δ and output warpgroups
+    mbarrier.init(hand.index(1), count=readers)  # S read
     mbarrier.init(hand.index(2), count=1)  # δ, δ̃ written
-    mbarrier.init(hand.index(3), count=2)  # δ read by the output, δ̃ by the state warpgroup
+    mbarrier.init(hand.index(3), count=readers)  # δ read
     fence_async_shared()
     s_ready, s_empty, d_ready, d_empty = hand.index(0), hand.index(1), hand.index(2), hand.index(3)
-    gl.warp_specialize([
-        (_state, (ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_empty, G, h0, ht, cu, plan,
-                  seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, USE_INIT, STORE_FINAL, WARM)),
-        (_copies, (q_t, k_t, v_t, a_t, p_t, ring_q, ring_k, ring_v, ring_a, ring_p, ready, empty, cu, plan, i_n, i_h,
-                   i_hv, HV, K, V, WARM)),
-        (_delta, (ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf, d_buf, dt_buf, d_ready,
-                  d_empty, G, beta, cu, plan, i_n, i_hv, HV, V, DT, WARM)),
-        (_output, (ring_q, ring_p, ready, empty, s_buf, s_ready, s_empty, d_buf, d_ready, d_empty, G, o, cu, plan,
-                   i_n, i_hv, HV, scale, V, WARM)),
-    ], [1, WG, WG], [R_COPY, R_DELTA, R_OUT])
+    # (the partitions' functions cannot be bound to names in a Gluon body: each call lists them)
+    if OUT:
+        gl.warp_specialize([
+            (_state, (ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_empty, G, h0, ht, h_t, off,
+                      cu, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, USE_INIT, STORE_FINAL, WARM, STORE_H)),
+            (_copies, (q_t, k_t, v_t, a_t, p_t, ring_q, ring_k, ring_v, ring_a, ring_p, ready, empty, cu, plan, i_n,
+                       i_h, i_hv, HV, K, V, WARM, OUT)),
+            (_delta, (ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf, d_buf, dt_buf, d_ready,
+                      d_empty, G, beta, VN, cu, plan, i_n, i_hv, HV, V, DT, WARM, STORE_H)),
+            (_output, (ring_q, ring_p, ready, empty, s_buf, s_ready, s_empty, d_buf, d_ready, d_empty, G, o, cu, plan,
+                       i_n, i_hv, HV, scale, V, WARM)),
+        ], [1, WG, WG], [R_COPY, R_DELTA, R_OUT])
+    else:
+        gl.warp_specialize([
+            (_state, (ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_empty, G, h0, ht, h_t, off,
+                      cu, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, USE_INIT, STORE_FINAL, WARM, STORE_H)),
+            (_copies, (q_t, k_t, v_t, a_t, p_t, ring_q, ring_k, ring_v, ring_a, ring_p, ready, empty, cu, plan, i_n,
+                       i_h, i_hv, HV, K, V, WARM, OUT)),
+            (_delta, (ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf, d_buf, dt_buf, d_ready,
+                      d_empty, G, beta, VN, cu, plan, i_n, i_hv, HV, V, DT, WARM, STORE_H)),
+        ], [1, WG], [R_COPY, R_DELTA])
 
 
-def usable(q, g, beta, K: int, V: int) -> bool:
-    """Whether this pass takes the forward (``DELTA["fused_fwd"]["on"]``): gated delta member, 16-bit
-    inputs on a CUDA device of compute capability 9, K and V of 64 or 128."""
-    return (bool(DELTA["fused_fwd"]["on"]) and g is not None and beta is not None and q.is_cuda
+def usable(q, g, beta, K: int, V: int, name: str = "fused_fwd") -> bool:
+    """Whether this pass takes the call (``DELTA[name]["on"]``: ``fused_fwd`` the forward,
+    ``fused_states`` the backward's recomputed state pass): gated delta member, 16-bit inputs on a
+    CUDA device of compute capability 9, K and V of 64 or 128."""
+    return (bool(DELTA[name]["on"]) and g is not None and beta is not None and q.is_cuda
             and not INTERPRET and q.dtype in (torch.bfloat16, torch.float16)
             and torch.cuda.get_device_capability(q.device)[0] == 9 and K in (64, 128) and V in (64, 128))
 
 
-def forward(q, k, v, G, beta, Ai, pairs, h0, o, ht, ch, scale: float):
-    """Run the pass: fills o [T, HV, V] and, when ``ht`` is given, the final state. q, k [T, H, K];
-    v [T, HV, V] (16-bit); G, beta [T, HV] fp32; Ai, pairs [T, HV, 64] from kkt_solve; h0
-    [N, HV, K, V] fp32 or None. Where the (sequence, value head) programs would leave
-    multiprocessors idle, the sequences run as warm-started segments (split.split_len at one
-    program a multiprocessor: this program's shared memory takes the whole of one)."""
+def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, pairs=None, o=None, scale=1.0, h=None, VN=None):
+    """Launch the pass: with ``o`` the forward (q, pairs and scale given; fills o), else the state
+    pass alone filling h [NT, HV, K, V] and VN [T, HV, V]; ht [N, HV, K, V] when given. Where the
+    (sequence, value head) programs would leave multiprocessors idle, the sequences run as
+    warm-started segments (split.split_len at one program a multiprocessor: this program's shared
+    memory takes the whole of one)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
-    c = DELTA["fused_fwd"]
+    out = o is not None
+    name = "fused_fwd" if out else "fused_states"
+    c = DELTA[name]
     L = split_len(ch, HV, 1, v.device, per_sm=1) if warm_split(G) else 0
-    programs, cu, plan, seg_seq = ch.N, ch.cu, ch.cu, ch.cu
+    programs, cu, off, plan, seg_seq = ch.N, ch.cu, ch.chunk_off, ch.cu, ch.cu
     if L:
         sg = make_segments(ch, L, v.device)
-        programs, cu, seg_seq = sg.NS, sg.cu, sg.seq
+        programs, cu, off, seg_seq = sg.NS, sg.cu, sg.off, sg.seq
         plan = warm_plan(k, beta, G, sg, ch, HV)
     DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
-    q_t, k_t = (_tiles(x, T, (CHUNK, K), DT) for x in (q, k))
+    k_t = _tiles(k, T, (CHUNK, K), DT)
     v_t = _tiles(v, T, (CHUNK, V), DT)
-    a_t, p_t = (_tiles(x, T, (CHUNK, CHUNK), DT) for x in (Ai, pairs))
-    launch(fused_fwd_kernel, (programs * HV,), q_t, k_t, v_t, a_t, p_t, G, beta, h0 if h0 is not None else G, o,
-           ht if ht is not None else G, cu, plan, seg_seq, ch.cu, scale, H, HV, K=K, V=V, NS=c["NS"], DT=DT,
-           USE_INIT=h0 is not None, STORE_FINAL=ht is not None, WARM=bool(L), R_COPY=c["regs"][0],
-           R_DELTA=c["regs"][1], R_OUT=c["regs"][2], maxnreg=c["maxnreg"], name="fused_fwd")
+    a_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
+    q_t, p_t = (_tiles(q, T, (CHUNK, K), DT), _tiles(pairs, T, (CHUNK, CHUNK), DT)) if out else (k_t, a_t)
+    h_t = _tiles(h, h.numel() // V, (K, V), DT) if h is not None else k_t
+    regs = tuple(c["regs"]) + (0,) * (3 - len(c["regs"]))
+    launch(fused_fwd_kernel, (programs * HV,), q_t, k_t, v_t, a_t, p_t, h_t, G, beta,
+           h0 if h0 is not None else G, o if out else G, VN if VN is not None else G, ht if ht is not None else G, cu,
+           off, plan, seg_seq, ch.cu, scale, H, HV, K=K, V=V, NS=c["NS"], DT=DT, USE_INIT=h0 is not None,
+           STORE_FINAL=ht is not None, WARM=bool(L), OUT=out, STORE_H=h is not None, R_COPY=regs[0],
+           R_DELTA=regs[1], R_OUT=regs[2], maxnreg=c["maxnreg"], name=name)
     if L:
         fill_empty(ht, h0, ch)
+
+
+def forward(q, k, v, G, beta, Ai, pairs, h0, o, ht, ch, scale: float):
+    """The forward: fills o [T, HV, V] and, when ``ht`` is given, the final state. q, k [T, H, K];
+    v [T, HV, V] (16-bit); G, beta [T, HV] fp32; Ai, pairs [T, HV, 64] from kkt_solve; h0
+    [N, HV, K, V] fp32 or None."""
+    _run(k, v, G, beta, Ai, h0, ht, ch, q=q, pairs=pairs, o=o, scale=scale)
+
+
+def states(k, v, G, beta, Ai, h0, h, VN, ht, ch):
+    """The backward's recomputed state pass (chunk_fwd.forward_intermediates' ``from_inverse`` form):
+    fills h [NT, HV, K, V] (the state entering each chunk) and VN [T, HV, V] (δ) in the inputs'
+    dtype, and ht when given."""
+    _run(k, v, G, beta, Ai, h0, ht, ch, h=h, VN=VN)
