@@ -71,7 +71,7 @@ def test_warp_specialised_forward_compiles_without_spills():
     the copy warp; a ring of two), bf16: compiles for sm_90 without spilling at K = V = 128 (whole
     sequences and warm-started segments) and at K = V = 64, and as the backward's state pass, within
     the card's shared memory; the
-    shared memory is the ring's tiles plus S, Y, δ and δ̃ (and the compiler's scratch for the
+    shared memory is the ring's tiles plus S, Y, δ, δ̃ and P (and the compiler's scratch for the
     output's layout conversion, under 16 KB); and the registers the
     setting gives the δ and output warpgroups are what they need: at 120 a thread they spill."""
     from gdn.ops.tuning import DELTA
@@ -80,7 +80,7 @@ def test_warp_specialised_forward_compiles_without_spills():
     NS = DELTA["fused_fwd"]["NS"]
     for (K, V), r in zip(((128, 128), (128, 128), (64, 64)), fits[:3]):
         assert r["spill"] == 0 and r["shared"] <= 227 * 1024, r
-        tiles = NS * (2 * 64 * K + 64 * V + 2 * 64 * 64) * 2 + (K * V + 3 * 64 * V) * 2
+        tiles = NS * (2 * 64 * K + 64 * V + 64 * 64) * 2 + (K * V + 3 * 64 * V + 64 * 64) * 2
         assert tiles <= r["shared"] <= tiles + 16 * 1024, (r, tiles)
     # the backward's state pass (fused_states): no q or P tiles, no output warpgroup
     for r in fits[3:]:

@@ -144,7 +144,7 @@ def forward_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
         return f"tensordesc<bf16[64, {cols}],{B._tile_layout((64, cols), gl.bfloat16)!r}>"
 
     hdesc = f"tensordesc<bf16[{K}, {V}],{B._tile_layout((K, V), gl.bfloat16)!r}>"
-    sig = dict(q_t=desc(K), k_t=desc(K), v_t=desc(V), a_t=desc(64), p_t=desc(64), h_t=hdesc, G="*fp32",
+    sig = dict(q_t=desc(K), k_t=desc(K), v_t=desc(V), a_t=desc(64), h_t=hdesc, G="*fp32",
                beta="*fp32", h0="*fp32", o="*bf16", VN="*bf16", ht="*fp32", cu="*i32", off="*i32", plan="*i32",
                seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
     const = dict(K=K, V=V, NS=NS, DT=gl.bfloat16, USE_INIT=True, STORE_FINAL=True, WARM=warm, OUT=not states,

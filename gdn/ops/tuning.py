@@ -104,13 +104,15 @@ DELTA = {
     # The forward's sequential pass as one warp-specialised Gluon kernel (delta.triton.fused_fwd),
     # on for gated delta members in 16 bits on compute capability 9 with K and V of 64 or 128 (else
     # state_out): one program per (sequence or warm-started segment, value head) holding the whole
-    # state, a state, a δ and an output warpgroup and a copy warp, the chunks' tiles through a ring
-    # of NS slots. regs: the copy, δ and output partitions' registers a thread (the state's takes
-    # the rest of maxnreg times the program's 16 warps: 232; at 120 for δ and output they spill).
-    # H200 GPU µs against state_out (bf16, K = V = 128): (8, 2048) 105 against 182; (4, 8192)
-    # 205 + 20 (warm_plan) against 350; 1 × 32768 205 + 24 against 366; HV = 32 at 1 × 8192
-    # 110 + 20 against 192; Qwen3.5-397B 760 + 23 against 1353 (docs/TRITON.md).
-    "fused_fwd": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 128, 128), maxnreg=128, on=True),
+    # state, a state, a δ and an output warpgroup (which forms the pair matrix itself) and a copy
+    # warp, the chunks' tiles through a ring of NS slots. regs: the copy, δ and output partitions'
+    # registers a thread (the state's takes the rest of maxnreg times the program's 16 warps: 192;
+    # with 16 fewer for the output, or for the state, the kernel spills).
+    # H200 GPU µs against state_out (bf16, K = V = 128, with kkt_solve's pair matrix read, not
+    # formed): (8, 2048) 105 against 182; (4, 8192) 205 + 20 (warm_plan) against 350; 1 × 32768
+    # 205 + 24 against 366; HV = 32 at 1 × 8192 110 + 20 against 192; Qwen3.5-397B 760 + 23 against
+    # 1353 (docs/TRITON.md).
+    "fused_fwd": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 128, 168), maxnreg=128, on=True),
     # The same kernel as the backward's recomputed state pass (no output warpgroup; S copied out to
     # h and δ stored as the chain forms them): regs of the copy and δ partitions (the state's gets
     # 3 · 136 − 24 − 160 = 224; at 152 for δ it spills).

@@ -26,7 +26,18 @@ def has_tma(x: torch.Tensor) -> bool:
     """Whether ``x``'s device copies tensor tiles with the tensor-memory accelerator (CUDA compute
     capability 9 or later), so that kernels may read or write it through tensor descriptors; under
     the interpreter (which runs descriptors too) always."""
-    return INTERPRET or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    return INTERPRET or (x.is_cuda and major(x.device) >= 9)
+
+
+def major(device: torch.device) -> int:
+    """The compute capability's major number of CUDA ``device`` (looked up once per device: the
+    query takes ≈ 5 µs of host, and the launch rules ask it several times a call)."""
+    return _major(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 @functools.lru_cache(maxsize=None)

@@ -481,8 +481,10 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     dev = v.device
     from_inv = beta is not None and DELTA["state_out"].get("from_inverse", False)
     G = _gamma_buffer(g, beta, None)
+    ws = warp_specialised(q, g, beta, K, V)
     # the pair matrix Q Kᵀ ⊙ D from kkt_solve (delta members, which run it) instead of per value tile
-    pairs = torch.empty(T, HV, BT, device=dev, dtype=v.dtype) if beta is not None else None
+    # (the warp-specialised pass forms it itself, beside its chain)
+    pairs = torch.empty(T, HV, BT, device=dev, dtype=v.dtype) if beta is not None and not ws else None
     Ai, W, U = prepare(k, v, g, beta, ch, wu=not from_inv, gamma_out=G, q=q, pairs_out=pairs)
     o = torch.empty(T, HV, V, device=dev, dtype=out_dtype)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
@@ -503,8 +505,8 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
         sg = make_segments(ch, L, dev)
         seqs, cu, seg_seq = sg.NS, sg.cu, sg.seq
         warm = dict(WARM=True, LOG_EPS=float(DELTA["split"]["log_eps"]))
-    if warp_specialised(q, g, beta, K, V):
-        _fused_fwd().forward(q, k, v, G, beta, Ai, pairs, h0, o, ht if want_final else None, ch, scale)
+    if ws:
+        _fused_fwd().forward(q, k, v, G, beta, Ai, h0, o, ht if want_final else None, ch, scale)
         return o, ht, Ai, G
     launch(state_out_kernel, (cdiv(V, SV), seqs * HV), qa, ka, va, gp, W if W is not None else v,
            U if U is not None else v, aa, beta if beta is not None else v, pa,

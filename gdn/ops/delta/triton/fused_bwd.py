@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from ...triton.common import BT as CHUNK
-from ...triton.launch import launch
+from ...triton.launch import launch, major
 from ...tuning import DELTA, INTERPRET
 
 BT = gl.constexpr(CHUNK)  # chunk rows, as the Triton chunk kernels'
@@ -288,7 +288,7 @@ def usable(q, g, beta, K: int, V: int) -> bool:
     16-bit inputs on a CUDA device of compute capability 9 (warpgroup MMAs), K of 32 to 128 and V a
     multiple of 32."""
     return (bool(DELTA["fused_bwd"]["on"]) and g is not None and beta is not None and q.is_cuda and not INTERPRET
-            and q.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(q.device)[0] == 9
+            and q.dtype in (torch.bfloat16, torch.float16) and major(q.device) == 9
             and K in (32, 64, 128) and value_tile(V) > 0)
 
 

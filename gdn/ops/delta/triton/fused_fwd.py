@@ -1,6 +1,6 @@
 """The forward's sequential pass of the gated delta rule as one warp-specialised Gluon kernel
 (``DELTA["fused_fwd"]``): the work of chunk_fwd's ``state_out_kernel`` (δ from the in-chunk
-inverse, kkt_solve's pair matrix) for 16-bit inputs on compute capability 9, one program per
+inverse, the pair matrix formed beside the chain) for 16-bit inputs on compute capability 9, one program per
 (sequence, value head) holding the whole [K, V] state.
 
 The pass is a chain: each chunk's products need the state the previous chunk left. Per chunk,
@@ -18,13 +18,15 @@ shared memory and mbarriers:
   and adds Kᵀ δ̃ onto Γ_C S;
 - the δ warpgroup forms X = K S, Y = diag(β)(V − diag(Γ) X) (through shared memory) and δ = T⁻¹ Y,
   and writes δ and δ̃;
-- the output warpgroup forms diag(Γ) Q S, adds P δ and stores the chunk's output rows;
-- one copy warp fills a ring of ``NS`` slots with each chunk's q, k, v, T⁻¹ and P tiles by
-  tensor copies, as soon as the three warpgroups have released the slot.
+- the output warpgroup forms the pair matrix P = Q Kᵀ ⊙ D and diag(Γ) Q S, adds P δ and stores
+  the chunk's output rows;
+- one copy warp fills a ring of ``NS`` slots with each chunk's q, k, v and T⁻¹ tiles by tensor
+  copies, as soon as the three warpgroups have released the slot.
 
-So the chain is three products (X, δ, the update) and the output's two products run beside it,
-as does the next chunk's copy. The arithmetic and roundings are state_out_kernel's ``FROM_INV`` +
-``PRE_P`` form: S and Y rounded to the input dtype as MMA operands, δ rounded once, then scaled and
+So the chain is three products (X, δ, the update) and the output's three run beside it, as does
+the next chunk's copy. The arithmetic and roundings are state_out_kernel's ``FROM_INV`` +
+``PRE_P`` form (its pair matrix as kkt_solve forms it: the fp32 product masked and rounded to the
+input dtype): S and Y rounded to the input dtype as MMA operands, δ rounded once, then scaled and
 rounded again for the update.
 
 Gluon does not run under Triton's interpreter: the GPU tests check it (tests/gpu/test_fused_fwd.py);
@@ -40,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ...triton.common import BT as CHUNK
 from ...triton.common import make_segments
-from ...triton.launch import launch
+from ...triton.launch import launch, major
 from ...tuning import DELTA, INTERPRET
 from .fused_bwd import _rows, _tiles, acc_layout
 from .split import fill_empty, split_len, warm_plan, warm_split
@@ -64,13 +66,13 @@ def _bounds(cu, i_n, i_hv, HV, plan, WARM: gl.constexpr):
 
 
 @gluon.jit
-def _copies(q_t, k_t, v_t, a_t, p_t, ring_q, ring_k, ring_v, ring_a, ring_p, ready, empty, cu, plan, i_n, i_h, i_hv,
-            HV, K: gl.constexpr, V: gl.constexpr, WARM: gl.constexpr, OUT: gl.constexpr):
-    """The copy warp: chunk c's tiles into slot c % NS once the slot's readers released it (q and P
-    only with the output)."""
+def _copies(q_t, k_t, v_t, a_t, ring_q, ring_k, ring_v, ring_a, ready, empty, cu, plan, i_n, i_h, i_hv, HV,
+            K: gl.constexpr, V: gl.constexpr, WARM: gl.constexpr, OUT: gl.constexpr):
+    """The copy warp: chunk c's tiles into slot c % NS once the slot's readers released it (q only
+    with the output)."""
     NS: gl.constexpr = ring_k.shape[0]
     if OUT:
-        nbytes: gl.constexpr = (2 * BT * K + BT * V + 2 * BT * BT) * 2
+        nbytes: gl.constexpr = (2 * BT * K + BT * V + BT * BT) * 2
     else:
         nbytes: gl.constexpr = (BT * K + BT * V + BT * BT) * 2
     bos, eos, nw, nc = _bounds(cu, i_n, i_hv, HV, plan, WARM)
@@ -85,7 +87,6 @@ def _copies(q_t, k_t, v_t, a_t, p_t, ring_q, ring_k, ring_v, ring_a, ring_p, rea
         tma.async_copy_global_to_shared(a_t, [t0, i_hv * BT], bar, ring_a.index(s))
         if OUT:
             tma.async_copy_global_to_shared(q_t, [t0, i_h * K], bar, ring_q.index(s))
-            tma.async_copy_global_to_shared(p_t, [t0, i_hv * BT], bar, ring_p.index(s))
 
 
 @gluon.jit
@@ -110,9 +111,10 @@ def _state(ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_emp
         at_end = eos == gl.load(seq_cu + i_seq + 1)
     o_k = gl.arange(0, K, layout=gl.SliceLayout(1, l_s))
     o_v = gl.arange(0, V, layout=gl.SliceLayout(0, l_s))
-    p_s = (i_seq * HV + i_hv).to(gl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    base = (i_seq * HV + i_hv).to(gl.int64) * K * V  # (the [K, V] offsets are formed where used: held
+    # across the loop they would take registers the state's accumulator needs)
     if USE_INIT:
-        b_s = gl.load(h0 + p_s, mask=(o_k < K)[:, None] & at_start, other=0.0)
+        b_s = gl.load(h0 + base + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & at_start, other=0.0)
     else:
         b_s = gl.zeros([K, V], gl.float32, l_s)
     for c in range(nc):
@@ -136,7 +138,7 @@ def _state(ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_emp
         mbarrier.arrive(d_empty, count=1)
         mbarrier.arrive(empty.index(s), count=1)
     if STORE_FINAL:
-        gl.store(ht + p_s, b_s, mask=(o_k < K)[:, None] & at_end)
+        gl.store(ht + base + o_k[:, None] * V + o_v[None, :], b_s, mask=(o_k < K)[:, None] & at_end)
     if STORE_H:
         tma.store_wait(0)
 
@@ -193,13 +195,19 @@ def _delta(ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf,
 
 
 @gluon.jit
-def _output(ring_q, ring_p, ready, empty, s_buf, s_ready, s_empty, d_buf, d_ready, d_empty, G, o, cu, plan, i_n,
-            i_hv, HV, scale, V: gl.constexpr, WARM: gl.constexpr):
-    """The output warpgroup: O = scale · (diag(Γ) Q S + P δ), stored on the sequence's rows. On a
-    warm-up chunk it only passes the handshakes (its arrivals count on every barrier)."""
+def _output(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, p_buf, d_buf, d_ready, d_empty, G, o, cu, plan,
+            i_n, i_hv, HV, scale, V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr):
+    """The output warpgroup: O = scale · (diag(Γ) Q S + P δ), stored on the sequence's rows, with the
+    pair matrix P = Q Kᵀ ⊙ D (D_ij = exp(γ_i − γ_j) for i ≥ j, else 0) formed from the chunk's q and
+    k tiles while the chain forms δ (into its own shared-memory tile, the last product's left operand).
+    On a warm-up chunk it only passes the handshakes (its arrivals count on every barrier)."""
     NS: gl.constexpr = ring_q.shape[0]
     l_v: gl.constexpr = acc_layout(V, WG)
     r_v: gl.constexpr = gl.SliceLayout(1, l_v)
+    l_t: gl.constexpr = acc_layout(BT, WG)
+    o_r = gl.arange(0, BT, layout=gl.SliceLayout(1, l_t))
+    o_c = gl.arange(0, BT, layout=gl.SliceLayout(0, l_t))
+    zero_t = gl.zeros([BT, BT], gl.float32, l_t)
     st: gl.constexpr = _rows(V, WG)
     bos, eos, nw, nc = _bounds(cu, i_n, i_hv, HV, plan, WARM)
     o_t = gl.arange(0, BT, layout=r_v)
@@ -210,8 +218,8 @@ def _output(ring_q, ring_p, ready, empty, s_buf, s_ready, s_empty, d_buf, d_read
         s = c % NS
         par = c & 1
         mbarrier.wait(ready.index(s), (c // NS) & 1)
-        mbarrier.wait(s_ready, par)
         if c < nw:
+            mbarrier.wait(s_ready, par)
             mbarrier.arrive(s_empty, count=1)
             mbarrier.wait(d_ready, par)
             mbarrier.arrive(d_empty, count=1)
@@ -220,11 +228,19 @@ def _output(ring_q, ring_p, ready, empty, s_buf, s_ready, s_empty, d_buf, d_read
             t0 = bos + c * BT
             rt = t0 + o_t
             g_t = gl.load(G + rt * HV + i_hv, mask=rt < eos, other=0.0)
-            b_o = warpgroup_mma(ring_q.index(s), s_buf, zero, use_acc=False, is_async=True)
-            b_o = warpgroup_mma_wait(0, deps=[b_o])
+            # P first: it needs only the copied tiles, not the chain's S
+            b_p = warpgroup_mma(ring_q.index(s), ring_k.index(s).permute((1, 0)), zero_t, use_acc=False)
+            g_r = gl.load(G + (t0 + o_r) * HV + i_hv, mask=t0 + o_r < eos, other=0.0)
+            g_c = gl.load(G + (t0 + o_c) * HV + i_hv, mask=t0 + o_c < eos, other=0.0)
+            keep = o_r[:, None] >= o_c[None, :]
+            b_p = b_p * gl.exp(gl.where(keep, g_r[:, None] - g_c[None, :], float("-inf")))
+            p_buf.store(b_p.to(DT))
+            fence_async_shared()
+            mbarrier.wait(s_ready, par)
+            b_o = warpgroup_mma(ring_q.index(s), s_buf, zero, use_acc=False)
             mbarrier.arrive(s_empty, count=1)
             mbarrier.wait(d_ready, par)
-            b_o = warpgroup_mma(ring_p.index(s), d_buf, b_o * gl.exp(g_t)[:, None], is_async=True)
+            b_o = warpgroup_mma(p_buf, d_buf, b_o * gl.exp(g_t)[:, None], is_async=True)
             b_o = warpgroup_mma_wait(0, deps=[b_o])
             mbarrier.arrive(d_empty, count=1)
             mbarrier.arrive(empty.index(s), count=1)
@@ -234,18 +250,17 @@ def _output(ring_q, ring_p, ready, empty, s_buf, s_ready, s_empty, d_buf, d_read
 
 
 @gluon.jit
-def fused_fwd_kernel(q_t, k_t, v_t, a_t, p_t, h_t, G, beta, h0, o, VN, ht, cu, off, plan, seg_seq, seq_cu, scale, H,
+def fused_fwd_kernel(q_t, k_t, v_t, a_t, h_t, G, beta, h0, o, VN, ht, cu, off, plan, seg_seq, seq_cu, scale, H,
                      HV, K: gl.constexpr, V: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr, USE_INIT: gl.constexpr,
                      STORE_FINAL: gl.constexpr, WARM: gl.constexpr, OUT: gl.constexpr, STORE_H: gl.constexpr,
                      R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_OUT: gl.constexpr):
     """One program per (sequence, value head) i_nh, walking the sequence's chunks. Descriptors: q_t,
     k_t of [T, H · K] in [64, K] blocks; v_t of [T, HV · V] in [64, V] blocks; a_t (T⁻¹ rows,
-    kkt_solve's Ai) and p_t (the pair matrix Q Kᵀ ⊙ D, kkt_solve's) of [T, HV · 64] in [64, 64]
-    blocks. G [T, HV] the in-chunk cumulative log decay γ; beta [T, HV] fp32; h0, ht [N, HV, K, V]
+    kkt_solve's Ai) of [T, HV · 64] in [64, 64] blocks. G [T, HV] the in-chunk cumulative log decay γ; beta [T, HV] fp32; h0, ht [N, HV, K, V]
     fp32; o [T, HV, V]. ``WARM``: the programs are warm-started segments (cu their bounds, seg_seq
     their sequences, seq_cu the sequences' bounds, plan [NS, HV] their warm-up chunks:
     split.warm_plan), as state_out_kernel's ``WARM`` form. ``OUT``: the output warpgroup runs (else
-    q and P are not copied and the program is the state pass alone). ``STORE_H``: the pass keeps
+    q is not copied and the program is the state pass alone). ``STORE_H``: the pass keeps
     what the backward reads, as state_fwd_kernel does: h (descriptor h_t of the [chunks, HV, K, V]
     states, the chunk's global index off[i_n] + c) and δ in VN [T, HV, V]. R_*: the registers a thread of the copy, δ and output partitions holds (the
     state's partition takes the rest of the launch's ``maxnreg`` budget).
@@ -263,10 +278,10 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, p_t, h_t, G, beta, h0, o, VN, ht, cu, o
     ring_a = gl.allocate_shared_memory(DT, [NS, BT, BT], a_t.layout)
     if OUT:
         ring_q = gl.allocate_shared_memory(DT, [NS, BT, K], q_t.layout)
-        ring_p = gl.allocate_shared_memory(DT, [NS, BT, BT], p_t.layout)
+        p_buf = gl.allocate_shared_memory(DT, [BT, BT], a_t.layout)
     else:  # not read
         ring_q = ring_k
-        ring_p = ring_a
+        p_buf = ring_a.index(0)
     s_buf = gl.allocate_shared_memory(DT, [K, V], gl.NVMMASharedLayout.get_default_for([K, V], DT))
     rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, V], DT)
     y_buf = gl.allocate_shared_memory(DT, [BT, V], rows)
@@ -290,19 +305,19 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, p_t, h_t, G, beta, h0, o, VN, ht, cu, o
         gl.warp_specialize([
             (_state, (ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_empty, G, h0, ht, h_t, off,
                       cu, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, USE_INIT, STORE_FINAL, WARM, STORE_H)),
-            (_copies, (q_t, k_t, v_t, a_t, p_t, ring_q, ring_k, ring_v, ring_a, ring_p, ready, empty, cu, plan, i_n,
-                       i_h, i_hv, HV, K, V, WARM, OUT)),
+            (_copies, (q_t, k_t, v_t, a_t, ring_q, ring_k, ring_v, ring_a, ready, empty, cu, plan, i_n, i_h, i_hv,
+                       HV, K, V, WARM, OUT)),
             (_delta, (ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf, d_buf, dt_buf, d_ready,
                       d_empty, G, beta, VN, cu, plan, i_n, i_hv, HV, V, DT, WARM, STORE_H)),
-            (_output, (ring_q, ring_p, ready, empty, s_buf, s_ready, s_empty, d_buf, d_ready, d_empty, G, o, cu, plan,
-                       i_n, i_hv, HV, scale, V, WARM)),
+            (_output, (ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, p_buf, d_buf, d_ready, d_empty, G, o,
+                       cu, plan, i_n, i_hv, HV, scale, V, DT, WARM)),
         ], [1, WG, WG], [R_COPY, R_DELTA, R_OUT])
     else:
         gl.warp_specialize([
             (_state, (ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_empty, G, h0, ht, h_t, off,
                       cu, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, USE_INIT, STORE_FINAL, WARM, STORE_H)),
-            (_copies, (q_t, k_t, v_t, a_t, p_t, ring_q, ring_k, ring_v, ring_a, ring_p, ready, empty, cu, plan, i_n,
-                       i_h, i_hv, HV, K, V, WARM, OUT)),
+            (_copies, (q_t, k_t, v_t, a_t, ring_q, ring_k, ring_v, ring_a, ready, empty, cu, plan, i_n, i_h, i_hv,
+                       HV, K, V, WARM, OUT)),
             (_delta, (ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf, d_buf, dt_buf, d_ready,
                       d_empty, G, beta, VN, cu, plan, i_n, i_hv, HV, V, DT, WARM, STORE_H)),
         ], [1, WG], [R_COPY, R_DELTA])
@@ -314,11 +329,11 @@ def usable(q, g, beta, K: int, V: int, name: str = "fused_fwd") -> bool:
     CUDA device of compute capability 9, K and V of 64 or 128."""
     return (bool(DELTA[name]["on"]) and g is not None and beta is not None and q.is_cuda
             and not INTERPRET and q.dtype in (torch.bfloat16, torch.float16)
-            and torch.cuda.get_device_capability(q.device)[0] == 9 and K in (64, 128) and V in (64, 128))
+            and major(q.device) == 9 and K in (64, 128) and V in (64, 128))
 
 
-def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, pairs=None, o=None, scale=1.0, h=None, VN=None):
-    """Launch the pass: with ``o`` the forward (q, pairs and scale given; fills o), else the state
+def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN=None):
+    """Launch the pass: with ``o`` the forward (q and scale given; fills o), else the state
     pass alone filling h [NT, HV, K, V] and VN [T, HV, V]; ht [N, HV, K, V] when given. Where the
     (sequence, value head) programs would leave multiprocessors idle, the sequences run as
     warm-started segments (split.split_len at one program a multiprocessor: this program's shared
@@ -338,10 +353,10 @@ def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, pairs=None, o=None, scale=1.0
     k_t = _tiles(k, T, (CHUNK, K), DT)
     v_t = _tiles(v, T, (CHUNK, V), DT)
     a_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
-    q_t, p_t = (_tiles(q, T, (CHUNK, K), DT), _tiles(pairs, T, (CHUNK, CHUNK), DT)) if out else (k_t, a_t)
+    q_t = _tiles(q, T, (CHUNK, K), DT) if out else k_t
     h_t = _tiles(h, h.numel() // V, (K, V), DT) if h is not None else k_t
     regs = tuple(c["regs"]) + (0,) * (3 - len(c["regs"]))
-    launch(fused_fwd_kernel, (programs * HV,), q_t, k_t, v_t, a_t, p_t, h_t, G, beta,
+    launch(fused_fwd_kernel, (programs * HV,), q_t, k_t, v_t, a_t, h_t, G, beta,
            h0 if h0 is not None else G, o if out else G, VN if VN is not None else G, ht if ht is not None else G, cu,
            off, plan, seg_seq, ch.cu, scale, H, HV, K=K, V=V, NS=c["NS"], DT=DT, USE_INIT=h0 is not None,
            STORE_FINAL=ht is not None, WARM=bool(L), OUT=out, STORE_H=h is not None, R_COPY=regs[0],
@@ -350,11 +365,11 @@ def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, pairs=None, o=None, scale=1.0
         fill_empty(ht, h0, ch)
 
 
-def forward(q, k, v, G, beta, Ai, pairs, h0, o, ht, ch, scale: float):
+def forward(q, k, v, G, beta, Ai, h0, o, ht, ch, scale: float):
     """The forward: fills o [T, HV, V] and, when ``ht`` is given, the final state. q, k [T, H, K];
-    v [T, HV, V] (16-bit); G, beta [T, HV] fp32; Ai, pairs [T, HV, 64] from kkt_solve; h0
-    [N, HV, K, V] fp32 or None."""
-    _run(k, v, G, beta, Ai, h0, ht, ch, q=q, pairs=pairs, o=o, scale=scale)
+    v [T, HV, V] (16-bit); G, beta [T, HV] fp32; Ai [T, HV, 64] from kkt_solve; h0 [N, HV, K, V]
+    fp32 or None."""
+    _run(k, v, G, beta, Ai, h0, ht, ch, q=q, o=o, scale=scale)
 
 
 def states(k, v, G, beta, Ai, h0, h, VN, ht, ch):
