@@ -488,8 +488,11 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     Ai, W, U = prepare(k, v, g, beta, ch, wu=not from_inv, gamma_out=G, q=q, pairs_out=pairs)
     o = torch.empty(T, HV, V, device=dev, dtype=out_dtype)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
-    SK, SV = state_tile("state_out", ch, HV, K, V, dev)
     G = gamma_of(g, ch, G)
+    if ws:
+        _fused_fwd().forward(q, k, v, G, beta, Ai, h0, o, ht if want_final else None, ch, scale)
+        return o, ht, Ai, G
+    SK, SV = state_tile("state_out", ch, HV, K, V, dev)
     gp = G if G is not None else v
     # warm-started segments when the sequences' programs would not fill the card (gated members)
     L = split_len(ch, HV, cdiv(V, SV), dev) if warm_split(g) else 0
@@ -505,9 +508,6 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
         sg = make_segments(ch, L, dev)
         seqs, cu, seg_seq = sg.NS, sg.cu, sg.seq
         warm = dict(WARM=True, LOG_EPS=float(DELTA["split"]["log_eps"]))
-    if ws:
-        _fused_fwd().forward(q, k, v, G, beta, Ai, h0, o, ht if want_final else None, ch, scale)
-        return o, ht, Ai, G
     launch(state_out_kernel, (cdiv(V, SV), seqs * HV), qa, ka, va, gp, W if W is not None else v,
            U if U is not None else v, aa, beta if beta is not None else v, pa,
            h0 if h0 is not None else v, o, ht if want_final else v, cu,

@@ -1,0 +1,94 @@
+"""Which kernels the gated delta rule launches on a Hopper card with the warp-specialised pass
+(gdn.ops.delta.triton.fused_fwd), recorded on the CPU (gdn.ops.triton.launch.recording: nothing runs;
+the card's 132 multiprocessors assumed, as tools/sass_cpu.py does): the forward takes it with the
+pair matrix formed there (kkt_solve stores none), the backward's recomputed state pass takes it
+storing h and δ, sequences that would leave multiprocessors idle run as warm-started segments
+(warm_plan first), and the calls it does not take (V = 256, fp32) keep the Triton passes. The
+kernel's results are checked on the GPU (tests/gpu/test_fused_fwd.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon")
+
+from gdn.ops.delta.triton import chunk, chunk_bwd, chunk_fwd, fused_fwd, split  # noqa: E402
+from gdn.ops.triton import common  # noqa: E402
+from gdn.ops.triton import launch as launcher  # noqa: E402
+
+SMS = 132
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    monkeypatch.setattr(fused_fwd, "hopper", lambda q: True)
+    for mod in (launcher, common, chunk, chunk_fwd, chunk_bwd, split):
+        if hasattr(mod, "sm_count"):
+            monkeypatch.setattr(mod, "sm_count", lambda device: SMS)
+
+
+def _record(B, T, H, HV, K, V, dtype=torch.bfloat16):
+    q = torch.empty(B * T, H, K, dtype=dtype)
+    k, v = torch.empty_like(q), torch.empty(B * T, HV, V, dtype=dtype)
+    g, beta = torch.zeros(B * T, HV), torch.zeros(B * T, HV)
+    ch = common.make_chunks(B, T, None, torch.device("cpu"))
+    with launcher.recording() as fwd:
+        _, _, ai, gam = chunk._forward(q, k, v, g, beta, None, ch, False, K ** -0.5, dtype)
+    with launcher.recording() as bwd:
+        chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, K ** -0.5, ai, dtype, gam)
+    return fwd, bwd
+
+
+def _names(launches):
+    return [kernel.fn.__name__ for kernel, _, _, _ in launches]
+
+
+def _meta(launches, name):
+    return [(grid, meta) for kernel, grid, _, meta in launches if kernel.fn.__name__ == name]
+
+
+def test_whole_sequences_take_the_warp_specialised_passes(hopper):
+    fwd, bwd = _record(8, 2048, 16, 16, 128, 128)
+    assert _names(fwd) == ["kkt_solve_kernel", "fused_fwd_kernel"], _names(fwd)
+    (_, kkt), = _meta(fwd, "kkt_solve_kernel")
+    assert not kkt["STORE_P"]  # the pass forms the pair matrix itself
+    (grid, meta), = _meta(fwd, "fused_fwd_kernel")
+    assert grid == (8 * 16,) and meta["OUT"] and not meta["STORE_H"] and not meta["WARM"], (grid, meta)
+    names = _names(bwd)
+    assert "state_fwd_kernel" not in names and "state_out_kernel" not in names, names
+    (grid, meta), = _meta(bwd, "fused_fwd_kernel")
+    assert grid == (8 * 16,) and not meta["OUT"] and meta["STORE_H"], (grid, meta)
+
+
+def test_few_long_sequences_run_as_segments(hopper):
+    """1 × 32768 at 16 heads: 16 programs would leave the card idle; segments give at most one
+    program a multiprocessor (this program's shared memory takes a whole one), each warm-up count
+    from warm_plan."""
+    fwd, bwd = _record(1, 32768, 16, 16, 128, 128)
+    for launches in (fwd, bwd):
+        names = _names(launches)
+        assert names.index("warm_plan_kernel") < names.index("fused_fwd_kernel"), names
+        (grid, meta), = _meta(launches, "fused_fwd_kernel")
+        assert meta["WARM"] and SMS // 2 < grid[0] <= SMS, (grid, meta)
+
+
+@pytest.mark.parametrize("K, V, dtype", [(128, 256, torch.bfloat16), (128, 128, torch.float32),
+                                         (256, 128, torch.bfloat16)])
+def test_calls_it_does_not_take_keep_the_triton_passes(hopper, K, V, dtype):
+    fwd, bwd = _record(2, 256, 2, 2, K, V, dtype)
+    assert "fused_fwd_kernel" not in _names(fwd) + _names(bwd)
+    assert "state_fwd_kernel" in _names(bwd)
+
+
+def test_off_switches(hopper, monkeypatch):
+    from gdn.ops import tuning
+
+    monkeypatch.setitem(tuning.DELTA, "fused_fwd", dict(tuning.DELTA["fused_fwd"], on=False))
+    fwd, bwd = _record(8, 2048, 16, 16, 128, 128)
+    assert "fused_fwd_kernel" not in _names(fwd) and "fused_fwd_kernel" in _names(bwd)
+    (_, kkt), = _meta(fwd, "kkt_solve_kernel")
+    assert kkt["STORE_P"]  # state_out reads kkt_solve's pair matrix
+    monkeypatch.setitem(tuning.DELTA, "fused_states", dict(tuning.DELTA["fused_states"], on=False))
+    _, bwd = _record(8, 2048, 16, 16, 128, 128)
+    assert "fused_fwd_kernel" not in _names(bwd) and "state_fwd_kernel" in _names(bwd)
