@@ -1,7 +1,8 @@
 """The forward's sequential pass of the gated delta rule as one warp-specialised Gluon kernel
 (``DELTA["fused_fwd"]``): the work of chunk_fwd's ``state_out_kernel`` (δ from the in-chunk
-inverse, the pair matrix formed beside the chain) for 16-bit inputs on compute capability 9, one program per
-(sequence, value head) holding the whole [K, V] state.
+inverse, the pair matrix formed beside the chain) for 16-bit inputs on compute capability 9, one
+program per (sequence, value head) holding the whole [K, V] state; without its output, the
+backward's recomputed state pass (``DELTA["fused_states"]``, storing h and δ).
 
 The pass is a chain: each chunk's products need the state the previous chunk left. Per chunk,
 from the entering state S:
@@ -199,8 +200,9 @@ def _output(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, p_buf, d_buf,
             i_n, i_hv, HV, scale, V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr):
     """The output warpgroup: O = scale · (diag(Γ) Q S + P δ), stored on the sequence's rows, with the
     pair matrix P = Q Kᵀ ⊙ D (D_ij = exp(γ_i − γ_j) for i ≥ j, else 0) formed from the chunk's q and
-    k tiles while the chain forms δ (into its own shared-memory tile, the last product's left operand).
-    On a warm-up chunk it only passes the handshakes (its arrivals count on every barrier)."""
+    k tiles while the chain forms δ (into its own shared-memory tile, the last product's left
+    operand). On a warm-up chunk it only passes the handshakes (its arrivals count on every
+    barrier)."""
     NS: gl.constexpr = ring_q.shape[0]
     l_v: gl.constexpr = acc_layout(V, WG)
     r_v: gl.constexpr = gl.SliceLayout(1, l_v)
@@ -256,13 +258,14 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, h_t, G, beta, h0, o, VN, ht, cu, off, p
                      R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_OUT: gl.constexpr):
     """One program per (sequence, value head) i_nh, walking the sequence's chunks. Descriptors: q_t,
     k_t of [T, H · K] in [64, K] blocks; v_t of [T, HV · V] in [64, V] blocks; a_t (T⁻¹ rows,
-    kkt_solve's Ai) of [T, HV · 64] in [64, 64] blocks. G [T, HV] the in-chunk cumulative log decay γ; beta [T, HV] fp32; h0, ht [N, HV, K, V]
-    fp32; o [T, HV, V]. ``WARM``: the programs are warm-started segments (cu their bounds, seg_seq
-    their sequences, seq_cu the sequences' bounds, plan [NS, HV] their warm-up chunks:
-    split.warm_plan), as state_out_kernel's ``WARM`` form. ``OUT``: the output warpgroup runs (else
-    q is not copied and the program is the state pass alone). ``STORE_H``: the pass keeps
-    what the backward reads, as state_fwd_kernel does: h (descriptor h_t of the [chunks, HV, K, V]
-    states, the chunk's global index off[i_n] + c) and δ in VN [T, HV, V]. R_*: the registers a thread of the copy, δ and output partitions holds (the
+    kkt_solve's Ai) of [T, HV · 64] in [64, 64] blocks. G [T, HV] the in-chunk cumulative log
+    decay γ; beta [T, HV] fp32; h0, ht [N, HV, K, V] fp32; o [T, HV, V]. ``WARM``: the programs
+    are warm-started segments (cu their bounds, seg_seq their sequences, seq_cu the sequences'
+    bounds, plan [NS, HV] their warm-up chunks: split.warm_plan), as state_out_kernel's ``WARM``
+    form. ``OUT``: the output warpgroup runs (else q is not copied and the program is the state
+    pass alone). ``STORE_H``: the pass keeps what the backward reads, as state_fwd_kernel does: h
+    (descriptor h_t of the [chunks, HV, K, V] states, the chunk's global index off[i_n] + c) and δ
+    in VN [T, HV, V]. R_*: the registers a thread of the copy, δ and output partitions holds (the
     state's partition takes the rest of the launch's ``maxnreg`` budget).
 
     A chunk's block may reach into the next sequence's rows (or past T, where the copies give
