@@ -22,7 +22,7 @@ SMS = 132
 
 @pytest.fixture
 def hopper(monkeypatch):
-    monkeypatch.setattr(fused_fwd, "hopper", lambda q: True)
+    monkeypatch.setattr(fused_fwd, "hopper", lambda q: True)  # (fused_bwd.hopper, as fused_fwd imports it)
     for mod in (launcher, common, chunk, chunk_fwd, chunk_bwd, split):
         if hasattr(mod, "sm_count"):
             monkeypatch.setattr(mod, "sm_count", lambda device: SMS)

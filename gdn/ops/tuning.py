@@ -108,10 +108,10 @@ DELTA = {
     # warp, the chunks' tiles through a ring of NS slots. regs: the copy, δ and output partitions'
     # registers a thread (the state's takes the rest of maxnreg times the program's 16 warps: 192;
     # with 16 fewer for the output, or for the state, the kernel spills).
-    # H200 GPU µs against state_out (bf16, K = V = 128, with kkt_solve's pair matrix read, not
-    # formed): (8, 2048) 105 against 182; (4, 8192) 205 + 20 (warm_plan) against 350; 1 × 32768
-    # 205 + 24 against 366; HV = 32 at 1 × 8192 110 + 20 against 192; Qwen3.5-397B 760 + 23 against
-    # 1353 (docs/TRITON.md).
+    # H200 forward GPU µs, this pass + kkt_solve (+ warm_plan) against state_out + kkt_solve (bf16,
+    # K = V = 128): (8, 2048) 117 + 72 against 185 + 107; (4, 8192) 232 + 141 + 23 against
+    # 349 + 201; 1 × 32768 230 + 141 + 21 against 365 + 205; HV = 32 at 1 × 8192 122 + 72 + 19
+    # against 193 + 103; Qwen3.5-397B 826 + 528 + 23 against 1356 + 776 (docs/TRITON.md).
     "fused_fwd": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 128, 168), maxnreg=128, on=True),
     # The same kernel as the backward's recomputed state pass (no output warpgroup; S copied out to
     # h and δ stored as the chain forms them): regs of the copy and δ partitions (the state's gets

@@ -287,9 +287,15 @@ def usable(q, g, beta, K: int, V: int) -> bool:
     """Whether the fused kernel takes this call (``DELTA["fused_bwd"]["on"]``): gated delta member,
     16-bit inputs on a CUDA device of compute capability 9 (warpgroup MMAs), K of 32 to 128 and V a
     multiple of 32."""
-    return (bool(DELTA["fused_bwd"]["on"]) and g is not None and beta is not None and q.is_cuda and not INTERPRET
-            and q.dtype in (torch.bfloat16, torch.float16) and major(q.device) == 9
-            and K in (32, 64, 128) and value_tile(V) > 0)
+    return (bool(DELTA["fused_bwd"]["on"]) and g is not None and beta is not None
+            and q.dtype in (torch.bfloat16, torch.float16) and K in (32, 64, 128) and value_tile(V) > 0 and hopper(q))
+
+
+def hopper(q) -> bool:
+    """Whether ``q``'s device runs the Gluon kernels (this one and delta.triton.fused_fwd): CUDA
+    compute capability 9 (warpgroup MMAs, tensor copies, register reallocation between warpgroups),
+    never the interpreter (Gluon has none)."""
+    return q.is_cuda and not INTERPRET and major(q.device) == 9
 
 
 @functools.lru_cache(maxsize=None)

@@ -43,9 +43,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ...triton.common import BT as CHUNK
 from ...triton.common import make_segments
-from ...triton.launch import launch, major
-from ...tuning import DELTA, INTERPRET
-from .fused_bwd import _rows, _tiles, acc_layout
+from ...triton.launch import launch
+from ...tuning import DELTA
+from .fused_bwd import _rows, _tiles, acc_layout, hopper
 from .split import fill_empty, split_len, warm_plan, warm_split
 
 BT = gl.constexpr(CHUNK)
@@ -329,15 +329,9 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, h_t, G, beta, h0, o, VN, ht, cu, off, p
 def usable(q, g, beta, K: int, V: int, name: str = "fused_fwd") -> bool:
     """Whether this pass takes the call (``DELTA[name]["on"]``: ``fused_fwd`` the forward,
     ``fused_states`` the backward's recomputed state pass): gated delta member, 16-bit inputs, K and
-    V of 64 or 128, on a device that runs it (:func:`hopper`)."""
+    V of 64 or 128, on a device that runs it (fused_bwd.hopper)."""
     return (bool(DELTA[name]["on"]) and g is not None and beta is not None
             and q.dtype in (torch.bfloat16, torch.float16) and K in (64, 128) and V in (64, 128) and hopper(q))
-
-
-def hopper(q) -> bool:
-    """Whether ``q``'s device runs the kernel: CUDA compute capability 9 (warpgroup MMAs, tensor
-    copies, register reallocation between warpgroups), never the interpreter (Gluon has none)."""
-    return q.is_cuda and not INTERPRET and major(q.device) == 9
 
 
 def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN=None):

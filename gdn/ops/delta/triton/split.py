@@ -80,11 +80,11 @@ def warm_plan_kernel(k, beta, G, cu, seg_seq, seq_cu, nw_out, H, HV, K: tl.const
 
 def warm_plan(k, beta, G, sg, ch: Chunks, HV: int):
     """nw [NS, HV] int32: :func:`warm_plan_kernel` over segments ``sg`` of the sequences ``ch``
-    (gated members)."""
+    (gated delta members: the one pass that takes the counts from memory runs only those)."""
     T, H, K = k.shape
     nw = torch.empty(sg.NS, HV, device=k.device, dtype=torch.int32)
-    launch(warm_plan_kernel, (sg.NS, HV), k, beta if beta is not None else G, G, sg.cu, sg.seq, ch.cu, nw, H,
-           HV, K=K, BT=BT, DELTA=beta is not None, LOG_EPS=float(DELTA["split"]["log_eps"]), name="warm_plan")
+    launch(warm_plan_kernel, (sg.NS, HV), k, beta, G, sg.cu, sg.seq, ch.cu, nw, H, HV, K=K, BT=BT, DELTA=True,
+           LOG_EPS=float(DELTA["split"]["log_eps"]), name="warm_plan")
     return nw
 
 
