@@ -3,8 +3,9 @@
 the card's 132 multiprocessors assumed, as tools/sass_cpu.py does): the forward takes it with the
 pair matrix formed there (kkt_solve stores none), the backward's recomputed state pass takes it
 storing h and δ, sequences that would leave multiprocessors idle run as warm-started segments
-(warm_plan first), and the calls it does not take (V = 256, fp32) keep the Triton passes. The
-kernel's results are checked on the GPU (tests/gpu/test_fused_fwd.py)."""
+(warm_plan first), value heads of 256 run as two programs of 128-wide value tiles, and the calls it
+does not take (K = 256, fp32) keep the Triton passes. The kernel's results are checked on the GPU
+(tests/gpu/test_fused_fwd.py)."""
 from __future__ import annotations
 
 import pytest
@@ -48,6 +49,12 @@ def _meta(launches, name):
     return [(grid, meta) for kernel, grid, _, meta in launches if kernel.fn.__name__ == name]
 
 
+def _args(launches, name):
+    """{argument name: value} of each launch of kernel ``name``."""
+    return [dict(zip(kernel.arg_names, args)) | meta for kernel, _, args, meta in launches
+            if kernel.fn.__name__ == name]
+
+
 def test_whole_sequences_take_the_warp_specialised_passes(hopper):
     fwd, bwd = _record(8, 2048, 16, 16, 128, 128)
     assert _names(fwd) == ["kkt_solve_kernel", "fused_fwd_kernel"], _names(fwd)
@@ -73,12 +80,52 @@ def test_few_long_sequences_run_as_segments(hopper):
         assert meta["WARM"] and SMS // 2 < grid[0] <= SMS, (grid, meta)
 
 
-@pytest.mark.parametrize("K, V, dtype", [(128, 256, torch.bfloat16), (128, 128, torch.float32),
-                                         (256, 128, torch.bfloat16)])
+@pytest.mark.parametrize("K, V, dtype", [(128, 128, torch.float32), (256, 128, torch.bfloat16),
+                                         (256, 256, torch.bfloat16)])
 def test_calls_it_does_not_take_keep_the_triton_passes(hopper, K, V, dtype):
     fwd, bwd = _record(2, 256, 2, 2, K, V, dtype)
     assert "fused_fwd_kernel" not in _names(fwd) + _names(bwd)
     assert "state_fwd_kernel" in _names(bwd)
+
+
+def test_value_heads_of_256_run_as_two_value_tiles(hopper):
+    """V = 256 (the 340m layer): one program per (sequence, value head, 128-wide value tile), the
+    two tiles of a head neighbours in the grid; v read and h written in [64, 128] and [K, 128]
+    blocks of the whole [·, V]-wide rows."""
+    B, T, HV, K, V = 8, 2048, 16, 128, 256
+    fwd, bwd = _record(B, T, 16, HV, K, V)
+    (grid, meta), = _meta(fwd, "fused_fwd_kernel")
+    assert grid == (B * HV * 2,) and meta["OUT"] and not meta["WARM"], (grid, meta)
+    assert (meta["V"], meta["VT"]) == (256, 128), meta
+    a, = _args(fwd, "fused_fwd_kernel")
+    assert a["v_t"].block_shape == [64, 128] and list(a["v_t"].shape) == [B * T, HV * V], a["v_t"]
+    (grid, meta), = _meta(bwd, "fused_fwd_kernel")
+    assert grid == (B * HV * 2,) and meta["STORE_H"] and not meta["OUT"], (grid, meta)
+    a, = _args(bwd, "fused_fwd_kernel")
+    assert a["v_t"].block_shape == [64, 128], a["v_t"]
+    assert a["h_t"].block_shape == [K, 128] and list(a["h_t"].shape) == [B * T // 64 * HV * K, V], a["h_t"]
+
+
+def test_value_heads_of_256_split_counting_every_tile(hopper):
+    """1 × 32768 at 16 heads of V = 256: 32 programs; the segments keep at most one program a
+    multiprocessor counting both value tiles, and warm_plan runs once per (segment, head), its
+    counts shared by the head's value tiles."""
+    fwd, bwd = _record(1, 32768, 16, 16, 128, 256)
+    for launches in (fwd, bwd):
+        (plan_grid, _), = _meta(launches, "warm_plan_kernel")
+        (grid, meta), = _meta(launches, "fused_fwd_kernel")
+        assert meta["WARM"] and SMS // 2 < grid[0] <= SMS, (grid, meta)
+        assert grid[0] == plan_grid[0] * plan_grid[1] * 2 and plan_grid[1] == 16, (grid, plan_grid)
+
+
+def test_usable_value_widths(hopper):
+    q = torch.empty(4, 2, 128, dtype=torch.bfloat16)
+    g = beta = torch.zeros(4, 2)
+    for V in (64, 128, 256):
+        assert fused_fwd.usable(q, g, beta, 128, V) and fused_fwd.usable(q, g, beta, 64, V), V
+    for K, V in ((128, 32), (128, 512), (128, 192), (256, 128), (32, 128)):
+        assert not fused_fwd.usable(q, g, beta, K, V), (K, V)
+    assert fused_fwd.value_tile(64) == 64 and fused_fwd.value_tile(128) == fused_fwd.value_tile(256) == 128
 
 
 def test_off_switches(hopper, monkeypatch):

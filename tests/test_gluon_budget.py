@@ -87,3 +87,30 @@ def test_warp_specialised_forward_compiles_without_spills():
         tiles = DELTA["fused_states"]["NS"] * (2 * 64 * 128 + 64 * 64) * 2 + (128 * 128 + 3 * 64 * 128) * 2
         assert r["spill"] == 0 and tiles <= r["shared"] <= tiles + 16 * 1024, (r, tiles)
     assert tight["spill"] > 0, tight
+
+
+TILES = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tools import gluon_budget as G
+print(json.dumps([G.forward_resources(K, 256, warm=w, states=s)
+                  for K, w, s in ((128, False, False), (128, True, False), (64, True, False), (128, True, True))]))
+"""
+
+
+def test_warp_specialised_forward_value_tiles_compile_without_spills():
+    """fused_fwd at V = 256 (the 340m layer), each program on a 128-wide value tile of the head:
+    compiles for sm_90 without spilling at the launch setting (K = 128 whole and segmented, K = 64
+    segmented, and as the backward's state pass), its shared memory the 128-wide tile's (ring,
+    S, Y, δ, δ̃ and P as at V = 128, plus under 16 KB of the compiler's scratch)."""
+    from gdn.ops.tuning import DELTA
+
+    VT = 128
+    for (K, states), r in zip(((128, False), (128, False), (64, False), (128, True)), _run(TILES)):
+        if states:
+            tiles = DELTA["fused_states"]["NS"] * (64 * K + 64 * VT + 64 * 64) * 2 + (K * VT + 3 * 64 * VT) * 2
+        else:
+            tiles = (DELTA["fused_fwd"]["NS"] * (2 * 64 * K + 64 * VT + 64 * 64) * 2
+                     + (K * VT + 3 * 64 * VT + 64 * 64) * 2)
+        assert r["spill"] == 0 and r["shared"] <= 227 * 1024, (K, states, r)
+        assert tiles <= r["shared"] <= tiles + 16 * 1024, (K, states, r, tiles)

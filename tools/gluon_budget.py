@@ -130,7 +130,8 @@ def forward_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
     (:func:`gdn.ops.delta.triton.fused_fwd.fused_fwd_kernel`, bf16, initial and final state)
     compiled for sm_90 at the launch setting (or the given ring slots, partition registers and
     maxnreg; ``warm``: the warm-started segments' form; ``states``: the backward's state pass, no
-    output warpgroup, h and δ stored)."""
+    output warpgroup, h and δ stored), each program on a value tile of ``fused_fwd.value_tile(V)``
+    columns as the launch takes it."""
     from gdn.ops.delta.triton import fused_bwd as B  # noqa: PLC0415
     from gdn.ops.delta.triton import fused_fwd as F  # noqa: PLC0415
     from gdn.ops.tuning import DELTA  # noqa: PLC0415
@@ -139,22 +140,51 @@ def forward_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
     NS = c["NS"] if NS is None else NS
     regs = tuple(c["regs"] if regs is None else regs) + (0,)
     names = F.fused_fwd_kernel.arg_names
+    VT = F.value_tile(V)
 
     def desc(cols):
         return f"tensordesc<bf16[64, {cols}],{B._tile_layout((64, cols), gl.bfloat16)!r}>"
 
-    hdesc = f"tensordesc<bf16[{K}, {V}],{B._tile_layout((K, V), gl.bfloat16)!r}>"
-    sig = dict(q_t=desc(K), k_t=desc(K), v_t=desc(V), a_t=desc(64), h_t=hdesc, G="*fp32",
+    hdesc = f"tensordesc<bf16[{K}, {VT}],{B._tile_layout((K, VT), gl.bfloat16)!r}>"
+    sig = dict(q_t=desc(K), k_t=desc(K), v_t=desc(VT), a_t=desc(64), h_t=hdesc, G="*fp32",
                beta="*fp32", h0="*fp32", o="*bf16", VN="*bf16", ht="*fp32", cu="*i32", off="*i32", plan="*i32",
                seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
-    const = dict(K=K, V=V, NS=NS, DT=gl.bfloat16, USE_INIT=True, STORE_FINAL=True, WARM=warm, OUT=not states,
-                 STORE_H=states, R_COPY=regs[0],
-                 R_DELTA=regs[1], R_OUT=regs[2])
+    const = dict(K=K, V=V, VT=VT, NS=NS, DT=gl.bfloat16, USE_INIT=True, STORE_FINAL=True, WARM=warm,
+                 OUT=not states, STORE_H=states, R_COPY=regs[0], R_DELTA=regs[1], R_OUT=regs[2])
     sig.update({n: "constexpr" for n in const})
     at = {n: i for i, n in enumerate(names)}
     consts = {(at[n],): v for n, v in const.items()}
     sig = {n: sig[n] for n in names}
     return _compiled(GluonASTSource(F.fused_fwd_kernel, sig, consts, {}), c["num_warps"],
+                     maxnreg=c["maxnreg"] if maxnreg is None else maxnreg)
+
+
+def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg: int | None = None) -> dict:
+    """{"regs", "spill", "shared"} of the warp-specialised reverse pass
+    (:func:`gdn.ops.delta.triton.fused_rev.fused_rev_kernel`, bf16, final- and initial-state
+    gradients) compiled for sm_90 at the launch setting (or the given ring slots, partition registers
+    and maxnreg)."""
+    from gdn.ops.delta.triton import fused_bwd as B  # noqa: PLC0415
+    from gdn.ops.delta.triton import fused_rev as F  # noqa: PLC0415
+    from gdn.ops.tuning import DELTA  # noqa: PLC0415
+
+    c = DELTA["fused_rev"]
+    NS = c["NS"] if NS is None else NS
+    regs = tuple(c["regs"] if regs is None else regs)
+
+    def desc(rows, cols):
+        return f"tensordesc<bf16[{rows}, {cols}],{B._tile_layout((rows, cols), gl.bfloat16)!r}>"
+
+    sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, V), a_t=desc(64, 64), dh_t=desc(K, V), G="*fp32",
+               beta="*fp32", dht="*fp32", dh0="*fp32", DD="*bf16", cu="*i32", ends="*i32", off="*i32", scale="fp32",
+               H="i32", HV="i32")
+    const = dict(K=K, V=V, NS=NS, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, R_COPY=regs[0], R_DELTA=regs[1],
+                 R_LOCAL=regs[2])
+    sig.update({n: "constexpr" for n in const})
+    names = F.fused_rev_kernel.arg_names
+    at = {n: i for i, n in enumerate(names)}
+    consts = {(at[n],): v for n, v in const.items()}
+    return _compiled(GluonASTSource(F.fused_rev_kernel, {n: sig[n] for n in names}, consts, {}), c["num_warps"],
                      maxnreg=c["maxnreg"] if maxnreg is None else maxnreg)
 
 

@@ -1,11 +1,18 @@
 """The forward's sequential pass of the gated delta rule as one warp-specialised Gluon kernel
 (``DELTA["fused_fwd"]``): the work of chunk_fwd's ``state_out_kernel`` (δ from the in-chunk
 inverse, the pair matrix formed beside the chain) for 16-bit inputs on compute capability 9, one
-program per (sequence, value head) holding the whole [K, V] state; without its output, the
-backward's recomputed state pass (``DELTA["fused_states"]``, storing h and δ).
+program per (sequence, value head, value tile) holding a [K, VT] column tile of the state; without
+its output, the backward's recomputed state pass (``DELTA["fused_states"]``, storing h and δ).
+
+The value columns of the rule are independent: X, δ, the output and the update of one value column
+read no other column of S, V or δ. So a head of V columns runs as NVT = V / VT programs of
+VT = min(V, 128) columns each (V = 256: two; the whole [K, 256] state and its tiles would need
+about 96 KB more shared memory than a multiprocessor has). Each reads its own columns of v, h0
+and writes its own of o, ht, h and δ; the q, k and T⁻¹ tiles and the pair matrix P are the same
+for every value tile of a head, copied and formed again by each program.
 
 The pass is a chain: each chunk's products need the state the previous chunk left. Per chunk,
-from the entering state S:
+from the entering state S (S, V, δ, O: the program's VT columns):
 
     X = K S,  δ = T⁻¹ diag(β)(V − diag(Γ) X)            (the chain)
     O = scale · (diag(Γ) Q S + P δ)                      (beside it)
@@ -67,15 +74,15 @@ def _bounds(cu, i_n, i_hv, HV, plan, WARM: gl.constexpr):
 
 
 @gluon.jit
-def _copies(q_t, k_t, v_t, a_t, ring_q, ring_k, ring_v, ring_a, ready, empty, cu, plan, i_n, i_h, i_hv, HV,
-            K: gl.constexpr, V: gl.constexpr, WARM: gl.constexpr, OUT: gl.constexpr):
+def _copies(q_t, k_t, v_t, a_t, ring_q, ring_k, ring_v, ring_a, ready, empty, cu, plan, i_n, i_h, i_hv, col,
+            HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, WARM: gl.constexpr, OUT: gl.constexpr):
     """The copy warp: chunk c's tiles into slot c % NS once the slot's readers released it (q only
-    with the output)."""
+    with the output; of v the program's VT columns from the head's column ``col``)."""
     NS: gl.constexpr = ring_k.shape[0]
     if OUT:
-        nbytes: gl.constexpr = (2 * BT * K + BT * V + BT * BT) * 2
+        nbytes: gl.constexpr = (2 * BT * K + BT * VT + BT * BT) * 2
     else:
-        nbytes: gl.constexpr = (BT * K + BT * V + BT * BT) * 2
+        nbytes: gl.constexpr = (BT * K + BT * VT + BT * BT) * 2
     bos, eos, nw, nc = _bounds(cu, i_n, i_hv, HV, plan, WARM)
     for c in range(nc):
         s = c % NS
@@ -84,7 +91,7 @@ def _copies(q_t, k_t, v_t, a_t, ring_q, ring_k, ring_v, ring_a, ready, empty, cu
         t0 = bos + c * BT
         mbarrier.expect(bar, nbytes)
         tma.async_copy_global_to_shared(k_t, [t0, i_h * K], bar, ring_k.index(s))
-        tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], bar, ring_v.index(s))
+        tma.async_copy_global_to_shared(v_t, [t0, i_hv * V + col], bar, ring_v.index(s))
         tma.async_copy_global_to_shared(a_t, [t0, i_hv * BT], bar, ring_a.index(s))
         if OUT:
             tma.async_copy_global_to_shared(q_t, [t0, i_h * K], bar, ring_q.index(s))
@@ -92,16 +99,18 @@ def _copies(q_t, k_t, v_t, a_t, ring_q, ring_k, ring_v, ring_a, ready, empty, cu
 
 @gluon.jit
 def _state(ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_empty, G, h0, ht, h_t, off, cu, plan,
-           seg_seq, seq_cu, i_n, i_hv, HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
-           USE_INIT: gl.constexpr, STORE_FINAL: gl.constexpr, WARM: gl.constexpr, STORE_H: gl.constexpr):
-    """The state warpgroup: S [K, V] in fp32 registers, published in 16 bits per chunk, updated by
-    Kᵀ δ̃ onto Γ_C S. ``WARM``: program i_n is a segment of sequence seg_seq[i_n] (tokens bounded
-    by seq_cu); it starts from h0 only where its warm-up reaches the sequence's start and stores
-    the final state only if it ends the sequence. ``STORE_H``: the 16-bit S entering each of the
-    program's own chunks is also copied out to h (descriptor h_t of [chunks · HV · K, V], the
-    chunk's global index off[i_n] + its index in the program's own chunks)."""
+           seg_seq, seq_cu, i_n, i_hv, col, HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr,
+           DT: gl.constexpr, USE_INIT: gl.constexpr, STORE_FINAL: gl.constexpr, WARM: gl.constexpr,
+           STORE_H: gl.constexpr):
+    """The state warpgroup: S [K, VT] (the head's [K, V] state's value columns from ``col``) in fp32
+    registers, published in 16 bits per chunk, updated by Kᵀ δ̃ onto Γ_C S. ``WARM``: program i_n
+    is a segment of sequence seg_seq[i_n] (tokens bounded by seq_cu); it starts from h0 only where
+    its warm-up reaches the sequence's start and stores the final state only if it ends the
+    sequence. ``STORE_H``: the 16-bit S entering each of the program's own chunks is also copied
+    out to h (descriptor h_t of [chunks · HV · K, V] in [K, VT] blocks, the chunk's global index
+    off[i_n] + its index in the program's own chunks)."""
     NS: gl.constexpr = ring_k.shape[0]
-    l_s: gl.constexpr = acc_layout(V, WG)
+    l_s: gl.constexpr = acc_layout(VT, WG)
     bos, eos, nw, nc = _bounds(cu, i_n, i_hv, HV, plan, WARM)
     i_seq = i_n
     at_start = True
@@ -111,13 +120,13 @@ def _state(ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_emp
         at_start = bos == gl.load(seq_cu + i_seq)
         at_end = eos == gl.load(seq_cu + i_seq + 1)
     o_k = gl.arange(0, K, layout=gl.SliceLayout(1, l_s))
-    o_v = gl.arange(0, V, layout=gl.SliceLayout(0, l_s))
-    base = (i_seq * HV + i_hv).to(gl.int64) * K * V  # (the [K, V] offsets are formed where used: held
+    o_v = col + gl.arange(0, VT, layout=gl.SliceLayout(0, l_s))
+    base = (i_seq * HV + i_hv).to(gl.int64) * K * V  # (the [K, VT] offsets are formed where used: held
     # across the loop they would take registers the state's accumulator needs)
     if USE_INIT:
         b_s = gl.load(h0 + base + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & at_start, other=0.0)
     else:
-        b_s = gl.zeros([K, V], gl.float32, l_s)
+        b_s = gl.zeros([K, VT], gl.float32, l_s)
     for c in range(nc):
         s = c % NS
         par = c & 1
@@ -129,7 +138,7 @@ def _state(ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_emp
         mbarrier.arrive(s_ready, count=1)
         if STORE_H:
             if c >= nw:
-                tma.async_copy_shared_to_global(h_t, [((gl.load(off + i_n) + c - nw) * HV + i_hv) * K, 0], s_buf)
+                tma.async_copy_shared_to_global(h_t, [((gl.load(off + i_n) + c - nw) * HV + i_hv) * K, col], s_buf)
         last = gl.minimum(eos, bos + (c + 1) * BT) - 1
         b_gc = gl.exp(gl.load(G + last * HV + i_hv))
         mbarrier.wait(ready.index(s), (c // NS) & 1)
@@ -146,20 +155,20 @@ def _state(ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_emp
 
 @gluon.jit
 def _delta(ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf, d_buf, dt_buf, d_ready, d_empty, G,
-           beta, VN, cu, plan, i_n, i_hv, HV, V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr,
-           STORE_H: gl.constexpr):
-    """The δ warpgroup: X = K S, Y = diag(β)(V − diag(Γ) X), δ = T⁻¹ Y (zero on rows past the
-    sequence), δ̃ = diag(Γ_C / Γ) δ. ``STORE_H``: δ of the program's own chunks also goes to VN
-    [T, HV, V] (on the sequence's rows)."""
+           beta, VN, cu, plan, i_n, i_hv, col, HV, V: gl.constexpr, VT: gl.constexpr, DT: gl.constexpr,
+           WARM: gl.constexpr, STORE_H: gl.constexpr):
+    """The δ warpgroup, on the program's VT value columns: X = K S, Y = diag(β)(V − diag(Γ) X),
+    δ = T⁻¹ Y (zero on rows past the sequence), δ̃ = diag(Γ_C / Γ) δ. ``STORE_H``: δ of the
+    program's own chunks also goes to its columns of VN [T, HV, V] (on the sequence's rows)."""
     NS: gl.constexpr = ring_k.shape[0]
-    l_v: gl.constexpr = acc_layout(V, WG)
+    l_v: gl.constexpr = acc_layout(VT, WG)
     r_v: gl.constexpr = gl.SliceLayout(1, l_v)
-    st: gl.constexpr = _rows(V, WG)
+    st: gl.constexpr = _rows(VT, WG)
     bos, eos, nw, nc = _bounds(cu, i_n, i_hv, HV, plan, WARM)
     o_t = gl.arange(0, BT, layout=r_v)
     o_to = gl.arange(0, BT, layout=gl.SliceLayout(1, st))
-    o_vo = gl.arange(0, V, layout=gl.SliceLayout(0, st))
-    zero = gl.zeros([BT, V], gl.float32, l_v)
+    o_vo = col + gl.arange(0, VT, layout=gl.SliceLayout(0, st))  # (the offset folded in: see _output)
+    zero = gl.zeros([BT, VT], gl.float32, l_v)
     for c in range(nc):
         s = c % NS
         par = c & 1
@@ -197,25 +206,27 @@ def _delta(ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf,
 
 @gluon.jit
 def _output(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, p_buf, d_buf, d_ready, d_empty, G, o, cu, plan,
-            i_n, i_hv, HV, scale, V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr):
-    """The output warpgroup: O = scale · (diag(Γ) Q S + P δ), stored on the sequence's rows, with the
-    pair matrix P = Q Kᵀ ⊙ D (D_ij = exp(γ_i − γ_j) for i ≥ j, else 0) formed from the chunk's q and
-    k tiles while the chain forms δ (into its own shared-memory tile, the last product's left
-    operand). On a warm-up chunk it only passes the handshakes (its arrivals count on every
-    barrier)."""
+            i_n, i_hv, col, HV, scale, V: gl.constexpr, VT: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr):
+    """The output warpgroup: O = scale · (diag(Γ) Q S + P δ) on the program's VT value columns,
+    stored on the sequence's rows, with the pair matrix P = Q Kᵀ ⊙ D (D_ij = exp(γ_i − γ_j) for
+    i ≥ j, else 0) formed from the chunk's q and k tiles while the chain forms δ (into its own
+    shared-memory tile, the last product's left operand). On a warm-up chunk it only passes the
+    handshakes (its arrivals count on every barrier)."""
     NS: gl.constexpr = ring_q.shape[0]
-    l_v: gl.constexpr = acc_layout(V, WG)
+    l_v: gl.constexpr = acc_layout(VT, WG)
     r_v: gl.constexpr = gl.SliceLayout(1, l_v)
     l_t: gl.constexpr = acc_layout(BT, WG)
     o_r = gl.arange(0, BT, layout=gl.SliceLayout(1, l_t))
     o_c = gl.arange(0, BT, layout=gl.SliceLayout(0, l_t))
     zero_t = gl.zeros([BT, BT], gl.float32, l_t)
-    st: gl.constexpr = _rows(V, WG)
+    st: gl.constexpr = _rows(VT, WG)
     bos, eos, nw, nc = _bounds(cu, i_n, i_hv, HV, plan, WARM)
     o_t = gl.arange(0, BT, layout=r_v)
     o_to = gl.arange(0, BT, layout=gl.SliceLayout(1, st))
-    o_vo = gl.arange(0, V, layout=gl.SliceLayout(0, st))
-    zero = gl.zeros([BT, V], gl.float32, l_v)
+    # the program's columns of the head, its first column folded into the column indices: a separate
+    # offset (or a pointer offset by it) held across the loop spills at this partition's registers
+    o_vo = col + gl.arange(0, VT, layout=gl.SliceLayout(0, st))
+    zero = gl.zeros([BT, VT], gl.float32, l_v)
     for c in range(nc):
         s = c % NS
         par = c & 1
@@ -253,31 +264,39 @@ def _output(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, p_buf, d_buf,
 
 @gluon.jit
 def fused_fwd_kernel(q_t, k_t, v_t, a_t, h_t, G, beta, h0, o, VN, ht, cu, off, plan, seg_seq, seq_cu, scale, H,
-                     HV, K: gl.constexpr, V: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr, USE_INIT: gl.constexpr,
-                     STORE_FINAL: gl.constexpr, WARM: gl.constexpr, OUT: gl.constexpr, STORE_H: gl.constexpr,
-                     R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_OUT: gl.constexpr):
-    """One program per (sequence, value head) i_nh, walking the sequence's chunks. Descriptors: q_t,
-    k_t of [T, H · K] in [64, K] blocks; v_t of [T, HV · V] in [64, V] blocks; a_t (T⁻¹ rows,
+                     HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr,
+                     USE_INIT: gl.constexpr, STORE_FINAL: gl.constexpr, WARM: gl.constexpr, OUT: gl.constexpr,
+                     STORE_H: gl.constexpr, R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_OUT: gl.constexpr):
+    """One program per (sequence, value head, value tile), walking the sequence's chunks: V the
+    head's value width (the row length of v, o, VN, h0, ht, h), VT the program's tile of it (V a
+    multiple of VT; NVT = V / VT tiles a head), program id (i_n · HV + i_hv) · NVT + i_vt, so the
+    value tiles of one head, which copy the same q, k and T⁻¹ tiles, are neighbours. Descriptors:
+    q_t, k_t of [T, H · K] in [64, K] blocks; v_t of [T, HV · V] in [64, VT] blocks; a_t (T⁻¹ rows,
     kkt_solve's Ai) of [T, HV · 64] in [64, 64] blocks. G [T, HV] the in-chunk cumulative log
     decay γ; beta [T, HV] fp32; h0, ht [N, HV, K, V] fp32; o [T, HV, V]. ``WARM``: the programs
     are warm-started segments (cu their bounds, seg_seq their sequences, seq_cu the sequences'
-    bounds, plan [NS, HV] their warm-up chunks: split.warm_plan), as state_out_kernel's ``WARM``
-    form. ``OUT``: the output warpgroup runs (else q is not copied and the program is the state
-    pass alone). ``STORE_H``: the pass keeps what the backward reads, as state_fwd_kernel does: h
-    (descriptor h_t of the [chunks, HV, K, V] states, the chunk's global index off[i_n] + c) and δ
-    in VN [T, HV, V]. R_*: the registers a thread of the copy, δ and output partitions holds (the
-    state's partition takes the rest of the launch's ``maxnreg`` budget).
+    bounds, plan [NS, HV] their warm-up chunks: split.warm_plan, one count per segment and head that
+    its value tiles share, so they walk the same chunks), as state_out_kernel's ``WARM`` form.
+    ``OUT``: the output warpgroup runs (else q is not copied and the program is the state pass
+    alone). ``STORE_H``: the pass keeps what the backward reads, as state_fwd_kernel does: h
+    (descriptor h_t of the [chunks, HV, K, V] states in [K, VT] blocks, the chunk's global index
+    off[i_n] + c) and δ in VN [T, HV, V]. R_*: the registers a thread of the copy, δ and output
+    partitions holds (the state's partition takes the rest of the launch's ``maxnreg`` budget).
 
     A chunk's block may reach into the next sequence's rows (or past T, where the copies give
     zeros): β reads 0 there, so Y's rows are 0 and T⁻¹ (lower triangular) keeps the valid rows of δ
     clean; δ is zeroed on those rows before P δ and the state update, and their o rows are not
     stored."""
-    i_nh = gl.program_id(0)
+    NVT: gl.constexpr = V // VT
+    pid = gl.program_id(0)
+    i_vt = pid % NVT
+    i_nh = pid // NVT
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
+    col = i_vt * VT  # the program's first value column of the head
     ring_k = gl.allocate_shared_memory(DT, [NS, BT, K], k_t.layout)
-    ring_v = gl.allocate_shared_memory(DT, [NS, BT, V], v_t.layout)
+    ring_v = gl.allocate_shared_memory(DT, [NS, BT, VT], v_t.layout)
     ring_a = gl.allocate_shared_memory(DT, [NS, BT, BT], a_t.layout)
     if OUT:
         ring_q = gl.allocate_shared_memory(DT, [NS, BT, K], q_t.layout)
@@ -285,11 +304,11 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, h_t, G, beta, h0, o, VN, ht, cu, off, p
     else:  # not read
         ring_q = ring_k
         p_buf = ring_a.index(0)
-    s_buf = gl.allocate_shared_memory(DT, [K, V], gl.NVMMASharedLayout.get_default_for([K, V], DT))
-    rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, V], DT)
-    y_buf = gl.allocate_shared_memory(DT, [BT, V], rows)
-    d_buf = gl.allocate_shared_memory(DT, [BT, V], rows)
-    dt_buf = gl.allocate_shared_memory(DT, [BT, V], rows)
+    s_buf = gl.allocate_shared_memory(DT, [K, VT], gl.NVMMASharedLayout.get_default_for([K, VT], DT))
+    rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, VT], DT)
+    y_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
+    d_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
+    dt_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     hand = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
@@ -307,45 +326,57 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, h_t, G, beta, h0, o, VN, ht, cu, off, p
     if OUT:
         gl.warp_specialize([
             (_state, (ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_empty, G, h0, ht, h_t, off,
-                      cu, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, USE_INIT, STORE_FINAL, WARM, STORE_H)),
+                      cu, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, K, V, VT, DT, USE_INIT, STORE_FINAL, WARM,
+                      STORE_H)),
             (_copies, (q_t, k_t, v_t, a_t, ring_q, ring_k, ring_v, ring_a, ready, empty, cu, plan, i_n, i_h, i_hv,
-                       HV, K, V, WARM, OUT)),
+                       col, HV, K, V, VT, WARM, OUT)),
             (_delta, (ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf, d_buf, dt_buf, d_ready,
-                      d_empty, G, beta, VN, cu, plan, i_n, i_hv, HV, V, DT, WARM, STORE_H)),
+                      d_empty, G, beta, VN, cu, plan, i_n, i_hv, col, HV, V, VT, DT, WARM, STORE_H)),
             (_output, (ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, p_buf, d_buf, d_ready, d_empty, G, o,
-                       cu, plan, i_n, i_hv, HV, scale, V, DT, WARM)),
+                       cu, plan, i_n, i_hv, col, HV, scale, V, VT, DT, WARM)),
         ], [1, WG, WG], [R_COPY, R_DELTA, R_OUT])
     else:
         gl.warp_specialize([
             (_state, (ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_empty, G, h0, ht, h_t, off,
-                      cu, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, USE_INIT, STORE_FINAL, WARM, STORE_H)),
+                      cu, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, K, V, VT, DT, USE_INIT, STORE_FINAL, WARM,
+                      STORE_H)),
             (_copies, (q_t, k_t, v_t, a_t, ring_q, ring_k, ring_v, ring_a, ready, empty, cu, plan, i_n, i_h, i_hv,
-                       HV, K, V, WARM, OUT)),
+                       col, HV, K, V, VT, WARM, OUT)),
             (_delta, (ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf, d_buf, dt_buf, d_ready,
-                      d_empty, G, beta, VN, cu, plan, i_n, i_hv, HV, V, DT, WARM, STORE_H)),
+                      d_empty, G, beta, VN, cu, plan, i_n, i_hv, col, HV, V, VT, DT, WARM, STORE_H)),
         ], [1, WG], [R_COPY, R_DELTA])
 
 
 def usable(q, g, beta, K: int, V: int, name: str = "fused_fwd") -> bool:
     """Whether this pass takes the call (``DELTA[name]["on"]``: ``fused_fwd`` the forward,
-    ``fused_states`` the backward's recomputed state pass): gated delta member, 16-bit inputs, K and
-    V of 64 or 128, on a device that runs it (fused_bwd.hopper)."""
+    ``fused_states`` the backward's recomputed state pass): gated delta member, 16-bit inputs, K of
+    64 or 128, V of 64, 128 or 256 (256 as two value tiles of 128: :func:`value_tile`), on a device
+    that runs it (fused_bwd.hopper)."""
     return (bool(DELTA[name]["on"]) and g is not None and beta is not None
-            and q.dtype in (torch.bfloat16, torch.float16) and K in (64, 128) and V in (64, 128) and hopper(q))
+            and q.dtype in (torch.bfloat16, torch.float16) and K in (64, 128) and V in (64, 128, 256) and hopper(q))
+
+
+def value_tile(V: int) -> int:
+    """The value columns of one program: the whole head up to 128, else 128-wide tiles (a program's
+    [K, 128] state, ring and handed tiles fill a multiprocessor's shared memory)."""
+    return min(V, 128)
 
 
 def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN=None):
     """Launch the pass: with ``o`` the forward (q and scale given; fills o), else the state
-    pass alone filling h [NT, HV, K, V] and VN [T, HV, V]; ht [N, HV, K, V] when given. Where the
-    (sequence, value head) programs would leave multiprocessors idle, the sequences run as
-    warm-started segments (split.split_len at one program a multiprocessor: this program's shared
-    memory takes the whole of one)."""
+    pass alone filling h [NT, HV, K, V] and VN [T, HV, V]; ht [N, HV, K, V] when given. One program
+    per (sequence, value head, value tile of :func:`value_tile`); where those programs would leave
+    multiprocessors idle, the sequences run as warm-started segments (split.split_len counting every
+    value tile, at one program a multiprocessor: this program's shared memory takes the whole of
+    one), each segment's warm-up count per head shared by the head's value tiles."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     out = o is not None
     name = "fused_fwd" if out else "fused_states"
     c = DELTA[name]
-    L = split_len(ch, HV, 1, v.device, per_sm=1) if warm_split(G) else 0
+    VT = value_tile(V)
+    NVT = V // VT
+    L = split_len(ch, HV, NVT, v.device, per_sm=1) if warm_split(G) else 0
     programs, cu, off, plan, seg_seq = ch.N, ch.cu, ch.chunk_off, ch.cu, ch.cu
     if L:
         sg = make_segments(ch, L, v.device)
@@ -353,14 +384,14 @@ def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN
         plan = warm_plan(k, beta, G, sg, ch, HV)
     DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
     k_t = _tiles(k, T, (CHUNK, K), DT)
-    v_t = _tiles(v, T, (CHUNK, V), DT)
+    v_t = _tiles(v, T, (CHUNK, VT), DT)
     a_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
     q_t = _tiles(q, T, (CHUNK, K), DT) if out else k_t
-    h_t = _tiles(h, h.numel() // V, (K, V), DT) if h is not None else k_t
+    h_t = _tiles(h, h.numel() // V, (K, VT), DT) if h is not None else k_t
     regs = tuple(c["regs"]) + (0,) * (3 - len(c["regs"]))
-    launch(fused_fwd_kernel, (programs * HV,), q_t, k_t, v_t, a_t, h_t, G, beta,
+    launch(fused_fwd_kernel, (programs * HV * NVT,), q_t, k_t, v_t, a_t, h_t, G, beta,
            h0 if h0 is not None else G, o if out else G, VN if VN is not None else G, ht if ht is not None else G, cu,
-           off, plan, seg_seq, ch.cu, scale, H, HV, K=K, V=V, NS=c["NS"], DT=DT, USE_INIT=h0 is not None,
+           off, plan, seg_seq, ch.cu, scale, H, HV, K=K, V=V, VT=VT, NS=c["NS"], DT=DT, USE_INIT=h0 is not None,
            STORE_FINAL=ht is not None, WARM=bool(L), OUT=out, STORE_H=h is not None, R_COPY=regs[0],
            R_DELTA=regs[1], R_OUT=regs[2], maxnreg=c["maxnreg"], name=name)
     if L:
