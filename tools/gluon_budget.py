@@ -159,11 +159,12 @@ def forward_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
                      maxnreg=c["maxnreg"] if maxnreg is None else maxnreg)
 
 
-def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg: int | None = None) -> dict:
+def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg: int | None = None,
+                      warm: bool = False) -> dict:
     """{"regs", "spill", "shared"} of the warp-specialised reverse pass
     (:func:`gdn.ops.delta.triton.fused_rev.fused_rev_kernel`, bf16, final- and initial-state
     gradients) compiled for sm_90 at the launch setting (or the given ring slots, partition registers
-    and maxnreg)."""
+    and maxnreg; ``warm``: the warm-started segments' form)."""
     from gdn.ops.delta.triton import fused_bwd as B  # noqa: PLC0415
     from gdn.ops.delta.triton import fused_rev as F  # noqa: PLC0415
     from gdn.ops.tuning import DELTA  # noqa: PLC0415
@@ -176,10 +177,10 @@ def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
         return f"tensordesc<bf16[{rows}, {cols}],{B._tile_layout((rows, cols), gl.bfloat16)!r}>"
 
     sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, V), a_t=desc(64, 64), dh_t=desc(K, V), G="*fp32",
-               beta="*fp32", dht="*fp32", dh0="*fp32", DD="*bf16", cu="*i32", ends="*i32", off="*i32", scale="fp32",
-               H="i32", HV="i32")
-    const = dict(K=K, V=V, NS=NS, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, R_COPY=regs[0], R_DELTA=regs[1],
-                 R_LOCAL=regs[2])
+               beta="*fp32", dht="*fp32", dh0="*fp32", DD="*bf16", cu="*i32", ends="*i32", off="*i32", plan="*i32",
+               seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
+    const = dict(K=K, V=V, NS=NS, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, WARM=warm, R_COPY=regs[0],
+                 R_DELTA=regs[1], R_LOCAL=regs[2])
     sig.update({n: "constexpr" for n in const})
     names = F.fused_rev_kernel.arg_names
     at = {n: i for i, n in enumerate(names)}

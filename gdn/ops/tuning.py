@@ -102,10 +102,11 @@ DELTA = {
     # (docs/TRITON.md).
     "fused_bwd": dict(num_warps=8, stages=(1,), BV=64, NS=2, on=True),
     # The forward's sequential pass as one warp-specialised Gluon kernel (delta.triton.fused_fwd),
-    # on for gated delta members in 16 bits on compute capability 9 with K and V of 64 or 128 (else
-    # state_out): one program per (sequence or warm-started segment, value head) holding the whole
-    # state, a state, a δ and an output warpgroup (which forms the pair matrix itself) and a copy
-    # warp, the chunks' tiles through a ring of NS slots. regs: the copy, δ and output partitions'
+    # on for gated delta members in 16 bits on compute capability 9 with K of 64 or 128 and V of 64,
+    # 128 or 256 (else state_out): one program per (sequence or warm-started segment, value head,
+    # value tile of at most 128 columns) holding that tile of the state, a state, a δ and an output
+    # warpgroup (which forms the pair matrix itself) and a copy warp, the chunks' tiles through a
+    # ring of NS slots. regs: the copy, δ and output partitions'
     # registers a thread (the state's takes the rest of maxnreg times the program's 16 warps: 192;
     # with 16 fewer for the output, or for the state, the kernel spills).
     # H200 forward GPU µs, this pass + kkt_solve (+ warm_plan) against state_out + kkt_solve (bf16,
@@ -117,6 +118,14 @@ DELTA = {
     # h and δ stored as the chain forms them): regs of the copy and δ partitions (the state's gets
     # 3 · 136 − 24 − 160 = 224; at 152 for δ it spills).
     "fused_states": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 160), maxnreg=136, on=True),
+    # The backward's reverse pass as one warp-specialised Gluon kernel (delta.triton.fused_rev: the
+    # work of dv_local and state_bwd), on for gated delta members in 16 bits on compute capability 9
+    # with K and V of 64 or 128 where the pass is not split: a state, a δ and a local warpgroup and
+    # a copy warp, as fused_fwd. regs: the copy, δ and local partitions' registers a thread.
+    # fill_sliced: where dS_out of every chunk would pass state_bwd's slice_MB, the pass splits into
+    # warm-started segments (which keep every chunk's dS_out at once) only if the programs of the
+    # longest sequences number fewer than this times the multiprocessors; else it runs sliced.
+    "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, fill_sliced=0.25),
     "cumsum": dict(num_warps=1, stages=(1,)),
     "warm_plan": dict(num_warps=4, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in

@@ -861,12 +861,14 @@ def test_launch_settings_name_what_they_do_not_know():
         tuning.DELTA.update(saved)
 
 
-def test_warm_plan_counts_the_walk_of_each_segment():
+@pytest.mark.parametrize("after", (False, True), ids=("before", "after"))
+def test_warm_plan_counts_the_walk_of_each_segment(after):
     """split.warm_plan (the warm-up chunks of each segment and value head, which the warp-specialised
-    forward reads before it starts) walks back as the passes' own warm-up does: packed sequences
-    (one empty, one of a single token) in segments of one chunk, each head its own decay and keys
-    of mixed norms, against the walk written out in torch from the raw gate (a chunk's bound: the
-    sum of its g, plus log max(1, |1 − β‖k‖²|) of each row)."""
+    passes read before they start) walks back (the forward's; ``after``: forward from the segment's
+    end, the reverse pass's) as the passes' own warm-up does: packed sequences (one empty, one of a
+    single token) in segments of one chunk, each head its own decay and keys of mixed norms, against
+    the walk written out in torch from the raw gate (a chunk's bound: the sum of its g, plus
+    log max(1, |1 − β‖k‖²|) of each row)."""
     from gdn.ops.delta.triton import split
     from gdn.ops.triton.common import chunk_cumsum, make_chunks, make_segments
 
@@ -879,16 +881,16 @@ def test_warm_plan_counts_the_walk_of_each_segment():
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     ch = make_chunks(1, T, cu, k.device)
     sg = make_segments(ch, 1, k.device)
-    nw = split.warm_plan(k, beta, chunk_cumsum(g, ch), sg, ch, HV)
+    nw = split.warm_plan(k, beta, chunk_cumsum(g, ch), sg, ch, HV, after=after)
     seg_cu, seq = sg.cu.tolist(), sg.seq.tolist()
     nk = (k.double() ** 2).sum(-1)  # [T, H]
     for s in range(sg.NS):
-        sbos = int(cu[seq[s]])
+        sbos, seos = int(cu[seq[s]]), int(cu[seq[s] + 1])
         for hv in range(HV):
-            expect, acc, bos = 0, 0.0, seg_cu[s]
-            while acc > -16.0 and bos - expect * BT > sbos:
-                r0 = bos - (expect + 1) * BT
-                rows = slice(r0, r0 + BT)
+            expect, acc, bos, eos = 0, 0.0, seg_cu[s], seg_cu[s + 1]
+            while acc > -16.0 and (eos + expect * BT < seos if after else bos - expect * BT > sbos):
+                r0 = eos + expect * BT if after else bos - (expect + 1) * BT
+                rows = slice(r0, min(r0 + BT, seos))
                 acc += float(g[rows, hv].double().sum()
                              + (1 - beta[rows, hv].double() * nk[rows, hv // (HV // H)]).abs().clamp(min=1).log().sum())
                 expect += 1

@@ -26,11 +26,11 @@ import triton
 import triton.language as tl
 
 from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, gate_load,
-                              launch, make_segments, make_slices, pow2, tl_dtype, value_cols)
+                              launch, make_segments, make_slices, pow2, sm_count, tl_dtype, value_cols)
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
 from .chunk_fwd import _block, state_tile, tile_reads
-from .split import chain, fill_empty, split_len, warm_split, warm_up
+from .split import chain, fill_empty, split_len, warm_plan, warm_split, warm_up
 
 
 @triton.jit
@@ -404,6 +404,16 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DKO, DV, DB, DGAM, DG, cu, chun
         tl.store(DG + rows * HV + i_hv, b_dg, mask=m)
 
 
+def _fused_rev():
+    """The Gluon reverse pass's module (delta.triton.fused_rev), imported on first use; None where
+    this triton has no Gluon."""
+    try:
+        from . import fused_rev  # noqa: PLC0415
+    except ImportError:
+        return None
+    return fused_rev
+
+
 def _fused_bwd():
     """The Gluon fused backward's module (delta.triton.fused_bwd), imported on first use; None where
     this triton has no Gluon."""
@@ -437,11 +447,6 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                                                    gamma=gamma)
     dummy = v
     gp = g if gated else dummy
-    DVL = torch.empty(T, HV, V, device=dev, dtype=io)
-    BK, BV = tiles("dv_local", K, V)
-    launch(dv_local_kernel, (cdiv(V, BV), ch.NT, HV),
-           q, k, gp, do, DVL, ch.cu, ch.chunk_idx, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
-           USE_G=gated, PREC=prec, DT=DT, name="dv_local")
     SK, SV = state_tile("state_bwd", ch, HV, K, V, dev)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
                   beta=beta if delta else dummy, seg_seq=ch.cu, seq_cu=ch.cu, FROM_INV=from_inv, name="state_bwd")
@@ -451,30 +456,55 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # the warm-started split's value tile: at most 32 (ptxas, sm_90, K = 128: 64-wide tiles of the
     # reverse pass spill 168–512 B at every depth, 32-wide ones none); its segments fill the card
     WV = min(tiles("state_bwd", K, V)[1], 32)
-    L = split_len(ch, HV, cdiv(V, WV if warm_split(g) else SV), dev, warm_split(g))
+    # the reverse pass as one warp-specialised kernel (delta.triton.fused_rev: dv_local's work inside,
+    # one program per sequence or warm-started segment and value head, at most one a multiprocessor:
+    # its shared memory takes one whole); else dv_local, then state_bwd (not for the chained split)
+    rev = _fused_rev() if from_inv else None
+    rev = rev if rev is not None and rev.usable(q, g, beta, K, V) else None
+    L = split_len(ch, HV, 1, dev, warm_split(g), per_sm=1) if rev is not None else 0
+    budget = DELTA["state_bwd"]["slice_MB"] * 2 ** 20
+    if (L and budget and ch.NT * HV * K * V * v.element_size() > budget
+            and ch.long_sequences * HV >= DELTA["fused_rev"]["fill_sliced"] * sm_count(dev)):
+        L = 0  # the split keeps every chunk's dS_out at once: sliced instead, where programs fill enough
+    if rev is None or (L and not warm_split(g)):
+        rev = None
+        L = split_len(ch, HV, cdiv(V, WV if warm_split(g) else SV), dev, warm_split(g))
     warm = bool(L) and warm_split(g)
+    DVL = torch.empty(T, HV, V, device=dev, dtype=io)  # dδ_loc (then dδ over it); dδ alone for fused_rev
+    if rev is None:
+        BK, BV = tiles("dv_local", K, V)
+        launch(dv_local_kernel, (cdiv(V, BV), ch.NT, HV),
+               q, k, gp, do, DVL, ch.cu, ch.chunk_idx, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
+               USE_G=gated, PREC=prec, DT=DT, name="dv_local")
     # dδ is written over dδ_loc (each program reads a chunk's rows before it writes them, and no
     # other program's), except by the warm-started split, whose warm-up reads the next segment's rows
-    DD = torch.empty(T, HV, V, device=dev, dtype=io) if warm else DVL
+    DD = torch.empty(T, HV, V, device=dev, dtype=io) if warm and rev is None else DVL
     # Sliced reverse pass (the plain one, where dS_out of every chunk would take more than
     # DELTA["state_bwd"]["slice_MB"]): the chunk positions are cut into slices, run last first, each
     # the reverse pass over its chunks (from the dS carried out of the slice after it) and then the
     # per-chunk kernels over them, so that dh holds one slice's chunks instead of all.
-    budget = DELTA["state_bwd"]["slice_MB"] * 2 ** 20
     nsl = 1 if L or not budget else min(ch.max_nc, cdiv(ch.NT * HV * K * V * DVL.element_size(), max(1, int(budget))))
     slices = make_slices(ch, cdiv(ch.max_nc, nsl), dev) if nsl > 1 else None
+    if slices and rev is not None and ch.shares_chunks:
+        # the per-chunk kernel reads a chunk's dδ tile whole, the next sequence's rows with it (and
+        # zeroes their terms): rows a later slice writes must hold finite values until then
+        DD.zero_()
     dh = torch.empty(max(sl.NT for sl in slices) if slices else ch.NT, HV, K, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None and not slices else None
     per_chunk = _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch, scale, grad_dtype, dv_dtype)
     del h, VN
     if warm:
-        # Warm-started split reverse pass (state_bwd_kernel's WARM form), as in the forward
+        # Warm-started split reverse pass (fused_rev's or state_bwd_kernel's WARM form), as in the forward
         sg = make_segments(ch, L, dev)
-        SV = WV
-        launch(state_bwd_kernel, (cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL,
-               dht if dht is not None else dummy, dh, DD, dh0 if dh0 is not None else dummy, sg.cu, sg.cu[1:],
-               sg.off, scale, BV=SV, USE_DHT=dht is not None, USE_INIT=h0 is not None, WARM=True,
-               LOG_EPS=float(DELTA["split"]["log_eps"]), **dict(common, seg_seq=sg.seq))
+        if rev is not None:
+            rev.reverse(q, k, do, gs, beta, Ai, dht, dh, DD, dh0, sg.cu, sg.cu[1:], sg.off, sg.NS, scale,
+                        warm=(warm_plan(k, beta, gs, sg, ch, HV, after=True), sg.seq, ch.cu))
+        else:
+            SV = WV
+            launch(state_bwd_kernel, (cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL,
+                   dht if dht is not None else dummy, dh, DD, dh0 if dh0 is not None else dummy, sg.cu, sg.cu[1:],
+                   sg.off, scale, BV=SV, USE_DHT=dht is not None, USE_INIT=h0 is not None, WARM=True,
+                   LOG_EPS=float(DELTA["split"]["log_eps"]), **dict(common, seg_seq=sg.seq))
         fill_empty(dh0, dht, ch)
     elif L:
         # Split reverse pass, as in the forward: (1) each segment's map dS_end ↦ Aᵀ dS_end + D from
@@ -489,11 +519,21 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         launch(state_bwd_kernel, (cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL, Send, dh, DD, dummy,
                sg.cu, sg.cu[1:], sg.off, scale, BV=SV, USE_DHT=True, USE_INIT=False, **common)
     else:
-        # the per-chunk inputs, perhaps as tensor descriptors
-        wr = ((Ai, BT) if from_inv else (Wp, K)) if delta else (k, K)
-        tma, (qa, ka, da, la, wa) = tile_reads("state_bwd", (q, K), (k, K), (do, SV), (DVL, SV), wr)
-        args = (cdiv(V, SV), ch.N * HV), qa, ka, gs, wa, da, la
-        kw = dict(BV=SV, TMA=tma, **common)
+        if rev is not None:
+            def reverse(dS_end, dS_0, starts, ends, off):
+                rev.reverse(q, k, do, gs, beta, Ai, dS_end, dh, DD, dS_0, starts, ends, off, ch.N, scale)
+        else:
+            # the per-chunk inputs, perhaps as tensor descriptors
+            wr = ((Ai, BT) if from_inv else (Wp, K)) if delta else (k, K)
+            tma, (qa, ka, da, la, wa) = tile_reads("state_bwd", (q, K), (k, K), (do, SV), (DVL, SV), wr)
+            args = (cdiv(V, SV), ch.N * HV), qa, ka, gs, wa, da, la
+            kw = dict(BV=SV, TMA=tma, **common)
+            del qa, ka, da, la, wa, wr
+
+            def reverse(dS_end, dS_0, starts, ends, off):
+                launch(state_bwd_kernel, *args, dS_end if dS_end is not None else dummy, dh, DD,
+                       dS_0 if dS_0 is not None else dummy, starts, ends, off, scale, USE_DHT=dS_end is not None,
+                       USE_INIT=dS_0 is not None, **kw)
         if slices:
             # dS carried between slices in place: a program reads its tile of it first and writes it last
             carry = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32)
@@ -501,16 +541,15 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                 carry.copy_(dht)
             for j, sl in enumerate(slices):
                 last = j == len(slices) - 1
-                launch(state_bwd_kernel, *args, carry, dh, DD, carry, sl.starts, sl.ends, sl.off, scale,
-                       USE_DHT=j > 0 or dht is not None, USE_INIT=not last or h0 is not None, **kw)
+                reverse(carry if j > 0 or dht is not None else None, carry if not last or h0 is not None else None,
+                        sl.starts, sl.ends, sl.off)
                 outs = per_chunk(sl.chunk_idx, sl.NT, last)
             if h0 is not None:
                 dh0 = carry
         else:
-            launch(state_bwd_kernel, *args, dht if dht is not None else dummy, dh, DD,
-                   dh0 if dh0 is not None else dummy, ch.cu, ch.cu[1:], ch.chunk_off, scale,
-                   USE_DHT=dht is not None, USE_INIT=h0 is not None, **kw)
-        del qa, ka, da, la, wa, wr, args  # (they hold DVL and W)
+            reverse(dht, dh0, ch.cu, ch.cu[1:], ch.chunk_off)
+        del reverse
+        args = None  # (state_bwd's inputs hold DVL and W)
     if not slices:
         del dh
         outs = per_chunk(ch.chunk_idx, ch.NT, True)

@@ -74,6 +74,21 @@ def _bounds(cu, i_n, i_hv, HV, plan, WARM: gl.constexpr):
 
 
 @gluon.jit
+def _edges(seg_seq, seq_cu, i_n, bos, eos, WARM: gl.constexpr):
+    """(sequence, whether the walk starts at its first row, whether it ends at its end) of program
+    i_n walking rows [bos, eos): itself and both where the programs are whole sequences (not
+    ``WARM``), else those of its segment's sequence seg_seq[i_n] (bounded by seq_cu)."""
+    i_seq = i_n
+    at_start = True
+    at_end = True
+    if WARM:
+        i_seq = gl.load(seg_seq + i_n)
+        at_start = bos == gl.load(seq_cu + i_seq)
+        at_end = eos == gl.load(seq_cu + i_seq + 1)
+    return i_seq, at_start, at_end
+
+
+@gluon.jit
 def _copies(q_t, k_t, v_t, a_t, ring_q, ring_k, ring_v, ring_a, ready, empty, cu, plan, i_n, i_h, i_hv, col,
             HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, WARM: gl.constexpr, OUT: gl.constexpr):
     """The copy warp: chunk c's tiles into slot c % NS once the slot's readers released it (q only
@@ -112,13 +127,7 @@ def _state(ring_k, ready, empty, s_buf, s_ready, s_empty, dt_buf, d_ready, d_emp
     NS: gl.constexpr = ring_k.shape[0]
     l_s: gl.constexpr = acc_layout(VT, WG)
     bos, eos, nw, nc = _bounds(cu, i_n, i_hv, HV, plan, WARM)
-    i_seq = i_n
-    at_start = True
-    at_end = True
-    if WARM:
-        i_seq = gl.load(seg_seq + i_n)
-        at_start = bos == gl.load(seq_cu + i_seq)
-        at_end = eos == gl.load(seq_cu + i_seq + 1)
+    i_seq, at_start, at_end = _edges(seg_seq, seq_cu, i_n, bos, eos, WARM)
     o_k = gl.arange(0, K, layout=gl.SliceLayout(1, l_s))
     o_v = col + gl.arange(0, VT, layout=gl.SliceLayout(0, l_s))
     base = (i_seq * HV + i_hv).to(gl.int64) * K * V  # (the [K, VT] offsets are formed where used: held

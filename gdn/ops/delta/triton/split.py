@@ -65,26 +65,28 @@ def warm_up(k, beta, G, seg_seq, seq_cu, i_s, bos, eos, i_hv, i_h, H, HV, o_t, o
 
 @triton.jit
 def warm_plan_kernel(k, beta, G, cu, seg_seq, seq_cu, nw_out, H, HV, K: tl.constexpr, BT: tl.constexpr,
-                     DELTA: tl.constexpr, LOG_EPS: tl.constexpr):
+                     DELTA: tl.constexpr, LOG_EPS: tl.constexpr, AFTER: tl.constexpr):
     """For each segment and value head (program (s, hv)): the warm-up chunks :func:`warm_up` walks
-    back before the segment, into nw_out [NS, HV] (int32), for a pass that takes them from memory
-    (delta.triton.fused_fwd, whose roles all need the count before they start)."""
+    back before the segment (``AFTER``: forward after it, the reverse pass's), into nw_out [NS, HV]
+    (int32), for a pass that takes them from memory (delta.triton.fused_fwd and fused_rev, whose
+    roles all need the count before they start)."""
     i_s, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     bos = tl.load(cu + i_s).to(tl.int64)
     eos = tl.load(cu + i_s + 1).to(tl.int64)
     _, _, _, nw = warm_up(k, beta, G, seg_seq, seq_cu, i_s, bos, eos, i_hv, i_h, H, HV, tl.arange(0, BT),
-                          tl.arange(0, K), K, BT, DELTA, LOG_EPS, False)
+                          tl.arange(0, K), K, BT, DELTA, LOG_EPS, AFTER)
     tl.store(nw_out + i_s * HV + i_hv, nw)
 
 
-def warm_plan(k, beta, G, sg, ch: Chunks, HV: int):
+def warm_plan(k, beta, G, sg, ch: Chunks, HV: int, after: bool = False):
     """nw [NS, HV] int32: :func:`warm_plan_kernel` over segments ``sg`` of the sequences ``ch``
-    (gated delta members: the one pass that takes the counts from memory runs only those)."""
+    (gated delta members: the passes that take the counts from memory run only those; ``after``:
+    the reverse pass's warm-up, after each segment)."""
     T, H, K = k.shape
     nw = torch.empty(sg.NS, HV, device=k.device, dtype=torch.int32)
     launch(warm_plan_kernel, (sg.NS, HV), k, beta, G, sg.cu, sg.seq, ch.cu, nw, H, HV, K=K, BT=BT, DELTA=True,
-           LOG_EPS=float(DELTA["split"]["log_eps"]), name="warm_plan")
+           LOG_EPS=float(DELTA["split"]["log_eps"]), AFTER=after, name="warm_plan")
     return nw
 
 

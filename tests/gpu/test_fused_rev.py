@@ -1,0 +1,49 @@
+"""The warp-specialised reverse pass of the gated delta rule's backward
+(gdn.ops.delta.triton.fused_rev, ``DELTA["fused_rev"]``) on the GPU: the cases of test_chunk.py it
+takes (K and V of 64 or 128 after padding), bf16 and fp16, against the float64 reference at tier 3,
+the pass run whole, slice by slice (one chunk a slice, the carried dS read and written in place) or
+as warm-started segments; and the launches show it replaced dv_local and state_bwd. Gluon has no interpreter, so this is its
+only check of results."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gdn.ops import tuning
+from gdn.ops.delta.triton import chunk_bwd, fused_rev
+from gdn.ops.delta.triton import split as split_mod
+
+from .helpers import assert_within, dtype_id, launched
+from .test_chunk import AWKWARD, BENCH, check_once
+
+
+def _width(n: int) -> int:
+    return max(32, 1 << (n - 1).bit_length())
+
+
+CASES = [c for c in AWKWARD if _width(c[5]) in (64, 128) and _width(c[6]) in (64, 128)] + [BENCH[0], BENCH[3]]
+
+
+@pytest.mark.parametrize("mode", ("whole", "chunk-slices", "segments-of-2"))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in CASES])
+def test_fused_reverse(case, dtype, mode, monkeypatch):
+    """Whole sequences; one chunk a slice; or warm-started segments of two chunks (each program
+    first walks its warm-up chunks after the segment: split.warm_plan's ``after`` walk)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMAs: compute capability 9")
+    monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], on=True))
+    split = 2 if mode == "segments-of-2" else 0
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], warm=bool(split), L=split))
+    # slice_MB: 0 never slices; a budget below one chunk's dS makes every chunk a slice
+    sliced = mode == "chunk-slices"
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=1e-9 if sliced else 0))
+    seen = launched(monkeypatch, fused_rev, chunk_bwd, split_mod)
+    errs, bounds = check_once(case, "gated_delta_rule", 3400 + CASES.index(case), dtype)
+    assert "fused_rev_kernel" in seen and "state_bwd_kernel" not in seen and "dv_local_kernel" not in seen, seen
+    longest = max(case[7] or [case[2]])
+    if sliced and longest > 64:  # a sequence of more than one chunk: several slices
+        assert seen.count("fused_rev_kernel") > 1, seen
+    if split and longest > 2 * 64:  # a sequence of more than two chunks: segments
+        assert "warm_plan_kernel" in seen, seen
+    assert_within(errs, bounds, f"warp-specialised reverse pass at {case[0]}, {dtype_id(dtype)}, {mode}")

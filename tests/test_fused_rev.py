@@ -1,0 +1,148 @@
+"""The warp-specialised reverse pass (gdn.ops.delta.triton.fused_rev) without a GPU: which kernels
+the gated delta rule's backward launches on a Hopper card, recorded on the CPU
+(gdn.ops.triton.launch.recording: nothing runs; the card's 132 multiprocessors assumed), and the
+kernel compiled for sm_90 at its launch setting. Its results are checked on the GPU
+(tests/gpu/test_fused_rev.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon")
+
+from gdn.ops import tuning  # noqa: E402
+from gdn.ops.delta.triton import chunk, chunk_bwd, chunk_fwd, fused_bwd, fused_fwd, fused_rev, split  # noqa: E402
+from gdn.ops.triton import common  # noqa: E402
+from gdn.ops.triton import launch as launcher  # noqa: E402
+
+SMS = 132
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    for mod in (fused_bwd, fused_fwd, fused_rev):
+        monkeypatch.setattr(mod, "hopper", lambda q: True)
+    for mod in (launcher, common, chunk, chunk_fwd, chunk_bwd, split):
+        if hasattr(mod, "sm_count"):
+            monkeypatch.setattr(mod, "sm_count", lambda device: SMS)
+
+
+def _backward(B, T, H, HV, K, V, dtype=torch.bfloat16, h0=False):
+    q = torch.empty(B * T, H, K, dtype=dtype)
+    k, v = torch.empty_like(q), torch.empty(B * T, HV, V, dtype=dtype)
+    g, beta = torch.zeros(B * T, HV), torch.zeros(B * T, HV)
+    s0 = torch.zeros(B, HV, K, V) if h0 else None
+    ch = common.make_chunks(B, T, None, torch.device("cpu"))
+    with launcher.recording():
+        _, _, ai, gam = chunk._forward(q, k, v, g, beta, s0, ch, False, K ** -0.5, dtype)
+    with launcher.recording() as bwd:
+        chunk_bwd.backward(q, k, v, g, beta, s0, v, s0, ch, K ** -0.5, ai, dtype, gam)
+    return [(kernel.fn.__name__, grid, meta) for kernel, grid, _, meta in bwd]
+
+
+def test_the_reverse_pass_replaces_dv_local_and_state_bwd(hopper, monkeypatch):
+    """(2, 512) at 4 heads: one launch over the (sequence, value head) programs, from the final-state
+    gradient to the initial state's, then the per-chunk kernel."""
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=0))
+    names = [n for n, _, _ in _backward(2, 512, 4, 4, 128, 128, h0=True)]
+    assert "dv_local_kernel" not in names and "state_bwd_kernel" not in names, names
+    assert names.index("fused_rev_kernel") < names.index("fused_bwd_kernel"), names
+    (grid, meta), = [(g, m) for n, g, m in _backward(2, 512, 4, 4, 128, 128, h0=True) if n == "fused_rev_kernel"]
+    assert grid == (2 * 4,) and meta["USE_DHT"] and meta["USE_INIT"] and meta["K"] == meta["V"] == 128, meta
+
+
+def test_slices_carry_the_state_gradient(hopper):
+    """(8, 2048, 16, 128): dS_out of every chunk would take 128 MiB, twice the 64 MiB budget: two
+    slices, last first, each the pass then the per-chunk kernel over its chunks; the carried dS is
+    read by the second and written by the first."""
+    launches = _backward(8, 2048, 16, 16, 128, 128)
+    names = [n for n, _, _ in launches]
+    rev = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
+    assert len(rev) == 2 and "state_bwd_kernel" not in names and "dv_local_kernel" not in names, names
+    assert [n for n in names if n in ("fused_rev_kernel", "fused_bwd_kernel")] == ["fused_rev_kernel",
+                                                                                 "fused_bwd_kernel"] * 2, names
+    assert [m["USE_DHT"] for _, m in rev] == [False, True], rev
+    assert [m["USE_INIT"] for _, m in rev] == [True, False], rev
+    assert all(g == (8 * 16,) for g, _ in rev), rev
+
+
+def test_few_long_sequences_run_as_segments(hopper):
+    """1 × 32768 at 16 heads: 16 programs would leave the card idle; warm-started segments give at
+    most one program a multiprocessor, each warm-up count (after the segment) from warm_plan."""
+    launches = _backward(1, 32768, 16, 16, 128, 128, h0=True)
+    names = [n for n, _, _ in launches]
+    assert "state_bwd_kernel" not in names and "dv_local_kernel" not in names, names
+    (grid, meta), = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
+    assert meta["WARM"] and meta["USE_DHT"] and meta["USE_INIT"] and SMS // 2 < grid[0] <= SMS, (grid, meta)
+    plans = [m for n, _, m in launches if n == "warm_plan_kernel"]
+    assert plans[-1]["AFTER"] and names.index("warm_plan_kernel", names.index("fused_fwd_kernel")) < names.index(
+        "fused_rev_kernel"), names
+
+
+def test_slices_rather_than_segments_where_the_programs_fill_enough(hopper):
+    """(4, 8192) at 16 heads: 64 programs, half the card; segments would keep all 512 chunks' dS_out
+    (256 MiB) at once, so the pass runs in four slices instead (fill_sliced), unsplit."""
+    launches = _backward(4, 8192, 16, 16, 128, 128)
+    rev = [m for n, _, m in launches if n == "fused_rev_kernel"]
+    assert len(rev) == 4 and not any(m["WARM"] for m in rev), [n for n, _, _ in launches]
+
+
+def test_chained_split_and_calls_it_does_not_take_keep_the_triton_passes(hopper, monkeypatch):
+    for K, V, dtype in ((128, 256, torch.bfloat16), (128, 128, torch.float32), (256, 128, torch.bfloat16)):
+        names = [n for n, _, _ in _backward(2, 256, 2, 2, K, V, dtype)]
+        assert "fused_rev_kernel" not in names and "state_bwd_kernel" in names, (K, V, dtype, names)
+    # a chained split (an explicit segment length without the warm start): state_bwd's AUG form
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=4, warm=False))
+    names = [n for n, _, _ in _backward(1, 2048, 2, 2, 128, 128)]
+    assert "fused_rev_kernel" not in names and "chain_kernel" in names, names
+
+
+def test_off_switch(hopper, monkeypatch):
+    monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], on=False))
+    names = [n for n, _, _ in _backward(2, 512, 4, 4, 128, 128)]
+    assert "fused_rev_kernel" not in names and "state_bwd_kernel" in names and "dv_local_kernel" in names, names
+
+
+COMPILE = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tools import gluon_budget as G
+print(json.dumps([G.reverse_resources(K, V, warm=w) for K, V, w in ((128, 128, False), (128, 128, True),
+                                                                    (64, 64, True), (128, 64, False))]
+                 + [G.reverse_resources(128, 128, regs=(24, 152, 152))]))
+"""
+
+
+def test_compiles_without_spills_in_shared_memory():
+    """sm_90 at the launch setting: no spills at K = V = 128 (whole sequences and warm-started
+    segments) and the narrower heads, within the
+    card's 227 KB of shared memory; the ring's tiles (q, k, dO, T in two slots) and the handed ones
+    (dS, Pᵀ, L, dδ, Z, dÕ) are most of it; the local warpgroup needs the registers the setting gives
+    it (at 152 a thread it spills)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", COMPILE.format(root=str(ROOT))], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    *fits, tight = json.loads(p.stdout.strip().splitlines()[-1])
+    NS = tuning.DELTA["fused_rev"]["NS"]
+    tiles = NS * (2 * 64 * 128 + 64 * 128 + 64 * 64) * 2 + (128 * 128 + 64 * 64 + 4 * 64 * 128) * 2
+    assert tiles <= fits[0]["shared"] <= 227 * 1024, (tiles, fits[0])
+    assert all(r["spill"] == 0 for r in fits), fits
+    assert tight["spill"] > 0, tight
+
+
+@pytest.mark.parametrize("B, T, lens, shares", [(2, 256, None, False), (2, 300, None, True), (1, 300, None, False),
+                                                (1, 197, (64, 128, 5), False), (1, 66, (65, 1), True)])
+def test_which_layouts_share_chunks_between_sequences(B, T, lens, shares):
+    """Chunks.shares_chunks (whether the sliced pass must zero dδ first): a sequence but the last
+    ending inside a chunk."""
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) if lens else None
+    assert common.make_chunks(B, T, cu, torch.device("cpu")).shares_chunks is shares
