@@ -4,7 +4,6 @@ entry in :mod:`gdn.ops.tuning`, and the parallel first-call compile.
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import math
 import os
@@ -120,21 +119,20 @@ def run(kernel, grid, args, kw, key):
     """``kernel[grid](*args, **kw)``; ``key`` names (kernel, its keyword arguments) for the cache.
 
     Triton's own path (``JITFunction.run``) costs 25-42 µs of host time per launch of these
-    kernels on the H200's host (its binder formats each tensor descriptor's layout to specialise
-    on it), its compiled kernel's launcher 8-12 (docs/BENCHMARKS.md): the first launch of each
-    specialisation goes through Triton's path, which compiles and launches; later ones find the
-    compiled kernel by :func:`_arg_key` of every parameter's value (at least as fine as Triton's
-    own specialisation, so the kernel found is the one Triton would take) and call its launcher
-    directly (:func:`_launcher`). Under the interpreter, while a launch hook is set (a profiler's),
-    and for an argument of a kind :func:`_arg_key` does not know, always Triton's path."""
+    kernels on the H200's host, its compiled kernel's launcher 8-12 (docs/BENCHMARKS.md): the
+    first launch of each specialisation goes through Triton's path, which compiles and launches;
+    later ones bind the arguments with Triton's own binder (the specialisation Triton keys its
+    cache on, so the compiled kernel found is the one Triton would take) and call that kernel's
+    launcher directly (:func:`_launcher`). Under the interpreter, and while a launch hook is set (a
+    profiler's), always Triton's path."""
     if INTERPRET or _hooked() or not hasattr(kernel, "device_caches"):
         return kernel[grid](*args, **kw)
     dev = torch.cuda.current_device()
+    bound, spec, _ = kernel.device_caches[dev][4](*args, **kw)
     try:
-        vals = _values(kernel, args, kw)
-        fk = (key, dev, tuple(_arg_key(v, c) for v, c in zip(vals, _params(kernel)[2])))
+        fk = (key, dev, tuple(spec))
         ck = _LAUNCHERS.get(fk)
-    except TypeError:  # an argument this does not know how Triton specialises: Triton's path
+    except TypeError:  # a specialisation that does not hash (e.g. of a tensor descriptor): Triton's path
         return kernel[grid](*args, **kw)
     if ck is None:
         ck = kernel[grid](*args, **kw)
@@ -143,74 +141,8 @@ def run(kernel, grid, args, kw, key):
         return ck
     ck, go = ck
     g = tuple(grid) + (1, 1)
-    go(g[0], g[1], g[2], _stream(dev), *vals)
+    go(g[0], g[1], g[2], _stream(dev), *bound.values())
     return ck
-
-
-_PARAMS: dict = {}
-_EMPTY = inspect.Parameter.empty
-
-
-def _params(kernel) -> tuple:
-    """(names, defaults, constexpr flags) of ``kernel``'s parameters, in order (read once a kernel)."""
-    hit = _PARAMS.get(kernel)
-    if hit is None:
-        ps = kernel.params
-        hit = _PARAMS[kernel] = (tuple(p.name for p in ps), tuple(p.default for p in ps),
-                                 tuple(bool(p.is_constexpr) for p in ps))
-    return hit
-
-
-def _values(kernel, args, kw) -> tuple:
-    """Every parameter's value in order, as Triton's binder binds them (the positional ``args``, then
-    each later parameter from ``kw`` or its default); TypeError where one has neither."""
-    names, defaults, _ = _params(kernel)
-    vals = list(args)
-    for n, d in zip(names[len(args):], defaults[len(args):]):
-        v = kw.get(n, d)
-        if v is _EMPTY:
-            raise TypeError(f"no value for {n}")
-        vals.append(v)
-    return tuple(vals)
-
-
-_INT32 = range(-2 ** 31, 2 ** 31)
-
-
-def _arg_key(v, constexpr: bool):
-    """What of argument ``v`` the compiled kernel depends on, at least as finely as Triton's
-    specialisation: a compile-time constant's value; a tensor's dtype and 16-byte alignment; an
-    int's being 1, its divisibility by 16 and its width; a tensor descriptor's dtype, block shape,
-    shared-memory layout and padding; a float's, bool's or None's kind. TypeError for another kind."""
-    if constexpr:
-        hash(v)
-        return v
-    if isinstance(v, torch.Tensor):
-        return v.dtype, v.data_ptr() % 16 == 0
-    t = type(v)
-    if t is int:
-        return v == 1, v % 16 == 0, v in _INT32, v >= 2 ** 63
-    if t is float or t is bool or v is None:
-        return t
-    if t in _DESCRIPTORS:
-        return t, v.base.dtype, tuple(v.block_shape), getattr(v, "layout", None), getattr(v, "padding", None)
-    raise TypeError(f"no launch key for {t.__name__}")
-
-
-def _descriptor_types() -> tuple:
-    """The tensor descriptor classes this triton has (Triton's and Gluon's)."""
-    out = []
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
-        out.append(TensorDescriptor)
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor  # noqa: PLC0415
-        out.append(GluonDescriptor)
-    except ImportError:
-        pass
-    return tuple(out)
-
-
-_DESCRIPTORS = _descriptor_types()
 
 
 #: The launcher layout :func:`_launcher` calls into: triton 3.6's CudaLauncher (its ``launch``, the C
