@@ -35,7 +35,8 @@ def hopper(monkeypatch):
             monkeypatch.setattr(mod, "sm_count", lambda device: SMS)
 
 
-def _backward(B, T, H, HV, K, V, dtype=torch.bfloat16, h0=False):
+def _recorded(B, T, H, HV, K, V, dtype=torch.bfloat16, h0=False):
+    """The backward's launches (kernel, grid, args, meta), recorded."""
     q = torch.empty(B * T, H, K, dtype=dtype)
     k, v = torch.empty_like(q), torch.empty(B * T, HV, V, dtype=dtype)
     g, beta = torch.zeros(B * T, HV), torch.zeros(B * T, HV)
@@ -45,7 +46,11 @@ def _backward(B, T, H, HV, K, V, dtype=torch.bfloat16, h0=False):
         _, _, ai, gam = chunk._forward(q, k, v, g, beta, s0, ch, False, K ** -0.5, dtype)
     with launcher.recording() as bwd:
         chunk_bwd.backward(q, k, v, g, beta, s0, v, s0, ch, K ** -0.5, ai, dtype, gam)
-    return [(kernel.fn.__name__, grid, meta) for kernel, grid, _, meta in bwd]
+    return bwd
+
+
+def _backward(B, T, H, HV, K, V, dtype=torch.bfloat16, h0=False):
+    return [(kernel.fn.__name__, grid, meta) for kernel, grid, _, meta in _recorded(B, T, H, HV, K, V, dtype, h0)]
 
 
 def test_the_reverse_pass_replaces_dv_local_and_state_bwd(hopper, monkeypatch):
@@ -95,8 +100,57 @@ def test_slices_rather_than_segments_where_the_programs_fill_enough(hopper):
     assert len(rev) == 4 and not any(m["WARM"] for m in rev), [n for n, _, _ in launches]
 
 
+def test_value_heads_of_256_run_as_two_value_tiles(hopper, monkeypatch):
+    """(2, 512) at 4 heads of V = 256: one program per (sequence, value head, 128-wide value tile),
+    the two tiles of a head neighbours in the grid; dO read and dh written in [64, 128] and
+    [K, 128] blocks of the whole [·, V]-wide rows."""
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=0))
+    B, T, HV, K, V = 2, 512, 4, 128, 256
+    launches = _recorded(B, T, 4, HV, K, V, h0=True)
+    names = [kernel.fn.__name__ for kernel, _, _, _ in launches]
+    assert "dv_local_kernel" not in names and "state_bwd_kernel" not in names, names
+    (grid, a), = [(grid, dict(zip(kernel.arg_names, args)) | meta) for kernel, grid, args, meta in launches
+                  if kernel.fn.__name__ == "fused_rev_kernel"]
+    assert grid == (B * HV * 2,) and a["USE_DHT"] and a["USE_INIT"] and not a["WARM"], (grid, a)
+    assert (a["K"], a["V"], a["VT"]) == (128, 256, 128), a
+    assert a["do_t"].block_shape == [64, 128] and list(a["do_t"].shape) == [B * T, HV * V], a["do_t"]
+    assert a["dh_t"].block_shape == [K, 128] and list(a["dh_t"].shape) == [B * T // 64 * HV * K, V], a["dh_t"]
+    assert fused_rev.value_tiles(64) == fused_rev.value_tiles(128) == 1 and fused_rev.value_tiles(256) == 2
+
+
+def test_value_heads_of_256_split_counting_every_tile(hopper):
+    """1 × 32768 at 16 heads of V = 256: 32 programs; the segments keep at most one program a
+    multiprocessor counting both value tiles, and warm_plan runs once per (segment, head), its
+    counts shared by the head's value tiles."""
+    launches = _backward(1, 32768, 16, 16, 128, 256, h0=True)
+    (grid, meta), = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
+    assert meta["WARM"] and SMS // 2 < grid[0] <= SMS, (grid, meta)
+    plan_grid = [g for n, g, _ in launches if n == "warm_plan_kernel"][-1]
+    assert grid[0] == plan_grid[0] * plan_grid[1] * 2 and plan_grid[1] == 16, (grid, plan_grid)
+
+
+def test_value_tiles_count_towards_filling_the_card_sliced(hopper):
+    """(2, 8192) at 16 heads of V = 256: dS_out of every chunk would take 256 MiB; the 2 · 16 · 2 = 64
+    programs (counting the value tiles) reach fill_sliced's quarter of the card, so the pass runs
+    sliced (four slices), unsplit, rather than as segments."""
+    launches = _backward(2, 8192, 16, 16, 128, 256)
+    rev = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
+    assert len(rev) == 4 and not any(m["WARM"] for _, m in rev), [n for n, _, _ in launches]
+    assert all(g == (2 * 16 * 2,) for g, _ in rev), rev
+
+
+def test_usable_value_widths(hopper):
+    q = torch.empty(4, 2, 128, dtype=torch.bfloat16)
+    g = beta = torch.zeros(4, 2)
+    for V in (64, 128, 256):
+        assert fused_rev.usable(q, g, beta, 128, V) and fused_rev.usable(q, g, beta, 64, V), V
+    for K, V in ((128, 32), (128, 512), (128, 192), (256, 128), (256, 256), (32, 128)):
+        assert not fused_rev.usable(q, g, beta, K, V), (K, V)
+
+
 def test_chained_split_and_calls_it_does_not_take_keep_the_triton_passes(hopper, monkeypatch):
-    for K, V, dtype in ((128, 256, torch.bfloat16), (128, 128, torch.float32), (256, 128, torch.bfloat16)):
+    for K, V, dtype in ((256, 256, torch.bfloat16), (128, 512, torch.bfloat16), (128, 128, torch.float32),
+                        (256, 128, torch.bfloat16)):
         names = [n for n, _, _ in _backward(2, 256, 2, 2, K, V, dtype)]
         assert "fused_rev_kernel" not in names and "state_bwd_kernel" in names, (K, V, dtype, names)
     # a chained split (an explicit segment length without the warm start): state_bwd's AUG form
@@ -116,14 +170,17 @@ import json, sys
 sys.path.insert(0, {root!r})
 from tools import gluon_budget as G
 print(json.dumps([G.reverse_resources(K, V, warm=w) for K, V, w in ((128, 128, False), (128, 128, True),
-                                                                    (64, 64, True), (128, 64, False))]
+                                                                    (64, 64, True), (128, 64, False),
+                                                                    (128, 256, False), (128, 256, True),
+                                                                    (64, 256, True))]
                  + [G.reverse_resources(128, 128, regs=(24, 152, 152))]))
 """
 
 
 def test_compiles_without_spills_in_shared_memory():
     """sm_90 at the launch setting: no spills at K = V = 128 (whole sequences and warm-started
-    segments) and the narrower heads, within the
+    segments), the narrower heads and V = 256 (each program on a 128-wide value tile: K = 128 whole
+    and segmented, K = 64 segmented, its shared memory the V = 128 program's), within the
     card's 227 KB of shared memory; the ring's tiles (q, k, dO, T in two slots) and the handed ones
     (dS, Pᵀ, L, dδ, Z, dÕ) are most of it; the local warpgroup needs the registers the setting gives
     it (at 152 a thread it spills)."""
@@ -136,6 +193,7 @@ def test_compiles_without_spills_in_shared_memory():
     tiles = NS * (2 * 64 * 128 + 64 * 128 + 64 * 64) * 2 + (128 * 128 + 64 * 64 + 4 * 64 * 128) * 2
     assert tiles <= fits[0]["shared"] <= 227 * 1024, (tiles, fits[0])
     assert all(r["spill"] == 0 for r in fits), fits
+    assert fits[4]["shared"] == fits[0]["shared"] and fits[5]["shared"] == fits[1]["shared"], fits
     assert tight["spill"] > 0, tight
 
 

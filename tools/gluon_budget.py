@@ -164,23 +164,26 @@ def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
     """{"regs", "spill", "shared"} of the warp-specialised reverse pass
     (:func:`gdn.ops.delta.triton.fused_rev.fused_rev_kernel`, bf16, final- and initial-state
     gradients) compiled for sm_90 at the launch setting (or the given ring slots, partition registers
-    and maxnreg; ``warm``: the warm-started segments' form)."""
+    and maxnreg; ``warm``: the warm-started segments' form), each program on a value tile of
+    ``fused_fwd.value_tile(V)`` columns as the launch takes it."""
     from gdn.ops.delta.triton import fused_bwd as B  # noqa: PLC0415
+    from gdn.ops.delta.triton import fused_fwd as FF  # noqa: PLC0415
     from gdn.ops.delta.triton import fused_rev as F  # noqa: PLC0415
     from gdn.ops.tuning import DELTA  # noqa: PLC0415
 
     c = DELTA["fused_rev"]
     NS = c["NS"] if NS is None else NS
     regs = tuple(c["regs"] if regs is None else regs)
+    VT = FF.value_tile(V)
 
     def desc(rows, cols):
         return f"tensordesc<bf16[{rows}, {cols}],{B._tile_layout((rows, cols), gl.bfloat16)!r}>"
 
-    sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, V), a_t=desc(64, 64), dh_t=desc(K, V), G="*fp32",
+    sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, VT), a_t=desc(64, 64), dh_t=desc(K, VT), G="*fp32",
                beta="*fp32", dht="*fp32", dh0="*fp32", DD="*bf16", cu="*i32", ends="*i32", off="*i32", plan="*i32",
                seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
-    const = dict(K=K, V=V, NS=NS, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, WARM=warm, R_COPY=regs[0],
-                 R_DELTA=regs[1], R_LOCAL=regs[2])
+    const = dict(K=K, V=V, VT=VT, NS=NS, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, WARM=warm,
+                 R_COPY=regs[0], R_DELTA=regs[1], R_LOCAL=regs[2])
     sig.update({n: "constexpr" for n in const})
     names = F.fused_rev_kernel.arg_names
     at = {n: i for i, n in enumerate(names)}

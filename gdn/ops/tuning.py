@@ -120,8 +120,9 @@ DELTA = {
     "fused_states": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 160), maxnreg=136, on=True),
     # The backward's reverse pass as one warp-specialised Gluon kernel (delta.triton.fused_rev: the
     # work of dv_local and state_bwd), on for gated delta members in 16 bits on compute capability 9
-    # with K and V of 64 or 128 where the pass is not split: a state, a δ and a local warpgroup and
-    # a copy warp, as fused_fwd. regs: the copy, δ and local partitions' registers a thread.
+    # with K of 64 or 128 and V of 64, 128 or 256 (value tiles of at most 128, as fused_fwd), but
+    # for the chained split: a state, a δ and a local warpgroup and a copy warp, as fused_fwd. regs:
+    # the copy, δ and local partitions' registers a thread.
     # fill_sliced: where dS_out of every chunk would pass state_bwd's slice_MB, the pass splits into
     # warm-started segments (which keep every chunk's dS_out at once) only if the programs of the
     # longest sequences number fewer than this times the multiprocessors; else it runs sliced.

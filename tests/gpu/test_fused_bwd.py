@@ -86,8 +86,10 @@ def test_sliced_reverse_pass(case, monkeypatch):
     """The reverse pass and the per-chunk kernels run slice by slice (``DELTA["state_bwd"]["slice_MB"]``
     forced below every dh, so each slice holds one chunk of each sequence): the same errors against
     the reference as the unsliced backward, to the bit, with the fused kernel (on compute capability
-    9) or the pair."""
+    9) or the pair; the reverse pass is state_bwd here (tests/gpu/test_fused_rev.py slices its
+    warp-specialised form)."""
     seed = 3300 + CASES.index(case)
+    monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], on=False))
     monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=0))
     whole = check_once(case, "gated_delta_rule", seed, torch.bfloat16)[0]
     monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=1e-6))

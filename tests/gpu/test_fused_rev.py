@@ -1,9 +1,11 @@
 """The warp-specialised reverse pass of the gated delta rule's backward
 (gdn.ops.delta.triton.fused_rev, ``DELTA["fused_rev"]``) on the GPU: the cases of test_chunk.py it
-takes (K and V of 64 or 128 after padding), bf16 and fp16, against the float64 reference at tier 3,
-the pass run whole, slice by slice (one chunk a slice, the carried dS read and written in place) or
-as warm-started segments; and the launches show it replaced dv_local and state_bwd. Gluon has no interpreter, so this is its
-only check of results."""
+takes (K and V of 64 or 128 after padding) and cases of value heads of 256 (two 128-wide value
+tiles a head: V = 256 and 200 padded, K = 128 and 64, grouped and packed heads, the 340m layer),
+bf16 and fp16, against the float64 reference at tier 3, the pass run whole, slice by slice (one
+chunk a slice, the carried dS read and written in place) or as warm-started segments; and the
+launches show it replaced dv_local and state_bwd. Gluon has no interpreter, so this is its only
+check of results."""
 from __future__ import annotations
 
 import pytest
@@ -21,7 +23,16 @@ def _width(n: int) -> int:
     return max(32, 1 << (n - 1).bit_length())
 
 
-CASES = [c for c in AWKWARD if _width(c[5]) in (64, 128) and _width(c[6]) in (64, 128)] + [BENCH[0], BENCH[3]]
+#: value heads of 256 (test_chunk.py's case tuples, as tests/gpu/test_fused_fwd.py's): two value
+#: tiles a head; V = 200 padded to 256 (the second tile's last columns zero), with an empty and a
+#: one-token sequence and grouped heads; the 340m model's layer
+WIDE = [
+    ("T=300 K=128 V=256", 2, 300, 2, 2, 128, 256, None, True),
+    ("packed K=64 V=200", 1, 360, 2, 4, 64, 200, (65, 1, 0, 63, 128, 103), True),
+    ("340m layer (4,4096,6,128,256)", 4, 4096, 6, 6, 128, 256, None, True),
+]
+CASES = ([c for c in AWKWARD if _width(c[5]) in (64, 128) and _width(c[6]) in (64, 128)] + [BENCH[0], BENCH[3]]
+         + WIDE)
 
 
 @pytest.mark.parametrize("mode", ("whole", "chunk-slices", "segments-of-2"))

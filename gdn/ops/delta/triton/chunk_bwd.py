@@ -457,14 +457,16 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # reverse pass spill 168–512 B at every depth, 32-wide ones none); its segments fill the card
     WV = min(tiles("state_bwd", K, V)[1], 32)
     # the reverse pass as one warp-specialised kernel (delta.triton.fused_rev: dv_local's work inside,
-    # one program per sequence or warm-started segment and value head, at most one a multiprocessor:
-    # its shared memory takes one whole); else dv_local, then state_bwd (not for the chained split)
+    # one program per sequence or warm-started segment, value head and value tile, at most one a
+    # multiprocessor: its shared memory takes one whole); else dv_local, then state_bwd (not for the
+    # chained split)
     rev = _fused_rev() if from_inv else None
     rev = rev if rev is not None and rev.usable(q, g, beta, K, V) else None
-    L = split_len(ch, HV, 1, dev, warm_split(g), per_sm=1) if rev is not None else 0
+    nvt = rev.value_tiles(V) if rev is not None else 1  # its programs per (sequence, value head)
+    L = split_len(ch, HV, nvt, dev, warm_split(g), per_sm=1) if rev is not None else 0
     budget = DELTA["state_bwd"]["slice_MB"] * 2 ** 20
     if (L and budget and ch.NT * HV * K * V * v.element_size() > budget
-            and ch.long_sequences * HV >= DELTA["fused_rev"]["fill_sliced"] * sm_count(dev)):
+            and ch.long_sequences * HV * nvt >= DELTA["fused_rev"]["fill_sliced"] * sm_count(dev)):
         L = 0  # the split keeps every chunk's dS_out at once: sliced instead, where programs fill enough
     if rev is None or (L and not warm_split(g)):
         rev = None

@@ -1,11 +1,20 @@
 """The backward's reverse state pass of the gated delta rule as one warp-specialised Gluon kernel
 (``DELTA["fused_rev"]``): the work of chunk_bwd's ``dv_local_kernel`` and ``state_bwd_kernel``
 (its ``FROM_INV`` form) for 16-bit inputs on compute capability 9, one program per (sequence, a
-slice of it or a warm-started segment; value head) holding the whole [K, V] state gradient. The
-mirror of :mod:`.fused_fwd`.
+slice of it or a warm-started segment; value head; value tile) holding a [K, VT] column tile of the
+state gradient. The mirror of :mod:`.fused_fwd`.
+
+The pass is separable in value columns, as the forward is: dδ, dO, Z, dÕ and the update of one
+column of dS read no other column of them. So a head of V columns runs as NVT = V / VT programs of
+VT = fused_fwd.value_tile(V) = min(V, 128) columns each (V = 256: two; the whole [K, 256] gradient
+and its tiles would not fit a multiprocessor's shared memory). Each reads its own columns of dO,
+dht and writes its own of dh, DD and dh0; the q, k and T tiles and Pᵀ are the same for every value
+tile of a head, copied and formed again by each program, and a warm-started segment's warm-up
+count (per segment and head) is shared by the head's tiles.
 
 The pass is a chain walked last chunk first: each chunk's products need the state gradient dS the
-later chunks left (dS_out, the gradient of the state leaving the chunk). Per chunk:
+later chunks left (dS_out, the gradient of the state leaving the chunk). Per chunk (dS, dO, dδ, Z,
+dÕ: the program's VT columns):
 
     dδ = scale · Pᵀ dO + diag(Γ_C / Γ) K dS_out              (the chain; Pᵀ dO beside it)
     dS_in = Γ_C dS_out + Qᵀ diag(scale · Γ) dO − Kᵀ diag(βΓ) (Tᵀ dδ)    (the chain)
@@ -48,7 +57,7 @@ from ...triton.common import BT as CHUNK
 from ...triton.launch import launch
 from ...tuning import DELTA
 from .fused_bwd import _tiles, acc_layout, hopper
-from .fused_fwd import _edges
+from .fused_fwd import _edges, value_tile
 
 BT = gl.constexpr(CHUNK)
 WG = gl.constexpr(4)  # warps of a warpgroup: each role but the copies'
@@ -70,11 +79,11 @@ def _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM: gl.constexpr):
 
 @gluon.jit
 def _copies(q_t, k_t, do_t, a_t, ring_q, ring_k, ring_do, ring_a, ready, empty, cu, ends, plan, seg_seq, seq_cu,
-            i_n, i_h, i_hv, HV, K: gl.constexpr, V: gl.constexpr, WARM: gl.constexpr):
+            i_n, i_h, i_hv, col, HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, WARM: gl.constexpr):
     """The copy warp: step j's tiles (chunk nc − 1 − j) into slot j % NS once the slot's readers
-    released it."""
+    released it (of dO the program's VT columns from the head's column ``col``)."""
     NS: gl.constexpr = ring_k.shape[0]
-    nbytes: gl.constexpr = (2 * BT * K + BT * V + BT * BT) * 2
+    nbytes: gl.constexpr = (2 * BT * K + BT * VT + BT * BT) * 2
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     for j in range(nc):
         s = j % NS
@@ -84,30 +93,33 @@ def _copies(q_t, k_t, do_t, a_t, ring_q, ring_k, ring_do, ring_a, ready, empty, 
         mbarrier.expect(bar, nbytes)
         tma.async_copy_global_to_shared(k_t, [t0, i_h * K], bar, ring_k.index(s))
         tma.async_copy_global_to_shared(q_t, [t0, i_h * K], bar, ring_q.index(s))
-        tma.async_copy_global_to_shared(do_t, [t0, i_hv * V], bar, ring_do.index(s))
+        tma.async_copy_global_to_shared(do_t, [t0, i_hv * V + col], bar, ring_do.index(s))
         tma.async_copy_global_to_shared(a_t, [t0, i_hv * BT], bar, ring_a.index(s))
 
 
 @gluon.jit
 def _state(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready, o_empty, z_buf, z_ready, z_empty,
-           G, dht, dh0, dh_t, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_hv, HV, K: gl.constexpr,
-           V: gl.constexpr, DT: gl.constexpr, USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr):
-    """The state warpgroup: dS [K, V] in fp32 registers from dht (or zero), published in 16 bits per
-    chunk and copied to dh (descriptor dh_t of [chunks · HV · K, V], the chunk's index off[i_n] +
-    its index in the program's chunks), updated to Γ_C dS + Qᵀ dÕ + Kᵀ Z; dS_in of the first chunk
-    to dh0. ``WARM``: it starts from dht only where its warm-up reaches the sequence's end, stores
-    nothing on warm-up chunks and dS_in only if the segment starts the sequence."""
+           G, dht, dh0, dh_t, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, K: gl.constexpr,
+           V: gl.constexpr, VT: gl.constexpr, DT: gl.constexpr, USE_DHT: gl.constexpr, USE_INIT: gl.constexpr,
+           WARM: gl.constexpr):
+    """The state warpgroup: dS [K, VT] (the head's [K, V] state gradient's value columns from
+    ``col``) in fp32 registers from dht (or zero), published in 16 bits per chunk and copied to dh
+    (descriptor dh_t of [chunks · HV · K, V] in [K, VT] blocks, at column ``col`` of the chunk's
+    index off[i_n] + its index in the program's chunks), updated to Γ_C dS + Qᵀ dÕ + Kᵀ Z; dS_in of
+    the first chunk to dh0 (dht and dh0 read and written at the tile's columns). ``WARM``: it starts
+    from dht only where its warm-up reaches the sequence's end, stores nothing on warm-up chunks and
+    dS_in only if the segment starts the sequence."""
     NS: gl.constexpr = ring_k.shape[0]
-    l_s: gl.constexpr = acc_layout(V, WG)
+    l_s: gl.constexpr = acc_layout(VT, WG)
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     i_seq, at_start, at_end = _edges(seg_seq, seq_cu, i_n, bos, eos, WARM)
     o_k = gl.arange(0, K, layout=gl.SliceLayout(1, l_s))
-    o_v = gl.arange(0, V, layout=gl.SliceLayout(0, l_s))
+    o_v = col + gl.arange(0, VT, layout=gl.SliceLayout(0, l_s))  # (col folded in, as in fused_fwd)
     base = (i_seq * HV + i_hv).to(gl.int64) * K * V  # (offsets formed where used, as in fused_fwd)
     if USE_DHT:
         b_s = gl.load(dht + base + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & at_end, other=0.0)
     else:
-        b_s = gl.zeros([K, V], gl.float32, l_s)
+        b_s = gl.zeros([K, VT], gl.float32, l_s)
     c0 = gl.load(off + i_n)
     for j in range(nc):
         s = j % NS
@@ -119,7 +131,7 @@ def _state(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready
         fence_async_shared()
         mbarrier.arrive(s_ready, count=1)
         if j >= nw:
-            tma.async_copy_shared_to_global(dh_t, [((c0 + i_c) * HV + i_hv) * K, 0], s_buf)
+            tma.async_copy_shared_to_global(dh_t, [((c0 + i_c) * HV + i_hv) * K, col], s_buf)
         last = gl.minimum(eos, bos + (i_c + 1) * BT) - 1
         b_gc = gl.exp(gl.load(G + last * HV + i_hv))
         mbarrier.wait(ready.index(s), (j // NS) & 1)
@@ -138,17 +150,18 @@ def _state(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready
 
 @gluon.jit
 def _delta(ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready, l_empty, d_buf, z_buf, z_ready,
-           z_empty, G, beta, DD, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, V: gl.constexpr, DT: gl.constexpr,
-           WARM: gl.constexpr):
-    """The δ warpgroup: dδ = diag(Γ_C / Γ) K dS + L (zero on rows past the end; stored to DD
-    [T, HV, V] but on warm-up chunks), then Z = −diag(βΓ) Tᵀ dδ for the state's update."""
+           z_empty, G, beta, DD, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, V: gl.constexpr,
+           VT: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr):
+    """The δ warpgroup, on the program's VT value columns: dδ = diag(Γ_C / Γ) K dS + L (zero on rows
+    past the end; stored to its columns of DD [T, HV, V] but on warm-up chunks), then
+    Z = −diag(βΓ) Tᵀ dδ for the state's update."""
     NS: gl.constexpr = ring_k.shape[0]
-    l_v: gl.constexpr = acc_layout(V, WG)
+    l_v: gl.constexpr = acc_layout(VT, WG)
     r_v: gl.constexpr = gl.SliceLayout(1, l_v)
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     o_t = gl.arange(0, BT, layout=r_v)
-    o_v = gl.arange(0, V, layout=gl.SliceLayout(0, l_v))
-    zero = gl.zeros([BT, V], gl.float32, l_v)
+    o_v = col + gl.arange(0, VT, layout=gl.SliceLayout(0, l_v))  # (the first column folded in)
+    zero = gl.zeros([BT, VT], gl.float32, l_v)
     for j in range(nc):
         s = j % NS
         par = j & 1
@@ -184,17 +197,19 @@ def _delta(ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready
 
 @gluon.jit
 def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty, o_buf, o_ready, o_empty, G, cu,
-           ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr):
+           ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, VT: gl.constexpr, DT: gl.constexpr,
+           WARM: gl.constexpr):
     """The local warpgroup: Pᵀ = K Qᵀ ⊙ Dᵀ (columns of rows past the end zeroed, so the next
-    sequence's dO adds nothing), L = scale · Pᵀ dO and dÕ = diag(scale · Γ) dO (zero past the end)."""
+    sequence's dO adds nothing), L = scale · Pᵀ dO and dÕ = diag(scale · Γ) dO (zero past the end),
+    on the program's VT value columns of dO (the ring's tiles: it indexes no global column)."""
     NS: gl.constexpr = ring_k.shape[0]
-    l_v: gl.constexpr = acc_layout(V, WG)
+    l_v: gl.constexpr = acc_layout(VT, WG)
     r_v: gl.constexpr = gl.SliceLayout(1, l_v)
     l_t: gl.constexpr = acc_layout(BT, WG)
     o_r = gl.arange(0, BT, layout=gl.SliceLayout(1, l_t))
     o_c = gl.arange(0, BT, layout=gl.SliceLayout(0, l_t))
     zero_t = gl.zeros([BT, BT], gl.float32, l_t)
-    zero = gl.zeros([BT, V], gl.float32, l_v)
+    zero = gl.zeros([BT, VT], gl.float32, l_v)
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     o_t = gl.arange(0, BT, layout=r_v)
     for j in range(nc):
@@ -227,36 +242,45 @@ def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty
 
 @gluon.jit
 def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, cu, ends, off, plan, seg_seq, seq_cu, scale, H,
-                     HV, K: gl.constexpr, V: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr, USE_DHT: gl.constexpr,
-                     USE_INIT: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr, R_DELTA: gl.constexpr,
-                     R_LOCAL: gl.constexpr):
-    """One program per (sequence, value head) i_nh over tokens [cu[i_n], ends[i_n]) (a slice of the
-    sequence where the caller cuts the pass: chunk_bwd.backward), last chunk first. Descriptors:
-    q_t, k_t of [T, H · K] in [64, K] blocks; do_t of [T, HV · V] in [64, V] blocks; a_t (T, kkt_solve's
-    Ai) of [T, HV · 64] in [64, 64] blocks; dh_t of [chunks · HV · K, V] in [K, V] blocks (the
-    program's chunks from off[i_n] on). G [T, HV] the in-chunk cumulative log decay γ; beta [T, HV]
-    fp32; dht, dh0 [N, HV, K, V] fp32 (may be one tensor: a program reads its own first and writes
-    it last); DD [T, HV, V]. ``WARM``: the programs are warm-started segments (seg_seq their
-    sequences, seq_cu the sequences' bounds, plan [NS, HV] the warm-up chunks after each:
-    split.warm_plan with ``after``), each starting from a zero dS that many chunks after its end
-    (from dht where that reaches the sequence's end), as state_bwd_kernel's ``WARM`` form; dht and
-    dh0 are then per sequence. R_*: the registers a thread of the copy, δ and local partitions holds
-    (the state's partition takes the rest of the launch's ``maxnreg`` budget)."""
-    i_nh = gl.program_id(0)
+                     HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr,
+                     USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr,
+                     R_DELTA: gl.constexpr, R_LOCAL: gl.constexpr):
+    """One program per (sequence, value head, value tile) over tokens [cu[i_n], ends[i_n]) (a slice
+    of the sequence where the caller cuts the pass: chunk_bwd.backward), last chunk first: V the
+    head's value width (the row length of do, DD, dht, dh0, dh), VT the program's tile of it (V a
+    multiple of VT; NVT = V / VT tiles a head), program id (i_n · HV + i_hv) · NVT + i_vt, so the
+    value tiles of one head, which copy the same q, k and T tiles and form the same Pᵀ, are
+    neighbours. Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; do_t of [T, HV · V] in
+    [64, VT] blocks; a_t (T, kkt_solve's Ai) of [T, HV · 64] in [64, 64] blocks; dh_t of
+    [chunks · HV · K, V] in [K, VT] blocks (the program's chunks from off[i_n] on). G [T, HV] the
+    in-chunk cumulative log decay γ; beta [T, HV] fp32; dht, dh0 [N, HV, K, V] fp32 (may be one
+    tensor: a program reads its own [K, VT] tile first and writes it last); DD [T, HV, V].
+    ``WARM``: the programs are warm-started segments (seg_seq their sequences, seq_cu the
+    sequences' bounds, plan [NS, HV] the warm-up chunks after each: split.warm_plan with ``after``,
+    one count per segment and head, shared by the head's value tiles), each starting from a zero dS
+    that many chunks after its end (from dht where that reaches the sequence's end), as
+    state_bwd_kernel's ``WARM`` form; dht and dh0 are then per sequence. R_*: the registers a
+    thread of the copy, δ and local partitions holds (the state's partition takes the rest of the
+    launch's ``maxnreg`` budget)."""
+    NVT: gl.constexpr = V // VT
+    pid = gl.program_id(0)
+    i_vt = pid % NVT
+    i_nh = pid // NVT
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
+    col = i_vt * VT  # the program's first value column of the head
     ring_q = gl.allocate_shared_memory(DT, [NS, BT, K], q_t.layout)
     ring_k = gl.allocate_shared_memory(DT, [NS, BT, K], k_t.layout)
-    ring_do = gl.allocate_shared_memory(DT, [NS, BT, V], do_t.layout)
+    ring_do = gl.allocate_shared_memory(DT, [NS, BT, VT], do_t.layout)
     ring_a = gl.allocate_shared_memory(DT, [NS, BT, BT], a_t.layout)
     p_buf = gl.allocate_shared_memory(DT, [BT, BT], a_t.layout)
-    s_buf = gl.allocate_shared_memory(DT, [K, V], dh_t.layout)
-    rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, V], DT)
-    l_buf = gl.allocate_shared_memory(DT, [BT, V], rows)
-    d_buf = gl.allocate_shared_memory(DT, [BT, V], rows)
-    z_buf = gl.allocate_shared_memory(DT, [BT, V], rows)
-    o_buf = gl.allocate_shared_memory(DT, [BT, V], rows)
+    s_buf = gl.allocate_shared_memory(DT, [K, VT], dh_t.layout)
+    rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, VT], DT)
+    l_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
+    d_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
+    z_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
+    o_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     hand = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
@@ -270,44 +294,54 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, cu, ends,
     o_ready, o_empty, z_ready, z_empty = hand.index(4), hand.index(5), hand.index(6), hand.index(7)
     gl.warp_specialize([
         (_state, (ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready, o_empty, z_buf, z_ready,
-                  z_empty, G, dht, dh0, dh_t, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, USE_DHT,
-                  USE_INIT, WARM)),
+                  z_empty, G, dht, dh0, dh_t, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, K, V, VT,
+                  DT, USE_DHT, USE_INIT, WARM)),
         (_copies, (q_t, k_t, do_t, a_t, ring_q, ring_k, ring_do, ring_a, ready, empty, cu, ends, plan, seg_seq,
-                   seq_cu, i_n, i_h, i_hv, HV, K, V, WARM)),
+                   seq_cu, i_n, i_h, i_hv, col, HV, K, V, VT, WARM)),
         (_delta, (ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready, l_empty, d_buf, z_buf,
-                  z_ready, z_empty, G, beta, DD, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, V, DT, WARM)),
+                  z_ready, z_empty, G, beta, DD, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, V, VT, DT,
+                  WARM)),
         (_local, (ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty, o_buf, o_ready, o_empty, G,
-                  cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, V, DT, WARM)),
+                  cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, VT, DT, WARM)),
     ], [1, WG, WG], [R_COPY, R_DELTA, R_LOCAL])
 
 
 def usable(q, g, beta, K: int, V: int) -> bool:
     """Whether this pass takes the backward's reverse pass (``DELTA["fused_rev"]["on"]``): gated
-    delta member, 16-bit inputs, K and V of 64 or 128, on a device that runs it (fused_bwd.hopper)."""
+    delta member, 16-bit inputs, K of 64 or 128, V of 64, 128 or 256 (256 as two value tiles of 128:
+    fused_fwd.value_tile), on a device that runs it (fused_bwd.hopper)."""
     return (bool(DELTA["fused_rev"]["on"]) and g is not None and beta is not None
-            and q.dtype in (torch.bfloat16, torch.float16) and K in (64, 128) and V in (64, 128) and hopper(q))
+            and q.dtype in (torch.bfloat16, torch.float16) and K in (64, 128) and V in (64, 128, 256) and hopper(q))
+
+
+def value_tiles(V: int) -> int:
+    """The programs a value head of V columns runs as (NVT: value tiles of fused_fwd.value_tile's
+    width), which the callers' split decisions count per head."""
+    return V // value_tile(V)
 
 
 def reverse(q, k, do, G, beta, Ai, dht, dh, DD, dh0, cu, ends, off, N: int, scale: float, warm=None):
     """Launch the pass over N programs' token ranges [cu, ends) (per sequence, or a slice of each):
     fills dh [chunks, HV, K, V] (dS_out of each chunk, from off on per program; contiguous, in the
     inputs' dtype), DD [T, HV, V] (dδ) and, when given, dh0 [N, HV, K, V] (fp32; may be ``dht``).
-    q, k [T, H, K]; do [T, HV, V]; G (γ), beta [T, HV] fp32; Ai [T, HV, 64]. ``warm``: (plan,
+    q, k [T, H, K]; do [T, HV, V]; G (γ), beta [T, HV] fp32; Ai [T, HV, 64]. One program per
+    (range, value head, value tile of fused_fwd.value_tile: N · HV · NVT in all). ``warm``: (plan,
     seg_seq, seq_cu) where the programs are warm-started segments (the kernel's ``WARM``; dht and
-    dh0 per sequence then)."""
+    dh0 per sequence then; plan per segment and head, shared by the head's value tiles)."""
     T, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
+    VT = value_tile(V)
     c = DELTA["fused_rev"]
     DT = gl.bfloat16 if do.dtype == torch.bfloat16 else gl.float16
     assert dh.is_contiguous() and dh.data_ptr() % 16 == 0  # written through its descriptor in place
     q_t = _tiles(q, T, (CHUNK, K), DT)
     k_t = _tiles(k, T, (CHUNK, K), DT)
-    do_t = _tiles(do, T, (CHUNK, V), DT)
+    do_t = _tiles(do, T, (CHUNK, VT), DT)
     a_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
-    dh_t = _tiles(dh, dh.numel() // V, (K, V), DT)
+    dh_t = _tiles(dh, dh.numel() // V, (K, VT), DT)
     plan, seg_seq, seq_cu = warm if warm is not None else (cu, cu, cu)
     r = tuple(c["regs"])
-    launch(fused_rev_kernel, (N * HV,), q_t, k_t, do_t, a_t, dh_t, G, beta, dht if dht is not None else G,
-           dh0 if dh0 is not None else G, DD, cu, ends, off, plan, seg_seq, seq_cu, scale, H, HV, K=K, V=V,
-           NS=c["NS"], DT=DT, USE_DHT=dht is not None, USE_INIT=dh0 is not None, WARM=warm is not None,
-           R_COPY=r[0], R_DELTA=r[1], R_LOCAL=r[2], maxnreg=c["maxnreg"], name="fused_rev")
+    launch(fused_rev_kernel, (N * HV * value_tiles(V),), q_t, k_t, do_t, a_t, dh_t, G, beta,
+           dht if dht is not None else G, dh0 if dh0 is not None else G, DD, cu, ends, off, plan, seg_seq, seq_cu,
+           scale, H, HV, K=K, V=V, VT=VT, NS=c["NS"], DT=DT, USE_DHT=dht is not None, USE_INIT=dh0 is not None,
+           WARM=warm is not None, R_COPY=r[0], R_DELTA=r[1], R_LOCAL=r[2], maxnreg=c["maxnreg"], name="fused_rev")
