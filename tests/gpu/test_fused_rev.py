@@ -16,23 +16,8 @@ from gdn.ops.delta.triton import chunk_bwd, fused_rev
 from gdn.ops.delta.triton import split as split_mod
 
 from .helpers import assert_within, dtype_id, launched
-from .test_chunk import AWKWARD, BENCH, check_once
-
-
-def _width(n: int) -> int:
-    return max(32, 1 << (n - 1).bit_length())
-
-
-#: value heads of 256 (test_chunk.py's case tuples, as tests/gpu/test_fused_fwd.py's): two value
-#: tiles a head; V = 200 padded to 256 (the second tile's last columns zero), with an empty and a
-#: one-token sequence and grouped heads; the 340m model's layer
-WIDE = [
-    ("T=300 K=128 V=256", 2, 300, 2, 2, 128, 256, None, True),
-    ("packed K=64 V=200", 1, 360, 2, 4, 64, 200, (65, 1, 0, 63, 128, 103), True),
-    ("340m layer (4,4096,6,128,256)", 4, 4096, 6, 6, 128, 256, None, True),
-]
-CASES = ([c for c in AWKWARD if _width(c[5]) in (64, 128) and _width(c[6]) in (64, 128)] + [BENCH[0], BENCH[3]]
-         + WIDE)
+from .test_chunk import check_once
+from .test_fused_fwd import CASES  # the warp-specialised forward's cases: the shapes both passes take
 
 
 @pytest.mark.parametrize("mode", ("whole", "chunk-slices", "segments-of-2"))
