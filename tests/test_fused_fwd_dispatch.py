@@ -23,21 +23,26 @@ SMS = 132
 
 @pytest.fixture
 def hopper(monkeypatch):
+    """Launches as on a Hopper card for the forward's pass (its device rule true; the backward's
+    Gluon passes keep theirs), 132 multiprocessors."""
     monkeypatch.setattr(fused_fwd, "hopper", lambda q: True)  # (fused_bwd.hopper, as fused_fwd imports it)
     for mod in (launcher, common, chunk, chunk_fwd, chunk_bwd, split):
         if hasattr(mod, "sm_count"):
             monkeypatch.setattr(mod, "sm_count", lambda device: SMS)
 
 
-def _record(B, T, H, HV, K, V, dtype=torch.bfloat16):
+def _record(B, T, H, HV, K, V, dtype=torch.bfloat16, h0=False):
+    """The launches (kernel, grid, args, meta) of one forward and of its backward (``h0``: with an
+    initial state and a final-state gradient)."""
     q = torch.empty(B * T, H, K, dtype=dtype)
     k, v = torch.empty_like(q), torch.empty(B * T, HV, V, dtype=dtype)
     g, beta = torch.zeros(B * T, HV), torch.zeros(B * T, HV)
+    s0 = torch.zeros(B, HV, K, V) if h0 else None
     ch = common.make_chunks(B, T, None, torch.device("cpu"))
     with launcher.recording() as fwd:
-        _, _, ai, gam = chunk._forward(q, k, v, g, beta, None, ch, False, K ** -0.5, dtype)
+        _, _, ai, gam = chunk._forward(q, k, v, g, beta, s0, ch, False, K ** -0.5, dtype)
     with launcher.recording() as bwd:
-        chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, K ** -0.5, ai, dtype, gam)
+        chunk_bwd.backward(q, k, v, g, beta, s0, v, s0, ch, K ** -0.5, ai, dtype, gam)
     return fwd, bwd
 
 

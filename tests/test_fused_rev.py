@@ -18,42 +18,27 @@ pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 
 from gdn.ops import tuning  # noqa: E402
-from gdn.ops.delta.triton import chunk, chunk_bwd, chunk_fwd, fused_bwd, fused_fwd, fused_rev, split  # noqa: E402
+from gdn.ops.delta.triton import fused_bwd, fused_rev  # noqa: E402
 from gdn.ops.triton import common  # noqa: E402
-from gdn.ops.triton import launch as launcher  # noqa: E402
-
-SMS = 132
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_fused_fwd_dispatch import SMS, _record, hopper  # noqa: E402, F401  (hopper: a fixture)
 
 
 @pytest.fixture
-def hopper(monkeypatch):
-    for mod in (fused_bwd, fused_fwd, fused_rev):
+def card(hopper, monkeypatch):
+    """Launches as on a Hopper card for every Gluon pass: the backward's too."""
+    for mod in (fused_bwd, fused_rev):
         monkeypatch.setattr(mod, "hopper", lambda q: True)
-    for mod in (launcher, common, chunk, chunk_fwd, chunk_bwd, split):
-        if hasattr(mod, "sm_count"):
-            monkeypatch.setattr(mod, "sm_count", lambda device: SMS)
 
 
-def _recorded(B, T, H, HV, K, V, dtype=torch.bfloat16, h0=False):
-    """The backward's launches (kernel, grid, args, meta), recorded."""
-    q = torch.empty(B * T, H, K, dtype=dtype)
-    k, v = torch.empty_like(q), torch.empty(B * T, HV, V, dtype=dtype)
-    g, beta = torch.zeros(B * T, HV), torch.zeros(B * T, HV)
-    s0 = torch.zeros(B, HV, K, V) if h0 else None
-    ch = common.make_chunks(B, T, None, torch.device("cpu"))
-    with launcher.recording():
-        _, _, ai, gam = chunk._forward(q, k, v, g, beta, s0, ch, False, K ** -0.5, dtype)
-    with launcher.recording() as bwd:
-        chunk_bwd.backward(q, k, v, g, beta, s0, v, s0, ch, K ** -0.5, ai, dtype, gam)
-    return bwd
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _backward(B, T, H, HV, K, V, dtype=torch.bfloat16, h0=False):
-    return [(kernel.fn.__name__, grid, meta) for kernel, grid, _, meta in _recorded(B, T, H, HV, K, V, dtype, h0)]
+    """The backward's launches, as (kernel name, grid, meta)."""
+    return [(kernel.fn.__name__, grid, meta) for kernel, grid, _, meta in _record(B, T, H, HV, K, V, dtype, h0)[1]]
 
 
-def test_the_reverse_pass_replaces_dv_local_and_state_bwd(hopper, monkeypatch):
+def test_the_reverse_pass_replaces_dv_local_and_state_bwd(card, monkeypatch):
     """(2, 512) at 4 heads: one launch over the (sequence, value head) programs, from the final-state
     gradient to the initial state's, then the per-chunk kernel."""
     monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=0))
@@ -64,7 +49,7 @@ def test_the_reverse_pass_replaces_dv_local_and_state_bwd(hopper, monkeypatch):
     assert grid == (2 * 4,) and meta["USE_DHT"] and meta["USE_INIT"] and meta["K"] == meta["V"] == 128, meta
 
 
-def test_slices_carry_the_state_gradient(hopper):
+def test_slices_carry_the_state_gradient(card):
     """(8, 2048, 16, 128): dS_out of every chunk would take 128 MiB, twice the 64 MiB budget: two
     slices, last first, each the pass then the per-chunk kernel over its chunks; the carried dS is
     read by the second and written by the first."""
@@ -79,7 +64,7 @@ def test_slices_carry_the_state_gradient(hopper):
     assert all(g == (8 * 16,) for g, _ in rev), rev
 
 
-def test_few_long_sequences_run_as_segments(hopper):
+def test_few_long_sequences_run_as_segments(card):
     """1 × 32768 at 16 heads: 16 programs would leave the card idle; warm-started segments give at
     most one program a multiprocessor, each warm-up count (after the segment) from warm_plan."""
     launches = _backward(1, 32768, 16, 16, 128, 128, h0=True)
@@ -92,7 +77,7 @@ def test_few_long_sequences_run_as_segments(hopper):
         "fused_rev_kernel"), names
 
 
-def test_slices_rather_than_segments_where_the_programs_fill_enough(hopper):
+def test_slices_rather_than_segments_where_the_programs_fill_enough(card):
     """(4, 8192) at 16 heads: 64 programs, half the card; segments would keep all 512 chunks' dS_out
     (256 MiB) at once, so the pass runs in four slices instead (fill_sliced), unsplit."""
     launches = _backward(4, 8192, 16, 16, 128, 128)
@@ -100,13 +85,13 @@ def test_slices_rather_than_segments_where_the_programs_fill_enough(hopper):
     assert len(rev) == 4 and not any(m["WARM"] for m in rev), [n for n, _, _ in launches]
 
 
-def test_value_heads_of_256_run_as_two_value_tiles(hopper, monkeypatch):
+def test_value_heads_of_256_run_as_two_value_tiles(card, monkeypatch):
     """(2, 512) at 4 heads of V = 256: one program per (sequence, value head, 128-wide value tile),
     the two tiles of a head neighbours in the grid; dO read and dh written in [64, 128] and
     [K, 128] blocks of the whole [·, V]-wide rows."""
     monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=0))
     B, T, HV, K, V = 2, 512, 4, 128, 256
-    launches = _recorded(B, T, 4, HV, K, V, h0=True)
+    launches = _record(B, T, 4, HV, K, V, h0=True)[1]
     names = [kernel.fn.__name__ for kernel, _, _, _ in launches]
     assert "dv_local_kernel" not in names and "state_bwd_kernel" not in names, names
     (grid, a), = [(grid, dict(zip(kernel.arg_names, args)) | meta) for kernel, grid, args, meta in launches
@@ -118,7 +103,7 @@ def test_value_heads_of_256_run_as_two_value_tiles(hopper, monkeypatch):
     assert fused_rev.value_tiles(64) == fused_rev.value_tiles(128) == 1 and fused_rev.value_tiles(256) == 2
 
 
-def test_value_heads_of_256_split_counting_every_tile(hopper):
+def test_value_heads_of_256_split_counting_every_tile(card):
     """1 × 32768 at 16 heads of V = 256: 32 programs; the segments keep at most one program a
     multiprocessor counting both value tiles, and warm_plan runs once per (segment, head), its
     counts shared by the head's value tiles."""
@@ -129,7 +114,7 @@ def test_value_heads_of_256_split_counting_every_tile(hopper):
     assert grid[0] == plan_grid[0] * plan_grid[1] * 2 and plan_grid[1] == 16, (grid, plan_grid)
 
 
-def test_value_tiles_count_towards_filling_the_card_sliced(hopper):
+def test_value_tiles_count_towards_filling_the_card_sliced(card):
     """(2, 8192) at 16 heads of V = 256: dS_out of every chunk would take 256 MiB; the 2 · 16 · 2 = 64
     programs (counting the value tiles) reach fill_sliced's quarter of the card, so the pass runs
     sliced (four slices), unsplit, rather than as segments."""
@@ -139,7 +124,7 @@ def test_value_tiles_count_towards_filling_the_card_sliced(hopper):
     assert all(g == (2 * 16 * 2,) for g, _ in rev), rev
 
 
-def test_usable_value_widths(hopper):
+def test_usable_value_widths(card):
     q = torch.empty(4, 2, 128, dtype=torch.bfloat16)
     g = beta = torch.zeros(4, 2)
     for V in (64, 128, 256):
@@ -148,7 +133,7 @@ def test_usable_value_widths(hopper):
         assert not fused_rev.usable(q, g, beta, K, V), (K, V)
 
 
-def test_chained_split_and_calls_it_does_not_take_keep_the_triton_passes(hopper, monkeypatch):
+def test_chained_split_and_calls_it_does_not_take_keep_the_triton_passes(card, monkeypatch):
     for K, V, dtype in ((256, 256, torch.bfloat16), (128, 512, torch.bfloat16), (128, 128, torch.float32),
                         (256, 128, torch.bfloat16)):
         names = [n for n, _, _ in _backward(2, 256, 2, 2, K, V, dtype)]
@@ -159,7 +144,7 @@ def test_chained_split_and_calls_it_does_not_take_keep_the_triton_passes(hopper,
     assert "fused_rev_kernel" not in names and "chain_kernel" in names, names
 
 
-def test_off_switch(hopper, monkeypatch):
+def test_off_switch(card, monkeypatch):
     monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], on=False))
     names = [n for n, _, _ in _backward(2, 512, 4, 4, 128, 128)]
     assert "fused_rev_kernel" not in names and "state_bwd_kernel" in names and "dv_local_kernel" in names, names

@@ -21,6 +21,8 @@ accumulated in fp32 and stored once in the dtype the caller asks for.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -404,6 +406,42 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DKO, DV, DB, DGAM, DG, cu, chun
         tl.store(DG + rows * HV + i_hv, b_dg, mask=m)
 
 
+def _reverse_pass(q, g, beta, ch: Chunks, HV: int, K: int, V: int, from_inv: bool, dh_bytes: int, budget: float,
+                  tiles: int):
+    """(the fused_rev module or None, segment length L or 0) of a backward's reverse pass: the
+    warp-specialised pass (delta.triton.fused_rev: dv_local's work inside, one program per sequence
+    or warm-started segment, value head and value tile, at most one a multiprocessor: its shared
+    memory takes one whole) where it takes the call and the split, if any, is warm-started; else
+    None (dv_local, then state_bwd in ``tiles`` value tiles a head). The fused pass's segments keep
+    every chunk's dS_out at once, so where dh would be sliced (``dh_bytes`` over ``budget``) it
+    splits only if its programs fill less than ``DELTA["fused_rev"]["fill_sliced"]`` of the card."""
+    dev, warm = q.device, warm_split(g)
+    rev = _fused_rev() if from_inv else None
+    if rev is not None and rev.usable(q, g, beta, K, V):
+        nvt = rev.value_tiles(V)  # programs per (sequence, value head)
+        L = split_len(ch, HV, nvt, dev, warm, per_sm=1)
+        if (L and budget and dh_bytes > budget
+                and ch.long_sequences * HV * nvt >= DELTA["fused_rev"]["fill_sliced"] * sm_count(dev)):
+            L = 0
+        if not L or warm:
+            return rev, L
+    return None, split_len(ch, HV, tiles, dev, warm)
+
+
+def _fused_reverse(rev, q, k, do, gs, beta, Ai, dh, DD, N: int, scale: float, dS_end, dS_0, starts, ends, off):
+    """One launch of the warp-specialised reverse pass over token ranges [starts, ends), from dS_end
+    (or zero) to dS_0 (when given)."""
+    rev.reverse(q, k, do, gs, beta, Ai, dS_end, dh, DD, dS_0, starts, ends, off, N, scale)
+
+
+def _state_bwd_reverse(args, kw, dh, DD, dummy, scale: float, dS_end, dS_0, starts, ends, off):
+    """One launch of state_bwd_kernel (grid and per-chunk inputs ``args``, keywords ``kw``) over
+    token ranges [starts, ends), from dS_end (or zero) to dS_0 (when given)."""
+    launch(state_bwd_kernel, *args, dS_end if dS_end is not None else dummy, dh, DD,
+           dS_0 if dS_0 is not None else dummy, starts, ends, off, scale, USE_DHT=dS_end is not None,
+           USE_INIT=dS_0 is not None, **kw)
+
+
 def _fused_rev():
     """The Gluon reverse pass's module (delta.triton.fused_rev), imported on first use; None where
     this triton has no Gluon."""
@@ -456,21 +494,10 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # the warm-started split's value tile: at most 32 (ptxas, sm_90, K = 128: 64-wide tiles of the
     # reverse pass spill 168–512 B at every depth, 32-wide ones none); its segments fill the card
     WV = min(tiles("state_bwd", K, V)[1], 32)
-    # the reverse pass as one warp-specialised kernel (delta.triton.fused_rev: dv_local's work inside,
-    # one program per sequence or warm-started segment, value head and value tile, at most one a
-    # multiprocessor: its shared memory takes one whole); else dv_local, then state_bwd (not for the
-    # chained split)
-    rev = _fused_rev() if from_inv else None
-    rev = rev if rev is not None and rev.usable(q, g, beta, K, V) else None
-    nvt = rev.value_tiles(V) if rev is not None else 1  # its programs per (sequence, value head)
-    L = split_len(ch, HV, nvt, dev, warm_split(g), per_sm=1) if rev is not None else 0
     budget = DELTA["state_bwd"]["slice_MB"] * 2 ** 20
-    if (L and budget and ch.NT * HV * K * V * v.element_size() > budget
-            and ch.long_sequences * HV * nvt >= DELTA["fused_rev"]["fill_sliced"] * sm_count(dev)):
-        L = 0  # the split keeps every chunk's dS_out at once: sliced instead, where programs fill enough
-    if rev is None or (L and not warm_split(g)):
-        rev = None
-        L = split_len(ch, HV, cdiv(V, WV if warm_split(g) else SV), dev, warm_split(g))
+    dh_bytes = ch.NT * HV * K * V * v.element_size()  # dS_out of every chunk
+    rev, L = _reverse_pass(q, g, beta, ch, HV, K, V, from_inv, dh_bytes, budget,
+                           cdiv(V, WV if warm_split(g) else SV))
     warm = bool(L) and warm_split(g)
     DVL = torch.empty(T, HV, V, device=dev, dtype=io)  # dδ_loc (then dδ over it); dδ alone for fused_rev
     if rev is None:
@@ -485,7 +512,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # DELTA["state_bwd"]["slice_MB"]): the chunk positions are cut into slices, run last first, each
     # the reverse pass over its chunks (from the dS carried out of the slice after it) and then the
     # per-chunk kernels over them, so that dh holds one slice's chunks instead of all.
-    nsl = 1 if L or not budget else min(ch.max_nc, cdiv(ch.NT * HV * K * V * DVL.element_size(), max(1, int(budget))))
+    nsl = 1 if L or not budget else min(ch.max_nc, cdiv(dh_bytes, max(1, int(budget))))
     slices = make_slices(ch, cdiv(ch.max_nc, nsl), dev) if nsl > 1 else None
     if slices and rev is not None and ch.shares_chunks:
         # the per-chunk kernel reads a chunk's dδ tile whole, the next sequence's rows with it (and
@@ -522,20 +549,14 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                sg.cu, sg.cu[1:], sg.off, scale, BV=SV, USE_DHT=True, USE_INIT=False, **common)
     else:
         if rev is not None:
-            def reverse(dS_end, dS_0, starts, ends, off):
-                rev.reverse(q, k, do, gs, beta, Ai, dS_end, dh, DD, dS_0, starts, ends, off, ch.N, scale)
+            reverse = functools.partial(_fused_reverse, rev, q, k, do, gs, beta, Ai, dh, DD, ch.N, scale)
         else:
             # the per-chunk inputs, perhaps as tensor descriptors
             wr = ((Ai, BT) if from_inv else (Wp, K)) if delta else (k, K)
             tma, (qa, ka, da, la, wa) = tile_reads("state_bwd", (q, K), (k, K), (do, SV), (DVL, SV), wr)
-            args = (cdiv(V, SV), ch.N * HV), qa, ka, gs, wa, da, la
-            kw = dict(BV=SV, TMA=tma, **common)
+            reverse = functools.partial(_state_bwd_reverse, ((cdiv(V, SV), ch.N * HV), qa, ka, gs, wa, da, la),
+                                        dict(BV=SV, TMA=tma, **common), dh, DD, dummy, scale)
             del qa, ka, da, la, wa, wr
-
-            def reverse(dS_end, dS_0, starts, ends, off):
-                launch(state_bwd_kernel, *args, dS_end if dS_end is not None else dummy, dh, DD,
-                       dS_0 if dS_0 is not None else dummy, starts, ends, off, scale, USE_DHT=dS_end is not None,
-                       USE_INIT=dS_0 is not None, **kw)
         if slices:
             # dS carried between slices in place: a program reads its tile of it first and writes it last
             carry = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32)
@@ -550,8 +571,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                 dh0 = carry
         else:
             reverse(dht, dh0, ch.cu, ch.cu[1:], ch.chunk_off)
-        del reverse
-        args = None  # (state_bwd's inputs hold DVL and W)
+        del reverse  # (state_bwd's inputs hold DVL and W)
     if not slices:
         del dh
         outs = per_chunk(ch.chunk_idx, ch.NT, True)
