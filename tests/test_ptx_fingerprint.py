@@ -34,6 +34,7 @@ def fingerprint(tmp_path, name, warps=0, extra=()):
     return p, out
 
 
+@pytest.mark.slow
 def test_fingerprints_repeat_and_report_changes(tmp_path):
     p, first = fingerprint(tmp_path, "a.json")
     assert p.returncode == 0, p.stdout + p.stderr

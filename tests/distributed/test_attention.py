@@ -158,6 +158,7 @@ def test_two_processes():
     spawn(_worker, 2, 2 * 4 * 16 * 24)  # rows x heads x 16 queries x 24 keys: 3 chunks of a 48-token block
 
 
+@pytest.mark.slow  # four processes on two cores: `make test-all`
 def test_four_processes():
     spawn(_worker, 4, 2 * 4 * 16 * 24)  # 16-query chunks (the floor) of 24-token slices: 2 each
 

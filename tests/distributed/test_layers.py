@@ -141,6 +141,7 @@ def test_two_processes():
     spawn(_worker, 2, [8, 32])
 
 
+@pytest.mark.slow  # four processes on two cores: `make test-all`
 def test_four_processes():
     """4 ranks of 10 tokens: window 8 (one hop) and 25 (the halo gathered from up to three ranks)."""
     spawn(_worker, 4, [8, 25])

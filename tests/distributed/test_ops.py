@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import zlib
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -136,6 +137,7 @@ def test_two_processes():
                        (torch.float32, 1e-5, ("gated_delta_rule", "kimi_delta_attention"), "even")])
 
 
+@pytest.mark.slow  # four processes on two cores: `make test-all`
 def test_four_processes():
     """4 processes: every member in fp64 to 1e-10, even and uneven slices (the last rank short), so
     one sequence crosses three boundaries and the maps compose over several ranks."""

@@ -143,7 +143,7 @@ def _kernels_everywhere(monkeypatch):
             monkeypatch.setattr(mod, "use_triton", lambda x: True)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_static_step_on_kernels_keeps_greedy_tokens(monkeypatch, batch):
     """fp32 gdn model: the static decode step on the kernels' path (fused conv step, residual adds
     inside the norms, ...) gives the PyTorch path's logits to 1e-4 and the same greedy tokens over
