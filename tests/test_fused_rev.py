@@ -19,7 +19,6 @@ pytest.importorskip("triton.experimental.gluon")
 
 from gdn.ops import tuning  # noqa: E402
 from gdn.ops.delta.triton import fused_bwd, fused_rev  # noqa: E402
-from gdn.ops.triton import common  # noqa: E402
 from tests.test_fused_fwd_dispatch import SMS, _record, hopper  # noqa: E402, F401  (hopper: a fixture)
 
 
@@ -180,12 +179,3 @@ def test_compiles_without_spills_in_shared_memory():
     assert all(r["spill"] == 0 for r in fits), fits
     assert fits[4]["shared"] == fits[0]["shared"] and fits[5]["shared"] == fits[1]["shared"], fits
     assert tight["spill"] > 0, tight
-
-
-@pytest.mark.parametrize("B, T, lens, shares", [(2, 256, None, False), (2, 300, None, True), (1, 300, None, False),
-                                                (1, 197, (64, 128, 5), False), (1, 66, (65, 1), True)])
-def test_which_layouts_share_chunks_between_sequences(B, T, lens, shares):
-    """Chunks.shares_chunks (whether the sliced pass must zero dδ first): a sequence but the last
-    ending inside a chunk."""
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) if lens else None
-    assert common.make_chunks(B, T, cu, torch.device("cpu")).shares_chunks is shares

@@ -86,3 +86,16 @@ def launched(monkeypatch, *modules) -> list:
     for m in modules:
         monkeypatch.setattr(m, "launch", spy)
     return seen
+
+
+def poison_empty(monkeypatch) -> None:
+    """From here on ``torch.empty`` fills floating-point tensors with NaN: a kernel that reads rows
+    nobody wrote (and drops them by multiplying with zero) then gives NaN instead of passing on
+    whatever finite values fresh memory happened to hold."""
+    real = torch.empty
+
+    def empty(*args, **kw):
+        t = real(*args, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)

@@ -15,7 +15,7 @@ from gdn.ops import tuning
 from gdn.ops.delta.triton import chunk_bwd, fused_rev
 from gdn.ops.delta.triton import split as split_mod
 
-from .helpers import assert_within, dtype_id, launched
+from .helpers import assert_within, dtype_id, launched, poison_empty
 from .test_chunk import check_once
 from .test_fused_fwd import CASES  # the warp-specialised forward's cases: the shapes both passes take
 
@@ -25,7 +25,9 @@ from .test_fused_fwd import CASES  # the warp-specialised forward's cases: the s
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in CASES])
 def test_fused_reverse(case, dtype, mode, monkeypatch):
     """Whole sequences; one chunk a slice; or warm-started segments of two chunks (each program
-    first walks its warm-up chunks after the segment: split.warm_plan's ``after`` walk)."""
+    first walks its warm-up chunks after the segment: split.warm_plan's ``after`` walk). Fresh
+    buffers hold NaN (``poison_empty``): sliced, the per-chunk kernel meets rows of dδ that a later
+    slice writes."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warpgroup MMAs: compute capability 9")
     monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], on=True))
@@ -35,6 +37,7 @@ def test_fused_reverse(case, dtype, mode, monkeypatch):
     sliced = mode == "chunk-slices"
     monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=1e-9 if sliced else 0))
     seen = launched(monkeypatch, fused_rev, chunk_bwd, split_mod)
+    poison_empty(monkeypatch)
     errs, bounds = check_once(case, "gated_delta_rule", 3400 + CASES.index(case), dtype)
     assert "fused_rev_kernel" in seen and "state_bwd_kernel" not in seen and "dv_local_kernel" not in seen, seen
     longest = max(case[7] or [case[2]])

@@ -47,14 +47,6 @@ class Chunks:
         return self.N if per is None else int((per * 10 >= self.max_nc * 9).sum())
 
     @functools.cached_property
-    def shares_chunks(self) -> bool:
-        """Whether a sequence but the last ends inside a chunk, so that a whole-chunk tile of its rows
-        reaches into a later sequence's (host arrays; True where they are not kept)."""
-        if self.host_cu is None:
-            return True
-        return bool((np.diff(self.host_cu.numpy())[:-1] % BT).any())
-
-    @functools.cached_property
     def empty_sequences(self) -> np.ndarray:
         """Indices of the sequences without a token (host int64)."""
         per = self.host_per

@@ -514,10 +514,6 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # per-chunk kernels over them, so that dh holds one slice's chunks instead of all.
     nsl = 1 if L or not budget else min(ch.max_nc, cdiv(dh_bytes, max(1, int(budget))))
     slices = make_slices(ch, cdiv(ch.max_nc, nsl), dev) if nsl > 1 else None
-    if slices and rev is not None and ch.shares_chunks:
-        # the per-chunk kernel reads a chunk's dδ tile whole, the next sequence's rows with it (and
-        # zeroes their terms): rows a later slice writes must hold finite values until then
-        DD.zero_()
     dh = torch.empty(max(sl.NT for sl in slices) if slices else ch.NT, HV, K, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None and not slices else None
     per_chunk = _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch, scale, grad_dtype, dv_dtype)

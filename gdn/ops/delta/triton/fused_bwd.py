@@ -95,9 +95,12 @@ def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK,
     The value tiles stream through a ring of NS slots filled by tensor copies: the first NS are
     requested before anything else (they arrive while T⁻¹, q and k load), tile i + NS as soon as
     tile i's slot is free; the products run asynchronously. A chunk's block may reach into the next
-    sequence's rows; those rows of δ, dO, dδ and v need no zeroing: every product that meets them
-    is masked to the chunk's valid rows afterwards, or passes through T⁻¹'s rows, which load as zero
-    there (T⁻¹ is lower triangular, so its valid rows never reach a later column)."""
+    sequence's rows. Those rows of δ, dO and v are finite (written before this kernel runs) and need
+    no zeroing: every product that meets them is masked to the chunk's valid rows afterwards, or
+    passes through T⁻¹'s rows, which load as zero there (T⁻¹ is lower triangular, so its valid rows
+    never reach a later column). Their dδ rows may not be written yet (a sliced reverse pass writes
+    them with a later slice), and zero times a non-finite value is not zero: in a chunk that ends
+    early the dδ tile's rows past the end are zeroed in shared memory before the products."""
     f32: gl.constexpr = gl.float32
     num_warps: gl.constexpr = gl.num_warps()
     NV: gl.constexpr = V // BV
@@ -168,6 +171,8 @@ def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK,
     g_last = gl.load(G + last * HV + i_hv)
     rv = t0 + gl.arange(0, BT, layout=r_v)
     m_v = rv < eos
+    partial = t0 + BT > eos  # the chunk ends inside its block
+    m_ld = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, ld_v)) < eos
     b_bv = gl.load(beta + rv * HV + i_hv, mask=m_v, other=0.0)
 
     # ---- the value loop
@@ -188,6 +193,11 @@ def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK,
         sdd = ring_dd.index(s)
         sh = ring_h.index(s)
         sdh = ring_dh.index(s)
+        if partial:
+            x = sdd.load(ld_v)
+            sdd.store(gl.where(m_ld[:, None], x, gl.zeros_like(x)))
+            fence_async_shared()
+            gl.thread_barrier()
         dod = warpgroup_mma(sdo, sd.permute((1, 0)), dod, is_async=True)
         ddd = warpgroup_mma(sdd, sd.permute((1, 0)), ddd, is_async=True)
         dqs = warpgroup_mma(sdo, sh.permute((1, 0)), dqs, is_async=True)
