@@ -74,6 +74,16 @@ def _bounds(cu, i_n, i_hv, HV, plan, WARM: gl.constexpr):
 
 
 @gluon.jit
+def _program(H, HV, NVT: gl.constexpr, VT: gl.constexpr):
+    """(sequence or segment i_n, value head i_hv, its key head i_h, first value column of the head)
+    of this program, the grid being (sequence or segment, value head, value tile of VT columns)."""
+    pid = gl.program_id(0)
+    i_nh = pid // NVT
+    i_hv = i_nh % HV
+    return i_nh // HV, i_hv, i_hv // (HV // H), (pid % NVT) * VT
+
+
+@gluon.jit
 def _edges(seg_seq, seq_cu, i_n, bos, eos, WARM: gl.constexpr):
     """(sequence, whether the walk starts at its first row, whether it ends at its end) of program
     i_n walking rows [bos, eos): itself and both where the programs are whole sequences (not
@@ -297,13 +307,7 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, h_t, G, beta, h0, o, VN, ht, cu, off, p
     clean; δ is zeroed on those rows before P δ and the state update, and their o rows are not
     stored."""
     NVT: gl.constexpr = V // VT
-    pid = gl.program_id(0)
-    i_vt = pid % NVT
-    i_nh = pid // NVT
-    i_n = i_nh // HV
-    i_hv = i_nh % HV
-    i_h = i_hv // (HV // H)
-    col = i_vt * VT  # the program's first value column of the head
+    i_n, i_hv, i_h, col = _program(H, HV, NVT, VT)
     ring_k = gl.allocate_shared_memory(DT, [NS, BT, K], k_t.layout)
     ring_v = gl.allocate_shared_memory(DT, [NS, BT, VT], v_t.layout)
     ring_a = gl.allocate_shared_memory(DT, [NS, BT, BT], a_t.layout)

@@ -57,7 +57,7 @@ from ...triton.common import BT as CHUNK
 from ...triton.launch import launch
 from ...tuning import DELTA
 from .fused_bwd import _tiles, acc_layout, hopper
-from .fused_fwd import _edges, value_tile
+from .fused_fwd import _edges, _program, value_tile
 
 BT = gl.constexpr(CHUNK)
 WG = gl.constexpr(4)  # warps of a warpgroup: each role but the copies'
@@ -263,13 +263,7 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, cu, ends,
     thread of the copy, δ and local partitions holds (the state's partition takes the rest of the
     launch's ``maxnreg`` budget)."""
     NVT: gl.constexpr = V // VT
-    pid = gl.program_id(0)
-    i_vt = pid % NVT
-    i_nh = pid // NVT
-    i_n = i_nh // HV
-    i_hv = i_nh % HV
-    i_h = i_hv // (HV // H)
-    col = i_vt * VT  # the program's first value column of the head
+    i_n, i_hv, i_h, col = _program(H, HV, NVT, VT)
     ring_q = gl.allocate_shared_memory(DT, [NS, BT, K], q_t.layout)
     ring_k = gl.allocate_shared_memory(DT, [NS, BT, K], k_t.layout)
     ring_do = gl.allocate_shared_memory(DT, [NS, BT, VT], do_t.layout)
