@@ -1,9 +1,9 @@
 """Host time of the chunk kernels' launches on a CUDA machine: per kernel of one gated delta rule
-forward at (8, 2048, 16, 128) bf16, the time of Triton's argument binder (the specialisation of every
-argument: for a tensor descriptor it formats the descriptor's type with its shared-memory layout)
-and of gdn's whole launch (gdn.ops.triton.launch.run: the binder again, the cache lookup and the
-compiled kernel's launcher, which encodes each descriptor's tensor map); and a few of the pieces
-one at a time.
+forward + backward at (8, 2048, 16, 128) bf16, the time Triton's argument binder would take (the
+specialisation of every argument: for a tensor descriptor it formats the descriptor's type with its
+shared-memory layout) and of gdn's whole launch (gdn.ops.triton.launch.run: its own key of the
+arguments, the cache lookup and the compiled kernel's launcher, which encodes each descriptor's
+tensor map); and a few of the pieces one at a time.
 
     python tools/launch_host.py
 """
@@ -44,7 +44,12 @@ def main() -> int:
     v = torch.randn(B, T, HV, V, device=dev, dtype=torch.bfloat16)
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device=dev) + 3)
     beta = torch.rand(B, T, HV, device=dev).sigmoid()
-    ops.gated_delta_rule(q, k, v, g, beta, backend="triton")
+    q, k, v, g, beta = (t.requires_grad_() for t in (q, k, v, g, beta))
+
+    def step():
+        ops.gated_delta_rule(q, k, v, g, beta, backend="triton")[0].sum().backward()
+
+    step()
     torch.cuda.synchronize()
     x = torch.empty(B * T, HV, 64, device=dev, dtype=torch.bfloat16)
     d = fused_bwd._tiles(x, B * T, (64, 64), gl.bfloat16)
@@ -53,6 +58,7 @@ def main() -> int:
     micro("specialize(tensor)", lambda: native_specialize_impl(CUDABackend, x, False, True, True))
     micro("specialize(int)", lambda: native_specialize_impl(CUDABackend, 16, False, True, True))
     micro("repr(layout)", lambda: repr(d.layout))
+    micro("gdn's key of a descriptor", lambda: L._arg_key(d, False))
     acc = {}
     orig = L.run
 
@@ -71,13 +77,13 @@ def main() -> int:
 
     L.run = run
     try:
-        for _ in range(100):
-            ops.gated_delta_rule(q, k, v, g, beta, backend="triton")
+        for _ in range(50):
+            step()
         torch.cuda.synchronize()
     finally:
         L.run = orig
     for name, (n, b, r) in acc.items():
-        print(f"{name}: binder {b / n * 1e6:.1f} us, run (binder again + launch) {r / n * 1e6:.1f} us")
+        print(f"{name}: Triton's binder {b / n * 1e6:.1f} us, gdn's run (key + launch) {r / n * 1e6:.1f} us")
     return 0
 
 

@@ -1,11 +1,15 @@
 """gdn.ops.triton.launch.run: the first launch of a specialisation goes through Triton's path and
-the compiled kernel it returns is kept; later launches with the same specialisation (Triton's own
-binder decides it) call that kernel's launcher directly, with the bound arguments, the grid padded
-to three dimensions and the current stream; a new specialisation, a launch hook or an unhashable
-specialisation goes through Triton's path again. Faked kernel and device: the real path needs CUDA
-(tests/gpu runs every chunk kernel through it)."""
+the compiled kernel it returns is kept; later launches with the same specialisation (launch._arg_key
+of every parameter, at least as fine as Triton's own) call that kernel's launcher directly, with
+every parameter's value, the grid padded to three dimensions and the current stream; a new
+specialisation, a launch hook or an argument of an unknown kind goes through Triton's path again.
+Faked kernel and device: the real path needs CUDA (tests/gpu runs every chunk kernel through it);
+the keys are checked against Triton's own specialisation (native_specialize_impl) on the CPU."""
 from __future__ import annotations
 
+import inspect
+
+import numpy as np
 import pytest
 import torch
 
@@ -23,26 +27,31 @@ class Compiled:
         self.direct.append(a)
 
 
+class Param:
+    def __init__(self, name, constexpr=False, default=inspect.Parameter.empty):
+        self.name, self.is_constexpr, self.default = name, constexpr, default
+
+
 class Kernel:
-    """A JIT function's surface as :func:`run` uses it: ``device_caches[dev][4]`` (the binder) and
-    ``kernel[grid](*args, **kw)`` (Triton's path, which compiles once per specialisation)."""
+    """A JIT function's surface as :func:`run` uses it: ``params`` (name, default, whether a
+    compile-time constant), ``device_caches`` and ``kernel[grid](*args, **kw)`` (Triton's path,
+    which compiles once per specialisation)."""
 
     def __init__(self):
-        self.device_caches = {0: (None, None, None, None, self.bind)}
+        self.device_caches = {}
+        self.params = [Param("a0"), Param("a1"), Param("BV", True, 16)]
         self.via_triton, self.compiled = [], {}
 
     @staticmethod
-    def bind(*args, **kw):
-        """(every parameter's value, the specialisation, the options) as Triton's binder gives them."""
-        spec = [("*bf16", "D") if isinstance(a, torch.Tensor) else ("i32", "D" if a % 16 == 0 else None)
-                for a in args]
-        params = {k: v for k, v in kw.items() if not k.startswith("num_")}
-        return {**{f"a{i}": a for i, a in enumerate(args)}, **params}, spec, {"num_warps": kw.get("num_warps")}
+    def spec(*args, **kw):
+        """Triton's specialisation of these parameters."""
+        return [("*bf16", "D") if isinstance(a, torch.Tensor) else ("i32", "D" if a % 16 == 0 else None)
+                for a in args] + [kw.get("BV", 16)]
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
             self.via_triton.append((grid, args))
-            return self.compiled.setdefault(str(self.device_caches[0][4](*args, **kw)[1]), Compiled())
+            return self.compiled.setdefault(str(self.spec(*args, **kw)), Compiled())
         return launch
 
 
@@ -79,13 +88,45 @@ def test_launch_hooks_and_interpreter_take_tritons_path(cuda_like, monkeypatch):
     assert len(k.via_triton) == 3 and all(not c.direct for c in k.compiled.values())
 
 
-def test_unhashable_specialisation_takes_tritons_path(cuda_like, monkeypatch):
+def test_arguments_of_unknown_kind_take_tritons_path(cuda_like):
     k, x = Kernel(), torch.zeros(4)
-    monkeypatch.setattr(k, "bind", lambda *a, **kw: ({}, [("tensordesc", [64, 32])], {}))
-    k.device_caches = {0: (None, None, None, None, k.bind)}
     for _ in range(2):
-        L.run(k, (1,), (x,), {}, key=("k",))
+        L.run(k, (1,), (x, np.int64(16)), {}, key=("k",))
     assert len(k.via_triton) == 2
+
+
+def test_defaults_fill_the_parameters_not_passed(cuda_like):
+    k, x = Kernel(), torch.zeros(4)
+    ck = L.run(k, (1,), (x, 16), {}, key=("k",))
+    L.run(k, (2,), (x, 32), {}, key=("k",))
+    assert ck.direct == [(2, 1, 1, 77, "fn", "meta", None, None, None, x, 32, 16)]
+
+
+def test_keys_are_at_least_as_fine_as_tritons_specialisation():
+    """For pairs of arguments of every kind the launches pass (tensors aligned or not, ints 1, of 16
+    and others, wide ints, floats, bools, None, Gluon tensor descriptors of several blocks and
+    dtypes): equal keys imply equal Triton specialisations."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.experimental.gluon import language as gl
+
+    from gdn.ops.delta.triton.fused_bwd import _tiles
+
+    base = torch.empty(4096, dtype=torch.bfloat16)
+    half = torch.empty(4096, dtype=torch.float16)
+    descs = [_tiles(torch.empty(256, 128, dtype=dt), 256, blk, gdt) for dt, gdt in ((torch.bfloat16, gl.bfloat16),
+                                                                                  (torch.float16, gl.float16))
+             for blk in ((64, 128), (64, 64), (128, 128))]
+    values = [base, base[1:], base[8:], half, torch.empty(8, dtype=torch.int32), 1, 2, 16, 17, 48, -16, 2 ** 31,
+              2 ** 40 + 3, 2 ** 63, 0.5, 1.0, True, False, None] + descs
+    for a in values:
+        for b in values:
+            if type(a) is not type(b) and not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+                continue
+            same_key = L._arg_key(a, False) == L._arg_key(b, False)
+            sa, sb = (native_specialize_impl(BaseBackend, x, False, True, True) for x in (a, b))
+            assert not same_key or sa == sb, (a, b, sa, sb)
+    assert L._arg_key(descs[0], False) != L._arg_key(descs[1], False)
 
 
 class Launcher:
@@ -116,7 +157,49 @@ def test_launcher_without_scratch_is_called_in_c(cuda_like, monkeypatch, scratch
     L.run(k, (3,), (x, 32), {"num_warps": 4}, key=("k",))  # found in Triton's cache: kept with its launcher
     L.run(k, (2, 5), (x, 48), {"num_warps": 4}, key=("k",))
     if scratch:
-        assert ck.run.c_calls == [] and ck.run.py_calls == [(2, 5, 1, 77, "fn", "meta", None, None, None, x, 48)]
+        assert ck.run.c_calls == [] and ck.run.py_calls == [(2, 5, 1, 77, "fn", "meta", None, None, None, x, 48, 16)]
     else:
         assert ck.run.py_calls == []
-        assert ck.run.c_calls == [(2, 5, 1, 77, "fn", False, True, None, None, "meta", None, None, None, x, 48)]
+        assert ck.run.c_calls == [(2, 5, 1, 77, "fn", False, True, None, None, "meta", None, None, None, x, 48, 16)]
+
+
+def test_descriptor_kernels_launch_with_tensor_maps_encoded_once_per_address(cuda_like, monkeypatch):
+    """A kernel with tensor descriptors (its launcher wraps the C function with triton 3.6's
+    wrap_handle_tensordesc): launched through the C function itself with exactly the arguments
+    the wrapper would pass it, each descriptor's tensor map encoded once per address and shape."""
+    drv = pytest.importorskip("triton.backends.nvidia.driver")
+    from triton.experimental.gluon import language as gl
+
+    from gdn.ops.delta.triton.fused_bwd import _tiles
+
+    encoded = []
+
+    def encode(d, meta):
+        encoded.append((d.base.data_ptr(), meta["block_size"]))
+        return [("map", d.base.data_ptr(), tuple(meta["block_size"])), *d.shape, *d.strides]
+
+    monkeypatch.setattr(drv, "make_tensordesc_arg", encode)
+    monkeypatch.setattr(L, "_DIRECT_LAYOUT", True)
+    monkeypatch.setattr(L, "_MAPS", {})
+    c_calls = []
+    metas = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[64, 128], fp4_padded=False),
+             dict(swizzle=3, elem_size=2, elem_type=10, block_size=[64, 64], fp4_padded=False)]
+    sig = {"a": "*bf16", "d": "tensordesc<bf16[64, 128]>", "n": "i32", "e": "tensordesc<bf16[64, 64]>", "BV": "constexpr"}
+    wrapped = drv.wrap_handle_tensordesc(lambda *a: c_calls.append(a), sig, metas)
+    launcher = Launcher()
+    launcher.launch = wrapped
+    ck = Compiled()
+    ck.run = launcher
+    go = L._launcher(ck)
+    x, y = torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(256, 128, dtype=torch.bfloat16)
+    d1, e1 = _tiles(x, 256, (64, 128), gl.bfloat16), _tiles(x, 256, (64, 64), gl.bfloat16)
+    base = (2, 1, 1, 77, "fn", False, True, None, None, "meta", None, None, None)
+    go(2, 1, 1, 77, x, d1, 5, e1, 64)
+    wrapped(*base, x, d1, 5, e1, 64)  # the wrapper's own expansion, for comparison
+    assert c_calls[0] == c_calls[1] and len(c_calls[0]) == 13 + 1 + 5 + 1 + 5 + 1, c_calls[0]
+    encoded.clear()
+    go(2, 1, 1, 77, x, _tiles(x, 256, (64, 128), gl.bfloat16), 5, e1, 64)  # a new descriptor of the same tensor
+    assert encoded == []
+    go(2, 1, 1, 77, x, _tiles(y, 256, (64, 128), gl.bfloat16), 5, e1, 64)  # another address: encoded
+    assert encoded == [(y.data_ptr(), [64, 128])]
+    assert c_calls[-1][13 + 1] == ("map", y.data_ptr(), (64, 128))

@@ -4,6 +4,7 @@ entry in :mod:`gdn.ops.tuning`, and the parallel first-call compile.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import os
@@ -119,20 +120,21 @@ def run(kernel, grid, args, kw, key):
     """``kernel[grid](*args, **kw)``; ``key`` names (kernel, its keyword arguments) for the cache.
 
     Triton's own path (``JITFunction.run``) costs 25-42 µs of host time per launch of these
-    kernels on the H200's host, its compiled kernel's launcher 8-12 (docs/BENCHMARKS.md): the
-    first launch of each specialisation goes through Triton's path, which compiles and launches;
-    later ones bind the arguments with Triton's own binder (the specialisation Triton keys its
-    cache on, so the compiled kernel found is the one Triton would take) and call that kernel's
-    launcher directly (:func:`_launcher`). Under the interpreter, and while a launch hook is set (a
-    profiler's), always Triton's path."""
+    kernels on the H200's host (its binder formats each tensor descriptor's layout to specialise
+    on it), its compiled kernel's launcher 8-12 (docs/BENCHMARKS.md): the first launch of each
+    specialisation goes through Triton's path, which compiles and launches; later ones find the
+    compiled kernel by :func:`_arg_key` of every parameter's value (at least as fine as Triton's
+    own specialisation, so the kernel found is the one Triton would take) and call its launcher
+    directly (:func:`_launcher`). Under the interpreter, while a launch hook is set (a profiler's),
+    and for an argument of a kind :func:`_arg_key` does not know, always Triton's path."""
     if INTERPRET or _hooked() or not hasattr(kernel, "device_caches"):
         return kernel[grid](*args, **kw)
     dev = torch.cuda.current_device()
-    bound, spec, _ = kernel.device_caches[dev][4](*args, **kw)
     try:
-        fk = (key, dev, tuple(spec))
+        vals = _values(kernel, args, kw)
+        fk = (key, dev, tuple(_arg_key(v, c) for v, c in zip(vals, _params(kernel)[2])))
         ck = _LAUNCHERS.get(fk)
-    except TypeError:  # a specialisation that does not hash (e.g. of a tensor descriptor): Triton's path
+    except TypeError:  # an argument this does not know how Triton specialises: Triton's path
         return kernel[grid](*args, **kw)
     if ck is None:
         ck = kernel[grid](*args, **kw)
@@ -141,8 +143,74 @@ def run(kernel, grid, args, kw, key):
         return ck
     ck, go = ck
     g = tuple(grid) + (1, 1)
-    go(g[0], g[1], g[2], _stream(dev), *bound.values())
+    go(g[0], g[1], g[2], _stream(dev), *vals)
     return ck
+
+
+_PARAMS: dict = {}
+_EMPTY = inspect.Parameter.empty
+
+
+def _params(kernel) -> tuple:
+    """(names, defaults, constexpr flags) of ``kernel``'s parameters, in order (read once a kernel)."""
+    hit = _PARAMS.get(kernel)
+    if hit is None:
+        ps = kernel.params
+        hit = _PARAMS[kernel] = (tuple(p.name for p in ps), tuple(p.default for p in ps),
+                                 tuple(bool(p.is_constexpr) for p in ps))
+    return hit
+
+
+def _values(kernel, args, kw) -> tuple:
+    """Every parameter's value in order, as Triton's binder binds them (the positional ``args``, then
+    each later parameter from ``kw`` or its default); TypeError where one has neither."""
+    names, defaults, _ = _params(kernel)
+    vals = list(args)
+    for n, d in zip(names[len(args):], defaults[len(args):]):
+        v = kw.get(n, d)
+        if v is _EMPTY:
+            raise TypeError(f"no value for {n}")
+        vals.append(v)
+    return tuple(vals)
+
+
+_INT32 = range(-2 ** 31, 2 ** 31)
+
+
+def _arg_key(v, constexpr: bool):
+    """What of argument ``v`` the compiled kernel depends on, at least as finely as Triton's
+    specialisation: a compile-time constant's value; a tensor's dtype and 16-byte alignment; an
+    int's being 1, its divisibility by 16 and its width; a tensor descriptor's dtype, block shape,
+    shared-memory layout and padding; a float's, bool's or None's kind. TypeError for another kind."""
+    if constexpr:
+        hash(v)
+        return v
+    if isinstance(v, torch.Tensor):
+        return v.dtype, v.data_ptr() % 16 == 0
+    t = type(v)
+    if t is int:
+        return v == 1, v % 16 == 0, v in _INT32, v >= 2 ** 63
+    if t is float or t is bool or v is None:
+        return t
+    if t in _DESCRIPTORS:
+        return t, v.base.dtype, tuple(v.block_shape), getattr(v, "layout", None), getattr(v, "padding", None)
+    raise TypeError(f"no launch key for {t.__name__}")
+
+
+def _descriptor_types() -> tuple:
+    """The tensor descriptor classes this triton has (Triton's and Gluon's)."""
+    out = []
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
+        out.append(TensorDescriptor)
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor  # noqa: PLC0415
+        out.append(GluonDescriptor)
+    except ImportError:
+        pass
+    return tuple(out)
+
+
+_DESCRIPTORS = _descriptor_types()
 
 
 #: The launcher layout :func:`_launcher` calls into: triton 3.6's CudaLauncher (its ``launch``, the C
@@ -155,15 +223,72 @@ def _launcher(ck):
     """``go(gx, gy, gz, stream, *bound values)`` launching compiled kernel ``ck``: its launcher's C
     function straight for a kernel that needs no scratch memory (what the launcher's own call does
     for it, less its Python: ≈ 2 µs of host per launch on the development CPU), else the launcher's
-    call."""
+    call. A kernel with tensor descriptors (:func:`_unwrap_descriptors`) has each descriptor
+    argument replaced by its encoded tensor map and shape (:func:`_encoded`) on the way in."""
     r, fn, meta = ck.run, ck.function, ck.packed_metadata
     c_launch = getattr(r, "launch", None)
     if (_DIRECT_LAYOUT and c_launch is not None and not getattr(r, "global_scratch_size", 1)
             and not getattr(r, "profile_scratch_size", 1)):
         coop, pdl = r.launch_cooperative_grid, r.launch_pdl
+        raw = _unwrap_descriptors(c_launch)
+        if raw is not None:
+            c_raw, where = raw
+
+            def go(gx, gy, gz, stream, *a):
+                args = []
+                for i, x in enumerate(a):
+                    m = where.get(i)
+                    if m is None:
+                        args.append(x)
+                    else:
+                        args.extend(_encoded(x, *m))
+                return c_raw(gx, gy, gz, stream, fn, coop, pdl, None, None, meta, None, None, None, *args)
+
+            return go
         return lambda gx, gy, gz, stream, *a: c_launch(gx, gy, gz, stream, fn, coop, pdl, None, None, meta, None,
                                                        None, None, *a)
     return lambda gx, gy, gz, stream, *a: r(gx, gy, gz, stream, fn, meta, None, None, None, *a)
+
+
+def _unwrap_descriptors(c_launch):
+    """(the C launch function, {argument index: (its descriptor metadata, a hashable form of it)}) of
+    a triton 3.6 launcher that wraps its C function to encode tensor descriptors at every launch
+    (the closure of ``wrap_handle_tensordesc``), None for any other launch function: a plain
+    kernel's C function, or a wrapper of another shape (then it encodes them itself)."""
+    code, cells = getattr(c_launch, "__code__", None), getattr(c_launch, "__closure__", None)
+    if code is None or not cells:
+        return None
+    free = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
+    if set(free) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+        return None
+    metas = free["tensordesc_meta"]
+    if not metas or any(m is None for m in metas):
+        return None
+    where = {i: (m, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(m.items())))
+             for i, m in zip(sorted(free["tensordesc_indices"]), metas)}
+    return free["launcher"], where
+
+
+_MAPS: dict = {}
+#: encoded tensor maps kept (a training loop's tensors come back at the same addresses step after
+#: step; the bound keeps a loop of ever new addresses from growing the cache)
+_MAPS_MAX = 1024
+
+
+def _encoded(d, meta: dict, mkey) -> list:
+    """What the launcher passes for tensor descriptor ``d`` (its tensor map encoded with the compiled
+    kernel's descriptor metadata ``meta``, then its shape and strides), encoded once per address,
+    shape, strides, padding and metadata: the map holds nothing else, so one encoded for earlier
+    tensors at the same address and shape is the same map."""
+    key = (d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding, mkey)
+    hit = _MAPS.get(key)
+    if hit is None:
+        from triton.backends.nvidia.driver import make_tensordesc_arg  # noqa: PLC0415  (CUDA only)
+
+        if len(_MAPS) >= _MAPS_MAX:
+            _MAPS.clear()
+        hit = _MAPS[key] = make_tensordesc_arg(d, meta)
+    return hit
 
 
 def _hooked() -> bool:

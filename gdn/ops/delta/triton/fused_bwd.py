@@ -314,22 +314,23 @@ def _tile_layout(block: tuple, dt):
     return _smem(list(block), dt)
 
 
-def _tiles(x, rows: int, block, dt):
-    """A tensor descriptor of ``x`` as a row-major [rows, ·] matrix read in ``block``s (a contiguous,
-    16-byte aligned copy where ``x`` is neither)."""
-    x = x.reshape(rows, -1)
+def _tiles(x, rows: int, block: tuple, dt):
+    """A tensor descriptor of ``x`` as a row-major [rows, ·] matrix read in ``block``s (of a
+    contiguous, 16-byte aligned copy where ``x`` is neither). Its shape and strides are worked out
+    here rather than through a reshaped view: the launch reads only the base's address and dtype."""
     if not x.is_contiguous() or x.data_ptr() % 16:
-        x = x.contiguous().clone()
-    return descriptor(x, list(block), _tile_layout(tuple(block), dt))
+        x = x.clone(memory_format=torch.contiguous_format)
+    cols = x.numel() // rows
+    return descriptor(x, (rows, cols), (cols, 1), list(block), _tile_layout(block, dt))
 
 
-def descriptor(x, block: list, layout):
-    """``TensorDescriptor.from_tensor(x, block, layout)`` for a contiguous, 16-byte aligned matrix
-    ``x`` whose rows are whole 16-byte multiples (what :func:`_tiles` makes), less the constructor's
-    checks of those facts, block and layout (fixed per tile shape): its fields are set directly, as
-    the launch reads them. The checks are most of a descriptor's host time."""
+def descriptor(x, shape: tuple, strides: tuple, block: list, layout):
+    """``TensorDescriptor.from_tensor(x.view(shape), block, layout)`` for a contiguous, 16-byte
+    aligned ``x`` whose rows are whole 16-byte multiples (what :func:`_tiles` makes), less the
+    constructor's checks of those facts, block and layout (fixed per tile shape): its fields are
+    set directly, as the launch reads them. The checks are most of a descriptor's host time."""
     d = TensorDescriptor.__new__(TensorDescriptor)
-    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = x, x.shape, x.stride(), block, layout, "zero"
+    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = x, shape, strides, block, layout, "zero"
     return d
 
 
