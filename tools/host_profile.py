@@ -14,6 +14,9 @@ located the host time the autograd engine takes around the backward, and each la
 
 The inputs and the call are benchmarks/ops_gpu.py's (bf16, K = V = 128).
 
+With ``--ab`` (CUDA): the forward's and the forward + backward's host and wall µs per call through
+Triton's launch path and through gdn's, interleaved in one process (:func:`launch_ab`).
+
 With ``--launches`` (CUDA): the host µs of each kernel launch of one forward + backward at the
 shape, repeated back to back with a one-program grid (the host's cost does not depend on the grid,
 and the GPU keeps up): through Triton's launch path (``kernel[grid](*args, **meta)``: argument
@@ -248,6 +251,51 @@ def launch_table(B: int, T: int, H: int, HV: int, n: int = 300) -> None:
           f"its overhead inflates every figure alike):\n{s.getvalue()}")
 
 
+def launch_ab(fwd, fwd_bwd, rounds: int = 5, n: int = 30) -> None:
+    """Print host µs per call (each call started with the GPU idle: the time to queue its work, the
+    median of ``n``) and wall µs (``do_bench``'s median) of the forward and the forward + backward,
+    launching through Triton's own path (``kernel[grid](...)`` every time) and through gdn's
+    (:func:`gdn.ops.triton.launch.run`), the two interleaved over ``rounds`` rounds in this process
+    (a host's speed drifts between processes and within one)."""
+    import statistics  # noqa: PLC0415
+
+    from triton.testing import do_bench  # noqa: PLC0415
+
+    from gdn.ops.triton import launch as L  # noqa: PLC0415
+
+    def tritons(kernel, grid, args, kw, key):
+        return kernel[grid](*args, **kw)
+
+    def host(fn):
+        ts = []
+        for _ in range(n):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        sync()
+        return statistics.median(ts) * 1e6
+
+    paths, res, real = {"Triton's path": tritons, "gdn's path": L.run}, {}, L.run
+    try:
+        for _ in range(rounds):
+            for name, run in paths.items():
+                L.run = run
+                for what, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
+                    fn()
+                    fn()
+                    res.setdefault((name, what), []).append((host(fn), do_bench(fn, warmup=20, rep=200,
+                                                                                 return_mode="median") * 1e3))
+    finally:
+        L.run = real
+    print(f"\nlaunch paths interleaved, {rounds} rounds: host µs per call (GPU idle at its start, median of {n}) "
+          "and wall µs (do_bench median); each round's figure, then the median of the rounds")
+    for (name, what), xs in res.items():
+        hs, ws = [h for h, _ in xs], [w for _, w in xs]
+        print(f"  {name:14s} {what:17s} host {' '.join(f'{h:6.0f}' for h in hs)} -> {statistics.median(hs):6.0f}"
+              f" | wall {' '.join(f'{w:6.0f}' for w in ws)} -> {statistics.median(ws):6.0f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="8x2048", help="BxT")
@@ -258,6 +306,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeline", action="store_true",
                    help="host µs between marks of a forward+backward's calls run back to back (launches by kernel, "
                         "the autograd Function, the engine between them)")
+    p.add_argument("--ab", action="store_true",
+                   help="(CUDA) host and wall µs per call through Triton's launch path and gdn's, interleaved")
     p.add_argument("--launches", action="store_true",
                    help="(CUDA) host µs per kernel launch, Triton's path against the compiled kernel's launcher")
     a = p.parse_args(argv)
@@ -285,6 +335,11 @@ def main(argv=None) -> int:
 
     where = "CPU, launches stubbed" if a.cpu_stub else torch.cuda.get_device_name()
     print(f"shape ({B}, {T}, H={a.heads}, HV={a.hv}, {D}) bf16; torch {torch.__version__}, {where}")
+    if a.ab:
+        if a.cpu_stub or not torch.cuda.is_available():
+            p.error("--ab needs CUDA (and no --cpu-stub)")
+        launch_ab(fwd_nograd, fwd_bwd)
+        return 0
     if a.timeline:
         rows = timeline(fwd_bwd)
         print("\nforward+backward, calls back to back: host µs per call between marks")
