@@ -48,18 +48,25 @@ def test_the_reverse_pass_replaces_dv_local_and_state_bwd(card, monkeypatch):
     assert grid == (2 * 4,) and meta["USE_DHT"] and meta["USE_INIT"] and meta["K"] == meta["V"] == 128, meta
 
 
+def _slices(mib: int) -> int:
+    """Slices of a reverse pass whose dS_out of every chunk takes ``mib`` MiB (the budget's)."""
+    return -(-mib // tuning.DELTA["state_bwd"]["slice_MB"])
+
+
 def test_slices_carry_the_state_gradient(card):
-    """(8, 2048, 16, 128): dS_out of every chunk would take 128 MiB, twice the 64 MiB budget: two
-    slices, last first, each the pass then the per-chunk kernel over its chunks; the carried dS is
-    read by the second and written by the first."""
+    """(8, 2048, 16, 128): dS_out of every chunk would take 128 MiB, over the budget: slices, last
+    first, each the pass then the per-chunk kernel over its chunks; the carried dS is written by
+    every slice but the last (the sequences' first chunks: no initial state here) and read by every
+    slice but the first."""
     launches = _backward(8, 2048, 16, 16, 128, 128)
     names = [n for n, _, _ in launches]
     rev = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
-    assert len(rev) == 2 and "state_bwd_kernel" not in names and "dv_local_kernel" not in names, names
+    n = _slices(128)
+    assert n > 1 and len(rev) == n and "state_bwd_kernel" not in names and "dv_local_kernel" not in names, names
     assert [n for n in names if n in ("fused_rev_kernel", "fused_bwd_kernel")] == ["fused_rev_kernel",
-                                                                                 "fused_bwd_kernel"] * 2, names
-    assert [m["USE_DHT"] for _, m in rev] == [False, True], rev
-    assert [m["USE_INIT"] for _, m in rev] == [True, False], rev
+                                                                                 "fused_bwd_kernel"] * n, names
+    assert [m["USE_DHT"] for _, m in rev] == [False] + [True] * (n - 1), rev
+    assert [m["USE_INIT"] for _, m in rev] == [True] * (n - 1) + [False], rev
     assert all(g == (8 * 16,) for g, _ in rev), rev
 
 
@@ -78,10 +85,10 @@ def test_few_long_sequences_run_as_segments(card):
 
 def test_slices_rather_than_segments_where_the_programs_fill_enough(card):
     """(4, 8192) at 16 heads: 64 programs, half the card; segments would keep all 512 chunks' dS_out
-    (256 MiB) at once, so the pass runs in four slices instead (fill_sliced), unsplit."""
+    (256 MiB) at once, so the pass runs in slices of the budget instead (fill_sliced), unsplit."""
     launches = _backward(4, 8192, 16, 16, 128, 128)
     rev = [m for n, _, m in launches if n == "fused_rev_kernel"]
-    assert len(rev) == 4 and not any(m["WARM"] for m in rev), [n for n, _, _ in launches]
+    assert len(rev) == _slices(256) and not any(m["WARM"] for m in rev), [n for n, _, _ in launches]
 
 
 def test_value_heads_of_256_run_as_two_value_tiles(card, monkeypatch):
@@ -116,10 +123,10 @@ def test_value_heads_of_256_split_counting_every_tile(card):
 def test_value_tiles_count_towards_filling_the_card_sliced(card):
     """(2, 8192) at 16 heads of V = 256: dS_out of every chunk would take 256 MiB; the 2 · 16 · 2 = 64
     programs (counting the value tiles) reach fill_sliced's quarter of the card, so the pass runs
-    sliced (four slices), unsplit, rather than as segments."""
+    sliced, unsplit, rather than as segments."""
     launches = _backward(2, 8192, 16, 16, 128, 256)
     rev = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
-    assert len(rev) == 4 and not any(m["WARM"] for _, m in rev), [n for n, _, _ in launches]
+    assert len(rev) == _slices(256) and not any(m["WARM"] for _, m in rev), [n for n, _, _ in launches]
     assert all(g == (2 * 16 * 2,) for g, _ in rev), rev
 
 

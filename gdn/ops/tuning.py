@@ -82,10 +82,12 @@ DELTA = {
     # (4, 8192) 2.867 → 2.627 ms, Qwen3.5-397B 12.533 → 11.672 (docs/TRITON.md).
     # slice_MB (the plain pass; 0: never): where dS_out of every chunk would take more than this, the
     # reverse pass and the per-chunk stage run slice by slice (chunk_bwd.backward), dh holding one
-    # slice's chunks.
+    # slice's chunks. 44: (8, 2048, 16, 128) in three slices, its forward+backward peak 0.48 → 0.46
+    # GiB (H200, ops_gpu.py --variants; four slices instead of six at (4, 8192) kept 0.88 against
+    # 0.87 GiB, 2.167 against 2.228 ms).
     "state_bwd": dict(num_warps=4, waves=True, SV=8192, BV_min=16,
                       stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True})),
-                      TMA=False, from_inverse=True, slice_MB=64),
+                      TMA=False, from_inverse=True, slice_MB=44),
     # TMA: the value loop's five tiles by tensor descriptors (chunk_bwd.dqk_kernel). Off: with
     # them, triton 3.6 on the H200 gives a non-finite dg (its row sums Σ S ⊙ dS of the copied h and
     # dh tiles) in 16 of 4440 runs of the T = 1 case under load, 0 of 4698 without; they would
