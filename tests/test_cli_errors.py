@@ -114,6 +114,7 @@ def test_resume_below_or_at_the_runs_step(tmp_path, tiny_run):
     assert "nothing to train" in res.stderr and "no step trained" in res.stdout and "nan" not in res.stdout, res.stdout
 
 
+@pytest.mark.slow  # lm-eval's import and its download attempt: `make test-all`
 def test_eval_task_without_network_says_how_to_use_a_local_task(tmp_path, tiny_run):
     pytest.importorskip("lm_eval")
     res = run_gdn("eval", "--ckpt", str(tiny_run), "--tasks", "lambada_openai", "--limit", "2", "--device", "cpu",

@@ -19,7 +19,8 @@ def run(*args):
                           text=True, cwd=ROOT, timeout=600)
 
 
-@pytest.mark.parametrize("op", ["gdn", pytest.param("kda", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two fresh processes compiling a forward each: `make test-all`
+@pytest.mark.parametrize("op", ["gdn", "kda"])
 def test_times_each_cold_process(op):
     p = run("--op", op, "--shape", "1x70", "--heads", "1", "--dim", "16", "--repeat", "2", "--device", "cpu")
     assert p.returncode == 0, p.stdout + p.stderr

@@ -17,6 +17,7 @@ def run(*args):
                           text=True, cwd=ROOT, timeout=600)
 
 
+@pytest.mark.slow  # compiles a workload's kernels: `make test-all`
 def test_times_every_kernel_of_a_workload():
     p = run("recurrent float32")
     assert p.returncode == 0, p.stdout + p.stderr

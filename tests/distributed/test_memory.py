@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -41,6 +42,7 @@ def _measure(rank, world, path):
             json.dump({"one": one, "ranks": every}, f)
 
 
+@pytest.mark.slow  # four training processes on two cores: `make test-all`
 def test_activation_memory_per_rank_falls_as_one_over_n(tmp_path):
     got = {}
     for world in (2, 4):

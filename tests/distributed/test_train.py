@@ -52,6 +52,7 @@ def _same(got, ref, steps, tol=1e-4):
         assert abs(got[s] - ref[s]) <= tol * abs(ref[s]), (s, got[s], ref[s])
 
 
+@pytest.mark.slow  # three torchrun launches: `make test-all`
 def test_context_parallel_matches_one_process_and_resumes_across_world_sizes(tmp_path):
     """CP = 2 on 2 processes under FSDP2: losses of the 20 steps equal the one-process run's (1e-4);
     its step-10 checkpoint (distributed) finishes on 1 process, and the one-process run's step-10
@@ -74,6 +75,7 @@ def test_context_parallel_matches_one_process_and_resumes_across_world_sizes(tmp
     _same(_losses(tmp_path / "back"), ref, range(11, STEPS + 1))
 
 
+@pytest.mark.slow  # four processes on two cores: `make test-all`
 def test_data_times_context_parallel(tmp_path):
     """4 processes = 2 data-parallel groups x CP = 2 under DDP: the losses of one process accumulating the same
     two rows per step (grad_accum = 2), to 1e-4."""

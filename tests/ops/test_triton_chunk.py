@@ -190,7 +190,7 @@ def test_split_state_pass(member, L, monkeypatch):
 
 
 @pytest.mark.parametrize("member,slice_mb,slices", [
-    pytest.param(m, mb, n, id=f"{sid}-{m}", marks=[pytest.mark.slow] if n == 2 and m != "gated_delta_rule" else [])
+    pytest.param(m, mb, n, id=f"{sid}-{m}", marks=[pytest.mark.slow] if (n == 2) != (m == "gated_delta_rule") else [])
     for mb, n, sid in ((0.04, 2, "two-chunk-slices"), (1e-6, 4, "one-chunk-slices")) for m in MEMBERS])
 def test_sliced_reverse_pass(member, slice_mb, slices, monkeypatch):
     """dh over the budget (DELTA["state_bwd"]["slice_MB"]): the reverse pass and the per-chunk kernels

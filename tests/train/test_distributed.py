@@ -37,7 +37,7 @@ def _losses(out):
     return {r["step"]: r["loss"] for r in read_metrics(Path(out) / "metrics.jsonl") if "loss" in r}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_two_processes_match_one_and_resume_on_one(tmp_path, strategy):
     data = write_corpus(tmp_path / "data")
     single = train(small_config(tmp_path / "single", data, steps=4, save_every=2, eval_every=2))
