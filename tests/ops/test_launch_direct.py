@@ -203,3 +203,35 @@ def test_descriptor_kernels_launch_with_tensor_maps_encoded_once_per_address(cud
     go(2, 1, 1, 77, x, _tiles(y, 256, (64, 128), gl.bfloat16), 5, e1, 64)  # another address: encoded
     assert encoded == [(y.data_ptr(), [64, 128])]
     assert c_calls[-1][13 + 1] == ("map", y.data_ptr(), (64, 128))
+
+
+def test_inline_keys_equal_the_per_argument_keys():
+    """launch._arg_keys (tensors and compile-time constants keyed inline) gives what _arg_key of
+    each argument gives, for every kind a launch passes: plain tensors aligned or not, a Parameter
+    (a tensor subclass), ints, floats, None, constants and Gluon tensor descriptors; equal layouts
+    built apart share their key, different ones do not."""
+    from triton.experimental.gluon import language as gl
+
+    from gdn.ops.delta.triton.fused_bwd import _smem, _tiles
+
+    base = torch.empty(4096, dtype=torch.bfloat16)
+    d = _tiles(torch.empty(256, 128, dtype=torch.bfloat16), 256, (64, 128), gl.bfloat16)
+    values = [base, base[1:], base[8:], torch.nn.Parameter(torch.zeros(3)), 1, 16, 17, 2 ** 40, 0.5, None, True, d,
+              64, gl.bfloat16, "ieee"]
+    flags = [False] * 12 + [True] * 3
+    assert L._arg_keys(values, flags) == tuple(L._arg_key(v, c) for v, c in zip(values, flags))
+    assert L._arg_keys([base[1:]], [False]) != L._arg_keys([base], [False])
+    same = L._interned(_smem([64, 128], gl.bfloat16))
+    assert same == L._interned(_smem([64, 128], gl.bfloat16)) != L._interned(_smem([64, 32], gl.bfloat16))
+
+
+def test_direct_keys_the_keyword_arguments(cuda_like):
+    """launch.direct(kernel, grid, *args, **kw) is ``kernel[grid](*args, **kw)`` through run: the
+    launcher is reused for the same keywords and specialisation, a new keyword value compiles."""
+    k, x = Kernel(), torch.zeros(4)
+    ck = L.direct(k, (2,), x, 32, BV=64, num_warps=4)
+    assert L.direct(k, (3,), x, 48, BV=64, num_warps=4) is ck and len(k.via_triton) == 1
+    assert ck.direct == [(3, 1, 1, 77, "fn", "meta", None, None, None, x, 48, 64)]
+    L.direct(k, (3,), x, 48, BV=32, num_warps=4)
+    L.direct(k, (3,), x, 48, BV=64, num_warps=8)
+    assert len(k.via_triton) == 3

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .. import offsets
 from ..tuning import BT, INTERPRET, cdiv, chunk_tiles, pow2  # noqa: F401  (re-exported to the kernels)
-from .launch import has_tma, launch, sm_count  # noqa: F401  (re-exported to the kernels)
+from .launch import direct, has_tma, launch, sm_count  # noqa: F401  (re-exported to the kernels)
 
 
 @dataclass(frozen=True)
@@ -421,5 +421,5 @@ def group_sum(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     y = torch.empty(*lead, width, device=x.device, dtype=dtype)
     BD = pow2(width)
     BR = max(1, min(64, 4096 // BD))
-    group_sum_kernel[(cdiv(R, BR),)](x, y, R, G=G, D=D, DO=width, BR=BR, BD=BD, num_warps=4)
+    direct(group_sum_kernel, (cdiv(R, BR),), x, y, R, G=G, D=D, DO=width, BR=BR, BD=BD, num_warps=4)
     return y

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..tuning import OTHER, cdiv, pow2
+from .launch import direct
 
 
 
@@ -70,8 +71,8 @@ def logsumexp_pick(z: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor,
     picked = torch.empty(R, device=z.device, dtype=torch.float32)
     c = OTHER["cross_entropy"]
     if R:
-        _lse_pick_kernel[(R,)](z, target, lse, picked, V, BLOCK=min(c["BLOCK"], pow2(V, 1)),
-                                 num_warps=c["num_warps"])
+        direct(_lse_pick_kernel, (R,), z, target, lse, picked, V, BLOCK=min(c["BLOCK"], pow2(V, 1)),
+               num_warps=c["num_warps"])
     return lse, picked
 
 
@@ -83,6 +84,6 @@ def softmax_grad(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, coef:
     c = OTHER["cross_entropy"]
     if R:
         B = min(c["BLOCK"], pow2(V, 1))
-        _softmax_grad_kernel[(R, cdiv(V, B))](z, lse.float().contiguous(), target, coef.float().contiguous(),
-                                                     dz, V, BLOCK=B, num_warps=c["num_warps"])
+        direct(_softmax_grad_kernel, (R, cdiv(V, B)), z, lse.float().contiguous(), target, coef.float().contiguous(),
+               dz, V, BLOCK=B, num_warps=c["num_warps"])
     return dz

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..tuning import OTHER, cdiv, pow2
-from .launch import sm_count
+from .launch import direct, sm_count
 
 
 @triton.jit
@@ -128,10 +128,10 @@ def _launch(x, weight, u, form, norm_weight=None, eps=0.0):
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     s = torch.empty(M, K, dtype=x.dtype, device=x.device) if form == 2 and u is not None else y
     BN, BK = tiles(N, K, x.device)
-    _gemv_kernel[(cdiv(N, BN),)](x2, u2, weight, y, norm_weight if form == 2 else weight, s, M, N,
-                                        x2.stride(0), u2.stride(0), y.stride(0), s.stride(0), float(eps),
-                                        K=K, BM=pow2(max(M, 1), 1), BN=BN, BK=BK, FORM=form,
-                                        HAS_U=u is not None, num_warps=OTHER["gemv"]["num_warps"])
+    direct(_gemv_kernel, (cdiv(N, BN),), x2, u2, weight, y, norm_weight if form == 2 else weight, s, M, N,
+           x2.stride(0), u2.stride(0), y.stride(0), s.stride(0), float(eps),
+           K=K, BM=pow2(max(M, 1), 1), BN=BN, BK=BK, FORM=form,
+           HAS_U=u is not None, num_warps=OTHER["gemv"]["num_warps"])
     out = y.view(*lead, N)
     if form != 2:
         return out, None

@@ -113,6 +113,13 @@ def settings(meta: dict) -> tuple:
     return tuple(meta.items())
 
 
+def direct(kernel, grid, *args, **kw):
+    """``kernel[grid](*args, **kw)`` through :func:`run` (the launches outside :func:`launch`'s
+    candidates: the layers' glue and the decode kernels, whose host time per launch a model's step
+    pays dozens of times)."""
+    return run(kernel, grid, args, kw, (kernel, settings(kw)))
+
+
 _LAUNCHERS: dict = {}
 
 
@@ -132,7 +139,7 @@ def run(kernel, grid, args, kw, key):
     dev = torch.cuda.current_device()
     try:
         vals = _values(kernel, args, kw)
-        fk = (key, dev, tuple(_arg_key(v, c) for v, c in zip(vals, _params(kernel)[2])))
+        fk = (key, dev, _arg_keys(vals, _params(kernel)[2]))
         ck = _LAUNCHERS.get(fk)
     except TypeError:  # an argument this does not know how Triton specialises: Triton's path
         return kernel[grid](*args, **kw)
@@ -175,6 +182,15 @@ def _values(kernel, args, kw) -> tuple:
 
 
 _INT32 = range(-2 ** 31, 2 ** 31)
+_TENSOR = torch.Tensor
+
+
+def _arg_keys(vals, constexpr) -> tuple:
+    """:func:`_arg_key` of each value (``constexpr``: each one's flag), with the two commonest kinds,
+    plain tensors and compile-time constants, keyed inline: a launch passes 20-40 arguments, and a
+    call per argument is most of the key's host time."""
+    return tuple([(v.dtype, not v.data_ptr() & 15) if type(v) is _TENSOR else (v if c else _arg_key(v, c))
+                  for v, c in zip(vals, constexpr)])
 
 
 def _arg_key(v, constexpr: bool):
@@ -193,8 +209,26 @@ def _arg_key(v, constexpr: bool):
     if t is float or t is bool or v is None:
         return t
     if t in _DESCRIPTORS:
-        return t, v.base.dtype, tuple(v.block_shape), getattr(v, "layout", None), getattr(v, "padding", None)
+        return t, v.base.dtype, tuple(v.block_shape), _interned(getattr(v, "layout", None)), getattr(v, "padding", None)
     raise TypeError(f"no launch key for {t.__name__}")
+
+
+_INTERNED: dict = {}
+
+
+def _interned(layout):
+    """A small int standing for shared-memory ``layout`` in launch keys, equal for equal layouts:
+    looked up by identity first (the kernels' layouts are made once per tile shape, and hashing a
+    Gluon layout runs Python code each time); the entry holds the layout, so its id is not reused."""
+    if layout is None:
+        return None
+    hit = _INTERNED.get(id(layout))
+    if hit is None or hit[0] is not layout:
+        hit = _INTERNED[id(layout)] = (layout, _LAYOUT_IDS.setdefault(layout, len(_LAYOUT_IDS)))
+    return hit[1]
+
+
+_LAYOUT_IDS: dict = {}
 
 
 def _descriptor_types() -> tuple:
@@ -233,15 +267,15 @@ def _launcher(ck):
         raw = _unwrap_descriptors(c_launch)
         if raw is not None:
             c_raw, where = raw
+            descs = tuple((i, *where[i]) for i in sorted(where))
 
             def go(gx, gy, gz, stream, *a):
-                args = []
-                for i, x in enumerate(a):
-                    m = where.get(i)
-                    if m is None:
-                        args.append(x)
-                    else:
-                        args.extend(_encoded(x, *m))
+                args, prev = [], 0
+                for i, m, mkey in descs:  # the arguments up to each descriptor, then its map and shape
+                    args += a[prev:i]
+                    args += _encoded(a[i], m, mkey)
+                    prev = i + 1
+                args += a[prev:]
                 return c_raw(gx, gy, gz, stream, fn, coop, pdl, None, None, meta, None, None, None, *args)
 
             return go
@@ -264,9 +298,15 @@ def _unwrap_descriptors(c_launch):
     metas = free["tensordesc_meta"]
     if not metas or any(m is None for m in metas):
         return None
-    where = {i: (m, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(m.items())))
-             for i, m in zip(sorted(free["tensordesc_indices"]), metas)}
+    where = {}
+    for i, m in zip(sorted(free["tensordesc_indices"]), metas):
+        hashable = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(m.items()))
+        where[i] = (m, _META_IDS.setdefault(hashable, len(_META_IDS)))
     return free["launcher"], where
+
+
+#: descriptor metadata (in a hashable form) -> a small int standing for it in the tensor maps' keys
+_META_IDS: dict = {}
 
 
 _MAPS: dict = {}

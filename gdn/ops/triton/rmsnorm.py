@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ..tuning import INTERPRET, OTHER, cdiv, norm_tiles, pow2
 from .rows import row_offsets, rows, strided
+from .launch import direct
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -125,9 +126,9 @@ def _forward(x, g, weight, eps, out_dtype):
     rx, rg = _rows(x, g)
     gl = rg if rg is not None else rx
     BR, BD, nw = norm_tiles(D)
-    _norm_fwd_kernel[(cdiv(R, BR),)](rx.t, gl.t, weight, y, rstd, R, D, eps, *rx.args(), *gl.args(),
-                                            GATED=g is not None, STRIDED=strided(rx, rg), BR=BR, BD=BD,
-                                            num_warps=nw)
+    direct(_norm_fwd_kernel, (cdiv(R, BR),), rx.t, gl.t, weight, y, rstd, R, D, eps, *rx.args(), *gl.args(),
+           GATED=g is not None, STRIDED=strided(rx, rg), BR=BR, BD=BD,
+           num_warps=nw)
     return y, rstd, rx.t, (rg.t if rg is not None else None)
 
 
@@ -149,9 +150,9 @@ def _backward(dy, x, g, weight, rstd):
     nloop = min(64, pow2(cdiv(nblocks, target), 1))
     nprog = cdiv(nblocks, nloop)
     dwp = torch.empty(nprog, D, device=x.device, dtype=torch.float32)
-    _norm_bwd_kernel[(nprog,)](rx.t, gl.t, weight, rstd, dy, dx, dg if dg is not None else dx, dwp, R, D,
-                               *rx.args(), *gl.args(), GATED=g is not None, STRIDED=strided(rx, rg), BR=BR, BD=BD,
-                               NLOOP=nloop, num_warps=nw)
+    direct(_norm_bwd_kernel, (nprog,), rx.t, gl.t, weight, rstd, dy, dx, dg if dg is not None else dx, dwp, R, D,
+           *rx.args(), *gl.args(), GATED=g is not None, STRIDED=strided(rx, rg), BR=BR, BD=BD,
+           NLOOP=nloop, num_warps=nw)
     return dx, dg, dwp.sum(0)
 
 
@@ -227,6 +228,6 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: fl
     y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype)
     if R:
         BR, BD, nw = norm_tiles(D)
-        _add_norm_fwd_kernel[(cdiv(R, BR),)](x, h, weight.contiguous(), s, y, R, D, float(eps), BR=BR, BD=BD,
-                                                    num_warps=nw)
+        direct(_add_norm_fwd_kernel, (cdiv(R, BR),), x, h, weight.contiguous(), s, y, R, D, float(eps), BR=BR, BD=BD,
+               num_warps=nw)
     return s, y

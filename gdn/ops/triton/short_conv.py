@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .. import offsets
 from ..tuning import INTERPRET, OTHER, cdiv, pow2
+from .launch import direct
 
 #: Input dtypes the kernels take.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -137,9 +138,9 @@ def _conv_fwd(x, weight, hist, pos, silu: bool) -> torch.Tensor:
     BT, BD = c["BT"], _blocks(D)
     has_hist = hist is not None and K > 1
     grid = (cdiv(D, BD), cdiv(T, BT), B)
-    _conv_fwd_kernel[grid](x, weight, hist if has_hist else x, pos if pos is not None else x, y, T, D,
-                           K=K, HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD,
-                           num_warps=c["num_warps"])
+    direct(_conv_fwd_kernel, grid, x, weight, hist if has_hist else x, pos if pos is not None else x, y, T, D,
+           K=K, HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD,
+           num_warps=c["num_warps"])
     return y
 
 
@@ -155,9 +156,10 @@ def _conv_bwd(dy, x, weight, hist, pos, silu: bool) -> tuple[torch.Tensor, torch
     dwp = torch.empty(B, ntb, D, K, device=x.device, dtype=torch.float32)
     has_hist = hist is not None and K > 1
     grid = (cdiv(D, BD), ntb, B)
-    _conv_bwd_kernel[grid](x, weight, hist if has_hist else x, pos if pos is not None else x, dy, dx, dwp, T, D, ntb,
-                           K=K, KP=pow2(K, 1), HAS_HIST=has_hist, PACKED=pos is not None,
-                           SILU=silu, BT=BT, BD=BD, NLOOP=nloop, num_warps=c["num_warps"])
+    direct(_conv_bwd_kernel, grid, x, weight, hist if has_hist else x, pos if pos is not None else x, dy, dx, dwp, T,
+           D, ntb,
+           K=K, KP=pow2(K, 1), HAS_HIST=has_hist, PACKED=pos is not None,
+           SILU=silu, BT=BT, BD=BD, NLOOP=nloop, num_warps=c["num_warps"])
     return dx, dwp.sum((0, 1))
 
 
@@ -295,7 +297,7 @@ def conv_step_(x: torch.Tensor, weight: torch.Tensor, tails: torch.Tensor, activ
         return y
     c = OTHER["conv_step"]
     BD = min(1024 if INTERPRET else c["BD"], pow2(D, 1))
-    _conv_step_kernel[(B, cdiv(D, BD))](x, weight.contiguous(), bias if bias is not None else weight, tails, y,
-                                               x.stride(0), D, K=K, HAS_BIAS=bias is not None,
-                                               SILU=activation == "silu", BD=BD, num_warps=c["num_warps"])
+    direct(_conv_step_kernel, (B, cdiv(D, BD)), x, weight.contiguous(), bias if bias is not None else weight, tails, y,
+           x.stride(0), D, K=K, HAS_BIAS=bias is not None,
+           SILU=activation == "silu", BD=BD, num_warps=c["num_warps"])
     return y

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ..tuning import OTHER, cdiv
 from .rows import row_start, rows, strided
+from .launch import direct
 
 
 @triton.jit
@@ -88,9 +89,9 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if n:
         rg, ru, I = _operands(gate, up)
         c = OTHER["swiglu"]
-        _swiglu_fwd_kernel[(cdiv(n, c["BLOCK"]),)](rg.t, ru.t, h, n, I, *rg.args(), *ru.args(),
-                                                          STRIDED=strided(rg, ru), BLOCK=c["BLOCK"],
-                                                          num_warps=c["num_warps"])
+        direct(_swiglu_fwd_kernel, (cdiv(n, c["BLOCK"]),), rg.t, ru.t, h, n, I, *rg.args(), *ru.args(),
+               STRIDED=strided(rg, ru), BLOCK=c["BLOCK"],
+               num_warps=c["num_warps"])
     return h
 
 
@@ -105,7 +106,7 @@ def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> t
     if n:
         rg, ru, I = _operands(gate, up)
         c = OTHER["swiglu"]
-        _swiglu_bwd_kernel[(cdiv(n, c["BLOCK"]),)](dh.contiguous(), rg.t, ru.t, dg, du, n, I, *rg.args(),
-                                                          *ru.args(), STRIDED=strided(rg, ru), BLOCK=c["BLOCK"],
-                                                          num_warps=c["num_warps"])
+        direct(_swiglu_bwd_kernel, (cdiv(n, c["BLOCK"]),), dh.contiguous(), rg.t, ru.t, dg, du, n, I, *rg.args(),
+               *ru.args(), STRIDED=strided(rg, ru), BLOCK=c["BLOCK"],
+               num_warps=c["num_warps"])
     return dg, du

@@ -428,12 +428,6 @@ def _reverse_pass(q, g, beta, ch: Chunks, HV: int, K: int, V: int, from_inv: boo
     return None, split_len(ch, HV, tiles, dev, warm)
 
 
-def _fused_reverse(rev, q, k, do, gs, beta, Ai, dh, DD, N: int, scale: float, dS_end, dS_0, starts, ends, off):
-    """One launch of the warp-specialised reverse pass over token ranges [starts, ends), from dS_end
-    (or zero) to dS_0 (when given)."""
-    rev.reverse(q, k, do, gs, beta, Ai, dS_end, dh, DD, dS_0, starts, ends, off, N, scale)
-
-
 def _state_bwd_reverse(args, kw, dh, DD, dummy, scale: float, dS_end, dS_0, starts, ends, off):
     """One launch of state_bwd_kernel (grid and per-chunk inputs ``args``, keywords ``kw``) over
     token ranges [starts, ends), from dS_end (or zero) to dS_0 (when given)."""
@@ -545,7 +539,9 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                sg.cu, sg.cu[1:], sg.off, scale, BV=SV, USE_DHT=True, USE_INIT=False, **common)
     else:
         if rev is not None:
-            reverse = functools.partial(_fused_reverse, rev, q, k, do, gs, beta, Ai, dh, DD, ch.N, scale)
+            # reverse(dS_end, dS_0, starts, ends, off): one launch over token ranges [starts, ends),
+            # from dS_end (or zero) to dS_0 (when given); its descriptors made once for every slice
+            reverse = functools.partial(rev.reverser(q, k, do, gs, beta, Ai, dh, DD, scale), N=ch.N)
         else:
             # the per-chunk inputs, perhaps as tensor descriptors
             wr = ((Ai, BT) if from_inv else (Wp, K)) if delta else (k, K)
@@ -567,7 +563,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                 dh0 = carry
         else:
             reverse(dht, dh0, ch.cu, ch.cu[1:], ch.chunk_off)
-        del reverse  # (state_bwd's inputs hold DVL and W)
+        del reverse  # (its inputs hold DVL, W and dh)
     if not slices:
         del dh
         outs = per_chunk(ch.chunk_idx, ch.NT, True)

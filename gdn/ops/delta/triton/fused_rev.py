@@ -322,6 +322,13 @@ def reverse(q, k, do, G, beta, Ai, dht, dh, DD, dh0, cu, ends, off, N: int, scal
     (range, value head, value tile of fused_fwd.value_tile: N · HV · NVT in all). ``warm``: (plan,
     seg_seq, seq_cu) where the programs are warm-started segments (the kernel's ``WARM``; dht and
     dh0 per sequence then; plan per segment and head, shared by the head's value tiles)."""
+    reverser(q, k, do, G, beta, Ai, dh, DD, scale)(dht, dh0, cu, ends, off, N, warm)
+
+
+def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float):
+    """:func:`reverse` over these tensors as ``run(dht, dh0, cu, ends, off, N, warm=None)``, with
+    the tensor descriptors made once for every launch (a sliced backward launches the pass once a
+    slice over the same tensors)."""
     T, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     VT = value_tile(V)
@@ -333,9 +340,15 @@ def reverse(q, k, do, G, beta, Ai, dht, dh, DD, dh0, cu, ends, off, N: int, scal
     do_t = _tiles(do, T, (CHUNK, VT), DT)
     a_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
     dh_t = _tiles(dh, dh.numel() // V, (K, VT), DT)
-    plan, seg_seq, seq_cu = warm if warm is not None else (cu, cu, cu)
     r = tuple(c["regs"])
-    launch(fused_rev_kernel, (N * HV * value_tiles(V),), q_t, k_t, do_t, a_t, dh_t, G, beta,
-           dht if dht is not None else G, dh0 if dh0 is not None else G, DD, cu, ends, off, plan, seg_seq, seq_cu,
-           scale, H, HV, K=K, V=V, VT=VT, NS=c["NS"], DT=DT, USE_DHT=dht is not None, USE_INIT=dh0 is not None,
-           WARM=warm is not None, R_COPY=r[0], R_DELTA=r[1], R_LOCAL=r[2], maxnreg=c["maxnreg"], name="fused_rev")
+    programs = HV * value_tiles(V)
+
+    def run(dht, dh0, cu, ends, off, N: int, warm=None):
+        plan, seg_seq, seq_cu = warm if warm is not None else (cu, cu, cu)
+        launch(fused_rev_kernel, (N * programs,), q_t, k_t, do_t, a_t, dh_t, G, beta,
+               dht if dht is not None else G, dh0 if dh0 is not None else G, DD, cu, ends, off, plan, seg_seq,
+               seq_cu, scale, H, HV, K=K, V=V, VT=VT, NS=c["NS"], DT=DT, USE_DHT=dht is not None,
+               USE_INIT=dh0 is not None, WARM=warm is not None, R_COPY=r[0], R_DELTA=r[1], R_LOCAL=r[2],
+               maxnreg=c["maxnreg"], name="fused_rev")
+
+    return run

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from ...checks import shape_str
 from ...tuning import OTHER, cdiv, pow2
+from ...triton.launch import direct
 from .recurrent import (
     check_kernel_inputs,
     check_no_grad,
@@ -296,9 +297,9 @@ def commit_spec_states(state_pool, slot_indices, states, accepted_len, *, cu_seq
     c = OTHER["pool_commit"]
     BLOCK = min(c["BLOCK"], pow2(K * V, 1))
     grid = (N * HV, cdiv(K * V, BLOCK))
-    _commit_kernel[grid](states, state_pool, slot_indices, accepted_len,
-                         states if cu_seqlens is None else cu_seqlens, T, P,
-                         HV=HV, KV=K * V, BLOCK=BLOCK, IS_VARLEN=cu_seqlens is not None, num_warps=c["num_warps"])
+    direct(_commit_kernel, grid, states, state_pool, slot_indices, accepted_len,
+           states if cu_seqlens is None else cu_seqlens, T, P,
+           HV=HV, KV=K * V, BLOCK=BLOCK, IS_VARLEN=cu_seqlens is not None, num_warps=c["num_warps"])
 
 
 class DecodeGraph:

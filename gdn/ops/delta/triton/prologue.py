@@ -23,6 +23,7 @@ import triton.language as tl
 from ...gates import L2NORM_EPS
 from ...tuning import OTHER, cdiv, pow2
 from ...triton.rows import row_offsets, row_start, rows, strided
+from ...triton.launch import direct
 
 
 @triton.jit(do_not_specialize=["inner", "s_outer", "s_inner"])
@@ -124,8 +125,8 @@ class L2Norm(torch.autograd.Function):
         r = torch.empty(n, device=x.device, dtype=torch.float32)
         c = OTHER["l2norm"]
         if n:
-            l2norm_fwd_kernel[(cdiv(n, c["BR"]),)](rx.t, y, r, n, *rx.args(), D=D, BD=pow2(D, 1), BR=c["BR"],
-                                                           eps=eps, STRIDED=rx.strided, num_warps=c["num_warps"])
+            direct(l2norm_fwd_kernel, (cdiv(n, c["BR"]),), rx.t, y, r, n, *rx.args(), D=D, BD=pow2(D, 1), BR=c["BR"],
+                   eps=eps, STRIDED=rx.strided, num_warps=c["num_warps"])
         ctx.save_for_backward(rx.t, r)
         return y
 
@@ -138,9 +139,9 @@ class L2Norm(torch.autograd.Function):
         dx = torch.empty(xs.shape, device=xs.device, dtype=xs.dtype)
         c = OTHER["l2norm"]
         if n:
-            l2norm_bwd_kernel[(cdiv(n, c["BR"]),)](rx.t, r, dy.contiguous(), dx, n, *rx.args(), D=D,
-                                                           BD=pow2(D, 1), BR=c["BR"], STRIDED=rx.strided,
-                                                           num_warps=c["num_warps"])
+            direct(l2norm_bwd_kernel, (cdiv(n, c["BR"]),), rx.t, r, dy.contiguous(), dx, n, *rx.args(), D=D,
+                   BD=pow2(D, 1), BR=c["BR"], STRIDED=rx.strided,
+                   num_warps=c["num_warps"])
         return dx, None
 
 
@@ -158,9 +159,9 @@ class Gate(torch.autograd.Function):
         beta = torch.empty(a.shape, device=a.device, dtype=torch.float32)
         c = OTHER["gate"]
         if n:
-            gate_fwd_kernel[(cdiv(n, c["BLOCK"]),)](ra.t, rb.t, A_log.contiguous(), dt_bias.contiguous(), g,
-                                                           beta, n, HV, *ra.args(), *rb.args(), BLOCK=c["BLOCK"],
-                                                           NEG=neg, STRIDED=strided(ra, rb), num_warps=c["num_warps"])
+            direct(gate_fwd_kernel, (cdiv(n, c["BLOCK"]),), ra.t, rb.t, A_log.contiguous(), dt_bias.contiguous(), g,
+                   beta, n, HV, *ra.args(), *rb.args(), BLOCK=c["BLOCK"],
+                   NEG=neg, STRIDED=strided(ra, rb), num_warps=c["num_warps"])
         ctx.save_for_backward(ra.t, rb.t, A_log, dt_bias, g)
         ctx.neg = neg
         return g, beta
@@ -178,10 +179,10 @@ class Gate(torch.autograd.Function):
         dgg = torch.empty_like(g)
         c = OTHER["gate"]
         if n:
-            gate_bwd_kernel[(cdiv(n, c["BLOCK"]),)](ra.t, rb.t, A_log.contiguous(), dt_bias.contiguous(), g,
-                                                           dg, dbeta, da, db, dgg, n, HV, *ra.args(), *rb.args(),
-                                                           BLOCK=c["BLOCK"], NEG=ctx.neg, STRIDED=strided(ra, rb),
-                                                           num_warps=c["num_warps"])
+            direct(gate_bwd_kernel, (cdiv(n, c["BLOCK"]),), ra.t, rb.t, A_log.contiguous(), dt_bias.contiguous(), g,
+                   dg, dbeta, da, db, dgg, n, HV, *ra.args(), *rb.args(),
+                   BLOCK=c["BLOCK"], NEG=ctx.neg, STRIDED=strided(ra, rb),
+                   num_warps=c["num_warps"])
         # d dt_bias = Σ da over tokens; d A_log = Σ dg · g (g is linear in exp(A_log)).
         dA_log = dgg.view(-1, HV).sum(0).to(A_log.dtype)
         ddt = da.float().view(-1, HV).sum(0).to(dt_bias.dtype)

@@ -29,6 +29,7 @@ import triton.language as tl
 from ...checks import check_recurrent, check_scale, float_tensor, shape_str
 from ...gates import L2NORM_EPS
 from ...triton.common import tl_sum
+from ...triton.launch import direct
 from ...tuning import MAX_HEAD_DIM, cdiv, recurrent_tiles
 
 __all__ = [
@@ -216,7 +217,8 @@ def launch(q, k, v, g, beta, o, h0, ht, *, scale, slots=None, pool_size=0, cu_se
     grid = (num_sequences * HV, cdiv(V, BV))
     gs = g.stride() if g is not None else (0, 0, 0)
     bs = beta.stride() if beta is not None else (0, 0, 0)
-    _fused_recurrent_fwd_kernel[grid](
+    direct(
+        _fused_recurrent_fwd_kernel, grid,
         q, k, v, dummy if g is None else g, dummy if beta is None else beta,
         dummy if raw_gate is None else raw_gate[0], dummy if raw_gate is None else raw_gate[1], o,
         dummy if h0 is None else h0, dummy if ht is None else ht,

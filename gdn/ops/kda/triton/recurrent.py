@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ...router import needs_grad
 from ...triton.common import tl_sum
+from ...triton.launch import direct
 from ...tuning import MAX_HEAD_DIM, OTHER, cdiv, kda_recurrent_tiles
 
 
@@ -198,9 +199,10 @@ def _forward(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep_c
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=v.device) if output_final_state else None
     ckpt = torch.empty(max(n_ck, 1), HV, K, V, dtype=torch.float32, device=v.device) if keep_ckpt else None
     grid = (cdiv(V, BV), N * HV)
-    _kda_fwd_kernel[grid](q, k, v, g, beta, o, h0 if h0 is not None else o, ht if ht is not None else o,
-                          ckpt if ckpt is not None else o, cu, ck_off, scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-                          CKS=OTHER["kda_recurrent"]["CK"], USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_CKPT=ckpt is not None)
+    direct(_kda_fwd_kernel, grid, q, k, v, g, beta, o, h0 if h0 is not None else o, ht if ht is not None else o,
+           ckpt if ckpt is not None else o, cu, ck_off, scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+           CKS=OTHER["kda_recurrent"]["CK"], USE_H0=h0 is not None, STORE_HT=ht is not None,
+           STORE_CKPT=ckpt is not None)
     return o, ht, ckpt, (cu, ck_off, N)
 
 
@@ -231,10 +233,10 @@ class _KDAFunction(torch.autograd.Function):
         dv = torch.empty(B, T, HV, V, dtype=torch.float32, device=q.device)
         dh0 = torch.empty(N, HV, K, V, **f32) if ctx.has_h0 else None
         scratch = torch.empty(NV * N * HV, OTHER["kda_recurrent"]["CK"], BK, BV, **f32)
-        _kda_bwd_kernel[(NV, N * HV)](
-            q, k, v, g, beta, do.contiguous(), dht.contiguous() if dht is not None else dq, ckpt, scratch, cu,
-            ck_off, dq, dk, dv, dg, db, dh0 if dh0 is not None else dq, ctx.scale, TT, H=H, HV=HV, K=K, V=V,
-            BK=BK, BV=BV, CKS=OTHER["kda_recurrent"]["CK"], USE_DHT=dht is not None, STORE_DH0=dh0 is not None)
+        direct(_kda_bwd_kernel, (NV, N * HV),
+               q, k, v, g, beta, do.contiguous(), dht.contiguous() if dht is not None else dq, ckpt, scratch, cu,
+               ck_off, dq, dk, dv, dg, db, dh0 if dh0 is not None else dq, ctx.scale, TT, H=H, HV=HV, K=K, V=V,
+               BK=BK, BV=BV, CKS=OTHER["kda_recurrent"]["CK"], USE_DHT=dht is not None, STORE_DH0=dh0 is not None)
         m = HV // H
         dq = dq.sum(0).view(B, T, H, m, K).sum(3)
         dk = dk.sum(0).view(B, T, H, m, K).sum(3)
