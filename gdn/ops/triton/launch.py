@@ -224,11 +224,17 @@ def _interned(layout):
         return None
     hit = _INTERNED.get(id(layout))
     if hit is None or hit[0] is not layout:
-        hit = _INTERNED[id(layout)] = (layout, _LAYOUT_IDS.setdefault(layout, len(_LAYOUT_IDS)))
+        hit = _INTERNED[id(layout)] = (layout, _small_id(layout))
     return hit[1]
 
 
-_LAYOUT_IDS: dict = {}
+_IDS: dict = {}
+
+
+def _small_id(value) -> int:
+    """A small int standing for hashable ``value`` in the launch caches' keys, the same for equal
+    values (an int hashes at no cost where the value's own hash runs Python code or walks a tuple)."""
+    return _IDS.setdefault(value, len(_IDS))
 
 
 def _descriptor_types() -> tuple:
@@ -266,8 +272,7 @@ def _launcher(ck):
         coop, pdl = r.launch_cooperative_grid, r.launch_pdl
         raw = _unwrap_descriptors(c_launch)
         if raw is not None:
-            c_raw, where = raw
-            descs = tuple((i, *where[i]) for i in sorted(where))
+            c_raw, descs = raw
 
             def go(gx, gy, gz, stream, *a):
                 args, prev = [], 0
@@ -285,7 +290,8 @@ def _launcher(ck):
 
 
 def _unwrap_descriptors(c_launch):
-    """(the C launch function, {argument index: (its descriptor metadata, a hashable form of it)}) of
+    """(the C launch function, ((argument index, its descriptor metadata, :func:`_small_id` of the
+    metadata), ...) in argument order) of
     a triton 3.6 launcher that wraps its C function to encode tensor descriptors at every launch
     (the closure of ``wrap_handle_tensordesc``), None for any other launch function: a plain
     kernel's C function, or a wrapper of another shape (then it encodes them itself)."""
@@ -298,15 +304,9 @@ def _unwrap_descriptors(c_launch):
     metas = free["tensordesc_meta"]
     if not metas or any(m is None for m in metas):
         return None
-    where = {}
-    for i, m in zip(sorted(free["tensordesc_indices"]), metas):
-        hashable = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(m.items()))
-        where[i] = (m, _META_IDS.setdefault(hashable, len(_META_IDS)))
-    return free["launcher"], where
-
-
-#: descriptor metadata (in a hashable form) -> a small int standing for it in the tensor maps' keys
-_META_IDS: dict = {}
+    descs = tuple((i, m, _small_id(tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(m.items()))))
+                  for i, m in zip(sorted(free["tensordesc_indices"]), metas))
+    return free["launcher"], descs
 
 
 _MAPS: dict = {}

@@ -127,8 +127,7 @@ def _forward(x, g, weight, eps, out_dtype):
     gl = rg if rg is not None else rx
     BR, BD, nw = norm_tiles(D)
     direct(_norm_fwd_kernel, (cdiv(R, BR),), rx.t, gl.t, weight, y, rstd, R, D, eps, *rx.args(), *gl.args(),
-           GATED=g is not None, STRIDED=strided(rx, rg), BR=BR, BD=BD,
-           num_warps=nw)
+           GATED=g is not None, STRIDED=strided(rx, rg), BR=BR, BD=BD, num_warps=nw)
     return y, rstd, rx.t, (rg.t if rg is not None else None)
 
 

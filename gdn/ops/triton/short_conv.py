@@ -139,8 +139,7 @@ def _conv_fwd(x, weight, hist, pos, silu: bool) -> torch.Tensor:
     has_hist = hist is not None and K > 1
     grid = (cdiv(D, BD), cdiv(T, BT), B)
     direct(_conv_fwd_kernel, grid, x, weight, hist if has_hist else x, pos if pos is not None else x, y, T, D,
-           K=K, HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD,
-           num_warps=c["num_warps"])
+           K=K, HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD, num_warps=c["num_warps"])
     return y
 
 
@@ -157,9 +156,8 @@ def _conv_bwd(dy, x, weight, hist, pos, silu: bool) -> tuple[torch.Tensor, torch
     has_hist = hist is not None and K > 1
     grid = (cdiv(D, BD), ntb, B)
     direct(_conv_bwd_kernel, grid, x, weight, hist if has_hist else x, pos if pos is not None else x, dy, dx, dwp, T,
-           D, ntb,
-           K=K, KP=pow2(K, 1), HAS_HIST=has_hist, PACKED=pos is not None,
-           SILU=silu, BT=BT, BD=BD, NLOOP=nloop, num_warps=c["num_warps"])
+           D, ntb, K=K, KP=pow2(K, 1), HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD,
+           NLOOP=nloop, num_warps=c["num_warps"])
     return dx, dwp.sum((0, 1))
 
 

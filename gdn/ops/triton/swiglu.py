@@ -90,8 +90,7 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         rg, ru, I = _operands(gate, up)
         c = OTHER["swiglu"]
         direct(_swiglu_fwd_kernel, (cdiv(n, c["BLOCK"]),), rg.t, ru.t, h, n, I, *rg.args(), *ru.args(),
-               STRIDED=strided(rg, ru), BLOCK=c["BLOCK"],
-               num_warps=c["num_warps"])
+               STRIDED=strided(rg, ru), BLOCK=c["BLOCK"], num_warps=c["num_warps"])
     return h
 
 
@@ -107,6 +106,5 @@ def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> t
         rg, ru, I = _operands(gate, up)
         c = OTHER["swiglu"]
         direct(_swiglu_bwd_kernel, (cdiv(n, c["BLOCK"]),), dh.contiguous(), rg.t, ru.t, dg, du, n, I, *rg.args(),
-               *ru.args(), STRIDED=strided(rg, ru), BLOCK=c["BLOCK"],
-               num_warps=c["num_warps"])
+               *ru.args(), STRIDED=strided(rg, ru), BLOCK=c["BLOCK"], num_warps=c["num_warps"])
     return dg, du
