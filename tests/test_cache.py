@@ -220,3 +220,25 @@ def test_a_long_call_records_only_its_last_rollback_window_tokens(model):
     assert_same_cache(cache, ref, rtol=1e-12)
     with pytest.raises(ValueError, match="positive"):
         cache.activate_past_recording(rollback_window=0)
+
+
+def test_transformers_keyword_raises_the_window_and_never_lowers_it(model):
+    """``recurrent_states_to_keep`` (the name newer transformers pass) is a lower bound on what a crop
+    can remove; ``get_recurrent_states_to_keep`` reports the window while recording, 0 otherwise."""
+    cache = GDNCache.for_config(model.config, 1)
+    assert cache.get_recurrent_states_to_keep() == 0
+    cache.activate_past_recording(rollback_window=4)
+    cache.activate_past_recording(recurrent_states_to_keep=2)
+    assert cache.get_recurrent_states_to_keep() == 4
+    cache.activate_past_recording(recurrent_states_to_keep=6)
+    assert cache.rollback_window == 6 and cache.get_recurrent_states_to_keep(0) == 6
+    x = ids(1, 12, seed=14)
+    for t in range(12):
+        run(model, x[:, t:t + 1], cache)
+    cache.crop(-6)
+    _, ref = run(model, x[:, :6])
+    assert_same_cache(cache, ref, rtol=1e-12)
+    cache.deactivate_past_recording()
+    assert cache.get_recurrent_states_to_keep() == 0
+    with pytest.raises(ValueError, match="recurrent_states_to_keep"):
+        cache.activate_past_recording(recurrent_states_to_keep=0)

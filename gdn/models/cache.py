@@ -276,17 +276,30 @@ class GDNCache:
         """Whether :meth:`crop` can remove tokens: while recording."""
         return self._recording
 
-    def activate_past_recording(self, rollback_window: int | None = None) -> None:
+    def activate_past_recording(self, rollback_window: int | None = None, *,
+                                recurrent_states_to_keep: int | None = None) -> None:
         """Start recording: from now on :meth:`crop` can remove at least the last ``rollback_window``
         tokens (default :data:`ROLLBACK_WINDOW`; everything since the last crop when fewer). A forward
         call longer than the window runs in two segments, the head unrecorded. ``transformers``'
-        assisted decoding calls this; plain decoding never records and pays nothing."""
+        assisted decoding calls this; plain decoding never records and pays nothing.
+
+        ``recurrent_states_to_keep`` is ``transformers``' name for the fewest tokens a crop must be
+        able to remove: it raises the window when larger and never lowers it, so a draft length
+        that grows between rounds stays within reach."""
+        for name, n in (("rollback_window", rollback_window), ("recurrent_states_to_keep", recurrent_states_to_keep)):
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
         if rollback_window is not None:
-            if isinstance(rollback_window, bool) or not isinstance(rollback_window, int) or rollback_window < 1:
-                raise ValueError(f"rollback_window must be a positive int, got {rollback_window!r}")
             self.rollback_window = rollback_window
+        if recurrent_states_to_keep is not None:
+            self.rollback_window = max(self.rollback_window, recurrent_states_to_keep)
         self._recording = True
         self._reset_history()
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """How many of the last tokens :meth:`crop` can remove: the window while recording, else 0
+        (``transformers``' query; every layer answers the same)."""
+        return self.rollback_window if self._recording else 0
 
     def deactivate_past_recording(self) -> None:
         """Stop recording and drop what was kept."""
