@@ -155,7 +155,7 @@ def _worker(rank, world, score_budget):
 
 
 def test_two_processes():
-    spawn(_worker, 2, 2 * 4 * 16 * 24)  # rows x heads x 16 queries x 24 keys: 3 chunks of a 48-token block
+    spawn(_worker_then_rejects, 2, 2 * 4 * 16 * 24)  # rows x heads x 16 queries x 24 keys: 3 chunks of a 48-token block
 
 
 @pytest.mark.slow  # four processes on two cores: `make test-all`
@@ -168,5 +168,8 @@ def _rejects(rank, world):
         ContextParallel.split(dist.group.WORLD, 8, attention="all-to-all")
 
 
-def test_rejects_unknown_mode():
-    spawn(_rejects, 2)
+def _worker_then_rejects(rank, world, arg):
+    """The two-process run, then the inputs it must refuse (one spawn for both: a spawn costs ~10 s
+    of imports on two cores)."""
+    _worker(rank, world, arg)
+    _rejects(rank, world)

@@ -138,7 +138,7 @@ def _worker(rank, world, windows):
 def test_two_processes():
     """2 ranks of 20 tokens: windows 8 (halo from the previous rank) and 32 (reaches two ranks back,
     through rank 0's zeros)."""
-    spawn(_worker, 2, [8, 32])
+    spawn(_worker_then_rejects, 2, [8, 32])
 
 
 @pytest.mark.slow  # four processes on two cores: `make test-all`
@@ -164,5 +164,8 @@ def _rejects(rank, world):
               context_parallel=cp)
 
 
-def test_rejects_what_it_does_not_take():
-    spawn(_rejects, 2)
+def _worker_then_rejects(rank, world, arg):
+    """The two-process run, then the inputs it must refuse (one spawn for both: a spawn costs ~10 s
+    of imports on two cores)."""
+    _worker(rank, world, arg)
+    _rejects(rank, world)

@@ -319,8 +319,8 @@ def _check_training_step(model, ids, tol, **kw):
         assert rel_err(p.grad, grads[n]) <= tol, n
 
 
-@pytest.mark.parametrize("preset, pattern", [("gdn", None), ("gdn-h1", None), ("gdn", "KMDL")],
-                         ids=["gdn", "gdn-h1", "KMDL"])
+@pytest.mark.parametrize("preset, pattern", [  # attention's compile: test_packed_training_step_compiles_whole
+    ("gdn", None), pytest.param("gdn-h1", None, marks=pytest.mark.slow), ("gdn", "KMDL")], ids=["gdn", "gdn-h1", "KMDL"])
 def test_model_compiles_whole(preset, pattern):
     _check_model(_model(preset, pattern).double(), tol=1e-10)
 

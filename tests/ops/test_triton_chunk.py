@@ -234,8 +234,9 @@ def _warm(monkeypatch, L, log_eps=-16.0, fused=False):
 
 
 @pytest.mark.parametrize("member", MEMBERS)
-@pytest.mark.parametrize("L", [1, 2])
-@pytest.mark.parametrize("fused", [False, True], ids=["two-stage", "fused"])
+@pytest.mark.parametrize("fused,L", [  # `make test` runs each form at one segment length
+    pytest.param(f, n, id=f"{'fused' if f else 'two-stage'}-{n}", marks=[pytest.mark.slow] if (n == 2) != f else [])
+    for f in (False, True) for n in (1, 2)])
 def test_warm_split_state_pass(member, L, fused, monkeypatch):
     """The warm-started split (each segment walks back until the chunks' decay bounds the carried
     state below e^-16, or to its sequence's start) on packed sequences with an empty, a one-token
