@@ -84,9 +84,12 @@ class ChunkFunction(torch.autograd.Function):
         Kp, Vp = max(MIN_DIM, pow2(K)), max(MIN_DIM, pow2(V))
         qp, kp, vp = pad_zeros(qp, 0, Kp - K), pad_zeros(kp, 0, Kp - K), pad_zeros(vp, 0, Vp - V)
         h0p = pad_zeros(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
-        # dq, dk, dv straight in the caller's dtype when nothing is summed or cast afterwards (dq and
-        # dk of a group of value heads are summed here; dv never is)
-        gdt = io if HV == H and q.dtype == k.dtype == v.dtype == io else torch.float32
+        # dq, dk, dv in the inputs' dtype when they are in it: dq and dk per value head too, each
+        # group's summed here in fp32 (group_sum) and rounded once more. fp32 partials would double
+        # the backward's largest buffers for grouped heads (Qwen3.5-397B, 64 value heads of 128:
+        # 2 GiB instead of 1) to save one rounding of each partial, of the size of the output's own
+        # rounding to its dtype
+        gdt = io if q.dtype == k.dtype == v.dtype == io else torch.float32
         vdt = io if v.dtype == io else torch.float32
         lay = layout(ch, HV, Kp, Vp, qp.device, gp is not None, chunk_fwd.warp_specialised(qp, gp, bp, Kp, Vp))
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
