@@ -307,3 +307,20 @@ def test_state_vtile_sizes_the_grid_to_one_wave(monkeypatch, name, programs, wan
     monkeypatch.setitem(tuning.KDA, "state_bwd", dict(tuning.KDA["state_bwd"], SV=16384, BV_min=32, per_sm=1))
     monkeypatch.setitem(tuning.KDA, "state_fwd", dict(tuning.KDA["state_fwd"], SV=8192, BV_min=32, per_sm=2))
     assert F.state_vtile(name, 128, 128, programs, None, torch.bfloat16) == want
+
+
+def test_grouped_heads_sum_partials_in_the_input_dtype(monkeypatch):
+    """Half-precision grouped heads: the backward's per-value-head dq and dk come in the inputs'
+    dtype and each group is summed in fp32 by common.group_sum, within the fp16 tolerance."""
+    from gdn.ops.kda.triton import chunk as kda_chunk  # noqa: PLC0415
+
+    seen = []
+    real = kda_chunk.group_sum
+
+    def spy(x, width, dtype):
+        seen.append((x.dtype, x.shape[-2]))
+        return real(x, width, dtype)
+
+    monkeypatch.setattr(kda_chunk, "group_sum", spy)
+    _check(_errors(1, 65, 1, 4, 16, 16, torch.float16, seed=5), TOL[torch.float16])
+    assert seen == [(torch.float16, 4), (torch.float16, 4)], seen

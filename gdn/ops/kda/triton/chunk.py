@@ -54,8 +54,9 @@ class KDAChunkFunction(torch.autograd.Function):
         gp = pad_zeros(g.reshape(B * T, HV, K).float(), 0, Kp - K)
         bp = beta.reshape(B * T, HV).float().contiguous()
         h0p = pad_zeros(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
-        # dq, dk, dv straight in the caller's dtype when nothing is summed or cast afterwards
-        gdt = io if HV == H and q.dtype == k.dtype == v.dtype == io else torch.float32
+        # dq, dk, dv in the inputs' dtype when they are in it: dq and dk per value head too, each
+        # group's summed in fp32 (group_sum) and rounded once more, as the gated delta rule's
+        gdt = io if q.dtype == k.dtype == v.dtype == io else torch.float32
         vdt = io if v.dtype == io else torch.float32  # dv is never summed over a group
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
             precompile(("kda", Kp, Vp, io, h0p is None, want_final, qp.device, H, HV, gdt, vdt),
