@@ -80,14 +80,17 @@ DELTA = {
     # state pass forms δ from T⁻¹ (as state_fwd's from_inverse) and this pass forms Wᵀ dδ as
     # Kᵀ diag(βΓ) (Tᵀ dδ), one more [64, 64] × [64, BV] product per chunk step. H200 fwd+bwd:
     # (4, 8192) 2.867 → 2.627 ms, Qwen3.5-397B 12.533 → 11.672 (docs/TRITON.md).
-    # slice_MB (the plain pass; 0: never): where dS_out of every chunk would take more than this, the
+    # slice_MB (0: never): where dS_out of every chunk would take more than this, the
     # reverse pass and the per-chunk stage run slice by slice (chunk_bwd.backward), dh holding one
     # slice's chunks. 44: (8, 2048, 16, 128) in three slices, its forward+backward peak 0.48 → 0.46
     # GiB (H200, ops_gpu.py --variants; four slices instead of six at (4, 8192) kept 0.88 against
-    # 0.87 GiB, 2.167 against 2.228 ms).
+    # 0.87 GiB, 2.167 against 2.228 ms). warm_slice_MB, the same for the warm-started split, whose
+    # slices are runs of the token stream: each run adds a warm-up walk to every segment that ends
+    # inside the run and three launches (warm plan, reverse pass, per-chunk kernel), so its runs are
+    # twice the plain slices' size (1 × 32768, H = 16: dh 256 MiB in three runs of 85).
     "state_bwd": dict(num_warps=4, waves=True, SV=8192, BV_min=16,
                       stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True})),
-                      TMA=False, from_inverse=True, slice_MB=44),
+                      TMA=False, from_inverse=True, slice_MB=44, warm_slice_MB=88),
     # TMA: the value loop's five tiles by tensor descriptors (chunk_bwd.dqk_kernel). Off: with
     # them, triton 3.6 on the H200 gives a non-finite dg (its row sums Σ S ⊙ dS of the copied h and
     # dh tiles) in 16 of 4440 runs of the T = 1 case under load, 0 of 4698 without; they would
@@ -126,8 +129,9 @@ DELTA = {
     # for the chained split: a state, a δ and a local warpgroup and a copy warp, as fused_fwd. regs:
     # the copy, δ and local partitions' registers a thread.
     # fill_sliced: where dS_out of every chunk would pass state_bwd's slice_MB, the pass splits into
-    # warm-started segments (which keep every chunk's dS_out at once) only if the programs of the
-    # longest sequences number fewer than this times the multiprocessors; else it runs sliced.
+    # warm-started segments (sliced into runs of the token stream, each run's segments walking no
+    # further than its end) only if the programs of the longest sequences number fewer than this
+    # times the multiprocessors; else it runs the plain sliced pass (every sequence in each slice).
     "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, fill_sliced=0.25),
     "cumsum": dict(num_warps=1, stages=(1,)),
     "warm_plan": dict(num_warps=4, stages=(1,)),
