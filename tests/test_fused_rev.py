@@ -50,7 +50,8 @@ def test_the_reverse_pass_replaces_dv_local_and_state_bwd(card, monkeypatch):
 
 def _slices(mib: int) -> int:
     """Slices of a reverse pass whose dS_out of every chunk takes ``mib`` MiB (the budget's)."""
-    return -(-mib // tuning.DELTA["state_bwd"]["slice_MB"])
+    c = tuning.DELTA["state_bwd"]
+    return min(-(-mib // c["slice_MB"]), c["max_slices"])
 
 
 def test_slices_carry_the_state_gradient(card):
@@ -73,12 +74,12 @@ def test_slices_carry_the_state_gradient(card):
 def test_few_long_sequences_run_as_segments_in_runs(card):
     """1 × 32768 at 16 heads: 16 programs would leave the card idle; warm-started segments give at
     most one program a multiprocessor, each warm-up count (after the segment) from warm_plan. dS_out
-    of every chunk (256 MiB) is over warm_slice_MB: the token stream runs in slices of it, last
+    of every chunk (256 MiB) is over slice_MB: the token stream runs in slices of it, last
     first, each its plan, its pass (from the carried dS) and the per-chunk kernel over its chunks."""
     launches = _backward(1, 32768, 16, 16, 128, 128, h0=True)
     names = [n for n, _, _ in launches]
     assert "state_bwd_kernel" not in names and "dv_local_kernel" not in names, names
-    n = -(-256 // tuning.DELTA["state_bwd"]["warm_slice_MB"])
+    n = _slices(256)
     tail = names[names.index("fused_fwd_kernel") + 1:]  # after the recomputed state pass
     assert n > 1 and tail == ["warm_plan_kernel", "fused_rev_kernel", "fused_bwd_kernel"] * n, names
     rev = [(g, m) for nm, g, m in launches if nm == "fused_rev_kernel"]

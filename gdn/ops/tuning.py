@@ -84,13 +84,14 @@ DELTA = {
     # reverse pass and the per-chunk stage run slice by slice (chunk_bwd.backward), dh holding one
     # slice's chunks. 44: (8, 2048, 16, 128) in three slices, its forward+backward peak 0.48 → 0.46
     # GiB (H200, ops_gpu.py --variants; four slices instead of six at (4, 8192) kept 0.88 against
-    # 0.87 GiB, 2.167 against 2.228 ms). warm_slice_MB, the same for the warm-started split, whose
-    # slices are runs of the token stream: each run adds a warm-up walk to every segment that ends
-    # inside the run and three launches (warm plan, reverse pass, per-chunk kernel), so its runs are
-    # twice the plain slices' size (1 × 32768, H = 16: dh 256 MiB in three runs of 85).
+    # 0.87 GiB, 2.167 against 2.228 ms). The warm-started split is sliced too, into runs of the
+    # token stream. max_slices caps the count: each slice costs ≈ 22 µs of GPU time (the per-chunk
+    # kernel's last wave, the reverse chain's pipeline filling again) and two or three launches, while
+    # the backward holds h whole, as large as dh unsliced, so a quarter of dh is already small beside
+    # it (Qwen3.5-397B: four slices of 256 MiB rather than 24 of 43; (4, 8192) in four, as above).
     "state_bwd": dict(num_warps=4, waves=True, SV=8192, BV_min=16,
                       stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True})),
-                      TMA=False, from_inverse=True, slice_MB=44, warm_slice_MB=88),
+                      TMA=False, from_inverse=True, slice_MB=44, max_slices=4),
     # TMA: the value loop's five tiles by tensor descriptors (chunk_bwd.dqk_kernel). Off: with
     # them, triton 3.6 on the H200 gives a non-finite dg (its row sums Σ S ⊙ dS of the copied h and
     # dh tiles) in 16 of 4440 runs of the T = 1 case under load, 0 of 4698 without; they would

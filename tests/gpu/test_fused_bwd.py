@@ -92,7 +92,7 @@ def test_sliced_reverse_pass(case, monkeypatch):
     monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], on=False))
     monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=0))
     whole = check_once(case, "gated_delta_rule", seed, torch.bfloat16)[0]
-    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=1e-6))
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=1e-6, max_slices=10 ** 9))
     seen = launched(monkeypatch, fused_bwd, chunk_bwd)
     sliced = check_once(case, "gated_delta_rule", seed, torch.bfloat16)[0]
     assert seen.count("state_bwd_kernel") > 1, seen

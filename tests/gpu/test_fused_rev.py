@@ -34,13 +34,13 @@ def test_fused_reverse(case, dtype, mode, monkeypatch):
     monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], on=True))
     split = {"segments-of-2": 2, "runs-of-segments": 1}.get(mode, 0)
     monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], warm=bool(split), L=split))
-    # slice_MB: 0 never slices; a budget below one chunk's dS makes every chunk a slice;
-    # warm_slice_MB of three chunks' dS (16-bit) makes runs of three chunks
+    # slice_MB: 0 never slices; a budget below one chunk's dS (no cap) makes every chunk a slice;
+    # one of three chunks' dS (16-bit) makes runs of three chunks
     sliced = mode == "chunk-slices"
     runs = mode == "runs-of-segments"
     chunk_mib = case[4] * _width(case[5]) * _width(case[6]) * 2 / 2 ** 20
-    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=1e-9 if sliced else 0,
-                                                        warm_slice_MB=3 * chunk_mib if runs else 0))
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], max_slices=10 ** 9,
+                                                        slice_MB=1e-9 if sliced else 3 * chunk_mib if runs else 0))
     seen = launched(monkeypatch, fused_rev, chunk_bwd, split_mod)
     poison_empty(monkeypatch)
     errs, bounds = check_once(case, "gated_delta_rule", 3400 + CASES.index(case), dtype)

@@ -202,7 +202,7 @@ def test_sliced_reverse_pass(member, slice_mb, slices, monkeypatch):
 
     args = dict(B=1, T=330, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 200, 64], seed=14)
     whole = _grads(member, **args)
-    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=slice_mb))
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=slice_mb, max_slices=8))
     seen = _record_launches(monkeypatch, chunk_bwd)
     errs = _run_both(member, **args)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
@@ -261,7 +261,7 @@ def test_sliced_warm_split_reverse_pass(member, slice_mb, runs, monkeypatch):
     from gdn.ops.delta.triton import chunk_bwd
 
     _warm(monkeypatch, 1)  # two-chunk parts: two segments, the first walking into the second
-    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], warm_slice_MB=slice_mb))
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=slice_mb, max_slices=8))
     seen = _record_launches(monkeypatch, chunk_bwd)
     errs = _run_both(member, B=1, T=330, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 200, 64],
                      seed=15)

@@ -504,16 +504,14 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # other program's), except by the warm-started split, whose warm-up reads the next segment's rows
     DD = torch.empty(T, HV, V, device=dev, dtype=io) if warm and rev is None else DVL
     # Sliced reverse pass (where dS_out of every chunk would take more than
-    # DELTA["state_bwd"]["slice_MB"], warm_slice_MB for the warm-started split): the chunks are cut into slices, run last first, each the
+    # DELTA["state_bwd"]["slice_MB"]; in at most max_slices slices): the chunks are cut into slices, run last first, each the
     # reverse pass over its chunks (from the dS carried out of the slice after it) and then the
     # per-chunk kernels over them, so that dh holds one slice's chunks instead of all. The plain
     # pass slices chunk positions (every sequence in each slice: make_slices); the warm-started
     # split slices the token stream into runs of consecutive chunks (token_slices), each split
     # into warm-started segments of its own whose walks end at the run's end, where the carried dS
     # is exact. The chained split is not sliced.
-    if warm:
-        budget = DELTA["state_bwd"]["warm_slice_MB"] * 2 ** 20
-    nsl = 1 if (L and not warm) or not budget else min(ch.NT if warm else ch.max_nc,
+    nsl = 1 if (L and not warm) or not budget else min(ch.NT if warm else ch.max_nc, DELTA["state_bwd"]["max_slices"],
                                                          cdiv(dh_bytes, max(1, int(budget))))
     slices = runs = None
     if nsl > 1 and warm:
