@@ -227,8 +227,13 @@ class RecurrentMixer(nn.Module):
         mods = [getattr(self, n) for n in names]
         if not _joinable(mods):
             return {n: m(x) for n, m in zip(names, mods)}
-        y = F.linear(x, torch.cat([m.weight for m in mods]))
-        return dict(zip(names, y.split([m.out_features for m in mods], -1)))
+        sizes = [m.out_features for m in mods]
+        ws = [m.weight for m in mods]
+        pad = -sum(sizes) % 8  # rows of 16-byte multiples (16-bit outputs): aligned column blocks
+        if pad:
+            ws.append(ws[0].new_zeros(pad, ws[0].shape[1]))
+        y = F.linear(x, torch.cat(ws))
+        return dict(zip(names, y.split(sizes + [pad], -1)))
 
     def decode_into(self, x: torch.Tensor, state: RecurrentState, weights) -> torch.Tensor:
         """One decode step that updates ``state`` in place: x [B, 1, D] -> o [B, 1, D].
