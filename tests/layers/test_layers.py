@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from gdn import ops
-from gdn.layers import (Attention, DeltaNet, GatedDeltaNet, GatedLinearAttention, GatedRMSNorm, LinearAttention,
-                        RMSNorm, ShortConvolution, SwiGLU, rotary)
+from gdn.layers import (Attention, DeltaNet, GatedDeltaNet, GatedLinearAttention, GatedRMSNorm, KimiDeltaAttention,
+                        LinearAttention, RMSNorm, ShortConvolution, SwiGLU, rotary)
 
 D = 32
 RECURRENT = [GatedDeltaNet, DeltaNet, GatedLinearAttention, LinearAttention]
@@ -370,3 +370,55 @@ def test_attention_masked_path_in_query_blocks(monkeypatch, window):
         out, st = m(x[:, :7], attention_mask=mask[:, :7], use_cache=True)
         out2, _ = m(x[:, 7:], attention_mask=mask[:, 7:], state=st, use_cache=True)
     assert rel(out, ref) < 1e-6 and rel(out2, ref2) < 1e-6
+
+
+def _grads_of(m, x):
+    x = x.clone().requires_grad_(True)
+    o, _ = m(x, attention_mask=torch.tensor([[0, 0] + [1] * 10, [1] * 12]))
+    o.square().sum().backward()
+    return [o.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("cls", RECURRENT + [KimiDeltaAttention])
+def test_input_projections_run_as_one_product(cls, monkeypatch):
+    """The input projections of x run as one product of their joined weights (one F.linear call in
+    the forward), with the per-layer result and gradients (fp64: equal to rounding)."""
+    m = make(cls).double().train()
+    x = torch.randn(2, 12, D, dtype=torch.float64)
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    joined = _grads_of(m, x)
+    outs = sum(getattr(m, n).out_features for n in m.input_projections())
+    # x read by one product, of the joined weight with its rows padded to a multiple of 8
+    assert calls[0] == (outs + -outs % 8, D) and sum(1 for s in calls if s[1] == D) == 1, calls
+    m.zero_grad()
+    monkeypatch.setattr("gdn.layers.recurrent._joinable", lambda mods: False)
+    each = _grads_of(m, x)
+    for a, b in zip(joined, each):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), (a - b).abs().max()
+
+
+def test_a_hooked_or_wrapped_projection_keeps_its_own_forward():
+    """A forward hook on one input projection, or a layer replaced by a wrapper (as a LoRA adapter
+    replaces it), is honoured: the layers are then called one by one."""
+    m = make(GatedDeltaNet).double()
+    x = torch.randn(2, 12, D, dtype=torch.float64)
+    base, _ = m(x)
+    h = m.v_proj.register_forward_hook(lambda mod, inp, out: out * 0)
+    hooked, _ = m(x)
+    h.remove()
+    assert rel(hooked, base) > 0.1
+
+    class Scaled(torch.nn.Module):  # a wrapper exposing the layer's weight, as adapters do
+        def __init__(self, lin):
+            super().__init__()
+            self.lin, self.weight, self.out_features = lin, lin.weight, lin.out_features
+
+        def forward(self, t):
+            return 2 * self.lin(t)
+
+    m.k_proj = Scaled(m.k_proj)
+    wrapped, _ = m(x)
+    m.k_proj = m.k_proj.lin
+    assert rel(wrapped, base) > 1e-3 and torch.allclose(m(x)[0], base, rtol=1e-12, atol=1e-12)

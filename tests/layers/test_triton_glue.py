@@ -106,6 +106,29 @@ def test_conv_matches_the_module_semantics_without_grad():
     assert _rel(y, ref.double()) <= 1e-6
 
 
+@pytest.mark.parametrize("lens", [None, [5, 1, 0, 60]], ids=["history", "packed"])
+def test_conv_reads_a_column_block_in_place(lens):
+    """x a column block of a wider tensor (a mixer's joined projections): read at its strides, with
+    the results and gradients of its contiguous copy, bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    B = 1 if lens else 2
+    T = sum(lens) if lens else 70
+    wide = torch.randn(B, T, 100, generator=gen)
+    w = torch.randn(40, 4, generator=gen) / 4
+    h = None if lens else torch.randn(B, 40, 3, generator=gen)
+    cu = None if lens is None else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    dy = torch.randn(B, T, 40, generator=gen)
+    outs = []
+    for block in (lambda t: t[..., 30:70], lambda t: t[..., 30:70].contiguous()):
+        xt = wide.clone().requires_grad_()
+        x = block(xt)
+        assert x.is_contiguous() == (len(outs) == 1)
+        y = short_conv(x, w, h, cu, "silu")
+        y.backward(dy)
+        outs.append((y, xt.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_conv_rejects_bad_input():
     x, w = torch.zeros(1, 4, 8), torch.zeros(8, 4)
     with pytest.raises(ValueError, match="weight must have shape"):
@@ -171,3 +194,36 @@ def test_norms_reject_bad_input():
         gated_rms_norm(torch.zeros(3, 8), torch.zeros(3, 7), torch.ones(8))
     with pytest.raises(TypeError, match="fp16, bf16 or fp32"):
         rms_norm(torch.zeros(3, 8, dtype=torch.float64), torch.ones(8))
+
+
+def test_mixer_on_the_kernels_with_joined_projections(monkeypatch):
+    """A Gated DeltaNet layer with every op on its Triton kernels (interpreted): the joined input
+    projections hand the convolutions, the gate kernel and the gated norm column blocks of one
+    product; the output and every gradient are those of the layers called one by one."""
+    import sys
+
+    from gdn.layers import GatedDeltaNet
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("gdn.") and hasattr(mod, "use_triton"):
+            monkeypatch.setattr(mod, "use_triton", lambda x: True)
+    from gdn.ops.triton import short_conv as conv_kernels
+
+    strided = []
+    real = conv_kernels._conv_fwd
+    monkeypatch.setattr(conv_kernels, "_conv_fwd", lambda x, *a: strided.append(not x.is_contiguous()) or real(x, *a))
+    torch.manual_seed(0)
+    m = GatedDeltaNet(32, 2, 16, num_v_heads=4, expand_v=1.5).train()
+    x = torch.randn(2, 20, 32)
+    dy = torch.randn(2, 20, 32)
+    res = []
+    for joined in (True, False):
+        monkeypatch.setattr("gdn.layers.recurrent._joinable", (lambda mods: True) if joined else (lambda mods: False))
+        m.zero_grad()
+        xt = x.clone().requires_grad_()
+        o, _ = m(xt)
+        o.backward(dy)
+        res.append([o.detach(), xt.grad] + [p.grad.clone() for p in m.parameters()])
+    assert strided == [True] * 3 + [False] * 3, strided  # q, k, v read in place from the joined product
+    for (name, _), a, b in zip([("o", 0), ("dx", 0)] + list(m.named_parameters()), *res):
+        assert _rel(a, b.double()) < 1e-5, (name, _rel(a, b.double()))

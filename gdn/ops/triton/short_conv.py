@@ -31,17 +31,18 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, T, D,
+def _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, s_xb, s_xt, D,
               J: tl.constexpr, K: tl.constexpr, HAS_HIST: tl.constexpr, PACKED: tl.constexpr):
     """x[b, t - J, d] as fp32 [BT, BD] for the tokens ``o_t`` (zero where tap J reads before the
-    token's sequence start, the history where it reads before token 0)."""
+    token's sequence start, the history where it reads before token 0); x's rows ``s_xt`` and
+    batch rows ``s_xb`` elements apart."""
     src = o_t - J
     if PACKED:
         p = tl.load(pos + o_t, mask=m_t, other=0)
         ok = m_t & (p >= J)
     else:
         ok = m_t & (src >= 0)
-    b_x = tl.load(x + b * T * D + src[:, None] * D + o_d[None, :], mask=ok[:, None] & m_d[None, :],
+    b_x = tl.load(x + b * s_xb + src[:, None] * s_xt + o_d[None, :], mask=ok[:, None] & m_d[None, :],
                   other=0.0).to(tl.float32)
     if HAS_HIST:
         mh = m_t & (src < 0)
@@ -58,7 +59,7 @@ def _tap_weight(w, x, o_d, m_d, J: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def _conv_fwd_kernel(x, w, hist, pos, y, T, D, K: tl.constexpr, HAS_HIST: tl.constexpr, PACKED: tl.constexpr,
+def _conv_fwd_kernel(x, w, hist, pos, y, T, D, s_xb, s_xt, K: tl.constexpr, HAS_HIST: tl.constexpr, PACKED: tl.constexpr,
                      SILU: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     i_d, i_t, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -66,7 +67,7 @@ def _conv_fwd_kernel(x, w, hist, pos, y, T, D, K: tl.constexpr, HAS_HIST: tl.con
     m_t, m_d = o_t < T, o_d < D
     z = tl.zeros([BT, BD], dtype=tl.float32)
     for j in tl.static_range(K):
-        b_x = _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, T, D, j, K, HAS_HIST, PACKED)
+        b_x = _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, s_xb, s_xt, D, j, K, HAS_HIST, PACKED)
         z += b_x * _tap_weight(w, x, o_d, m_d, j, K)[None, :]
     if SILU:
         z = z * tl.sigmoid(z)
@@ -75,7 +76,7 @@ def _conv_fwd_kernel(x, w, hist, pos, y, T, D, K: tl.constexpr, HAS_HIST: tl.con
 
 
 @triton.jit
-def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, NTB, K: tl.constexpr, KP: tl.constexpr,
+def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, s_xb, s_xt, NTB, K: tl.constexpr, KP: tl.constexpr,
                      HAS_HIST: tl.constexpr, PACKED: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr,
                      BD: tl.constexpr, NLOOP: tl.constexpr):
     """One program: channels ``o_d`` over NLOOP tiles of BT tokens. For the tokens s of a tile,
@@ -95,7 +96,7 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, NTB, K: tl.constexpr, K
             m_t = o_t < T
             z = tl.zeros([BT, BD], dtype=tl.float32)
             for j in tl.static_range(K):
-                b_x = _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, T, D, j, K, HAS_HIST, PACKED)
+                b_x = _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, s_xb, s_xt, D, j, K, HAS_HIST, PACKED)
                 z += b_x * _tap_weight(w, x, o_d, m_d, j, K)[None, :]
             dz = tl.load(dy + b * T * D + o_t[:, None] * D + o_d[None, :], mask=m_t[:, None] & m_d[None, :],
                          other=0.0).to(tl.float32)
@@ -104,7 +105,7 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, NTB, K: tl.constexpr, K
                 dz = dz * sig * (1.0 + z * (1.0 - sig))
             if i == 0:
                 for j in tl.static_range(K):
-                    b_x = _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, T, D, j, K, HAS_HIST, PACKED)
+                    b_x = _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, s_xb, s_xt, D, j, K, HAS_HIST, PACKED)
                     part = tl.sum(dz * b_x, 0)
                     b_dw += tl.where(o_k[None, :] == K - 1 - j, part[:, None], 0.0)
             if PACKED:
@@ -133,13 +134,13 @@ def _blocks(D: int) -> int:
 def _conv_fwd(x, weight, hist, pos, silu: bool) -> torch.Tensor:
     B, T, D = x.shape
     K = weight.shape[1]
-    y = torch.empty_like(x)
+    y = torch.empty(B, T, D, device=x.device, dtype=x.dtype)
     c = OTHER["short_conv"]
     BT, BD = c["BT"], _blocks(D)
     has_hist = hist is not None and K > 1
     grid = (cdiv(D, BD), cdiv(T, BT), B)
     direct(_conv_fwd_kernel, grid, x, weight, hist if has_hist else x, pos if pos is not None else x, y, T, D,
-           K=K, HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD, num_warps=c["num_warps"])
+           x.stride(0), x.stride(1), K=K, HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD, num_warps=c["num_warps"])
     return y
 
 
@@ -151,12 +152,12 @@ def _conv_bwd(dy, x, weight, hist, pos, silu: bool) -> tuple[torch.Tensor, torch
     BT, BD = c["BT"], min(c["BD_bwd"], pow2(D, 1))
     nloop = min(2 if INTERPRET else c["loop"], pow2(cdiv(T, BT), 1))  # token blocks a program
     ntb = cdiv(T, BT * nloop)
-    dx = torch.empty_like(x)
+    dx = torch.empty(B, T, D, device=x.device, dtype=x.dtype)
     dwp = torch.empty(B, ntb, D, K, device=x.device, dtype=torch.float32)
     has_hist = hist is not None and K > 1
     grid = (cdiv(D, BD), ntb, B)
     direct(_conv_bwd_kernel, grid, x, weight, hist if has_hist else x, pos if pos is not None else x, dy, dx, dwp, T,
-           D, ntb, K=K, KP=pow2(K, 1), HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD,
+           D, x.stride(0), x.stride(1), ntb, K=K, KP=pow2(K, 1), HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD,
            NLOOP=nloop, num_warps=c["num_warps"])
     return dx, dwp.sum((0, 1))
 
@@ -240,7 +241,11 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, hist: torch.Tensor | None 
         hist = hist.to(x.dtype).contiguous()
     if T < 1:
         raise ValueError(f"x must hold at least one token (T ≥ 1), got shape {tuple(x.shape)}")
-    return _ShortConvFn.apply(x.contiguous(), weight.contiguous(), hist, pos, activation == "silu")
+    # x is read in place where its channels are contiguous (a column block of a wider product, e.g.
+    # the joined input projections of a mixer), its rows and batch rows at their strides
+    if x.stride(2) != 1 and D > 1:
+        x = x.contiguous()
+    return _ShortConvFn.apply(x, weight.contiguous(), hist, pos, activation == "silu")
 
 
 # ---- one decode step, tails rolled in place -----------------------------------------------------
