@@ -38,7 +38,8 @@ def test_counts_a_gated_deltanet_layer():
     assert kern.get("fused_rev_kernel") == 1 and kern.get("fused_bwd_kernel") == 1, kern
     assert kern.get("l2norm_fwd_kernel") == 2 and kern.get("l2norm_bwd_kernel") == 2, kern
     ops = {name: n for (sec, name), n in per_layer.items() if "ATen" in sec}
-    assert ops.get("aten.mm.default", 0) >= 3 * 7, ops  # seven linears a layer at least, each 3 products
+    # the joined input projections, o_proj and the MLP's: four products a layer at least, each 3
+    assert ops.get("aten.mm.default", 0) >= 3 * 4, ops
     total = [ln for ln in lines if ln.startswith("kernel launches:")][0]
     assert f"{sum(kern.values()):.0f} per layer" in total, (total, kern)
 
