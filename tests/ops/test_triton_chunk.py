@@ -959,3 +959,17 @@ def test_grouped_heads_sum_partials_in_the_input_dtype(monkeypatch):
     assert seen == [(torch.float16, 4), (torch.float16, 4)], seen
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float16]}
     assert not bad, bad
+
+
+@pytest.mark.parametrize("lens", [[0], [0, 0, 0]])
+def test_packed_call_of_empty_sequences_only(lens):
+    """No token at all: the final state is the initial one, whose gradient is the final state's."""
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    q, k = (torch.randn(1, 0, 1, 16, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 0, 2, 32, requires_grad=True)
+    g, beta = torch.randn(1, 0, 2).neg().requires_grad_(), torch.rand(1, 0, 2).requires_grad_()
+    h0 = torch.randn(len(lens), 2, 16, 32, requires_grad=True)
+    o, S = chunk_op(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    dS = torch.randn_like(S)
+    (S * dS).sum().backward()
+    assert o.shape == (1, 0, 2, 32) and torch.equal(S, h0.detach()) and torch.equal(h0.grad, dS)

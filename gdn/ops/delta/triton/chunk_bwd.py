@@ -511,8 +511,9 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # split slices the token stream into runs of consecutive chunks (token_slices), each split
     # into warm-started segments of its own whose walks end at the run's end, where the carried dS
     # is exact. The chained split is not sliced.
-    nsl = 1 if (L and not warm) or not budget else min(ch.NT if warm else ch.max_nc, DELTA["state_bwd"]["max_slices"],
-                                                         cdiv(dh_bytes, max(1, int(budget))))
+    nsl = 1 if (L and not warm) or not budget else max(1, min(ch.NT if warm else ch.max_nc,
+                                                              DELTA["state_bwd"]["max_slices"],
+                                                              cdiv(dh_bytes, max(1, int(budget)))))
     slices = runs = None
     if nsl > 1 and warm:
         runs = token_slices(ch, nsl, dev)
