@@ -86,6 +86,34 @@ def test_short_conv(B, T, D, act, with_hist, lens, dtype, device=DEVICE):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("lens", [None, (1, 0, 3000, 5, 4096, 1090)], ids=["history", "packed"])
+def test_short_conv_reads_a_column_block_in_place(lens, dtype, device=DEVICE):
+    """x a column block of a wider product (a mixer's joined projections, rows of 4624 columns: the
+    340m layer's, padded to a multiple of 8): the results and gradients of its contiguous copy, bit
+    for bit."""
+    gen = torch.Generator(device=device).manual_seed(11)
+    B, T = (1, 8192) if lens else (4, 4096)
+    wide = torch.randn(B, T, 4624, device=device, generator=gen).to(dtype)
+    w = torch.randn(1536, 4, device=device, generator=gen) / 2
+    h = None if lens else torch.randn(B, 1536, 3, device=device, generator=gen).to(dtype)
+    cu = None if lens is None else offsets(lens, device)
+    dy = torch.randn(B, T, 1536, device=device, generator=gen).to(dtype)
+
+    def run(block):
+        leaves = [t.detach().clone().requires_grad_() for t in (wide, w, h) if t is not None]
+        x = block(leaves[0])
+        assert x.is_contiguous() == (block is not strided)
+        y = short_conv(x, leaves[1], leaves[2] if h is not None else None, cu, "silu")
+        return [y.detach(), *torch.autograd.grad(y, leaves, dy)]
+
+    def strided(t):
+        return t[..., 1536:3072]
+
+    ours, copy = run(strided), run(lambda t: strided(t).contiguous())
+    assert all(torch.equal(a, b) for a, b in zip(ours, copy))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("shape,gated", [((4, 4096, 1024), False), ((4 * 4096 * 6, 256), True), ((3, 17, 100), True),
                                          ((5, 7), False)], ids=["rms-4x4096x1024", "gated-98304x256",
                                                                 "gated-3x17x100", "rms-5x7"])
