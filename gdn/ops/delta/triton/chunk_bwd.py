@@ -504,9 +504,10 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # other program's), except by the warm-started split, whose warm-up reads the next segment's rows
     DD = torch.empty(T, HV, V, device=dev, dtype=io) if warm and rev is None else DVL
     # Sliced reverse pass (where dS_out of every chunk would take more than
-    # DELTA["state_bwd"]["slice_MB"]; in at most max_slices slices): the chunks are cut into slices, run last first, each the
-    # reverse pass over its chunks (from the dS carried out of the slice after it) and then the
-    # per-chunk kernels over them, so that dh holds one slice's chunks instead of all. The plain
+    # DELTA["state_bwd"]["slice_MB"]; in at most max_slices slices): the chunks are cut into
+    # slices, run last first, each the reverse pass over its chunks (from the dS carried out of the
+    # slice after it) and then the per-chunk kernels over them, so that dh holds one slice's chunks
+    # instead of all. The plain
     # pass slices chunk positions (every sequence in each slice: make_slices); the warm-started
     # split slices the token stream into runs of consecutive chunks (token_slices), each split
     # into warm-started segments of its own whose walks end at the run's end, where the carried dS
@@ -527,6 +528,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         # Warm-started split reverse pass (fused_rev's or state_bwd_kernel's WARM form), as in the
         # forward: warm_reverse(layout, its segment length, dS_end, dS_0) over every sequence of layout
         if rev is not None:
+            # (its descriptors made once for every run)
             run = rev.reverser(q, k, do, gs, beta, Ai, dh, DD, scale)
             nvt = rev.value_tiles(V)
 
@@ -562,7 +564,8 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         else:
             warm_reverse(ch, L, dht, dh0)
             fill_empty(dh0, dht, ch)
-        del warm_reverse
+        del warm_reverse  # (and with it the reverse pass's descriptors of dh and dδ)
+        run = None
     elif L:
         # Split reverse pass, as in the forward: (1) each segment's map dS_end ↦ Aᵀ dS_end + D from
         # [I | 0]; (2) chain the maps from each sequence's end; (3) each segment from its true dS_end.
