@@ -4,19 +4,16 @@ bad arguments are usage errors."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from .run_tool import run_tool
+
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "cold_start.py"), *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600)
+    return run_tool("cold_start.py", *args)
 
 
 @pytest.mark.slow  # two fresh processes compiling a forward each: `make test-all`

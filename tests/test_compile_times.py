@@ -2,19 +2,15 @@
 with its seconds, and an unknown workload is a usage error."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from .run_tool import run_tool
+
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "compile_times.py"), *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600)
+    return run_tool("compile_times.py", *args)
 
 
 @pytest.mark.slow  # compiles a workload's kernels: `make test-all`

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from .run_tool import run_tool
+
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_timeline_marks_in_call_order():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, str(ROOT / "tools" / "host_profile.py"), "--cpu-stub", "--timeline",
-                        "--shape", "1x128", "--heads", "2", "--hv", "2"], capture_output=True, text=True, env=env,
-                       cwd=ROOT, timeout=600)
+    p = run_tool("host_profile.py", "--cpu-stub", "--timeline", "--shape", "1x128", "--heads", "2", "--hv", "2", env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = [(float(m.group(1)), m.group(2)) for m in re.finditer(r"^\s+(-?[\d.]+)\s+(.+)$", p.stdout, re.M)]
     marks = [r for _, r in rows]

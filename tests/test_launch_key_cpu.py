@@ -3,19 +3,15 @@ faked behind triton's own descriptor wrapper: every argument reaches the C funct
 six descriptors each expanded to its map, shape and strides) and a time per launch is printed."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from .run_tool import run_tool
+
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "launch_key_cpu.py"), *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
+    return run_tool("launch_key_cpu.py", *args, timeout=300)
 
 
 def test_times_a_descriptor_launch():

@@ -3,19 +3,15 @@ depths) and in all, with gdn's CUDA paths taken on the CPU. Run in a subprocess:
 Triton's launch and the CUDA tests process-wide."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from .run_tool import run_tool
+
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "step_ops.py"), *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600)
+    return run_tool("step_ops.py", *args)
 
 
 def test_counts_a_gated_deltanet_layer():

@@ -238,7 +238,7 @@ def main():
             with open(os.path.join(args.sass, f"{name}_{len(seen)}.sass"), "w") as f:
                 f.write(sass)
         top = ", ".join(f"{k} {v}" for k, v in mix.most_common(8))
-        print(f"| {name} | {meta.get('BK', '-')} | {meta.get('BV', '-')} | {meta['num_warps']} | {meta['num_stages']} "
+        print(f"| {name} | {meta.get('BK', '-')} | {meta.get('BV', '-')} | {meta['num_warps']} | {meta.get('num_stages', '-')} "
               f"| {regs} | {stack} | {st}/{ld} | {smem / 1024:.0f} | {n_sm} | {programs} | {waves:.2f} | {n} | {top} |",
               flush=True)
 

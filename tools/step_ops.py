@@ -31,9 +31,10 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
-def stub_kernels(counts: collections.Counter) -> None:
+def stub_kernels(counts: collections.Counter, hopper: bool = True) -> None:
     """Every Triton launch a no-op counted in ``counts`` by kernel name; gdn's CUDA paths taken on
-    CPU tensors (the router's and the glue ops' CUDA test, the Hopper test of the Gluon kernels)."""
+    CPU tensors (the router's and the glue ops' CUDA test, and with ``hopper`` the Hopper test of
+    the Gluon kernels)."""
     import triton.runtime.interpreter as interp
     from triton.runtime.jit import JITFunction
 
@@ -52,8 +53,9 @@ def stub_kernels(counts: collections.Counter) -> None:
     for mod in list(sys.modules.values()):
         if getattr(mod, "__name__", "").startswith("gdn.") and hasattr(mod, "use_triton"):
             mod.use_triton = lambda x: True
-    for mod in (fused_bwd, fused_fwd, fused_rev):
-        mod.hopper = lambda q: True
+    if hopper:
+        for mod in (fused_bwd, fused_fwd, fused_rev):
+            mod.hopper = lambda q: True
 
 
 class OpCounter(TorchDispatchMode):

@@ -116,7 +116,11 @@ def settings(meta: dict) -> tuple:
 def direct(kernel, grid, *args, **kw):
     """``kernel[grid](*args, **kw)`` through :func:`run` (the launches outside :func:`launch`'s
     candidates: the layers' glue and the decode kernels, whose host time per launch a model's step
-    pays dozens of times)."""
+    pays dozens of times). Inside :func:`recording` it runs nothing and is collected, as
+    :func:`launch`'s are."""
+    if _RECORD is not None:
+        _RECORD.append((kernel, grid, args, dict(kw)))
+        return None
     return run(kernel, grid, args, kw, (kernel, settings(kw)))
 
 
@@ -431,8 +435,9 @@ def _card(index: int) -> dict:
 
 @contextmanager
 def recording():
-    """Inside this context :func:`launch` runs nothing and collects ``(kernel, grid, args, meta)``
-    instead (buffers are still allocated by the launchers, never written)."""
+    """Inside this context :func:`launch` and :func:`direct` run nothing and collect ``(kernel,
+    grid, args, meta)`` instead (buffers are still allocated by the launchers, never written;
+    ``meta`` holds ``num_stages`` where the launch chose one)."""
     global _RECORD
     saved, _RECORD = _RECORD, []
     try:
