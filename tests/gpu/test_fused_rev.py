@@ -17,30 +17,26 @@ from gdn.ops.delta.triton import split as split_mod
 
 from .helpers import assert_within, dtype_id, launched, poison_empty
 from .test_chunk import check_once
-from .test_fused_fwd import CASES, _width  # the warp-specialised forward's cases: the shapes both passes take
+from .test_fused_fwd import CASES  # the warp-specialised forward's cases: the shapes both passes take
 
 
-@pytest.mark.parametrize("mode", ("whole", "chunk-slices", "segments-of-2", "runs-of-segments"))
+@pytest.mark.parametrize("mode", ("whole", "chunk-slices", "segments-of-2"))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in CASES])
 def test_fused_reverse(case, dtype, mode, monkeypatch):
-    """Whole sequences; one chunk a slice; warm-started segments of two chunks (each program
-    first walks its warm-up chunks after the segment: split.warm_plan's ``after`` walk); or
-    warm-started segments of one chunk in runs of three chunks of the token stream (the walks end
-    at a run's end, dS carried between runs). Fresh buffers hold NaN (``poison_empty``): sliced,
-    the per-chunk kernel meets rows of dδ that a later slice writes."""
+    """Whole sequences; one chunk a slice; or warm-started segments of two chunks (each program
+    first walks its warm-up chunks after the segment: split.warm_plan's ``after`` walk). Fresh
+    buffers hold NaN (``poison_empty``): sliced, the per-chunk kernel meets rows of dδ that a later
+    slice writes."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warpgroup MMAs: compute capability 9")
     monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], on=True))
-    split = {"segments-of-2": 2, "runs-of-segments": 1}.get(mode, 0)
+    split = 2 if mode == "segments-of-2" else 0
     monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], warm=bool(split), L=split))
-    # slice_MB: 0 never slices; a budget below one chunk's dS (no cap) makes every chunk a slice;
-    # one of three chunks' dS (16-bit) makes runs of three chunks
+    # slice_MB: 0 never slices; a budget below one chunk's dS (no cap) makes every chunk a slice
     sliced = mode == "chunk-slices"
-    runs = mode == "runs-of-segments"
-    chunk_mib = case[4] * _width(case[5]) * _width(case[6]) * 2 / 2 ** 20
     monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], max_slices=10 ** 9,
-                                                        slice_MB=1e-9 if sliced else 3 * chunk_mib if runs else 0))
+                                                        slice_MB=1e-9 if sliced else 0))
     seen = launched(monkeypatch, fused_rev, chunk_bwd, split_mod)
     poison_empty(monkeypatch)
     errs, bounds = check_once(case, "gated_delta_rule", 3400 + CASES.index(case), dtype)
@@ -50,6 +46,4 @@ def test_fused_reverse(case, dtype, mode, monkeypatch):
         assert seen.count("fused_rev_kernel") > 1, seen
     if split and longest > 2 * 64:  # a sequence of more than two chunks: segments
         assert "warm_plan_kernel" in seen, seen
-    if runs and longest > 3 * 64:  # more than one run
-        assert seen.count("fused_rev_kernel") > 1, seen
     assert_within(errs, bounds, f"warp-specialised reverse pass at {case[0]}, {dtype_id(dtype)}, {mode}")

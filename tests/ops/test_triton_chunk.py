@@ -252,46 +252,19 @@ def test_warm_split_state_pass(member, L, fused, monkeypatch):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("member", ["gated_delta_rule", pytest.param("gated_linear_attention", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("slice_mb,runs", [(0.01, 4), (1e-6, 8)], ids=["two-chunk-runs", "one-chunk-runs"])
-def test_sliced_warm_split_reverse_pass(member, slice_mb, runs, monkeypatch):
-    """The warm-started split with dh over the budget: the token stream is cut into runs of
-    consecutive chunks (a run's edge inside a sequence, a sequence across several runs), each run's
-    reverse pass split into warm-started segments whose walks stop at the run's end, dS carried per
-    sequence between runs; packed with an empty, a one-token and multi-chunk members, an initial
-    state and a final-state gradient: the reference's results and gradients."""
+def test_warm_split_reverse_pass_is_not_sliced(monkeypatch):
+    """dh over the slicing budget: the warm-started split still runs one reverse pass over every
+    segment (a slice would walk each segment's warm-up again), with the reference's results."""
     from gdn.ops.delta.triton import chunk_bwd
 
-    _warm(monkeypatch, 1)  # two-chunk parts: two segments, the first walking into the second
-    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=slice_mb, max_slices=8))
+    _warm(monkeypatch, 1)
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=1e-6, max_slices=8))
     seen = _record_launches(monkeypatch, chunk_bwd)
-    errs = _run_both(member, B=1, T=330, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 200, 64],
-                     seed=15)
+    errs = _run_both("gated_delta_rule", B=1, T=330, H=1, HV=2, K=16, V=32, dtype=torch.float32,
+                     lens=[65, 1, 0, 200, 64], seed=15)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
     assert not bad, bad
-    assert sum(name == "state_bwd_kernel" for name, _ in seen) == runs, seen
-
-
-def test_token_slices_cover_every_chunk_once():
-    """token_slices: runs of consecutive chunks, last first, as even as whole chunks allow; each
-    run's parts tile its tokens, start at a chunk of their sequence and name it."""
-    from gdn.ops.triton.common import make_chunks, token_slices
-
-    lens = [65, 1, 0, 200, 64, 130]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
-    ch = make_chunks(1, int(cu[-1]), cu, torch.device("cpu"))
-    runs = token_slices(ch, 3, torch.device("cpu"))
-    assert [r.NT for r in runs] == [3, 4, 4]
-    got = torch.cat([r.chunk_idx for r in reversed(runs)])
-    assert torch.equal(got, ch.chunk_idx)
-    for r in runs:
-        sub = r.ch
-        assert sub.NT == r.NT and int(sub.host_per.sum()) == r.NT and len(r.seq) == sub.N
-        for p in range(sub.N):
-            n, start, end = int(r.seq[p]), int(sub.host_cu[p]), int(sub.host_cu[p + 1])
-            assert int(cu[n]) <= start < end <= int(cu[n + 1]) and (start - int(cu[n])) % 64 == 0
-        rows = sub.chunk_idx.long()
-        assert torch.equal(r.chunk_idx[:, 0].long(), r.seq[rows[:, 0]])
+    assert sum(name == "state_bwd_kernel" for name, _ in seen) == 1, seen
 
 
 def _decaying(T, g_value, key_scale=1.0, seed=13):

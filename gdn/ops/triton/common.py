@@ -151,59 +151,6 @@ def _slices(ch: "Chunks", L: int, device: torch.device) -> list[Slice]:
     return [Slice(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3].view(nt, 2), nt) for i, nt in enumerate(out)]
 
 
-@dataclass(frozen=True)
-class TokenSlice:
-    """Chunks [c0, c1) of the token stream (one slice of :func:`token_slices`): the parts of the
-    sequences that lie in it as a packed layout of their own (``ch``: token offsets as in the whole
-    stream, chunks numbered from 0 within the slice, which is how dh holds them), ``seq`` [parts]
-    the sequence of each part (int64, on the compute device) and ``chunk_idx`` [NT, 2] the slice's
-    chunks as the whole layout names them (sequence, chunk in sequence)."""
-
-    ch: Chunks
-    seq: torch.Tensor
-    chunk_idx: torch.Tensor
-    NT: int
-
-
-def token_slices(ch: "Chunks", n: int, device: torch.device) -> list[TokenSlice]:
-    """Cut the stream of ``ch``'s chunks into ``n`` runs of consecutive chunks (as even as whole
-    chunks allow), last run first: the order in which a reverse pass takes them. A run's parts are
-    whole sequences but for the first and last, which may start or end between two chunks of a
-    sequence. Empty sequences belong to no run. Built on the host in numpy (no sync), once per
-    layout, n and device."""
-    return _memo(ch, ("token_slices", n, device), lambda: _token_slices(ch, n, device))
-
-
-def _token_slices(ch: "Chunks", n: int, device: torch.device) -> list[TokenSlice]:
-    per, cu = ch.host_per.numpy().astype(np.int64), ch.host_cu.numpy().astype(np.int64)
-    seq_of = np.repeat(np.arange(len(per)), per)  # sequence of each global chunk
-    first = np.concatenate([[0], np.cumsum(per)[:-1]]).astype(np.int64)
-    cin = np.arange(ch.NT) - first[seq_of]  # chunk in its sequence
-    size = cdiv(ch.NT, n)
-    bounds = [(c0, min(c0 + size, ch.NT)) for c0 in range(0, ch.NT, size)]
-    arrays, meta = [], []
-    for c0, c1 in reversed(bounds):
-        s, c = seq_of[c0:c1], cin[c0:c1]
-        parts, at = np.unique(s, return_index=True)  # sequences in the run (in stream order)
-        cnt = np.diff(np.concatenate([at, [c1 - c0]]))
-        start = cu[parts] + c[at] * BT
-        end = np.minimum(start + cnt * BT, cu[parts + 1])
-        sub_cu = np.concatenate([start, end[-1:]])
-        assert bool((sub_cu[1:-1] == end[:-1]).all()), "a run's parts must tile its tokens"
-        off = np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.int64)
-        idx = np.stack([np.repeat(np.arange(len(parts)), cnt), np.arange(c1 - c0) - np.repeat(off, cnt)], axis=1)
-        arrays += [sub_cu, idx.reshape(-1), off, np.stack([s, c], axis=1).reshape(-1)]
-        meta.append((parts, cnt, sub_cu))
-    d = _to_device_many(arrays, device)
-    out = []
-    for i, (parts, cnt, sub_cu) in enumerate(meta):
-        nt = int(cnt.sum())
-        sub = Chunks(d[4 * i], d[4 * i + 1].view(nt, 2), d[4 * i + 2], len(parts), nt, int(sub_cu[-1] - sub_cu[0]),
-                     int(cnt.max()), torch.from_numpy(sub_cu), torch.from_numpy(cnt))
-        out.append(TokenSlice(sub, torch.from_numpy(parts).to(device), d[4 * i + 3].view(nt, 2), nt))
-    return out
-
-
 @functools.lru_cache(maxsize=64)
 def _dense_chunks(B: int, T: int, device: torch.device) -> Chunks:
     """The chunk layout of B rows of T tokens, built once per (B, T, device): a call at a shape seen

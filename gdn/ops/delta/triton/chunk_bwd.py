@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, gate_load,
-                              launch, make_segments, make_slices, pow2, sm_count, tl_dtype, token_slices, value_cols)
+                              launch, make_segments, make_slices, pow2, sm_count, tl_dtype, value_cols)
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
 from .chunk_fwd import _block, state_tile, tile_reads
@@ -412,10 +412,9 @@ def _reverse_pass(q, g, beta, ch: Chunks, HV: int, K: int, V: int, from_inv: boo
     warp-specialised pass (delta.triton.fused_rev: dv_local's work inside, one program per sequence
     or warm-started segment, value head and value tile, at most one a multiprocessor: its shared
     memory takes one whole) where it takes the call and the split, if any, is warm-started; else
-    None (dv_local, then state_bwd in ``tiles`` value tiles a head). Where dh would be sliced
-    (``dh_bytes`` over ``budget``) the fused pass splits (into runs of warm-started segments) only
-    if its programs fill less than ``DELTA["fused_rev"]["fill_sliced"]`` of the card, else it runs
-    the plain sliced pass."""
+    None (dv_local, then state_bwd in ``tiles`` value tiles a head). The fused pass's segments keep
+    every chunk's dS_out at once, so where dh would be sliced (``dh_bytes`` over ``budget``) it
+    splits only if its programs fill less than ``DELTA["fused_rev"]["fill_sliced"]`` of the card."""
     dev, warm = q.device, warm_split(g)
     rev = _fused_rev() if from_inv else None
     if rev is not None and rev.usable(q, g, beta, K, V):
@@ -503,69 +502,32 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # dδ is written over dδ_loc (each program reads a chunk's rows before it writes them, and no
     # other program's), except by the warm-started split, whose warm-up reads the next segment's rows
     DD = torch.empty(T, HV, V, device=dev, dtype=io) if warm and rev is None else DVL
-    # Sliced reverse pass (where dS_out of every chunk would take more than
-    # DELTA["state_bwd"]["slice_MB"]; in at most max_slices slices): the chunks are cut into
+    # Sliced reverse pass (the plain one, where dS_out of every chunk would take more than
+    # DELTA["state_bwd"]["slice_MB"]; in at most max_slices slices): the chunk positions are cut into
     # slices, run last first, each the reverse pass over its chunks (from the dS carried out of the
     # slice after it) and then the per-chunk kernels over them, so that dh holds one slice's chunks
-    # instead of all. The plain
-    # pass slices chunk positions (every sequence in each slice: make_slices); the warm-started
-    # split slices the token stream into runs of consecutive chunks (token_slices), each split
-    # into warm-started segments of its own whose walks end at the run's end, where the carried dS
-    # is exact. The chained split is not sliced.
-    nsl = 1 if (L and not warm) or not budget else max(1, min(ch.NT if warm else ch.max_nc,
-                                                              DELTA["state_bwd"]["max_slices"],
-                                                              cdiv(dh_bytes, max(1, int(budget)))))
-    slices = runs = None
-    if nsl > 1 and warm:
-        runs = token_slices(ch, nsl, dev)
-    elif nsl > 1:
-        slices = make_slices(ch, cdiv(ch.max_nc, nsl), dev)
-    dh = torch.empty(max(sl.NT for sl in slices or runs) if nsl > 1 else ch.NT, HV, K, V, device=dev, dtype=io)
-    dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None and nsl == 1 else None
+    # instead of all. The split passes are not sliced: each slice would cut every warm-started
+    # segment short and walk its warm-up again (DELTA["state_bwd"]).
+    nsl = 1 if L or not budget else max(1, min(ch.max_nc, DELTA["state_bwd"]["max_slices"],
+                                                cdiv(dh_bytes, max(1, int(budget)))))
+    slices = make_slices(ch, cdiv(ch.max_nc, nsl), dev) if nsl > 1 else None
+    dh = torch.empty(max(sl.NT for sl in slices) if slices else ch.NT, HV, K, V, device=dev, dtype=io)
+    dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None and not slices else None
     per_chunk = _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch, scale, grad_dtype, dv_dtype)
     del h, VN
     if warm:
-        # Warm-started split reverse pass (fused_rev's or state_bwd_kernel's WARM form), as in the
-        # forward: warm_reverse(layout, its segment length, dS_end, dS_0) over every sequence of layout
+        # Warm-started split reverse pass (fused_rev's or state_bwd_kernel's WARM form), as in the forward
+        sg = make_segments(ch, L, dev)
         if rev is not None:
-            # (its descriptors made once for every run)
-            run = rev.reverser(q, k, do, gs, beta, Ai, dh, DD, scale)
-            nvt = rev.value_tiles(V)
-
-            def warm_reverse(lay, Ls, dS_end, dS_0):
-                sg = make_segments(lay, Ls, dev)
-                run(dS_end, dS_0, sg.cu, sg.cu[1:], sg.off, sg.NS,
-                    (warm_plan(k, beta, gs, sg, lay, HV, after=True), sg.seq, lay.cu))
+            rev.reverse(q, k, do, gs, beta, Ai, dht, dh, DD, dh0, sg.cu, sg.cu[1:], sg.off, sg.NS, scale,
+                        warm=(warm_plan(k, beta, gs, sg, ch, HV, after=True), sg.seq, ch.cu))
         else:
             SV = WV
-            nvt = cdiv(V, SV)
-
-            def warm_reverse(lay, Ls, dS_end, dS_0):
-                sg = make_segments(lay, Ls, dev)
-                launch(state_bwd_kernel, (cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL,
-                       dS_end if dS_end is not None else dummy, dh, DD, dS_0 if dS_0 is not None else dummy,
-                       sg.cu, sg.cu[1:], sg.off, scale, BV=SV, USE_DHT=dS_end is not None,
-                       USE_INIT=dS_0 is not None, WARM=True, LOG_EPS=float(DELTA["split"]["log_eps"]),
-                       **dict(common, seg_seq=sg.seq, seq_cu=lay.cu))
-        if runs:
-            # dS carried per sequence: a run's part takes its sequence's entry as dS at the part's end
-            # (dht, or what the run after it left) and leaves its dS at the part's start there
-            carry = dht.clone() if dht is not None else torch.zeros(ch.N, HV, K, V, device=dev, dtype=f32)
-            for j, r in enumerate(runs):
-                last = j == len(runs) - 1
-                dS_0 = torch.empty(r.ch.N, HV, K, V, device=dev, dtype=f32) if not last or h0 is not None else None
-                Ls = split_len(r.ch, HV, nvt, dev, True, per_sm=1 if rev is not None else None) or r.ch.max_nc
-                warm_reverse(r.ch, Ls, carry.index_select(0, r.seq), dS_0)
-                if dS_0 is not None:
-                    carry.index_copy_(0, r.seq, dS_0)
-                outs = per_chunk(r.chunk_idx, r.NT, last)
-            if h0 is not None:
-                dh0 = carry  # (an empty sequence's entry is still its dht, or zero)
-        else:
-            warm_reverse(ch, L, dht, dh0)
-            fill_empty(dh0, dht, ch)
-        del warm_reverse  # (and with it the reverse pass's descriptors of dh and dδ)
-        run = None
+            launch(state_bwd_kernel, (cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL,
+                   dht if dht is not None else dummy, dh, DD, dh0 if dh0 is not None else dummy, sg.cu, sg.cu[1:],
+                   sg.off, scale, BV=SV, USE_DHT=dht is not None, USE_INIT=h0 is not None, WARM=True,
+                   LOG_EPS=float(DELTA["split"]["log_eps"]), **dict(common, seg_seq=sg.seq))
+        fill_empty(dh0, dht, ch)
     elif L:
         # Split reverse pass, as in the forward: (1) each segment's map dS_end ↦ Aᵀ dS_end + D from
         # [I | 0]; (2) chain the maps from each sequence's end; (3) each segment from its true dS_end.
@@ -605,7 +567,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         else:
             reverse(dht, dh0, ch.cu, ch.cu[1:], ch.chunk_off)
         del reverse  # (its inputs hold DVL, W and dh)
-    if nsl == 1:
+    if not slices:
         del dh
         outs = per_chunk(ch.chunk_idx, ch.NT, True)
     return (*outs, dh0)
