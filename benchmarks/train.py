@@ -7,7 +7,9 @@ CUDA (fp32 on CPU), median over ``--steps`` timed steps after ``--warmup``. Mode
 6 x (matmul parameters) for the projections, plus 3 x the forward FLOPs of the token mixers
 (chunkwise delta rule: per value head ``2·(2·C·K + 2·C·V + 3·K·V)`` with chunk C = 64; causal
 softmax attention: ``2·T·d`` per head). MFU = achieved / ``--peak-tflops`` (default: 989 for an
-H200's dense bf16; none on CPU).
+H200's dense bf16; none on CPU). FLA is timed on its Triton path: ``FLA_FLASH_QLA=0`` and
+``FLA_TILELANG=0`` are set (unless already set) before it is imported, so an installed FlashQLA or
+TileLang does not change which kernels its column measures.
 
     python benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 8   # the H200 target
     python benchmarks/train.py --size tiny --seq-len 512 --batch 4                  # a quick CPU run
@@ -15,6 +17,7 @@ H200's dense bf16; none on CPU).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -23,6 +26,8 @@ import torch
 from gdn.models import GDNConfig, GDNForCausalLM
 
 CHUNK = 64
+os.environ.setdefault("FLA_FLASH_QLA", "0")
+os.environ.setdefault("FLA_TILELANG", "0")
 
 
 def parse_args(argv=None):
