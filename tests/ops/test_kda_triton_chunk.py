@@ -158,10 +158,12 @@ def test_backward_reuses_the_forwards_inverse(monkeypatch):
 @pytest.mark.parametrize("g_scale", [0.5, 40.0], ids=["mild", "strong"])
 def test_kkt_both_diagonal_forms(monkeypatch, g_scale):
     """kkt_kernel against the reference: grouped heads, partial chunks, both diagonal forms (strong
-    decay takes the pairwise rewrite in every block), and the span test's mixed chunk."""
+    decay takes the pairwise rewrite in every block), and (once) the span test's mixed chunk."""
     names = _count_launches(monkeypatch)
     _check(_errors(1, 130, 1, 2, 16, 16, torch.float32, g_scale=g_scale, seed=8), 1e-4)
     assert names.count("kkt") == 1, names
+    if g_scale > 1:
+        return
 
     def edit(g):
         g[:, :, :, 0] = -3.8

@@ -190,10 +190,10 @@ def test_split_state_pass(member, L, monkeypatch):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("member,slice_mb,slices", [  # `make test`: two-chunk slices of the gated delta rule,
-    # one-chunk slices of the delta rule; the other members' slices in `make test-all`
+@pytest.mark.parametrize("member,slice_mb,slices", [  # `make test`: two-chunk slices of the gated delta rule;
+    # the other members' and one-chunk slices in `make test-all`
     pytest.param(m, mb, n, id=f"{sid}-{m}",
-                 marks=[] if (m, n) in (("gated_delta_rule", 2), ("delta_rule", 4)) else [pytest.mark.slow])
+                 marks=[] if (m, n) == ("gated_delta_rule", 2) else [pytest.mark.slow])
     for mb, n, sid in ((0.04, 2, "two-chunk-slices"), (1e-6, 4, "one-chunk-slices")) for m in MEMBERS])
 def test_sliced_reverse_pass(member, slice_mb, slices, monkeypatch):
     """dh over the budget (DELTA["state_bwd"]["slice_MB"]): the reverse pass and the per-chunk kernels
