@@ -63,7 +63,6 @@ def stub_launches() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/, when imported from elsewhere
     from step_ops import stub_kernels  # noqa: PLC0415
 
-
     stub_kernels(LAUNCHES, hopper=False)
 
 

@@ -55,3 +55,17 @@ def call(module, member: str, d: dict, **kw):
     if HAS_BETA[member]:
         args.append(d["beta"])
     return getattr(module, member)(*args, initial_state=d.get("initial_state"), **kw)
+
+
+def spy_group_sum(monkeypatch, module) -> list:
+    """Record (dtype, group size) of each ``module.group_sum`` call (the partials a grouped-head
+    backward sums), calling through to the real one."""
+    seen = []
+    real = module.group_sum
+
+    def spy(x, width, dtype):
+        seen.append((x.dtype, x.shape[-2]))
+        return real(x, width, dtype)
+
+    monkeypatch.setattr(module, "group_sum", spy)
+    return seen

@@ -24,7 +24,7 @@ from gdn.ops.kda import reference as KR  # noqa: E402
 from gdn.ops import tuning  # noqa: E402
 from gdn.ops.tuning import INTERPRET  # noqa: E402
 
-from .helpers import rel_err  # noqa: E402
+from .helpers import rel_err, spy_group_sum  # noqa: E402
 from .test_kda import kda_inputs  # noqa: E402
 
 if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
@@ -316,13 +316,6 @@ def test_grouped_heads_sum_partials_in_the_input_dtype(monkeypatch):
     dtype and each group is summed in fp32 by common.group_sum, within the fp16 tolerance."""
     from gdn.ops.kda.triton import chunk as kda_chunk  # noqa: PLC0415
 
-    seen = []
-    real = kda_chunk.group_sum
-
-    def spy(x, width, dtype):
-        seen.append((x.dtype, x.shape[-2]))
-        return real(x, width, dtype)
-
-    monkeypatch.setattr(kda_chunk, "group_sum", spy)
+    seen = spy_group_sum(monkeypatch, kda_chunk)
     _check(_errors(1, 65, 1, 4, 16, 16, torch.float16, seed=5), TOL[torch.float16])
     assert seen == [(torch.float16, 4), (torch.float16, 4)], seen

@@ -28,7 +28,7 @@ from gdn.ops.delta import reference  # noqa: E402
 from gdn.ops import tuning  # noqa: E402
 from gdn.ops.tuning import INTERPRET  # noqa: E402
 
-from .helpers import HAS_BETA, HAS_G, MEMBERS, make_inputs, rel_err  # noqa: E402
+from .helpers import HAS_BETA, HAS_G, MEMBERS, make_inputs, rel_err, spy_group_sum  # noqa: E402
 
 if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
@@ -922,14 +922,7 @@ def test_grouped_heads_sum_partials_in_the_input_dtype(monkeypatch):
     """Half-precision grouped heads: the backward's per-value-head dq and dk come in the inputs'
     dtype (half the memory and traffic of fp32 partials) and each group is summed in fp32 by
     common.group_sum, within the fp16 tolerance of the reference."""
-    seen = []
-    real = chunk_mod.group_sum
-
-    def spy(x, width, dtype):
-        seen.append((x.dtype, x.shape[-2]))
-        return real(x, width, dtype)
-
-    monkeypatch.setattr(chunk_mod, "group_sum", spy)
+    seen = spy_group_sum(monkeypatch, chunk_mod)
     errs = _run_both("gated_delta_rule", B=1, T=65, H=1, HV=4, K=16, V=32, dtype=torch.float16, seed=5)
     assert seen == [(torch.float16, 4), (torch.float16, 4)], seen
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float16]}
