@@ -110,6 +110,22 @@ def test_value_heads_of_256_run_as_two_value_tiles(card, monkeypatch):
     assert fused_rev.value_tiles(64) == fused_rev.value_tiles(128) == 1 and fused_rev.value_tiles(256) == 2
 
 
+def test_value_tiles_of_64_double_the_programs(card, monkeypatch):
+    """``DELTA["fused_rev"]["VT"] = 64`` at (4, 8192, 16, 128), sliced: each launch runs two programs
+    per (sequence, value head), dO read and dh written in [64, 64] and [K, 64] blocks; the forward's
+    and the state pass's tiles are theirs to set (``fused_fwd``, ``fused_states``)."""
+    monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], VT=64))
+    launches = _record(4, 8192, 16, 16, 128, 128)[1]
+    rev = [(grid, dict(zip(kernel.arg_names, args)) | meta) for kernel, grid, args, meta in launches
+           if kernel.fn.__name__ == "fused_rev_kernel"]
+    assert len(rev) == _slices(256) and all(g == (4 * 16 * 2,) and not a["WARM"] for g, a in rev), rev
+    a = rev[0][1]
+    assert (a["V"], a["VT"]) == (128, 64) and a["do_t"].block_shape == [64, 64] and a["dh_t"].block_shape == [128, 64]
+    assert fused_rev.value_tiles(128) == 2 and fused_rev.value_tiles(64) == 1 and fused_rev.value_tiles(256) == 4
+    states = [m for kernel, _, _, m in launches if kernel.fn.__name__ == "fused_fwd_kernel"]
+    assert states and all(m["VT"] == 128 for m in states), states
+
+
 def test_value_heads_of_256_split_counting_every_tile(card):
     """1 × 32768 at 16 heads of V = 256: 32 programs; the segments keep at most one program a
     multiprocessor counting both value tiles, and warm_plan runs once per (segment, head), its

@@ -94,7 +94,9 @@ import json, sys
 sys.path.insert(0, {root!r})
 from tools import gluon_budget as G
 print(json.dumps([G.forward_resources(K, 256, warm=w, states=s)
-                  for K, w, s in ((128, False, False), (128, True, False), (64, True, False), (128, True, True))]))
+                  for K, w, s in ((128, False, False), (128, True, False), (64, True, False), (128, True, True))]
+                 + [G.forward_resources(128, 128, VT=64, warm=True), G.forward_resources(128, 128, VT=64, states=True),
+                    G.reverse_resources(128, 128, VT=64), G.reverse_resources(128, 128, VT=64, warm=True)]))
 """
 
 
@@ -102,11 +104,13 @@ def test_warp_specialised_forward_value_tiles_compile_without_spills():
     """fused_fwd at V = 256 (the 340m layer), each program on a 128-wide value tile of the head:
     compiles for sm_90 without spilling at the launch setting (K = 128 whole and segmented, K = 64
     segmented, and as the backward's state pass), its shared memory the 128-wide tile's (ring,
-    S, Y, δ, δ̃ and P as at V = 128, plus under 16 KB of the compiler's scratch)."""
+    S, Y, δ, δ̃ and P as at V = 128, plus under 16 KB of the compiler's scratch); and the forward,
+    state and reverse passes on 64-wide tiles of a 128-wide head."""
     from gdn.ops.tuning import DELTA
 
     VT = 128
-    for (K, states), r in zip(((128, False), (128, False), (64, False), (128, True)), _run(TILES)):
+    runs = _run(TILES)
+    for (K, states), r in zip(((128, False), (128, False), (64, False), (128, True)), runs):
         if states:
             tiles = DELTA["fused_states"]["NS"] * (64 * K + 64 * VT + 64 * 64) * 2 + (K * VT + 3 * 64 * VT) * 2
         else:
@@ -114,3 +118,10 @@ def test_warp_specialised_forward_value_tiles_compile_without_spills():
                      + (K * VT + 3 * 64 * VT + 64 * 64) * 2)
         assert r["spill"] == 0 and r["shared"] <= 227 * 1024, (K, states, r)
         assert tiles <= r["shared"] <= tiles + 16 * 1024, (K, states, r, tiles)
+    # the passes on 64-wide value tiles of a 128-wide head (DELTA[name]["VT"] = 64): no spills, and
+    # less shared memory than the 128-wide program's (forward segmented, the state pass, the reverse
+    # pass whole and segmented)
+    fwd, states, rev, rev_warm = runs[4:]
+    assert all(r["spill"] == 0 for r in runs[4:]), runs[4:]
+    assert fwd["shared"] < runs[1]["shared"] and states["shared"] < runs[3]["shared"], runs
+    assert rev["shared"] <= rev_warm["shared"] < 200 * 1024, (rev, rev_warm)

@@ -125,22 +125,23 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = N
 
 
 def forward_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg: int | None = None,
-                      warm: bool = False, states: bool = False) -> dict:
+                      warm: bool = False, states: bool = False, VT: int | None = None) -> dict:
     """{"regs", "spill", "shared"} of the warp-specialised forward pass
     (:func:`gdn.ops.delta.triton.fused_fwd.fused_fwd_kernel`, bf16, initial and final state)
     compiled for sm_90 at the launch setting (or the given ring slots, partition registers and
     maxnreg; ``warm``: the warm-started segments' form; ``states``: the backward's state pass, no
     output warpgroup, h and δ stored), each program on a value tile of ``fused_fwd.value_tile(V)``
-    columns as the launch takes it."""
+    columns as the launch takes it (or ``VT``)."""
     from gdn.ops.delta.triton import fused_bwd as B  # noqa: PLC0415
     from gdn.ops.delta.triton import fused_fwd as F  # noqa: PLC0415
     from gdn.ops.tuning import DELTA  # noqa: PLC0415
 
-    c = DELTA["fused_states" if states else "fused_fwd"]
+    name = "fused_states" if states else "fused_fwd"
+    c = DELTA[name]
     NS = c["NS"] if NS is None else NS
     regs = tuple(c["regs"] if regs is None else regs) + (0,)
     names = F.fused_fwd_kernel.arg_names
-    VT = F.value_tile(V)
+    VT = F.value_tile(V, name) if VT is None else VT
 
     def desc(cols):
         return f"tensordesc<bf16[64, {cols}],{B._tile_layout((64, cols), gl.bfloat16)!r}>"
@@ -160,12 +161,12 @@ def forward_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
 
 
 def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg: int | None = None,
-                      warm: bool = False) -> dict:
+                      warm: bool = False, VT: int | None = None) -> dict:
     """{"regs", "spill", "shared"} of the warp-specialised reverse pass
     (:func:`gdn.ops.delta.triton.fused_rev.fused_rev_kernel`, bf16, final- and initial-state
     gradients) compiled for sm_90 at the launch setting (or the given ring slots, partition registers
     and maxnreg; ``warm``: the warm-started segments' form), each program on a value tile of
-    ``fused_fwd.value_tile(V)`` columns as the launch takes it."""
+    ``fused_fwd.value_tile(V, "fused_rev")`` columns as the launch takes it (or ``VT``)."""
     from gdn.ops.delta.triton import fused_bwd as B  # noqa: PLC0415
     from gdn.ops.delta.triton import fused_fwd as FF  # noqa: PLC0415
     from gdn.ops.delta.triton import fused_rev as F  # noqa: PLC0415
@@ -174,7 +175,7 @@ def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
     c = DELTA["fused_rev"]
     NS = c["NS"] if NS is None else NS
     regs = tuple(c["regs"] if regs is None else regs)
-    VT = FF.value_tile(V)
+    VT = FF.value_tile(V, "fused_rev") if VT is None else VT
 
     def desc(rows, cols):
         return f"tensordesc<bf16[{rows}, {cols}],{B._tile_layout((rows, cols), gl.bfloat16)!r}>"

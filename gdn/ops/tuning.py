@@ -124,11 +124,11 @@ DELTA = {
     # K = V = 128): (8, 2048) 117 + 72 against 185 + 107; (4, 8192) 232 + 141 + 23 against
     # 349 + 201; 1 × 32768 230 + 141 + 21 against 365 + 205; HV = 32 at 1 × 8192 122 + 72 + 19
     # against 193 + 103; Qwen3.5-397B 826 + 528 + 23 against 1356 + 776 (docs/TRITON.md).
-    "fused_fwd": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 128, 168), maxnreg=128, on=True),
+    "fused_fwd": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 128, 168), maxnreg=128, on=True, VT=128),
     # The same kernel as the backward's recomputed state pass (no output warpgroup; S copied out to
     # h and δ stored as the chain forms them): regs of the copy and δ partitions (the state's gets
     # 3 · 136 − 24 − 160 = 224; at 152 for δ it spills).
-    "fused_states": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 160), maxnreg=136, on=True),
+    "fused_states": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 160), maxnreg=136, on=True, VT=128),
     # The backward's reverse pass as one warp-specialised Gluon kernel (delta.triton.fused_rev: the
     # work of dv_local and state_bwd), on for gated delta members in 16 bits on compute capability 9
     # with K of 64 or 128 and V of 64, 128 or 256 (value tiles of at most 128, as fused_fwd), but
@@ -137,7 +137,8 @@ DELTA = {
     # fill_sliced: where dS_out of every chunk would pass state_bwd's slice_MB, the pass splits into
     # warm-started segments (which keep every chunk's dS_out at once) only if the programs of the
     # longest sequences number fewer than this times the multiprocessors; else it runs sliced.
-    "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, fill_sliced=0.25),
+    "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, fill_sliced=0.25,
+                      VT=128),
     "cumsum": dict(num_warps=1, stages=(1,)),
     "warm_plan": dict(num_warps=4, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in

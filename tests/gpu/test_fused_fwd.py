@@ -34,19 +34,21 @@ CASES = ([c for c in AWKWARD if _width(c[5]) in (64, 128) and _width(c[6]) in (6
          + WIDE)
 
 
+@pytest.mark.parametrize("VT", (128, 64), ids=("tiles-128", "tiles-64"))
 @pytest.mark.parametrize("which", ("fused_fwd", "fused_states"))
 @pytest.mark.parametrize("split", (0, 2), ids=("whole", "segments-of-2"))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in CASES])
-def test_fused_forward(case, dtype, split, which, monkeypatch):
+def test_fused_forward(case, dtype, split, which, VT, monkeypatch):
     """The pass as the forward (``fused_fwd``: the output warpgroup, o) or as the backward's
     recomputed state pass (``fused_states``: h and δ stored), the other use off; whole sequences
     (no split), or warm-started segments of two chunks (each program first walks back through its
-    warm-up chunks: split.warm_plan)."""
+    warm-up chunks: split.warm_plan); programs on value tiles of at most 128 or 64 columns
+    (``DELTA[which]["VT"]``)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warpgroup MMAs: compute capability 9")
     for name in ("fused_fwd", "fused_states"):
-        monkeypatch.setitem(tuning.DELTA, name, dict(tuning.DELTA[name], on=name == which))
+        monkeypatch.setitem(tuning.DELTA, name, dict(tuning.DELTA[name], on=name == which, VT=VT))
     monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], warm=bool(split), L=split))
     seen = launched(monkeypatch, fused_fwd, chunk_fwd, split_mod)
     errs, bounds = check_once(case, "gated_delta_rule", 3300 + CASES.index(case), dtype)
@@ -54,4 +56,4 @@ def test_fused_forward(case, dtype, split, which, monkeypatch):
     assert "fused_fwd_kernel" in seen and replaced not in seen, seen
     if split and max(case[7] or [case[2]]) > 2 * 64:  # a sequence of more than two chunks: segments
         assert "warm_plan_kernel" in seen, seen
-    assert_within(errs, bounds, f"warp-specialised forward pass at {case[0]}, {dtype_id(dtype)}, split {split}")
+    assert_within(errs, bounds, f"warp-specialised forward pass at {case[0]}, {dtype_id(dtype)}, split {split}, VT {VT}")

@@ -20,18 +20,20 @@ from .test_chunk import check_once
 from .test_fused_fwd import CASES  # the warp-specialised forward's cases: the shapes both passes take
 
 
-@pytest.mark.parametrize("mode", ("whole", "chunk-slices", "segments-of-2"))
+@pytest.mark.parametrize("mode", ("whole", "chunk-slices", "segments-of-2", "whole-tiles-64", "segments-of-2-tiles-64"))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in CASES])
 def test_fused_reverse(case, dtype, mode, monkeypatch):
     """Whole sequences; one chunk a slice; or warm-started segments of two chunks (each program
-    first walks its warm-up chunks after the segment: split.warm_plan's ``after`` walk). Fresh
+    first walks its warm-up chunks after the segment: split.warm_plan's ``after`` walk); the first
+    and last also with programs on value tiles of 64 (``DELTA["fused_rev"]["VT"]``). Fresh
     buffers hold NaN (``poison_empty``): sliced, the per-chunk kernel meets rows of dδ that a later
     slice writes."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warpgroup MMAs: compute capability 9")
-    monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], on=True))
-    split = 2 if mode == "segments-of-2" else 0
+    VT = 64 if mode.endswith("tiles-64") else 128
+    monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], on=True, VT=VT))
+    split = 2 if mode.startswith("segments-of-2") else 0
     monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], warm=bool(split), L=split))
     # slice_MB: 0 never slices; a budget below one chunk's dS (no cap) makes every chunk a slice
     sliced = mode == "chunk-slices"

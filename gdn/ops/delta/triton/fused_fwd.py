@@ -369,10 +369,12 @@ def usable(q, g, beta, K: int, V: int, name: str = "fused_fwd") -> bool:
             and q.dtype in (torch.bfloat16, torch.float16) and K in (64, 128) and V in (64, 128, 256) and hopper(q))
 
 
-def value_tile(V: int) -> int:
-    """The value columns of one program: the whole head up to 128, else 128-wide tiles (a program's
-    [K, 128] state, ring and handed tiles fill a multiprocessor's shared memory)."""
-    return min(V, 128)
+def value_tile(V: int, name: str = "fused_fwd") -> int:
+    """The value columns of one program of pass ``name`` (``fused_fwd``, ``fused_states`` or
+    ``fused_rev``): the whole head up to ``DELTA[name]["VT"]`` (64 or 128), else tiles of that width
+    (at most 128: a program's [K, 128] state, ring and handed tiles fill a multiprocessor's shared
+    memory)."""
+    return min(V, DELTA[name]["VT"])
 
 
 def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN=None):
@@ -387,7 +389,7 @@ def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN
     out = o is not None
     name = "fused_fwd" if out else "fused_states"
     c = DELTA[name]
-    VT = value_tile(V)
+    VT = value_tile(V, name)
     NVT = V // VT
     L = split_len(ch, HV, NVT, v.device, per_sm=1) if warm_split(G) else 0
     programs, cu, off, plan, seg_seq = ch.N, ch.cu, ch.chunk_off, ch.cu, ch.cu

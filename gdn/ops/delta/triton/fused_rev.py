@@ -311,7 +311,7 @@ def usable(q, g, beta, K: int, V: int) -> bool:
 def value_tiles(V: int) -> int:
     """The programs a value head of V columns runs as (NVT: value tiles of fused_fwd.value_tile's
     width), which the callers' split decisions count per head."""
-    return V // value_tile(V)
+    return V // value_tile(V, "fused_rev")
 
 
 def reverse(q, k, do, G, beta, Ai, dht, dh, DD, dh0, cu, ends, off, N: int, scale: float, warm=None):
@@ -331,7 +331,7 @@ def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float):
     slice over the same tensors)."""
     T, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
-    VT = value_tile(V)
+    VT = value_tile(V, "fused_rev")
     c = DELTA["fused_rev"]
     DT = gl.bfloat16 if do.dtype == torch.bfloat16 else gl.float16
     assert dh.is_contiguous() and dh.data_ptr() % 16 == 0  # written through its descriptor in place
