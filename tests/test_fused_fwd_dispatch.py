@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 
-from gdn.ops.delta.triton import chunk, chunk_bwd, chunk_fwd, fused_fwd, split  # noqa: E402
+from gdn.ops.delta.triton import chunk, chunk_bwd, chunk_fwd, fused_fwd, fused_rev, split  # noqa: E402
 from gdn.ops.triton import common  # noqa: E402
 from gdn.ops.triton import launch as launcher  # noqa: E402
 
@@ -26,7 +26,7 @@ def hopper(monkeypatch):
     """Launches as on a Hopper card for the forward's pass (its device rule true; the backward's
     Gluon passes keep theirs), 132 multiprocessors."""
     monkeypatch.setattr(fused_fwd, "hopper", lambda q: True)  # (fused_bwd.hopper, as fused_fwd imports it)
-    for mod in (launcher, common, chunk, chunk_fwd, chunk_bwd, split):
+    for mod in (launcher, common, chunk, chunk_fwd, chunk_bwd, split, fused_rev):
         if hasattr(mod, "sm_count"):
             monkeypatch.setattr(mod, "sm_count", lambda device: SMS)
 

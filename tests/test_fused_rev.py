@@ -45,7 +45,9 @@ def test_the_reverse_pass_replaces_dv_local_and_state_bwd(card, monkeypatch):
     assert "dv_local_kernel" not in names and "state_bwd_kernel" not in names, names
     assert names.index("fused_rev_kernel") < names.index("fused_bwd_kernel"), names
     (grid, meta), = [(g, m) for n, g, m in _backward(2, 512, 4, 4, 128, 128, h0=True) if n == "fused_rev_kernel"]
-    assert grid == (2 * 4,) and meta["USE_DHT"] and meta["USE_INIT"] and meta["K"] == meta["V"] == 128, meta
+    # 8 (sequence, value head) pairs: each on two programs of 64 value columns (plain_tile)
+    assert grid == (2 * 4 * 2,) and meta["USE_DHT"] and meta["USE_INIT"] and meta["K"] == meta["V"] == 128, meta
+    assert meta["VT"] == 64, meta
 
 
 def _slices(mib: int) -> int:
@@ -97,6 +99,7 @@ def test_value_heads_of_256_run_as_two_value_tiles(card, monkeypatch):
     the two tiles of a head neighbours in the grid; dO read and dh written in [64, 128] and
     [K, 128] blocks of the whole [·, V]-wide rows."""
     monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=0))
+    monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], narrow=0))
     B, T, HV, K, V = 2, 512, 4, 128, 256
     launches = _record(B, T, 4, HV, K, V, h0=True)[1]
     names = [kernel.fn.__name__ for kernel, _, _, _ in launches]
@@ -110,20 +113,25 @@ def test_value_heads_of_256_run_as_two_value_tiles(card, monkeypatch):
     assert fused_rev.value_tiles(64) == fused_rev.value_tiles(128) == 1 and fused_rev.value_tiles(256) == 2
 
 
-def test_value_tiles_of_64_double_the_programs(card, monkeypatch):
-    """``DELTA["fused_rev"]["VT"] = 64`` at (4, 8192, 16, 128), sliced: each launch runs two programs
-    per (sequence, value head), dO read and dh written in [64, 64] and [K, 64] blocks; the forward's
-    and the state pass's tiles are theirs to set (``fused_fwd``, ``fused_states``)."""
-    monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], VT=64))
+def test_unsplit_passes_that_leave_half_the_card_idle_run_on_narrower_tiles(card, monkeypatch):
+    """plain_tile: (4, 8192, 16, 128), sliced, has 64 (sequence, value head) pairs: each runs as two
+    programs of 64 value columns (128 programs, one wave of 132), dO read and dh written in [64, 64]
+    and [K, 64] blocks; (8, 2048, 16, 128) has 128 pairs, which would take two waves so: 128-wide.
+    The backward's recomputed state pass keeps its own tile (``fused_states``)."""
     launches = _record(4, 8192, 16, 16, 128, 128)[1]
     rev = [(grid, dict(zip(kernel.arg_names, args)) | meta) for kernel, grid, args, meta in launches
            if kernel.fn.__name__ == "fused_rev_kernel"]
     assert len(rev) == _slices(256) and all(g == (4 * 16 * 2,) and not a["WARM"] for g, a in rev), rev
     a = rev[0][1]
     assert (a["V"], a["VT"]) == (128, 64) and a["do_t"].block_shape == [64, 64] and a["dh_t"].block_shape == [128, 64]
-    assert fused_rev.value_tiles(128) == 2 and fused_rev.value_tiles(64) == 1 and fused_rev.value_tiles(256) == 4
     states = [m for kernel, _, _, m in launches if kernel.fn.__name__ == "fused_fwd_kernel"]
     assert states and all(m["VT"] == 128 for m in states), states
+    rev = [(g, m) for n, g, m in _backward(8, 2048, 16, 16, 128, 128) if n == "fused_rev_kernel"]
+    assert rev and all(g == (8 * 16,) and m["VT"] == 128 for g, m in rev), rev
+    monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], narrow=0))
+    rev = [(g, m) for n, g, m in _backward(4, 8192, 16, 16, 128, 128) if n == "fused_rev_kernel"]
+    assert all(g == (4 * 16,) and m["VT"] == 128 for g, m in rev), rev
+    assert fused_rev.value_tiles(128) == 1 and fused_rev.plain_tile(128, 64, torch.device("cpu")) == 128
 
 
 def test_value_heads_of_256_split_counting_every_tile(card):
@@ -139,12 +147,12 @@ def test_value_heads_of_256_split_counting_every_tile(card):
 
 def test_value_tiles_count_towards_filling_the_card_sliced(card):
     """(2, 8192) at 16 heads of V = 256: dS_out of every chunk would take 256 MiB; the 2 · 16 · 2 = 64
-    programs (counting the value tiles) reach fill_sliced's quarter of the card, so the pass runs
-    sliced, unsplit, rather than as segments."""
+    programs (counting the 128-wide value tiles) reach fill_sliced's quarter of the card, so the pass
+    runs sliced, unsplit, rather than as segments, on 64-wide tiles (128 programs: one wave)."""
     launches = _backward(2, 8192, 16, 16, 128, 256)
     rev = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
     assert len(rev) == _slices(256) and not any(m["WARM"] for _, m in rev), [n for n, _, _ in launches]
-    assert all(g == (2 * 16 * 2,) for g, _ in rev), rev
+    assert all(g == (2 * 16 * 4,) and m["VT"] == 64 for g, m in rev), rev
 
 
 def test_usable_value_widths(card):

@@ -124,6 +124,9 @@ DELTA = {
     # K = V = 128): (8, 2048) 117 + 72 against 185 + 107; (4, 8192) 232 + 141 + 23 against
     # 349 + 201; 1 × 32768 230 + 141 + 21 against 365 + 205; HV = 32 at 1 × 8192 122 + 72 + 19
     # against 193 + 103; Qwen3.5-397B 826 + 528 + 23 against 1356 + 776 (docs/TRITON.md).
+    # VT: the value tile (at most 128). Tiles of 64 were slower at every shape timed, as the
+    # forward and as the state pass (their sequences split into segments that fill the card
+    # already): (4, 8192) 229 → 248 µs, Qwen3.5-397B 826 → 998, (8, 2048) 117 → 135.
     "fused_fwd": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 128, 168), maxnreg=128, on=True, VT=128),
     # The same kernel as the backward's recomputed state pass (no output warpgroup; S copied out to
     # h and δ stored as the chain forms them): regs of the copy and δ partitions (the state's gets
@@ -137,8 +140,11 @@ DELTA = {
     # fill_sliced: where dS_out of every chunk would pass state_bwd's slice_MB, the pass splits into
     # warm-started segments (which keep every chunk's dS_out at once) only if the programs of the
     # longest sequences number fewer than this times the multiprocessors; else it runs sliced.
+    # VT: the value tile (at most 128); narrow: the tile of an unsplit pass whose programs on it
+    # still fit one wave (fused_rev.plain_tile: the latency-bound chain finishes sooner on twice
+    # the programs where half the card would idle; 0 never).
     "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, fill_sliced=0.25,
-                      VT=128),
+                      VT=128, narrow=64),
     "cumsum": dict(num_warps=1, stages=(1,)),
     "warm_plan": dict(num_warps=4, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in

@@ -544,7 +544,8 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         if rev is not None:
             # reverse(dS_end, dS_0, starts, ends, off): one launch over token ranges [starts, ends),
             # from dS_end (or zero) to dS_0 (when given); its descriptors made once for every slice
-            reverse = functools.partial(rev.reverser(q, k, do, gs, beta, Ai, dh, DD, scale), N=ch.N)
+            reverse = functools.partial(rev.reverser(q, k, do, gs, beta, Ai, dh, DD, scale,
+                                                     rev.plain_tile(V, ch.N * HV, dev)), N=ch.N)
         else:
             # the per-chunk inputs, perhaps as tensor descriptors
             wr = ((Ai, BT) if from_inv else (Wp, K)) if delta else (k, K)

@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from ...triton.common import BT as CHUNK
-from ...triton.launch import launch
+from ...triton.launch import launch, sm_count
 from ...tuning import DELTA
 from .fused_bwd import _tiles, acc_layout, hopper
 from .fused_fwd import _edges, _program, value_tile
@@ -314,6 +314,18 @@ def value_tiles(V: int) -> int:
     return V // value_tile(V, "fused_rev")
 
 
+def plain_tile(V: int, pairs: int, device) -> int:
+    """The value tile of an unsplit pass over ``pairs`` (sequence, value head) pairs:
+    ``DELTA["fused_rev"]["narrow"]`` where the programs on tiles that narrow still number at most
+    the multiprocessors (one program a multiprocessor: one wave), else :func:`value_tiles`' tile.
+    The chain's step is latency-bound, so where half the card would idle, twice the programs on
+    half the columns each finish the pass sooner (H200, sliced plain pass: (4, 8192, 16, 128) 506
+    → 375 µs, Qwen3.5-397B 2031 → 1443, the 340m layer 246 → 176), while at more than one wave
+    they take longer ((8, 2048) 164 → 207; docs/TRITON.md)."""
+    vt, n = value_tile(V, "fused_rev"), DELTA["fused_rev"]["narrow"]
+    return n if n and n < vt and V % n == 0 and pairs * (V // n) <= sm_count(device) else vt
+
+
 def reverse(q, k, do, G, beta, Ai, dht, dh, DD, dh0, cu, ends, off, N: int, scale: float, warm=None):
     """Launch the pass over N programs' token ranges [cu, ends) (per sequence, or a slice of each):
     fills dh [chunks, HV, K, V] (dS_out of each chunk, from off on per program; contiguous, in the
@@ -325,13 +337,14 @@ def reverse(q, k, do, G, beta, Ai, dht, dh, DD, dh0, cu, ends, off, N: int, scal
     reverser(q, k, do, G, beta, Ai, dh, DD, scale)(dht, dh0, cu, ends, off, N, warm)
 
 
-def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float):
+def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None):
     """:func:`reverse` over these tensors as ``run(dht, dh0, cu, ends, off, N, warm=None)``, with
     the tensor descriptors made once for every launch (a sliced backward launches the pass once a
-    slice over the same tensors)."""
+    slice over the same tensors); programs on value tiles of ``VT`` columns (default
+    :func:`value_tiles`' tile; :func:`plain_tile` for an unsplit pass)."""
     T, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
-    VT = value_tile(V, "fused_rev")
+    VT = value_tile(V, "fused_rev") if VT is None else VT
     c = DELTA["fused_rev"]
     DT = gl.bfloat16 if do.dtype == torch.bfloat16 else gl.float16
     assert dh.is_contiguous() and dh.data_ptr() % 16 == 0  # written through its descriptor in place
@@ -341,7 +354,7 @@ def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float):
     a_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
     dh_t = _tiles(dh, dh.numel() // V, (K, VT), DT)
     r = tuple(c["regs"])
-    programs = HV * value_tiles(V)
+    programs = HV * (V // VT)
 
     def run(dht, dh0, cu, ends, off, N: int, warm=None):
         plan, seg_seq, seq_cu = warm if warm is not None else (cu, cu, cu)
