@@ -10,12 +10,24 @@ def test_floors_scale_with_tokens_and_states_with_chunks():
     """Twice the tokens (whole chunks) moves twice the bytes and FLOPs in every kernel; a partial
     last chunk still stores a whole state per chunk and value head."""
     one, two = F.kernels(2, 1024, 4, 8, 64, 128), F.kernels(2, 2048, 4, 8, 64, 128)
-    assert one.keys() == two.keys() == {"kkt_solve", "state_out", "state_fwd", "dv_local", "state_bwd", "fused_bwd"}
+    assert one.keys() == two.keys() == {"kkt_solve", "fused_fwd", "fused_states", "fused_rev", "fused_bwd",
+                                        "group_sum"}
     for name in one:
         assert two[name][0] == 2 * one[name][0] and two[name][1] == 2 * one[name][1], name
     full, part = F.kernels(1, 128, 1, 1, 64, 64), F.kernels(1, 65, 1, 1, 64, 64)
-    # 65 tokens: two chunks as 128 tokens, so state_fwd (which writes h) moves the same state bytes
-    assert full["state_fwd"][0] - part["state_fwd"][0] == 63 * (64 + 64 + 64 + 64) * 2 + 63 * 2 * 4
+    # 65 tokens: two chunks as 128 tokens, so the state pass (which writes h) moves the same state bytes
+    assert full["fused_states"][0] - part["fused_states"][0] == 63 * (64 + 64 + 64 + 64) * 2 + 63 * 2 * 4
+
+
+def test_grouped_heads_read_q_and_k_once_per_key_head_and_sum_dq_dk():
+    """Four value heads per key head: group_sum reads the per-value-head dQ and dK and writes one
+    per key head; the forward reads q and k once per key head (its bytes grow with HV only through
+    v, T⁻¹, γ, β and o); without groups there is no group_sum."""
+    assert "group_sum" not in F.kernels(1, 128, 2, 2, 64, 64)
+    one, four = F.kernels(1, 128, 2, 2, 64, 64), F.kernels(1, 128, 2, 8, 64, 64)
+    per_head = one["fused_fwd"][0] - 2 * 128 * 2 * 64 * 2  # less q and k
+    assert four["fused_fwd"][0] == 2 * 128 * 2 * 64 * 2 + 4 * per_head
+    assert four["group_sum"] == (2 * 128 * 8 * 64 * 2 + 2 * 128 * 2 * 64 * 2, 0)
 
 
 def test_fused_backward_bytes_are_its_tensors():

@@ -1,14 +1,19 @@
 """Each chunk kernel's floor for one forward + backward of the gated delta rule: the bytes it must
-read and write (each tensor it touches once) and its matrix-product FLOPs, against the card's copy
-bandwidth and matmul rate. The kernels are those of the default path on compute capability 9 in
-16 bits (kkt_solve, state_out; then the backward's state_fwd, dv_local, state_bwd, fused_bwd).
+read and write (each tensor it touches once; q and k once per key head) and its matrix-product
+FLOPs, against the card's copy bandwidth and matmul rate. The kernels are those of the default path
+on compute capability 9 in 16 bits at K and V of 64 or 128: kkt_solve and the warp-specialised
+forward pass (fused_fwd); then the backward's recomputed state pass (fused_states, the same kernel
+storing h and δ), the warp-specialised reverse pass (fused_rev), the per-chunk fused backward
+(fused_bwd) and, for grouped value heads, the sum of each key head's dq and dk (group_sum).
 
-    python tools/byte_floor.py --shape 8,2048,16,16,128,128 --measured fused_bwd=488,state_bwd=249
+    python tools/byte_floor.py --shape 8,2048,16,16,128,128 --measured fused_bwd=537,fused_rev=164
 
 prints a table: MB moved, GFLOP, the floor in µs (the larger of bytes / bandwidth and FLOPs /
 rate) and, for each kernel given a measured time (µs, e.g. from ``benchmarks/ops_gpu.py
---profile``), that time over its floor. Nothing runs: the model is the kernels' reads and writes
-as their docstrings state them.
+--profile``: its fwd+bwd ``fused_fwd_kernel`` line is fused_fwd and fused_states together, its
+fwd line fused_fwd alone), that time over its floor. Nothing runs: the model is the kernels' reads
+and writes as their docstrings state them. The warm-started split's warm_plan and its warm-up walks
+(work the unsplit passes do not do) are outside the model.
 """
 from __future__ import annotations
 
@@ -23,10 +28,10 @@ def kernels(B: int, T: int, H: int, HV: int, K: int, V: int, io: int = 2) -> dic
     element of q, k, v and the intermediates (fp32 for γ, β, dβ, dg)."""
     N = B * T  # tokens
     NT = B * -(-T // BT)  # chunks
-    qk = 2 * N * H * K * io  # q and k
+    qk1 = N * H * K * io  # q or k
     tv = N * HV * V * io  # one [tokens, HV, V] tensor (v, o, δ, dO, dδ, dV)
-    tk = N * HV * K * io  # one [tokens, HV, K] tensor (dQ, dK per value head)
-    t64 = N * HV * BT * io  # the in-chunk inverse rows, or the pair matrix's
+    tk = N * HV * K * io  # one [tokens, HV, K] tensor (dQ or dK per value head)
+    t64 = N * HV * BT * io  # the in-chunk inverse's rows
     vec = N * HV * 4  # one fp32 [tokens, HV] (g, γ, β, dβ, dg)
     st = NT * HV * K * V * io  # per-chunk states (h or dh)
     blocks = NT * HV  # (chunk, value head) blocks
@@ -34,19 +39,27 @@ def kernels(B: int, T: int, H: int, HV: int, K: int, V: int, io: int = 2) -> dic
     def mm(*shapes):  # FLOPs of the products [m, k] × [k, n] over every block
         return blocks * sum(2 * m * n * k for m, n, k in shapes)
 
-    return {
-        "kkt_solve": (qk + 2 * vec + 2 * t64 + vec, mm((BT, BT, K), (BT, BT, K))),
-        "state_out": (qk + tv + 2 * t64 + 2 * vec + tv,
-                      mm((BT, V, K), (BT, V, BT), (K, V, BT), (BT, V, K), (BT, V, BT))),
-        "state_fwd": (N * H * K * io + tv + t64 + 2 * vec + st + tv, mm((BT, V, K), (BT, V, BT), (K, V, BT))),
-        "dv_local": (qk + vec + tv + tv, mm((BT, BT, K), (BT, V, BT))),
-        "state_bwd": (qk + tv + tv + t64 + 2 * vec + st + tv,
-                      mm((BT, V, K), (BT, V, BT), (K, V, BT), (K, V, BT))),
-        "fused_bwd": (qk + 4 * tv + 2 * st + t64 + 2 * vec + 2 * tk + tv + 2 * vec,
+    solve = blocks * 2 * BT ** 3 // 6  # (I + A)⁻¹ of a unit lower triangular [64, 64]
+    out = {
+        # k, g, β in; T⁻¹ and γ out; K Kᵀ and the solve
+        "kkt_solve": (qk1 + 2 * vec + t64 + vec, mm((BT, BT, K)) + solve),
+        # q, k, v, T⁻¹, γ, β in; o out; per chunk K S, δ = T X, P = Q Kᵀ, Q S, P δ, Kᵀ δ̃
+        "fused_fwd": (2 * qk1 + tv + t64 + 2 * vec + tv,
+                      mm((BT, V, K), (BT, V, BT), (BT, BT, K), (BT, V, K), (BT, V, BT), (K, V, BT))),
+        # k, v, T⁻¹, γ, β in; h and δ out; K S, T X, Kᵀ δ̃
+        "fused_states": (qk1 + tv + t64 + 2 * vec + st + tv, mm((BT, V, K), (BT, V, BT), (K, V, BT))),
+        # q, k, dO, T⁻¹, γ, β in; dh and dδ out; Pᵀ = K Qᵀ, Pᵀ dO, K dS, Tᵀ dδ, Qᵀ dÕ, Kᵀ Z
+        "fused_rev": (2 * qk1 + tv + t64 + 2 * vec + st + tv,
+                      mm((BT, BT, K), (BT, V, BT), (BT, V, K), (BT, V, BT), (K, V, BT), (K, V, BT))),
+        # q, k, δ, dO, dδ, v, h, dh, T⁻¹, γ, β in; dQ, dK (per value head), dV, dβ, dg out
+        "fused_bwd": (2 * qk1 + 4 * tv + 2 * st + t64 + 2 * vec + 2 * tk + tv + 2 * vec,
                       mm((BT, BT, V), (BT, BT, V), (BT, K, V), (BT, K, V), (BT, K, V), (BT, V, BT),
                          (BT, BT, K), (BT, BT, K), (BT, K, BT), (BT, BT, BT), (BT, BT, BT), (BT, K, BT),
                          (BT, K, BT), (BT, K, BT), (BT, K, BT))),
     }
+    if HV > H:  # each key head's dq and dk summed over its value heads
+        out["group_sum"] = (2 * tk + 2 * qk1, 0)
+    return out
 
 
 def table(shape, bandwidth: float, rate: float, measured: dict) -> str:
@@ -64,7 +77,7 @@ def table(shape, bandwidth: float, rate: float, measured: dict) -> str:
     return "\n".join(rows)
 
 
-NAMES = tuple(kernels(1, BT, 1, 1, 16, 16))  # the kernels of the model, in launch order
+NAMES = tuple(kernels(1, BT, 1, 2, 16, 16))  # the kernels of the model, in launch order
 
 
 def parse_measured(text: str | None) -> dict:
