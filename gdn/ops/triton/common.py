@@ -79,8 +79,17 @@ def _to_device_many(arrays, device: torch.device) -> list[torch.Tensor]:
     for a, s0, n in zip(arrays, starts, sizes):
         buf[s0:s0 + n] = np.asarray(a).reshape(-1)
     t = torch.from_numpy(buf)
-    t = t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+    if device.type == "cuda":
+        t = t.pin_memory()
+        if torch.cuda.is_current_stream_capturing():
+            # a captured copy reads this host buffer again at every replay of the graph: it is kept
+            # for the process, so that no later pinned allocation reuses (and overwrites) it
+            _CAPTURED_HOST.append(t)
+    t = t.to(device, non_blocking=True)
     return [t[s0:s0 + n] for s0, n in zip(starts, sizes)]
+
+
+_CAPTURED_HOST: list[torch.Tensor] = []  # the pinned sources of copies captured in CUDA graphs
 
 
 def make_segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
