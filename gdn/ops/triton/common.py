@@ -69,7 +69,7 @@ class Segments:
     seq: torch.Tensor  # [NS] the sequence of each segment
 
 
-def _to_device_many(arrays, device: torch.device) -> list[torch.Tensor]:
+def to_device_many(arrays, device: torch.device) -> list[torch.Tensor]:
     """int32 copies of the host integer arrays on ``device`` in one transfer (one pinned buffer on
     CUDA, copied asynchronously: no host sync), as views of one device buffer. Each view starts on a
     16-byte boundary, so Triton sees the same pointer alignment whatever the sizes."""
@@ -120,7 +120,7 @@ def _segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
     ends = np.minimum(bos + L * BT, cu[1:][seq])
     seg_cu = np.concatenate([bos, ends[-1:]]) if NS else cu[-1:]
     assert NS == 0 or bool((seg_cu[1:-1] == ends[:-1]).all()), "segments must tile the token stream"
-    d_cu, d_off, d_first, d_count, d_seq = _to_device_many([seg_cu, off, first, count, seq], device)
+    d_cu, d_off, d_first, d_count, d_seq = to_device_many([seg_cu, off, first, count, seq], device)
     return Segments(d_cu, d_off, d_first, d_count, NS, L, int(count.max()) if NS else 0, d_seq)
 
 
@@ -156,7 +156,7 @@ def _slices(ch: "Chunks", L: int, device: torch.device) -> list[Slice]:
         idx = np.stack([seq, a[seq] + np.arange(int(cnt.sum())) - off[seq]], axis=1)
         arrays += [starts, ends, off, idx.reshape(-1)]
         out.append(int(cnt.sum()))
-    d = _to_device_many(arrays, device)
+    d = to_device_many(arrays, device)
     return [Slice(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3].view(nt, 2), nt) for i, nt in enumerate(out)]
 
 
@@ -200,7 +200,7 @@ def _packed_chunks(cu_seqlens: torch.Tensor, device: torch.device) -> Chunks:
     NT = int(per.sum())
     seq = np.repeat(np.arange(N), per)
     idx = np.stack([seq, np.arange(NT) - off[seq]], axis=1)
-    d_cu, d_idx, d_off = _to_device_many([h, idx.reshape(-1), off], device)
+    d_cu, d_idx, d_off = to_device_many([h, idx.reshape(-1), off], device)
     return Chunks(d_cu, d_idx.view(NT, 2), d_off, N, NT, int(h[-1]), int(per.max()) if N else 0, host,
                   torch.from_numpy(per))
 

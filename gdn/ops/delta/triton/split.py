@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton.common import BT, INTERPRET, Chunks, launch, pow2, sm_count
+from ...triton.common import BT, INTERPRET, Chunks, launch, pow2, sm_count, to_device_many
 from ...tuning import DELTA, cdiv
 
 
@@ -167,7 +167,7 @@ def fill_empty(out, src, ch: Chunks) -> None:
     split pass has no segment, so no program, for them (the final state is h0, dS₀ is dht)."""
     empty = ch.empty_sequences
     if out is not None and len(empty):
-        empty = torch.from_numpy(empty).to(out.device)
+        empty, = to_device_many([empty], out.device)  # (no host sync; a CUDA graph may capture it)
         out[empty] = src[empty] if src is not None else 0.0
 
 
