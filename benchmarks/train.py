@@ -79,6 +79,7 @@ def time_steps(model, B, T, vocab, steps, warmup, device, bf16, label="", profil
     times = []
 
     def step():
+        torch.compiler.cudagraph_mark_step_begin()  # a new step for compiled CUDA graphs (else nothing)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = model(input_ids=ids, labels=ids, **fwd_kw).loss
         loss.backward()

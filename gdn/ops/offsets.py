@@ -11,11 +11,13 @@ shared: callers must not modify them.
 
 Nothing is kept while ``torch.compile`` traces or a CUDA graph captures (a value made there is
 not valid outside it), and a result is kept per CUDA stream (device tensors made by work queued
-on one stream are not ready for another).
+on one stream are not ready for another). What is kept is made by :func:`lasting`, so that its
+memory never belongs to a CUDA graph's pool.
 """
 from __future__ import annotations
 
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -42,8 +44,32 @@ def memo(t: torch.Tensor, kind: Any, make: Callable[[], Any]) -> Any:
         entry = _MEMO[key] = (weakref.ref(t, lambda ref, k=key: _drop(k, ref)), version, {})
     results = entry[2]
     if kind not in results:
-        results[kind] = make()
+        results[kind] = lasting(make) if t.is_cuda else make()
     return results[kind]
+
+
+_WORKER: list[ThreadPoolExecutor] = []
+
+
+def lasting(make: Callable[[], Any]) -> Any:
+    """``make()``, with the CUDA memory it allocates taken from the caching allocator's own pool,
+    for results kept beyond the call (the memos, the dense chunk layouts).
+
+    torch.compile's CUDA graphs (``mode="reduce-overhead"``) warm a graph up by running it eagerly
+    while every allocation of the calling thread goes to the graph's private pool, and then refuse
+    any tensor of that pool still alive that is not an output. The allocator routes by thread, so
+    ``make`` runs on a helper thread, on the caller's current stream (its work stays ordered with
+    the caller's). While a CUDA graph captures, ``make()`` runs here: its work must be captured."""
+    if not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
+        return make()
+    if not _WORKER:
+        _WORKER.append(ThreadPoolExecutor(1, thread_name_prefix="gdn-lasting"))
+    return _WORKER[0].submit(_on_stream, torch.cuda.current_stream(), make).result()
+
+
+def _on_stream(stream: torch.cuda.Stream, make: Callable[[], Any]) -> Any:
+    with torch.cuda.stream(stream):
+        return make()
 
 
 def host(cu_seqlens: torch.Tensor) -> torch.Tensor:

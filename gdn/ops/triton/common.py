@@ -100,9 +100,10 @@ def make_segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
 
 
 def _memo(ch: "Chunks", key, build):
-    """``ch.memo[key]``, built by ``build()`` on first use."""
+    """``ch.memo[key]``, built by ``build()`` on first use (:func:`offsets.lasting`: it outlives
+    the call)."""
     if key not in ch.memo:
-        ch.memo[key] = build()
+        ch.memo[key] = offsets.lasting(build)
     return ch.memo[key]
 
 
@@ -164,6 +165,10 @@ def _slices(ch: "Chunks", L: int, device: torch.device) -> list[Slice]:
 def _dense_chunks(B: int, T: int, device: torch.device) -> Chunks:
     """The chunk layout of B rows of T tokens, built once per (B, T, device): a call at a shape seen
     before launches no index kernels (the tensors are read-only to every kernel)."""
+    return offsets.lasting(lambda: _dense_layout(B, T, device))
+
+
+def _dense_layout(B: int, T: int, device: torch.device) -> Chunks:
     n_per = cdiv(T, BT)
     NT = B * n_per
     ar = torch.arange(NT, device=device, dtype=torch.int32)
