@@ -16,6 +16,7 @@ memory never belongs to a CUDA graph's pool.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -44,11 +45,8 @@ def memo(t: torch.Tensor, kind: Any, make: Callable[[], Any]) -> Any:
         entry = _MEMO[key] = (weakref.ref(t, lambda ref, k=key: _drop(k, ref)), version, {})
     results = entry[2]
     if kind not in results:
-        results[kind] = lasting(make) if t.is_cuda else make()
+        results[kind] = lasting(make)
     return results[kind]
-
-
-_WORKER: list[ThreadPoolExecutor] = []
 
 
 def lasting(make: Callable[[], Any]) -> Any:
@@ -62,9 +60,12 @@ def lasting(make: Callable[[], Any]) -> Any:
     the caller's). While a CUDA graph captures, ``make()`` runs here: its work must be captured."""
     if not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
         return make()
-    if not _WORKER:
-        _WORKER.append(ThreadPoolExecutor(1, thread_name_prefix="gdn-lasting"))
-    return _WORKER[0].submit(_on_stream, torch.cuda.current_stream(), make).result()
+    return _worker().submit(_on_stream, torch.cuda.current_stream(), make).result()
+
+
+@functools.cache
+def _worker() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="gdn-lasting")
 
 
 def _on_stream(stream: torch.cuda.Stream, make: Callable[[], Any]) -> Any:
