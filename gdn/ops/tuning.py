@@ -110,7 +110,9 @@ DELTA = {
     # asynchronous. H200 µs against dqk + wy_bwd: 961 against 1226 at (4, 8192), 487 against 624 at
     # (8, 2048), 3796 against 5721 at (1, 32768, HV = 64); value tiles of 32: 1021 at (4, 8192); a
     # third slot: 1050; persistent programs looping over the chunks spill and took 1523, and with
-    # the item's body a call (few spills) 1191 against 1055 (docs/TRITON.md).
+    # the item's body a call (few spills) 1191 against 1055; a program per chunk and key head
+    # walking its value heads (no group_sum) spills too and took 5418 against 4046 + 314 at the
+    # Qwen3.5-397B layout (docs/TRITON.md).
     "fused_bwd": dict(num_warps=8, stages=(1,), BV=64, NS=2, on=True),
     # The forward's sequential pass as one warp-specialised Gluon kernel (delta.triton.fused_fwd),
     # on for gated delta members in 16 bits on compute capability 9 with K of 64 or 128 and V of 64,
