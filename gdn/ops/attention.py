@@ -118,4 +118,4 @@ packed_op = library.recomputed_op(
     "softmax_attention",
     "Tensor q, Tensor k, Tensor v, float? scale, bool causal, int? window_size, Tensor cu_seqlens, bool naive, "
     "ScalarType? autocast",
-    1, _packed_run, _packed_fake, differentiable=(0, 1, 2))
+    1, _packed_run, _packed_fake, differentiable=(0, 1, 2), tags=library.HOST_READS)

@@ -26,6 +26,14 @@ registration on both). Which ops are registered and why:
   query blocks, so only a packed call is registered (``gdn::softmax_attention``, recomputing
   backward): it loops over the sequences, whose bounds it reads on the host.
 
+Packed calls (``cu_seqlens`` given) read the offsets' values on the host at run time (the chunk
+layout, attention's per-sequence loop), which a CUDA graph cannot capture and a replay would not
+redo: the recurrences' packed calls go through ops of their own (``gdn::gated_delta_rule_packed``
+etc., :data:`PACKED_RECURRENT_OPS`), and they and the packed attention op are tagged
+``torch.Tag.cudagraph_unsafe`` (:data:`HOST_READS`). Under ``torch.compile(mode="reduce-overhead")``
+Inductor then runs them outside its CUDA graphs (between the graphed partitions of the step), while
+the dense calls, whose layouts depend on shapes alone, stay inside.
+
 Custom ops take tensors (optional ones as ``Tensor?``) and plain scalars; an output that the call
 does not produce (a final state not asked for, a gradient nobody needs) comes back as an empty
 tensor and is turned back into None by the caller. The autocast state of the call is an argument
@@ -43,13 +51,18 @@ from . import delta, kda
 from .delta.reference import compute_dtype
 from .router import TRITON_CHUNK, TRITON_RECURRENT
 
-__all__ = ["NAMESPACE", "compiling", "autocast_of", "autocast_as", "autograd_inside", "recomputed_op",
-           "none_if_empty", "state_dtype", "recurrent_fake", "RECURRENT_OPS", "recurrent"]
+__all__ = ["NAMESPACE", "HOST_READS", "compiling", "autocast_of", "autocast_as", "autograd_inside",
+           "recomputed_op", "none_if_empty", "state_dtype", "recurrent_fake", "RECURRENT_OPS", "PACKED_RECURRENT_OPS",
+           "recurrent"]
 
 NAMESPACE = "gdn"
 
 #: True while dynamo traces (torch.compile, torch.export): the public ops then call their custom op.
 compiling = torch.compiler.is_compiling
+
+#: The tags of an op that reads tensor values on the host at run time (packed offsets): Inductor
+#: keeps it out of CUDA graphs.
+HOST_READS = (torch.Tag.cudagraph_unsafe,)
 
 _AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
                   | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
@@ -93,7 +106,7 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
 
 
 def recomputed_op(name: str, params: str, n_out: int, fn: Callable, fake: Callable,
-                  differentiable: Sequence[int]):
+                  differentiable: Sequence[int], tags: Sequence[torch.Tag] = ()):
     """Register ``gdn::<name>`` (``fn``) with a backward that recomputes it: ``gdn::<name>_backward``.
 
     Args:
@@ -106,6 +119,8 @@ def recomputed_op(name: str, params: str, n_out: int, fn: Callable, fake: Callab
             views of one tensor, and its outputs must be contiguous (the fakes are).
         fake: ``fake(*args)``: tensors of the outputs' shapes, dtypes and devices.
         differentiable: positions of the float tensor parameters that can get a gradient.
+        tags: the ``torch.Tag`` values of both ops (:data:`HOST_READS` for one that reads tensor
+            values on the host).
 
     The backward op gets the output gradients, the forward's arguments and which inputs need a
     gradient; it returns one tensor per ``differentiable`` parameter, the gradient or an empty
@@ -117,7 +132,8 @@ def recomputed_op(name: str, params: str, n_out: int, fn: Callable, fake: Callab
         outs, forward, forward_fake = "Tensor", lambda *a: fn(*a)[0], lambda *a: fake(*a)[0]
     else:
         outs, forward, forward_fake = "(" + ", ".join(["Tensor"] * n_out) + ")", fn, fake
-    op = torch.library.custom_op(qualified, forward, mutates_args=(), schema=f"({params}) -> {outs}")
+    op = torch.library.custom_op(qualified, forward, mutates_args=(), schema=f"({params}) -> {outs}",
+                                 tags=tuple(tags))
     op.register_fake(forward_fake)
     diff = tuple(differentiable)
 
@@ -147,7 +163,7 @@ def recomputed_op(name: str, params: str, n_out: int, fn: Callable, fake: Callab
                 else args[diff[0]].new_empty(0) for j, i in enumerate(diff)]
 
     bwd = torch.library.custom_op(f"{qualified}_backward", backward_impl, mutates_args=(),
-                                  schema=f"(Tensor?[] grads, bool[] needs, {params}) -> Tensor[]")
+                                  schema=f"(Tensor?[] grads, bool[] needs, {params}) -> Tensor[]", tags=tuple(tags))
     bwd.register_fake(backward_fake)
 
     def setup_context(ctx, inputs, output):
@@ -199,17 +215,28 @@ def _member(family):
     return run
 
 
-#: The recurrences' custom ops, by public name: ``gdn::gated_delta_rule`` etc.
+_RECURRENCES = ("linear_attention", "gated_linear_attention", "delta_rule", "gated_delta_rule",
+                "kimi_delta_attention")
+
+#: The recurrences' custom ops for calls without ``cu_seqlens``, by public name: ``gdn::gated_delta_rule`` etc.
 RECURRENT_OPS = {
     name: recomputed_op(name, _RECURRENT_PARAMS, 2, _member(kda if name == "kimi_delta_attention" else delta),
                         recurrent_fake, differentiable=(1, 2, 3, 4, 5, 7))
-    for name in ("linear_attention", "gated_linear_attention", "delta_rule", "gated_delta_rule",
-                 "kimi_delta_attention")
+    for name in _RECURRENCES
+}
+
+#: Their ops for packed calls, tagged :data:`HOST_READS`: ``gdn::gated_delta_rule_packed`` etc.
+PACKED_RECURRENT_OPS = {
+    name: recomputed_op(f"{name}_packed", _RECURRENT_PARAMS, 2,
+                        _member(kda if name == "kimi_delta_attention" else delta), recurrent_fake,
+                        differentiable=(1, 2, 3, 4, 5, 7), tags=HOST_READS)
+    for name in _RECURRENCES
 }
 
 
 def recurrent(op: str, impl: str, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
     """A validated, routed call of recurrence ``op`` through its custom op: ``(o, state or None)``."""
-    o, S = RECURRENT_OPS[op](impl, q, k, v, g, beta, None if scale is None else float(scale), initial_state,
-                             bool(output_final_state), cu_seqlens, autocast_of(q))
+    fn = (RECURRENT_OPS if cu_seqlens is None else PACKED_RECURRENT_OPS)[op]
+    o, S = fn(impl, q, k, v, g, beta, None if scale is None else float(scale), initial_state,
+              bool(output_final_state), cu_seqlens, autocast_of(q))
     return o, none_if_empty(S, output_final_state)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import gdn.ops as ops
-from gdn.ops import conv, library, loss, norm, router, swiglu
+from gdn.ops import attention, conv, library, loss, norm, router, swiglu
 from gdn.ops.delta import fused
 from gdn.ops.tuning import INTERPRET
 
@@ -97,7 +97,44 @@ def test_opcheck_recurrent_packed_and_naive():
     cu = torch.tensor([0, 4, 4, 5, 11])
     q, k, v, g, beta, h0 = _recurrent_inputs("gated_delta_rule", B=1, N=4)
     for impl in ("chunk", "naive"):
-        _opcheck(library.RECURRENT_OPS["gated_delta_rule"], (impl, q, k, v, g, beta, 0.3, h0, True, cu, None))
+        _opcheck(library.PACKED_RECURRENT_OPS["gated_delta_rule"], (impl, q, k, v, g, beta, 0.3, h0, True, cu, None))
+
+
+def _ops_in_graph(fn, *args):
+    """The ``gdn`` custom ops in the graph dynamo traces of ``fn(*args)`` (forward only)."""
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "gdn" in str(n.target))
+        return gm.forward
+
+    torch.compile(fn, fullgraph=True, backend=record)(*args)
+    return seen
+
+
+def test_packed_calls_are_kept_out_of_cuda_graphs():
+    """Packed calls read their offsets on the host, which a CUDA graph cannot capture: they trace
+    to ops of their own tagged ``cudagraph_unsafe`` (Inductor's reduce-overhead mode runs those
+    outside its graphs, forward and backward), while dense calls trace to untagged ops."""
+    unsafe = torch.Tag.cudagraph_unsafe
+    packed = [op._opoverload for op in library.PACKED_RECURRENT_OPS.values()]
+    packed += [fused._fused_packed_op._opoverload, attention.packed_op._opoverload]
+    dense = [op._opoverload for op in library.RECURRENT_OPS.values()] + [fused._fused_op._opoverload]
+    for op in packed:
+        backward = getattr(torch.ops.gdn, op.name().split("::")[1] + "_backward").default
+        assert unsafe in op.tags and unsafe in backward.tags, op
+    for op in dense:
+        assert unsafe not in op.tags, op
+    cu = torch.tensor([0, 30, 30, 31, 70])
+    q, k, v, g, beta, h0 = _recurrent_inputs("gated_delta_rule", B=1, T=70, N=4, dtype=torch.float32)
+    run = lambda cu_seqlens: lambda *x: ops.gated_delta_rule(*x, cu_seqlens=cu_seqlens)[0]  # noqa: E731
+    assert _ops_in_graph(run(cu), q, k, v, g, beta) == ["gdn.gated_delta_rule_packed.default"]
+    torch._dynamo.reset()
+    assert _ops_in_graph(run(None), q, k, v, g, beta) == ["gdn.gated_delta_rule.default"]
+    torch._dynamo.reset()
+    x = _fused_inputs(B=1, T=70, dtype=torch.float32)[:7]
+    got = _ops_in_graph(lambda *a: ops.gated_delta_rule_fused(*a, cu_seqlens=cu)[0], *x)
+    assert got == ["gdn.gated_delta_rule_fused_packed.default"], got
 
 
 def test_opcheck_fused():
@@ -268,11 +305,14 @@ def test_eager_calls_do_not_use_the_custom_ops(monkeypatch):
         raise AssertionError("a custom op ran in eager mode")
 
     monkeypatch.setattr(library, "RECURRENT_OPS", {name: boom for name in library.RECURRENT_OPS})
-    for module, name in ((fused, "_fused_op"), (norm, "_norm_op"), (conv, "_conv_op"), (swiglu, "_swiglu_op"),
-                         (loss, "_lce_op")):
+    monkeypatch.setattr(library, "PACKED_RECURRENT_OPS", {name: boom for name in library.PACKED_RECURRENT_OPS})
+    for module, name in ((fused, "_fused_op"), (fused, "_fused_packed_op"), (norm, "_norm_op"), (conv, "_conv_op"),
+                         (swiglu, "_swiglu_op"), (loss, "_lce_op")):
         monkeypatch.setattr(module, name, boom)
     q, k, v, g, beta, h0 = _recurrent_inputs("gated_delta_rule", dtype=torch.float32)
     ops.gated_delta_rule(q, k, v, g, beta, initial_state=h0)
+    p = _recurrent_inputs("gated_delta_rule", B=1, T=70, N=2, dtype=torch.float32)
+    ops.gated_delta_rule(*p[:5], initial_state=p[5], cu_seqlens=torch.tensor([0, 30, 70]))
     ops.gated_delta_rule_fused(*_fused_inputs(dtype=torch.float32)[:7])
     x = torch.randn(2, 3, 8, requires_grad=True)
     norm.rms_norm(x, torch.ones(8), 1e-6, x.dtype)

@@ -68,9 +68,10 @@ def gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, *, scale=None, initial
     grad = needs_grad(q, k, v, a, b, A_log, dt_bias, initial_state)
     impl = route("gated_delta_rule_fused", backend, q, k, v, decode_step=dims.decode, grad=grad)
     if library.compiling():  # traced by torch.compile: one opaque node
-        o, S = _fused_op(impl, q, k, v, a, b, A_log, dt_bias, None if scale is None else float(scale), initial_state,
-                         bool(output_final_state), cu_seqlens, bool(use_qk_l2norm), bool(allow_neg_eigval),
-                         library.autocast_of(q))
+        fn = _fused_op if cu_seqlens is None else _fused_packed_op
+        o, S = fn(impl, q, k, v, a, b, A_log, dt_bias, None if scale is None else float(scale), initial_state,
+                  bool(output_final_state), cu_seqlens, bool(use_qk_l2norm), bool(allow_neg_eigval),
+                  library.autocast_of(q))
         return o, library.none_if_empty(S, output_final_state)
     return run_fused(impl, q, k, v, a, b, A_log, dt_bias, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
@@ -108,9 +109,11 @@ def _fused_fake(impl, q, k, v, a, b, A_log, dt_bias, scale, initial_state, outpu
                                   autocast)
 
 
-_fused_op = library.recomputed_op(
-    "gated_delta_rule_fused",
-    "str impl, Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, float? scale, "
-    "Tensor? initial_state, bool output_final_state, Tensor? cu_seqlens, bool use_qk_l2norm, "
-    "bool allow_neg_eigval, ScalarType? autocast",
-    2, _fused_run, _fused_fake, differentiable=(1, 2, 3, 4, 5, 6, 7, 9))
+_FUSED_PARAMS = ("str impl, Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, "
+                 "float? scale, Tensor? initial_state, bool output_final_state, Tensor? cu_seqlens, "
+                 "bool use_qk_l2norm, bool allow_neg_eigval, ScalarType? autocast")
+_fused_op = library.recomputed_op("gated_delta_rule_fused", _FUSED_PARAMS, 2, _fused_run, _fused_fake,
+                                  differentiable=(1, 2, 3, 4, 5, 6, 7, 9))
+#: packed calls (cu_seqlens given): their own op, which Inductor keeps out of CUDA graphs (library.HOST_READS)
+_fused_packed_op = library.recomputed_op("gated_delta_rule_fused_packed", _FUSED_PARAMS, 2, _fused_run, _fused_fake,
+                                         differentiable=(1, 2, 3, 4, 5, 6, 7, 9), tags=library.HOST_READS)
