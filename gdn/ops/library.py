@@ -29,10 +29,11 @@ registration on both). Which ops are registered and why:
 Packed calls (``cu_seqlens`` given) read the offsets' values on the host at run time (the chunk
 layout, attention's per-sequence loop), which a CUDA graph cannot capture and a replay would not
 redo: the recurrences' packed calls go through ops of their own (``gdn::gated_delta_rule_packed``
-etc., :data:`PACKED_RECURRENT_OPS`), and they and the packed attention op are tagged
-``torch.Tag.cudagraph_unsafe`` (:data:`HOST_READS`). Under ``torch.compile(mode="reduce-overhead")``
-Inductor then runs them outside its CUDA graphs (between the graphed partitions of the step), while
-the dense calls, whose layouts depend on shapes alone, stay inside.
+etc., :data:`PACKED_RECURRENT_OPS`; each registered beside its dense op by :func:`op_pair`), and
+they and the packed attention op are tagged ``torch.Tag.cudagraph_unsafe`` (:data:`HOST_READS`).
+Under ``torch.compile(mode="reduce-overhead")`` Inductor then runs them outside its CUDA graphs
+(between the graphed partitions of the step), while the dense calls, whose layouts depend on
+shapes alone, stay inside.
 
 Custom ops take tensors (optional ones as ``Tensor?``) and plain scalars; an output that the call
 does not produce (a final state not asked for, a gradient nobody needs) comes back as an empty
@@ -52,8 +53,8 @@ from .delta.reference import compute_dtype
 from .router import TRITON_CHUNK, TRITON_RECURRENT
 
 __all__ = ["NAMESPACE", "HOST_READS", "compiling", "autocast_of", "autocast_as", "autograd_inside",
-           "recomputed_op", "none_if_empty", "state_dtype", "recurrent_fake", "RECURRENT_OPS", "PACKED_RECURRENT_OPS",
-           "recurrent"]
+           "recomputed_op", "op_pair", "none_if_empty", "state_dtype", "recurrent_fake", "RECURRENT_OPS",
+           "PACKED_RECURRENT_OPS", "recurrent"]
 
 NAMESPACE = "gdn"
 
@@ -215,23 +216,23 @@ def _member(family):
     return run
 
 
-_RECURRENCES = ("linear_attention", "gated_linear_attention", "delta_rule", "gated_delta_rule",
-                "kimi_delta_attention")
+def op_pair(name: str, params: str, n_out: int, fn: Callable, fake: Callable, differentiable: Sequence[int]):
+    """(``gdn::<name>``, ``gdn::<name>_packed``): :func:`recomputed_op` of ``fn`` for calls without
+    ``cu_seqlens`` and for packed calls, the packed one tagged :data:`HOST_READS`."""
+    return tuple(recomputed_op(name + suffix, params, n_out, fn, fake, differentiable, tags)
+                 for suffix, tags in (("", ()), ("_packed", HOST_READS)))
 
+
+_PAIRS = {
+    name: op_pair(name, _RECURRENT_PARAMS, 2, _member(kda if name == "kimi_delta_attention" else delta),
+                  recurrent_fake, differentiable=(1, 2, 3, 4, 5, 7))
+    for name in ("linear_attention", "gated_linear_attention", "delta_rule", "gated_delta_rule",
+                 "kimi_delta_attention")
+}
 #: The recurrences' custom ops for calls without ``cu_seqlens``, by public name: ``gdn::gated_delta_rule`` etc.
-RECURRENT_OPS = {
-    name: recomputed_op(name, _RECURRENT_PARAMS, 2, _member(kda if name == "kimi_delta_attention" else delta),
-                        recurrent_fake, differentiable=(1, 2, 3, 4, 5, 7))
-    for name in _RECURRENCES
-}
-
+RECURRENT_OPS = {name: pair[0] for name, pair in _PAIRS.items()}
 #: Their ops for packed calls, tagged :data:`HOST_READS`: ``gdn::gated_delta_rule_packed`` etc.
-PACKED_RECURRENT_OPS = {
-    name: recomputed_op(f"{name}_packed", _RECURRENT_PARAMS, 2,
-                        _member(kda if name == "kimi_delta_attention" else delta), recurrent_fake,
-                        differentiable=(1, 2, 3, 4, 5, 7), tags=HOST_READS)
-    for name in _RECURRENCES
-}
+PACKED_RECURRENT_OPS = {name: pair[1] for name, pair in _PAIRS.items()}
 
 
 def recurrent(op: str, impl: str, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):

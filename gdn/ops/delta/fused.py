@@ -109,11 +109,10 @@ def _fused_fake(impl, q, k, v, a, b, A_log, dt_bias, scale, initial_state, outpu
                                   autocast)
 
 
-_FUSED_PARAMS = ("str impl, Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, "
-                 "float? scale, Tensor? initial_state, bool output_final_state, Tensor? cu_seqlens, "
-                 "bool use_qk_l2norm, bool allow_neg_eigval, ScalarType? autocast")
-_fused_op = library.recomputed_op("gated_delta_rule_fused", _FUSED_PARAMS, 2, _fused_run, _fused_fake,
-                                  differentiable=(1, 2, 3, 4, 5, 6, 7, 9))
-#: packed calls (cu_seqlens given): their own op, which Inductor keeps out of CUDA graphs (library.HOST_READS)
-_fused_packed_op = library.recomputed_op("gated_delta_rule_fused_packed", _FUSED_PARAMS, 2, _fused_run, _fused_fake,
-                                         differentiable=(1, 2, 3, 4, 5, 6, 7, 9), tags=library.HOST_READS)
+#: the fused op for calls without cu_seqlens and for packed calls (library.op_pair)
+_fused_op, _fused_packed_op = library.op_pair(
+    "gated_delta_rule_fused",
+    "str impl, Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, float? scale, "
+    "Tensor? initial_state, bool output_final_state, Tensor? cu_seqlens, bool use_qk_l2norm, "
+    "bool allow_neg_eigval, ScalarType? autocast",
+    2, _fused_run, _fused_fake, differentiable=(1, 2, 3, 4, 5, 6, 7, 9))
