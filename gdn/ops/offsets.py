@@ -17,6 +17,7 @@ memory never belongs to a CUDA graph's pool.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -57,10 +58,16 @@ def lasting(make: Callable[[], Any]) -> Any:
     while every allocation of the calling thread goes to the graph's private pool, and then refuse
     any tensor of that pool still alive that is not an output. The allocator routes by thread, so
     ``make`` runs on a helper thread, on the caller's current stream (its work stays ordered with
-    the caller's). While a CUDA graph captures, ``make()`` runs here: its work must be captured."""
-    if not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
+    the caller's). While a CUDA graph captures, ``make()`` runs here: its work must be captured.
+    On the helper thread itself (a kept result made from another, such as a packed chunk layout
+    from the offsets' host copy) ``make()`` runs in place: waiting on the one helper would never end."""
+    if (not torch.cuda.is_initialized() or getattr(_HELPER, "active", False)
+            or torch.cuda.is_current_stream_capturing()):
         return make()
     return _worker().submit(_on_stream, torch.cuda.current_stream(), make).result()
+
+
+_HELPER = threading.local()  # .active: this thread is running a lasting() make
 
 
 @functools.cache
@@ -69,8 +76,12 @@ def _worker() -> ThreadPoolExecutor:
 
 
 def _on_stream(stream: torch.cuda.Stream, make: Callable[[], Any]) -> Any:
-    with torch.cuda.stream(stream):
-        return make()
+    _HELPER.active = True
+    try:
+        with torch.cuda.stream(stream):
+            return make()
+    finally:
+        _HELPER.active = False
 
 
 def host(cu_seqlens: torch.Tensor) -> torch.Tensor:

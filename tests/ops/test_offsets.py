@@ -3,8 +3,10 @@ again when the tensor is modified in place, and dropped with the tensor; a packe
 model copies its offsets to the host once, whatever its number of layers."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import threading
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -128,3 +130,28 @@ def test_offsets_moved_to_a_device_keep_their_host_copy():
     moved = offsets.to_device(cu, "meta")
     assert moved.device.type == "meta" and offsets.host(moved).tolist() == [0, 4, 9]
     assert offsets.to_device(cu, "cpu") is cu  # already there: the same tensor
+
+
+def test_a_kept_result_made_from_another_does_not_wait_on_itself(monkeypatch):
+    """With CUDA up, lasting() runs its make on a helper thread; a make that needs another kept
+    result (a packed chunk layout from the offsets' host copy) runs that one in place instead of
+    queueing it behind itself on the one helper."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    threads, got = [], []
+
+    def inner():
+        threads.append(threading.current_thread())
+        return 3
+
+    def outer():
+        threads.append(threading.current_thread())
+        return offsets.lasting(inner) + 1
+
+    caller = threading.Thread(target=lambda: got.append(offsets.lasting(outer)), daemon=True)
+    caller.start()
+    caller.join(10)
+    assert got == [4], "lasting() nested in a lasting() make never returned"
+    assert threads[0] is threads[1] is not caller  # both on the helper thread
