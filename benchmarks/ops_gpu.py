@@ -513,14 +513,10 @@ def write_json(path, meta, rs):
 
 def _restore(saved):
     """Put the launch tables of :mod:`gdn.ops.tuning` back to ``saved`` (a deep copy of
-    ``tuning.TABLES``), in place: the kernel modules hold references to the same dicts."""
-    import copy
-
+    ``tuning.TABLES``): :func:`gdn.ops.tuning.restore`."""
     from gdn.ops import tuning
 
-    for name, table in tuning.TABLES.items():
-        table.clear()
-        table.update(copy.deepcopy(saved[name]))
+    tuning.restore(saved)
 
 
 def variants(specs, prof=False, shapes=None):

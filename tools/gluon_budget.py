@@ -23,6 +23,7 @@ import tempfile
 import sys
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
@@ -113,7 +114,7 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = N
     sig.update({n: "*fp32" for n in ("G", "beta", "DB", "DG")})
 
     def desc(rows):
-        return f"tensordesc<bf16[{rows}, {BV}],{F._tile_layout((rows, BV), gl.bfloat16)!r}>"
+        return f"tensordesc<bf16[{rows}, {BV}],{F._tile((rows, BV), gl.bfloat16, torch.bfloat16)[0]!r}>"
 
     sig.update({n: desc(64) for n in ("d_t", "do_t", "dd_t", "v_t")})
     sig.update(h_t=desc(K), dh_t=desc(K))
@@ -144,9 +145,9 @@ def forward_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
     VT = F.value_tile(V, name) if VT is None else VT
 
     def desc(cols):
-        return f"tensordesc<bf16[64, {cols}],{B._tile_layout((64, cols), gl.bfloat16)!r}>"
+        return f"tensordesc<bf16[64, {cols}],{B._tile((64, cols), gl.bfloat16, torch.bfloat16)[0]!r}>"
 
-    hdesc = f"tensordesc<bf16[{K}, {VT}],{B._tile_layout((K, VT), gl.bfloat16)!r}>"
+    hdesc = f"tensordesc<bf16[{K}, {VT}],{B._tile((K, VT), gl.bfloat16, torch.bfloat16)[0]!r}>"
     sig = dict(q_t=desc(K), k_t=desc(K), v_t=desc(VT), a_t=desc(64), h_t=hdesc, G="*fp32",
                beta="*fp32", h0="*fp32", o="*bf16", VN="*bf16", ht="*fp32", cu="*i32", off="*i32", plan="*i32",
                seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
@@ -178,7 +179,7 @@ def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
     VT = FF.value_tile(V, "fused_rev") if VT is None else VT
 
     def desc(rows, cols):
-        return f"tensordesc<bf16[{rows}, {cols}],{B._tile_layout((rows, cols), gl.bfloat16)!r}>"
+        return f"tensordesc<bf16[{rows}, {cols}],{B._tile((rows, cols), gl.bfloat16, torch.bfloat16)[0]!r}>"
 
     sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, VT), a_t=desc(64, 64), dh_t=desc(K, VT), G="*fp32",
                beta="*fp32", dht="*fp32", dh0="*fp32", DD="*bf16", cu="*i32", ends="*i32", off="*i32", plan="*i32",

@@ -111,14 +111,14 @@ def workloads(dtypes):
             N = 3 if packed else 2
             q, k, v, gate, beta, h0 = inputs(256 if packed else 200, 16, HV, K, V, dt, per_channel, N)
             cu = torch.tensor([0, 100, 130, 256], dtype=torch.int32) if packed else None
-            saved = dict(tuning.DELTA["split"])
-            tuning.DELTA["split"]["L"] = split  # the split state passes when > 0
+            saved = tuning.DELTA["split"]
+            tuning.DELTA["split"] = dict(saved, L=split)  # the split state passes when > 0 (a new entry: tuning.token)
             try:
                 o, ht = op(q, k, v, gate if g_on else None, beta if b_on else None, initial_state=h0,
                            output_final_state=True, cu_seqlens=cu)
                 (o.float().sum() + ht.sum()).backward()
             finally:
-                tuning.DELTA["split"].update(saved)
+                tuning.DELTA["split"] = saved
         return run
 
     def recurrent(dt):

@@ -16,6 +16,7 @@ K = V = 128 bf16) unless its comment says why it differs.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -346,6 +347,34 @@ def update(partial: dict) -> None:
     for entry, upd in plan:
         entry.update({k: tuple(x if isinstance(x, int) else (x[0], x[1]) for x in v) if k == "stages" else v
                       for k, v in upd.items()})
+    _EDITS[0] += 1
+
+
+def restore(saved: dict) -> None:
+    """Put the tables back to ``saved`` (a deep copy of :data:`TABLES`), each table object kept (the
+    kernel modules hold it) and its entries replaced, so that :func:`token` changes."""
+    for name, table in TABLES.items():
+        table.clear()
+        table.update(copy.deepcopy(saved[name]))
+    _EDITS[0] += 1
+
+
+_EDITS = [0]  # update() and restore() calls so far
+_HELD: list = []  # every entry a token was made of (alive, so that no later entry reuses its id)
+_LAST: list = [None]
+
+
+def token() -> tuple:
+    """A value that changes whenever the tables change, for results worked out from them and kept
+    (the chunk op's per-shape decisions): :func:`update`'s count of edits and the identity of every
+    entry (an entry replaced whole, as tests do with ``monkeypatch.setitem``, is a new object).
+    Entries are edited in place only through :func:`update` and :func:`restore`, which it counts."""
+    ids = (_EDITS[0],) + tuple(map(id, DELTA.values())) + tuple(map(id, KDA.values()))
+    if ids != _LAST[0]:
+        _LAST[0] = ids
+        _HELD.extend(DELTA.values())
+        _HELD.extend(KDA.values())
+    return ids
 
 
 def update_from(arg: str) -> None:

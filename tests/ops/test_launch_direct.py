@@ -7,6 +7,7 @@ Faked kernel and device: the real path needs CUDA (tests/gpu runs every chunk ke
 the keys are checked against Triton's own specialisation (native_specialize_impl) on the CPU."""
 from __future__ import annotations
 
+import copy
 import inspect
 
 import numpy as np
@@ -221,6 +222,10 @@ def test_inline_keys_equal_the_per_argument_keys():
     flags = [False] * 12 + [True] * 3
     assert L._arg_keys(values, flags) == tuple(L._arg_key(v, c) for v, c in zip(values, flags))
     assert L._arg_keys([base[1:]], [False]) != L._arg_keys([base], [False])
+    # a descriptor made with its key known carries the key any descriptor of that tile gets
+    plain = copy.copy(d)
+    del plain.launch_key
+    assert L._arg_key(plain, False) == L._arg_key(d, False) == d.launch_key
     same = L._interned(_smem([64, 128], gl.bfloat16))
     assert same == L._interned(_smem([64, 128], gl.bfloat16)) != L._interned(_smem([64, 32], gl.bfloat16))
 

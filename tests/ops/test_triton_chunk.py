@@ -49,10 +49,7 @@ def _tuning_overrides():
     if os.environ.get("GDN_TUNING"):
         tuning.update_from(os.environ["GDN_TUNING"])
     yield
-    for name, table in tuning.TABLES.items():
-        for key, entry in saved[name].items():
-            table[key].clear()
-            table[key].update(entry)
+    tuning.restore(saved)
 
 
 def _record_launches(monkeypatch, *modules):
@@ -941,3 +938,42 @@ def test_packed_call_of_empty_sequences_only(lens):
     dS = torch.randn_like(S)
     (S * dS).sum().backward()
     assert o.shape == (1, 0, 2, 32) and torch.equal(S, h0.detach()) and torch.equal(h0.grad, dS)
+
+
+def test_per_shape_decisions_are_kept_until_the_tables_change(monkeypatch):
+    """The forward's and the backward's decisions (fused pass or not, value tiles, the reverse
+    pass, slices) are worked out once per chunk layout and shape and kept in the layout's memo: a
+    second call takes them from there, and a launch table changed by ``tuning.update``, by an entry
+    replaced whole or by ``tuning.restore`` makes a call decide again."""
+    made = []  # layout() calls: one per decision
+    real = chunk_mod.layout
+
+    def counted(*a, **k):
+        made.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(chunk_mod, "layout", counted)
+    d = make_inputs(B=2, T=70, H=1, HV=1, K=16, V=16, dtype=torch.float32, N=2, state=False, seed=3)
+
+    def call():
+        o, _ = chunk_op(d["q"], d["k"], d["v"], d["g"], d["beta"])
+        return o
+
+    first = call()
+    call()
+    assert len(made) == 1
+    saved = copy.deepcopy(tuning.TABLES)
+    token = tuning.token()
+    try:
+        tuning.update({"state_out": {"fill": 10 ** 9}})
+        assert tuning.token() != token
+        assert torch.equal(call(), first) and len(made) == 2
+        tuning.DELTA["state_out"] = dict(tuning.DELTA["state_out"], fill=0)  # an entry replaced whole
+        call()
+        assert len(made) == 3
+    finally:
+        tuning.restore(saved)
+    call()
+    call()
+    assert len(made) == 4
+    assert tuning.token() == tuning.token()

@@ -232,6 +232,12 @@ def pad_zeros(x: torch.Tensor | None, *pads: int) -> torch.Tensor | None:
     return (torch.nn.functional.pad(x, pads) if any(pads) else x).contiguous()
 
 
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, with ``x`` itself where it has that dtype already (the no-op call still costs
+    the host a few µs, and the chunk op's wrappers make a dozen of them a call)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def kernel_dtype(*xs) -> torch.dtype:
     """The one dtype the kernels compute q, k, v in: the promotion of the inputs' dtypes when it is
     fp32, fp16 or bf16, else fp32 (fp64 inputs are computed in fp32)."""
@@ -430,7 +436,7 @@ def group_sum(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     summed: a view of x, cast only if ``dtype`` differs."""
     *lead, G, D = x.shape
     if G == 1:
-        return x[..., 0, :width].to(dtype)
+        return cast(x.view(*lead, D) if width == D else x[..., 0, :width], dtype)
     R = x.numel() // (G * D)
     y = torch.empty(*lead, width, device=x.device, dtype=dtype)
     BD = pow2(width)

@@ -17,10 +17,19 @@ import triton
 from ..tuning import DELTA, INTERPRET
 
 def sm_count(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (4 off CUDA, e.g. under the interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    """Multiprocessors of ``device`` (4 off CUDA, e.g. under the interpreter); a device named with its
+    index is looked up in a dict (the launch rules ask it about ten times a call)."""
+    hit = _SMS.get(device)
+    if hit is None:
+        if device.type != "cuda":
+            return 4
+        hit = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        if device.index is not None:
+            _SMS[device] = hit
+    return hit
+
+
+_SMS: dict = {}
 
 
 def has_tma(x: torch.Tensor) -> bool:
@@ -46,6 +55,7 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+_TENSOR = torch.Tensor
 _STAGES: dict = {}
 _RECORD: list | None = None  # launches collected instead of run, inside recording()
 log = logging.getLogger(__name__)
@@ -65,7 +75,7 @@ def launch(kernel, grid, *args, name: str, config: dict | None = None, **meta):
     cfg = (DELTA if config is None else config)[name]
     cands, ckey = _candidates(cfg["stages"])
     meta["num_warps"] = cfg["num_warps"]
-    key = (kernel, settings(meta), ckey)
+    key = (id(kernel), settings(meta), ckey)  # by id: a JITFunction's own hash runs Python code
     waves = cfg.get("waves", False) and len(cands) > 1 and not INTERPRET
     if _RECORD is not None:
         for ns, f in (cands if waves else [_STAGES.get(key, (cands[0],))[0]]):
@@ -106,10 +116,10 @@ def settings(meta: dict) -> tuple:
     """A launch's keyword arguments as the caches' keys hold them: a tensor passed by keyword (an
     argument like any positional one, e.g. β in the shared keywords of state_bwd's launches) by its
     dtype, so that the caches neither miss on every call's new tensor nor keep it alive. (Callers
-    pass their keywords in a fixed order.)"""
-    for v in meta.values():
-        if isinstance(v, torch.Tensor):
-            return tuple((k, ("tensor", v.dtype)) if isinstance(v, torch.Tensor) else (k, v) for k, v in meta.items())
+    pass their keywords in a fixed order; the distinct types are collected by ``map``, without a
+    Python step per keyword: a launch has twenty.)"""
+    if any(issubclass(t, _TENSOR) for t in set(map(type, meta.values()))):
+        return tuple((k, ("tensor", v.dtype)) if isinstance(v, _TENSOR) else (k, v) for k, v in meta.items())
     return tuple(meta.items())
 
 
@@ -121,7 +131,7 @@ def direct(kernel, grid, *args, **kw):
     if _RECORD is not None:
         _RECORD.append((kernel, grid, args, dict(kw)))
         return None
-    return run(kernel, grid, args, kw, (kernel, settings(kw)))
+    return run(kernel, grid, args, kw, (id(kernel), settings(kw)))
 
 
 _LAUNCHERS: dict = {}
@@ -185,16 +195,18 @@ def _values(kernel, args, kw) -> tuple:
     return tuple(vals)
 
 
-_INT32 = range(-2 ** 31, 2 ** 31)
-_TENSOR = torch.Tensor
 
 
 def _arg_keys(vals, constexpr) -> tuple:
-    """:func:`_arg_key` of each value (``constexpr``: each one's flag), with the two commonest kinds,
-    plain tensors and compile-time constants, keyed inline: a launch passes 20-40 arguments, and a
-    call per argument is most of the key's host time."""
-    return tuple([(v.dtype, not v.data_ptr() & 15) if type(v) is _TENSOR else (v if c else _arg_key(v, c))
+    """:func:`_arg_key` of each value (``constexpr``: each one's flag), with the three commonest kinds,
+    plain tensors, compile-time constants and ints, keyed inline: a launch passes 20-40 arguments,
+    and a call per argument is most of the key's host time."""
+    return tuple([(v.dtype, not v.data_ptr() & 15) if type(v) is _TENSOR else v if c else
+                  (v == 1, not v % 16, -_I32 <= v < _I32, v >= _U63) if type(v) is int else _arg_key(v, c)
                   for v, c in zip(vals, constexpr)])
+
+
+_I32, _U63 = 2 ** 31, 2 ** 63
 
 
 def _arg_key(v, constexpr: bool):
@@ -209,12 +221,22 @@ def _arg_key(v, constexpr: bool):
         return v.dtype, v.data_ptr() % 16 == 0
     t = type(v)
     if t is int:
-        return v == 1, v % 16 == 0, v in _INT32, v >= 2 ** 63
+        return v == 1, v % 16 == 0, -_I32 <= v < _I32, v >= _U63
     if t is float or t is bool or v is None:
         return t
-    if t in _DESCRIPTORS:
-        return t, v.base.dtype, tuple(v.block_shape), _interned(getattr(v, "layout", None)), getattr(v, "padding", None)
+    if t in _DESCRIPTORS:  # (one made with its key known, e.g. fused_bwd._tiles', carries it)
+        key = v.__dict__.get("launch_key")
+        if key is not None:
+            return key
+        return descriptor_key(t, v.base.dtype, v.block_shape, getattr(v, "layout", None), getattr(v, "padding", None))
     raise TypeError(f"no launch key for {t.__name__}")
+
+
+def descriptor_key(kind, dtype, block, layout, padding) -> int:
+    """A small int standing for a tensor descriptor in launch keys (its class, tensor dtype, block
+    shape, shared-memory layout and padding: what Triton specialises a kernel on), equal for equal
+    descriptors."""
+    return _small_id((kind, dtype, tuple(block), _interned(layout), padding))
 
 
 _INTERNED: dict = {}

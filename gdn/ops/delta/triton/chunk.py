@@ -12,12 +12,13 @@ from __future__ import annotations
 import torch
 
 from . import chunk_bwd, chunk_fwd, split as split_mod
-from ...triton.common import Chunks, group_sum, kernel_dtype, make_chunks, pad_zeros, pow2, sm_count
+from ...triton.common import Chunks, cast, group_sum, kernel_dtype, make_chunks, pad_zeros, pow2, sm_count
 from ...triton.launch import precompile
+from ... import tuning
 from ...tuning import DELTA, MIN_DIM
 
 
-def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None):
+def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None, ws=None):
     """(o, final state, Ai, γ): the fused forward pass when its (sequence, head, value tile) programs
     still running at the end of the pass (``Chunks.long_sequences``; a packed batch's short sequences
     finish early and leave the longest one's programs alone on the card) number at least
@@ -27,11 +28,12 @@ def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None):
     pass(es), `ops_gpu.py --variants --profile`): 4 × 8192 (256 programs) 507 fused against 296 + 283;
     grouped 1 × 8192, HV = 32 (128) 444 against 224 + 128; 1 × 32768 (64) 1669 against 830 + 284;
     packed, 12 sequences of 64-7000 tokens (one long): forward 1.63 ms fused against 1.31."""
-    if fused is None:  # (the caller passes layout()'s decision when it has made it already)
+    if fused is None:  # (the caller passes layout()'s decision, and ws, when it has made them already)
         K, V = k.shape[-1], v.shape[2]
-        fused = layout(ch, v.shape[1], K, V, v.device, g is not None, chunk_fwd.warp_specialised(q, g, beta, K, V))[0]
+        ws = chunk_fwd.warp_specialised(q, g, beta, K, V)
+        fused = layout(ch, v.shape[1], K, V, v.device, g is not None, ws)[0]
     if fused:
-        return chunk_fwd.forward(q, k, v, g, beta, h0, ch, want_final, scale, io)
+        return chunk_fwd.forward(q, k, v, g, beta, h0, ch, want_final, scale, io, ws)
     h, VN, ht, Ai, _, G = chunk_fwd.forward_intermediates(q, k, v, g, beta, h0, ch, want_final,
                                                           from_inverse=DELTA["state_fwd"].get("from_inverse", False))
     return chunk_fwd.output(q, k, v, g, h, VN, ch, scale, io), ht, Ai, G
@@ -61,6 +63,25 @@ def layout(ch: Chunks, HV: int, K: int, V: int, device, gated: bool = False, ws:
     return (fused,) + tiles + (split,)
 
 
+def _decisions(ch: Chunks, qp, gp, bp, h0p, H: int, HV: int, Kp: int, Vp: int, want_final: bool, gdt, vdt) -> tuple:
+    """(warp-specialised forward?, :func:`layout`, the first-call compile's key) of a call, worked
+    out once per chunk layout, shapes, dtypes, device and launch tables (tuning.token) and kept in
+    the layout's memo: a call at a shape seen before takes them from there (each is a dozen small
+    rules, and the call's host time is what a small shape waits on)."""
+    io, dev, gated = qp.dtype, qp.device, gp is not None
+    key = ("decisions", H, HV, Kp, Vp, io, gated, bp is None, h0p is None, want_final, gdt, vdt, dev, tuning.token())
+    hit = ch.memo.get(key)
+    if hit is None:
+        ws = chunk_fwd.warp_specialised(qp, gp, bp, Kp, Vp)
+        lay = layout(ch, HV, Kp, Vp, dev, gated, ws)
+        inv = tuple(DELTA[n].get("from_inverse", False) for n in ("state_out", "state_fwd", "state_bwd"))
+        split = tuple(sorted(DELTA["split"].items()))
+        kind = (Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, dev, H, HV, gdt, vdt, lay, inv, split,
+                tuple(bool(DELTA[n]["on"]) for n in ("fused_bwd", "fused_fwd", "fused_states")))
+        hit = ch.memo[key] = (ws, lay, kind)
+    return hit
+
+
 class ChunkFunction(torch.autograd.Function):
     """Autograd node of one chunk-kernel call. Saves the inputs and the in-chunk inverse; the
     backward recomputes the per-chunk states (one forward state pass) instead of keeping them,
@@ -78,12 +99,12 @@ class ChunkFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         io = kernel_dtype(q, k, v)  # one dtype for q, k, v and the intermediates
-        qp, kp, vp = q.reshape(B * T, H, K).to(io), k.reshape(B * T, H, K).to(io), v.reshape(B * T, HV, V).to(io)
-        gp = None if g is None else g.reshape(B * T, HV).float().contiguous()
-        bp = None if beta is None else beta.reshape(B * T, HV).float().contiguous()
+        qp, kp, vp = cast(q.reshape(B * T, H, K), io), cast(k.reshape(B * T, H, K), io), cast(v.reshape(B * T, HV, V), io)
+        gp = None if g is None else cast(g.reshape(B * T, HV), torch.float32).contiguous()
+        bp = None if beta is None else cast(beta.reshape(B * T, HV), torch.float32).contiguous()
         Kp, Vp = max(MIN_DIM, pow2(K)), max(MIN_DIM, pow2(V))
         qp, kp, vp = pad_zeros(qp, 0, Kp - K), pad_zeros(kp, 0, Kp - K), pad_zeros(vp, 0, Vp - V)
-        h0p = pad_zeros(None if h0 is None else h0.float(), 0, Vp - V, 0, Kp - K)
+        h0p = pad_zeros(None if h0 is None else cast(h0, torch.float32), 0, Vp - V, 0, Kp - K)
         # dq, dk, dv in the inputs' dtype when they are in it: dq and dk per value head too, each
         # group's summed here in fp32 (group_sum) and rounded once more. fp32 partials would double
         # the backward's largest buffers for grouped heads (Qwen3.5-397B, 64 value heads of 128:
@@ -91,29 +112,25 @@ class ChunkFunction(torch.autograd.Function):
         # rounding to its dtype
         gdt = io if q.dtype == k.dtype == v.dtype == io else torch.float32
         vdt = io if v.dtype == io else torch.float32
-        lay = layout(ch, HV, Kp, Vp, qp.device, gp is not None, chunk_fwd.warp_specialised(qp, gp, bp, Kp, Vp))
+        ws, lay, kind = _decisions(ch, qp, gp, bp, h0p, H, HV, Kp, Vp, want_final, gdt, vdt)
         if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
             def dry_run():  # the launches of one forward + backward, recorded by precompile, not run
                 dht = torch.empty(ch.N, HV, Kp, Vp, device=qp.device) if want_final else None
-                _, _, ai, gam = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])
+                _, _, ai, gam = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0], ws)
                 chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt, gam, vdt)
 
-            inv = tuple(DELTA[n].get("from_inverse", False) for n in ("state_out", "state_fwd", "state_bwd"))
-            split = tuple(sorted(DELTA["split"].items()))
-            precompile((Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, qp.device, H, HV, gdt, vdt, lay,
-                        inv, split, tuple(bool(DELTA[n]["on"]) for n in ("fused_bwd", "fused_fwd", "fused_states"))),
-                       dry_run)
+            precompile(kind, dry_run)
         # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
         # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
-        o, ht, Ai, G = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0])
-        o = o[..., :V]
+        o, ht, Ai, G = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0], ws)
+        o = o if Vp == V else o[..., :V]
         if ht is not None and (Kp, Vp) != (K, V):
             ht = ht[..., :K, :V].contiguous()
         ctx.save_for_backward(qp, kp, vp, gp, bp, h0p, Ai, G)
         ctx.meta = (B, T, H, HV, K, V, scale, ch, gdt, vdt, q.dtype, k.dtype, v.dtype,
                     None if g is None else g.dtype, None if beta is None else beta.dtype,
                     None if h0 is None else h0.dtype)
-        o = o.reshape(B, T, HV, V).to(v.dtype)
+        o = cast(o.reshape(B, T, HV, V), v.dtype)
         return o, ht
 
     @staticmethod
@@ -121,14 +138,14 @@ class ChunkFunction(torch.autograd.Function):
         qp, kp, vp, gp, bp, h0p, Ai, G = ctx.saved_tensors
         B, T, H, HV, K, V, scale, ch, gdt, vdt, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
         Kp, Vp = kp.shape[-1], vp.shape[-1]
-        dop = pad_zeros(do.reshape(B * T, HV, V).to(vp.dtype), 0, Vp - V)
-        dhtp = pad_zeros(None if dht is None else dht.float(), 0, Vp - V, 0, Kp - K)
+        dop = pad_zeros(cast(do.reshape(B * T, HV, V), vp.dtype), 0, Vp - V)
+        dhtp = pad_zeros(None if dht is None else cast(dht, torch.float32), 0, Vp - V, 0, Kp - K)
         DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale, Ai, gdt, G, vdt)
         dq = group_sum(DQ.view(B, T, H, HV // H, Kp), K, q_dt)  # summed over each key head's value heads
         dk = group_sum(DK.view(B, T, H, HV // H, Kp), K, k_dt)
-        dv = DV[..., :V].reshape(B, T, HV, V).to(v_dt)
-        dg = None if DG is None else DG.view(B, T, HV).to(g_dt)
-        db = None if DB is None else DB.view(B, T, HV).to(b_dt)
+        dv = cast((DV if Vp == V else DV[..., :V]).reshape(B, T, HV, V), v_dt)
+        dg = None if DG is None else cast(DG.view(B, T, HV), g_dt)
+        db = None if DB is None else cast(DB.view(B, T, HV), b_dt)
         dh0 = None if dh0 is None else dh0[..., :K, :V].to(h0_dt)
         return dq, dk, dv, dg, db, dh0, None, None, None
 

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, gate_load,
                               launch, make_segments, make_slices, pow2, sm_count, tl_dtype, value_cols)
+from ... import tuning
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
 from .chunk_fwd import _block, state_tile, tile_reads
@@ -428,6 +429,29 @@ def _reverse_pass(q, g, beta, ch: Chunks, HV: int, K: int, V: int, from_inv: boo
     return None, split_len(ch, HV, tiles, dev, warm)
 
 
+def _decisions(q, g, beta, ch: Chunks, HV: int, K: int, V: int, from_inv: bool, size: int) -> tuple:
+    """((SK, SV) of state_bwd, the warm split's value tile WV, the reverse pass module or None, its
+    segment length L, the number of slices) of a backward (inputs of ``size`` bytes an element),
+    worked out once per chunk layout, shapes, dtype, device and launch tables (tuning.token) and
+    kept in the layout's memo, as the forward's (delta.triton.chunk._decisions)."""
+    key = ("bwd decisions", HV, K, V, q.dtype, q.device, g is None, beta is None, from_inv, size, tuning.token())
+    hit = ch.memo.get(key)
+    if hit is None:
+        st = state_tile("state_bwd", ch, HV, K, V, q.device)
+        # the warm-started split's value tile: at most 32 (ptxas, sm_90, K = 128: 64-wide tiles of the
+        # reverse pass spill 168–512 B at every depth, 32-wide ones none); its segments fill the card
+        WV = min(tiles("state_bwd", K, V)[1], 32)
+        budget = DELTA["state_bwd"]["slice_MB"] * 2 ** 20
+        dh_bytes = ch.NT * HV * K * V * size  # dS_out of every chunk
+        rev, L = _reverse_pass(q, g, beta, ch, HV, K, V, from_inv, dh_bytes, budget,
+                               cdiv(V, WV if warm_split(g) else st[1]))
+        # the number of slices of the plain reverse pass (below)
+        nsl = 1 if L or not budget else max(1, min(ch.max_nc, DELTA["state_bwd"]["max_slices"],
+                                                    cdiv(dh_bytes, max(1, int(budget)))))
+        hit = ch.memo[key] = (st, WV, rev, L, nsl)
+    return hit
+
+
 def _state_bwd_reverse(args, kw, dh, DD, dummy, scale: float, dS_end, dS_0, starts, ends, off):
     """One launch of state_bwd_kernel (grid and per-chunk inputs ``args``, keywords ``kw``) over
     token ranges [starts, ends), from dS_end (or zero) to dS_0 (when given)."""
@@ -479,19 +503,12 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                                                    gamma=gamma)
     dummy = v
     gp = g if gated else dummy
-    SK, SV = state_tile("state_bwd", ch, HV, K, V, dev)
+    (SK, SV), WV, rev, L, nsl = _decisions(q, g, beta, ch, HV, K, V, from_inv, v.element_size())
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
                   beta=beta if delta else dummy, seg_seq=ch.cu, seq_cu=ch.cu, FROM_INV=from_inv, name="state_bwd")
     Wp = (Ai if from_inv else W) if delta else dummy
     del W
     gs = gamma if gated else dummy  # the state pass reads γ, not g
-    # the warm-started split's value tile: at most 32 (ptxas, sm_90, K = 128: 64-wide tiles of the
-    # reverse pass spill 168–512 B at every depth, 32-wide ones none); its segments fill the card
-    WV = min(tiles("state_bwd", K, V)[1], 32)
-    budget = DELTA["state_bwd"]["slice_MB"] * 2 ** 20
-    dh_bytes = ch.NT * HV * K * V * v.element_size()  # dS_out of every chunk
-    rev, L = _reverse_pass(q, g, beta, ch, HV, K, V, from_inv, dh_bytes, budget,
-                           cdiv(V, WV if warm_split(g) else SV))
     warm = bool(L) and warm_split(g)
     DVL = torch.empty(T, HV, V, device=dev, dtype=io)  # dδ_loc (then dδ over it); dδ alone for fused_rev
     if rev is None:
@@ -508,8 +525,6 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # slice after it) and then the per-chunk kernels over them, so that dh holds one slice's chunks
     # instead of all. The split passes are not sliced: each slice would cut every warm-started
     # segment short and walk its warm-up again (DELTA["state_bwd"]).
-    nsl = 1 if L or not budget else max(1, min(ch.max_nc, DELTA["state_bwd"]["max_slices"],
-                                                cdiv(dh_bytes, max(1, int(budget)))))
     slices = make_slices(ch, cdiv(ch.max_nc, nsl), dev) if nsl > 1 else None
     dh = torch.empty(max(sl.NT for sl in slices) if slices else ch.NT, HV, K, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None and not slices else None

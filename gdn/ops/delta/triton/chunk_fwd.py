@@ -469,19 +469,19 @@ def warp_specialised(q, g, beta, K: int, V: int, name: str = "fused_fwd") -> boo
     return ws is not None and ws.usable(q, g, beta, K, V, name)
 
 
-def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, out_dtype):
+def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, out_dtype, ws: bool | None = None):
     """The forward of one call: (o [T, HV, V] in ``out_dtype``, final state [N, HV, K, V] fp32 or
     None, Ai or None, γ or None). q, k: [T, H, K]; v: [T, HV, V] (one dtype); g, beta: [T, HV] fp32 or None.
     kkt_solve and wu, then one fused sequential pass (:func:`state_out_kernel`); with
     ``DELTA["state_out"]["from_inverse"]`` no wu: the pass forms δ from T⁻¹, v and β. With
     ``DELTA["fused_fwd"]["on"]`` the warp-specialised form of that pass (delta.triton.fused_fwd)
-    runs where it applies."""
+    runs where it applies (``ws``: whether it does, when the caller knows)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dev = v.device
     from_inv = beta is not None and DELTA["state_out"].get("from_inverse", False)
     G = _gamma_buffer(g, beta, None)
-    ws = warp_specialised(q, g, beta, K, V)
+    ws = warp_specialised(q, g, beta, K, V) if ws is None else ws
     # the pair matrix Q Kᵀ ⊙ D from kkt_solve (delta members, which run it) instead of per value tile
     # (the warp-specialised pass forms it itself, beside its chain)
     pairs = torch.empty(T, HV, BT, device=dev, dtype=v.dtype) if beta is not None and not ws else None

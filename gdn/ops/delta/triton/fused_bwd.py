@@ -17,7 +17,6 @@ Gluon does not run under Triton's interpreter: this kernel is checked on the GPU
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 from triton.experimental import gluon
@@ -26,8 +25,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from ...triton.common import BT as CHUNK
-from ...triton.launch import launch, major
+from ...triton.common import BT as CHUNK, cast
+from ...triton.launch import descriptor_key, launch, major
 from ...tuning import DELTA, INTERPRET
 
 BT = gl.constexpr(CHUNK)  # chunk rows, as the Triton chunk kernels'
@@ -308,10 +307,19 @@ def hopper(q) -> bool:
     return q.is_cuda and not INTERPRET and major(q.device) == 9
 
 
-@functools.lru_cache(maxsize=None)
-def _tile_layout(block: tuple, dt):
-    """The shared-memory layout of a ``block`` tile (made once: building one costs ≈ 15 µs of host)."""
-    return _smem(list(block), dt)
+_TILES: dict = {}
+
+
+def _tile(block: tuple, dt, x_dtype) -> tuple:
+    """(shared-memory layout, launch key) of a ``block`` tile of a ``x_dtype`` tensor read as ``dt``,
+    made once (a layout costs ≈ 15 µs of host to build; the key is what launch.descriptor_key gives
+    every descriptor of it). Looked up by ``dt``'s name: a Triton dtype's own hash runs Python code."""
+    k = (block, dt.name, x_dtype)
+    hit = _TILES.get(k)
+    if hit is None:
+        layout = _smem(list(block), dt)
+        hit = _TILES[k] = (layout, descriptor_key(TensorDescriptor, x_dtype, block, layout, "zero"))
+    return hit
 
 
 def _tiles(x, rows: int, block: tuple, dt):
@@ -321,7 +329,10 @@ def _tiles(x, rows: int, block: tuple, dt):
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)
     cols = x.numel() // rows
-    return descriptor(x, (rows, cols), (cols, 1), list(block), _tile_layout(block, dt))
+    layout, key = _tile(block, dt, x.dtype)
+    d = descriptor(x, (rows, cols), (cols, 1), list(block), layout)
+    d.launch_key = key
+    return d
 
 
 def descriptor(x, shape: tuple, strides: tuple, block: list, layout):
@@ -355,7 +366,7 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     DB = torch.empty(T, HV, device=dev, dtype=f32)
     DG = torch.empty(T, HV, device=dev, dtype=f32)
     DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
-    d_t, do_t, dd_t, v_t = (_tiles(x.to(v.dtype), T, (CHUNK, BV), DT) for x in (VN, do, DD, v))
+    d_t, do_t, dd_t, v_t = (_tiles(cast(x, v.dtype), T, (CHUNK, BV), DT) for x in (VN, do, DD, v))
     h_t, dh_t = (_tiles(x, x.numel() // V, (K, BV), DT) for x in (h, dh))
 
     def run(chunk_idx, NT: int):
