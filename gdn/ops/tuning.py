@@ -186,9 +186,11 @@ KDA = {
     # 602 µs, against 663 for the earlier row-block-by-row-block kernel at its best setting (2 warps,
     # BK = 32, which spilled 128 bytes; BK = 16, BKD = 4 without spills: 788) (benchmarks/kda_gpu.py
     # --profile --config, 2026-12-01). At 4 warps: 588 -> 361 µs at that shape (2026-12-02; two
-    # stages at 8 warps: 683; ptxas: 255 registers, 8 + 8 B of spills, 16 + 20 B since the solve
-    # left it); fp32 inputs keep 8.
-    "kkt": dict(num_warps=4, stages=(1,), BK=64, BKD=8, fp32=dict(BK=32, num_warps=8)),
+    # stages at 8 warps: 683; fp32 inputs keep 8). BKD, the K tile of the slow path's [16, 16, BKD]
+    # pairwise exponents: 4, no spills (ptxas at 4 warps, bf16: 255 registers; 16 + 20 B of spills
+    # at 8); H200, (8, 2048, 16, 128) bf16, kkt 268–270 µs against 266 at 8 (BK = 32, no spills
+    # either: 276) (tools/sass_cpu.py --op kda --kernels kkt; kda_gpu.py --profile, 2026-12-04).
+    "kkt": dict(num_warps=4, stages=(1,), BK=64, BKD=4, fp32=dict(BK=32, num_warps=8)),
     # The block solve of kkt's A (solve_kernel), split off kkt so the two compile in parallel: H200
     # cold first forward at (8, 2048, 16, 128) 5.5–5.7 → 2.3–3.3 s; GPU time kkt 357 → 266 + 102 µs
     # (the scratch read from memory, not L2); 2 warps: 238 registers, no spills.
