@@ -28,7 +28,9 @@ says how much of a call's host time is the launch mechanism rather than gdn's ow
 With ``--cpu-stub`` (no GPU needed) the same calls take the Triton path on CPU tensors with every
 kernel launch replaced by a no-op: what is left is gdn's own host work per call (argument checks,
 chunk layout, tile and pass choices, allocations), without Triton's launch path or the CUDA
-runtime. Its outputs are garbage; only the time is meant.
+runtime; ``--hopper`` takes the H200's paths (the Gluon kernels' host side). Its outputs are
+garbage; only the time is meant. A small shape (``--shape 2x512``) keeps the CPU's allocations
+of large buffers out of the figure.
 """
 from __future__ import annotations
 
@@ -57,13 +59,14 @@ DEVICE = "cpu" if "--cpu-stub" in sys.argv else "cuda"
 LAUNCHES: collections.Counter = collections.Counter()  # kernel name -> launches, under --cpu-stub
 
 
-def stub_launches() -> None:
-    """Every Triton launch a no-op (counted in LAUNCHES), and the CUDA tests true for CPU tensors
-    (not the Hopper test: the Gluon kernels have no CPU form)."""
+def stub_launches(hopper: bool = False) -> None:
+    """Every Triton launch a no-op (counted in LAUNCHES), and the CUDA tests true for CPU tensors;
+    with ``hopper`` the Hopper test too, so that the calls take the Gluon kernels' host paths (the
+    H200's: their descriptors, splits and slices; the launches are no-ops all the same)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/, when imported from elsewhere
     from step_ops import stub_kernels  # noqa: PLC0415
 
-    stub_kernels(LAUNCHES, hopper=False)
+    stub_kernels(LAUNCHES, hopper=hopper)
 
 
 def sync() -> None:
@@ -296,6 +299,8 @@ def main(argv=None) -> int:
     p.add_argument("--hv", type=int, default=16)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--cpu-stub", action="store_true", help="CPU tensors, kernel launches as no-ops: gdn's own host time")
+    p.add_argument("--hopper", action="store_true",
+                   help="with --cpu-stub: the Hopper (H200) host paths, those of the Gluon kernels")
     p.add_argument("--timeline", action="store_true",
                    help="host µs between marks of a forward+backward's calls run back to back (launches by kernel, "
                         "the autograd Function, the engine between them)")
@@ -311,7 +316,7 @@ def main(argv=None) -> int:
         launch_table(B, T, a.heads, a.hv)
         return 0
     if a.cpu_stub:
-        stub_launches()
+        stub_launches(a.hopper)
     B, T = (int(x) for x in a.shape.lower().split("x"))
     xs, _ = inputs(B, T, a.heads, a.hv, None, device=DEVICE)
     do = torch.randn(B, T, a.hv, D, device=DEVICE, dtype=torch.bfloat16)
