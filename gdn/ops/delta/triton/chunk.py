@@ -65,14 +65,18 @@ def layout(ch: Chunks, HV: int, K: int, V: int, device, gated: bool = False, ws:
 
 def _decisions(ch: Chunks, qp, gp, bp, h0p, H: int, HV: int, Kp: int, Vp: int, want_final: bool, gdt, vdt) -> tuple:
     """(warp-specialised forward?, :func:`layout`, the first-call compile's key) of a call, worked
-    out once per chunk layout, shapes, dtypes, device and launch tables (tuning.token) and kept in
-    the layout's memo: a call at a shape seen before takes them from there (each is a dozen small
-    rules, and the call's host time is what a small shape waits on)."""
+    out once per chunk layout, shapes, dtypes, device, launch tables (tuning.token) and what the
+    device rules say (whether the warp-specialised pass takes the call, the multiprocessors: asked
+    at every call, so that they are the rules' answers, as tests that stand in a Hopper card for
+    the CPU see them) and kept in the layout's memo: a call at a shape seen before takes the rest
+    from there (each is a dozen small rules, and the call's host time is what a small shape waits
+    on)."""
     io, dev, gated = qp.dtype, qp.device, gp is not None
-    key = ("decisions", H, HV, Kp, Vp, io, gated, bp is None, h0p is None, want_final, gdt, vdt, dev, tuning.token())
+    ws = chunk_fwd.warp_specialised(qp, gp, bp, Kp, Vp)
+    key = ("decisions", H, HV, Kp, Vp, io, gated, bp is None, h0p is None, want_final, gdt, vdt, dev, ws,
+           sm_count(dev), tuning.token())
     hit = ch.memo.get(key)
     if hit is None:
-        ws = chunk_fwd.warp_specialised(qp, gp, bp, Kp, Vp)
         lay = layout(ch, HV, Kp, Vp, dev, gated, ws)
         inv = tuple(DELTA[n].get("from_inverse", False) for n in ("state_out", "state_fwd", "state_bwd"))
         split = tuple(sorted(DELTA["split"].items()))

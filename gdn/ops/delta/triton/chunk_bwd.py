@@ -432,9 +432,14 @@ def _reverse_pass(q, g, beta, ch: Chunks, HV: int, K: int, V: int, from_inv: boo
 def _decisions(q, g, beta, ch: Chunks, HV: int, K: int, V: int, from_inv: bool, size: int) -> tuple:
     """((SK, SV) of state_bwd, the warm split's value tile WV, the reverse pass module or None, its
     segment length L, the number of slices) of a backward (inputs of ``size`` bytes an element),
-    worked out once per chunk layout, shapes, dtype, device and launch tables (tuning.token) and
-    kept in the layout's memo, as the forward's (delta.triton.chunk._decisions)."""
-    key = ("bwd decisions", HV, K, V, q.dtype, q.device, g is None, beta is None, from_inv, size, tuning.token())
+    worked out once per chunk layout, shapes, dtype, device, launch tables (tuning.token) and the
+    device rules' answers (whether the warp-specialised reverse pass could take the call, the
+    multiprocessors: asked at every call) and kept in the layout's memo, as the forward's
+    (delta.triton.chunk._decisions)."""
+    rev = _fused_rev() if from_inv else None
+    usable = rev is not None and rev.usable(q, g, beta, K, V)
+    key = ("bwd decisions", HV, K, V, q.dtype, q.device, g is None, beta is None, from_inv, size, usable,
+           sm_count(q.device), tuning.token())
     hit = ch.memo.get(key)
     if hit is None:
         st = state_tile("state_bwd", ch, HV, K, V, q.device)
