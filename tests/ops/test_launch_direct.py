@@ -206,28 +206,44 @@ def test_descriptor_kernels_launch_with_tensor_maps_encoded_once_per_address(cud
     assert c_calls[-1][13 + 1] == ("map", y.data_ptr(), (64, 128))
 
 
-def test_inline_keys_equal_the_per_argument_keys():
-    """launch._arg_keys (tensors and compile-time constants keyed inline) gives what _arg_key of
-    each argument gives, for every kind a launch passes: plain tensors aligned or not, a Parameter
-    (a tensor subclass), ints, floats, None, constants and Gluon tensor descriptors; equal layouts
-    built apart share their key, different ones do not."""
+def test_launch_keys_equal_exactly_when_every_argument_key_does():
+    """launch._arg_keys (the values' types, then each kind keyed in one pass) of two argument lists
+    are equal exactly when :func:`launch._arg_key` of every argument is, for every kind a launch
+    passes: plain tensors aligned or not, a Parameter (a tensor subclass), ints, floats, None,
+    bools, Gluon tensor descriptors with and without their key, and compile-time constants; equal
+    layouts built apart share their key, different ones do not."""
     from triton.experimental.gluon import language as gl
 
     from gdn.ops.delta.triton.fused_bwd import _smem, _tiles
 
     base = torch.empty(4096, dtype=torch.bfloat16)
     d = _tiles(torch.empty(256, 128, dtype=torch.bfloat16), 256, (64, 128), gl.bfloat16)
-    values = [base, base[1:], base[8:], torch.nn.Parameter(torch.zeros(3)), 1, 16, 17, 2 ** 40, 0.5, None, True, d,
-              64, gl.bfloat16, "ieee"]
-    flags = [False] * 12 + [True] * 3
-    assert L._arg_keys(values, flags) == tuple(L._arg_key(v, c) for v, c in zip(values, flags))
-    assert L._arg_keys([base[1:]], [False]) != L._arg_keys([base], [False])
-    # a descriptor made with its key known carries the key any descriptor of that tile gets
+    e = _tiles(torch.empty(256, 128, dtype=torch.bfloat16), 256, (64, 64), gl.bfloat16)
     plain = copy.copy(d)
     del plain.launch_key
+    flags = [False] * 6 + [True] * 2
+    first = [base, torch.empty(8, dtype=torch.float32), 16, 0.5, None, d, 64, gl.bfloat16]
+    # the alternatives of each position: values of the same kind and of other kinds
+    pool = {0: [base, base[1:], base[8:], torch.nn.Parameter(torch.zeros(3)), torch.empty(4, dtype=torch.float16), 3],
+            1: [torch.empty(8, dtype=torch.float32), torch.empty(8, dtype=torch.int32), None],
+            2: [16, 32, 17, 1, 2 ** 40, 0.25, True],
+            3: [0.5, 1.5, 7, None, False],
+            4: [None, 0.5, base],
+            5: [d, plain, e, base],
+            6: [64, 32],
+            7: [gl.bfloat16, gl.float16]}
+    lists = [first] + [first[:i] + [v] + first[i + 1:] for i, vs in pool.items() for v in vs]
+    lists.append([base[1:], base[8:], 3, 0.5, None, d, 64, gl.bfloat16])  # two tensors, one misaligned
+    lists.append([base[8:], base[1:], 3, 0.5, None, d, 64, gl.bfloat16])
+    for a in lists:
+        for b in lists:
+            same = all(L._arg_key(x, c) == L._arg_key(y, c) for x, y, c in zip(a, b, flags))
+            assert (L._arg_keys(a, flags) == L._arg_keys(b, flags)) == same, (a, b)
     assert L._arg_key(plain, False) == L._arg_key(d, False) == d.launch_key
     same = L._interned(_smem([64, 128], gl.bfloat16))
     assert same == L._interned(_smem([64, 128], gl.bfloat16)) != L._interned(_smem([64, 32], gl.bfloat16))
+    with pytest.raises(TypeError):
+        L._arg_keys([np.int64(3)], [False])
 
 
 def test_direct_keys_the_keyword_arguments(cuda_like):

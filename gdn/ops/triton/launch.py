@@ -8,6 +8,9 @@ import inspect
 import logging
 import math
 import os
+from functools import reduce
+from itertools import repeat
+from operator import attrgetter, itemgetter, or_
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -198,12 +201,66 @@ def _values(kernel, args, kw) -> tuple:
 
 
 def _arg_keys(vals, constexpr) -> tuple:
-    """:func:`_arg_key` of each value (``constexpr``: each one's flag), with the three commonest kinds,
-    plain tensors, compile-time constants and ints, keyed inline: a launch passes 20-40 arguments,
-    and a call per argument is most of the key's host time."""
-    return tuple([(v.dtype, not v.data_ptr() & 15) if type(v) is _TENSOR else v if c else
-                  (v == 1, not v % 16, -_I32 <= v < _I32, v >= _U63) if type(v) is int else _arg_key(v, c)
-                  for v, c in zip(vals, constexpr)])
+    """A key of the values ``vals`` (``constexpr``: each one's flag) equal for two lists exactly
+    when :func:`_arg_key` of every value is: the values' types, then by kind in C-level passes
+    (:func:`_key_plan`, made once per types): the tensors' dtypes and whether all are 16-byte
+    aligned (each one's alignment where not), the descriptors' keys, the ints' keys and the
+    compile-time constants. A launch passes 20-40 arguments, and a Python step per argument was
+    most of the key's host time."""
+    types = tuple(map(type, vals))
+    plan = _PLANS.get((id(constexpr), types))
+    if plan is None or plan[0] is not constexpr:
+        plan = _PLANS[(id(constexpr), types)] = (constexpr, _key_plan(types, constexpr))
+    tensors, descs, ints, consts = plan[1]
+    ts = tensors(vals)
+    if ts:
+        if reduce(or_, map(_DATA_PTR, ts)) & 15:  # some tensor not 16-byte aligned: each one's
+            aligned = tuple(not p & 15 for p in map(_DATA_PTR, ts))
+        else:
+            aligned = True
+        dts = tuple(map(_DTYPE, ts))
+    else:
+        aligned = dts = ()
+    ds = descs(vals)
+    dk = tuple(map(getattr, ds, repeat("launch_key"), repeat(None))) if ds else ()
+    if None in dk:
+        dk = tuple(_arg_key(d, False) for d in ds)
+    ik = tuple((v == 1, not v % 16, -_I32 <= v < _I32, v >= _U63) for v in ints(vals))
+    return types, dts, aligned, dk, ik, consts(vals)
+
+
+_PLANS: dict = {}
+_DTYPE = attrgetter("dtype")
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def _picker(idx: list):
+    """A function returning the tuple of the values at positions ``idx`` (C-level for several)."""
+    if not idx:
+        return lambda vals: ()
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda vals: (vals[i],)
+    return itemgetter(*idx)
+
+
+def _key_plan(types: tuple, constexpr) -> tuple:
+    """(tensors, descriptors, ints, constants): pickers of each kind's positions in a launch's
+    values of these ``types`` (floats, bools and None are keyed by their type alone); TypeError
+    for a value of a kind :func:`_arg_key` does not know."""
+    kinds: dict = {"t": [], "d": [], "i": [], "c": []}
+    for i, (t, c) in enumerate(zip(types, constexpr)):
+        if c:
+            kinds["c"].append(i)
+        elif issubclass(t, torch.Tensor):
+            kinds["t"].append(i)
+        elif t is int:
+            kinds["i"].append(i)
+        elif t in _DESCRIPTORS:
+            kinds["d"].append(i)
+        elif not (t is float or t is bool or t is type(None)):
+            raise TypeError(f"no launch key for {t.__name__}")
+    return tuple(_picker(kinds[k]) for k in "tdic")
 
 
 _I32, _U63 = 2 ** 31, 2 ** 63
