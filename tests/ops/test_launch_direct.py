@@ -256,3 +256,14 @@ def test_direct_keys_the_keyword_arguments(cuda_like):
     L.direct(k, (3,), x, 48, BV=32, num_warps=4)
     L.direct(k, (3,), x, 48, BV=64, num_warps=8)
     assert len(k.via_triton) == 3
+
+
+def test_settings_key_tensor_keywords_by_dtype():
+    """launch.settings: keywords as (name, value) pairs, a tensor keyword (a Parameter too) as its
+    dtype, so that a launch's caches neither miss on each call's new tensor nor keep it alive."""
+    meta = dict(K=128, DT="bf16", USE_G=True, scale=0.5, none=None)
+    assert L.settings(meta) == tuple(meta.items())
+    for beta in (torch.zeros(3), torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))):
+        key = L.settings(dict(meta, beta=beta))
+        assert key == tuple(meta.items()) + (("beta", ("tensor", beta.dtype)),)
+    assert L.settings(meta) == tuple(meta.items())  # the plain types learnt stay plain

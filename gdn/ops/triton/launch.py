@@ -119,11 +119,24 @@ def settings(meta: dict) -> tuple:
     """A launch's keyword arguments as the caches' keys hold them: a tensor passed by keyword (an
     argument like any positional one, e.g. β in the shared keywords of state_bwd's launches) by its
     dtype, so that the caches neither miss on every call's new tensor nor keep it alive. (Callers
-    pass their keywords in a fixed order; the distinct types are collected by ``map``, without a
-    Python step per keyword: a launch has twenty.)"""
-    if any(issubclass(t, _TENSOR) for t in set(map(type, meta.values()))):
-        return tuple((k, ("tensor", v.dtype)) if isinstance(v, _TENSOR) else (k, v) for k, v in meta.items())
-    return tuple(meta.items())
+    pass their keywords in a fixed order; their types are tested as a set against those known
+    not to be tensors, without a Python step per keyword: a launch has twenty.)"""
+    types = set(map(type, meta.values()))
+    if types <= _PLAIN or _learn_plain(types):
+        return tuple(meta.items())
+    return tuple((k, ("tensor", v.dtype)) if isinstance(v, _TENSOR) else (k, v) for k, v in meta.items())
+
+
+_PLAIN: set = set()  # keyword types seen that are not tensors
+
+
+def _learn_plain(types: set) -> bool:
+    """Add the types of ``types`` that are not tensors to :data:`_PLAIN`; whether all of them are."""
+    for t in types - _PLAIN:
+        if issubclass(t, _TENSOR):
+            return False
+        _PLAIN.add(t)
+    return True
 
 
 def direct(kernel, grid, *args, **kw):
