@@ -354,15 +354,14 @@ def update(partial: dict) -> None:
 
 def restore(saved: dict) -> None:
     """Put the tables back to ``saved`` (a deep copy of :data:`TABLES`), each table object kept (the
-    kernel modules hold it) and its entries replaced, so that :func:`token` changes."""
+    kernel modules hold it) and its entries replaced by new objects, which :func:`token` sees."""
     for name, table in TABLES.items():
         table.clear()
         table.update(copy.deepcopy(saved[name]))
-    _EDITS[0] += 1
 
 
-_EDITS = [0]  # update() and restore() calls so far
-_HELD: list = []  # every entry a token was made of (alive, so that no later entry reuses its id)
+_EDITS = [0]  # update() calls so far
+_HELD: dict = {}  # id -> every entry a token was made of (alive, so that no later entry reuses its id)
 _LAST: list = [None]
 
 
@@ -370,12 +369,12 @@ def token() -> tuple:
     """A value that changes whenever the tables change, for results worked out from them and kept
     (the chunk op's per-shape decisions): :func:`update`'s count of edits and the identity of every
     entry (an entry replaced whole, as tests do with ``monkeypatch.setitem``, is a new object).
-    Entries are edited in place only through :func:`update` and :func:`restore`, which it counts."""
+    Entries are edited in place only through :func:`update`, which it counts."""
     ids = (_EDITS[0],) + tuple(map(id, DELTA.values())) + tuple(map(id, KDA.values()))
     if ids != _LAST[0]:
         _LAST[0] = ids
-        _HELD.extend(DELTA.values())
-        _HELD.extend(KDA.values())
+        for entry in (*DELTA.values(), *KDA.values()):
+            _HELD.setdefault(id(entry), entry)
     return ids
 
 

@@ -8,7 +8,6 @@ import inspect
 import logging
 import math
 import os
-from functools import reduce
 from itertools import repeat
 from operator import attrgetter, itemgetter, or_
 from concurrent.futures import ThreadPoolExecutor
@@ -211,8 +210,6 @@ def _values(kernel, args, kw) -> tuple:
     return tuple(vals)
 
 
-
-
 def _arg_keys(vals, constexpr) -> tuple:
     """A key of the values ``vals`` (``constexpr``: each one's flag) equal for two lists exactly
     when :func:`_arg_key` of every value is: the values' types, then by kind in C-level passes
@@ -227,7 +224,7 @@ def _arg_keys(vals, constexpr) -> tuple:
     tensors, descs, ints, consts = plan[1]
     ts = tensors(vals)
     if ts:
-        if reduce(or_, map(_DATA_PTR, ts)) & 15:  # some tensor not 16-byte aligned: each one's
+        if functools.reduce(or_, map(_DATA_PTR, ts)) & 15:  # some tensor not 16-byte aligned: each one's
             aligned = tuple(not p & 15 for p in map(_DATA_PTR, ts))
         else:
             aligned = True
