@@ -70,9 +70,21 @@ def test_first_launch_compiles_through_triton_then_the_launcher_runs_directly(cu
     assert len(k.via_triton) == 1 and ck.direct == []
     assert L.run(k, (5,), (x, 48), {"BV": 64, "num_warps": 4}, key=("k",)) is ck  # same specialisation
     assert len(k.via_triton) == 1
-    assert ck.direct == [(5, 1, 1, 77, "fn", "meta", None, None, None, x, 48, 64)]
+    assert ck.direct == [(5, 1, 1, 77, "fn", "meta", None, None, None, x.data_ptr(), 48, 64)]
     L.run(k, (5,), (x, 7), {"BV": 64, "num_warps": 4}, key=("k",))  # 7: another specialisation
     assert len(k.via_triton) == 2 and len(ck.direct) == 1
+
+
+def test_launcher_gets_each_tensors_address_in_its_place(cuda_like):
+    """Later launches hand the launcher each tensor's address (Triton's C launcher would call the
+    tensor's data_ptr and ask the driver about the address, per tensor and launch); ints, floats
+    and the rest pass as they are, and a tensor view passes its own address (storage offset in)."""
+    k, x = Kernel(), torch.zeros(64)
+    k.params = [Param("a0"), Param("n"), Param("a1"), Param("s"), Param("BV", True, 16)]
+    L.run(k, (1,), (x, 16, x[8:], 0.5), {}, key=("k",))
+    ck = L.run(k, (1,), (x[16:], 32, x, 0.25), {}, key=("k",))
+    assert ck.direct == [(1, 1, 1, 77, "fn", "meta", None, None, None, x.data_ptr() + 64, 32, x.data_ptr(), 0.25, 16)]
+    assert all(type(a) is not torch.Tensor for a in ck.direct[0])
 
 
 def test_launch_hooks_and_interpreter_take_tritons_path(cuda_like, monkeypatch):
@@ -100,7 +112,7 @@ def test_defaults_fill_the_parameters_not_passed(cuda_like):
     k, x = Kernel(), torch.zeros(4)
     ck = L.run(k, (1,), (x, 16), {}, key=("k",))
     L.run(k, (2,), (x, 32), {}, key=("k",))
-    assert ck.direct == [(2, 1, 1, 77, "fn", "meta", None, None, None, x, 32, 16)]
+    assert ck.direct == [(2, 1, 1, 77, "fn", "meta", None, None, None, x.data_ptr(), 32, 16)]
 
 
 def test_keys_are_at_least_as_fine_as_tritons_specialisation():
@@ -158,10 +170,11 @@ def test_launcher_without_scratch_is_called_in_c(cuda_like, monkeypatch, scratch
     L.run(k, (3,), (x, 32), {"num_warps": 4}, key=("k",))  # found in Triton's cache: kept with its launcher
     L.run(k, (2, 5), (x, 48), {"num_warps": 4}, key=("k",))
     if scratch:
-        assert ck.run.c_calls == [] and ck.run.py_calls == [(2, 5, 1, 77, "fn", "meta", None, None, None, x, 48, 16)]
+        assert ck.run.c_calls == [] and ck.run.py_calls == [(2, 5, 1, 77, "fn", "meta", None, None, None, x.data_ptr(), 48, 16)]
     else:
         assert ck.run.py_calls == []
-        assert ck.run.c_calls == [(2, 5, 1, 77, "fn", False, True, None, None, "meta", None, None, None, x, 48, 16)]
+        assert ck.run.c_calls == [(2, 5, 1, 77, "fn", False, True, None, None, "meta", None, None, None, x.data_ptr(), 48,
+                                    16)]
 
 
 def test_descriptor_kernels_launch_with_tensor_maps_encoded_once_per_address(cuda_like, monkeypatch):
@@ -252,7 +265,7 @@ def test_direct_keys_the_keyword_arguments(cuda_like):
     k, x = Kernel(), torch.zeros(4)
     ck = L.direct(k, (2,), x, 32, BV=64, num_warps=4)
     assert L.direct(k, (3,), x, 48, BV=64, num_warps=4) is ck and len(k.via_triton) == 1
-    assert ck.direct == [(3, 1, 1, 77, "fn", "meta", None, None, None, x, 48, 64)]
+    assert ck.direct == [(3, 1, 1, 77, "fn", "meta", None, None, None, x.data_ptr(), 48, 64)]
     L.direct(k, (3,), x, 48, BV=32, num_warps=4)
     L.direct(k, (3,), x, 48, BV=64, num_warps=8)
     assert len(k.via_triton) == 3

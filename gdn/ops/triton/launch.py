@@ -162,13 +162,20 @@ def run(kernel, grid, args, kw, key):
     compiled kernel by :func:`_arg_key` of every parameter's value (at least as fine as Triton's
     own specialisation, so the kernel found is the one Triton would take) and call its launcher
     directly (:func:`_launcher`). Under the interpreter, while a launch hook is set (a profiler's),
-    and for an argument of a kind :func:`_arg_key` does not know, always Triton's path."""
+    and for an argument of a kind :func:`_arg_key` does not know, always Triton's path.
+
+    The launcher is handed each tensor's address, not the tensor: given a tensor, Triton's C
+    launcher calls its ``data_ptr`` method and asks the driver whether the address is device
+    memory (``cuPointerGetAttribute``), per tensor and launch; the key has read the addresses
+    already, and gdn's kernels take tensors on the device of the op's inputs, checked on entry
+    (gdn.ops.checks)."""
     if INTERPRET or _hooked() or not hasattr(kernel, "device_caches"):
         return kernel[grid](*args, **kw)
     dev = torch.cuda.current_device()
     try:
         vals = _values(kernel, args, kw)
-        fk = (key, dev, _arg_keys(vals, _params(kernel)[2]))
+        ak, at, ptrs = _keyed(vals, _params(kernel)[2])
+        fk = (key, dev, ak)
         ck = _LAUNCHERS.get(fk)
     except TypeError:  # an argument this does not know how Triton specialises: Triton's path
         return kernel[grid](*args, **kw)
@@ -178,6 +185,10 @@ def run(kernel, grid, args, kw, key):
             _LAUNCHERS[fk] = (ck, _launcher(ck))
         return ck
     ck, go = ck
+    if ptrs:
+        vals = list(vals)
+        for i, p in zip(at, ptrs):
+            vals[i] = p
     g = tuple(grid) + (1, 1)
     go(g[0], g[1], g[2], _stream(dev), *vals)
     return ck
@@ -217,26 +228,32 @@ def _arg_keys(vals, constexpr) -> tuple:
     aligned (each one's alignment where not), the descriptors' keys, the ints' keys and the
     compile-time constants. A launch passes 20-40 arguments, and a Python step per argument was
     most of the key's host time."""
+    return _keyed(vals, constexpr)[0]
+
+
+def _keyed(vals, constexpr) -> tuple:
+    """(:func:`_arg_keys` of ``vals``, the tensors' positions among them, their addresses)."""
     types = tuple(map(type, vals))
     plan = _PLANS.get((id(constexpr), types))
     if plan is None or plan[0] is not constexpr:
         plan = _PLANS[(id(constexpr), types)] = (constexpr, _key_plan(types, constexpr))
-    tensors, descs, ints, consts = plan[1]
+    tensors, descs, ints, consts, at = plan[1]
     ts = tensors(vals)
     if ts:
-        if functools.reduce(or_, map(_DATA_PTR, ts)) & 15:  # some tensor not 16-byte aligned: each one's
-            aligned = tuple(not p & 15 for p in map(_DATA_PTR, ts))
+        ptrs = tuple(map(_DATA_PTR, ts))
+        if functools.reduce(or_, ptrs) & 15:  # some tensor not 16-byte aligned: each one's
+            aligned = tuple(not p & 15 for p in ptrs)
         else:
             aligned = True
         dts = tuple(map(_DTYPE, ts))
     else:
-        aligned = dts = ()
+        aligned = dts = ptrs = ()
     ds = descs(vals)
     dk = tuple(map(getattr, ds, repeat("launch_key"), repeat(None))) if ds else ()
     if None in dk:
         dk = tuple(_arg_key(d, False) for d in ds)
     ik = tuple((v == 1, not v % 16, -_I32 <= v < _I32, v >= _U63) for v in ints(vals))
-    return types, dts, aligned, dk, ik, consts(vals)
+    return (types, dts, aligned, dk, ik, consts(vals)), at, ptrs
 
 
 _PLANS: dict = {}
@@ -256,8 +273,8 @@ def _picker(idx: list):
 
 def _key_plan(types: tuple, constexpr) -> tuple:
     """(tensors, descriptors, ints, constants): pickers of each kind's positions in a launch's
-    values of these ``types`` (floats, bools and None are keyed by their type alone); TypeError
-    for a value of a kind :func:`_arg_key` does not know."""
+    values of these ``types`` (floats, bools and None are keyed by their type alone), then the
+    tensors' positions; TypeError for a value of a kind :func:`_arg_key` does not know."""
     kinds: dict = {"t": [], "d": [], "i": [], "c": []}
     for i, (t, c) in enumerate(zip(types, constexpr)):
         if c:
@@ -270,7 +287,7 @@ def _key_plan(types: tuple, constexpr) -> tuple:
             kinds["d"].append(i)
         elif not (t is float or t is bool or t is type(None)):
             raise TypeError(f"no launch key for {t.__name__}")
-    return tuple(_picker(kinds[k]) for k in "tdic")
+    return tuple(_picker(kinds[k]) for k in "tdic") + (tuple(kinds["t"]),)
 
 
 _I32, _U63 = 2 ** 31, 2 ** 63
