@@ -17,7 +17,9 @@ fp32 g and beta. Implementations per row:
 
 Per row: median ms (``triton.testing.do_bench``; a call too slow for the step's time gets the
 median of a few CUDA-event timings, marked ``*``), the time relative to FLA chunk and to the
-scalar gate, peak memory above the inputs of one call, and — at the first shape only — the
+scalar gate, peak memory above the inputs of one call, the first call's seconds (compiles and FLA's
+autotuning included; the forward+backward's after the forward's at that shape, so its backward's
+alone), and — at the first shape only — the
 relative RMS error ``‖x − x_ref‖ / ‖x_ref‖`` against gdn's PyTorch chunk form
 (:mod:`gdn.ops.kda.chunk`) run in fp32 on the same inputs: of the output for the forward row, the
 largest over dq, dk, dv, dg, dβ for the forward+backward row (the scalar row's reference is the
@@ -495,8 +497,9 @@ def chunk_table(rows, impls):
     head = ("| shape | pass | " + " | ".join(f"{i} ms" for i in impls)
             + " | gdn KDA speed vs FLA chunk (FLA ms / gdn ms) | gdn KDA time / gdn scalar time"
             + " | peak GiB " + " / ".join(impls)
+            + " | first call s " + " / ".join(impls)
             + " | rel. error vs fp32 chunk form, " + " / ".join(impls) + " |")
-    lines = [head, "|" + "---|" * (len(impls) + 6)]
+    lines = [head, "|" + "---|" * (len(impls) + 7)]
     keys = []
     for r in rows:
         if (r["shape"], r["pass_"]) not in keys:
@@ -521,10 +524,11 @@ def chunk_table(rows, impls):
         ratio_fla = fla / kda if kda == kda and fla == fla else math.nan
         ratio_scal = kda / scal if kda == kda and scal == scal else math.nan
         peaks = " / ".join(fmt(val(i, "peak_gib"), ".2f") or "-" for i in impls)
+        firsts = " / ".join(fmt(val(i, "first_s"), ".2f") or "-" for i in impls)
         errs = " / ".join(fmt(by[i].get("err") if i in by else None, ".1e") or "-" for i in impls)
         times = " | ".join(ms(i) for i in impls)
         lines.append(f"| {shape} | {p} | {times} | {times_x(ratio_fla, '.2f')} | {times_x(ratio_scal, '.1f')} "
-                     f"| {peaks} | {errs} |")
+                     f"| {peaks} | {firsts} | {errs} |")
         notes += [f"{shape} {p} {i}: {r['status']}" for i, r in by.items() if r.get("status", "").startswith("FAIL")]
         notes += [f"{shape} {p} {i} ({what}): {r[key]}" for i, r in by.items()
                   for what, key in (("error", "err_status"), ("peak memory", "peak_status")) if key in r]

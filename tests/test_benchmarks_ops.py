@@ -190,3 +190,22 @@ def test_fused_backward_floors_move_fewer_bytes(capsys):
     mod.main(["--op", "fused", "--shape", "1,2048,4,128"])
     out = capsys.readouterr().out
     assert all(f"| {k} |" in out for k in bwd_fused + ("kkt_solve", "state_out"))
+
+
+def test_kda_table_has_a_first_call_column(monkeypatch):
+    """benchmarks/kda_gpu.py's chunk table: per row each implementation's ms, peak memory and first
+    call's seconds, in the columns its header names (a failed implementation's cells are '-')."""
+    monkeypatch.delenv("FLA_TILELANG", raising=False)
+    spec = importlib.util.spec_from_file_location("kda_gpu_table_under_test", PATH.parent / "kda_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    impls = ["gdn KDA", "FLA chunk"]
+    rows = [dict(shape="s", pass_="fwd", impl="gdn KDA", status="ok", ms=1.0, how="do_bench", peak_gib=0.5,
+                 first_s=2.25),
+            dict(shape="s", pass_="fwd", impl="FLA chunk", status="FAIL: boom", first_s=9.0)]
+    head, rule, line = mod.chunk_table(rows, impls).splitlines()[:3]
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert len(cols) == len(cells) == rule.count("---")
+    assert cells[cols.index("first call s gdn KDA / FLA chunk")] == "2.25 / -"
+    assert cells[cols.index("peak GiB gdn KDA / FLA chunk")] == "0.50 / -"
