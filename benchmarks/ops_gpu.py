@@ -511,14 +511,6 @@ def write_json(path, meta, rs):
     atomic_write_text(path, json.dumps(clean({"meta": meta, "rows": rs}), indent=1))
 
 
-def _restore(saved):
-    """Put the launch tables of :mod:`gdn.ops.tuning` back to ``saved`` (a deep copy of
-    ``tuning.TABLES``): :func:`gdn.ops.tuning.restore`."""
-    from gdn.ops import tuning
-
-    tuning.restore(saved)
-
-
 def variants(specs, prof=False, shapes=None):
     """gdn alone at every shape under each launch-configuration variant (a JSON list of partial
     :func:`gdn.ops.tuning.update` arguments, e.g. ``[{}, {"split": {"L": -1}},
@@ -539,7 +531,7 @@ def variants(specs, prof=False, shapes=None):
         g = gdn_fn(xs, cu)
         base = None
         for spec in specs:
-            _restore(saved)
+            tuning.restore(saved)
             try:
                 tuning.update(spec)
                 for x in xs:
@@ -567,7 +559,7 @@ def variants(specs, prof=False, shapes=None):
                 kernel_times(run, f"gdn kernels at {name}, {json.dumps(spec)}, fwd+bwd", top=14)
                 print(f"gdn host ms at {name}, {json.dumps(spec)}: fwd {h_f:.3f}, fwd+bwd {host_ms(run):.3f}")
                 host_times(run, f"gdn host at {name}, {json.dumps(spec)}, fwd+bwd")
-        _restore(saved)
+        tuning.restore(saved)
         del xs
         torch.cuda.empty_cache()
 

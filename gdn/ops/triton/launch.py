@@ -252,8 +252,7 @@ def _keyed(vals, constexpr) -> tuple:
     dk = tuple(map(getattr, ds, repeat("launch_key"), repeat(None))) if ds else ()
     if None in dk:
         dk = tuple(_arg_key(d, False) for d in ds)
-    ik = tuple((v == 1, not v % 16, -_I32 <= v < _I32, v >= _U63) for v in ints(vals))
-    return (types, dts, aligned, dk, ik, consts(vals)), at, ptrs
+    return (types, dts, aligned, dk, tuple(map(_int_key, ints(vals))), consts(vals)), at, ptrs
 
 
 _PLANS: dict = {}
@@ -305,7 +304,7 @@ def _arg_key(v, constexpr: bool):
         return v.dtype, v.data_ptr() % 16 == 0
     t = type(v)
     if t is int:
-        return v == 1, v % 16 == 0, -_I32 <= v < _I32, v >= _U63
+        return _int_key(v)
     if t is float or t is bool or v is None:
         return t
     if t in _DESCRIPTORS:  # (one made with its key known, e.g. fused_bwd._tiles', carries it)
@@ -314,6 +313,11 @@ def _arg_key(v, constexpr: bool):
             return key
         return descriptor_key(t, v.base.dtype, v.block_shape, getattr(v, "layout", None), getattr(v, "padding", None))
     raise TypeError(f"no launch key for {t.__name__}")
+
+
+def _int_key(v: int) -> tuple:
+    """What Triton specialises an int argument on: being 1, divisibility by 16, its width."""
+    return v == 1, v % 16 == 0, -_I32 <= v < _I32, v >= _U63
 
 
 def descriptor_key(kind, dtype, block, layout, padding) -> int:
