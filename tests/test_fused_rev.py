@@ -73,25 +73,35 @@ def test_slices_carry_the_state_gradient(card):
     assert all(g == (8 * 16,) for g, _ in rev), rev
 
 
-def test_few_long_sequences_run_as_segments(card):
+def test_few_long_sequences_run_as_segments_slice_by_slice(card):
     """1 × 32768 at 16 heads: 16 programs would leave the card idle; warm-started segments give at
-    most one program a multiprocessor, each warm-up count (after the segment) from warm_plan."""
+    most one program a multiprocessor, each warm-up count (after the segment) from warm_plan. Their
+    dS_out of every chunk would take 256 MiB, over the budget: the segments run slice by slice,
+    tails first, each slice then the per-chunk kernel over its chunks; the first slice warm-started,
+    storing the dS entering each program (``CARRY``), the later ones starting from it."""
     launches = _backward(1, 32768, 16, 16, 128, 128, h0=True)
     names = [n for n, _, _ in launches]
     assert "state_bwd_kernel" not in names and "dv_local_kernel" not in names, names
-    (grid, meta), = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
-    assert meta["WARM"] and meta["USE_DHT"] and meta["USE_INIT"] and SMS // 2 < grid[0] <= SMS, (grid, meta)
+    rev = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
+    n = _slices(256)
+    assert n > 1 and len(rev) == n and [x for x in names if x in ("fused_rev_kernel", "fused_bwd_kernel")] == [
+        "fused_rev_kernel", "fused_bwd_kernel"] * n, names
+    (grid, meta), rest = rev[0], rev[1:]
+    assert meta["WARM"] and meta["CARRY"] and meta["USE_DHT"] and meta["USE_INIT"], meta
+    assert SMS // 2 < grid[0] <= SMS, grid
+    assert all(g == grid and not m["WARM"] and not m["CARRY"] and m["USE_DHT"] and m["USE_INIT"] for g, m in rest), rest
     plans = [m for n, _, m in launches if n == "warm_plan_kernel"]
     assert plans[-1]["AFTER"] and names.index("warm_plan_kernel", names.index("fused_fwd_kernel")) < names.index(
         "fused_rev_kernel"), names
 
 
-def test_slices_rather_than_segments_where_the_programs_fill_enough(card):
-    """(4, 8192) at 16 heads: 64 programs, half the card; segments would keep all 512 chunks' dS_out
-    (256 MiB) at once, so the pass runs in slices of the budget instead (fill_sliced), unsplit."""
+def test_half_the_card_runs_as_segments_slice_by_slice(card):
+    """(4, 8192) at 16 heads: 64 programs, half the card: warm-started segments (one program a
+    multiprocessor), and as all 512 chunks' dS_out would take 256 MiB, slice by slice."""
     launches = _backward(4, 8192, 16, 16, 128, 128)
-    rev = [m for n, _, m in launches if n == "fused_rev_kernel"]
-    assert len(rev) == _slices(256) and not any(m["WARM"] for m in rev), [n for n, _, _ in launches]
+    rev = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
+    assert len(rev) == _slices(256) and rev[0][1]["WARM"] and rev[0][1]["CARRY"], [n for n, _, _ in launches]
+    assert all(SMS // 2 < g[0] <= SMS for g, _ in rev) and not any(m["WARM"] for _, m in rev[1:]), rev
 
 
 def test_value_heads_of_256_run_as_two_value_tiles(card, monkeypatch):
@@ -114,10 +124,12 @@ def test_value_heads_of_256_run_as_two_value_tiles(card, monkeypatch):
 
 
 def test_unsplit_passes_that_leave_half_the_card_idle_run_on_narrower_tiles(card, monkeypatch):
-    """plain_tile: (4, 8192, 16, 128), sliced, has 64 (sequence, value head) pairs: each runs as two
-    programs of 64 value columns (128 programs, one wave of 132), dO read and dh written in [64, 64]
-    and [K, 64] blocks; (8, 2048, 16, 128) has 128 pairs, which would take two waves so: 128-wide.
-    The backward's recomputed state pass keeps its own tile (``fused_states``)."""
+    """plain_tile: (4, 8192, 16, 128) with the split off, sliced, has 64 (sequence, value head)
+    pairs: each runs as two programs of 64 value columns (128 programs, one wave of 132), dO read
+    and dh written in [64, 64] and [K, 64] blocks; (8, 2048, 16, 128) has 128 pairs, which would
+    take two waves so: 128-wide. The backward's recomputed state pass keeps its own tile
+    (``fused_states``)."""
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], L=0))
     launches = _record(4, 8192, 16, 16, 128, 128)[1]
     rev = [(grid, dict(zip(kernel.arg_names, args)) | meta) for kernel, grid, args, meta in launches
            if kernel.fn.__name__ == "fused_rev_kernel"]
@@ -137,22 +149,22 @@ def test_unsplit_passes_that_leave_half_the_card_idle_run_on_narrower_tiles(card
 def test_value_heads_of_256_split_counting_every_tile(card):
     """1 × 32768 at 16 heads of V = 256: 32 programs; the segments keep at most one program a
     multiprocessor counting both value tiles, and warm_plan runs once per (segment, head), its
-    counts shared by the head's value tiles."""
+    counts shared by the head's value tiles (the first, warm-started slice of the sliced pass)."""
     launches = _backward(1, 32768, 16, 16, 128, 256, h0=True)
-    (grid, meta), = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
+    (grid, meta), *_ = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
     assert meta["WARM"] and SMS // 2 < grid[0] <= SMS, (grid, meta)
     plan_grid = [g for n, g, _ in launches if n == "warm_plan_kernel"][-1]
     assert grid[0] == plan_grid[0] * plan_grid[1] * 2 and plan_grid[1] == 16, (grid, plan_grid)
 
 
 def test_value_tiles_count_towards_filling_the_card_sliced(card):
-    """(2, 8192) at 16 heads of V = 256: dS_out of every chunk would take 256 MiB; the 2 · 16 · 2 = 64
-    programs (counting the 128-wide value tiles) reach fill_sliced's quarter of the card, so the pass
-    runs sliced, unsplit, rather than as segments, on 64-wide tiles (128 programs: one wave)."""
+    """(2, 8192) at 16 heads of V = 256: the 2 · 16 · 2 = 64 programs (counting the 128-wide value
+    tiles) run as two warm-started segments a sequence (128 programs: one a multiprocessor), and
+    as dS_out of every chunk would take 256 MiB, slice by slice."""
     launches = _backward(2, 8192, 16, 16, 128, 256)
     rev = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
-    assert len(rev) == _slices(256) and not any(m["WARM"] for _, m in rev), [n for n, _, _ in launches]
-    assert all(g == (2 * 16 * 4,) and m["VT"] == 64 for g, m in rev), rev
+    assert len(rev) == _slices(256) and rev[0][1]["WARM"], [n for n, _, _ in launches]
+    assert all(g == (2 * 2 * 16 * 2,) and m["VT"] == 128 for g, m in rev), rev
 
 
 def test_usable_value_widths(card):
@@ -189,13 +201,15 @@ print(json.dumps([G.reverse_resources(K, V, warm=w) for K, V, w in ((128, 128, F
                                                                     (64, 64, True), (128, 64, False),
                                                                     (128, 256, False), (128, 256, True),
                                                                     (64, 256, True))]
+                 + [G.reverse_resources(128, 128, warm=True, carry=True)]
                  + [G.reverse_resources(128, 128, regs=(24, 152, 152))]))
 """
 
 
 def test_compiles_without_spills_in_shared_memory():
-    """sm_90 at the launch setting: no spills at K = V = 128 (whole sequences and warm-started
-    segments), the narrower heads and V = 256 (each program on a 128-wide value tile: K = 128 whole
+    """sm_90 at the launch setting: no spills at K = V = 128 (whole sequences, warm-started segments
+    and the first slice of sliced ones), the narrower heads and V = 256 (each program on a
+    128-wide value tile: K = 128 whole
     and segmented, K = 64 segmented, its shared memory the V = 128 program's), within the
     card's 227 KB of shared memory; the ring's tiles (q, k, dO, T in two slots) and the handed ones
     (dS, Pᵀ, L, dδ, Z, dÕ) are most of it; the local warpgroup needs the registers the setting gives
@@ -210,4 +224,5 @@ def test_compiles_without_spills_in_shared_memory():
     assert tiles <= fits[0]["shared"] <= 227 * 1024, (tiles, fits[0])
     assert all(r["spill"] == 0 for r in fits), fits
     assert fits[4]["shared"] == fits[0]["shared"] and fits[5]["shared"] == fits[1]["shared"], fits
+    assert fits[7]["shared"] == fits[1]["shared"], fits
     assert tight["spill"] > 0, tight

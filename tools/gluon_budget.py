@@ -162,11 +162,12 @@ def forward_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
 
 
 def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg: int | None = None,
-                      warm: bool = False, VT: int | None = None) -> dict:
+                      warm: bool = False, VT: int | None = None, carry: bool = False) -> dict:
     """{"regs", "spill", "shared"} of the warp-specialised reverse pass
     (:func:`gdn.ops.delta.triton.fused_rev.fused_rev_kernel`, bf16, final- and initial-state
     gradients) compiled for sm_90 at the launch setting (or the given ring slots, partition registers
-    and maxnreg; ``warm``: the warm-started segments' form), each program on a value tile of
+    and maxnreg; ``warm``: the warm-started segments' form, ``carry``: its sliced form's first
+    slice, dS entering every program stored), each program on a value tile of
     ``fused_fwd.value_tile(V, "fused_rev")`` columns as the launch takes it (or ``VT``)."""
     from gdn.ops.delta.triton import fused_bwd as B  # noqa: PLC0415
     from gdn.ops.delta.triton import fused_fwd as FF  # noqa: PLC0415
@@ -184,7 +185,7 @@ def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
     sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, VT), a_t=desc(64, 64), dh_t=desc(K, VT), G="*fp32",
                beta="*fp32", dht="*fp32", dh0="*fp32", DD="*bf16", cu="*i32", ends="*i32", off="*i32", plan="*i32",
                seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
-    const = dict(K=K, V=V, VT=VT, NS=NS, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, WARM=warm,
+    const = dict(K=K, V=V, VT=VT, NS=NS, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, WARM=warm, CARRY=carry,
                  R_COPY=regs[0], R_DELTA=regs[1], R_LOCAL=regs[2])
     sig.update({n: "constexpr" for n in const})
     names = F.fused_rev_kernel.arg_names

@@ -81,9 +81,9 @@ DELTA = {
     # state pass forms δ from T⁻¹ (as state_fwd's from_inverse) and this pass forms Wᵀ dδ as
     # Kᵀ diag(βΓ) (Tᵀ dδ), one more [64, 64] × [64, BV] product per chunk step. H200 fwd+bwd:
     # (4, 8192) 2.867 → 2.627 ms, Qwen3.5-397B 12.533 → 11.672 (docs/TRITON.md).
-    # slice_MB (the plain pass; 0: never): where dS_out of every chunk would take more than this, the
-    # reverse pass and the per-chunk stage run slice by slice (chunk_bwd.backward), dh holding one
-    # slice's chunks. 44: (8, 2048, 16, 128) in three slices, its forward+backward peak 0.48 → 0.46
+    # slice_MB (0: never): where dS_out of every chunk would take more than this, the reverse pass
+    # and the per-chunk stage run slice by slice (chunk_bwd.backward), dh holding one slice's
+    # chunks. 44: (8, 2048, 16, 128) in three slices, its forward+backward peak 0.48 → 0.46
     # GiB (H200, ops_gpu.py --variants; four slices instead of six at (4, 8192) kept 0.88 against
     # 0.87 GiB, 2.167 against 2.228 ms). max_slices caps the count: each slice costs ≈ 22 µs of GPU
     # time (the per-chunk kernel's last wave, the reverse chain's pipeline filling again) and two or
@@ -91,10 +91,15 @@ DELTA = {
     # is already small beside it (Qwen3.5-397B: four slices of 256 MiB rather than 24 of 43, peak
     # 4.27 → 3.53 GiB at 8.33 → 8.40 ms; (8, 2048): 0.53 → 0.46 GiB at 1.43 → 1.71 ms, the
     # slices' launches on the host, which the forward+backward of one op waits for). The
-    # warm-started split is not sliced: cut into four runs of the token stream, each with
-    # warm-started segments of its own, 1 × 32768 took 0.88 GiB instead of 1.07 but 2.59–2.93 ms
-    # instead of 1.92 (every run walks every segment's warm-up again); packed 12 sequences 2.35
-    # against 2.08 ms.
+    # warm-started split is sliced within its segments, tails first, the dS entering each slice
+    # carried to the next, so each segment walks its warm-up once (cutting the token stream into
+    # runs with warm-started segments of their own walked every warm-up again: 1 × 32768 at 2.59–
+    # 2.93 ms instead of 1.92). H200, one process, unsliced → four slices (fwd+bwd ms, peak GiB):
+    # 1 × 32768 1.910, 1.07 → 2.015, 0.89; HV = 32 at 1 × 8192 1.606, 0.53 → 1.745, 0.46; packed
+    # 12 sequences 2.069, 1.07 → 2.265, 0.94. With the split sliced too, the reverse pass splits
+    # wherever split_len would (it ran sliced and unsplit where the programs filled a quarter of
+    # the card): (4, 8192) 2.039 → 2.004 ms at 0.88 → 0.89 GiB, Qwen3.5-397B 7.796 → 7.485 at
+    # 3.53, the 340m layer 1.565 → 1.390 (docs/BENCHMARKS.md).
     "state_bwd": dict(num_warps=4, waves=True, SV=8192, BV_min=16,
                       stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True})),
                       TMA=False, from_inverse=True, slice_MB=44, max_slices=4),
@@ -140,14 +145,11 @@ DELTA = {
     # with K of 64 or 128 and V of 64, 128 or 256 (value tiles of at most 128, as fused_fwd), but
     # for the chained split: a state, a δ and a local warpgroup and a copy warp, as fused_fwd. regs:
     # the copy, δ and local partitions' registers a thread.
-    # fill_sliced: where dS_out of every chunk would pass state_bwd's slice_MB, the pass splits into
-    # warm-started segments (which keep every chunk's dS_out at once) only if the programs of the
-    # longest sequences number fewer than this times the multiprocessors; else it runs sliced.
     # VT: the value tile (at most 128); narrow: the tile of an unsplit pass whose programs on it
     # still fit one wave (fused_rev.plain_tile: the latency-bound chain finishes sooner on twice
     # the programs where half the card would idle; 0 never).
-    "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, fill_sliced=0.25,
-                      VT=128, narrow=64),
+    "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, VT=128,
+                      narrow=64),
     "cumsum": dict(num_warps=1, stages=(1,)),
     "warm_plan": dict(num_warps=4, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in

@@ -249,19 +249,26 @@ def test_warm_split_state_pass(member, L, fused, monkeypatch):
     assert not bad, bad
 
 
-def test_warm_split_reverse_pass_is_not_sliced(monkeypatch):
-    """dh over the slicing budget: the warm-started split still runs one reverse pass over every
-    segment (a slice would walk each segment's warm-up again), with the reference's results."""
+@pytest.mark.parametrize("slice_mb,slices", [(0.04, 2), pytest.param(1e-6, 3, marks=pytest.mark.slow)])
+def test_warm_split_reverse_pass_sliced(slice_mb, slices, monkeypatch):
+    """dh over the slicing budget with the warm-started split (segments of three chunks): the reverse
+    pass runs slice by slice within the segments, counted from their ends (the first slice warms
+    each segment up and carries the dS entering it out, the later ones go on from that), on packed
+    sequences with an empty, a one-token, a one-segment and a two-segment member, an initial state
+    and a final-state gradient: the reference's gradients, and the unsliced backward's bit for bit."""
     from gdn.ops.delta.triton import chunk_bwd
 
-    _warm(monkeypatch, 1)
-    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=1e-6, max_slices=8))
+    args = dict(B=1, T=458, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 328, 64], seed=15)
+    _warm(monkeypatch, 3)
+    whole = _grads("gated_delta_rule", **args)
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=slice_mb, max_slices=8))
     seen = _record_launches(monkeypatch, chunk_bwd)
-    errs = _run_both("gated_delta_rule", B=1, T=330, H=1, HV=2, K=16, V=32, dtype=torch.float32,
-                     lens=[65, 1, 0, 200, 64], seed=15)
+    errs = _run_both("gated_delta_rule", **args)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
     assert not bad, bad
-    assert sum(name == "state_bwd_kernel" for name, _ in seen) == 1, seen
+    assert sum(name == "state_bwd_kernel" for name, _ in seen) == slices, seen
+    sliced = _grads("gated_delta_rule", **args)
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced)), [(a - b).abs().max() for a, b in zip(whole, sliced)]
 
 
 def _decaying(T, g_value, key_scale=1.0, seed=13):

@@ -161,6 +161,41 @@ def _slices(ch: "Chunks", L: int, device: torch.device) -> list[Slice]:
     return [Slice(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3].view(nt, 2), nt) for i, nt in enumerate(out)]
 
 
+def make_segment_slices(ch: "Chunks", L: int, S: int, device: torch.device) -> list[Slice]:
+    """The segments of ``L`` chunks (:func:`make_segments`) cut into slices of ``S`` chunks counted
+    from each segment's end (slice j: its chunks [n − (j + 1)S, n − jS) of n, empty where it has no
+    more), tails first: the order in which a sliced warm-started reverse pass runs them, whose first
+    slice warms every segment up from its end and whose later ones go on from the dS carried out of
+    the slice before. A slice's starts, ends and off are per segment; its chunk_idx names the real
+    (sequence, chunk in sequence). Built on the host in numpy (no sync), once per layout, L, S and
+    device."""
+    return _memo(ch, ("segment slices", L, S, device), lambda: _segment_slices(ch, L, S, device))
+
+
+def _segment_slices(ch: "Chunks", L: int, S: int, device: torch.device) -> list[Slice]:
+    per, cu = ch.host_per.numpy().astype(np.int64), ch.host_cu.numpy().astype(np.int64)
+    count = (per + L - 1) // L
+    seq = np.repeat(np.arange(len(count)), count)  # each segment's sequence
+    inner = np.arange(len(seq)) - np.concatenate([[0], np.cumsum(count)[:-1]])[seq]
+    c0 = inner * L  # each segment's first chunk in its sequence
+    n = np.minimum(per[seq] - c0, L)  # its chunks
+    bos = cu[:-1][seq] + c0 * BT
+    seg_end = np.minimum(bos + n * BT, cu[1:][seq])
+    out, arrays = [], []
+    for j in range(cdiv(L, S)):
+        a, b = np.maximum(n - (j + 1) * S, 0), np.maximum(n - j * S, 0)
+        cnt = b - a
+        starts = bos + a * BT
+        ends = np.where(b == n, seg_end, bos + b * BT)
+        off = np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.int64)
+        owner = np.repeat(np.arange(len(seq)), cnt)
+        idx = np.stack([seq[owner], c0[owner] + a[owner] + np.arange(int(cnt.sum())) - off[owner]], axis=1)
+        arrays += [starts, ends, off, idx.reshape(-1)]
+        out.append(int(cnt.sum()))
+    d = to_device_many(arrays, device)
+    return [Slice(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3].view(nt, 2), nt) for i, nt in enumerate(out)]
+
+
 @functools.lru_cache(maxsize=64)
 def _dense_chunks(B: int, T: int, device: torch.device) -> Chunks:
     """The chunk layout of B rows of T tokens, built once per (B, T, device): a call at a shape seen

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, gate_load,
-                              launch, make_segments, make_slices, pow2, sm_count, tl_dtype, value_cols)
+                              launch, make_segment_slices, make_segments, make_slices, pow2, sm_count, tl_dtype,
+                              value_cols)
 from ... import tuning
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
@@ -157,7 +158,8 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, ends, chunk_off,
                      BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
                      USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr,
                      AUG: tl.constexpr = False, QS: tl.constexpr = False, TMA: tl.constexpr = False,
-                     WARM: tl.constexpr = False, LOG_EPS: tl.constexpr = -16.0, FROM_INV: tl.constexpr = False):
+                     WARM: tl.constexpr = False, LOG_EPS: tl.constexpr = -16.0, FROM_INV: tl.constexpr = False,
+                     CARRY: tl.constexpr = False):
     """Reverse pass over one sequence's chunks: dh[c] = dS_out of chunk c, DD = dδ, dh0 = dS_0.
     Runs the sequence's own chunk count of steps, last chunk first, like the forward pass. Program
     n takes tokens [cu[n], ends[n]) (``ends`` is ``cu[1:]`` but for a slice of the sequences,
@@ -182,7 +184,8 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, ends, chunk_off,
     program walks forward over the chunks after it, adding up ``chunk_log_bound`` (β and k read for
     it), until the bound falls to ``LOG_EPS`` or the sequence ends, runs those chunks in reverse from
     a zero dS (from dht at the sequence end) storing nothing, then its own; the first segment of a
-    sequence stores dS_0."""
+    sequence stores dS_0. With ``CARRY`` every program stores the dS entering its range at its own
+    index of dh0 instead (a sliced warm-started pass: the later slices start from it)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -227,7 +230,11 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, ends, chunk_off,
                                    p_s, scale, H, HV, K, V, BT, USE_G, DELTA, PREC, DT, AUG, QS, TMA, i_v * BV,
                                    j >= nw, FROM_INV, beta)
     if USE_INIT:
-        tl.store(dh0 + (i_seq * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_ds,
+        i_0 = i_seq
+        if CARRY:
+            i_0 = i_n
+            first = True
+        tl.store(dh0 + (i_0 * HV + i_hv).to(tl.int64) * K * NV + o_k[:, None] * NV + o_v[None, :], b_ds,
                  mask=mkv & first)
 
 
@@ -407,23 +414,17 @@ def wy_bwd_kernel(k, v, g, beta, Ai, DD, DW, DK, DKO, DV, DB, DGAM, DG, cu, chun
         tl.store(DG + rows * HV + i_hv, b_dg, mask=m)
 
 
-def _reverse_pass(q, g, beta, ch: Chunks, HV: int, K: int, V: int, from_inv: bool, dh_bytes: int, budget: float,
-                  tiles: int):
+def _reverse_pass(q, g, beta, ch: Chunks, HV: int, K: int, V: int, from_inv: bool, tiles: int):
     """(the fused_rev module or None, segment length L or 0) of a backward's reverse pass: the
     warp-specialised pass (delta.triton.fused_rev: dv_local's work inside, one program per sequence
     or warm-started segment, value head and value tile, at most one a multiprocessor: its shared
     memory takes one whole) where it takes the call and the split, if any, is warm-started; else
-    None (dv_local, then state_bwd in ``tiles`` value tiles a head). The fused pass's segments keep
-    every chunk's dS_out at once, so where dh would be sliced (``dh_bytes`` over ``budget``) it
-    splits only if its programs fill less than ``DELTA["fused_rev"]["fill_sliced"]`` of the card."""
+    None (dv_local, then state_bwd in ``tiles`` value tiles a head). Either runs sliced where dh
+    would pass the budget (:func:`backward`)."""
     dev, warm = q.device, warm_split(g)
     rev = _fused_rev() if from_inv else None
     if rev is not None and rev.usable(q, g, beta, K, V):
-        nvt = rev.value_tiles(V)  # programs per (sequence, value head)
-        L = split_len(ch, HV, nvt, dev, warm, per_sm=1)
-        if (L and budget and dh_bytes > budget
-                and ch.long_sequences * HV * nvt >= DELTA["fused_rev"]["fill_sliced"] * sm_count(dev)):
-            L = 0
+        L = split_len(ch, HV, rev.value_tiles(V), dev, warm, per_sm=1)
         if not L or warm:
             return rev, L
     return None, split_len(ch, HV, tiles, dev, warm)
@@ -448,11 +449,11 @@ def _decisions(q, g, beta, ch: Chunks, HV: int, K: int, V: int, from_inv: bool, 
         WV = min(tiles("state_bwd", K, V)[1], 32)
         budget = DELTA["state_bwd"]["slice_MB"] * 2 ** 20
         dh_bytes = ch.NT * HV * K * V * size  # dS_out of every chunk
-        rev, L = _reverse_pass(q, g, beta, ch, HV, K, V, from_inv, dh_bytes, budget,
-                               cdiv(V, WV if warm_split(g) else st[1]))
-        # the number of slices of the plain reverse pass (below)
-        nsl = 1 if L or not budget else max(1, min(ch.max_nc, DELTA["state_bwd"]["max_slices"],
-                                                    cdiv(dh_bytes, max(1, int(budget)))))
+        rev, L = _reverse_pass(q, g, beta, ch, HV, K, V, from_inv, cdiv(V, WV if warm_split(g) else st[1]))
+        # the number of slices of the plain or warm-started reverse pass (below; the chained split
+        # is not sliced)
+        nsl = 1 if not budget or (L and not warm_split(g)) else max(1, min(
+            L or ch.max_nc, DELTA["state_bwd"]["max_slices"], cdiv(dh_bytes, max(1, int(budget)))))
         hit = ch.memo[key] = (st, WV, rev, L, nsl)
     return hit
 
@@ -524,18 +525,44 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # dδ is written over dδ_loc (each program reads a chunk's rows before it writes them, and no
     # other program's), except by the warm-started split, whose warm-up reads the next segment's rows
     DD = torch.empty(T, HV, V, device=dev, dtype=io) if warm and rev is None else DVL
-    # Sliced reverse pass (the plain one, where dS_out of every chunk would take more than
+    # Sliced reverse pass (where dS_out of every chunk would take more than
     # DELTA["state_bwd"]["slice_MB"]; in at most max_slices slices): the chunk positions are cut into
     # slices, run last first, each the reverse pass over its chunks (from the dS carried out of the
     # slice after it) and then the per-chunk kernels over them, so that dh holds one slice's chunks
-    # instead of all. The split passes are not sliced: each slice would cut every warm-started
-    # segment short and walk its warm-up again (DELTA["state_bwd"]).
-    slices = make_slices(ch, cdiv(ch.max_nc, nsl), dev) if nsl > 1 else None
+    # instead of all. The plain pass slices every sequence's chunks; the warm-started split slices
+    # every segment's, counted from its end: its first slice warms each segment up once and carries
+    # the dS entering the slice out, the later ones go on from it (no warm-up walked again).
+    slices = None
+    if nsl > 1:
+        slices = (make_segment_slices(ch, L, cdiv(L, nsl), dev) if warm
+                  else make_slices(ch, cdiv(ch.max_nc, nsl), dev))
     dh = torch.empty(max(sl.NT for sl in slices) if slices else ch.NT, HV, K, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None and not slices else None
     per_chunk = _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch, scale, grad_dtype, dv_dtype)
     del h, VN
-    if warm:
+    if warm and slices:
+        sg = make_segments(ch, L, dev)
+        carry = torch.empty(sg.NS, HV, K, V, device=dev, dtype=f32)  # dS entering each segment's slice
+        if rev is not None:
+            run = rev.reverser(q, k, do, gs, beta, Ai, dh, DD, scale)
+            plan = (warm_plan(k, beta, gs, sg, ch, HV, after=True), sg.seq, ch.cu)
+        for j, sl in enumerate(slices):
+            last = j == len(slices) - 1
+            keep = carry if not last or h0 is not None else None
+            d_end = dht if j == 0 else carry
+            if rev is not None:
+                run(d_end, keep, sl.starts, sl.ends, sl.off, sg.NS, warm=plan if j == 0 else None, carry=j == 0)
+            else:
+                launch(state_bwd_kernel, (cdiv(V, WV), sg.NS * HV), q, k, gs, Wp, do, DVL,
+                       d_end if d_end is not None else dummy, dh, DD, keep if keep is not None else dummy,
+                       sl.starts, sl.ends, sl.off, scale, BV=WV, USE_DHT=d_end is not None, USE_INIT=keep is not None,
+                       WARM=j == 0, CARRY=j == 0, LOG_EPS=float(DELTA["split"]["log_eps"]),
+                       **dict(common, seg_seq=sg.seq))
+            outs = per_chunk(sl.chunk_idx, sl.NT, last)
+        if h0 is not None:  # dS_0 of a sequence: the dS entering its first segment
+            dh0 = torch.index_select(carry, 0, sg.first.clamp(max=max(sg.NS - 1, 0)))
+        fill_empty(dh0, dht, ch)
+    elif warm:
         # Warm-started split reverse pass (fused_rev's or state_bwd_kernel's WARM form), as in the forward
         sg = make_segments(ch, L, dev)
         if rev is not None:

@@ -101,14 +101,15 @@ def _copies(q_t, k_t, do_t, a_t, ring_q, ring_k, ring_do, ring_a, ready, empty, 
 def _state(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready, o_empty, z_buf, z_ready, z_empty,
            G, dht, dh0, dh_t, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, K: gl.constexpr,
            V: gl.constexpr, VT: gl.constexpr, DT: gl.constexpr, USE_DHT: gl.constexpr, USE_INIT: gl.constexpr,
-           WARM: gl.constexpr):
+           WARM: gl.constexpr, CARRY: gl.constexpr):
     """The state warpgroup: dS [K, VT] (the head's [K, V] state gradient's value columns from
     ``col``) in fp32 registers from dht (or zero), published in 16 bits per chunk and copied to dh
     (descriptor dh_t of [chunks · HV · K, V] in [K, VT] blocks, at column ``col`` of the chunk's
     index off[i_n] + its index in the program's chunks), updated to Γ_C dS + Qᵀ dÕ + Kᵀ Z; dS_in of
     the first chunk to dh0 (dht and dh0 read and written at the tile's columns). ``WARM``: it starts
     from dht only where its warm-up reaches the sequence's end, stores nothing on warm-up chunks and
-    dS_in only if the segment starts the sequence."""
+    dS_in only if the segment starts the sequence; ``CARRY``: dS_in of every program, at its own
+    index of dh0."""
     NS: gl.constexpr = ring_k.shape[0]
     l_s: gl.constexpr = acc_layout(VT, WG)
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
@@ -144,6 +145,9 @@ def _state(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready
         mbarrier.arrive(z_empty, count=1)
         mbarrier.arrive(empty.index(s), count=1)
     if USE_INIT:
+        if CARRY:
+            at_start = True
+            base = (i_n * HV + i_hv).to(gl.int64) * K * V
         gl.store(dh0 + base + o_k[:, None] * V + o_v[None, :], b_s, mask=(o_k < K)[:, None] & at_start)
     tma.store_wait(0)
 
@@ -243,8 +247,8 @@ def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty
 @gluon.jit
 def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, cu, ends, off, plan, seg_seq, seq_cu, scale, H,
                      HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr,
-                     USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr,
-                     R_DELTA: gl.constexpr, R_LOCAL: gl.constexpr):
+                     USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, CARRY: gl.constexpr,
+                     R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_LOCAL: gl.constexpr):
     """One program per (sequence, value head, value tile) over tokens [cu[i_n], ends[i_n]) (a slice
     of the sequence where the caller cuts the pass: chunk_bwd.backward), last chunk first: V the
     head's value width (the row length of do, DD, dht, dh0, dh), VT the program's tile of it (V a
@@ -259,7 +263,8 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, cu, ends,
     sequences' bounds, plan [NS, HV] the warm-up chunks after each: split.warm_plan with ``after``,
     one count per segment and head, shared by the head's value tiles), each starting from a zero dS
     that many chunks after its end (from dht where that reaches the sequence's end), as
-    state_bwd_kernel's ``WARM`` form; dht and dh0 are then per sequence. R_*: the registers a
+    state_bwd_kernel's ``WARM`` form; dht and dh0 are then per sequence (with ``CARRY``, dh0 per
+    program: the dS entering each, which a sliced pass's later slices start from). R_*: the registers a
     thread of the copy, δ and local partitions holds (the state's partition takes the rest of the
     launch's ``maxnreg`` budget)."""
     NVT: gl.constexpr = V // VT
@@ -289,7 +294,7 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, cu, ends,
     gl.warp_specialize([
         (_state, (ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready, o_empty, z_buf, z_ready,
                   z_empty, G, dht, dh0, dh_t, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, K, V, VT,
-                  DT, USE_DHT, USE_INIT, WARM)),
+                  DT, USE_DHT, USE_INIT, WARM, CARRY)),
         (_copies, (q_t, k_t, do_t, a_t, ring_q, ring_k, ring_do, ring_a, ready, empty, cu, ends, plan, seg_seq,
                    seq_cu, i_n, i_h, i_hv, col, HV, K, V, VT, WARM)),
         (_delta, (ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready, l_empty, d_buf, z_buf,
@@ -338,10 +343,11 @@ def reverse(q, k, do, G, beta, Ai, dht, dh, DD, dh0, cu, ends, off, N: int, scal
 
 
 def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None):
-    """:func:`reverse` over these tensors as ``run(dht, dh0, cu, ends, off, N, warm=None)``, with
-    the tensor descriptors made once for every launch (a sliced backward launches the pass once a
+    """:func:`reverse` over these tensors as ``run(dht, dh0, cu, ends, off, N, warm=None, carry=False)``,
+    with the tensor descriptors made once for every launch (a sliced backward launches the pass once a
     slice over the same tensors); programs on value tiles of ``VT`` columns (default
-    :func:`value_tiles`' tile; :func:`plain_tile` for an unsplit pass)."""
+    :func:`value_tiles`' tile; :func:`plain_tile` for an unsplit pass). ``carry`` (with ``warm``):
+    dh0 [N, HV, K, V] takes the dS entering each program's range (the kernel's ``CARRY``)."""
     T, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     VT = value_tile(V, "fused_rev") if VT is None else VT
@@ -356,12 +362,12 @@ def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None)
     r = tuple(c["regs"])
     programs = HV * (V // VT)
 
-    def run(dht, dh0, cu, ends, off, N: int, warm=None):
+    def run(dht, dh0, cu, ends, off, N: int, warm=None, carry: bool = False):
         plan, seg_seq, seq_cu = warm if warm is not None else (cu, cu, cu)
         launch(fused_rev_kernel, (N * programs,), q_t, k_t, do_t, a_t, dh_t, G, beta,
                dht if dht is not None else G, dh0 if dh0 is not None else G, DD, cu, ends, off, plan, seg_seq,
                seq_cu, scale, H, HV, K=K, V=V, VT=VT, NS=c["NS"], DT=DT, USE_DHT=dht is not None,
-               USE_INIT=dh0 is not None, WARM=warm is not None, R_COPY=r[0], R_DELTA=r[1], R_LOCAL=r[2],
+               USE_INIT=dh0 is not None, WARM=warm is not None, CARRY=carry, R_COPY=r[0], R_DELTA=r[1], R_LOCAL=r[2],
                maxnreg=c["maxnreg"], name="fused_rev")
 
     return run
