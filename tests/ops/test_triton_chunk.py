@@ -255,7 +255,8 @@ def test_warm_split_reverse_pass_sliced(slice_mb, slices, monkeypatch):
     pass runs slice by slice within the segments, counted from their ends (the first slice warms
     each segment up and carries the dS entering it out, the later ones go on from that), on packed
     sequences with an empty, a one-token, a one-segment and a two-segment member, an initial state
-    and a final-state gradient: the reference's gradients, and the unsliced backward's bit for bit."""
+    and a final-state gradient: the unsliced backward's gradients bit for bit (those are the
+    reference's: test_warm_split_state_pass)."""
     from gdn.ops.delta.triton import chunk_bwd
 
     args = dict(B=1, T=458, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 328, 64], seed=15)
@@ -263,11 +264,8 @@ def test_warm_split_reverse_pass_sliced(slice_mb, slices, monkeypatch):
     whole = _grads("gated_delta_rule", **args)
     monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=slice_mb, max_slices=8))
     seen = _record_launches(monkeypatch, chunk_bwd)
-    errs = _run_both("gated_delta_rule", **args)
-    bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
-    assert not bad, bad
-    assert sum(name == "state_bwd_kernel" for name, _ in seen) == slices, seen
     sliced = _grads("gated_delta_rule", **args)
+    assert sum(name == "state_bwd_kernel" for name, _ in seen) == slices, seen
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced)), [(a - b).abs().max() for a, b in zip(whole, sliced)]
 
 

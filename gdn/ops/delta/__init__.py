@@ -38,6 +38,9 @@ def run(impl: str, q, k, v, g, beta, *, scale=None, initial_state=None, output_f
         return reference.run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     if impl == CHUNK:
         return chunk.run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
-    fn = kernels.run_chunk if impl == TRITON_CHUNK else kernels.run_recurrent
+    # the kernels' entry points themselves, not run_chunk / run_recurrent: a call under torch.compile
+    # reaches this only through gdn.ops.library's custom ops (never traced), and the wrappers that
+    # keep dynamo out cost each eager call host time
+    fn = kernels.chunk_op if impl == TRITON_CHUNK else kernels.fused_recurrent_gated_delta_rule
     return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=cu_seqlens)

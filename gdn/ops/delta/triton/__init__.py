@@ -20,7 +20,7 @@ import torch
 from .chunk import chunk_op
 from .recurrent import fused_recurrent_gated_delta_rule
 
-__all__ = ["run_chunk", "run_recurrent"]
+__all__ = ["run_chunk", "run_recurrent", "chunk_op", "fused_recurrent_gated_delta_rule"]
 
 
 @torch.compiler.disable

@@ -14,6 +14,7 @@ import torch
 from . import chunk_bwd, chunk_fwd, split as split_mod
 from ...triton.common import Chunks, cast, group_sum, kernel_dtype, make_chunks, pad_zeros, pow2, sm_count
 from ...triton.launch import precompile
+from ...router import needs_grad
 from ... import tuning
 from ...tuning import DELTA, MIN_DIM
 
@@ -100,58 +101,70 @@ class ChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, scale: float, want_final: bool, ch: Chunks):
-        B, T, H, K = q.shape
-        HV, V = v.shape[2], v.shape[3]
-        io = kernel_dtype(q, k, v)  # one dtype for q, k, v and the intermediates
-        qp, kp, vp = cast(q.reshape(B * T, H, K), io), cast(k.reshape(B * T, H, K), io), cast(v.reshape(B * T, HV, V), io)
-        gp = None if g is None else cast(g.reshape(B * T, HV), torch.float32).contiguous()
-        bp = None if beta is None else cast(beta.reshape(B * T, HV), torch.float32).contiguous()
-        Kp, Vp = max(MIN_DIM, pow2(K)), max(MIN_DIM, pow2(V))
-        qp, kp, vp = pad_zeros(qp, 0, Kp - K), pad_zeros(kp, 0, Kp - K), pad_zeros(vp, 0, Vp - V)
-        h0p = pad_zeros(None if h0 is None else cast(h0, torch.float32), 0, Vp - V, 0, Kp - K)
-        # dq, dk, dv in the inputs' dtype when they are in it: dq and dk per value head too, each
-        # group's summed here in fp32 (group_sum) and rounded once more. fp32 partials would double
-        # the backward's largest buffers for grouped heads (Qwen3.5-397B, 64 value heads of 128:
-        # 2 GiB instead of 1) to save one rounding of each partial, of the size of the output's own
-        # rounding to its dtype
-        gdt = io if q.dtype == k.dtype == v.dtype == io else torch.float32
-        vdt = io if v.dtype == io else torch.float32
-        ws, lay, kind = _decisions(ch, qp, gp, bp, h0p, H, HV, Kp, Vp, want_final, gdt, vdt)
-        if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
-            def dry_run():  # the launches of one forward + backward, recorded by precompile, not run
-                dht = torch.empty(ch.N, HV, Kp, Vp, device=qp.device) if want_final else None
-                _, _, ai, gam = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0], ws)
-                chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt, gam, vdt)
+        return _chunk_forward(ctx, q, k, v, g, beta, h0, scale, want_final, ch)
 
-            precompile(kind, dry_run)
-        # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
-        # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
-        o, ht, Ai, G = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0], ws)
-        o = o if Vp == V else o[..., :V]
-        if ht is not None and (Kp, Vp) != (K, V):
-            ht = ht[..., :K, :V].contiguous()
+    @staticmethod
+    def backward(ctx, do, dht):
+        return _chunk_backward(ctx, do, dht)
+
+
+def _chunk_forward(ctx, q, k, v, g, beta, h0, scale: float, want_final: bool, ch: Chunks):
+    """(o, final state or None) of :class:`ChunkFunction`'s forward; what the backward needs goes
+    on ``ctx``, unless it is None (a call no gradient will flow through: no autograd node)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    io = kernel_dtype(q, k, v)  # one dtype for q, k, v and the intermediates
+    qp, kp, vp = cast(q.reshape(B * T, H, K), io), cast(k.reshape(B * T, H, K), io), cast(v.reshape(B * T, HV, V), io)
+    gp = None if g is None else cast(g.reshape(B * T, HV), torch.float32).contiguous()
+    bp = None if beta is None else cast(beta.reshape(B * T, HV), torch.float32).contiguous()
+    Kp, Vp = max(MIN_DIM, pow2(K)), max(MIN_DIM, pow2(V))
+    qp, kp, vp = pad_zeros(qp, 0, Kp - K), pad_zeros(kp, 0, Kp - K), pad_zeros(vp, 0, Vp - V)
+    h0p = pad_zeros(None if h0 is None else cast(h0, torch.float32), 0, Vp - V, 0, Kp - K)
+    # dq, dk, dv in the inputs' dtype when they are in it: dq and dk per value head too, each
+    # group's summed here in fp32 (group_sum) and rounded once more. fp32 partials would double
+    # the backward's largest buffers for grouped heads (Qwen3.5-397B, 64 value heads of 128:
+    # 2 GiB instead of 1) to save one rounding of each partial, of the size of the output's own
+    # rounding to its dtype
+    gdt = io if q.dtype == k.dtype == v.dtype == io else torch.float32
+    vdt = io if v.dtype == io else torch.float32
+    ws, lay, kind = _decisions(ch, qp, gp, bp, h0p, H, HV, Kp, Vp, want_final, gdt, vdt)
+    if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
+        def dry_run():  # the launches of one forward + backward, recorded by precompile, not run
+            dht = torch.empty(ch.N, HV, Kp, Vp, device=qp.device) if want_final else None
+            _, _, ai, gam = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0], ws)
+            chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt, gam, vdt)
+
+        precompile(kind, dry_run)
+    # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
+    # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
+    o, ht, Ai, G = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0], ws)
+    o = o if Vp == V else o[..., :V]
+    if ht is not None and (Kp, Vp) != (K, V):
+        ht = ht[..., :K, :V].contiguous()
+    if ctx is not None:
         ctx.save_for_backward(qp, kp, vp, gp, bp, h0p, Ai, G)
         ctx.meta = (B, T, H, HV, K, V, scale, ch, gdt, vdt, q.dtype, k.dtype, v.dtype,
                     None if g is None else g.dtype, None if beta is None else beta.dtype,
                     None if h0 is None else h0.dtype)
-        o = cast(o.reshape(B, T, HV, V), v.dtype)
-        return o, ht
+    o = cast(o.reshape(B, T, HV, V), v.dtype)
+    return o, ht
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        qp, kp, vp, gp, bp, h0p, Ai, G = ctx.saved_tensors
-        B, T, H, HV, K, V, scale, ch, gdt, vdt, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
-        Kp, Vp = kp.shape[-1], vp.shape[-1]
-        dop = pad_zeros(cast(do.reshape(B * T, HV, V), vp.dtype), 0, Vp - V)
-        dhtp = pad_zeros(None if dht is None else cast(dht, torch.float32), 0, Vp - V, 0, Kp - K)
-        DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale, Ai, gdt, G, vdt)
-        dq = group_sum(DQ.view(B, T, H, HV // H, Kp), K, q_dt)  # summed over each key head's value heads
-        dk = group_sum(DK.view(B, T, H, HV // H, Kp), K, k_dt)
-        dv = cast((DV if Vp == V else DV[..., :V]).reshape(B, T, HV, V), v_dt)
-        dg = None if DG is None else cast(DG.view(B, T, HV), g_dt)
-        db = None if DB is None else cast(DB.view(B, T, HV), b_dt)
-        dh0 = None if dh0 is None else dh0[..., :K, :V].to(h0_dt)
-        return dq, dk, dv, dg, db, dh0, None, None, None
+
+def _chunk_backward(ctx, do, dht):
+    """The gradients of :class:`ChunkFunction`'s inputs."""
+    qp, kp, vp, gp, bp, h0p, Ai, G = ctx.saved_tensors
+    B, T, H, HV, K, V, scale, ch, gdt, vdt, q_dt, k_dt, v_dt, g_dt, b_dt, h0_dt = ctx.meta
+    Kp, Vp = kp.shape[-1], vp.shape[-1]
+    dop = pad_zeros(cast(do.reshape(B * T, HV, V), vp.dtype), 0, Vp - V)
+    dhtp = pad_zeros(None if dht is None else cast(dht, torch.float32), 0, Vp - V, 0, Kp - K)
+    DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale, Ai, gdt, G, vdt)
+    dq = group_sum(DQ.view(B, T, H, HV // H, Kp), K, q_dt)  # summed over each key head's value heads
+    dk = group_sum(DK.view(B, T, H, HV // H, Kp), K, k_dt)
+    dv = cast((DV if Vp == V else DV[..., :V]).reshape(B, T, HV, V), v_dt)
+    dg = None if DG is None else cast(DG.view(B, T, HV), g_dt)
+    db = None if DB is None else cast(DB.view(B, T, HV), b_dt)
+    dh0 = None if dh0 is None else dh0[..., :K, :V].to(h0_dt)
+    return dq, dk, dv, dg, db, dh0, None, None, None
 
 
 def chunk_op(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
@@ -159,5 +172,8 @@ def chunk_op(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_s
     B, T, H, K = q.shape
     scale = K ** -0.5 if scale is None else float(scale)
     ch = make_chunks(B, T, cu_seqlens, q.device)
-    o, ht = ChunkFunction.apply(q, k, v, g, beta, initial_state, scale, bool(output_final_state), ch)
+    args = (q, k, v, g, beta, initial_state, scale, bool(output_final_state), ch)
+    # no autograd node where no gradient will flow (inference): Function.apply's own host time is
+    # about a tenth of a small call's
+    o, ht = ChunkFunction.apply(*args) if needs_grad(q, k, v, g, beta, initial_state) else _chunk_forward(None, *args)
     return o, (ht if output_final_state else None)
