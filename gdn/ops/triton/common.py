@@ -107,18 +107,26 @@ def _memo(ch: "Chunks", key, build):
     return ch.memo[key]
 
 
-def _segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
+def _segment_layout(ch: "Chunks", L: int) -> tuple:
+    """(count, first, seq, c0, bos, ends) of the segments of ``L`` chunks on the host (int64): each
+    sequence's segment count and first segment; each segment's sequence, first chunk in it, first
+    token and end."""
     per, cu = ch.host_per.numpy().astype(np.int64), ch.host_cu.numpy().astype(np.int64)
     count = (per + L - 1) // L
     first = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
-    NS = int(count.sum())
     seq = np.repeat(np.arange(len(count)), count)
-    inner = np.arange(NS) - first[seq]
-    chunk_first = np.concatenate([[0], np.cumsum(per)[:-1]]).astype(np.int64)
-    off = chunk_first[seq] + inner * L
-    bos = cu[:-1][seq] + inner * L * BT
+    c0 = (np.arange(len(seq)) - first[seq]) * L
+    bos = cu[:-1][seq] + c0 * BT
     # a sequence's last segment ends at its own end, which is the next segment's start (or the total)
     ends = np.minimum(bos + L * BT, cu[1:][seq])
+    return count, first, seq, c0, bos, ends
+
+
+def _segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
+    count, first, seq, c0, bos, ends = _segment_layout(ch, L)
+    NS = len(seq)
+    cu = ch.host_cu.numpy().astype(np.int64)
+    off = np.concatenate([[0], np.cumsum(ch.host_per.numpy().astype(np.int64))[:-1]])[seq] + c0
     seg_cu = np.concatenate([bos, ends[-1:]]) if NS else cu[-1:]
     assert NS == 0 or bool((seg_cu[1:-1] == ends[:-1]).all()), "segments must tile the token stream"
     d_cu, d_off, d_first, d_count, d_seq = to_device_many([seg_cu, off, first, count, seq], device)
@@ -127,12 +135,13 @@ def _segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
 
 @dataclass(frozen=True)
 class Slice:
-    """Chunk positions [a, b) of every sequence (one slice of :func:`make_slices`), as the reverse
-    pass and the per-chunk backward kernels take them. Tensors on the compute device (int32)."""
+    """Chunk positions [a, b) of every sequence or segment (one slice of :func:`make_slices` or
+    :func:`make_segment_slices`), as the reverse pass and the per-chunk backward kernels take them.
+    Tensors on the compute device (int32)."""
 
-    starts: torch.Tensor  # [N] first token of each sequence's part (where it would start if empty)
-    ends: torch.Tensor  # [N] end of each sequence's part (= its start if empty)
-    off: torch.Tensor  # [N] first chunk of each sequence's part, in the slice's own numbering
+    starts: torch.Tensor  # [N] first token of each run's part (where it would start if empty)
+    ends: torch.Tensor  # [N] end of each run's part (= its start if empty)
+    off: torch.Tensor  # [N] first chunk of each run's part, in the slice's own numbering
     chunk_idx: torch.Tensor  # [NT, 2] (sequence, chunk in sequence) of the slice's chunks
     NT: int
 
@@ -146,15 +155,21 @@ def make_slices(ch: "Chunks", L: int, device: torch.device) -> list[Slice]:
 
 def _slices(ch: "Chunks", L: int, device: torch.device) -> list[Slice]:
     per, cu = ch.host_per.numpy().astype(np.int64), ch.host_cu.numpy().astype(np.int64)
+    parts = [(np.minimum(j * L, per), np.minimum((j + 1) * L, per)) for j in reversed(range(cdiv(ch.max_nc, L)))]
+    return _cut(cu[:-1], cu[1:], np.arange(len(per)), np.zeros_like(per), parts, device)
+
+
+def _cut(bos, end, seq, c0, parts, device: torch.device) -> list[Slice]:
+    """The :class:`Slice` of each of ``parts`` [(a, b)]: chunks [a, b) of every run of tokens
+    [bos, end) (a sequence, or a segment of sequence ``seq`` from its chunk ``c0`` on)."""
     out, arrays = [], []
-    for j in reversed(range(cdiv(ch.max_nc, L))):
-        a, b = np.minimum(j * L, per), np.minimum((j + 1) * L, per)
+    for a, b in parts:
         cnt = b - a
-        ends = np.minimum(cu[:-1] + b * BT, cu[1:])
-        starts = np.minimum(cu[:-1] + a * BT, ends)
+        ends = np.minimum(bos + b * BT, end)
+        starts = np.minimum(bos + a * BT, ends)
         off = np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.int64)
-        seq = np.repeat(np.arange(len(per)), cnt)
-        idx = np.stack([seq, a[seq] + np.arange(int(cnt.sum())) - off[seq]], axis=1)
+        owner = np.repeat(np.arange(len(bos)), cnt)
+        idx = np.stack([seq[owner], c0[owner] + a[owner] + np.arange(int(cnt.sum())) - off[owner]], axis=1)
         arrays += [starts, ends, off, idx.reshape(-1)]
         out.append(int(cnt.sum()))
     d = to_device_many(arrays, device)
@@ -173,27 +188,10 @@ def make_segment_slices(ch: "Chunks", L: int, S: int, device: torch.device) -> l
 
 
 def _segment_slices(ch: "Chunks", L: int, S: int, device: torch.device) -> list[Slice]:
-    per, cu = ch.host_per.numpy().astype(np.int64), ch.host_cu.numpy().astype(np.int64)
-    count = (per + L - 1) // L
-    seq = np.repeat(np.arange(len(count)), count)  # each segment's sequence
-    inner = np.arange(len(seq)) - np.concatenate([[0], np.cumsum(count)[:-1]])[seq]
-    c0 = inner * L  # each segment's first chunk in its sequence
-    n = np.minimum(per[seq] - c0, L)  # its chunks
-    bos = cu[:-1][seq] + c0 * BT
-    seg_end = np.minimum(bos + n * BT, cu[1:][seq])
-    out, arrays = [], []
-    for j in range(cdiv(L, S)):
-        a, b = np.maximum(n - (j + 1) * S, 0), np.maximum(n - j * S, 0)
-        cnt = b - a
-        starts = bos + a * BT
-        ends = np.where(b == n, seg_end, bos + b * BT)
-        off = np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.int64)
-        owner = np.repeat(np.arange(len(seq)), cnt)
-        idx = np.stack([seq[owner], c0[owner] + a[owner] + np.arange(int(cnt.sum())) - off[owner]], axis=1)
-        arrays += [starts, ends, off, idx.reshape(-1)]
-        out.append(int(cnt.sum()))
-    d = to_device_many(arrays, device)
-    return [Slice(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3].view(nt, 2), nt) for i, nt in enumerate(out)]
+    _, _, seq, c0, bos, ends = _segment_layout(ch, L)
+    n = np.minimum(ch.host_per.numpy().astype(np.int64)[seq] - c0, L)  # each segment's chunks
+    parts = [(np.maximum(n - (j + 1) * S, 0), np.maximum(n - j * S, 0)) for j in range(cdiv(L, S))]
+    return _cut(bos, ends, seq, c0, parts, device)
 
 
 @functools.lru_cache(maxsize=64)
