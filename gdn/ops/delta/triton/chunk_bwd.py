@@ -458,12 +458,12 @@ def _decisions(q, g, beta, ch: Chunks, HV: int, K: int, V: int, from_inv: bool, 
     return hit
 
 
-def _state_bwd_reverse(args, kw, dh, DD, dummy, scale: float, dS_end, dS_0, starts, ends, off):
-    """One launch of state_bwd_kernel (grid and per-chunk inputs ``args``, keywords ``kw``) over
-    token ranges [starts, ends), from dS_end (or zero) to dS_0 (when given)."""
+def _state_bwd_reverse(args, kw, dh, DD, dummy, scale: float, dS_end, dS_0, starts, ends, off, **more):
+    """One launch of state_bwd_kernel (grid and per-chunk inputs ``args``, keywords ``kw`` and
+    ``more``) over token ranges [starts, ends), from dS_end (or zero) to dS_0 (when given)."""
     launch(state_bwd_kernel, *args, dS_end if dS_end is not None else dummy, dh, DD,
            dS_0 if dS_0 is not None else dummy, starts, ends, off, scale, USE_DHT=dS_end is not None,
-           USE_INIT=dS_0 is not None, **kw)
+           USE_INIT=dS_0 is not None, **kw, **more)
 
 
 def _fused_rev():
@@ -546,6 +546,10 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         if rev is not None:
             run = rev.reverser(q, k, do, gs, beta, Ai, dh, DD, scale)
             plan = (warm_plan(k, beta, gs, sg, ch, HV, after=True), sg.seq, ch.cu)
+        else:
+            run = functools.partial(_state_bwd_reverse, ((cdiv(V, WV), sg.NS * HV), q, k, gs, Wp, do, DVL),
+                                    dict(common, BV=WV, seg_seq=sg.seq), dh, DD, dummy, scale)
+            warm_kw = dict(WARM=True, CARRY=True, LOG_EPS=float(DELTA["split"]["log_eps"]))
         for j, sl in enumerate(slices):
             last = j == len(slices) - 1
             keep = carry if not last or h0 is not None else None
@@ -553,11 +557,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
             if rev is not None:
                 run(d_end, keep, sl.starts, sl.ends, sl.off, sg.NS, warm=plan if j == 0 else None, carry=j == 0)
             else:
-                launch(state_bwd_kernel, (cdiv(V, WV), sg.NS * HV), q, k, gs, Wp, do, DVL,
-                       d_end if d_end is not None else dummy, dh, DD, keep if keep is not None else dummy,
-                       sl.starts, sl.ends, sl.off, scale, BV=WV, USE_DHT=d_end is not None, USE_INIT=keep is not None,
-                       WARM=j == 0, CARRY=j == 0, LOG_EPS=float(DELTA["split"]["log_eps"]),
-                       **dict(common, seg_seq=sg.seq))
+                run(d_end, keep, sl.starts, sl.ends, sl.off, **(warm_kw if j == 0 else {}))
             outs = per_chunk(sl.chunk_idx, sl.NT, last)
         if h0 is not None:  # dS_0 of a sequence: the dS entering its first segment
             dh0 = torch.index_select(carry, 0, sg.first.clamp(max=max(sg.NS - 1, 0)))
