@@ -113,15 +113,18 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = N
     sig = {n: "*bf16" for n in names}
     sig.update({n: "*fp32" for n in ("G", "beta", "DB", "DG")})
 
-    def desc(rows):
-        return f"tensordesc<bf16[{rows}, {BV}],{F._tile((rows, BV), gl.bfloat16, torch.bfloat16)[0]!r}>"
+    def desc(rows, cols=BV):
+        return f"tensordesc<bf16[{rows}, {cols}],{F._tile((rows, cols), gl.bfloat16, torch.bfloat16)[0]!r}>"
 
-    sig.update({n: desc(64) for n in ("d_t", "do_t", "dd_t", "v_t")})
-    sig.update(h_t=desc(K), dh_t=desc(K))
+    sig.update({n: desc(64) for n in ("d_t", "do_t", "dd_t", "v_t", "dv_t")})
+    sig.update(h_t=desc(K), dh_t=desc(K), ai_t=desc(64, 64))
+    sig.update({n: desc(64, K) for n in ("q_t", "k_t", "dq_t", "dk_t")})
     sig.update(cu="*i32", chunk_idx="*i32", chunk_off="*i32", scale="fp32", H="i32", HV="i32", K="constexpr",
-               V="constexpr", BV="constexpr", NS="constexpr", DT="constexpr")
+               V="constexpr", BV="constexpr", NS="constexpr", DT="constexpr", QK_TMA="constexpr",
+               DV_TMA="constexpr")
     at = {n: i for i, n in enumerate(names)}
-    consts = {(at["K"],): K, (at["V"],): V, (at["BV"],): BV, (at["NS"],): NS, (at["DT"],): gl.bfloat16}
+    consts = {(at["K"],): K, (at["V"],): V, (at["BV"],): BV, (at["NS"],): NS, (at["DT"],): gl.bfloat16,
+              (at["QK_TMA"],): True, (at["DV_TMA"],): True}
     return _compiled(GluonASTSource(F.fused_bwd_kernel, sig, consts, {}), num_warps)
 
 

@@ -153,16 +153,22 @@ def test_fused_backward_launch():
     c = tuning.DELTA["fused_bwd"]
     assert (meta["K"], meta["V"], meta["BV"], meta["NS"], meta["num_warps"]) == (K, V, c["BV"], c["NS"], 8)
     assert DQ.dtype == DK.dtype == torch.float32 and DV.dtype == bf and DG.dtype == DB.dtype == torch.float32
-    # its six descriptors, set field by field (the base unreshaped, its [rows, ·] shape worked out),
-    # equal what Gluon's checked constructor makes of the reshaped base
+    # fp32 dQ and dK leave through masked stores, dV in the inputs' dtype by tensor copies
+    assert (meta["QK_TMA"], meta["DV_TMA"]) == (False, True)
+    # its twelve descriptor arguments (q, k, T⁻¹, δ, dO, dδ, v, h, dh in; dQ, dK, dV out, the first
+    # two standing in for q's and k's here), set field by field (the base unreshaped, its [rows, ·]
+    # shape worked out), equal what Gluon's checked constructor makes of the reshaped base
     descs = [a for a in rec[0][2] if isinstance(a, fused_bwd.TensorDescriptor)]
-    assert len(descs) == 6
+    assert len(descs) == 12
+    names = fused_bwd.fused_bwd_kernel.arg_names
+    args = dict(zip(names, rec[0][2]))
+    assert args["dq_t"] is args["q_t"] and args["dk_t"] is args["k_t"] and args["dv_t"].base is DV
     for d in descs:
         want = fused_bwd.TensorDescriptor.from_tensor(d.base.view(d.shape), d.block_shape, d.layout)
         assert [list(d.shape), list(d.strides), d.block_shape, d.layout, d.padding] == [
             list(want.shape), list(want.strides), want.block_shape, want.layout, want.padding], (vars(d), vars(want))
         assert d.base.data_ptr() == want.base.data_ptr() and d.base.dtype == want.base.dtype
-        assert d.block_shape in ([64, c["BV"]], [K, c["BV"]]) and d.base.is_contiguous()
+        assert d.block_shape in ([64, c["BV"]], [K, c["BV"]], [64, K], [64, 64]) and d.base.is_contiguous()
 
 
 @pytest.mark.parametrize("K,grad_dtype,dv_dtype", [(64, torch.bfloat16, torch.bfloat16), (64, torch.float32, None),

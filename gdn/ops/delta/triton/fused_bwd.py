@@ -81,25 +81,30 @@ def _issue(n, w, i_v, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t
 
 
 @gluon.jit
-def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, DB, DG, cu, chunk_idx, chunk_off,
-                     scale, H, HV, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr,
-                     DT: gl.constexpr):
+def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, cu,
+                     chunk_idx, chunk_off, scale, H, HV, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                     NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr, DV_TMA: gl.constexpr):
     """One program per chunk i_t of ``chunk_idx`` (all of the call's chunks, or a slice of them) and
-    value head i_hv (w = i_t · HV + i_hv). q, k [T, H, K]; G [T, HV] the in-chunk cumulative log
-    decay γ; beta [T, HV]; Ai [T, HV, 64] the rows of T⁻¹. Descriptors: d_t (δ), do_t (dO), dd_t
-    (dδ), v_t (v) of [T, HV · V] in [64, BV] blocks; h_t, dh_t of [chunks · HV · K, V] (the state
-    entering each chunk, at its global index chunk_off[n] + c, and the gradient of the one leaving
-    it, at i_t) in [K, BV] blocks. Writes dQ, dK [T, HV, K], dV [T, HV, V], dβ and dg [T, HV].
+    value head i_hv (w = i_t · HV + i_hv). G [T, HV] the in-chunk cumulative log decay γ; beta
+    [T, HV]. Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; ai_t of the rows of T⁻¹ [T, HV ·
+    64] in [64, 64] blocks; d_t (δ), do_t (dO), dd_t (dδ), v_t (v) of [T, HV · V] in [64, BV]
+    blocks; h_t, dh_t of [chunks · HV · K, V] (the state entering each chunk, at its global index
+    chunk_off[n] + c, and the gradient of the one leaving it, at i_t) in [K, BV] blocks. Writes dQ,
+    dK [T, HV, K], dV [T, HV, V], dβ and dg [T, HV]: a chunk that fills its block writes dQ and dK
+    by tensor copies (dq_t, dk_t, [64, K] blocks of [T, HV · K]) where ``QK_TMA`` and dV likewise
+    (dv_t) where ``DV_TMA`` (outputs in the inputs' 16-bit dtype), every other chunk through masked
+    stores.
 
-    The value tiles stream through a ring of NS slots filled by tensor copies: the first NS are
-    requested before anything else (they arrive while T⁻¹, q and k load), tile i + NS as soon as
-    tile i's slot is free; the products run asynchronously. A chunk's block may reach into the next
-    sequence's rows. Those rows of δ, dO and v are finite (written before this kernel runs) and need
-    no zeroing: every product that meets them is masked to the chunk's valid rows afterwards, or
-    passes through T⁻¹'s rows, which load as zero there (T⁻¹ is lower triangular, so its valid rows
-    never reach a later column). Their dδ rows may not be written yet (a sliced reverse pass writes
-    them with a later slice), and zero times a non-finite value is not zero: in a chunk that ends
-    early the dδ tile's rows past the end are zeroed in shared memory before the products."""
+    Every input comes by tensor copies, requested before anything else: q, k and T⁻¹ on one
+    barrier, the value tiles through a ring of NS slots (tile i + NS as soon as tile i's slot is
+    free); the products run asynchronously. A chunk's block may reach into the next sequence's rows.
+    Those rows of δ, dO and v are finite (written before this kernel runs) and need no zeroing:
+    every product that meets them is masked to the chunk's valid rows afterwards, or passes through
+    T⁻¹'s rows, which are zero there (T⁻¹ is lower triangular, so its valid rows never reach a later
+    column). In a chunk that ends early, q's, k's and T⁻¹'s rows past the end are zeroed in shared
+    memory once they land, and so are the dδ tile's: the reverse pass may not have written those
+    yet (a sliced pass writes them with a later slice), and zero times a non-finite value is not
+    zero."""
     f32: gl.constexpr = gl.float32
     num_warps: gl.constexpr = gl.num_warps()
     NV: gl.constexpr = V // BV
@@ -124,43 +129,38 @@ def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK,
     ring_h = gl.allocate_shared_memory(DT, [NS, K, BV], h_t.layout)
     ring_dh = gl.allocate_shared_memory(DT, [NS, K, BV], h_t.layout)
     bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    s_tt = gl.allocate_shared_memory(DT, [BT, BT], _smem([BT, BT], DT))  # Tᵀ
-    s_q = gl.allocate_shared_memory(DT, [BT, K], _smem([BT, K], DT))
-    s_k = gl.allocate_shared_memory(DT, [BT, K], _smem([BT, K], DT))
+    bar_in = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    s_a = gl.allocate_shared_memory(DT, [BT, BT], ai_t.layout)  # T⁻¹ (Tᵀ is its transposed view)
+    s_q = gl.allocate_shared_memory(DT, [BT, K], q_t.layout)
+    s_k = gl.allocate_shared_memory(DT, [BT, K], k_t.layout)
     s_p = gl.allocate_shared_memory(DT, [BT, BT], _smem([BT, BT], DT))
     s_w = gl.allocate_shared_memory(DT, [BT, K], _smem([BT, K], DT))
     s_hi = gl.allocate_shared_memory(DT, [BT, BT], _smem([BT, BT], DT))
     s_lo = gl.allocate_shared_memory(DT, [BT, BT], _smem([BT, BT], DT))
     for i_s in gl.static_range(NS):
         mbarrier.init(bars.index(i_s), count=1)
+    mbarrier.init(bar_in, count=1)
     fence_async_shared()
-    for i_s in gl.static_range(min(NS, NV)):
-        _issue(tile_bytes, w, i_s, i_s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do,
-               ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
-
-    o_64 = gl.arange(0, BT, layout=gl.SliceLayout(0, ld_t))
-    o_kc = gl.arange(0, K, layout=gl.SliceLayout(0, ld_k))
-    o_vv = gl.arange(0, BV, layout=gl.SliceLayout(0, a_v))
     i_t = w // HV
     i_hv = w % HV
     i_h = i_hv // (HV // H)
     i_n = gl.load(chunk_idx + 2 * i_t)
-    i_c = gl.load(chunk_idx + 2 * i_t + 1).to(gl.int64)
-    bos = gl.load(cu + i_n).to(gl.int64)
-    eos = gl.load(cu + i_n + 1).to(gl.int64)
-    t0 = bos + i_c * BT
-    last = gl.minimum(eos, t0 + BT) - 1  # the chunk's last valid row
+    i_c = gl.load(chunk_idx + 2 * i_t + 1)
+    bos = gl.load(cu + i_n)
+    eos = gl.load(cu + i_n + 1)
+    r0 = bos + i_c * BT  # the chunk's first row (tensor copies take 32-bit coordinates)
+    mbarrier.expect(bar_in, (2 * K + BT) * BT * 2)
+    tma.async_copy_global_to_shared(q_t, [r0, i_h * K], bar_in, s_q)
+    tma.async_copy_global_to_shared(k_t, [r0, i_h * K], bar_in, s_k)
+    tma.async_copy_global_to_shared(ai_t, [r0, i_hv * BT], bar_in, s_a)
+    for i_s in gl.static_range(min(NS, NV)):
+        _issue(tile_bytes, w, i_s, i_s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do,
+               ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
 
-    # the chunk's T⁻¹ rows, stored transposed (Tᵀ is the A operand of dV, Tᵀ dW and dA), q and k,
-    # each zero past the sequence end
-    rows_t = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, ld_t))
-    b_a = gl.load(Ai + (rows_t[:, None] * HV + i_hv) * BT + o_64[None, :], mask=(rows_t < eos)[:, None],
-                  other=0.0)
-    s_tt.store(gl.permute(b_a, (1, 0)))
-    rows_k = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, ld_k))
-    p_qk = (rows_k[:, None] * H + i_h) * K + o_kc[None, :]
-    s_q.store(gl.load(q + p_qk, mask=(rows_k < eos)[:, None], other=0.0))
-    s_k.store(gl.load(k + p_qk, mask=(rows_k < eos)[:, None], other=0.0))
+    o_vv = gl.arange(0, BV, layout=gl.SliceLayout(0, a_v))
+    t0 = r0.to(gl.int64)
+    eos = eos.to(gl.int64)
+    last = gl.minimum(eos, t0 + BT) - 1  # the chunk's last valid row
 
     # per-row scalars in the accumulators' row layouts
     rt = t0 + gl.arange(0, BT, layout=r_t)
@@ -182,6 +182,18 @@ def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK,
     wac = gl.zeros([BT, K], f32, a_k)  # dδ Sᵀ = −dW
     dbu = gl.zeros([BT], f32, r_v)  # dβ's U term
     gcs = gl.zeros([K], f32, gl.SliceLayout(1, ld_v))  # Σ_v S ⊙ dS per key row
+    # q, k and T⁻¹, each zeroed past the sequence end (Tᵀ is the A operand of dV, Tᵀ dW and dA)
+    mbarrier.wait(bar_in, 0)
+    if partial:
+        m_lk = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, ld_k)) < eos
+        x = s_q.load(ld_k)
+        s_q.store(gl.where(m_lk[:, None], x, gl.zeros_like(x)))
+        x = s_k.load(ld_k)
+        s_k.store(gl.where(m_lk[:, None], x, gl.zeros_like(x)))
+        m_lt = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, ld_t)) < eos
+        x = s_a.load(ld_t)
+        s_a.store(gl.where(m_lt[:, None], x, gl.zeros_like(x)))
+    s_tt = s_a.permute((1, 0))
     fence_async_shared()
     gl.thread_barrier()
     for i_v in range(0, NV):
@@ -208,13 +220,28 @@ def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK,
         b_v = ring_v.index(s).load(a_v).to(f32)
         dod, ddd, dqs, dks, wac, b_y = warpgroup_mma_wait(0, deps=[dod, ddd, dqs, dks, wac, b_y])
         dbu += gl.sum(b_v * b_y, axis=1)
-        # every warpgroup is done with slot s: request the tile NS further on
+        # every warpgroup is done with slot s. dV's tile goes out from the dδ tile's place (a tensor
+        # copy, which has read it before the slot takes the tile NS further on), or through masked
+        # stores in a chunk that ends early
         gl.thread_barrier()
+        dv = b_y * b_bv[:, None]
+        p_o = (rv[:, None] * HV + i_hv) * V + (i_v * BV + o_vv)[None, :]
+        if DV_TMA:
+            if partial:
+                gl.store(DV + p_o, dv.to(DV.dtype.element_ty), mask=m_v[:, None])
+            else:
+                sdd.store(dv.to(DT))
+                fence_async_shared()
+                gl.thread_barrier()
+                tma.async_copy_shared_to_global(dv_t, [r0, i_hv * V + i_v * BV], sdd)
+                if i_v + NS < NV:
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+        else:
+            gl.store(DV + p_o, dv.to(DV.dtype.element_ty), mask=m_v[:, None])
         if i_v + NS < NV:
             _issue(tile_bytes, w, i_v + NS, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t,
                    v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
-        p_o = (rv[:, None] * HV + i_hv) * V + (i_v * BV + o_vv)[None, :]
-        gl.store(DV + p_o, (b_y * b_bv[:, None]).to(DV.dtype.element_ty), mask=m_v[:, None])
 
     # ---- the epilogue. First dW = −dδ Sᵀ and dδ δᵀ (as a rounded part and its remainder) go to
     # shared memory, and the five products that need nothing else start at once (operands in
@@ -278,13 +305,28 @@ def fused_bwd_kernel(q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK,
     b_dk = warpgroup_mma(s_hi, s_k, b_dk, is_async=True)
     b_dk = warpgroup_mma(s_hi.permute((1, 0)), s_k, b_dk, is_async=True)
     b_dq, b_dk = warpgroup_mma_wait(0, deps=[b_dq, b_dk])
-    gl.store(DQ + p_out, b_dq.to(DQ.dtype.element_ty), mask=m_k[:, None])
-    gl.store(DK + p_out, b_dk.to(DK.dtype.element_ty), mask=m_k[:, None])
+    if QK_TMA:
+        if partial:
+            gl.store(DQ + p_out, b_dq.to(DQ.dtype.element_ty), mask=m_k[:, None])
+            gl.store(DK + p_out, b_dk.to(DK.dtype.element_ty), mask=m_k[:, None])
+        else:
+            # out from q's and k's places, once both warpgroups' products have read them
+            gl.thread_barrier()
+            s_q.store(b_dq.to(DT))
+            s_k.store(b_dk.to(DT))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(dq_t, [r0, i_hv * K], s_q)
+            tma.async_copy_shared_to_global(dk_t, [r0, i_hv * K], s_k)
+    else:
+        gl.store(DQ + p_out, b_dq.to(DQ.dtype.element_ty), mask=m_k[:, None])
+        gl.store(DK + p_out, b_dk.to(DK.dtype.element_ty), mask=m_k[:, None])
     gl.store(DB + rt * HV + i_hv, db, mask=m_t)
     # dg = the reverse in-chunk cumsum of dγ, as a masked row sum (a scan in the MMA row layout
     # does not lower for sm_90 in triton 3.6)
     after = (t0 + gl.arange(0, BT, layout=c_t))[None, :] >= rt[:, None]
     gl.store(DG + rt * HV + i_hv, gl.sum(gl.where(after, _vec(dg, c_t)[None, :], 0.0), axis=1), mask=m_t)
+    tma.store_wait(0)
 
 
 def value_tile(V: int) -> int:
@@ -368,10 +410,19 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
     d_t, do_t, dd_t, v_t = (_tiles(cast(x, v.dtype), T, (CHUNK, BV), DT) for x in (VN, do, DD, v))
     h_t, dh_t = (_tiles(x, x.numel() // V, (K, BV), DT) for x in (h, dh))
+    q_t, k_t = (_tiles(cast(x, v.dtype), T, (CHUNK, K), DT) for x in (q, k))
+    ai_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
+    # dQ, dK and dV leave by tensor copies where they are in the inputs' dtype (the copies go out
+    # from the shared memory of q, k and the dδ tile); the descriptors stand in for one another
+    # where an output takes masked stores instead (that code is compiled out)
+    qk_tma = DQ.dtype == DK.dtype == v.dtype
+    dv_tma = DV.dtype == v.dtype
+    dq_t, dk_t = (_tiles(DQ, T, (CHUNK, K), DT), _tiles(DK, T, (CHUNK, K), DT)) if qk_tma else (q_t, k_t)
+    dv_t = _tiles(DV, T, (CHUNK, BV), DT) if dv_tma else dd_t
 
     def run(chunk_idx, NT: int):
-        launch(fused_bwd_kernel, (NT * HV,), q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, DB, DG,
-               ch.cu, chunk_idx, ch.chunk_off, scale, H, HV, K=K, V=V, BV=BV, NS=DELTA["fused_bwd"]["NS"], DT=DT,
-               name="fused_bwd")
+        launch(fused_bwd_kernel, (NT * HV,), q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV,
+               dq_t, dk_t, dv_t, DB, DG, ch.cu, chunk_idx, ch.chunk_off, scale, H, HV, K=K, V=V, BV=BV,
+               NS=DELTA["fused_bwd"]["NS"], DT=DT, QK_TMA=qk_tma, DV_TMA=dv_tma, name="fused_bwd")
 
     return (DQ, DK, DV, DG, DB), run
