@@ -1,0 +1,113 @@
+"""Where one kernel's warps wait, from Nsight Compute's per-instruction source counters.
+
+Reads the CSV that ``ncu --import REPORT --page source --csv --print-source sass`` writes for a
+report taken with ``--section SourceCounters`` (tools/ncu_kernels.py is the driver), and prints for
+one kernel launch: the share of warp stall samples by reason, the global-memory sectors fetched
+beyond the ideal (uncoalesced accesses), the instructions with the most samples, and the samples
+by stretch of code between synchronising instructions (barriers, barrier waits, warpgroup MMA
+waits, branches), each with the instruction kinds that hold its samples. On the H200:
+
+    ncu --clock-control none --profile-from-start off --section SourceCounters \\
+        --section WarpStateStats -k regex:fused_bwd --launch-count 1 -o rep \\
+        python3 tools/ncu_kernels.py --shape 1x32768 --no-fla
+    ncu --import rep.ncu-rep --page source --csv --print-source sass > sass.csv
+    python3 tools/ncu_stalls.py sass.csv --kernel fused_bwd_kernel
+
+The stretches are in instruction order, which is the program's order except where the compiler
+moved code out of line; a stretch's share of samples is its share of the warps' time.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import sys
+
+SAMPLES = "Warp Stall Sampling (All Samples)"
+EXCESS = "L2 Theoretical Sectors Global Excessive"
+SYNC = ("BAR.SYNC", "SYNCS.PHASECHK", "WARPGROUP.DEPBAR", "BRA", "EXIT")
+
+
+def launches(path: str, kernel: str) -> list:
+    """The rows (dicts by column name) of each profiled launch of ``kernel`` in the CSV, in order."""
+    out, cur, header = [], None, None
+    with open(path, newline="") as f:
+        for row in csv.reader(f):
+            if row and row[0] == "Kernel Name":
+                cur = row[1] if len(row) > 1 else None
+                header = None
+                if cur == kernel:
+                    out.append([])
+            elif row and row[0] == "Address":
+                header = row
+            elif cur == kernel and header is not None and row:
+                out[-1].append(dict(zip(header, row)))
+    return out
+
+
+def _int(x: str) -> int:
+    try:
+        return int(float(x))
+    except ValueError:
+        return 0
+
+
+def opcode(source: str) -> str:
+    """The instruction's opcode without modifiers or its predicate (``@!P0 STG.E`` → ``STG``)."""
+    words = source.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else ""
+
+
+def report(rows: list, top: int = 20, min_share: float = 0.5) -> str:
+    """The text this tool prints for one launch's rows."""
+    total = sum(_int(r[SAMPLES]) for r in rows) or 1
+    stalls = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+    by_reason = collections.Counter()
+    for r in rows:
+        for c in stalls:
+            by_reason[c] += _int(r[c])
+    lines = [f"{len(rows)} instructions, {total} samples",
+             "stall reasons: " + ", ".join(f"{k[6:]} {100 * v / total:.1f}%" for k, v in by_reason.most_common(8)),
+             f"global sectors beyond the ideal: {sum(_int(r.get(EXCESS, '0')) for r in rows)}",
+             "", f"the {top} instructions with the most samples:"]
+    for r in sorted(rows, key=lambda r: -_int(r[SAMPLES]))[:top]:
+        reason = max(stalls, key=lambda c: _int(r[c]))
+        lines.append(f"  {r['Address'][-5:]}  {100 * _int(r[SAMPLES]) / total:5.1f}%  {reason[6:]:14s} "
+                     f"{r['Source'].strip()[:72]}")
+    lines += ["", f"stretches between synchronising instructions holding {min_share}% of the samples or more "
+              "(instruction index range, share, the instruction that ends it and its executions, kinds):"]
+    start, acc, kinds = 0, 0, collections.Counter()
+    for i, r in enumerate(rows):
+        src = r["Source"].strip()
+        s = _int(r[SAMPLES])
+        acc += s
+        kinds[opcode(src)] += s
+        if any(k in src for k in SYNC) or i == len(rows) - 1:
+            if 100 * acc / total >= min_share:
+                top_kinds = ", ".join(f"{k} {v}" for k, v in kinds.most_common(4))
+                lines.append(f"  {start:5d}-{i:5d} {100 * acc / total:5.1f}%  {src[:36]:36s} "
+                             f"x{_int(r['Instructions Executed'])}  [{top_kinds}]")
+            start, acc, kinds = i + 1, 0, collections.Counter()
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv", help="ncu --page source --csv --print-source sass output")
+    ap.add_argument("--kernel", required=True, help="the kernel's name as ncu gives it, e.g. fused_bwd_kernel")
+    ap.add_argument("--launch", type=int, default=1, help="which profiled launch of it (1 = the first)")
+    ap.add_argument("--top", type=int, default=20, help="instructions listed")
+    ap.add_argument("--min-share", type=float, default=0.5, help="least share (%%) of a stretch listed")
+    args = ap.parse_args(argv)
+    runs = launches(args.csv, args.kernel)
+    if not 1 <= args.launch <= len(runs) or not runs[args.launch - 1]:
+        print(f"error: --launch: {args.kernel} has {len(runs)} profiled launch(es) in {args.csv}", file=sys.stderr)
+        return 2
+    print(report(runs[args.launch - 1], args.top, args.min_share))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
