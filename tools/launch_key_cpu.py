@@ -1,6 +1,6 @@
 """The Python host time of one launch on gdn's launch path (gdn.ops.triton.launch: the launch
 settings, the key of every argument, the cached launcher, the tensor maps from their cache), without
-a GPU: fused_bwd's launch at (8, 2048, 16, 128) bf16 (27 arguments, six Gluon tensor descriptors)
+a GPU: fused_bwd's launch at (8, 2048, 16, 128) bf16 (32 arguments, twelve Gluon tensor descriptors)
 with CPU tensors, the compiled kernel faked and the C launch function a no-op behind triton 3.6's own
 descriptor wrapper, so that everything but the driver call runs as on CUDA.
 
@@ -43,11 +43,14 @@ def fake_launch(calls: list):
     DT = fb.gl.bfloat16
     d_t, do_t, dd_t, v_t = (fb._tiles(x, T, (64, 128), DT) for x in (vn, do, dd, v))
     h_t, dh_t = (fb._tiles(x, x.numel() // V, (K, 128), DT) for x in (h, dh))
-    args = (q, k, G, beta, Ai, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, dd, DB, DG, cu, ci, co, 0.088, H, HV)
-    meta = dict(K=K, V=V, BV=128, NS=DELTA["fused_bwd"]["NS"], DT=DT)
+    q_t, k_t, dq_t, dk_t = (fb._tiles(x, T, (64, K), DT) for x in (q, k, DQ, DK))
+    ai_t = fb._tiles(Ai, T, (64, 64), DT)
+    args = (q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, dd, dq_t, dk_t, dd_t, DB, DG, cu, ci, co,
+            0.088, H, HV)
+    meta = dict(K=K, V=V, BV=128, NS=DELTA["fused_bwd"]["NS"], DT=DT, QK_TMA=True, DV_TMA=True)
     kernel = fb.fused_bwd_kernel
     sig = {p.name: ("tensordesc<bf16[64, 128]>" if p.name.endswith("_t") else "*bf16") for p in kernel.params}
-    metas = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[64, 128], fp4_padded=False)] * 6
+    metas = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[64, 128], fp4_padded=False)] * 12
     wrapped = drv.wrap_handle_tensordesc(lambda *a: calls.append(len(a)), sig, metas)
 
     class Launcher:
