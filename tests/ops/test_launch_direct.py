@@ -217,6 +217,22 @@ def test_descriptor_kernels_launch_with_tensor_maps_encoded_once_per_address(cud
     go(2, 1, 1, 77, x, _tiles(y, 256, (64, 128), gl.bfloat16), 5, e1, 64)  # another address: encoded
     assert encoded == [(y.data_ptr(), [64, 128])]
     assert c_calls[-1][13 + 1] == ("map", y.data_ptr(), (64, 128))
+    # a descriptor launched again keeps its encoding (the address cache not even asked), unless the
+    # kernel's descriptor metadata differs
+    encoded.clear()
+    L._MAPS.clear()
+    go(2, 1, 1, 77, x, d1, 5, e1, 64)
+    assert encoded == [] and c_calls[-1] == c_calls[0]
+    other = drv.wrap_handle_tensordesc(lambda *a: c_calls.append(a), {"a": "*bf16", "d": "tensordesc<bf16[64, 128]>",
+                                                                      "n": "i32", "e": "tensordesc<bf16[64, 64]>",
+                                                                      "BV": "constexpr"},
+                                       [dict(metas[0], swizzle=2), metas[1]])
+    launcher2 = Launcher()
+    launcher2.launch = other
+    ck2 = Compiled()
+    ck2.run = launcher2
+    L._launcher(ck2)(2, 1, 1, 77, x, d1, 5, e1, 64)
+    assert encoded == [(x.data_ptr(), [64, 128])]
 
 
 def test_launch_keys_equal_exactly_when_every_argument_key_does():

@@ -433,7 +433,12 @@ def _encoded(d, meta: dict, mkey) -> list:
     """What the launcher passes for tensor descriptor ``d`` (its tensor map encoded with the compiled
     kernel's descriptor metadata ``meta``, then its shape and strides), encoded once per address,
     shape, strides, padding and metadata: the map holds nothing else, so one encoded for earlier
-    tensors at the same address and shape is the same map."""
+    tensors at the same address and shape is the same map. The result is also kept on ``d`` (by
+    ``mkey``): the backward's slices launch each kernel several times with the same descriptors, and
+    a descriptor's base, shape and strides do not change once it is made."""
+    own = d.__dict__.get("_encoded")
+    if own is not None and own[0] == mkey:
+        return own[1]
     key = (d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding, mkey)
     hit = _MAPS.get(key)
     if hit is None:
@@ -442,6 +447,7 @@ def _encoded(d, meta: dict, mkey) -> list:
         if len(_MAPS) >= _MAPS_MAX:
             _MAPS.clear()
         hit = _MAPS[key] = make_tensordesc_arg(d, meta)
+    d._encoded = (mkey, hit)
     return hit
 
 
