@@ -387,14 +387,12 @@ def _launcher(ck):
         raw = _unwrap_descriptors(c_launch)
         if raw is not None:
             c_raw, descs = raw
+            last_first = descs[::-1]
 
             def go(gx, gy, gz, stream, *a):
-                args, prev = [], 0
-                for i, m, mkey in descs:  # the arguments up to each descriptor, then its map and shape
-                    args += a[prev:i]
-                    args += _encoded(a[i], m, mkey)
-                    prev = i + 1
-                args += a[prev:]
+                args = list(a)
+                for i, m, mkey in last_first:  # each descriptor replaced by its map and shape, from the end
+                    args[i:i + 1] = _encoded(a[i], m, mkey)
                 return c_raw(gx, gy, gz, stream, fn, coop, pdl, None, None, meta, None, None, None, *args)
 
             return go
