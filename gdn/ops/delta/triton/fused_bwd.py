@@ -418,7 +418,8 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     qk_tma = DQ.dtype == DK.dtype == v.dtype
     dv_tma = DV.dtype == v.dtype
     dq_t, dk_t = (_tiles(DQ, T, (CHUNK, K), DT), _tiles(DK, T, (CHUNK, K), DT)) if qk_tma else (q_t, k_t)
-    dv_t = _tiles(DV, T, (CHUNK, BV), DT) if dv_tma else dd_t
+    # (dV over dδ, the usual case, goes out through dδ's own descriptor)
+    dv_t = dd_t if not dv_tma or dd_t.base is DV else _tiles(DV, T, (CHUNK, BV), DT)
 
     def run(chunk_idx, NT: int):
         launch(fused_bwd_kernel, (NT * HV,), q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV,
