@@ -36,9 +36,27 @@ def _add_train(sub) -> None:
                    help="list every config key (for --config files and --set) with its type and default, and exit")
 
 
+def _add_ckpt(p) -> None:
+    """The checkpoint argument of generate and eval: ``--ckpt PATH`` or the path alone."""
+    p.add_argument("ckpt_path", nargs="?", default=None, metavar="CKPT",
+                   help="checkpoint folder or run folder (newest checkpoint); or give it as --ckpt")
+    p.add_argument("--ckpt", default=None, help="checkpoint folder or run folder (newest checkpoint)")
+
+
+def _checkpoint_arg(parser, args) -> None:
+    """Set ``args.ckpt`` from the positional path or ``--ckpt`` (a usage error: neither, or two
+    different ones)."""
+    pos, opt = args.__dict__.pop("ckpt_path", None), args.ckpt
+    if pos is not None and opt is not None and pos != opt:
+        parser.error(f"two checkpoints given ({pos!r} and --ckpt {opt!r}): give one")
+    if pos is None and opt is None:
+        parser.error("a checkpoint is required: gdn " + args.command + " RUN_OR_CHECKPOINT (or --ckpt PATH)")
+    args.ckpt = opt if opt is not None else pos
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="sample text from a checkpoint")
-    p.add_argument("--ckpt", required=True, help="checkpoint folder or run folder (newest checkpoint)")
+    _add_ckpt(p)
     p.add_argument("--prompt", action="append", default=None,
                    help="text to continue (repeatable: several prompts decode as one batch, shared prefixes "
                         "prefilled once)")
@@ -61,7 +79,7 @@ def _add_generate(sub) -> None:
 
 def _add_eval(sub) -> None:
     p = sub.add_parser("eval", help="perplexity / bits per byte, or lm-eval tasks, of a checkpoint")
-    p.add_argument("--ckpt", required=True, help="checkpoint folder or run folder (newest checkpoint)")
+    _add_ckpt(p)
     p.add_argument("--data", default=None,
                    help="held-out text (a source as for train; its held-out split; default: the run's data)")
     p.add_argument("--seq-len", type=_positive_int, default=None, help="window length (default: the run's)")
@@ -169,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     sub.add_parser("demo", help="train the tiny model on the stdlib for a few minutes, report bits per byte, "
                    "plot the loss and sample")
+    parser.commands = sub.choices  # each command's parser, for usage errors found after parsing
     return parser
 
 
@@ -304,6 +323,8 @@ def main(argv=None) -> int:
     """Entry point of the ``gdn`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("generate", "eval"):
+        _checkpoint_arg(parser.commands[args.command], args)
     if args.version:
         from . import __version__
 

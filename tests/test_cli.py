@@ -58,6 +58,8 @@ def test_config_precedence_and_errors(tmp_path):
     assert build_config(j).seq_len == 128
     with pytest.raises(ValueError, match="unknown config keys"):
         build_config(None, None, ["learning_rate=1"])
+    with pytest.raises(ValueError, match="'ckpt_every': did you mean 'save_every'"):
+        build_config(None, None, ["ckpt_every=10"])
     with pytest.raises(ValueError, match="batch_size"):
         TrainConfig(batch_size=0)
     with pytest.raises(ValueError, match="key=value"):
@@ -82,6 +84,11 @@ def test_train_generate_eval_end_to_end(tmp_path, corpus, capsys):
     assert capsys.readouterr().out.startswith("def ")
     assert main(["eval", "--ckpt", str(out), "--batches", "1", "--batch-size", "2", "--device", "cpu"]) == 0
     assert "bits/byte" in capsys.readouterr().out
+    # the checkpoint may be given as the command's argument instead of --ckpt
+    assert main(["eval", str(out), "--batches", "1", "--batch-size", "2", "--device", "cpu"]) == 0
+    assert "bits/byte" in capsys.readouterr().out
+    assert main(["generate", str(out), "--prompt", "def ", "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
     # a corrupted checkpoint is reported, not loaded
     (next((out / "checkpoints").iterdir()) / "model.safetensors").write_bytes(b"garbage")
     assert main(["generate", "--ckpt", str(out), "--device", "cpu"]) == 3
@@ -159,3 +166,15 @@ def test_generate_graph_more_prompts_than_slots_in_the_real_script(tmp_path, cap
         assert main(args[:-4] + ["--prompt", p]) == 0
         singles.append(capsys.readouterr().out)
     assert res.stdout == "---\n".join(singles)
+
+
+def test_checkpoint_argument_usage_errors(capsys):
+    """generate and eval need one checkpoint, by position or --ckpt: none, or two different ones,
+    is a one-line usage error with exit status 2."""
+    for argv, needle in ((["eval"], "a checkpoint is required"),
+                         (["generate", "a", "--ckpt", "b"], "two checkpoints given")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err

@@ -5,6 +5,7 @@ beside every run. A resumed run starts from the settings saved in its checkpoint
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import math
@@ -195,11 +196,27 @@ def _given(file, flags, sets) -> dict:
     return merge(data, parse_set(sets))
 
 
+#: Other training tools' names for these keys, for the "did you mean" of an unknown key (spelling
+#: alone would point ``ckpt_every`` at ``log_every``).
+_SYNONYMS = {
+    "learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "train_steps": "steps",
+    "ckpt_every": "save_every", "checkpoint_every": "save_every", "save_steps": "save_every",
+    "save_interval": "save_every", "log_interval": "log_every", "logging_steps": "log_every",
+    "eval_interval": "eval_every", "eval_steps": "eval_every", "warmup": "warmup_steps",
+    "batch": "batch_size", "micro_batch_size": "batch_size", "gradient_accumulation_steps": "grad_accum",
+    "max_grad_norm": "grad_clip", "clip_grad": "grad_clip", "context_length": "seq_len",
+    "max_seq_len": "seq_len", "block_size": "seq_len", "output_dir": "out", "wd": "weight_decay",
+}
+
+
 def _make(cls, data: dict):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"unknown config keys {unknown}; valid keys: {sorted(names)}")
+        close = {u: [_SYNONYMS[u]] if _SYNONYMS.get(u) in names else difflib.get_close_matches(u, names, n=1)
+                 for u in unknown}
+        hints = "".join(f" ({u!r}: did you mean {c[0]!r}?)" for u, c in close.items() if c)
+        raise ValueError(f"unknown config keys {unknown}{hints}; valid keys: {sorted(names)}")
     return cls(**data)
 
 
