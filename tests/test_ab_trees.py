@@ -20,17 +20,17 @@ gdn kernels at (8, 2048, 16, 128), fwd+bwd, µs per call (total 910 µs):
       100.0  x2   fused_fwd_kernel
 gdn host ms at (8, 2048, 16, 128): fwd 0.2, fwd+bwd 1.1
 
-gdn kernels at 1 x 32768, fwd+bwd, µs per call (total 1800 µs):
+gdn KDA at 1 x 32768, forward+backward, µs per call (total 1800 µs):
       886.0  x1   fused_bwd_kernel
 """
 
 
 def test_parse_reads_each_block_and_stops_at_its_end():
     p = ab_trees.parse(SAMPLE)
-    assert list(p) == ["(8, 2048, 16, 128), fwd+bwd", "1 x 32768, fwd+bwd"]
-    assert p["(8, 2048, 16, 128), fwd+bwd"] == {"total": 910.0, "fused_bwd_kernel": 450.0,
-                                                 "fused_rev_kernel": 200.5, "fused_fwd_kernel": 100.0}
-    assert p["1 x 32768, fwd+bwd"] == {"total": 1800.0, "fused_bwd_kernel": 886.0}
+    a, b = "gdn kernels at (8, 2048, 16, 128), fwd+bwd", "gdn KDA at 1 x 32768, forward+backward"
+    assert list(p) == [a, b]
+    assert p[a] == {"total": 910.0, "fused_bwd_kernel": 450.0, "fused_rev_kernel": 200.5, "fused_fwd_kernel": 100.0}
+    assert p[b] == {"total": 1800.0, "fused_bwd_kernel": 886.0}
 
 
 def test_table_gives_medians_ratio_and_marks_a_missing_kernel():
@@ -44,16 +44,17 @@ def test_table_gives_medians_ratio_and_marks_a_missing_kernel():
     assert list(rows)[1:] == ["a", "b", "**total**"]  # longest first (after the header)
 
 
-def _fake_tree(root: Path, fused_bwd_us: float, fail: bool = False) -> Path:
-    (root / "benchmarks").mkdir(parents=True)
+def _fake_tree(root: Path, fused_bwd_us: float, fail: bool = False, script: str = "ops_gpu.py",
+               needs: str = "--only-profile") -> Path:
+    (root / "benchmarks").mkdir(parents=True, exist_ok=True)
     body = "import sys\nsys.exit(3)\n" if fail else textwrap.dedent(f"""
         import sys
-        assert "--only-profile" in sys.argv and "gdn" in sys.argv
+        assert "{needs}" in sys.argv, sys.argv
         print("gdn kernels at s, fwd+bwd, µs per call (total {fused_bwd_us + 100:.0f} µs):")
         print("      {fused_bwd_us:.1f}  x1   fused_bwd_kernel")
         print("      100.0  x1   fused_rev_kernel")
         """)
-    (root / "benchmarks" / "ops_gpu.py").write_text(body)
+    (root / "benchmarks" / script).write_text(body)
     return root
 
 
@@ -67,6 +68,14 @@ def test_two_trees_alternate_and_a_failing_run_is_reported(tmp_path):
     res = run_tool("ab_trees.py", "--new", str(new), "--base", str(bad), "--rounds", "1", timeout=120)
     assert res.returncode == 0 and "base run 1: exit status 3" in res.stdout, res.stdout + res.stderr
     assert "| fused_bwd_kernel | 400.0 | - |" in res.stdout, res.stdout
+
+
+def test_another_script_after_the_separator(tmp_path):
+    trees = [_fake_tree(tmp_path / n, us, script="kda_gpu.py", needs="--no-fla") for n, us in (("n", 300.0), ("b", 200.0))]
+    res = run_tool("ab_trees.py", "--new", str(trees[0]), "--base", str(trees[1]), "--rounds", "1", "--",
+                   "benchmarks/kda_gpu.py", "--profile", "--no-fla", timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "| fused_bwd_kernel | 300.0 | 200.0 | 1.500 |" in res.stdout, res.stdout
 
 
 def test_a_base_that_is_not_a_tree_is_a_usage_error(tmp_path):

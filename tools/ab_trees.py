@@ -1,15 +1,20 @@
-"""Per-kernel GPU time of this tree against another (a base commit's), in one device call: runs
-``benchmarks/ops_gpu.py --peers gdn --only-profile`` (or ``--variants JSON --profile``) in each
-tree in turn, the two alternating over ``--rounds`` rounds (new, base, base, new, ...: a drifting
-card or host weighs on both alike), and prints per shape a table of each kernel's µs per call in
-every run, the median of each tree and their ratio.
+"""Per-kernel GPU time of this tree against another (a base commit's), in one device call: runs a
+benchmark's per-kernel profile (default ``benchmarks/ops_gpu.py --peers gdn --shapes 2,6,0
+--only-profile``) in each tree in turn, the two alternating over ``--rounds`` rounds (new, base,
+base, new, ...: a drifting card or host weighs on both alike), and prints per profile block a table
+of each kernel's µs per call in every run, the median of each tree and their ratio.
 
     git worktree add -f .ab-base <commit> --detach          # on the development machine
-    python3 tools/ab_trees.py --base .ab-base --shapes 2,6,0 [--rounds 2] [--variants JSON]
+    python3 tools/ab_trees.py --base .ab-base [--rounds 2]
+    python3 tools/ab_trees.py --base .ab-base -- benchmarks/ops_gpu.py --peers gdn --shapes 2 \
+        --profile --variants '[{}, {"fused_bwd": {"items": 2}}]'
+    python3 tools/ab_trees.py --base .ab-base -- benchmarks/kda_gpu.py --profile --shapes 0 --no-fla
 
-(the base tree is ignored by git: name it in the device call's carry). Each run imports the
-tree's own ``gdn`` (PYTHONPATH set to it ahead of what the environment holds). A run that fails
-is reported with its exit status and the end of its output; the others still print.
+(the base tree is ignored by git: name it in the device call's carry). Any script whose profile
+blocks read "LABEL, µs per call (total N µs):" followed by "  µs  xCOUNT  KERNEL" lines
+(benchmarks/ops_gpu.py's ``kernel_times``) will do. Each run imports the tree's own ``gdn``
+(PYTHONPATH set to it ahead of what the environment holds). A run that fails is reported with its
+exit status and the end of its output; the others still print.
 """
 from __future__ import annotations
 
@@ -22,13 +27,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_BLOCK = re.compile(r"^gdn kernels at (.+?), µs per call \(total (\d+) µs\):$")
+_BLOCK = re.compile(r"^(\S.*?), µs per call \(total (\d+) µs\):$")
 _KERNEL = re.compile(r"^\s+([\d.]+)\s+x(\d+)\s+(.+)$")
 
 
 def parse(text: str) -> dict:
-    """{label: {kernel: µs per call, ..., "total": µs}} of ops_gpu.py's per-kernel profile blocks in
-    ``text`` (the label as printed: shape, variant where there is one, and pass)."""
+    """{label: {kernel: µs per call, ..., "total": µs}} of the per-kernel profile blocks in ``text``
+    (the label as printed: implementation, shape, variant where there is one, and pass)."""
     out: dict = {}
     cur = None
     for line in text.splitlines():
@@ -73,13 +78,13 @@ def table(label: str, new: list[dict], base: list[dict]) -> str:
     return head + "\n" + "\n".join(rows)
 
 
-def run_tree(tree: Path, args: list[str], timeout: float) -> tuple[int, str]:
-    """(exit status, stdout + stderr) of ops_gpu.py with ``args`` in ``tree``, its gdn first on the
-    import path; 124 where it ran past ``timeout`` seconds."""
+def run_tree(tree: Path, cmd: list[str], timeout: float) -> tuple[int, str]:
+    """(exit status, stdout + stderr) of ``python3 cmd...`` (a script of the tree and its arguments)
+    run in ``tree``, its gdn first on the import path; 124 where it ran past ``timeout`` seconds."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(tree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     try:
-        p = subprocess.run([sys.executable, "benchmarks/ops_gpu.py", *args], cwd=tree, env=env,
+        p = subprocess.run([sys.executable, *cmd], cwd=tree, env=env,
                            capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -87,24 +92,27 @@ def run_tree(tree: Path, args: list[str], timeout: float) -> tuple[int, str]:
     return p.returncode, p.stdout + p.stderr
 
 
+DEFAULT = ["benchmarks/ops_gpu.py", "--peers", "gdn", "--shapes", "2,6,0", "--only-profile"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="the other tree (a worktree of the base commit)")
     ap.add_argument("--new", default=str(ROOT), help="the tree under test (default: this one)")
-    ap.add_argument("--shapes", default="2,6,0", help="ops_gpu.py's shape rows (default 2,6,0)")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each tree (default 2)")
-    ap.add_argument("--variants", default=None, metavar="JSON",
-                    help="ops_gpu.py --variants JSON --profile in each tree instead of --only-profile")
     ap.add_argument("--timeout", type=float, default=150, help="seconds a run may take (default 150)")
+    ap.add_argument("cmd", nargs=argparse.REMAINDER,
+                    help=f"after --: the script (a path in the trees) and its arguments (default: {' '.join(DEFAULT)})")
     a = ap.parse_args(argv)
-    trees = {"new": Path(a.new).resolve(), "base": Path(a.base).resolve()}
-    for name, tree in trees.items():
-        if not (tree / "benchmarks" / "ops_gpu.py").is_file():
-            ap.error(f"--{name} {tree}: no benchmarks/ops_gpu.py there (expected a tree of this repository)")
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    cmd = cmd or DEFAULT
     if a.rounds < 1:
         ap.error(f"--rounds must be positive, got {a.rounds}")
-    args = ["--peers", "gdn", "--shapes", a.shapes]
-    args += ["--variants", a.variants, "--profile"] if a.variants else ["--only-profile"]
+    trees = {"new": Path(a.new).resolve(), "base": Path(a.base).resolve()}
+    for name, tree in trees.items():
+        if not (tree / cmd[0]).is_file():
+            ap.error(f"--{name} {tree}: no {cmd[0]} there (expected a tree of this repository)")
+    args = cmd
     runs: dict = {"new": [], "base": []}
     for r in range(a.rounds):
         for name in (("new", "base") if r % 2 == 0 else ("base", "new")):
