@@ -121,8 +121,8 @@ class _TorchWithGuardedEmpty:
             shape = tuple(shape[0])
         return self._g.alloc(shape, dtype or torch.float32, self._name())
 
-    def empty_like(self, x):
-        return self._g.alloc(tuple(x.shape), x.dtype, self._name())
+    def empty_like(self, x, dtype=None):
+        return self._g.alloc(tuple(x.shape), dtype or x.dtype, self._name())
 
 
 def guarded_run(monkeypatch, B, T, H, HV, K, V, dtype, lens=None, state=True, sms=132, seed=0, g_scale=0.5,
