@@ -629,13 +629,16 @@ def host_times(run, label, n=5, top=12):
         print(f"  {e.self_cpu_time_total / n:9.1f}  x{e.count / n:<5.1f} {e.key[:90]}")
 
 
-def profile(shapes=None):
-    """Per-kernel GPU time (µs per call) of one fwd+bwd at every shape, gdn and FLA, from torch.profiler."""
+def profile(shapes=None, peers=("gdn", "fla")):
+    """Per-kernel GPU time (µs per call) of one fwd+bwd at every shape, gdn and FLA (those of
+    ``peers`` present), from torch.profiler."""
     for label, B, T, H, HV, lens, *vd in SHAPES if shapes is None else shapes:
         V = vd[0] if vd else D
         xs, cu = inputs(B, T, H, HV, lens, V)
         do = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
-        for name, f in (("gdn", gdn_fn(xs, cu)), ("FLA", fla_fn(xs, cu))):
+        fns = (("gdn", gdn_fn(xs, cu) if "gdn" in peers else None),
+               ("FLA", fla_fn(xs, cu) if "fla" in peers else None))
+        for name, f in fns:
             if f is not None:
                 kernel_times(fresh_fwd_bwd(f, xs, do), f"{name} kernels at {label}, fwd+bwd", top=18)
 
@@ -691,7 +694,7 @@ def main():
         if not args.only_profile:
             return
     if args.only_profile:
-        profile(shapes)
+        profile(shapes, peers)
         return
     start = time.monotonic()
     deadline = start + args.max_seconds if args.max_seconds else float("inf")
@@ -713,7 +716,7 @@ def main():
         table(rs, *rates, peers)
         print(f"run took {time.monotonic() - start:.0f} s", flush=True)
     if args.profile and time.monotonic() < deadline:
-        profile(shapes)
+        profile(shapes, peers)
     dec = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_gpu.py")
     if args.decode and os.path.exists(dec):
         spec = importlib.util.spec_from_file_location("decode_gpu", dec)
