@@ -213,10 +213,10 @@ def _make(cls, data: dict):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        close = {u: [_SYNONYMS[u]] if _SYNONYMS.get(u) in names else difflib.get_close_matches(u, names, n=1)
-                 for u in unknown}
-        hints = "".join(f" ({u!r}: did you mean {c[0]!r}?)" for u, c in close.items() if c)
-        raise ValueError(f"unknown config keys {unknown}{hints}; valid keys: {sorted(names)}")
+        close = [m[0] for u in unknown
+                 if (m := [_SYNONYMS[u]] if _SYNONYMS.get(u) in names else difflib.get_close_matches(u, names, n=1))]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""  # (as GDNConfig.check_overrides says it)
+        raise ValueError(f"unknown config keys {unknown}{hint}; valid keys: {sorted(names)}")
     return cls(**data)
 
 
