@@ -55,6 +55,17 @@ def _check_positive(name: str, val) -> None:
         raise ValueError(f"{name} must be a positive int, got {val!r}")
 
 
+def did_you_mean(unknown, valid, synonyms: dict | None = None) -> str:
+    """The hint ``" (did you mean a, b?)"`` of an unknown-keys error: for each of the ``unknown``
+    keys its ``synonyms`` entry where that is ``valid``, else the closest valid spelling ("" where
+    there is none)."""
+    close = []
+    for k in map(str, unknown):
+        alias = (synonyms or {}).get(k)
+        close += [alias] if alias in valid else difflib.get_close_matches(k, valid, n=1)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
 class GDNConfig(PretrainedConfig):
     """Configuration of :class:`gdn.models.GDNForCausalLM`.
 
@@ -220,9 +231,7 @@ class GDNConfig(PretrainedConfig):
         unknown = sorted(str(k) for k in overrides if k not in valid)
         if not unknown:
             return
-        close = [m[0] for k in unknown if (m := difflib.get_close_matches(str(k), valid, n=1))]
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        raise ValueError(f"unknown model keys {unknown}{hint}; valid keys: {valid}")
+        raise ValueError(f"unknown model keys {unknown}{did_you_mean(unknown, valid)}; valid keys: {valid}")
 
     def differences(self, other: "GDNConfig") -> list[str]:
         """``["hidden_size 32 -> 64", "layer_pattern 'GG' -> 'GS'"]``: the :meth:`field_names` whose

@@ -5,7 +5,6 @@ beside every run. A resumed run starts from the settings saved in its checkpoint
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import logging
 import math
@@ -16,6 +15,7 @@ import yaml
 
 from .. import checkpoint as ckpt
 from ..models import GDNConfig
+from ..models.config import did_you_mean
 
 logger = logging.getLogger(__name__)
 
@@ -213,10 +213,8 @@ def _make(cls, data: dict):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        close = [m[0] for u in unknown
-                 if (m := [_SYNONYMS[u]] if _SYNONYMS.get(u) in names else difflib.get_close_matches(u, names, n=1))]
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""  # (as GDNConfig.check_overrides says it)
-        raise ValueError(f"unknown config keys {unknown}{hint}; valid keys: {sorted(names)}")
+        raise ValueError(f"unknown config keys {unknown}{did_you_mean(unknown, sorted(names), _SYNONYMS)}; "
+                         f"valid keys: {sorted(names)}")
     return cls(**data)
 
 
