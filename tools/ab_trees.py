@@ -19,6 +19,7 @@ exit status and the end of its output; the others still print.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import statistics
@@ -29,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 _BLOCK = re.compile(r"^(\S.*?), µs per call \(total (\d+) µs\):$")
 _KERNEL = re.compile(r"^\s+([\d.]+)\s+x(\d+)\s+(.+)$")
+DEFAULT = ["benchmarks/ops_gpu.py", "--peers", "gdn", "--shapes", "2,6,0", "--only-profile"]
 
 
 def parse(text: str) -> dict:
@@ -63,7 +65,7 @@ def table(label: str, new: list[dict], base: list[dict]) -> str:
 
     def longest(k):
         b = med(base, k)
-        return -(b if b == b else med(new, k))  # (NaN: a kernel the base does not run)
+        return -(med(new, k) if math.isnan(b) else b)  # (a kernel the base does not run: the new tree's)
 
     order = sorted(names, key=longest)
     head = (f"\n{label}\n\n| kernel | " + " | ".join(f"new {i + 1}" for i in range(len(new)))
@@ -73,7 +75,7 @@ def table(label: str, new: list[dict], base: list[dict]) -> str:
     for k in order + ["total"]:
         cells = [f"{r[k]:.1f}" if k in r else "-" for r in new + base]
         a, b = med(new, k), med(base, k)
-        ratio = f"{a / b:.3f}" if a == a and b == b and b > 0 else "-"
+        ratio = f"{a / b:.3f}" if not (math.isnan(a) or math.isnan(b)) and b > 0 else "-"
         rows.append(f"| {'**total**' if k == 'total' else k} | " + " | ".join(cells) + f" | {ratio} |")
     return head + "\n" + "\n".join(rows)
 
@@ -92,9 +94,6 @@ def run_tree(tree: Path, cmd: list[str], timeout: float) -> tuple[int, str]:
     return p.returncode, p.stdout + p.stderr
 
 
-DEFAULT = ["benchmarks/ops_gpu.py", "--peers", "gdn", "--shapes", "2,6,0", "--only-profile"]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="the other tree (a worktree of the base commit)")
@@ -104,19 +103,17 @@ def main(argv=None) -> int:
     ap.add_argument("cmd", nargs=argparse.REMAINDER,
                     help=f"after --: the script (a path in the trees) and its arguments (default: {' '.join(DEFAULT)})")
     a = ap.parse_args(argv)
-    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
-    cmd = cmd or DEFAULT
+    cmd = (a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd) or DEFAULT
     if a.rounds < 1:
         ap.error(f"--rounds must be positive, got {a.rounds}")
     trees = {"new": Path(a.new).resolve(), "base": Path(a.base).resolve()}
     for name, tree in trees.items():
         if not (tree / cmd[0]).is_file():
             ap.error(f"--{name} {tree}: no {cmd[0]} there (expected a tree of this repository)")
-    args = cmd
     runs: dict = {"new": [], "base": []}
     for r in range(a.rounds):
         for name in (("new", "base") if r % 2 == 0 else ("base", "new")):
-            rc, out = run_tree(trees[name], args, a.timeout)
+            rc, out = run_tree(trees[name], cmd, a.timeout)
             if rc != 0:
                 tail = "\n".join(out.strip().splitlines()[-8:])
                 print(f"{name} run {r + 1}: exit status {rc}\n{tail}", flush=True)
