@@ -101,14 +101,15 @@ def resources(K: int, V: int, BV: int, num_warps: int) -> dict:
     return _compiled(GluonASTSource(value_loop, sig, consts, {}), num_warps)
 
 
-def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = None) -> dict:
+def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = None, PER: int | None = None) -> dict:
     """{"regs", "spill", "shared"} of the fused backward kernel itself
     (:func:`gdn.ops.delta.triton.fused_bwd.fused_bwd_kernel`, bf16) compiled for sm_90, with a ring
-    of ``NS`` slots (default: the launch setting's)."""
+    of ``NS`` slots and ``PER`` items a program (defaults: the launch setting's)."""
     from gdn.ops.delta.triton import fused_bwd as F  # noqa: PLC0415
     from gdn.ops.tuning import DELTA  # noqa: PLC0415
 
     NS = DELTA["fused_bwd"]["NS"] if NS is None else NS
+    PER = DELTA["fused_bwd"]["items"] if PER is None else PER
     names = F.fused_bwd_kernel.arg_names
     sig = {n: "*bf16" for n in names}
     sig.update({n: "*fp32" for n in ("G", "beta", "DB", "DG")})
@@ -119,12 +120,12 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = N
     sig.update({n: desc(64) for n in ("d_t", "do_t", "dd_t", "v_t", "dv_t")})
     sig.update(h_t=desc(K), dh_t=desc(K), ai_t=desc(64, 64))
     sig.update({n: desc(64, K) for n in ("q_t", "k_t", "dq_t", "dk_t")})
-    sig.update(cu="*i32", chunk_idx="*i32", chunk_off="*i32", scale="fp32", H="i32", HV="i32", K="constexpr",
-               V="constexpr", BV="constexpr", NS="constexpr", DT="constexpr", QK_TMA="constexpr",
-               DV_TMA="constexpr")
+    sig.update(cu="*i32", chunk_idx="*i32", chunk_off="*i32", scale="fp32", H="i32", HV="i32", NW="i32",
+               K="constexpr", V="constexpr", BV="constexpr", NS="constexpr", DT="constexpr", QK_TMA="constexpr",
+               DV_TMA="constexpr", PER="constexpr")
     at = {n: i for i, n in enumerate(names)}
     consts = {(at["K"],): K, (at["V"],): V, (at["BV"],): BV, (at["NS"],): NS, (at["DT"],): gl.bfloat16,
-              (at["QK_TMA"],): True, (at["DV_TMA"],): True}
+              (at["QK_TMA"],): True, (at["DV_TMA"],): True, (at["PER"],): PER}
     return _compiled(GluonASTSource(F.fused_bwd_kernel, sig, consts, {}), num_warps)
 
 

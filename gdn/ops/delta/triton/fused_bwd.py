@@ -19,6 +19,7 @@ from __future__ import annotations
 
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -53,11 +54,6 @@ def _smem(shape, dtype):
 
 
 @gluon.jit
-def _vec(x, layout: gl.constexpr):
-    return gl.convert_layout(x, layout)
-
-
-@gluon.jit
 def _issue(n, w, i_v, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd,
            ring_v, ring_h, ring_dh, bars, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr):
     """Start the tensor copies of item ``w``'s value tile ``i_v`` (δ, dO, dδ, v rows; h, dh rows) into
@@ -81,30 +77,43 @@ def _issue(n, w, i_v, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t
 
 
 @gluon.jit
-def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, cu,
-                     chunk_idx, chunk_off, scale, H, HV, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-                     NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr, DV_TMA: gl.constexpr):
-    """One program per chunk i_t of ``chunk_idx`` (all of the call's chunks, or a slice of them) and
-    value head i_hv (w = i_t · HV + i_hv). G [T, HV] the in-chunk cumulative log decay γ; beta
-    [T, HV]. Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; ai_t of the rows of T⁻¹ [T, HV ·
-    64] in [64, 64] blocks; d_t (δ), do_t (dO), dd_t (dδ), v_t (v) of [T, HV · V] in [64, BV]
-    blocks; h_t, dh_t of [chunks · HV · K, V] (the state entering each chunk, at its global index
-    chunk_off[n] + c, and the gradient of the one leaving it, at i_t) in [K, BV] blocks. Writes dQ,
-    dK [T, HV, K], dV [T, HV, V], dβ and dg [T, HV]: a chunk that fills its block writes dQ and dK
-    by tensor copies (dq_t, dk_t, [64, K] blocks of [T, HV · K]) where ``QK_TMA`` and dV likewise
-    (dv_t) where ``DV_TMA`` (outputs in the inputs' 16-bit dtype), every other chunk through masked
-    stores.
+def _where(w, HV, H, cu, chunk_idx):
+    """(first row, sequence end, value head, key head) of item ``w`` = i_t · HV + i_hv: chunk i_t of
+    ``chunk_idx``, value head i_hv (the first row a 32-bit coordinate, as tensor copies take)."""
+    i_t = w // HV
+    i_hv = w % HV
+    i_n = gl.load(chunk_idx + 2 * i_t)
+    i_c = gl.load(chunk_idx + 2 * i_t + 1)
+    return gl.load(cu + i_n) + i_c * BT, gl.load(cu + i_n + 1), i_hv, i_hv // (HV // H)
 
-    Every input comes by tensor copies, requested before anything else: q, k and T⁻¹ on one
-    barrier, the value tiles through a ring of NS slots (tile i + NS as soon as tile i's slot is
-    free); the products run asynchronously. A chunk's block may reach into the next sequence's rows.
-    Those rows of δ, dO and v are finite (written before this kernel runs) and need no zeroing:
-    every product that meets them is masked to the chunk's valid rows afterwards, or passes through
-    T⁻¹'s rows, which are zero there (T⁻¹ is lower triangular, so its valid rows never reach a later
-    column). In a chunk that ends early, q's, k's and T⁻¹'s rows past the end are zeroed in shared
-    memory once they land, and so are the dδ tile's: the reverse pass may not have written those
-    yet (a sliced pass writes them with a later slice), and zero times a non-finite value is not
-    zero."""
+
+@gluon.jit
+def _issue_qk(w, HV, H, cu, chunk_idx, q_t, k_t, s_q, s_k, bar, K: gl.constexpr):
+    """Start the tensor copies of item ``w``'s q and k rows (its key head's) on ``bar``."""
+    r0, _, _, i_h = _where(w, HV, H, cu, chunk_idx)
+    mbarrier.expect(bar, 2 * K * BT * 2)
+    tma.async_copy_global_to_shared(q_t, [r0, i_h * K], bar, s_q)
+    tma.async_copy_global_to_shared(k_t, [r0, i_h * K], bar, s_k)
+
+
+@gluon.jit
+def _issue_inv(w, HV, H, cu, chunk_idx, ai_t, s_a, bar):
+    """Start the tensor copy of item ``w``'s rows of T⁻¹ on ``bar``."""
+    r0, _, i_hv, _ = _where(w, HV, H, cu, chunk_idx)
+    mbarrier.expect(bar, BT * BT * 2)
+    tma.async_copy_global_to_shared(ai_t, [r0, i_hv * BT], bar, s_a)
+
+
+@gluon.jit
+def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK,
+          DV, dq_t, dk_t, dv_t, DB, DG, cu, chunk_idx, chunk_off, scale, H, HV, ring_d, ring_do, ring_dd, ring_v,
+          ring_h, ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K: gl.constexpr,
+          V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr,
+          DV_TMA: gl.constexpr):
+    """Item ``w``, the program's J-th of PER (fused_bwd_kernel's docstring). Its first value tiles, its
+    T⁻¹ (slot J % 2 of ``s_as``) and its q and k were requested before (by the kernel or the item
+    before); once its value loop is done it requests the next item's first value tiles and T⁻¹, and
+    once its dQ and dK have left q's and k's places, the next item's q and k."""
     f32: gl.constexpr = gl.float32
     num_warps: gl.constexpr = gl.num_warps()
     NV: gl.constexpr = V // BV
@@ -115,64 +124,38 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
     a_k: gl.constexpr = acc_layout(K, num_warps)
     a_v: gl.constexpr = acc_layout(BV, num_warps)
     r_t: gl.constexpr = gl.SliceLayout(1, a_t)  # row vectors of [64, 64]
-    c_t: gl.constexpr = gl.SliceLayout(0, a_t)
+    c_t: gl.constexpr = gl.SliceLayout(0, a_t)  # column vectors of [64, 64]
     r_k: gl.constexpr = gl.SliceLayout(1, a_k)  # row vectors of [64, K]
-    r_v: gl.constexpr = gl.SliceLayout(1, a_v)
+    r_v: gl.constexpr = gl.SliceLayout(1, a_v)  # row vectors of [64, BV]
     tile_bytes: gl.constexpr = (4 * BT + 2 * K) * BV * 2  # 16-bit tiles
-    w = gl.program_id(0)
+    NEXT: gl.constexpr = J + 1 < PER  # a later item of this program may follow
+    s_a = s_as.index(J % 2)
+    bar_a = bars_a.index(J % 2)
 
-    # ---- shared memory: the ring of value tiles, then the chunk's q, k, Tᵀ and the epilogue's operands
-    ring_d = gl.allocate_shared_memory(DT, [NS, BT, BV], d_t.layout)
-    ring_do = gl.allocate_shared_memory(DT, [NS, BT, BV], d_t.layout)
-    ring_dd = gl.allocate_shared_memory(DT, [NS, BT, BV], d_t.layout)
-    ring_v = gl.allocate_shared_memory(DT, [NS, BT, BV], d_t.layout)
-    ring_h = gl.allocate_shared_memory(DT, [NS, K, BV], h_t.layout)
-    ring_dh = gl.allocate_shared_memory(DT, [NS, K, BV], h_t.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    bar_in = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    s_a = gl.allocate_shared_memory(DT, [BT, BT], ai_t.layout)  # T⁻¹ (Tᵀ is its transposed view)
-    s_q = gl.allocate_shared_memory(DT, [BT, K], q_t.layout)
-    s_k = gl.allocate_shared_memory(DT, [BT, K], k_t.layout)
-    s_p = gl.allocate_shared_memory(DT, [BT, BT], _smem([BT, BT], DT))
-    s_w = gl.allocate_shared_memory(DT, [BT, K], _smem([BT, K], DT))
-    s_hi = gl.allocate_shared_memory(DT, [BT, BT], _smem([BT, BT], DT))
-    s_lo = gl.allocate_shared_memory(DT, [BT, BT], _smem([BT, BT], DT))
-    for i_s in gl.static_range(NS):
-        mbarrier.init(bars.index(i_s), count=1)
-    mbarrier.init(bar_in, count=1)
-    fence_async_shared()
-    i_t = w // HV
-    i_hv = w % HV
-    i_h = i_hv // (HV // H)
-    i_n = gl.load(chunk_idx + 2 * i_t)
-    i_c = gl.load(chunk_idx + 2 * i_t + 1)
-    bos = gl.load(cu + i_n)
-    eos = gl.load(cu + i_n + 1)
-    r0 = bos + i_c * BT  # the chunk's first row (tensor copies take 32-bit coordinates)
-    mbarrier.expect(bar_in, (2 * K + BT) * BT * 2)
-    tma.async_copy_global_to_shared(q_t, [r0, i_h * K], bar_in, s_q)
-    tma.async_copy_global_to_shared(k_t, [r0, i_h * K], bar_in, s_k)
-    tma.async_copy_global_to_shared(ai_t, [r0, i_hv * BT], bar_in, s_a)
-    for i_s in gl.static_range(min(NS, NV)):
-        _issue(tile_bytes, w, i_s, i_s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do,
-               ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
-
-    o_vv = gl.arange(0, BV, layout=gl.SliceLayout(0, a_v))
+    r0, eos, i_hv, i_h = _where(w, HV, H, cu, chunk_idx)
     t0 = r0.to(gl.int64)
     eos = eos.to(gl.int64)
     last = gl.minimum(eos, t0 + BT) - 1  # the chunk's last valid row
-
-    # per-row scalars in the accumulators' row layouts
-    rt = t0 + gl.arange(0, BT, layout=r_t)
-    m_t = rt < eos
-    g_t = gl.load(G + rt * HV + i_hv, mask=m_t, other=0.0)
-    g_c = gl.convert_layout(g_t, c_t)
-    g_last = gl.load(G + last * HV + i_hv)
-    rv = t0 + gl.arange(0, BT, layout=r_v)
-    m_v = rv < eos
     partial = t0 + BT > eos  # the chunk ends inside its block
-    m_ld = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, ld_v)) < eos
+
+    # ---- every per-row scalar the item needs, requested before any wait on a tensor copy, each in
+    # the layout that uses it (γ in three: loaded thrice rather than converted)
+    rt = t0 + gl.arange(0, BT, layout=r_t)
+    ct = t0 + gl.arange(0, BT, layout=c_t)
+    rk = t0 + gl.arange(0, BT, layout=r_k)
+    rv = t0 + gl.arange(0, BT, layout=r_v)
+    m_t = rt < eos
+    m_k = rk < eos
+    m_v = rv < eos
+    g_t = gl.load(G + rt * HV + i_hv, mask=m_t, other=0.0)
+    g_c = gl.load(G + ct * HV + i_hv, mask=ct < eos, other=0.0)
+    g_k = gl.load(G + rk * HV + i_hv, mask=m_k, other=0.0)
+    g_last = gl.load(G + last * HV + i_hv)
+    b_bt = gl.load(beta + rt * HV + i_hv, mask=m_t, other=0.0)
+    b_bk = gl.load(beta + rk * HV + i_hv, mask=m_k, other=0.0)
     b_bv = gl.load(beta + rv * HV + i_hv, mask=m_v, other=0.0)
+    o_vv = gl.arange(0, BV, layout=gl.SliceLayout(0, a_v))
+    m_ld = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, ld_v)) < eos
 
     # ---- the value loop
     dod = gl.zeros([BT, BT], f32, a_t)
@@ -182,23 +165,19 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
     wac = gl.zeros([BT, K], f32, a_k)  # dδ Sᵀ = −dW
     dbu = gl.zeros([BT], f32, r_v)  # dβ's U term
     gcs = gl.zeros([K], f32, gl.SliceLayout(1, ld_v))  # Σ_v S ⊙ dS per key row
-    # q, k and T⁻¹, each zeroed past the sequence end (Tᵀ is the A operand of dV, Tᵀ dW and dA)
-    mbarrier.wait(bar_in, 0)
+    # T⁻¹, zeroed past the sequence end (Tᵀ, its transposed view, is the A operand of dV, Tᵀ dW and dA)
+    mbarrier.wait(bar_a, (J // 2) & 1)
     if partial:
-        m_lk = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, ld_k)) < eos
-        x = s_q.load(ld_k)
-        s_q.store(gl.where(m_lk[:, None], x, gl.zeros_like(x)))
-        x = s_k.load(ld_k)
-        s_k.store(gl.where(m_lk[:, None], x, gl.zeros_like(x)))
         m_lt = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, ld_t)) < eos
         x = s_a.load(ld_t)
         s_a.store(gl.where(m_lt[:, None], x, gl.zeros_like(x)))
+        fence_async_shared()
+        gl.thread_barrier()
     s_tt = s_a.permute((1, 0))
-    fence_async_shared()
-    gl.thread_barrier()
     for i_v in range(0, NV):
-        s = i_v % NS
-        mbarrier.wait(bars.index(s), (i_v // NS) & 1)
+        n = J * NV + i_v  # the program's tile count: ring slot and barrier phase
+        s = n % NS
+        mbarrier.wait(bars.index(s), (n // NS) & 1)
         sd = ring_d.index(s)
         sdo = ring_do.index(s)
         sdd = ring_dd.index(s)
@@ -242,10 +221,27 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
         if i_v + NS < NV:
             _issue(tile_bytes, w, i_v + NS, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t,
                    v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
+    if NEXT:
+        # the next item's first value tiles into the slots this loop is done with (once dV's copies
+        # out of them have read them) and its T⁻¹ into the other slot: they land during this epilogue
+        if w + 1 < NW:
+            tma.store_wait(0)
+            gl.thread_barrier()
+            for i_s in gl.static_range(min(NS, NV)):
+                _issue(tile_bytes, w + 1, i_s, ((J + 1) * NV + i_s) % NS, HV, cu, chunk_idx, chunk_off, d_t, do_t,
+                       dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
+            _issue_inv(w + 1, HV, H, cu, chunk_idx, ai_t, s_as.index((J + 1) % 2), bars_a.index((J + 1) % 2))
 
-    # ---- the epilogue. First dW = −dδ Sᵀ and dδ δᵀ (as a rounded part and its remainder) go to
-    # shared memory, and the five products that need nothing else start at once (operands in
-    # shared memory): Q Kᵀ, K Kᵀ, Tᵀ dW and Tᵀ (dδ δᵀ) in two parts
+    # ---- the epilogue. q and k (zeroed past the sequence end), then dW = −dδ Sᵀ and dδ δᵀ (as a
+    # rounded part and its remainder) to shared memory, and the five products that need nothing
+    # else start at once (operands in shared memory): Q Kᵀ, K Kᵀ, Tᵀ dW and Tᵀ (dδ δᵀ) in two parts
+    mbarrier.wait(bar_qk, J & 1)
+    if partial:
+        m_lk = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, ld_k)) < eos
+        x = s_q.load(ld_k)
+        s_q.store(gl.where(m_lk[:, None], x, gl.zeros_like(x)))
+        x = s_k.load(ld_k)
+        s_k.store(gl.where(m_lk[:, None], x, gl.zeros_like(x)))
     s_w.store((0.0 - wac).to(DT))
     hi = ddd.to(DT)
     s_hi.store(hi)
@@ -257,44 +253,44 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
     tdw = warpgroup_mma(s_tt, s_w, gl.zeros([BT, K], f32, a_k), use_acc=False, is_async=True)
     b_da = warpgroup_mma(s_tt, s_hi, gl.zeros([BT, BT], f32, a_t), use_acc=False, is_async=True)
     b_da = warpgroup_mma(s_tt, s_lo, b_da, is_async=True)
-    # meanwhile, the output and state terms of dQ and dK (dqk_kernel's math); rows past the
-    # sequence end are kept out of the decays (γ reads 0 there, and exp(γ_i − γ_j) could overflow
-    # against a zero)
-    lower = (rt[:, None] >= (t0 + gl.arange(0, BT, layout=c_t))[None, :]) & m_t[:, None]
-    dsm = dod * gl.exp(gl.where(lower, g_t[:, None] - g_c[None, :], float("-inf"))) * scale
-    g_k = gl.convert_layout(g_t, r_k)
-    dqs = dqs * (scale * gl.exp(g_k))[:, None]
-    dg = _vec(gl.sum(s_q.load(a_k).to(f32) * dqs, axis=1), r_t)
+    # meanwhile the decay matrix D (exp(γ_i − γ_j) on and below the diagonal, zero above it and in
+    # rows past the sequence end, where γ reads 0 and the difference could overflow), formed once for
+    # both its uses, and the output and state terms of dQ and dK (dqk_kernel's math). dγ is gathered
+    # by layout: its terms from [64, K] rows (dg_k), from [64, 64] rows (dg_t) and columns (dg_c),
+    # converted once each at the end
+    lower = (rt[:, None] >= ct[None, :]) & m_t[:, None]
+    dec = gl.exp(gl.where(lower, g_t[:, None] - g_c[None, :], float("-inf")))
+    dsm = dod * dec * scale
+    e_k = gl.exp(g_k)
+    dqs = dqs * (scale * e_k)[:, None]
+    dg_k = gl.sum(s_q.load(a_k).to(f32) * dqs, axis=1)
     dks = dks * gl.exp(g_last - g_k)[:, None]
     b_a = gl.sum(s_k.load(a_k).to(f32) * dks, axis=1)
-    dg -= _vec(b_a, r_t)
+    dg_k -= b_a
     tail = gl.sum(b_a, axis=0) + gl.exp(g_last) * gl.sum(gcs, axis=0)
-    dg += gl.where(rt == last, tail, 0.0)
     s_p.store(gl.permute(dsm.to(DT), (1, 0)))  # (dO δᵀ ⊙ D)ᵀ, the A operand of its product with Q
-    rk = t0 + gl.arange(0, BT, layout=r_k)
-    m_k = rk < eos
     o_kk = gl.arange(0, K, layout=gl.SliceLayout(0, a_k))
     p_out = (rk[:, None] * HV + i_hv) * K + o_kk[None, :]
     b_e, b_kk, tdw, b_da = warpgroup_mma_wait(0, deps=[b_e, b_kk, tdw, b_da])
     b_e = b_e * dsm
-    dg += gl.sum(b_e, axis=1) - _vec(gl.sum(b_e, axis=0), r_t)
+    dg_t = gl.sum(b_e, axis=1)
+    dg_c = 0.0 - gl.sum(b_e, axis=0)
 
     # ---- the terms through W = T diag(βΓ) K: Tᵀ dW
-    b_bk = gl.load(beta + rk * HV + i_hv, mask=m_k, other=0.0)
-    bg_k = b_bk * gl.exp(g_k)
+    bg_k = b_bk * e_k
     ktdw = gl.sum(s_k.load(a_k).to(f32) * tdw, axis=1)
     dks += tdw * bg_k[:, None]
-    db = _vec(ktdw * gl.exp(g_k) + _vec(dbu, r_k), r_t)
-    dg += _vec(ktdw * bg_k, r_t)
+    db_k = ktdw * e_k + gl.convert_layout(dbu, r_k)
+    dg_k += ktdw * bg_k
 
-    # ---- the terms through A: dA = −Tᵀ (dδ δᵀ)
-    strict = (rt[:, None] > (t0 + gl.arange(0, BT, layout=c_t))[None, :]) & m_t[:, None]
-    b_da = 0.0 - gl.where(strict, b_da * gl.exp(gl.where(strict, g_t[:, None] - g_c[None, :], float("-inf"))), 0.0)
-    db += gl.sum(b_da * b_kk, axis=1)
-    b_bt = gl.load(beta + rt * HV + i_hv, mask=m_t, other=0.0)
+    # ---- the terms through A: dA = −Tᵀ (dδ δᵀ) ⊙ D below the diagonal
+    strict = lower & (rt[:, None] != ct[None, :])
+    b_da = 0.0 - gl.where(strict, b_da * dec, 0.0)
+    db = gl.sum(b_da * b_kk, axis=1) + gl.convert_layout(db_k, r_t)
     b_m = b_da * b_bt[:, None]
     b_e2 = b_m * b_kk
-    dg += gl.sum(b_e2, axis=1) - _vec(gl.sum(b_e2, axis=0), r_t)
+    dg_t += gl.sum(b_e2, axis=1)
+    dg_c -= gl.sum(b_e2, axis=0)
     gl.thread_barrier()  # both warpgroups' products from s_hi are done
     s_hi.store(b_m.to(DT))  # M
     fence_async_shared()
@@ -304,6 +300,13 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
     b_dk = warpgroup_mma(s_p, s_q, dks, is_async=True)
     b_dk = warpgroup_mma(s_hi, s_k, b_dk, is_async=True)
     b_dk = warpgroup_mma(s_hi.permute((1, 0)), s_k, b_dk, is_async=True)
+    # meanwhile dβ, and dγ in the column layout its reverse in-chunk cumsum takes (a masked row sum:
+    # a scan in the MMA row layout does not lower for sm_90 in triton 3.6)
+    gl.store(DB + rt * HV + i_hv, db, mask=m_t)
+    dg_c += gl.where(ct == last, tail, 0.0)
+    dg_c += gl.convert_layout(dg_t + gl.convert_layout(dg_k, r_t), c_t)
+    after = ct[None, :] >= rt[:, None]
+    gl.store(DG + rt * HV + i_hv, gl.sum(gl.where(after, dg_c[None, :], 0.0), axis=1), mask=m_t)
     b_dq, b_dk = warpgroup_mma_wait(0, deps=[b_dq, b_dk])
     if QK_TMA:
         if partial:
@@ -321,11 +324,88 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
     else:
         gl.store(DQ + p_out, b_dq.to(DQ.dtype.element_ty), mask=m_k[:, None])
         gl.store(DK + p_out, b_dk.to(DK.dtype.element_ty), mask=m_k[:, None])
-    gl.store(DB + rt * HV + i_hv, db, mask=m_t)
-    # dg = the reverse in-chunk cumsum of dγ, as a masked row sum (a scan in the MMA row layout
-    # does not lower for sm_90 in triton 3.6)
-    after = (t0 + gl.arange(0, BT, layout=c_t))[None, :] >= rt[:, None]
-    gl.store(DG + rt * HV + i_hv, gl.sum(gl.where(after, _vec(dg, c_t)[None, :], 0.0), axis=1), mask=m_t)
+    if NEXT:
+        # the next item's q and k into their places once dQ and dK have left them and both
+        # warpgroups' products are done with them
+        if w + 1 < NW:
+            tma.store_wait(0)
+            gl.thread_barrier()
+            _issue_qk(w + 1, HV, H, cu, chunk_idx, q_t, k_t, s_q, s_k, bar_qk, K)
+
+
+@gluon.jit(do_not_specialize=["NW"])
+def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, cu,
+                     chunk_idx, chunk_off, scale, H, HV, NW, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                     NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr, DV_TMA: gl.constexpr,
+                     PER: gl.constexpr):
+    """PER consecutive items a program (the last program's items past ``NW`` are skipped), item w =
+    i_t · HV + i_hv being chunk i_t of ``chunk_idx`` (all of the call's chunks, or a slice of them)
+    and value head i_hv. G [T, HV] the in-chunk cumulative log decay γ; beta [T, HV]. Descriptors:
+    q_t, k_t of [T, H · K] in [64, K] blocks; ai_t of the rows of T⁻¹ [T, HV · 64] in [64, 64]
+    blocks; d_t (δ), do_t (dO), dd_t (dδ), v_t (v) of [T, HV · V] in [64, BV] blocks; h_t, dh_t of
+    [chunks · HV · K, V] (the state entering each chunk, at its global index chunk_off[n] + c, and
+    the gradient of the one leaving it, at i_t) in [K, BV] blocks. Writes dQ, dK [T, HV, K], dV [T,
+    HV, V], dβ and dg [T, HV]: a chunk that fills its block writes dQ and dK by tensor copies (dq_t,
+    dk_t, [64, K] blocks of [T, HV · K]) where ``QK_TMA`` and dV likewise (dv_t) where ``DV_TMA``
+    (outputs in the inputs' 16-bit dtype), every other chunk through masked stores.
+
+    Every input comes by tensor copies, requested before it is needed: q and k on one barrier (read
+    after the value loop), T⁻¹ on another (two slots, so that the next item's lands during this
+    one's epilogue), the value tiles through a ring of NS slots (tile i + NS as soon as tile i's
+    slot is free, the next item's first tiles as soon as this item's loop is done); the products
+    run asynchronously. A chunk's block may reach into the next sequence's rows. Those rows of δ,
+    dO and v are finite (written before this kernel runs) and need no zeroing: every product that
+    meets them is masked to the chunk's valid rows afterwards, or passes through T⁻¹'s rows, which
+    are zero there (T⁻¹ is lower triangular, so its valid rows never reach a later column). In a
+    chunk that ends early, q's, k's and T⁻¹'s rows past the end are zeroed in shared memory once
+    they land, and so are the dδ tile's: the reverse pass may not have written those yet (a sliced
+    pass writes them with a later slice), and zero times a non-finite value is not zero."""
+    NV: gl.constexpr = V // BV
+    tile_bytes: gl.constexpr = (4 * BT + 2 * K) * BV * 2  # 16-bit tiles
+    w0 = gl.program_id(0) * PER
+
+    # ---- shared memory: the ring of value tiles, then q, k, two slots of T⁻¹ (Tᵀ is its transposed
+    # view) and the epilogue's operands
+    ring_d = gl.allocate_shared_memory(DT, [NS, BT, BV], d_t.layout)
+    ring_do = gl.allocate_shared_memory(DT, [NS, BT, BV], d_t.layout)
+    ring_dd = gl.allocate_shared_memory(DT, [NS, BT, BV], d_t.layout)
+    ring_v = gl.allocate_shared_memory(DT, [NS, BT, BV], d_t.layout)
+    ring_h = gl.allocate_shared_memory(DT, [NS, K, BV], h_t.layout)
+    ring_dh = gl.allocate_shared_memory(DT, [NS, K, BV], h_t.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    bar_qk = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    NA: gl.constexpr = 2 if PER > 1 else 1
+    bars_a = gl.allocate_shared_memory(gl.int64, [NA, 1], mbarrier.MBarrierLayout())
+    s_as = gl.allocate_shared_memory(DT, [NA, BT, BT], ai_t.layout)
+    s_q = gl.allocate_shared_memory(DT, [BT, K], q_t.layout)
+    s_k = gl.allocate_shared_memory(DT, [BT, K], k_t.layout)
+    s_p = gl.allocate_shared_memory(DT, [BT, BT], _smem([BT, BT], DT))
+    s_w = gl.allocate_shared_memory(DT, [BT, K], _smem([BT, K], DT))
+    s_hi = gl.allocate_shared_memory(DT, [BT, BT], _smem([BT, BT], DT))
+    s_lo = gl.allocate_shared_memory(DT, [BT, BT], _smem([BT, BT], DT))
+    for i_s in gl.static_range(NS):
+        mbarrier.init(bars.index(i_s), count=1)
+    for i_s in gl.static_range(NA):
+        mbarrier.init(bars_a.index(i_s), count=1)
+    mbarrier.init(bar_qk, count=1)
+    fence_async_shared()
+    # the first item's inputs (every program has one)
+    _issue_qk(w0, HV, H, cu, chunk_idx, q_t, k_t, s_q, s_k, bar_qk, K)
+    _issue_inv(w0, HV, H, cu, chunk_idx, ai_t, s_as.index(0), bars_a.index(0))
+    for i_s in gl.static_range(min(NS, NV)):
+        _issue(tile_bytes, w0, i_s, i_s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do,
+               ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
+    for j in gl.static_range(PER):
+        if j == 0:
+            _item(j, PER, w0, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t, dv_t,
+                  DB, DG, cu, chunk_idx, chunk_off, scale, H, HV, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh,
+                  bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K, V, BV, NS, DT, QK_TMA, DV_TMA)
+        else:
+            if w0 + j < NW:
+                _item(j, PER, w0 + j, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t,
+                      dk_t, dv_t, DB, DG, cu, chunk_idx, chunk_off, scale, H, HV, ring_d, ring_do, ring_dd, ring_v,
+                      ring_h, ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K, V, BV, NS, DT,
+                      QK_TMA, DV_TMA)
     tma.store_wait(0)
 
 
@@ -422,8 +502,10 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     dv_t = dd_t if not dv_tma or dd_t.base is DV else _tiles(DV, T, (CHUNK, BV), DT)
 
     def run(chunk_idx, NT: int):
-        launch(fused_bwd_kernel, (NT * HV,), q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV,
-               dq_t, dk_t, dv_t, DB, DG, ch.cu, chunk_idx, ch.chunk_off, scale, H, HV, K=K, V=V, BV=BV,
-               NS=DELTA["fused_bwd"]["NS"], DT=DT, QK_TMA=qk_tma, DV_TMA=dv_tma, name="fused_bwd")
+        c = DELTA["fused_bwd"]
+        PER = c["items"]
+        launch(fused_bwd_kernel, (triton.cdiv(NT * HV, PER),), q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t,
+               dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, ch.cu, chunk_idx, ch.chunk_off, scale, H, HV, NT * HV, K=K,
+               V=V, BV=BV, NS=c["NS"], DT=DT, QK_TMA=qk_tma, DV_TMA=dv_tma, PER=PER, name="fused_bwd")
 
     return (DQ, DK, DV, DG, DB), run
