@@ -396,7 +396,7 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
         _issue(tile_bytes, w0, i_s, i_s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do,
                ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
     for j in gl.static_range(PER):
-        if j == 0:
+        if PER == 1:
             _item(j, PER, w0, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t, dv_t,
                   DB, DG, cu, chunk_idx, chunk_off, scale, H, HV, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh,
                   bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K, V, BV, NS, DT, QK_TMA, DV_TMA)
