@@ -97,3 +97,59 @@ def test_sliced_reverse_pass(case, monkeypatch):
     sliced = check_once(case, "gated_delta_rule", seed, torch.bfloat16)[0]
     assert seen.count("state_bwd_kernel") > 1, seen
     assert sliced == whole, (sliced, whole)
+
+
+#: (name, B, T, H, HV, K, V, lens, initial state): 7 chunks of 3 value heads over one key head (21
+#: items: a partial last group at 2 items a program, and at 4), the awkward packed case (8 chunks,
+#: HV = 4 over H = 2), partial chunks at K = V = 128 (20 items: partial groups at 3), and grouped
+#: heads at a benchmark shape
+ITEMS = [("packed, 7 chunks, HV=3", 1, 260, 1, 3, 64, 64, (65, 1, 0, 63, 131), True),
+         next(c for c in SMALL if c[0] == "packed"), next(c for c in SMALL if c[0] == "T=300 K=V=128"),
+         BENCH[3]]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in ITEMS])
+def test_items_a_program(case, monkeypatch):
+    """Several (chunk, value head) items a program (``DELTA["fused_bwd"]["items"]`` of 2, 3 and 4,
+    the next item's copies requested during this one's epilogue): the kernel's outputs equal, to
+    the bit, one item a program's on the same inputs (copies of what the reverse pass left: the
+    kernel writes dV and dQ over two of them)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMAs: compute capability 9")
+    from .helpers import leaves, outputs_and_grads
+    from .test_chunk import _call, draw, triton_op
+
+    monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=True, items=1))
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=0))  # one launch
+    real = fused_bwd.backward
+    calls = []
+
+    def grab(*args):
+        got, run = real(*args)
+
+        def copied(chunk_idx, NT):
+            # the inputs copied once the reverse pass has filled dh and dδ, before the kernel runs
+            calls.append(([a.clone() if isinstance(a, torch.Tensor) else a for a in args], chunk_idx.clone(), NT))
+            run(chunk_idx, NT)
+
+        return got, copied
+
+    monkeypatch.setattr(fused_bwd, "backward", grab)
+    _, B, T, H, HV, K, V, lens, state = case
+    d, cu, do, dS = draw("gated_delta_rule", B, T, H, HV, K, V, lens, state, 3400 + ITEMS.index(case))
+    outputs_and_grads(_call(triton_op("gated_delta_rule"), "gated_delta_rule", cu), leaves(d, torch.bfloat16),
+                      do, dS)
+    assert len(calls) == 1, len(calls)
+    saved, chunk_idx, NT = calls[0]
+
+    def outputs(items):
+        tuning.DELTA["fused_bwd"]["items"] = items
+        got, run = real(*[a.clone() if isinstance(a, torch.Tensor) else a for a in saved])
+        run(chunk_idx, NT)
+        torch.cuda.synchronize()
+        return got
+
+    one = outputs(1)
+    for items in (2, 3, 4):
+        for name, x, y in zip(("dq", "dk", "dv", "dg", "db"), outputs(items), one):
+            assert torch.equal(x, y), f"{name} at {items} items a program: {(x.float() - y.float()).abs().max()}"
