@@ -11,6 +11,7 @@ that nothing is optimised away. Outputs are never checked: nothing runs.
 
     python tools/gluon_budget.py                 # K = V = 128, 8 and 4 warps, value tiles of 64 and 32
     python tools/gluon_budget.py --K 256 --V 256
+    TRITON_CACHE_DIR=$(mktemp -d) python tools/gluon_budget.py --items 1,2,3   # items a program
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import os
 import re
 import subprocess
 import tempfile
+import time
 
 import sys
 from pathlib import Path
@@ -201,14 +203,17 @@ def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
 
 def _compiled(src, num_warps: int, **extra) -> dict:
     opts = make_backend(TARGET).parse_options({"num_warps": num_warps, **extra})
+    t = time.perf_counter()
     ck = triton.compile(src, target=TARGET, options=opts.__dict__)
+    seconds = time.perf_counter() - t  # (a cache hit where TRITON_CACHE_DIR holds it already)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(ck.asm["cubin"])
         f.flush()
         usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", f.name],
                                capture_output=True, text=True, check=True).stdout
     field = {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
-    return {"regs": field["REG"], "spill": field["STACK"] + field["LOCAL"], "shared": ck.metadata.shared}
+    return {"regs": field["REG"], "spill": field["STACK"] + field["LOCAL"], "shared": ck.metadata.shared,
+            "seconds": seconds}
 
 
 def main(argv=None) -> int:
@@ -217,7 +222,21 @@ def main(argv=None) -> int:
     ap.add_argument("--V", type=int, default=128, help="value width (a power of two ≥ the tiles)")
     ap.add_argument("--warps", default="8,4", help="warps per program to try (multiples of 4)")
     ap.add_argument("--tiles", default="64,32", help="value tile widths to try")
+    ap.add_argument("--items", default=None,
+                    help="items a program of the fused backward kernel to compile (e.g. 1,2,3): its table "
+                         "alone, at 8 warps and the first tile width, with each compile's seconds (give "
+                         "TRITON_CACHE_DIR an empty folder for cold compiles)")
     a = ap.parse_args(argv)
+    if a.items:
+        bv = int(a.tiles.split(",")[0])
+        print(f"The fused backward kernel, K = {a.K}, V = {a.V}, value tiles of {bv}, 8 warps, bf16, sm_90, "
+              f"triton {triton.__version__}")
+        print("| items a program | registers | spill bytes | shared KB | compile s |")
+        print("|---|---|---|---|---|")
+        for per in (int(x) for x in a.items.split(",")):
+            r = kernel_resources(a.K, a.V, bv, 8, PER=per)
+            print(f"| {per} | {r['regs']} | {r['spill']} | {r['shared'] / 1024:.0f} | {r['seconds']:.2f} |", flush=True)
+        return 0
     tables = (("Gluon value loop of the per-chunk fused backward", resources),
               ("The fused backward kernel (gdn.ops.delta.triton.fused_bwd)", kernel_resources))
     for title, measure in tables:
