@@ -110,10 +110,13 @@ DELTA = {
     "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64, TMA=False),
     "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64),
     # The per-chunk backward of the gated delta members in one Gluon kernel (delta.triton.fused_bwd:
-    # dqk and wy_bwd's work, accumulators placed over two warpgroups), one program per chunk and
-    # value head, taken on compute capability 9 for 16-bit inputs, K ≤ 128: value tiles of BV (32
-    # where BV does not divide V) through a ring of NS slots filled by tensor copies, products
-    # asynchronous. H200 µs against dqk + wy_bwd: 961 against 1226 at (4, 8192), 487 against 624 at
+    # dqk and wy_bwd's work, accumulators placed over two warpgroups), each program on `items`
+    # consecutive (chunk, value head) items (unrolled; the next item's first tiles and T⁻¹ land
+    # during this one's epilogue, its q and k during its own value loop; outputs the same to the
+    # bit at any count; compile seconds on the 2-core CPU at K = V = 128: 1.3, 2.4, 3.8, 5.7 for 1-4
+    # items, spills 0, 16, 8, 16 bytes: 1 until the H200's timing picks), taken on compute
+    # capability 9 for 16-bit inputs, K ≤ 128: value tiles of BV (32 where BV does not divide V)
+    # through a ring of NS slots filled by tensor copies, products asynchronous. H200 µs against dqk + wy_bwd: 961 against 1226 at (4, 8192), 487 against 624 at
     # (8, 2048), 3796 against 5721 at (1, 32768, HV = 64); value tiles of 32: 1021 at (4, 8192); a
     # third slot: 1050; persistent programs looping over the chunks spill and took 1523, and with
     # the item's body a call (few spills) 1191 against 1055; a program per chunk and key head

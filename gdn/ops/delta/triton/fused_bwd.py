@@ -3,8 +3,9 @@ on compute capability 9 for 16-bit inputs and K ≤ 128 instead of chunk_bwd's d
 
 Gluon is Triton's explicit-layout language: the kernel places its accumulators over the warps and
 every MMA operand in shared memory itself, which Triton's own compiler does not do within the
-register file at K = 128 (docs/TRITON.md, "Fused dqk + wy_bwd"; ``tools/gluon_budget.py``). One
-program per chunk and value head, two warpgroups. It takes what the reverse state pass leaves
+register file at K = 128 (docs/TRITON.md, "Fused dqk + wy_bwd"; ``tools/gluon_budget.py``). Each
+program takes ``DELTA["fused_bwd"]["items"]`` consecutive (chunk, value head) items (default one),
+two warpgroups. It takes what the reverse state pass leaves
 (h, dh, δ, dδ; chunk_bwd.backward), with the math of chunk_bwd's docstring: over the value tiles
 (brought in by tensor copies, two tiles ahead) it accumulates dO δᵀ, dδ δᵀ, dO Sᵀ, δ dSᵀ and dδ Sᵀ
 and writes dV = diag(β) Tᵀ dδ; then dQ, dK, dβ and dg, with dA = −Tᵀ (dδ δᵀ) (δ = T X, so
