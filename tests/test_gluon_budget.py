@@ -54,6 +54,24 @@ def test_fused_backward_kernel_compiles_without_spills():
     for r in _run(KERNEL):
         assert r["spill"] == 0 and r["regs"] <= 255 and r["shared"] <= 227 * 1024, r
 
+
+ITEMS = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tools import gluon_budget as G
+print(json.dumps([G.kernel_resources(128, 128, 64, 8, PER=p) for p in (1, 2)]))
+"""
+
+
+def test_fused_backward_items_a_program_hardly_spill():
+    """Two items a program (``DELTA["fused_bwd"]["items"]``) at K = V = 128: each item in a branch of
+    its own, so that no item's thread-indexed shared-memory addresses are reused, and held, by the
+    next; with the first one outside a branch it spilled 512 bytes. 8 KB more shared memory (T⁻¹'s
+    second slot), still in the card's."""
+    one, two = _run(ITEMS)
+    assert one["spill"] == 0 and two["spill"] <= 32, (one, two)
+    assert two["shared"] - one["shared"] >= 64 * 64 * 2 and two["shared"] <= 227 * 1024, (one, two)
+
 FORWARD = """
 import json, sys
 sys.path.insert(0, {root!r})

@@ -171,6 +171,29 @@ def test_fused_backward_launch():
         assert d.block_shape in ([64, c["BV"]], [K, c["BV"]], [64, K], [64, 64]) and d.base.is_contiguous()
 
 
+def test_fused_backward_launch_items(monkeypatch):
+    """``DELTA["fused_bwd"]["items"]`` consecutive items a program: ⌈chunks · HV / items⌉ programs, the
+    count as the kernel's PER, the number of items as its run-time NW (the last group partial)."""
+    from gdn.ops.delta.triton import fused_bwd
+    from gdn.ops.triton import common
+    from gdn.ops.triton import launch as L
+
+    T, H, HV, K, V = 330, 1, 3, 64, 64  # 6 chunks, 18 items
+    ch = common.make_chunks(1, T, None, torch.device("cpu"))
+    bf = torch.bfloat16
+    q, v = torch.zeros(T, H, K, dtype=bf), torch.zeros(T, HV, V, dtype=bf)
+    G, beta, Ai = torch.zeros(T, HV), torch.zeros(T, HV), torch.zeros(T, HV, 64, dtype=bf)
+    h = torch.zeros(ch.NT, HV, K, V, dtype=bf)
+    for items, programs in ((1, 18), (4, 5)):
+        monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], items=items))
+        with L.recording() as rec:
+            _, run = fused_bwd.backward(q, q, v, G, beta, Ai, v, v, h, h, v, ch, 0.125, bf, bf)
+            run(ch.chunk_idx, ch.NT)
+        (kern, grid, args, meta), = rec
+        assert tuple(grid) == (programs,) and meta["PER"] == items
+        assert dict(zip(kern.arg_names, args))["NW"] == ch.NT * HV == 18
+
+
 @pytest.mark.parametrize("K,grad_dtype,dv_dtype", [(64, torch.bfloat16, torch.bfloat16), (64, torch.float32, None),
                                                    (32, torch.bfloat16, torch.float32)])
 def test_fused_backward_writes_over_inputs(K, grad_dtype, dv_dtype):
