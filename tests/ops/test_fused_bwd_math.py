@@ -59,33 +59,38 @@ def transcription(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype
             dW = (-wac).to(dt).float()
             hi = ddd.to(dt).float()
             lo = (ddd - hi).to(dt).float()
+            # the decay matrix once; dγ's terms by where the kernel sums them: rows of [64, K]
+            # products (dg_k), rows (dg_t) and columns (dg_c) of [64, 64] ones
             lower = (o[:, None] >= o[None, :]) & valid[:, None]
-            dsm = dod * torch.exp(torch.where(lower, g[:, None] - g[None, :], float("-inf"))) * scale
+            dec = torch.exp(torch.where(lower, g[:, None] - g[None, :], float("-inf")))
+            dsm = dod * dec * scale
             dqs = dqs * (scale * torch.exp(g))[:, None]
-            dg = (tq * dqs).sum(1)
+            dg_k = (tq * dqs).sum(1)
             dq = dsm.to(dt).float() @ tk + dqs
             dks = dks * torch.exp(g_last - g)[:, None]
             a = (tk * dks).sum(1)
-            dg = dg - a
-            dg[n - 1] += a.sum() + torch.exp(torch.tensor(g_last)) * gcs
+            dg_k = dg_k - a
+            tail = a.sum() + torch.exp(torch.tensor(g_last)) * gcs
             dk = dsm.to(dt).float().T @ tq + dks
             e = (tq @ tk.T) * dsm
-            dg = dg + e.sum(1) - e.sum(0)
+            dg_t, dg_c = e.sum(1), -e.sum(0)
             bg = b * torch.exp(g)
             tdw = tt @ dW
             ktdw = (tk * tdw).sum(1)
             dk = dk + tdw * bg[:, None]
             db = ktdw * torch.exp(g) + dbu
-            dg = dg + ktdw * bg
-            strict = (o[:, None] > o[None, :]) & valid[:, None]
+            dg_k = dg_k + ktdw * bg
+            strict = lower & (o[:, None] != o[None, :])
             da = tt @ hi + tt @ lo
-            da = -torch.where(strict, da * torch.exp(torch.where(strict, g[:, None] - g[None, :], float("-inf"))),
-                              torch.zeros(()))
+            da = -torch.where(strict, da * dec, torch.zeros(()))
             kk = tk @ tk.T
-            db = db + (da * kk).sum(1)
+            db = (da * kk).sum(1) + db
             m = da * b[:, None]
             e2 = m * kk
-            dg = dg + e2.sum(1) - e2.sum(0)
+            dg_t = dg_t + e2.sum(1)
+            dg_c = dg_c - e2.sum(0)
+            dg_c[n - 1] += tail
+            dg = dg_c + (dg_t + dg_k)
             mr = m.to(dt).float()
             dk = dk + mr @ tk + mr.T @ tk
             after = o[None, :] >= o[:, None]
