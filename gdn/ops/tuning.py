@@ -192,7 +192,9 @@ KDA = {
     # pairwise exponents: 4, no spills (ptxas at 4 warps, bf16: 255 registers; 16 + 20 B of spills
     # at 8); H200, (8, 2048, 16, 128) bf16, kkt 268–270 µs against 266 at 8 (BK = 32, no spills
     # either: 276) (tools/sass_cpu.py --op kda --kernels kkt; kda_gpu.py --profile, 2026-12-04).
-    "kkt": dict(num_warps=4, stages=(1,), BK=64, BKD=4, fp32=dict(BK=32, num_warps=8)),
+    # ROW_LOOP: the row blocks in a run-time loop (fp32 inputs: unrolled, their 3-pass operands
+    # spill).
+    "kkt": dict(num_warps=4, stages=(1,), BK=64, BKD=4, ROW_LOOP=False, fp32=dict(BK=32, num_warps=8, ROW_LOOP=True)),
     # The block solve of kkt's A (solve_kernel), split off kkt so the two compile in parallel: H200
     # cold first forward at (8, 2048, 16, 128) 5.5–5.7 → 2.3–3.3 s; GPU time kkt 357 → 266 + 102 µs
     # (the scratch read from memory, not L2); 2 warps: 238 registers, no spills.
@@ -214,8 +216,9 @@ KDA = {
     # --config, H200).
     # fp32 inputs: one candidate and value tiles of 64 in both passes (their states spill 1-2 KB
     # at every setting by ptxas, and neither the cap nor tiles of 128 was timed for them).
+    # TMA: the per-chunk and final states stored through tensor descriptors (no address registers).
     "state_fwd": dict(num_warps=8, stages=(1, (1, {"maxnreg": 128})), waves=True, SV=8192, BV_min=32, per_sm=2,
-                      fp32=dict(stages=(1,), per_sm=1)),
+                      TMA=True, fp32=dict(stages=(1,), per_sm=1)),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
     "state_bwd": dict(num_warps=8, stages=(1,), SV=16384, BV_min=32, per_sm=1, fp32=dict(SV=8192)),
