@@ -308,14 +308,14 @@ def _col_pairs(I, qe_i, keb_i, G, DP, DA, DK, r_i, m_i, g_r, nv, HV, i_hv, o_k, 
 
 
 @triton.jit(do_not_specialize=["T"])
-def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DKW, DQO, DKO, DGAM, DG, DBK, cu, chunk_idx, T, H, HV,
+def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu, chunk_idx, T, H, HV,
                      K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, SPAN: tl.constexpr,
                      SPLIT: tl.constexpr = False):
     """Per chunk, value head and K tile: the gradients through P and A (see the module docstring),
-    added to the fp32 partials (DQ, DK, wy_bwd's DKW, and DGAM = dγ + k ⊙ DK), the final dq and dk
-    stored into DQO, DKO (in their own dtype; they may be DQ and DK themselves), this K tile's
-    part of dβ into DBK [NK, T, HV], then dg = the reverse in-chunk cumsum of dγ into DG (which may
-    be DKW itself: each block's rows of DKW are read before its rows of DG are written). Row blocks
+    added to the fp32 partials (DQ, DK, wy_bwd's dK term in DG, and DGAM = dγ + k ⊙ DK), the final
+    dq and dk stored into DQO, DKO (in their own dtype; they may be DQ and DK themselves), this K
+    tile's part of dβ into DBK [NK, T, HV], then dg = the reverse in-chunk cumsum of dγ into DG,
+    over wy_bwd's term (each block's rows of it are read before dg is written there). Row blocks
     are visited last first, carrying the cumsum.
 
     Each off-diagonal pair of blocks (I, J < I) is visited once, in block I's turn, through I's
@@ -336,7 +336,6 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DKW, DQO, DKO, DGAM, DG, DBK
     DA += t0 * HV * 64
     DQ += t0 * HV * K
     DK += t0 * HV * K
-    DKW += t0 * HV * K
     DQO += t0 * HV * K
     DKO += t0 * HV * K
     DGAM += t0 * HV * K
@@ -406,9 +405,9 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DKW, DQO, DKO, DGAM, DG, DBK
         p_k = (r_i[:, None] * HV + i_hv) * K + o_k[None, :]
         b_dqf = tl.load(DQ + p_k, mask=m_i[:, None], other=0.0) + b_dq
         tl.store(DQO + p_k, b_dqf.to(DQO.dtype.element_ty), mask=m_i[:, None])
-        # DK: dqk's and the later blocks' terms; DKW: wy_bwd's; DGAM − k ⊙ DK + k ⊙ DKW: their dγ
+        # DK: dqk's and the later blocks' terms; DG: wy_bwd's; DGAM − k ⊙ DK + k ⊙ DG: their dγ
         b_dk0 = tl.load(DK + p_k, mask=m_i[:, None], other=0.0)
-        b_dkw = tl.load(DKW + p_k, mask=m_i[:, None], other=0.0)
+        b_dkw = tl.load(DG + p_k, mask=m_i[:, None], other=0.0)
         b_dkf = b_dk0 + b_dkw + b_rb + b_dkc
         tl.store(DKO + p_k, b_dkf.to(DKO.dtype.element_ty), mask=m_i[:, None])
         b_dgam = (tl.load(DGAM + p_k, mask=m_i[:, None], other=0.0) + q_i * b_dq
@@ -459,8 +458,8 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple
     DV = torch.empty(T, HV, V, device=dev, dtype=dv_dtype or grad_dtype)
     DB = torch.empty(T, HV, device=dev, dtype=f32)
     DA = torch.empty(T, HV, 64, device=dev, dtype=f32)
-    # wy_bwd's dK term goes to DG's storage (DKW), which intra_bwd reads per row block before it
-    # writes dg there
+    # wy_bwd's dK term goes to DG's storage (its DKW), which intra_bwd reads per row block before
+    # it writes dg there
     DG = torch.empty(T, HV, K, device=dev, dtype=f32)
     launch(wy_bwd_kernel, (ch.NT, HV), k, v, G, beta, Ai, DD, DW, DG, DV, DB, DA, ch.cu, ch.chunk_idx, H, HV,
            K=K, V=V, BK=ktile("wy_bwd", K, io), BV=vtile("wy_bwd", K, V, io), PREC=prec, DT=DT, name="wy_bwd",
@@ -474,7 +473,7 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple
     # the pair sums take fp32 operands, 3-pass tf32 on the GPU: dP and dA feed dg directly (one-pass
     # tf32 is no faster there: the kernel is not bound by its dots)
     ib = entry("intra_bwd", io)
-    launch(intra_bwd_kernel, (K // BK, ch.NT, HV), q, k, G, beta, DP, DA, DQ, DK, DG, DQO, DKO, DGAM, DG, DBK, ch.cu,
+    launch(intra_bwd_kernel, (K // BK, ch.NT, HV), q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, ch.cu,
            ch.chunk_idx, T, H, HV, K=K, BK=BK, PREC=ib["PREC"], SPAN=SPAN, SPLIT=ib["PREC"] == "tf32x3",
            name="intra_bwd", io=io)
     return DQO, DKO, DV, DG, DB + DBK.sum(0), dh0
