@@ -132,7 +132,7 @@ def dqk_kernel(q, k, G, VN, do, h, dh, DD, DQ, DK, DW, DGAM, DP, cu, chunk_idx, 
     o_t = tl.arange(0, 64)
     m = o_t < nv
     if i_k == K // BK:
-        DP += t0 * HV * 64
+        DP += t0 * HV * 128
         b_dp = tl.zeros([64, 64], dtype=tl.float32)
         for i_v in range(0, V // BV):
             o_v = i_v * BV + tl.arange(0, BV)
@@ -140,7 +140,7 @@ def dqk_kernel(q, k, G, VN, do, h, dh, DD, DQ, DK, DW, DGAM, DP, cu, chunk_idx, 
             b_do = load_rows(do, o_t, m, HV, i_hv, o_v, V)
             b_dp += tl.dot(b_do, tl.trans(b_d), input_precision=PREC)
         b_dp = tl.where((o_t[:, None] >= o_t[None, :]) & m[:, None], b_dp * scale, 0.0)
-        tl.store(DP + (o_t[:, None] * HV + i_hv) * 64 + o_t[None, :], b_dp, mask=m[:, None])
+        tl.store(DP + (o_t[:, None] * HV + i_hv) * 128 + o_t[None, :], b_dp, mask=m[:, None])
     else:
         DD += t0 * HV * V
         h += (i_t.to(tl.int64) * HV + i_hv) * K * V
@@ -202,7 +202,7 @@ def wy_bwd_kernel(k, v, G, beta, Ai, DD, DW, DKW, DV, DB, DA, cu, chunk_idx, H, 
     DKW += t0 * HV * K
     DV += t0 * HV * V
     DB += t0 * HV
-    DA += t0 * HV * 64
+    DA += t0 * HV * 128 + 64
     o_t = tl.arange(0, 64)
     m = o_t < nv
     b_b = tl.load(beta + o_t * HV + i_hv, mask=m, other=0.0)
@@ -231,15 +231,16 @@ def wy_bwd_kernel(k, v, G, beta, Ai, DD, DW, DKW, DV, DB, DA, cu, chunk_idx, H, 
     b_Af = b_A.to(tl.float32)
     b_dA = -tl.dot(tl.dot(tl.trans(b_Af), b_dT, input_precision=PREC), tl.trans(b_Af), input_precision=PREC)
     b_dA = tl.where((o_t[:, None] > o_t[None, :]) & m[:, None], b_dA, 0.0)
-    tl.store(DA + (o_t[:, None] * HV + i_hv) * 64 + o_t[None, :], b_dA, mask=m[:, None])
+    tl.store(DA + (o_t[:, None] * HV + i_hv) * 128 + o_t[None, :], b_dA, mask=m[:, None])
     tl.store(DB + o_t * HV + i_hv, b_db, mask=m)
 
 
 @triton.jit
 def _pair_block(X_, r_i, m_i, col0, HV, i_hv):
-    """Rows r_i, columns col0 … col0 + 15 of a [T, HV, 64] fp32 buffer (0 off the sequence)."""
+    """Rows r_i, columns col0 … col0 + 15 of dP or dA (DP + 64) in the [T, HV, 128] fp32 buffer of
+    both (0 off the sequence)."""
     o = tl.arange(0, 16)
-    return tl.load(X_ + (r_i[:, None] * HV + i_hv) * 64 + col0 + o[None, :], mask=m_i[:, None], other=0.0)
+    return tl.load(X_ + (r_i[:, None] * HV + i_hv) * 128 + col0 + o[None, :], mask=m_i[:, None], other=0.0)
 
 
 @triton.jit
@@ -261,8 +262,8 @@ def _diag_pairwise(q_i, k_i, g_i, b_i, m_i, k, G, DP, DA, r_i, row0, col0, nv, H
         g_j = tl.load(G + (rj * HV + i_hv) * K + o_k, mask=mj, other=0.0).to(tl.float32)
         keep = (o >= j) & m_i
         e = tl.exp(tl.where(keep[:, None], g_i - g_j[None, :], float("-inf")))  # [16, BK], rows i ≥ j
-        dp = tl.load(DP + (r_i * HV + i_hv) * 64 + col0 + j, mask=keep, other=0.0)
-        da = tl.load(DA + (r_i * HV + i_hv) * 64 + col0 + j, mask=keep, other=0.0)
+        dp = tl.load(DP + (r_i * HV + i_hv) * 128 + col0 + j, mask=keep, other=0.0)
+        da = tl.load(DA + (r_i * HV + i_hv) * 128 + col0 + j, mask=keep, other=0.0)
         ke = k_j[None, :] * e
         b_dq += dp[:, None] * ke
         b_r += da[:, None] * ke
@@ -308,7 +309,7 @@ def _col_pairs(I, qe_i, keb_i, G, DP, DA, DK, r_i, m_i, g_r, nv, HV, i_hv, o_k, 
 
 
 @triton.jit(do_not_specialize=["T"])
-def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu, chunk_idx, T, H, HV,
+def intra_bwd_kernel(q, k, G, beta, DP, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu, chunk_idx, T, H, HV,
                      K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, SPAN: tl.constexpr,
                      SPLIT: tl.constexpr = False):
     """Per chunk, value head and K tile: the gradients through P and A (see the module docstring),
@@ -332,8 +333,8 @@ def intra_bwd_kernel(q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu,
     k += t0 * H * K
     G += t0 * HV * K
     beta += t0 * HV
-    DP += t0 * HV * 64
-    DA += t0 * HV * 64
+    DP += t0 * HV * 128
+    DA = DP + 64
     DQ += t0 * HV * K
     DK += t0 * HV * K
     DQO += t0 * HV * K
@@ -453,17 +454,18 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple
     DK = torch.empty(T, HV, K, device=dev, dtype=f32)
     DW = torch.empty(T, HV, K, device=dev, dtype=io)
     DGAM = torch.empty(T, HV, K, device=dev, dtype=f32)
-    DP = torch.empty(T, HV, 64, device=dev, dtype=f32)
-    launch(dqk_kernel, (K // BK + 1, ch.NT, HV), q, k, G, VN, do, h, dh, DD, DQ, DK, DW, DGAM, DP, ch.cu, ch.chunk_idx,
+    # dP and dA side by side ([T, HV, 128]: dP in columns 0–63, dA in 64–127): intra_bwd reads both
+    # blocks of a pair through one address
+    DPA = torch.empty(T, HV, 2 * 64, device=dev, dtype=f32)
+    launch(dqk_kernel, (K // BK + 1, ch.NT, HV), q, k, G, VN, do, h, dh, DD, DQ, DK, DW, DGAM, DPA, ch.cu, ch.chunk_idx,
            scale, H, HV, K=K, V=V, BK=BK, BV=BV, PREC=prec, name="dqk", io=io)
     del h, dh, VN
     DV = torch.empty(T, HV, V, device=dev, dtype=dv_dtype or grad_dtype)
     DB = torch.empty(T, HV, device=dev, dtype=f32)
-    DA = torch.empty(T, HV, 64, device=dev, dtype=f32)
     # wy_bwd's dK term goes to DG's storage (its DKW), which intra_bwd reads per row block before
     # it writes dg there
     DG = torch.empty(T, HV, K, device=dev, dtype=f32)
-    launch(wy_bwd_kernel, (ch.NT, HV), k, v, G, beta, Ai, DD, DW, DG, DV, DB, DA, ch.cu, ch.chunk_idx, H, HV,
+    launch(wy_bwd_kernel, (ch.NT, HV), k, v, G, beta, Ai, DD, DW, DG, DV, DB, DPA, ch.cu, ch.chunk_idx, H, HV,
            K=K, V=V, BK=ktile("wy_bwd", K, io), BV=vtile("wy_bwd", K, V, io), PREC=prec, DT=DT, name="wy_bwd",
            io=io)
     del DD, DW
@@ -475,7 +477,7 @@ def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple
     # the pair sums take fp32 operands, 3-pass tf32 on the GPU: dP and dA feed dg directly (one-pass
     # tf32 is no faster there: the kernel is not bound by its dots)
     ib = entry("intra_bwd", io)
-    launch(intra_bwd_kernel, (K // BK, ch.NT, HV), q, k, G, beta, DP, DA, DQ, DK, DQO, DKO, DGAM, DG, DBK, ch.cu,
+    launch(intra_bwd_kernel, (K // BK, ch.NT, HV), q, k, G, beta, DPA, DQ, DK, DQO, DKO, DGAM, DG, DBK, ch.cu,
            ch.chunk_idx, T, H, HV, K=K, BK=BK, PREC=ib["PREC"], SPAN=SPAN, SPLIT=ib["PREC"] == "tf32x3",
            name="intra_bwd", io=io)
     return DQO, DKO, DV, DG, DB + DBK.sum(0), dh0
