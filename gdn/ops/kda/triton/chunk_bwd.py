@@ -389,7 +389,6 @@ def intra_bwd_kernel(q, k, G, beta, DP, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu, chu
         k_i = load_rows(k, r_i, m_i, H, i_h, o_k, K)
         g_i = load_rows(G, r_i, m_i, HV, i_hv, o_k, K)
         e_i = after_ref(g_i, g_r, m_i)
-        b_i = tl.load(beta + r_i * HV + i_hv, mask=m_i, other=0.0)
         if tl.max(block_span(g_i, g_r, m_i), axis=0) > SPAN:
             b_dq, b_r, b_dkp, b_dka = _diag_pairwise(q_i, k_i, g_i, b_i, m_i, k, G, DP, DA, r_i, I * 16,
                                                      I * 16, nv, H, HV, i_h, i_hv, o_k, K)
