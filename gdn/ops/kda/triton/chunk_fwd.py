@@ -385,14 +385,24 @@ def _state_fwd_step(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_h
         cs = bos + i_c * 64
         nv = tl.minimum(eos - cs, 64).to(tl.int32)
         m = o_t < nv
-        W += cs * HV * K
-        KT += cs * HV * K
-        U += cs * HV * V
         VN += cs * HV * V
-        b_w = tl.load(W + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
-        b_d = tl.dot(b_w, (-b_s).to(DT), acc=load_rows(U, o_t, m, HV, i_hv, o_v, V), input_precision=PREC)
-        tl.store(VN + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
-        b_kt = tl.load(KT + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
+        if TMA:
+            # whole blocks of 64 rows: those of a later sequence (finite, from wu) get δ = 0, so
+            # they add nothing to the state
+            b_w = W.load([cs.to(tl.int32), i_hv * K])
+            b_d = tl.dot(b_w, (-b_s).to(DT), acc=U.load([cs.to(tl.int32), i_hv * V + i_v * BV]).to(tl.float32),
+                         input_precision=PREC)
+            b_d = tl.where(m[:, None], b_d, 0.0)
+            tl.store(VN + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
+            b_kt = KT.load([cs.to(tl.int32), i_hv * K])
+        else:
+            W += cs * HV * K
+            KT += cs * HV * K
+            U += cs * HV * V
+            b_w = tl.load(W + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
+            b_d = tl.dot(b_w, (-b_s).to(DT), acc=load_rows(U, o_t, m, HV, i_hv, o_v, V), input_precision=PREC)
+            tl.store(VN + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
+            b_kt = tl.load(KT + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
         b_gc = tl.load(G + ((cs + nv - 1) * HV + i_hv) * K + o_k)
         b_s = tl.dot(tl.trans(b_kt), b_d.to(DT), acc=b_s * tl.exp(b_gc)[:, None], input_precision=PREC)
     return b_s
@@ -405,8 +415,10 @@ def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, HV, K: tl.conste
     """Sequential pass over one sequence's chunks for one value head and V tile: h [NT, HV, K, V]
     (state entering each chunk), VN = δ [T, HV, V], final state ht [N, HV, K, V] (fp32). Runs the
     sequence's own chunk count, so in a packed batch a short sequence's programs end early.
-    ``TMA``: h and ht are tensor descriptors of their [rows · K, V] views with [K, BV] blocks (the
-    stores take no address registers)."""
+    ``TMA``: h and ht are tensor descriptors of their [rows · K, V] views with [K, BV] blocks, W,
+    KT and U of their [T, HV · K] and [T, HV · V] views with [64, K] and [64, BV] blocks (the
+    copies take no address registers, and the loads none for staging the dot operands in shared
+    memory)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -475,20 +487,29 @@ def gamma(g: torch.Tensor, ch: Chunks) -> torch.Tensor:
     return G
 
 
-def state_stores(h: torch.Tensor, ht: torch.Tensor | None, BV: int) -> tuple:
-    """(h, ht) as the forward state pass writes them: with ``KDA["state_fwd"]["TMA"]``, where the
-    card has the tensor-memory accelerator (and under the interpreter, which runs descriptors too),
-    tensor descriptors of their [rows · K, V] views in [K, BV] blocks (ht: the h descriptor stands
-    in when there is no final state); else the tensors themselves."""
+def state_tiles(h: torch.Tensor, ht: torch.Tensor | None, W: torch.Tensor, KT: torch.Tensor, U: torch.Tensor,
+                BV: int) -> tuple:
+    """(TMA, (h, ht, W, KT, U)) as the forward state pass takes them: with ``KDA["state_fwd"]["TMA"]``,
+    where the card has the tensor-memory accelerator (and under the interpreter, which runs
+    descriptors too) and every tensor is contiguous and 16-byte aligned with coordinates inside
+    int32, (True, tensor descriptors: h and ht of their [rows · K, V] views in [K, BV] blocks (the
+    h descriptor stands in for a missing ht), W and KT of their [T, HV · K] views in [64, K]
+    blocks, U of its [T, HV · V] view in [64, BV] blocks); else (False, the tensors themselves)."""
     K, V = h.shape[2], h.shape[3]
-    ok = (KDA["state_fwd"]["TMA"] and has_tma(h) and h.numel() // V < 2 ** 31
-          and (ht is None or ht.numel() // V < 2 ** 31) and (V * h.element_size()) % 16 == 0)
+    xs = [x for x in (h, ht, W, KT, U) if x is not None]
+    ok = (KDA["state_fwd"]["TMA"] and has_tma(h) and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in xs)
+          and all(x.numel() // x.shape[-1] < 2 ** 31 for x in xs) and (V * h.element_size()) % 16 == 0
+          and (V * U.element_size()) % 16 == 0)
     if not ok:
-        return h, ht
+        return False, (h, ht, W, KT, U)
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
 
+    T = W.shape[0]
     hd = TensorDescriptor.from_tensor(h.view(-1, V), block_shape=[K, BV])
-    return hd, (TensorDescriptor.from_tensor(ht.view(-1, V), block_shape=[K, BV]) if ht is not None else hd)
+    htd = TensorDescriptor.from_tensor(ht.view(-1, V), block_shape=[K, BV]) if ht is not None else hd
+    return True, (hd, htd, TensorDescriptor.from_tensor(W.view(T, -1), block_shape=[BT, K]),
+                  TensorDescriptor.from_tensor(KT.view(T, -1), block_shape=[BT, K]),
+                  TensorDescriptor.from_tensor(U.view(T, -1), block_shape=[BT, BV]))
 
 
 @dataclass
@@ -535,11 +556,11 @@ def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool, sc
     VN = torch.empty(T, HV, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SV = state_vtile("state_fwd", K, V, ch.N * HV, dev, io)
-    hs, hts = state_stores(h, ht, SV)
-    launch(state_fwd_kernel, (V // SV, ch.N * HV), KT, G, W, U, h0 if h0 is not None else v, hs, VN,
+    tma, (hs, hts, Ws, KTs, Us) = state_tiles(h, ht, W, KT, U, SV)
+    launch(state_fwd_kernel, (V // SV, ch.N * HV), KTs, G, Ws, Us, h0 if h0 is not None else v, hs, VN,
            hts if hts is not None else v, ch.cu, ch.chunk_off, HV, K=K, V=V, BV=SV,
-           USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET,
-           TMA=not isinstance(hs, torch.Tensor), name="state_fwd", io=io)
+           USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, TMA=tma,
+           name="state_fwd", io=io)
     return Intermediates(Ai, P, W, QG, KT, h, VN, ht)
 
 
