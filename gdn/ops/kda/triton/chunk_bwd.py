@@ -392,18 +392,18 @@ def intra_bwd_kernel(q, k, G, beta, DP, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu, chu
         if tl.max(block_span(g_i, g_r, m_i), axis=0) > SPAN:
             b_dq, b_r, b_dkp, b_dka = _diag_pairwise(q_i, k_i, g_i, b_i, m_i, k, G, DP, DA, r_i, I * 16,
                                                      I * 16, nv, H, HV, i_h, i_hv, o_k, K)
-        else:
+            b_dq += acc_q * e_i
+            b_r += acc_r * e_i
+            b_dkc = b_dkp + b_dka
+        else:  # the pair loop's sums accumulated into the diagonal's dots before the row factor
             dP_ii = _pair_block(DP, r_i, m_i, I * 16, HV, i_hv)
             dA_ii = _pair_block(DA, r_i, m_i, I * 16, HV, i_hv)
             f_j = tl.exp(tl.minimum(g_r[None, :] - g_i, SPAN))
-            b_dq = tl.dot(dP_ii, k_i * f_j, input_precision=PREC) * e_i
-            b_r = tl.dot(dA_ii, k_i * f_j, input_precision=PREC) * e_i
-            b_dkp = tl.dot(tl.trans(dP_ii), q_i * e_i, input_precision=PREC) * f_j
-            b_dka = tl.dot(tl.trans(dA_ii * b_i[:, None]), k_i * e_i, input_precision=PREC) * f_j
-        b_dq += acc_q * e_i
-        b_r += acc_r * e_i
+            b_dq = tl.dot(dP_ii, k_i * f_j, acc=acc_q, input_precision=PREC) * e_i
+            b_r = tl.dot(dA_ii, k_i * f_j, acc=acc_r, input_precision=PREC) * e_i
+            b_dkc = tl.dot(tl.trans(dA_ii * b_i[:, None]), k_i * e_i,
+                           acc=tl.dot(tl.trans(dP_ii), q_i * e_i, input_precision=PREC), input_precision=PREC) * f_j
         b_rb = b_r * b_i[:, None]
-        b_dkc = b_dkp + b_dka
         p_k = (r_i[:, None] * HV + i_hv) * K + o_k[None, :]
         b_dqf = tl.load(DQ + p_k, mask=m_i[:, None], other=0.0) + b_dq
         tl.store(DQO + p_k, b_dqf.to(DQO.dtype.element_ty), mask=m_i[:, None])
