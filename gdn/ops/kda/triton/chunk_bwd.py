@@ -30,8 +30,7 @@ import triton.language as tl
 
 from ...triton.common import INTERPRET, Chunks, chunk_bounds, dot_precision, tl_dtype
 from .chunk_fwd import (SPAN, STATE_DTYPE, after_ref, before_ref, block_span, chunk_rows, entry, forward_intermediates,
-                        ktile,
-                        launch, load_rows, ref_row, state_vtile, vtile)
+                        ktile, launch, load_rows, ref_row, state_vtile, vtile)
 
 
 @triton.jit
@@ -113,11 +112,12 @@ def state_bwd_kernel(QG, KT, G, W, do, DVL, dht, dh, DD, dh0, cu, chunk_off, sca
 def dqk_kernel(q, k, G, VN, do, h, dh, DD, DQ, DK, DW, DGAM, DP, cu, chunk_idx, scale, H, HV,
                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """Per chunk and value head, program i_k < K / BK (a K tile): the state terms of dQ and dK,
-    dW = −dδ Sᵀ, DGAM = dγ + k ⊙ dK of these terms (the γ_C terms on the chunk's last row: in
-    that sum the −k ⊙ dK term of dγ cancels, and wy_bwd and intra_bwd add to DK alone); the program after the last K
-    tile: dP = scale dO δᵀ (fp32). dP has a program of its own so that its [64, 64] accumulator is
-    never live beside the K tile's three (the two branches are disjoint: the kernel holds the larger
-    of the two, not their sum).
+    dW = −dδ Sᵀ, DGAM = dγ + k ⊙ dK of these terms (the γ_C terms on the chunk's last row; in
+    that sum the −k ⊙ dK term of dγ cancels, and wy_bwd and intra_bwd add to DK alone); the
+    program after the last K tile: dP = scale dO δᵀ (fp32, columns 0–63 of the [T, HV, 128] buffer
+    it shares with wy_bwd's dA). dP has a program of its own so that its [64, 64] accumulator is
+    never live beside the K tile's three (the two branches are disjoint: the kernel holds the
+    larger of the two, not their sum).
 
     Every dot here takes fp32 operands (tf32 for half inputs, 3-pass tf32 for fp32) and the states
     are fp32 (``STATE_DTYPE``): dγ sums these terms per channel, and they cancel in dg's reverse
@@ -179,7 +179,8 @@ def dqk_kernel(q, k, G, VN, do, h, dh, DD, DQ, DK, DW, DGAM, DP, cu, chunk_idx, 
         b_dq = b_dqs * (scale * tl.exp(b_g))
         tl.store(DQ + p_k, b_dq, mask=m[:, None])
         # DGAM holds dγ + k ⊙ DK (the −k ⊙ dK term of dγ cancels there)
-        b_dgam = load_rows(q, o_t, m, H, i_h, o_k, K) * b_dq + tl.where((o_t == nv - 1)[:, None], b_end[None, :], 0.0)
+        b_dgam = (load_rows(q, o_t, m, H, i_h, o_k, K) * b_dq
+                  + tl.where((o_t == nv - 1)[:, None], b_end[None, :], 0.0))
         tl.store(DGAM + p_k, b_dgam, mask=m[:, None])
 
 
