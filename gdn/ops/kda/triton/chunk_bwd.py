@@ -346,10 +346,10 @@ def intra_bwd_kernel(q, k, G, beta, DP, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu, chu
     o = tl.arange(0, 16)
     o_k = i_k * BK + tl.arange(0, BK)
     carry = tl.zeros([BK], dtype=tl.float32)
-    # run-time loops (statically unrolled, the kernel compiled 4× longer); ``while`` because the
-    # interpreter cannot take a loop bound that is itself a loop variable
-    I = 3
-    while I >= 0:
+    # run-time loops (statically unrolled, the kernel compiled 4× longer); the pair loops ``while``
+    # because the interpreter cannot take a loop bound that is itself a loop variable
+    for i_b in range(4):
+        I = 3 - i_b  # row blocks last first
         r_i = I * 16 + o
         m_i = r_i < nv
         b_i = tl.load(beta + r_i * HV + i_hv, mask=m_i, other=0.0)
@@ -419,7 +419,6 @@ def intra_bwd_kernel(q, k, G, beta, DP, DQ, DK, DQO, DKO, DGAM, DG, DBK, cu, chu
         carry += tl.sum(b_dgam, axis=0)
         tl.store(DBK + r_i * HV + i_hv, tl.sum(k_i * b_r, axis=1), mask=m_i)
         tl.debug_barrier()  # block I − 1's rows of DK, written above by other threads, are read next
-        I -= 1
 
 
 def backward(q, k, v, G, beta, h0, do, dht, ch: Chunks, scale: float, kkt: tuple | None = None,
