@@ -177,7 +177,7 @@ DELTA = {
 #: intra_bwd, wu and output by timing on the H200 (below). Register caps (a ``{"maxnreg": N}``
 #: form) were taken where the H200 timed them faster, for the programs per multiprocessor they
 #: give: intra_bwd, wy_bwd and state_fwd's capped candidate. The kernels hold little enough live
-#: state that ptxas spills nothing at these settings in bf16 (fp16: intra_bwd 20 + 20 bytes of
+#: state that ptxas spills nothing at these settings in bf16 (fp16: intra_bwd 12 + 12 bytes of
 #: stores + loads; fp32: the state passes, wy_bwd and intra_bwd), docs/KDA.md "Spill-free at the
 #: timed settings".
 #: wu takes 8 warps for the reason the scalar-gate wu does. An entry's ``fp32`` dict overrides it
