@@ -108,9 +108,11 @@ def floors_kda(B: int, T: int, H: int, K: int, V: int, HV: int | None = None):
         "dv_local": (a_t + 2 * vv, 2 * tok * tok * V),
         "state_bwd": (3 * qk + 3 * vv + st, 6 * tok * K * V),
         "dqk": (2 * qk + gam + 3 * vv + 2 * st + 3 * gam + qk + a32, 2 * (tok * tok * V + 3 * tok * K * V)),
-        "wy_bwd": (2 * qk + 2 * vv + gam + vec + a_t + 2 * 2 * gam + 2 * tok * V * f32 + vec + a32,
+        # wy_bwd writes its dK term (DKW) alone; intra_bwd reads DQ, DK, DGAM (= dγ + k ⊙ dK) and DKW
+        # and writes dq, dk and dg
+        "wy_bwd": (2 * qk + 2 * vv + gam + vec + a_t + gam + 2 * tok * V * f32 + vec + a32,
                    2 * (2 * tok * tok * V + 2 * tok * tok * K + 2 * tok ** 3)),
-        "intra_bwd": (2 * qk + gam + vec + 2 * a32 + 3 * 2 * gam + gam + vec, 4 * 2 * pairs * K),
+        "intra_bwd": (2 * qk + gam + vec + 2 * a32 + 4 * gam + 3 * gam + vec, 4 * 2 * pairs * K),
     }
     return {k: (b * n, f * n) for k, (b, f) in out.items()}
 

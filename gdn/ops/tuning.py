@@ -175,19 +175,22 @@ DELTA = {
 }
 
 #: The per-channel-gate (KDA) chunk kernels. Chosen from ptxas's register report for sm_90 at
-#: K = V = 128 (``python tools/sass_cpu.py --op kda --shape 4x8192 [--dtype fp32]``): the tiles and
-#: warps without spills, then with the most programs per multiprocessor; then kkt, dqk, wy_bwd,
+#: K = V = 128 (``python tools/sass_cpu.py --op kda --shape 8x2048 [--dtype fp16|fp32]``): the tiles
+#: and warps without spills, then with the most programs per multiprocessor; then kkt, dqk, wy_bwd,
 #: intra_bwd, wu and output by timing on the H200 (below). Register caps (a ``{"maxnreg": N}``
-#: form) were taken where the H200 timed them faster: intra_bwd, wy_bwd and state_fwd's capped
-#: candidate spill (ptxas: 424 + 420, 136 + 140 and 288 + 208 bytes of stores + loads in bf16) and
-#: run more programs per multiprocessor (docs/KDA.md "Register caps").
+#: form) were taken where the H200 timed them faster, for the programs per multiprocessor they
+#: give: intra_bwd, wy_bwd and state_fwd's capped candidate. The kernels hold little enough live
+#: state that ptxas spills nothing at these settings in bf16 (fp16: intra_bwd 12 + 12 bytes of
+#: stores + loads; fp32: the state passes, wy_bwd and intra_bwd), docs/KDA.md "Spill-free at the
+#: timed settings".
 #: wu takes 8 warps for the reason the scalar-gate wu does. An entry's ``fp32`` dict overrides it
 #: for fp32 inputs (their 3-pass tf32 dots hold two tiles per operand).
 KDA = {
     "gamma": dict(num_warps=4, stages=(1,), BK=64),
     # Whole-chunk products (kkt_kernel: per K tile one [64, BK] × [BK, 64] product per row block, A
-    # to an fp32 scratch; the block solve was its tail then, solve_kernel now). bf16, 8 warps: 248 registers at BK = 64, 184 at
-    # 32, no spills; fp32 spills 496 bytes at 64, 80 at 32. (8, 2048, 16, 128) bf16 on the H200:
+    # to an fp32 scratch; the block solve was its tail then, solve_kernel now). bf16, 8 warps: 248
+    # registers at BK = 64, 184 at 32, no spills; fp32 at 32 with its row blocks in a run-time loop
+    # (ROW_LOOP) no spills either. (8, 2048, 16, 128) bf16 on the H200:
     # 602 µs, against 663 for the earlier row-block-by-row-block kernel at its best setting (2 warps,
     # BK = 32, which spilled 128 bytes; BK = 16, BKD = 4 without spills: 788) (benchmarks/kda_gpu.py
     # --profile --config, 2026-12-01). At 4 warps: 588 -> 361 µs at that shape (2026-12-02; two
@@ -195,7 +198,9 @@ KDA = {
     # pairwise exponents: 4, no spills (ptxas at 4 warps, bf16: 255 registers; 16 + 20 B of spills
     # at 8); H200, (8, 2048, 16, 128) bf16, kkt 268–270 µs against 266 at 8 (BK = 32, no spills
     # either: 276) (tools/sass_cpu.py --op kda --kernels kkt; kda_gpu.py --profile, 2026-12-04).
-    "kkt": dict(num_warps=4, stages=(1,), BK=64, BKD=4, fp32=dict(BK=32, num_warps=8)),
+    # ROW_LOOP: the row blocks in a run-time loop (fp32 inputs: unrolled, the 3-pass operands of
+    # the four blocks spill 44 + 44 bytes).
+    "kkt": dict(num_warps=4, stages=(1,), BK=64, BKD=4, ROW_LOOP=False, fp32=dict(BK=32, num_warps=8, ROW_LOOP=True)),
     # The block solve of kkt's A (solve_kernel), split off kkt so the two compile in parallel: H200
     # cold first forward at (8, 2048, 16, 128) 5.5–5.7 → 2.3–3.3 s; GPU time kkt 357 → 266 + 102 µs
     # (the scratch read from memory, not L2); 2 warps: 238 registers, no spills.
@@ -211,14 +216,16 @@ KDA = {
     # read out of bounds.
     # per_sm: the programs per multiprocessor a pass's value tile is sized for
     # (chunk_fwd.state_vtile). state_fwd: the register cap (one stage at 128 registers: two programs
-    # per multiprocessor, a few spills) when it saves a wave: 311 -> 213 µs at (8, 2048, 16, 128)
+    # per multiprocessor, no spills) when it saves a wave: 311 -> 213 µs at (8, 2048, 16, 128)
     # bf16. state_bwd: value tiles of 128 instead (one program per multiprocessor, 128 programs in
     # one wave at (8, 2048)): 348 -> 278 µs, where the cap gave 327 (benchmarks/kda_gpu.py --profile
     # --config, H200).
-    # fp32 inputs: one candidate and value tiles of 64 in both passes (their states spill 1-2 KB
-    # at every setting by ptxas, and neither the cap nor tiles of 128 was timed for them).
+    # fp32 inputs: one candidate and value tiles of 64 in both passes (their states spill at every
+    # setting by ptxas, 0.2-1.1 KB, and neither the cap nor tiles of 128 was timed for them).
+    # TMA: W, KT, U read and the per-chunk and final states stored through tensor descriptors where
+    # the card has them: no address registers, and no registers staging the dot operands.
     "state_fwd": dict(num_warps=8, stages=(1, (1, {"maxnreg": 128})), waves=True, SV=8192, BV_min=32, per_sm=2,
-                      fp32=dict(stages=(1,), per_sm=1)),
+                      TMA=True, fp32=dict(stages=(1,), per_sm=1)),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
     "state_bwd": dict(num_warps=8, stages=(1,), SV=16384, BV_min=32, per_sm=1, fp32=dict(SV=8192)),
@@ -227,7 +234,7 @@ KDA = {
     # dqk and wy_bwd at 4 warps: 1265 → 822 and 869 → 575 µs at (8, 2048, 16, 128) bf16 on the H200
     # (benchmarks/kda_gpu.py --profile --config; GPU tests passed at these settings). wu and output
     # were level at 4 warps (522 → 525, 135 → 141) and keep 8.
-    # dqk at two stages: 732 -> 636 µs at (8, 2048) bf16 (96 + 96 B of spills), at three 590; fp32
+    # dqk at two stages: 732 -> 636 µs at (8, 2048) bf16, at three 590 (no spills); fp32
     # inputs keep one stage (their tiles take twice the shared memory).
     "dqk": dict(num_warps=4, stages=(3,), BK=64, BV=32, fp32=dict(BK=32, stages=(1,))),
     # wy_bwd capped at 168 registers (three programs per multiprocessor): 554 -> 526 µs; dqk at 168
@@ -236,12 +243,11 @@ KDA = {
     "wy_bwd": dict(num_warps=4, stages=((2, {"maxnreg": 168}),), BK=32, BV=32,
                    fp32=dict(stages=((1, {"maxnreg": 168}),))),
     # 4 warps: 3014 µs at (8, 2048, 16, 128) bf16 against 5649 at 8 (two programs per multiprocessor
-    # instead of one; 255 registers, no spills). Capped at 168 registers (three programs per
-    # multiprocessor, 156 bytes of spills): 2850 -> 2236 µs; at 128 (four): 2084 µs. PREC, the
-    # precision of its fp32 dots: one-pass tf32 for bf16 inputs (their own rounding is coarser),
-    # whose operands take a third of 3-pass's registers: ptxas sm_90 bf16 at 128 registers spills
-    # 40 + 40 bytes instead of 160 + 148, and needs 167 registers uncapped (no spills at a cap of
-    # 168); 1555 against 2043 µs at (8, 2048) on the H200. 3-pass for fp32 and fp16 inputs: fp16
+    # instead of one). Capped at 168 registers (three programs per multiprocessor): 2850 -> 2236
+    # µs; at 128 (four): 2084 µs. PREC, the precision of its fp32 dots: one-pass tf32 for bf16
+    # inputs (their own rounding is coarser), whose operands take a third of 3-pass's registers
+    # (ptxas sm_90 bf16 at 128 registers: no spills); 1555 against 2043 µs at (8, 2048) on the
+    # H200. 3-pass for fp32 and fp16 inputs (the pair loop's two sides then in separate loops): fp16
     # rounds as finely as one-pass tf32, and with it dq, dk and dg exceed the GPU tests' fp16 bounds
     # by up to 25 % (tests/gpu/test_kda.py).
     "intra_bwd": dict(num_warps=4, stages=((1, {"maxnreg": 128}),), BK=32, PREC="tf32", fp32=dict(PREC="tf32x3"),

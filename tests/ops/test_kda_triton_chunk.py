@@ -93,6 +93,29 @@ def test_packed_fp16():
     _check(_errors(1, 130, 2, 4, 16, 16, torch.float16, lens=[64, 1, 65], seed=3), TOL[torch.float16])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("tma", [True, False], ids=["descriptors", "pointers"])
+def test_state_fwd_forms(dtype, tma, monkeypatch):
+    """The forward state pass with its copies through tensor descriptors (``KDA["state_fwd"]["TMA"]``,
+    taken on GPUs that have them) and through pointers: packed with a partial, a one-token, an empty
+    and a full sequence (a chunk's 64-row block reaches into the next sequence's rows, which must
+    add nothing), grouped value heads, initial and final states; the launches take the form asked
+    for."""
+    from gdn.ops.kda.triton import chunk_fwd
+
+    monkeypatch.setitem(tuning.KDA, "state_fwd", dict(tuning.KDA["state_fwd"], TMA=tma))
+    seen, real = [], chunk_fwd.launch
+
+    def spy(kernel, grid, *args, name, io, **meta):
+        if name == "state_fwd":
+            seen.append(meta["TMA"])
+        return real(kernel, grid, *args, name=name, io=io, **meta)
+
+    monkeypatch.setattr(chunk_fwd, "launch", spy)
+    _check(_errors(1, 194, 1, 2, 16, 16, dtype, lens=[65, 1, 0, 128], seed=18), TOL[dtype])
+    assert seen and all(t == tma for t in seen), seen
+
+
 def test_strong_decay_stays_finite_and_accurate():
     """g down to −40 per token and channel: the in-chunk cumulative decay reaches thousands of nats,
     so any exp(−γ) factored through the chunk start would overflow; the sub-block form never

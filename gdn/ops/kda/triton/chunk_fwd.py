@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, load16, sm_count, solve_blocks,
-                              store16, store_blocks, tl_dtype)
+from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, has_tma, load16, sm_count,
+                              solve_blocks, store16, store_blocks, tl_dtype)
 from ...triton.launch import launch as triton_launch
 from ...tuning import KDA
 
@@ -100,17 +100,27 @@ def state_vtile(name: str, K: int, V: int, programs: int, device, io: torch.dtyp
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
+def chunk_rows(cu, chunk_idx, i_t):
+    """(sequence n, first token t0 of chunk i_t (int64), its rows on the sequence nv ≤ 64 (int32)).
+    Kernels advance their base pointers to row t0 once (an int64 scalar) and address a chunk's rows
+    with int32 in-chunk offsets: int64 offset tiles would take twice the address registers."""
+    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
+    return i_n, t0, tl.minimum(eos - t0, 64).to(tl.int32)
+
+
+@triton.jit
 def load_rows(x, rows, m, stride_row, head, o_k, K: tl.constexpr):
-    """x[rows, head, o_k] as fp32 ([len(rows), BK]); rows outside the sequence read 0."""
+    """x[rows, head, o_k] as fp32 ([len(rows), BK]); rows outside the sequence read 0. ``rows``
+    are int32 offsets from ``x``, advanced to the chunk's (or the block's) first row."""
     return tl.load(x + (rows[:, None] * stride_row + head) * K + o_k[None, :], mask=m[:, None], other=0.0).to(
         tl.float32)
 
 
 @triton.jit
-def ref_row(G, r, eos, HV, i_hv, o_k, K: tl.constexpr):
-    """γ [BK] at the reference row r clamped to the sequence's last row (every valid row of an
-    earlier block is ≤ it, every valid row of its own block ≥ it)."""
-    rr = tl.minimum(r, eos - 1)
+def ref_row(G, r, nv, HV, i_hv, o_k, K: tl.constexpr):
+    """γ [BK] at the reference row r clamped to the sequence's last row nv − 1 (in-chunk rows;
+    every valid row of an earlier block is ≤ it, every valid row of its own block ≥ it)."""
+    rr = tl.minimum(r, nv - 1)
     return tl.load(G + (rr * HV + i_hv) * K + o_k)
 
 
@@ -172,13 +182,13 @@ def gamma_kernel(g, G, cu, chunk_idx, HV, K: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _kkt_diag(q, k, G, t0, eos, I, i_h, i_hv, H, HV, K: tl.constexpr, BK: tl.constexpr):
+def _kkt_diag(q, k, G, nv, I, i_h, i_hv, H, HV, K: tl.constexpr, BK: tl.constexpr):
     """(A_II without β, P_II) [16, 16] of diagonal block I from pairwise exponents, one [16, 16, BK]
     exponent tensor per K tile for both: exact for any decay, and the kernel's slow path (taken
     only where a channel decays by more than ``SPAN`` across the block)."""
     o = tl.arange(0, 16)
-    r_i = t0 + I * 16 + o
-    m_i = r_i < eos
+    r_i = I * 16 + o
+    m_i = r_i < nv
     a = tl.zeros([16, 16], dtype=tl.float32)
     p = tl.zeros([16, 16], dtype=tl.float32)
     for i_k in range(0, K // BK):
@@ -191,10 +201,10 @@ def _kkt_diag(q, k, G, t0, eos, I, i_h, i_hv, H, HV, K: tl.constexpr, BK: tl.con
 
 
 @triton.jit
-def _row_beta(beta, t0, eos, I, HV, i_hv):
+def _row_beta(beta, nv, I, HV, i_hv):
     """β of row block I as a [16, 1] column (0 off the sequence)."""
-    r = t0 + I * 16 + tl.arange(0, 16)
-    return tl.load(beta + r * HV + i_hv, mask=r < eos, other=0.0)[:, None]
+    r = I * 16 + tl.arange(0, 16)
+    return tl.load(beta + r * HV + i_hv, mask=r < nv, other=0.0)[:, None]
 
 
 @triton.jit
@@ -211,54 +221,75 @@ def lower(X):
 
 
 @triton.jit
+def _kkt_rows(b_A, b_P, kl, ql, b_k, b_g, G, I, nv, blk, HV, i_hv, o_k, K: tl.constexpr, PREC: tl.constexpr,
+              DT: tl.constexpr, SPAN: tl.constexpr):
+    """Row block I's share of one K tile: its rows of kl and ql times the columns j of blocks ≤ I,
+    K ⊙ exp(min(γ_rI − γ_j, SPAN)), added into b_A and b_P."""
+    gr = ref_row(G, I * 16, nv, HV, i_hv, o_k, K)
+    # rows past block I are zeroed, not only discarded afterwards: their factor can exceed
+    # fp16's range, and 0 · inf in the product would spoil the other row blocks' sums
+    c = tl.where((blk <= I)[:, None], b_k * tl.exp(tl.minimum(gr[None, :] - b_g, SPAN)), 0.0)
+    sel = (blk == I)[:, None]
+    b_A += _mm(tl.where(sel, kl, 0.0), c, DT, PREC)
+    b_P += _mm(tl.where(sel, ql, 0.0), c, DT, PREC)
+    return b_A, b_P
+
+
+@triton.jit
 def kkt_kernel(q, k, G, beta, P, A, cu, chunk_idx, H, HV, K: tl.constexpr, BK: tl.constexpr,
-               BKD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr):
+               BKD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr,
+               ROW_LOOP: tl.constexpr = False):
     """A (fp32, β folded in, strictly lower) and P (both [T, HV, 64], rows of each chunk) from
     whole-chunk products, for :func:`solve_kernel` to invert A: per K tile, the rows scaled once
     through their own block's reference row, X ⊙ exp(γ_i − γ_r(i)) (≤ 1), and for each row block I one [64, BK] × [BK, 64] product of those rows of I with
     K ⊙ exp(min(γ_rI − γ_j, SPAN)) (≤ 1 for j before I, capped on the diagonal, zero past it).
     A = diag(β) (strict lower part) is stored, then a diagonal block where a channel decays by
-    more than SPAN across it is rewritten there and in P from pairwise exponents."""
+    more than SPAN across it is rewritten there and in P from pairwise exponents. ``ROW_LOOP``: the
+    row blocks in a run-time loop (fewer live tiles: fp32 inputs, whose 3-pass operands are two
+    tiles each) instead of unrolled."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
+    i_n, t0, nv = chunk_rows(cu, chunk_idx, i_t)
+    q += t0 * H * K
+    k += t0 * H * K
+    G += t0 * HV * K
+    beta += t0 * HV
+    P += t0 * HV * 64
+    A += t0 * HV * 64
     o_t = tl.arange(0, 64)
-    rows = t0 + o_t
-    m = rows < eos
+    m = o_t < nv
     blk = o_t // 16
-    ref = tl.minimum(t0 + blk * 16, eos - 1)
+    ref = tl.minimum(blk * 16, nv - 1)
     b_A = tl.zeros([64, 64], dtype=tl.float32)
     b_P = tl.zeros([64, 64], dtype=tl.float32)
     span = tl.zeros([64], dtype=tl.float32)
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_k = load_rows(k, rows, m, H, i_h, o_k, K)
-        b_g = load_rows(G, rows, m, HV, i_hv, o_k, K)
+        b_k = load_rows(k, o_t, m, H, i_h, o_k, K)
+        b_g = load_rows(G, o_t, m, HV, i_hv, o_k, K)
         b_d = tl.where(m[:, None], tl.load(G + (ref[:, None] * HV + i_hv) * K + o_k[None, :]) - b_g, 0.0)
         span = tl.maximum(span, tl.max(b_d, axis=1))
         b_e = tl.where(m[:, None], tl.exp(-b_d), 0.0)
         kl = b_k * b_e
-        ql = load_rows(q, rows, m, H, i_h, o_k, K) * b_e
-        for I in tl.static_range(4):
-            gr = ref_row(G, t0 + I * 16, eos, HV, i_hv, o_k, K)
-            # rows past block I are zeroed, not only discarded afterwards: their factor can exceed
-            # fp16's range, and 0 · inf in the product would spoil the other row blocks' sums
-            c = tl.where((blk <= I)[:, None], b_k * tl.exp(tl.minimum(gr[None, :] - b_g, SPAN)), 0.0)
-            sel = (blk == I)[:, None]
-            b_A += _mm(tl.where(sel, kl, 0.0), c, DT, PREC)
-            b_P += _mm(tl.where(sel, ql, 0.0), c, DT, PREC)
-    b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0)
-    p_a = (rows[:, None] * HV + i_hv) * 64 + o_t[None, :]
+        ql = load_rows(q, o_t, m, H, i_h, o_k, K) * b_e
+        if ROW_LOOP:
+            for I in range(4):
+                b_A, b_P = _kkt_rows(b_A, b_P, kl, ql, b_k, b_g, G, I, nv, blk, HV, i_hv, o_k, K, PREC, DT, SPAN)
+        else:
+            for I in tl.static_range(4):
+                b_A, b_P = _kkt_rows(b_A, b_P, kl, ql, b_k, b_g, G, I, nv, blk, HV, i_hv, o_k, K, PREC, DT, SPAN)
+    b_b = tl.load(beta + o_t * HV + i_hv, mask=m, other=0.0)
+    p_a = (o_t[:, None] * HV + i_hv) * 64 + o_t[None, :]
     tl.store(A + p_a, tl.where(o_t[:, None] > o_t[None, :], b_A, 0.0) * b_b[:, None], mask=m[:, None])
     tl.store(P + p_a, tl.where(o_t[:, None] >= o_t[None, :], b_P, 0.0).to(P.dtype.element_ty), mask=m[:, None])
     o = tl.arange(0, 16)
     # the slow path in a run-time loop: unrolled, it is most of the kernel's compile time
     for I in range(4):
         if tl.max(tl.where((blk == I) & m, span, 0.0), axis=0) > SPAN:
-            ad, pd = _kkt_diag(q, k, G, t0, eos, I, i_h, i_hv, H, HV, K, BKD)
-            r_i = t0 + I * 16 + o
-            store16(A, strict(ad) * _row_beta(beta, t0, eos, I, HV, i_hv), r_i, r_i < eos, HV, i_hv, I * 16)
-            store16(P, lower(pd), r_i, r_i < eos, HV, i_hv, I * 16)
+            ad, pd = _kkt_diag(q, k, G, nv, I, i_h, i_hv, H, HV, K, BKD)
+            r_i = I * 16 + o
+            store16(A, strict(ad) * _row_beta(beta, nv, I, HV, i_hv), r_i, r_i < nv, HV, i_hv, I * 16)
+            store16(P, lower(pd), r_i, r_i < nv, HV, i_hv, I * 16)
 
 
 @triton.jit
@@ -267,13 +298,14 @@ def solve_kernel(A, Ai, cu, chunk_idx, HV):
     (common.solve_blocks) in fp32. Its own kernel rather than kkt's tail: the two compile in
     parallel on a first call (together, kkt was the longest compile of the chunk op by 2×)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
-    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
-    o = tl.arange(0, 16)
-    r0 = t0 + o
+    i_n, t0, nv = chunk_rows(cu, chunk_idx, i_t)
+    A += t0 * HV * 64
+    Ai += t0 * HV * 64
+    r0 = tl.arange(0, 16)
     r1 = r0 + 16
     r2 = r0 + 32
     r3 = r0 + 48
-    m0, m1, m2, m3 = r0 < eos, r1 < eos, r2 < eos, r3 < eos
+    m0, m1, m2, m3 = r0 < nv, r1 < nv, r2 < nv, r3 < nv
     X00, X10, X11, X20, X21, X22, X30, X31, X32, X33 = solve_blocks(
         load16(A, r0, m0, HV, i_hv, 0), load16(A, r1, m1, HV, i_hv, 0), load16(A, r1, m1, HV, i_hv, 16),
         load16(A, r2, m2, HV, i_hv, 0), load16(A, r2, m2, HV, i_hv, 16), load16(A, r2, m2, HV, i_hv, 32),
@@ -291,13 +323,22 @@ def wu_kernel(q, k, v, G, beta, Ai, W, U, QG, KT, cu, chunk_idx, scale, H, HV, K
     their dots accumulate in place: no factor is left to apply to a dot's result)."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
-    o_t = tl.arange(0, 64)
-    rows = t0 + o_t
-    m = rows < eos
-    b_A = tl.load(Ai + (rows[:, None] * HV + i_hv) * 64 + o_t[None, :], mask=m[:, None], other=0.0)
+    i_n, t0, nv = chunk_rows(cu, chunk_idx, i_t)
+    q += t0 * H * K
+    k += t0 * H * K
+    v += t0 * HV * V
+    U += t0 * HV * V
+    G += t0 * HV * K
+    W += t0 * HV * K
+    QG += t0 * HV * K
+    KT += t0 * HV * K
+    beta += t0 * HV
+    Ai += t0 * HV * 64
+    rows = tl.arange(0, 64)
+    m = rows < nv
+    b_A = tl.load(Ai + (rows[:, None] * HV + i_hv) * 64 + rows[None, :], mask=m[:, None], other=0.0)
     b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0)
-    last = tl.minimum(eos, t0 + 64) - 1
+    last = nv - 1
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         p_k = (rows[:, None] * HV + i_hv) * K + o_k[None, :]
@@ -317,29 +358,67 @@ def wu_kernel(q, k, v, G, beta, Ai, W, U, QG, KT, cu, chunk_idx, scale, H, HV, K
 
 
 @triton.jit
-def _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, HV,
-                    K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """Chunk i_c of the forward state pass: store S, δ = U − W S, return the next S."""
-    cs = bos + i_c * 64
-    rows = cs + o_t
-    m = rows < eos
-    tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_s.to(h.dtype.element_ty))
-    b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
-    b_d = tl.dot(b_w, (-b_s).to(DT), acc=load_rows(U, rows, m, HV, i_hv, o_v, V), input_precision=PREC)
-    tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
-    b_kt = tl.load(KT + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
-    last = tl.minimum(eos, cs + 64) - 1
-    b_gc = tl.load(G + (last * HV + i_hv) * K + o_k, mask=(cs < eos) & (o_k < K), other=0.0)
-    return tl.dot(tl.trans(b_kt), b_d.to(DT), acc=b_s * tl.exp(b_gc)[:, None], input_precision=PREC)
+def _state_fwd_step(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v, HV,
+                    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, STORE_FINAL: tl.constexpr,
+                    PREC: tl.constexpr, DT: tl.constexpr, TMA: tl.constexpr):
+    """Chunk i_c of the forward state pass: store S, δ = U − W S, return the next S. With
+    ``STORE_FINAL`` the step i_c = nc after the last chunk stores S as the final state and
+    returns it: the final store is the loop's own, so no tile of addresses is held across the loop."""
+    if TMA:
+        if STORE_FINAL:
+            if i_c < nc:
+                h.store([(((c0 + i_c) * HV + i_hv) * K).to(tl.int32), i_v * BV], b_s)
+            else:
+                ht.store([((i_n * HV + i_hv) * K).to(tl.int32), i_v * BV], b_s)
+        else:
+            h.store([(((c0 + i_c) * HV + i_hv) * K).to(tl.int32), i_v * BV], b_s)
+    else:
+        p_s = o_k[:, None] * V + o_v[None, :]
+        if STORE_FINAL:
+            if i_c < nc:
+                tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_s.to(h.dtype.element_ty))
+            else:
+                tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s)
+        else:
+            tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_s.to(h.dtype.element_ty))
+    if i_c < nc:
+        cs = bos + i_c * 64
+        nv = tl.minimum(eos - cs, 64).to(tl.int32)
+        m = o_t < nv
+        VN += cs * HV * V
+        if TMA:
+            # whole blocks of 64 rows: those of a later sequence (finite, from wu) get δ = 0, so
+            # they add nothing to the state
+            b_w = W.load([cs.to(tl.int32), i_hv * K])
+            b_d = tl.dot(b_w, (-b_s).to(DT), acc=U.load([cs.to(tl.int32), i_hv * V + i_v * BV]).to(tl.float32),
+                         input_precision=PREC)
+            b_d = tl.where(m[:, None], b_d, 0.0)
+            tl.store(VN + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
+            b_kt = KT.load([cs.to(tl.int32), i_hv * K])
+        else:
+            W += cs * HV * K
+            KT += cs * HV * K
+            U += cs * HV * V
+            b_w = tl.load(W + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
+            b_d = tl.dot(b_w, (-b_s).to(DT), acc=load_rows(U, o_t, m, HV, i_hv, o_v, V), input_precision=PREC)
+            tl.store(VN + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
+            b_kt = tl.load(KT + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
+        b_gc = tl.load(G + ((cs + nv - 1) * HV + i_hv) * K + o_k)
+        b_s = tl.dot(tl.trans(b_kt), b_d.to(DT), acc=b_s * tl.exp(b_gc)[:, None], input_precision=PREC)
+    return b_s
 
 
 @triton.jit
 def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, HV, K: tl.constexpr,
                      V: tl.constexpr, BV: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr):
+                     PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, TMA: tl.constexpr = False):
     """Sequential pass over one sequence's chunks for one value head and V tile: h [NT, HV, K, V]
     (state entering each chunk), VN = δ [T, HV, V], final state ht [N, HV, K, V] (fp32). Runs the
-    sequence's own chunk count, so in a packed batch a short sequence's programs end early."""
+    sequence's own chunk count, so in a packed batch a short sequence's programs end early.
+    ``TMA``: h and ht are tensor descriptors of their [rows · K, V] views with [K, BV] blocks, W,
+    KT and U of their [T, HV · K] and [T, HV · V] views with [64, K] and [64, BV] blocks (the
+    copies take no address registers, and the loads none for staging the dot operands in shared
+    memory)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -349,23 +428,23 @@ def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, HV, K: tl.conste
     o_t = tl.arange(0, 64)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
-    p_s = o_k[:, None] * V + o_v[None, :]
     b_s = tl.zeros([K, BV], dtype=tl.float32)
     if USE_INIT:
-        b_s = tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s).to(tl.float32)
+        b_s = tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]).to(tl.float32)
     nc = tl.cdiv(eos - bos, 64)
+    steps = nc
+    if STORE_FINAL:
+        steps = nc + 1
     if WHILE:
         i_c = 0
-        while i_c < nc:
-            b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, HV,
-                                  K, V, PREC, DT)
+        while i_c < steps:
+            b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k,
+                                  o_v, HV, K, V, BV, STORE_FINAL, PREC, DT, TMA)
             i_c += 1
     else:
-        for i_c in range(0, nc):
-            b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, HV,
-                                  K, V, PREC, DT)
-    if STORE_FINAL:
-        tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s)
+        for i_c in range(0, steps):
+            b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k,
+                                  o_v, HV, K, V, BV, STORE_FINAL, PREC, DT, TMA)
 
 
 @triton.jit
@@ -373,16 +452,21 @@ def output_kernel(QG, P, h, VN, o, cu, chunk_idx, scale, HV, K: tl.constexpr, V:
                   BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """O = scale · P δ + QG S (QG = scale · Q ⊙ Γ) for one chunk, value head and V tile."""
     i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
+    i_n, t0, nv = chunk_rows(cu, chunk_idx, i_t)
+    QG += t0 * HV * K
+    P += t0 * HV * 64
+    VN += t0 * HV * V
+    o += t0 * HV * V
+    h += (i_t.to(tl.int64) * HV + i_hv) * K * V
     o_t = tl.arange(0, 64)
-    rows = t0 + o_t
-    m = rows < eos
+    rows = o_t
+    m = rows < nv
     o_v = i_v * BV + tl.arange(0, BV)
     b_o = tl.zeros([64, BV], dtype=tl.float32)
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_q = tl.load(QG + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
-        b_s = tl.load(h + (i_t.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :])
+        b_s = tl.load(h + o_k[:, None] * V + o_v[None, :])
         b_o += tl.dot(b_q, b_s.to(DT), input_precision=PREC)
     b_p = tl.load(P + (rows[:, None] * HV + i_hv) * 64 + o_t[None, :], mask=m[:, None], other=0.0)
     b_d = tl.load(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=m[:, None], other=0.0)
@@ -401,6 +485,31 @@ def gamma(g: torch.Tensor, ch: Chunks) -> torch.Tensor:
     launch(gamma_kernel, (ch.NT, HV), g, G, ch.cu, ch.chunk_idx, HV, K=K, BK=ktile("gamma", K, g.dtype), name="gamma",
            io=g.dtype)
     return G
+
+
+def state_tiles(h: torch.Tensor, ht: torch.Tensor | None, W: torch.Tensor, KT: torch.Tensor, U: torch.Tensor,
+                BV: int) -> tuple:
+    """(TMA, (h, ht, W, KT, U)) as the forward state pass takes them: with ``KDA["state_fwd"]["TMA"]``,
+    where the card has the tensor-memory accelerator (and under the interpreter, which runs
+    descriptors too) and every tensor is contiguous and 16-byte aligned with coordinates inside
+    int32, (True, tensor descriptors: h and ht of their [rows · K, V] views in [K, BV] blocks (the
+    h descriptor stands in for a missing ht), W and KT of their [T, HV · K] views in [64, K]
+    blocks, U of its [T, HV · V] view in [64, BV] blocks); else (False, the tensors themselves)."""
+    K, V = h.shape[2], h.shape[3]
+    xs = [x for x in (h, ht, W, KT, U) if x is not None]
+    ok = (KDA["state_fwd"]["TMA"] and has_tma(h) and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in xs)
+          and all(x.numel() // x.shape[-1] < 2 ** 31 for x in xs) and (V * h.element_size()) % 16 == 0
+          and (V * U.element_size()) % 16 == 0)
+    if not ok:
+        return False, (h, ht, W, KT, U)
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
+
+    T = W.shape[0]
+    hd = TensorDescriptor.from_tensor(h.view(-1, V), block_shape=[K, BV])
+    htd = TensorDescriptor.from_tensor(ht.view(-1, V), block_shape=[K, BV]) if ht is not None else hd
+    return True, (hd, htd, TensorDescriptor.from_tensor(W.view(T, -1), block_shape=[BT, K]),
+                  TensorDescriptor.from_tensor(KT.view(T, -1), block_shape=[BT, K]),
+                  TensorDescriptor.from_tensor(U.view(T, -1), block_shape=[BT, BV]))
 
 
 @dataclass
@@ -433,7 +542,8 @@ def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool, sc
         A = torch.empty(T, HV, BT, device=dev, dtype=torch.float32)
         launch(kkt_kernel, (ch.NT, HV), q, k, G, beta, P, A, ch.cu, ch.chunk_idx, H, HV, K=K,
                BK=ktile("kkt", K, io), BKD=min(entry("kkt", io)["BKD"], K), PREC=prec, DT=DT,
-               SPAN=SPAN_FP16 if io == torch.float16 else SPAN, name="kkt", io=io)
+               SPAN=SPAN_FP16 if io == torch.float16 else SPAN, ROW_LOOP=entry("kkt", io)["ROW_LOOP"], name="kkt",
+               io=io)
         launch(solve_kernel, (ch.NT, HV), A, Ai, ch.cu, ch.chunk_idx, HV, name="solve", io=io)
         del A
     else:
@@ -446,10 +556,11 @@ def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool, sc
     VN = torch.empty(T, HV, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SV = state_vtile("state_fwd", K, V, ch.N * HV, dev, io)
-    launch(state_fwd_kernel, (V // SV, ch.N * HV), KT, G, W, U, h0 if h0 is not None else v, h, VN,
-           ht if ht is not None else v, ch.cu, ch.chunk_off, HV, K=K, V=V, BV=SV,
-           USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, name="state_fwd",
-           io=io)
+    tma, (hs, hts, Ws, KTs, Us) = state_tiles(h, ht, W, KT, U, SV)
+    launch(state_fwd_kernel, (V // SV, ch.N * HV), KTs, G, Ws, Us, h0 if h0 is not None else v, hs, VN,
+           hts if hts is not None else v, ch.cu, ch.chunk_off, HV, K=K, V=V, BV=SV,
+           USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, TMA=tma,
+           name="state_fwd", io=io)
     return Intermediates(Ai, P, W, QG, KT, h, VN, ht)
 
 
