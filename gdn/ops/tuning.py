@@ -223,7 +223,8 @@ KDA = {
     # fp32 inputs: one candidate and value tiles of 64 in both passes (their states spill at every
     # setting by ptxas, 0.2-1.1 KB, and neither the cap nor tiles of 128 was timed for them).
     # TMA: W, KT, U read and the per-chunk and final states stored through tensor descriptors where
-    # the card has them: no address registers, and no registers staging the dot operands.
+    # the card has them: no address registers, and no registers staging the dot operands (off: the
+    # pointer form, which spills 100 + 84 bytes at the cap in bf16).
     "state_fwd": dict(num_warps=8, stages=(1, (1, {"maxnreg": 128})), waves=True, SV=8192, BV_min=32, per_sm=2,
                       TMA=True, fp32=dict(stages=(1,), per_sm=1)),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),

@@ -358,51 +358,48 @@ def wu_kernel(q, k, v, G, beta, Ai, W, U, QG, KT, cu, chunk_idx, scale, H, HV, K
 
 
 @triton.jit
-def _state_fwd_step(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v, HV,
-                    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, STORE_FINAL: tl.constexpr,
-                    PREC: tl.constexpr, DT: tl.constexpr, TMA: tl.constexpr):
-    """Chunk i_c of the forward state pass: store S, δ = U − W S, return the next S. With
-    ``STORE_FINAL`` the step i_c = nc after the last chunk stores S as the final state and
-    returns it: the final store is the loop's own, so no tile of addresses is held across the loop."""
-    if TMA:
-        if STORE_FINAL:
-            if i_c < nc:
-                h.store([(((c0 + i_c) * HV + i_hv) * K).to(tl.int32), i_v * BV], b_s)
-            else:
-                ht.store([((i_n * HV + i_hv) * K).to(tl.int32), i_v * BV], b_s)
-        else:
+def _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, HV,
+                    K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """Chunk i_c of the forward state pass, through pointers: store S, δ = U − W S, return the next S."""
+    cs = bos + i_c * 64
+    rows = cs + o_t
+    m = rows < eos
+    tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_s.to(h.dtype.element_ty))
+    b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
+    b_d = tl.dot(b_w, (-b_s).to(DT), acc=load_rows(U, rows, m, HV, i_hv, o_v, V), input_precision=PREC)
+    tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
+    b_kt = tl.load(KT + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
+    last = tl.minimum(eos, cs + 64) - 1
+    b_gc = tl.load(G + (last * HV + i_hv) * K + o_k, mask=(cs < eos) & (o_k < K), other=0.0)
+    return tl.dot(tl.trans(b_kt), b_d.to(DT), acc=b_s * tl.exp(b_gc)[:, None], input_precision=PREC)
+
+
+@triton.jit
+def _state_fwd_step_tma(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v, HV,
+                        K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, STORE_FINAL: tl.constexpr,
+                        PREC: tl.constexpr, DT: tl.constexpr):
+    """:func:`_state_fwd_step` through tensor descriptors (h, ht, W, KT, U). With ``STORE_FINAL``
+    the step i_c = nc after the last chunk stores S as the final state and returns it: the final
+    store is the loop's own, so nothing is held across the loop for it. W, KT and U are read in
+    whole blocks of 64 rows: the rows of a later sequence (finite, from wu) get δ = 0, so they add
+    nothing to the state."""
+    if STORE_FINAL:
+        if i_c < nc:
             h.store([(((c0 + i_c) * HV + i_hv) * K).to(tl.int32), i_v * BV], b_s)
-    else:
-        p_s = o_k[:, None] * V + o_v[None, :]
-        if STORE_FINAL:
-            if i_c < nc:
-                tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_s.to(h.dtype.element_ty))
-            else:
-                tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s)
         else:
-            tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + p_s, b_s.to(h.dtype.element_ty))
+            ht.store([((i_n * HV + i_hv) * K).to(tl.int32), i_v * BV], b_s)
+    else:
+        h.store([(((c0 + i_c) * HV + i_hv) * K).to(tl.int32), i_v * BV], b_s)
     if i_c < nc:
         cs = bos + i_c * 64
         nv = tl.minimum(eos - cs, 64).to(tl.int32)
         m = o_t < nv
-        VN += cs * HV * V
-        if TMA:
-            # whole blocks of 64 rows: those of a later sequence (finite, from wu) get δ = 0, so
-            # they add nothing to the state
-            b_w = W.load([cs.to(tl.int32), i_hv * K])
-            b_d = tl.dot(b_w, (-b_s).to(DT), acc=U.load([cs.to(tl.int32), i_hv * V + i_v * BV]).to(tl.float32),
-                         input_precision=PREC)
-            b_d = tl.where(m[:, None], b_d, 0.0)
-            tl.store(VN + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
-            b_kt = KT.load([cs.to(tl.int32), i_hv * K])
-        else:
-            W += cs * HV * K
-            KT += cs * HV * K
-            U += cs * HV * V
-            b_w = tl.load(W + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
-            b_d = tl.dot(b_w, (-b_s).to(DT), acc=load_rows(U, o_t, m, HV, i_hv, o_v, V), input_precision=PREC)
-            tl.store(VN + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
-            b_kt = tl.load(KT + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
+        b_w = W.load([cs.to(tl.int32), i_hv * K])
+        b_d = tl.dot(b_w, (-b_s).to(DT), acc=U.load([cs.to(tl.int32), i_hv * V + i_v * BV]).to(tl.float32),
+                     input_precision=PREC)
+        b_d = tl.where(m[:, None], b_d, 0.0)
+        tl.store(VN + cs * HV * V + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
+        b_kt = KT.load([cs.to(tl.int32), i_hv * K])
         b_gc = tl.load(G + ((cs + nv - 1) * HV + i_hv) * K + o_k)
         b_s = tl.dot(tl.trans(b_kt), b_d.to(DT), acc=b_s * tl.exp(b_gc)[:, None], input_precision=PREC)
     return b_s
@@ -418,7 +415,7 @@ def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, HV, K: tl.conste
     ``TMA``: h and ht are tensor descriptors of their [rows · K, V] views with [K, BV] blocks, W,
     KT and U of their [T, HV · K] and [T, HV · V] views with [64, K] and [64, BV] blocks (the
     copies take no address registers, and the loads none for staging the dot operands in shared
-    memory)."""
+    memory; :func:`_state_fwd_step_tma`)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -428,23 +425,38 @@ def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, HV, K: tl.conste
     o_t = tl.arange(0, 64)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
+    p_s = o_k[:, None] * V + o_v[None, :]
     b_s = tl.zeros([K, BV], dtype=tl.float32)
     if USE_INIT:
-        b_s = tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]).to(tl.float32)
+        b_s = tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s).to(tl.float32)
     nc = tl.cdiv(eos - bos, 64)
-    steps = nc
-    if STORE_FINAL:
-        steps = nc + 1
-    if WHILE:
-        i_c = 0
-        while i_c < steps:
-            b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k,
-                                  o_v, HV, K, V, BV, STORE_FINAL, PREC, DT, TMA)
-            i_c += 1
+    if TMA:
+        steps = nc
+        if STORE_FINAL:
+            steps = nc + 1
+        if WHILE:
+            i_c = 0
+            while i_c < steps:
+                b_s = _state_fwd_step_tma(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t,
+                                          o_k, o_v, HV, K, V, BV, STORE_FINAL, PREC, DT)
+                i_c += 1
+        else:
+            for i_c in range(0, steps):
+                b_s = _state_fwd_step_tma(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t,
+                                          o_k, o_v, HV, K, V, BV, STORE_FINAL, PREC, DT)
     else:
-        for i_c in range(0, steps):
-            b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k,
-                                  o_v, HV, K, V, BV, STORE_FINAL, PREC, DT, TMA)
+        if WHILE:
+            i_c = 0
+            while i_c < nc:
+                b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, HV,
+                                      K, V, PREC, DT)
+                i_c += 1
+        else:
+            for i_c in range(0, nc):
+                b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, HV,
+                                      K, V, PREC, DT)
+        if STORE_FINAL:
+            tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s)
 
 
 @triton.jit
