@@ -180,9 +180,10 @@ DELTA = {
 #: intra_bwd, wu and output by timing on the H200 (below). Register caps (a ``{"maxnreg": N}``
 #: form) were taken where the H200 timed them faster, for the programs per multiprocessor they
 #: give: intra_bwd, wy_bwd and state_fwd's capped candidate. The kernels hold little enough live
-#: state that ptxas spills nothing at these settings in bf16 (fp16: intra_bwd 12 + 12 bytes of
-#: stores + loads; fp32: the state passes, wy_bwd and intra_bwd), docs/KDA.md "Spill-free at the
-#: timed settings".
+#: state that ptxas spills nothing at these settings in bf16 but in state_fwd's capped candidate,
+#: whose spill-free form (TMA) timed slower (fp16: that and intra_bwd's 12 + 12 bytes of stores +
+#: loads; fp32: the state passes, wy_bwd and intra_bwd), docs/KDA.md "Spill-free at the timed
+#: settings".
 #: wu takes 8 warps for the reason the scalar-gate wu does. An entry's ``fp32`` dict overrides it
 #: for fp32 inputs (their 3-pass tf32 dots hold two tiles per operand).
 KDA = {
@@ -216,17 +217,19 @@ KDA = {
     # read out of bounds.
     # per_sm: the programs per multiprocessor a pass's value tile is sized for
     # (chunk_fwd.state_vtile). state_fwd: the register cap (one stage at 128 registers: two programs
-    # per multiprocessor, no spills) when it saves a wave: 311 -> 213 µs at (8, 2048, 16, 128)
+    # per multiprocessor; spills below, TMA) when it saves a wave: 311 -> 213 µs at (8, 2048, 16, 128)
     # bf16. state_bwd: value tiles of 128 instead (one program per multiprocessor, 128 programs in
     # one wave at (8, 2048)): 348 -> 278 µs, where the cap gave 327 (benchmarks/kda_gpu.py --profile
     # --config, H200).
     # fp32 inputs: one candidate and value tiles of 64 in both passes (their states spill at every
     # setting by ptxas, 0.2-1.1 KB, and neither the cap nor tiles of 128 was timed for them).
     # TMA: W, KT, U read and the per-chunk and final states stored through tensor descriptors where
-    # the card has them: no address registers, and no registers staging the dot operands (off: the
-    # pointer form, which spills 100 + 84 bytes at the cap in bf16).
+    # the card has them: no address registers and no spills at the cap, but slower on the H200 at
+    # one stage (forward's pass 258 against 217 µs at (8, 2048, 16, 128) bf16, 746 against 508 at
+    # (4, 8192); benchmarks/kda_gpu.py --profile --config, 2026-12-05), so off: the pointer form,
+    # which spills 100 + 84 bytes at the cap in bf16 (40 + 40 in the backward's recompute).
     "state_fwd": dict(num_warps=8, stages=(1, (1, {"maxnreg": 128})), waves=True, SV=8192, BV_min=32, per_sm=2,
-                      TMA=True, fp32=dict(stages=(1,), per_sm=1)),
+                      TMA=False, fp32=dict(stages=(1,), per_sm=1)),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
     "state_bwd": dict(num_warps=8, stages=(1,), SV=16384, BV_min=32, per_sm=1, fp32=dict(SV=8192)),
