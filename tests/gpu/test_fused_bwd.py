@@ -152,4 +152,7 @@ def test_items_a_program(case, monkeypatch):
         one = outputs(*call, 1)
         for items in (2, 3, 4):
             for name, x, y in zip(("dq", "dk", "dv", "dg", "db"), outputs(*call, items), one):
-                assert torch.equal(x, y), f"{name} at {items} items a program: {(x.float() - y.float()).abs().max()}"
+                # to the bit, NaN where one item a program leaves NaN (rows no launch of this
+                # call writes, in the test's own fresh buffers)
+                torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True,
+                                           msg=lambda m, name=name, items=items: f"{name} at {items} items: {m}")
