@@ -154,10 +154,7 @@ DELTA = {
     "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, VT=128,
                       narrow=64),
     "cumsum": dict(num_warps=1, stages=(1,)),
-    # The warm-up counts of the split passes (delta.triton.split.warm_plan): every chunk's bound at
-    # once (chunk_bound: K columns in BK slices), then each segment's walk over them NB at a time.
-    "chunk_bound": dict(num_warps=4, stages=(1,), BK=64),
-    "warm_plan": dict(num_warps=1, stages=(1,), NB=64),
+    "warm_plan": dict(num_warps=4, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in
     # chunks, -1 automatic (warm-started passes only). warm: the gated members' split passes start
     # each segment from a zero state a bounded number of chunks early (state_fwd_kernel,

@@ -64,82 +64,28 @@ def warm_up(k, beta, G, seg_seq, seq_cu, i_s, bos, eos, i_hv, i_h, H, HV, o_t, o
 
 
 @triton.jit
-def chunk_bound_kernel(k, beta, G, cu, chunk_idx, bound, H, HV, K: tl.constexpr, BK: tl.constexpr,
-                       BT: tl.constexpr, GRP: tl.constexpr):
-    """bound [NT, HV]: :func:`chunk_log_bound` of each chunk t of ``chunk_idx`` and value head, one
-    program per chunk and key head (‖k‖² of each row formed once, shared by the key head's value
-    heads), every chunk at once: the walks of :func:`warm_plan_kernel` then read sums, not keys."""
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_idx + 2 * i_t)
-    r0 = tl.load(cu + i_n).to(tl.int64) + tl.load(chunk_idx + 2 * i_t + 1).to(tl.int64) * BT
-    end = tl.load(cu + i_n + 1).to(tl.int64)
-    rows = r0 + tl.arange(0, BT)
-    m = rows < end
-    nk = tl.zeros([BT], dtype=tl.float32)
-    for c in tl.static_range(0, K, BK):
-        o_c = c + tl.arange(0, BK)
-        b_k = tl.load(k + (rows[:, None] * H + i_h) * K + o_c[None, :], mask=m[:, None] & (o_c < K)[None, :],
-                      other=0.0).to(tl.float32)
-        nk += tl.sum(b_k * b_k, axis=1)
-    last = tl.minimum(r0 + BT, end) - 1
-    for j in tl.static_range(GRP):  # the key head's value heads
-        i_hv = i_h * GRP + j
-        b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
-        b = tl.load(G + last * HV + i_hv) + tl.sum(tl.log(tl.maximum(tl.abs(1.0 - b_b * nk), 1.0)), axis=0)
-        tl.store(bound + i_t * HV + i_hv, b)
-
-
-@triton.jit
-def warm_plan_kernel(bound, cu, seg_off, seg_seq, seq_cu, nw_out, HV, BT: tl.constexpr, NB: tl.constexpr,
-                     LOG_EPS: tl.constexpr, AFTER: tl.constexpr):
+def warm_plan_kernel(k, beta, G, cu, seg_seq, seq_cu, nw_out, H, HV, K: tl.constexpr, BT: tl.constexpr,
+                     DELTA: tl.constexpr, LOG_EPS: tl.constexpr, AFTER: tl.constexpr):
     """For each segment and value head (program (s, hv)): the warm-up chunks :func:`warm_up` walks
     back before the segment (``AFTER``: forward after it, the reverse pass's), into nw_out [NS, HV]
     (int32), for a pass that takes them from memory (delta.triton.fused_fwd and fused_rev, whose
-    roles all need the count before they start). The walk reads the chunks' bounds (``bound`` [NT,
-    HV] of :func:`chunk_bound_kernel`) NB at a time, as a running sum: nw is the fewest chunks whose
-    bounds add up to at most ``LOG_EPS``, or every chunk to the sequence's edge."""
+    roles all need the count before they start)."""
     i_s, i_hv = tl.program_id(0), tl.program_id(1)
-    bos = tl.load(cu + i_s)
-    eos = tl.load(cu + i_s + 1)
-    i_seq = tl.load(seg_seq + i_s)
-    c0 = tl.load(seg_off + i_s)  # the segment's first chunk (global index)
-    if AFTER:
-        first = c0 + (eos - bos + BT - 1) // BT  # the chunk after the segment, then onwards
-        avail = (tl.load(seq_cu + i_seq + 1) - eos + BT - 1) // BT
-        step = 1
-    else:
-        first = c0 - 1  # the chunk before the segment, then backwards
-        avail = (bos - tl.load(seq_cu + i_seq)) // BT
-        step = -1
-    o_b = tl.arange(0, NB)
-    nw = avail
-    acc = 0.0
-    b0 = 0
-    while (b0 < avail) & (nw == avail):
-        i = b0 + o_b
-        m = i < avail
-        x = tl.load(bound + (first + step * i).to(tl.int64) * HV + i_hv, mask=m, other=0.0)
-        hit = m & (acc + tl.cumsum(x, axis=0) <= LOG_EPS)
-        nw = tl.minimum(nw, tl.min(tl.where(hit, i + 1, avail), axis=0))
-        acc += tl.sum(x, axis=0)
-        b0 += NB
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu + i_s).to(tl.int64)
+    eos = tl.load(cu + i_s + 1).to(tl.int64)
+    _, _, _, nw = warm_up(k, beta, G, seg_seq, seq_cu, i_s, bos, eos, i_hv, i_h, H, HV, tl.arange(0, BT),
+                          tl.arange(0, K), K, BT, DELTA, LOG_EPS, AFTER)
     tl.store(nw_out + i_s * HV + i_hv, nw)
 
 
 def warm_plan(k, beta, G, sg, ch: Chunks, HV: int, after: bool = False):
     """nw [NS, HV] int32: :func:`warm_plan_kernel` over segments ``sg`` of the sequences ``ch``
     (gated delta members: the passes that take the counts from memory run only those; ``after``:
-    the reverse pass's warm-up, after each segment), from every chunk's bound
-    (:func:`chunk_bound_kernel`, all at once: a walk chunk by chunk is a chain of dependent loads)."""
+    the reverse pass's warm-up, after each segment)."""
     T, H, K = k.shape
     nw = torch.empty(sg.NS, HV, device=k.device, dtype=torch.int32)
-    if sg.NS == 0:
-        return nw
-    bound = torch.empty(ch.NT, HV, device=k.device, dtype=torch.float32)
-    launch(chunk_bound_kernel, (ch.NT, H), k, beta, G, ch.cu, ch.chunk_idx, bound, H, HV, K=K,
-           BK=min(pow2(K), DELTA["chunk_bound"]["BK"]), BT=BT, GRP=HV // H, name="chunk_bound")
-    launch(warm_plan_kernel, (sg.NS, HV), bound, sg.cu, sg.off, sg.seq, ch.cu, nw, HV, BT=BT,
-           NB=DELTA["warm_plan"]["NB"],
+    launch(warm_plan_kernel, (sg.NS, HV), k, beta, G, sg.cu, sg.seq, ch.cu, nw, H, HV, K=K, BT=BT, DELTA=True,
            LOG_EPS=float(DELTA["split"]["log_eps"]), AFTER=after, name="warm_plan")
     return nw
 
