@@ -114,7 +114,8 @@ DELTA = {
     # consecutive (chunk, value head) items (unrolled; the next item's first tiles and T⁻¹ land
     # during this one's epilogue, its q and k during its own value loop; outputs the same to the
     # bit at any count; compile seconds on the 2-core CPU at K = V = 128: 1.3, 2.4, 3.8, 5.7 for 1-4
-    # items, spills 0, 16, 8, 16 bytes; H200 µs at (8, 2048) 412, 484, 993 for 1-3 items: 1), taken on compute
+    # items, spills 0, 16, 8, 16 bytes; H200 µs at (8, 2048) 412, 484, 993 for 1-3 items, and as a
+    # run-time loop over the items 529, 492, 641 for 2, 4, 8: 1), taken on compute
     # capability 9 for 16-bit inputs, K ≤ 128: value tiles of BV (32 where BV does not divide V)
     # through a ring of NS slots filled by tensor copies, products asynchronous. H200 µs against dqk + wy_bwd: 961 against 1226 at (4, 8192), 487 against 624 at
     # (8, 2048), 3796 against 5721 at (1, 32768, HV = 64); value tiles of 32: 1021 at (4, 8192); a
