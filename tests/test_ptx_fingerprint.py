@@ -45,3 +45,17 @@ def test_fingerprints_repeat_and_report_changes(tmp_path):
     assert p.returncode == 0 and " 0 differ, 0 new, 0 gone" in p.stdout, p.stdout + p.stderr
     p, _ = fingerprint(tmp_path, "c.json", warps=1, extra=["--compare", first])  # other warps: other launches
     assert p.returncode == 1 and "only in this run" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.slow
+def test_hopper_workloads_fingerprint_the_gluon_kernels(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = str(tmp_path / "h.json")
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); sys.argv = ['ptx_fingerprint']\n"
+            "from tools import ptx_fingerprint as F\n"
+            f"raise SystemExit(F.main(['--out', {out!r}, '--hopper', '--dtypes', 'bf16', '--workloads', "
+            "'chunk bfloat16 g=True beta=True hopper']))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    names = {json.loads(k)[0].rsplit(".", 1)[1] for k in json.load(open(out))}
+    assert {"fused_fwd_kernel", "fused_rev_kernel", "fused_bwd_kernel"} <= names, names

@@ -14,6 +14,13 @@ of state_bwd_kernel at fp32 differed). Outputs are garbage (nothing runs); only 
     python tools/ptx_fingerprint.py --out before.json            # on the tree before a change
     python tools/ptx_fingerprint.py --out after.json --compare before.json
     python tools/ptx_fingerprint.py --out kda.json --workloads kda        # some workloads only
+    python tools/ptx_fingerprint.py --out h.json --hopper --workloads hopper   # the Gluon kernels' paths
+    python tools/ptx_fingerprint.py --out h2.json --hopper --config '{"fused_bwd": {"items": 2}}'
+
+With ``--hopper`` the chunk workloads of the delta family run a second time on the H200's paths
+(the Hopper test true: the Gluon kernels of ``gdn.ops.delta.triton.fused_fwd``, ``fused_rev`` and
+``fused_bwd`` and the Triton kernels beside them), as ``... hopper`` workloads; their 16-bit
+launches are the Gluon kernels' (fp32 inputs keep the Triton kernels there too).
 
 With ``--compare`` it lists each launch whose PTX differs, and launches found in only one of
 the two runs, then exits 1 if any differ. The kernels of ``gdn`` that no workload launched are
@@ -39,6 +46,7 @@ import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,10 +58,11 @@ SMS = 132  # the H200's multiprocessors: tile and pass choices as on the card
 
 
 @contextlib.contextmanager
-def captured():
+def captured(hopper: bool = False):
     """Inside: every ``kernel[grid](...)`` and every :func:`gdn.ops.triton.launch.launch` records
     (kernel, args, keywords) into the yielded list and runs nothing; the ops take their Triton
-    path on CPU tensors, and the launchers size grids for :data:`SMS` multiprocessors."""
+    path on CPU tensors, and the launchers size grids for :data:`SMS` multiprocessors. With
+    ``hopper`` the Gluon kernels' Hopper test is true as well (their modules' ``hopper``)."""
     from gdn.ops.triton import launch as launcher
 
     out = []
@@ -68,7 +77,8 @@ def captured():
     for mod in list(sys.modules.values()):
         name = getattr(mod, "__name__", "") or ""
         if name.startswith("gdn.") or name.startswith("tools.") or name == "__main__":
-            for attr, value in (("use_triton", lambda x: True), ("sm_count", lambda device: SMS)):
+            for attr, value in (("use_triton", lambda x: True), ("sm_count", lambda device: SMS),
+                                ("hopper", lambda x: hopper)):
                 if hasattr(mod, attr) and callable(getattr(mod, attr)):
                     patched.append((mod, attr, getattr(mod, attr)))
                     setattr(mod, attr, value)
@@ -211,7 +221,8 @@ def compile_hashes(inputs, dump=None) -> dict:
     only in the order of independent instructions can assemble to the same SASS). ``dump``: a
     file to write the PTX without its debug information to."""
     kernel, signature, constexprs, attrs, options = inputs
-    ck = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    ck = triton.compile(source(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
     ptx = ck.asm["ptx"]
     cut = ptx.find(".section\t.debug")
     body = [ln for ln in (ln.split("//", 1)[0].strip() for ln in (ptx if cut < 0 else ptx[:cut]).splitlines())
@@ -229,7 +240,7 @@ def compile_hashes(inputs, dump=None) -> dict:
 
 
 def all_kernels() -> set:
-    """Every @triton.jit kernel of gdn's modules that are imported (qualified names)."""
+    """Every @triton.jit and @gluon.jit kernel of gdn's modules that are imported (qualified names)."""
     out = set()
     for mod in list(sys.modules.values()):
         if (getattr(mod, "__name__", "") or "").startswith("gdn."):
@@ -248,19 +259,37 @@ def main(argv=None) -> int:
                     help="only the workloads whose name contains TEXT (e.g. 'kda', 'model', 'recurrent float32')")
     ap.add_argument("--dump", default=None, metavar="DIR",
                     help="also write each launch's PTX (without debug information) there, for diffing")
+    ap.add_argument("--hopper", action="store_true",
+                    help="also the delta chunk workloads on the H200's paths (the Gluon kernels)")
+    ap.add_argument("--config", default=None, metavar="JSON",
+                    help="launch settings over the defaults first (gdn.ops.tuning.update_from: inline JSON or "
+                         "a file), e.g. '{\"fused_bwd\": {\"items\": 2}}'")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="compile threads")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: the kernels must compile, not interpret")
+    if a.config:
+        from gdn.ops.tuning import update_from  # noqa: PLC0415
+
+        try:
+            update_from(a.config)
+        except ValueError as e:  # (bad JSON and unknown settings alike)
+            ap.error(f"--config: {e}")
     import gdn.generation  # noqa: F401, PLC0415  (every module the workloads reach, imported before
     import gdn.models  # noqa: F401, PLC0415   captured() patches their routing)
+    import gdn.ops.delta.triton.fused_bwd  # noqa: F401, PLC0415  (and the Gluon kernels' Hopper tests,
+    import gdn.ops.delta.triton.fused_fwd  # noqa: F401, PLC0415   imported by the chunk op only once it
+    import gdn.ops.delta.triton.fused_rev  # noqa: F401, PLC0415   first runs)
     dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[d] for d in a.dtypes.split(",")]
     t0 = time.time()
     backend, binders, launches, failed = make_backend(TARGET), {}, {}, []
-    for name, run in workloads(dtypes):
+    runs = [(name, run, False) for name, run in workloads(dtypes)]
+    if a.hopper:
+        runs += [(name + " hopper", run, True) for name, run, _ in runs if name.startswith("chunk ")]
+    for name, run, hopper in runs:
         if a.workloads and a.workloads not in name:
             continue
-        with captured() as got:
+        with captured(hopper) as got:
             try:
                 run()
             except Exception as e:  # noqa: BLE001 - a workload that cannot run on the CPU is reported, not fatal
