@@ -55,15 +55,22 @@ def _smem(shape, dtype):
 
 
 @gluon.jit
-def _issue(n, w, i_v, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd,
-           ring_v, ring_h, ring_dh, bars, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr):
-    """Start the tensor copies of item ``w``'s value tile ``i_v`` (δ, dO, dδ, v rows; h, dh rows) into
-    ring slot ``s``; its barrier completes when all ``n`` bytes have landed."""
+def _chunk(w, HV, cu, chunk_idx):
+    """(i_t, i_hv, sequence, its chunk, the chunk's first row) of item ``w`` = i_t · HV + i_hv: chunk
+    i_t of ``chunk_idx``, value head i_hv (the first row a 32-bit coordinate, as tensor copies take)."""
     i_t = w // HV
     i_hv = w % HV
     i_n = gl.load(chunk_idx + 2 * i_t)
     i_c = gl.load(chunk_idx + 2 * i_t + 1)
-    t0 = gl.load(cu + i_n) + i_c * BT
+    return i_t, i_hv, i_n, i_c, gl.load(cu + i_n) + i_c * BT
+
+
+@gluon.jit
+def _issue(n, w, i_v, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd,
+           ring_v, ring_h, ring_dh, bars, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr):
+    """Start the tensor copies of item ``w``'s value tile ``i_v`` (δ, dO, dδ, v rows; h, dh rows) into
+    ring slot ``s``; its barrier completes when all ``n`` bytes have landed."""
+    i_t, i_hv, i_n, i_c, t0 = _chunk(w, HV, cu, chunk_idx)
     col = i_hv * V + i_v * BV
     row_h = ((gl.load(chunk_off + i_n) + i_c) * HV + i_hv) * K  # h: the chunk's global index
     row = (i_t * HV + i_hv) * K  # dh: the chunk's index in this launch
@@ -79,13 +86,9 @@ def _issue(n, w, i_v, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t
 
 @gluon.jit
 def _where(w, HV, H, cu, chunk_idx):
-    """(first row, sequence end, value head, key head) of item ``w`` = i_t · HV + i_hv: chunk i_t of
-    ``chunk_idx``, value head i_hv (the first row a 32-bit coordinate, as tensor copies take)."""
-    i_t = w // HV
-    i_hv = w % HV
-    i_n = gl.load(chunk_idx + 2 * i_t)
-    i_c = gl.load(chunk_idx + 2 * i_t + 1)
-    return gl.load(cu + i_n) + i_c * BT, gl.load(cu + i_n + 1), i_hv, i_hv // (HV // H)
+    """(first row, sequence end, value head, key head) of item ``w`` (:func:`_chunk`)."""
+    _, i_hv, i_n, _, r0 = _chunk(w, HV, cu, chunk_idx)
+    return r0, gl.load(cu + i_n + 1), i_hv, i_hv // (HV // H)
 
 
 @gluon.jit
@@ -397,16 +400,11 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
         _issue(tile_bytes, w0, i_s, i_s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do,
                ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
     for j in gl.static_range(PER):
-        if PER == 1:
-            _item(j, PER, w0, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t, dv_t,
-                  DB, DG, cu, chunk_idx, chunk_off, scale, H, HV, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh,
-                  bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K, V, BV, NS, DT, QK_TMA, DV_TMA)
-        else:
-            if w0 + j < NW:
-                _item(j, PER, w0 + j, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t,
-                      dk_t, dv_t, DB, DG, cu, chunk_idx, chunk_off, scale, H, HV, ring_d, ring_do, ring_dd, ring_v,
-                      ring_h, ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K, V, BV, NS, DT,
-                      QK_TMA, DV_TMA)
+        if PER == 1 or w0 + j < NW:  # (every program has a first item)
+            _item(j, PER, w0 + j, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t,
+                  dv_t, DB, DG, cu, chunk_idx, chunk_off, scale, H, HV, ring_d, ring_do, ring_dd, ring_v, ring_h,
+                  ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K, V, BV, NS, DT, QK_TMA,
+                  DV_TMA)
     tma.store_wait(0)
 
 
