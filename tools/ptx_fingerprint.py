@@ -17,10 +17,10 @@ of state_bwd_kernel at fp32 differed). Outputs are garbage (nothing runs); only 
     python tools/ptx_fingerprint.py --out h.json --hopper --workloads hopper   # the Gluon kernels' paths
     python tools/ptx_fingerprint.py --out h2.json --hopper --config '{"fused_bwd": {"items": 2}}'
 
-With ``--hopper`` the chunk workloads of the delta family run a second time on the H200's paths
-(the Hopper test true: the Gluon kernels of ``gdn.ops.delta.triton.fused_fwd``, ``fused_rev`` and
-``fused_bwd`` and the Triton kernels beside them), as ``... hopper`` workloads; their 16-bit
-launches are the Gluon kernels' (fp32 inputs keep the Triton kernels there too).
+With ``--hopper`` the chunk workloads of both families run a second time on the H200's paths (the
+Hopper and tensor-copy tests true: the Gluon kernels of ``gdn.ops.delta.triton.fused_fwd``,
+``fused_rev`` and ``fused_bwd`` for 16-bit inputs, and the Triton kernels' tensor-descriptor forms
+where a launch setting asks for them), as ``... hopper`` workloads.
 
 With ``--compare`` it lists each launch whose PTX differs, and launches found in only one of
 the two runs, then exits 1 if any differ. The kernels of ``gdn`` that no workload launched are
@@ -62,7 +62,8 @@ def captured(hopper: bool = False):
     """Inside: every ``kernel[grid](...)`` and every :func:`gdn.ops.triton.launch.launch` records
     (kernel, args, keywords) into the yielded list and runs nothing; the ops take their Triton
     path on CPU tensors, and the launchers size grids for :data:`SMS` multiprocessors. With
-    ``hopper`` the Gluon kernels' Hopper test is true as well (their modules' ``hopper``)."""
+    ``hopper`` the Gluon kernels' Hopper test and the tensor-copy test are true as well (their
+    modules' ``hopper`` and ``has_tma``)."""
     from gdn.ops.triton import launch as launcher
 
     out = []
@@ -78,7 +79,7 @@ def captured(hopper: bool = False):
         name = getattr(mod, "__name__", "") or ""
         if name.startswith("gdn.") or name.startswith("tools.") or name == "__main__":
             for attr, value in (("use_triton", lambda x: True), ("sm_count", lambda device: SMS),
-                                ("hopper", lambda x: hopper)):
+                                ("hopper", lambda x: hopper), ("has_tma", lambda x: hopper)):
                 if hasattr(mod, attr) and callable(getattr(mod, attr)):
                     patched.append((mod, attr, getattr(mod, attr)))
                     setattr(mod, attr, value)
@@ -285,7 +286,7 @@ def main(argv=None) -> int:
     backend, binders, launches, failed = make_backend(TARGET), {}, {}, []
     runs = [(name, run, False) for name, run in workloads(dtypes)]
     if a.hopper:
-        runs += [(name + " hopper", run, True) for name, run, _ in runs if name.startswith("chunk ")]
+        runs += [(name + " hopper", run, True) for name, run, _ in runs if name.startswith(("chunk ", "kda chunk "))]
     for name, run, hopper in runs:
         if a.workloads and a.workloads not in name:
             continue

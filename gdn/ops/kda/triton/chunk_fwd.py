@@ -406,6 +406,19 @@ def _state_fwd_step_tma(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n,
 
 
 @triton.jit
+def _state_fwd_any(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v, HV,
+                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
+                   DT: tl.constexpr, TMA: tl.constexpr):
+    """Step i_c of the forward state pass in the form ``TMA`` names."""
+    if TMA:
+        b_s = _state_fwd_step_tma(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v,
+                                  HV, K, V, BV, STORE_FINAL, PREC, DT)
+    else:
+        b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, HV, K, V, PREC, DT)
+    return b_s
+
+
+@triton.jit
 def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, HV, K: tl.constexpr,
                      V: tl.constexpr, BV: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, TMA: tl.constexpr = False):
@@ -430,33 +443,21 @@ def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, HV, K: tl.conste
     if USE_INIT:
         b_s = tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s).to(tl.float32)
     nc = tl.cdiv(eos - bos, 64)
-    if TMA:
-        steps = nc
-        if STORE_FINAL:
-            steps = nc + 1
-        if WHILE:
-            i_c = 0
-            while i_c < steps:
-                b_s = _state_fwd_step_tma(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t,
-                                          o_k, o_v, HV, K, V, BV, STORE_FINAL, PREC, DT)
-                i_c += 1
-        else:
-            for i_c in range(0, steps):
-                b_s = _state_fwd_step_tma(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t,
-                                          o_k, o_v, HV, K, V, BV, STORE_FINAL, PREC, DT)
+    steps = nc
+    if TMA and STORE_FINAL:
+        steps = nc + 1  # the descriptor form stores the final state in a step of its own
+    if WHILE:
+        i_c = 0
+        while i_c < steps:
+            b_s = _state_fwd_any(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v,
+                                 HV, K, V, BV, STORE_FINAL, PREC, DT, TMA)
+            i_c += 1
     else:
-        if WHILE:
-            i_c = 0
-            while i_c < nc:
-                b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, HV,
-                                      K, V, PREC, DT)
-                i_c += 1
-        else:
-            for i_c in range(0, nc):
-                b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, HV,
-                                      K, V, PREC, DT)
-        if STORE_FINAL:
-            tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s)
+        for i_c in range(0, steps):
+            b_s = _state_fwd_any(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v,
+                                 HV, K, V, BV, STORE_FINAL, PREC, DT, TMA)
+    if STORE_FINAL and not TMA:
+        tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s)
 
 
 @triton.jit
