@@ -21,11 +21,26 @@
 # $OUT/autotune.tar.gz; unpacked into .autotune/ at the repository root (ignored, carried) for a
 # later run, they are loaded instead of tuned again, so FLA compiles one configuration per kernel.
 # The peers' first-call column then leaves their tuning out; gdn (no autotuning) is unaffected.
+# WHEELS: folders of wheels (carried) to install into the machine's scratch site first, e.g. the
+# peers' that exceed one transfer together (../shared/tools/peer-wheels --flashqla), in two calls
+# back to back on the same warm machine, the site kept between them:
+#   WHEELS=".whl .whl-qla" INSTALL_ONLY=1 bash tools/h200_all.sh          (carry .whl .whl-qla)
+#   WHEELS=.whl-z3 OPS_FLAGS="--peers gdn,fla,qla" bash tools/h200_all.sh  (carry .whl-z3)
+# Each install runs to its end before anything times (an unfinished install leaves a package that
+# imports without its functions). INSTALL_ONLY=1 stops after the installs.
 set -u
 OUT=${OUT:-/tmp/gdn-h200}
 mkdir -p "$OUT"
 SITE=/tmp/site
+for w in ${WHEELS:-}; do
+  ls "$w"/*.whl >/dev/null 2>&1 || { echo "WHEELS: no wheels in $w (carry it)"; exit 2; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$w"/*.whl 2>&1 | tail -2
+  rc=${PIPESTATUS[0]}
+  echo "installed the wheels of $w into $SITE: rc=$rc"
+  [ "$rc" = 0 ] || exit 2
+done
 [ -d "$SITE/fla" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl 2>&1 | tail -1
+[ "${INSTALL_ONLY:-0}" = 1 ] && exit 0
 export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1
 TCACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 if [ "${AUTOTUNE_CACHE:-0}" = 1 ]; then
