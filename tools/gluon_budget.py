@@ -106,7 +106,10 @@ def resources(K: int, V: int, BV: int, num_warps: int) -> dict:
 def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = None, PER: int | None = None) -> dict:
     """{"regs", "spill", "shared"} of the fused backward kernel itself
     (:func:`gdn.ops.delta.triton.fused_bwd.fused_bwd_kernel`, bf16) compiled for sm_90, with a ring
-    of ``NS`` slots and ``PER`` items a program (defaults: the launch setting's)."""
+    of ``NS`` slots and ``PER`` items a program (defaults: the launch setting's), specialised as
+    Triton's launcher specialises a launch at Qwen's layouts: every pointer 16-byte aligned (torch's
+    allocations are) and H, HV multiples of 16. The alignment changes the code ptxas gets (at
+    K = V = 128 it is what spills three registers)."""
     from gdn.ops.delta.triton import fused_bwd as F  # noqa: PLC0415
     from gdn.ops.tuning import DELTA  # noqa: PLC0415
 
@@ -128,7 +131,7 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = N
     at = {n: i for i, n in enumerate(names)}
     consts = {(at["K"],): K, (at["V"],): V, (at["BV"],): BV, (at["NS"],): NS, (at["DT"],): gl.bfloat16,
               (at["QK_TMA"],): True, (at["DV_TMA"],): True, (at["PER"],): PER}
-    return _compiled(GluonASTSource(F.fused_bwd_kernel, sig, consts, {}), num_warps)
+    return _compiled(GluonASTSource(F.fused_bwd_kernel, sig, consts, _aligned(sig, at)), num_warps)
 
 
 def forward_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg: int | None = None,
@@ -163,7 +166,7 @@ def forward_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
     at = {n: i for i, n in enumerate(names)}
     consts = {(at[n],): v for n, v in const.items()}
     sig = {n: sig[n] for n in names}
-    return _compiled(GluonASTSource(F.fused_fwd_kernel, sig, consts, {}), c["num_warps"],
+    return _compiled(GluonASTSource(F.fused_fwd_kernel, sig, consts, _aligned(sig, at)), c["num_warps"],
                      maxnreg=c["maxnreg"] if maxnreg is None else maxnreg)
 
 
@@ -197,8 +200,16 @@ def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
     names = F.fused_rev_kernel.arg_names
     at = {n: i for i, n in enumerate(names)}
     consts = {(at[n],): v for n, v in const.items()}
-    return _compiled(GluonASTSource(F.fused_rev_kernel, {n: sig[n] for n in names}, consts, {}), c["num_warps"],
+    sig = {n: sig[n] for n in names}
+    return _compiled(GluonASTSource(F.fused_rev_kernel, sig, consts, _aligned(sig, at)), c["num_warps"],
                      maxnreg=c["maxnreg"] if maxnreg is None else maxnreg)
+
+
+def _aligned(sig: dict, at: dict) -> dict:
+    """The attributes Triton's launcher gives a launch at Qwen's layouts: every pointer argument
+    16-byte aligned (torch's allocations are) and H, HV multiples of 16 (``tt.divisibility``)."""
+    names = [n for n, t in sig.items() if t.startswith("*")] + [n for n in ("H", "HV") if n in sig]
+    return {(at[n],): [["tt.divisibility", 16]] for n in names}
 
 
 def _compiled(src, num_warps: int, **extra) -> dict:

@@ -17,6 +17,11 @@ waves).
     python tools/sass_cpu.py --shape 4x4096 --h 6 --v 256 --depths   # each pass's candidates and choice
     python tools/sass_cpu.py --shape 4x8192 --config '{"state_out": {"from_inverse": true}}'
     python tools/sass_cpu.py --op kda --shape 4x8192 [--dtype fp32]      # the KDA chunk kernels
+    python tools/sass_cpu.py --shape 1x32768 --hv 64 --hopper   # the H200's own path (Gluon kernels too)
+
+Without ``--hopper`` the delta family's launches are those of a card without the Gluon kernels
+(Triton's chunk kernels throughout); with it, those the H200 makes (its warp-specialised passes and
+fused backward, and the Triton kernels beside them: kkt_solve without the pair matrix, warm_plan).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import sys
 import torch
 import triton
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from gdn.ops.delta.triton import chunk, chunk_bwd, chunk_fwd  # noqa: E402
@@ -159,7 +165,8 @@ def compile_sm90(kernel, args, meta):
     binder's specialisation of each run-time argument (an int's divisibility by 16 unless
     ``do_not_specialize``, a pointer's alignment), the constexprs, warps and pipeline depth."""
     _, (k, sig, consts, attrs, options) = launch_key(kernel, args, meta, _BACKEND, _BINDERS)
-    return triton.compile(ASTSource(k, sig, consts, attrs), target=TARGET, options=options.__dict__)
+    source = GluonASTSource if isinstance(k, GluonJITFunction) else ASTSource
+    return triton.compile(source(k, sig, consts, attrs), target=TARGET, options=options.__dict__)
 
 
 def loop_mix(sass: str):
@@ -196,7 +203,14 @@ def main():
     ap.add_argument("--config", default=None, metavar="JSON",
                     help="launch overrides (a file or inline JSON, gdn.ops.tuning.update_from), e.g. "
                          "'{\"kda.kkt\": {\"num_warps\": 4}}'")
+    ap.add_argument("--hopper", action="store_true",
+                    help="the delta family's launches on the H200's path (its Gluon kernels and those beside them)")
     args = ap.parse_args()
+    if args.hopper:
+        from gdn.ops.delta.triton import fused_bwd, fused_fwd, fused_rev  # noqa: PLC0415
+
+        for mod in (fused_bwd, fused_fwd, fused_rev):
+            mod.hopper = lambda q: True
     if args.config:
         try:
             update_from(args.config)
