@@ -1,0 +1,32 @@
+"""tools/sass_cpu.py: with ``--hopper`` the recorded launches are the H200's own (its Gluon passes
+and fused backward beside kkt_solve), each compiled for sm_90 on the CPU into a row of registers,
+spills and shared memory."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rows(*args):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, never interpreted
+    p = subprocess.run([sys.executable, "tools/sass_cpu.py", *args], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return {line.split("|")[1].strip(): line for line in p.stdout.splitlines() if line.startswith("| ") and "_kernel" in line}
+
+
+def test_hopper_records_the_gluon_kernels():
+    rows = _rows("--shape", "1x256", "--h", "2", "--hopper", "--kernels", "kkt_solve,fused_fwd,fused_bwd")
+    assert set(rows) == {"kkt_solve_kernel", "fused_fwd_kernel", "fused_bwd_kernel"}, rows
+    regs = int(rows["fused_bwd_kernel"].split("|")[6])
+    assert 128 < regs <= 255, rows["fused_bwd_kernel"]
+    plain = _rows("--shape", "1x256", "--h", "2", "--kernels", "kkt_solve,fused_fwd,fused_bwd")
+    assert set(plain) == {"kkt_solve_kernel"}, plain  # a card without the Gluon kernels
