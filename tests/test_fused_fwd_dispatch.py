@@ -31,18 +31,19 @@ def hopper(monkeypatch):
             monkeypatch.setattr(mod, "sm_count", lambda device: SMS)
 
 
-def _record(B, T, H, HV, K, V, dtype=torch.bfloat16, h0=False):
+def _record(B, T, H, HV, K, V, dtype=torch.bfloat16, h0=False, plans=None):
     """The launches (kernel, grid, args, meta) of one forward and of its backward (``h0``: with an
-    initial state and a final-state gradient)."""
+    initial state and a final-state gradient; ``plans``: the call's warm-up counts handed from the
+    forward to the backward, as the autograd node hands them)."""
     q = torch.empty(B * T, H, K, dtype=dtype)
     k, v = torch.empty_like(q), torch.empty(B * T, HV, V, dtype=dtype)
     g, beta = torch.zeros(B * T, HV), torch.zeros(B * T, HV)
     s0 = torch.zeros(B, HV, K, V) if h0 else None
     ch = common.make_chunks(B, T, None, torch.device("cpu"))
     with launcher.recording() as fwd:
-        _, _, ai, gam = chunk._forward(q, k, v, g, beta, s0, ch, False, K ** -0.5, dtype)
+        _, _, ai, gam = chunk._forward(q, k, v, g, beta, s0, ch, False, K ** -0.5, dtype, plans=plans)
     with launcher.recording() as bwd:
-        chunk_bwd.backward(q, k, v, g, beta, s0, v, s0, ch, K ** -0.5, ai, dtype, gam)
+        chunk_bwd.backward(q, k, v, g, beta, s0, v, s0, ch, K ** -0.5, ai, dtype, gam, plans=plans)
     return fwd, bwd
 
 
@@ -83,6 +84,39 @@ def test_few_long_sequences_run_as_segments(hopper):
         assert names.index("warm_plan_kernel") < names.index("fused_fwd_kernel"), names
         (grid, meta), = _meta(launches, "fused_fwd_kernel")
         assert meta["WARM"] and SMS // 2 < grid[0] <= SMS, (grid, meta)
+
+
+@pytest.mark.parametrize("V", [128, 256])
+def test_the_backward_takes_the_forwards_warm_up_counts(hopper, V):
+    """With the call's plans handed on (ChunkFunction keeps them on its context), the backward's
+    recomputed state pass reads the warm-up counts the forward's pass walked (the same k, β and γ)
+    instead of launching warm_plan again: one walk before the segments a forward + backward."""
+    plans = {}
+    fwd, bwd = _record(1, 32768, 16, 16, 128, V, plans=plans)
+    (plan,) = plans.values()
+    assert _names(fwd).count("warm_plan_kernel") == 1 and "warm_plan_kernel" not in _names(bwd), _names(bwd)
+    (f,) = _args(fwd, "fused_fwd_kernel")
+    (b,) = _args(bwd, "fused_fwd_kernel")
+    assert f["plan"] is plan and b["plan"] is plan and b["WARM"] and b["STORE_H"]
+
+
+def test_autograd_node_hands_the_counts_to_its_backward(hopper, monkeypatch):
+    """chunk_op through autograd: the plans its forward filled reach its backward."""
+    seen = []
+
+    def spy(*args):
+        seen.append(args[-1])
+        raise RuntimeError("stop")  # (nothing runs on the CPU: the handover is what is checked)
+
+    monkeypatch.setattr(chunk_bwd, "backward", spy)
+    q = torch.zeros(1, 32768, 16, 128, dtype=torch.bfloat16, requires_grad=True)
+    g, beta = torch.zeros(1, 32768, 16), torch.zeros(1, 32768, 16)
+    with launcher.recording():
+        o, _ = chunk.chunk_op(q, q, q, g, beta)
+    with pytest.raises(RuntimeError, match="stop"), launcher.recording():
+        o.float().sum().backward()
+    (plans,) = seen
+    assert isinstance(plans, dict) and len(plans) == 1, plans
 
 
 @pytest.mark.parametrize("K, V, dtype", [(128, 128, torch.float32), (256, 128, torch.bfloat16),

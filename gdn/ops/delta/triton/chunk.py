@@ -19,7 +19,7 @@ from ... import tuning
 from ...tuning import DELTA, MIN_DIM
 
 
-def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None, ws=None):
+def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None, ws=None, plans=None):
     """(o, final state, Ai, γ): the fused forward pass when its (sequence, head, value tile) programs
     still running at the end of the pass (``Chunks.long_sequences``; a packed batch's short sequences
     finish early and leave the longest one's programs alone on the card) number at least
@@ -34,7 +34,7 @@ def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None, ws=Non
         ws = chunk_fwd.warp_specialised(q, g, beta, K, V)
         fused = layout(ch, v.shape[1], K, V, v.device, g is not None, ws)[0]
     if fused:
-        return chunk_fwd.forward(q, k, v, g, beta, h0, ch, want_final, scale, io, ws)
+        return chunk_fwd.forward(q, k, v, g, beta, h0, ch, want_final, scale, io, ws, plans)
     h, VN, ht, Ai, _, G = chunk_fwd.forward_intermediates(q, k, v, g, beta, h0, ch, want_final,
                                                           from_inverse=DELTA["state_fwd"].get("from_inverse", False))
     return chunk_fwd.output(q, k, v, g, h, VN, ch, scale, io), ht, Ai, G
@@ -137,12 +137,16 @@ def _chunk_forward(ctx, q, k, v, g, beta, h0, scale: float, want_final: bool, ch
         precompile(kind, dry_run)
     # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
     # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
-    o, ht, Ai, G = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0], ws)
+    # the warm-started split's warm-up counts, made by the forward's pass and read again by the
+    # backward's recomputed one (the same k, β and γ: the same counts), instead of walked twice
+    plans = {} if ctx is not None else None
+    o, ht, Ai, G = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0], ws, plans)
     o = o if Vp == V else o[..., :V]
     if ht is not None and (Kp, Vp) != (K, V):
         ht = ht[..., :K, :V].contiguous()
     if ctx is not None:
         ctx.save_for_backward(qp, kp, vp, gp, bp, h0p, Ai, G)
+        ctx.plans = plans
         ctx.meta = (B, T, H, HV, K, V, scale, ch, gdt, vdt, q.dtype, k.dtype, v.dtype,
                     None if g is None else g.dtype, None if beta is None else beta.dtype,
                     None if h0 is None else h0.dtype)
@@ -157,7 +161,8 @@ def _chunk_backward(ctx, do, dht):
     Kp, Vp = kp.shape[-1], vp.shape[-1]
     dop = pad_zeros(cast(do.reshape(B * T, HV, V), vp.dtype), 0, Vp - V)
     dhtp = pad_zeros(None if dht is None else cast(dht, torch.float32), 0, Vp - V, 0, Kp - K)
-    DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale, Ai, gdt, G, vdt)
+    DQ, DK, DV, DG, DB, dh0 = chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, dop, dhtp, ch, scale, Ai, gdt, G, vdt,
+                                                 ctx.plans)
     dq = group_sum(DQ.view(B, T, H, HV // H, Kp), K, q_dt)  # summed over each key head's value heads
     dk = group_sum(DK.view(B, T, H, HV // H, Kp), K, k_dt)
     dv = cast((DV if Vp == V else DV[..., :V]).reshape(B, T, HV, V), v_dt)

@@ -487,10 +487,11 @@ def _fused_bwd():
 
 
 def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, grad_dtype=torch.float32,
-             gamma=None, dv_dtype=None):
+             gamma=None, dv_dtype=None, plans=None):
     """Gradients of the chunk op. Shapes in the packed layout: q, k [T, H, K]; v, do [T, HV, V]
     (q, k, v, do of one dtype); g, beta [T, HV] fp32 or None; h0, dht [N, HV, K, V] fp32 or None;
-    ``Ai`` the forward's in-chunk inverse and ``gamma`` its γ (each recomputed when None).
+    ``Ai`` the forward's in-chunk inverse and ``gamma`` its γ (each recomputed when None), ``plans``
+    its warm-up counts (chunk_fwd.forward's).
     Returns (dq [T, HV, K], dk [T, HV, K], dv [T, HV, V], dg or None, dbeta or None, dh0 or None):
     dq and dk in ``grad_dtype``, dv in ``dv_dtype`` (default ``grad_dtype``; each accumulated in
     fp32 and rounded once; dv of the members without the delta term is dδ, in the input dtype), the
@@ -506,7 +507,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # from_inverse: the recomputed state pass and the reverse pass form δ and Wᵀ dδ from T⁻¹ (no wu)
     from_inv = delta and bool(DELTA["state_bwd"]["from_inverse"])
     h, VN, _, Ai, W, gamma = forward_intermediates(q, k, v, g, beta, h0, ch, False, Ai, from_inverse=from_inv,
-                                                   gamma=gamma)
+                                                   gamma=gamma, plans=plans)
     dummy = v
     gp = g if gated else dummy
     (SK, SV), WV, rev, L, nsl = _decisions(q, g, beta, ch, HV, K, V, from_inv, v.element_size())

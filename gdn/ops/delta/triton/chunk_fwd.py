@@ -469,13 +469,15 @@ def warp_specialised(q, g, beta, K: int, V: int, name: str = "fused_fwd") -> boo
     return ws is not None and ws.usable(q, g, beta, K, V, name)
 
 
-def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, out_dtype, ws: bool | None = None):
+def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, out_dtype, ws: bool | None = None,
+            plans=None):
     """The forward of one call: (o [T, HV, V] in ``out_dtype``, final state [N, HV, K, V] fp32 or
     None, Ai or None, γ or None). q, k: [T, H, K]; v: [T, HV, V] (one dtype); g, beta: [T, HV] fp32 or None.
     kkt_solve and wu, then one fused sequential pass (:func:`state_out_kernel`); with
     ``DELTA["state_out"]["from_inverse"]`` no wu: the pass forms δ from T⁻¹, v and β. With
     ``DELTA["fused_fwd"]["on"]`` the warp-specialised form of that pass (delta.triton.fused_fwd)
-    runs where it applies (``ws``: whether it does, when the caller knows)."""
+    runs where it applies (``ws``: whether it does, when the caller knows; ``plans``: its warm-up
+    counts kept for the backward, fused_fwd._run)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dev = v.device
@@ -490,7 +492,7 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     G = gamma_of(g, ch, G)
     if ws:
-        _fused_fwd().forward(q, k, v, G, beta, Ai, h0, o, ht if want_final else None, ch, scale)
+        _fused_fwd().forward(q, k, v, G, beta, Ai, h0, o, ht if want_final else None, ch, scale, plans)
         return o, ht, Ai, G
     SK, SV = state_tile("state_out", ch, HV, K, V, dev)
     gp = G if G is not None else v
@@ -536,12 +538,13 @@ def tile_reads(name: str, *reads) -> tuple:
 
 
 def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai=None, from_inverse=False,
-                          gamma=None):
+                          gamma=None, plans=None):
     """Run the sequential part of the forward, storing what the backward needs: returns
     (h [NT, HV, K, V], VN or None, ht or None, Ai or None, W or None, γ or None); h, VN, Ai, W in
     the inputs' dtype, ht and γ fp32. q, k: [T, H, K]; v: [T, HV, V] (q, k, v of one dtype); g, beta:
     [T, HV] fp32 or None. ``Ai`` [T, HV, BT] and ``gamma`` [T, HV], when given (the backward passes
-    the forward's), are used instead of being computed again. ``from_inverse``: no wu; the pass forms δ from T⁻¹, v and β, and W comes
+    the forward's), are used instead of being computed again, and so are the warm-up counts in
+    ``plans`` (fused_fwd._run). ``from_inverse``: no wu; the pass forms δ from T⁻¹, v and β, and W comes
     back None (the backward, whose state pass reads W, keeps wu)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
@@ -562,7 +565,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     # the state passes read γ (the in-chunk cumulative decay), computed once per forward + backward
     G = gamma_of(g, ch, gamma)
     if from_inv and warp_specialised(k, g, beta, K, V, "fused_states"):
-        _fused_fwd().states(k, v, G, beta, Ai, h0, h, VN, ht, ch)
+        _fused_fwd().states(k, v, G, beta, Ai, h0, h, VN, ht, ch, plans)
         return h, VN, ht, Ai, W, G
     gp = G if G is not None else dummy
     Wp, Up = (W, U) if delta and not from_inv else (dummy, dummy)

@@ -377,13 +377,15 @@ def value_tile(V: int, name: str = "fused_fwd") -> int:
     return min(V, DELTA[name]["VT"])
 
 
-def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN=None):
+def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN=None, plans=None):
     """Launch the pass: with ``o`` the forward (q and scale given; fills o), else the state
     pass alone filling h [NT, HV, K, V] and VN [T, HV, V]; ht [N, HV, K, V] when given. One program
     per (sequence, value head, value tile of :func:`value_tile`); where those programs would leave
     multiprocessors idle, the sequences run as warm-started segments (split.split_len counting every
     value tile, at one program a multiprocessor: this program's shared memory takes the whole of
-    one), each segment's warm-up count per head shared by the head's value tiles."""
+    one), each segment's warm-up count per head shared by the head's value tiles. ``plans``: one
+    call's warm-up counts by segment length (a dict the forward fills and its backward's state pass
+    reads: the same k, β and γ walk to the same counts), or None."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     out = o is not None
@@ -396,7 +398,11 @@ def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN
     if L:
         sg = make_segments(ch, L, v.device)
         programs, cu, off, seg_seq = sg.NS, sg.cu, sg.off, sg.seq
-        plan = warm_plan(k, beta, G, sg, ch, HV)
+        plan = None if plans is None else plans.get(L)
+        if plan is None:
+            plan = warm_plan(k, beta, G, sg, ch, HV)
+            if plans is not None:
+                plans[L] = plan
     DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
     k_t = _tiles(k, T, (CHUNK, K), DT)
     v_t = _tiles(v, T, (CHUNK, VT), DT)
@@ -413,15 +419,15 @@ def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN
         fill_empty(ht, h0, ch)
 
 
-def forward(q, k, v, G, beta, Ai, h0, o, ht, ch, scale: float):
+def forward(q, k, v, G, beta, Ai, h0, o, ht, ch, scale: float, plans=None):
     """The forward: fills o [T, HV, V] and, when ``ht`` is given, the final state. q, k [T, H, K];
     v [T, HV, V] (16-bit); G, beta [T, HV] fp32; Ai [T, HV, 64] from kkt_solve; h0 [N, HV, K, V]
-    fp32 or None."""
-    _run(k, v, G, beta, Ai, h0, ht, ch, q=q, o=o, scale=scale)
+    fp32 or None. ``plans``: as :func:`_run`'s."""
+    _run(k, v, G, beta, Ai, h0, ht, ch, q=q, o=o, scale=scale, plans=plans)
 
 
-def states(k, v, G, beta, Ai, h0, h, VN, ht, ch):
+def states(k, v, G, beta, Ai, h0, h, VN, ht, ch, plans=None):
     """The backward's recomputed state pass (chunk_fwd.forward_intermediates' ``from_inverse`` form):
     fills h [NT, HV, K, V] (the state entering each chunk) and VN [T, HV, V] (δ) in the inputs'
-    dtype, and ht when given."""
-    _run(k, v, G, beta, Ai, h0, ht, ch, h=h, VN=VN)
+    dtype, and ht when given; its warm-up counts from ``plans`` where the forward left them."""
+    _run(k, v, G, beta, Ai, h0, ht, ch, h=h, VN=VN, plans=plans)
