@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 
-from gdn.ops.delta.triton import chunk, chunk_bwd, chunk_fwd, fused_fwd, fused_rev, split  # noqa: E402
+from gdn.ops.delta.triton import chunk, chunk_bwd, chunk_fwd, fused_bwd, fused_fwd, fused_rev, split  # noqa: E402
 from gdn.ops.triton import common  # noqa: E402
 from gdn.ops.triton import launch as launcher  # noqa: E402
 
@@ -178,3 +178,45 @@ def test_off_switches(hopper, monkeypatch):
     monkeypatch.setitem(tuning.DELTA, "fused_states", dict(tuning.DELTA["fused_states"], on=False))
     _, bwd = _record(8, 2048, 16, 16, 128, 128)
     assert "fused_fwd_kernel" not in _names(bwd) and "state_fwd_kernel" in _names(bwd)
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """Every device rule as on the H200: the three Gluon passes' Hopper tests, 132 multiprocessors."""
+    for mod in (fused_fwd, fused_rev, fused_bwd):
+        monkeypatch.setattr(mod, "hopper", lambda q: True)
+    for mod in (launcher, common, chunk, chunk_fwd, chunk_bwd, split, fused_rev):
+        if hasattr(mod, "sm_count"):
+            monkeypatch.setattr(mod, "sm_count", lambda device: SMS)
+
+
+@pytest.mark.parametrize("T, H, HV, K, V, lens, state", [
+    (1, 2, 4, 128, 128, None, True),  # one token
+    (65, 1, 1, 64, 64, None, False),  # a partial second chunk
+    (200, 2, 8, 128, 256, [0, 0, 70, 0, 130], True),  # empty sequences around packed ones, V = 256
+    (4100, 4, 16, 128, 128, [1, 4000, 99], True),  # grouped heads; one long sequence splits
+    (33000, 16, 16, 128, 128, None, False),  # few long sequences: warm-started segments, sliced
+    (9000, 16, 64, 128, 128, [9000], True),  # Qwen3.5-397B's head layout
+])
+def test_awkward_calls_take_the_h200_path_end_to_end(h200, T, H, HV, K, V, lens, state):
+    """A forward + backward through autograd at awkward shapes, every launch recorded on the H200's
+    path (nothing runs): its host side (chunk layout, splits, slices, descriptors, the warm-up
+    counts handed on) raises nothing, every grid is non-empty, the Gluon passes take the call and
+    the gradients come back in their inputs' shapes."""
+    B = 1 if lens else 2
+    cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    N = len(lens) if lens else B
+    q = torch.zeros(B, T, H, K, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.zeros(B, T, H, K, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.zeros(B, T, HV, V, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.zeros(B, T, HV, requires_grad=True)
+    beta = torch.zeros(B, T, HV, requires_grad=True)
+    h0 = torch.zeros(N, HV, K, V, requires_grad=True) if state else None
+    with launcher.recording() as launches:
+        o, ht = chunk.chunk_op(q, k, v, g, beta, initial_state=h0, output_final_state=state, cu_seqlens=cu)
+        (o.float().sum() + (ht.sum() if state else 0)).backward()
+    names = set(_names(launches))
+    assert {"fused_fwd_kernel", "fused_rev_kernel", "fused_bwd_kernel"} <= names, names
+    assert all(d > 0 for _, grid, _, _ in launches for d in grid), [(_names([x]), x[1]) for x in launches]
+    for x in (q, k, v, g, beta) + ((h0,) if state else ()):
+        assert x.grad is not None and x.grad.shape == x.shape
