@@ -393,12 +393,14 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
         mbarrier.init(bars_a.index(i_s), count=1)
     mbarrier.init(bar_qk, count=1)
     fence_async_shared()
-    # the first item's inputs (every program has one)
-    _issue_qk(w0, HV, H, cu, chunk_idx, q_t, k_t, s_q, s_k, bar_qk, K)
+    # the first item's inputs (every program has one), in the order they are waited for: T⁻¹ and the
+    # first value tiles (the loop's), then q and k (the epilogue's), so that the loop's do not queue
+    # behind 2 · 64 · K · 2 bytes it does not read
     _issue_inv(w0, HV, H, cu, chunk_idx, ai_t, s_as.index(0), bars_a.index(0))
     for i_s in gl.static_range(min(NS, NV)):
         _issue(tile_bytes, w0, i_s, i_s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do,
                ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
+    _issue_qk(w0, HV, H, cu, chunk_idx, q_t, k_t, s_q, s_k, bar_qk, K)
     for j in gl.static_range(PER):
         if PER == 1 or w0 + j < NW:  # (every program has a first item)
             _item(j, PER, w0 + j, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t,
