@@ -114,10 +114,11 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
           ring_h, ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K: gl.constexpr,
           V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr,
           DV_TMA: gl.constexpr):
-    """Item ``w``, the program's J-th of PER (fused_bwd_kernel's docstring). Its first value tiles, its
-    T⁻¹ (slot J % 2 of ``s_as``) and its q and k were requested before (by the kernel or the item
-    before); once its value loop is done it requests the next item's first value tiles and T⁻¹, and
-    once its dQ and dK have left q's and k's places, the next item's q and k."""
+    """Item ``w``, the program's J-th of PER (fused_bwd_kernel's docstring). The program's first item
+    requests its first value tiles, its T⁻¹ (slot 0 of ``s_as``) and its q and k once its per-row
+    scalars are requested; a later item's were requested by the item before: once its value loop
+    is done, the next item's first value tiles and T⁻¹ (slot (J + 1) % 2), and once its dQ and dK
+    have left q's and k's places, the next item's q and k."""
     f32: gl.constexpr = gl.float32
     num_warps: gl.constexpr = gl.num_warps()
     NV: gl.constexpr = V // BV
@@ -160,6 +161,15 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
     b_bv = gl.load(beta + rv * HV + i_hv, mask=m_v, other=0.0)
     o_vv = gl.arange(0, BV, layout=gl.SliceLayout(0, a_v))
     m_ld = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, ld_v)) < eos
+    if J == 0:
+        # the program's first item requests its tensor copies here, after its per-row scalars (whose
+        # loads would otherwise queue behind ≈ 170 KB of copies), in the order they are waited for:
+        # T⁻¹ and the first value tiles (the loop's), then q and k (the epilogue's)
+        _issue_inv(w, HV, H, cu, chunk_idx, ai_t, s_as.index(0), bars_a.index(0))
+        for i_s in gl.static_range(min(NS, NV)):
+            _issue(tile_bytes, w, i_s, i_s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d,
+                   ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
+        _issue_qk(w, HV, H, cu, chunk_idx, q_t, k_t, s_q, s_k, bar_qk, K)
 
     # ---- the value loop
     dod = gl.zeros([BT, BT], f32, a_t)
@@ -364,8 +374,6 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
     chunk that ends early, q's, k's and T⁻¹'s rows past the end are zeroed in shared memory once
     they land, and so are the dδ tile's: the reverse pass may not have written those yet (a sliced
     pass writes them with a later slice), and zero times a non-finite value is not zero."""
-    NV: gl.constexpr = V // BV
-    tile_bytes: gl.constexpr = (4 * BT + 2 * K) * BV * 2  # 16-bit tiles
     w0 = gl.program_id(0) * PER
 
     # ---- shared memory: the ring of value tiles, then q, k, two slots of T⁻¹ (Tᵀ is its transposed
@@ -393,14 +401,6 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
         mbarrier.init(bars_a.index(i_s), count=1)
     mbarrier.init(bar_qk, count=1)
     fence_async_shared()
-    # the first item's inputs (every program has one), in the order they are waited for: T⁻¹ and the
-    # first value tiles (the loop's), then q and k (the epilogue's), so that the loop's do not queue
-    # behind 2 · 64 · K · 2 bytes it does not read
-    _issue_inv(w0, HV, H, cu, chunk_idx, ai_t, s_as.index(0), bars_a.index(0))
-    for i_s in gl.static_range(min(NS, NV)):
-        _issue(tile_bytes, w0, i_s, i_s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do,
-               ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
-    _issue_qk(w0, HV, H, cu, chunk_idx, q_t, k_t, s_q, s_k, bar_qk, K)
     for j in gl.static_range(PER):
         if PER == 1 or w0 + j < NW:  # (every program has a first item)
             _item(j, PER, w0 + j, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t,
