@@ -213,6 +213,14 @@ def launch_key(kernel, args, kwargs, backend, binders):
     return text, (kernel, signature, constexprs, attrs, options)
 
 
+def compile_launch(inputs):
+    """The compiled kernel of a launch's compile inputs (:func:`launch_key`'s) for sm_90: Triton's
+    compiler on its AST, or Gluon's for a Gluon kernel."""
+    kernel, signature, constexprs, attrs, options = inputs
+    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    return triton.compile(source(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+
+
 def compile_hashes(inputs, dump=None) -> dict:
     """{"ptx": hash of the PTX without its debug information (line directives, the labels of the
     line tables, DWARF sections, comments), "sass": hash of the SASS instructions} of one launch compiled for sm_90. Equal PTX
@@ -221,9 +229,7 @@ def compile_hashes(inputs, dump=None) -> dict:
     same SASS for the same PTX: state_bwd_kernel at fp32, two cold compiles; and PTX that differs
     only in the order of independent instructions can assemble to the same SASS). ``dump``: a
     file to write the PTX without its debug information to."""
-    kernel, signature, constexprs, attrs, options = inputs
-    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
-    ck = triton.compile(source(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    ck = compile_launch(inputs)
     ptx = ck.asm["ptx"]
     cut = ptx.find(".section\t.debug")
     body = [ln for ln in (ln.split("//", 1)[0].strip() for ln in (ptx if cut < 0 else ptx[:cut]).splitlines())

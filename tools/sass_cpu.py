@@ -34,8 +34,6 @@ import sys
 
 import torch
 import triton
-from triton.compiler import ASTSource
-from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from gdn.ops.delta.triton import chunk, chunk_bwd, chunk_fwd  # noqa: E402
@@ -48,7 +46,7 @@ from gdn.ops.tuning import DELTA, update_from  # noqa: E402
 from triton.backends.nvidia.compiler import sm_arch_from_capability  # noqa: E402
 from triton.compiler import make_backend  # noqa: E402
 
-from ptx_fingerprint import TARGET, launch_key  # noqa: E402  (the launcher's own compile inputs)
+from ptx_fingerprint import TARGET, compile_launch, launch_key  # noqa: E402  (the launcher's own compile inputs)
 
 _BACKEND, _BINDERS = make_backend(TARGET), {}
 
@@ -164,9 +162,7 @@ def compile_sm90(kernel, args, meta):
     """Compile ``kernel`` for sm_90 as Triton's launcher would for the recorded arguments: its
     binder's specialisation of each run-time argument (an int's divisibility by 16 unless
     ``do_not_specialize``, a pointer's alignment), the constexprs, warps and pipeline depth."""
-    _, (k, sig, consts, attrs, options) = launch_key(kernel, args, meta, _BACKEND, _BINDERS)
-    source = GluonASTSource if isinstance(k, GluonJITFunction) else ASTSource
-    return triton.compile(source(k, sig, consts, attrs), target=TARGET, options=options.__dict__)
+    return compile_launch(launch_key(kernel, args, meta, _BACKEND, _BINDERS)[1])
 
 
 def loop_mix(sass: str):
