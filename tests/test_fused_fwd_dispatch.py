@@ -90,14 +90,22 @@ def test_few_long_sequences_run_as_segments(hopper):
 def test_the_backward_takes_the_forwards_warm_up_counts(hopper, V):
     """With the call's plans handed on (ChunkFunction keeps them on its context), the backward's
     recomputed state pass reads the warm-up counts the forward's pass walked (the same k, β and γ)
-    instead of launching warm_plan again: one walk before the segments a forward + backward."""
+    instead of launching warm_plan again: one walk before the segments a forward + backward. Every
+    walk adds up the chunks' bounds that the forward's kkt_solve stored (no kernel reads the keys
+    for them again)."""
     plans = {}
     fwd, bwd = _record(1, 32768, 16, 16, 128, V, plans=plans)
+    bound = plans.pop("bound")
     (plan,) = plans.values()
     assert _names(fwd).count("warm_plan_kernel") == 1 and "warm_plan_kernel" not in _names(bwd), _names(bwd)
     (f,) = _args(fwd, "fused_fwd_kernel")
     (b,) = _args(bwd, "fused_fwd_kernel")
     assert f["plan"] is plan and b["plan"] is plan and b["WARM"] and b["STORE_H"]
+    (kkt,) = _args(fwd, "kkt_solve_kernel")
+    assert kkt["STORE_B"] and kkt["Bnd"] is bound
+    walks = _args(fwd, "warm_plan_kernel") + [a for a in _args(bwd, "state_bwd_kernel") if a.get("WARM")]
+    assert len(walks) == 2 and all(w["Bnd"] is bound and w["DELTA"] for w in walks), _names(bwd)
+    assert "bound_kernel" not in _names(fwd) + _names(bwd)
 
 
 def test_autograd_node_hands_the_counts_to_its_backward(hopper, monkeypatch):
@@ -116,7 +124,7 @@ def test_autograd_node_hands_the_counts_to_its_backward(hopper, monkeypatch):
     with pytest.raises(RuntimeError, match="stop"), launcher.recording():
         o.float().sum().backward()
     (plans,) = seen
-    assert isinstance(plans, dict) and len(plans) == 1, plans
+    assert isinstance(plans, dict) and "bound" in plans and len(plans) == 2, plans
 
 
 @pytest.mark.parametrize("K, V, dtype", [(128, 128, torch.float32), (256, 128, torch.bfloat16),

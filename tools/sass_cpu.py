@@ -58,10 +58,13 @@ NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def _card_sms():
     """Make the launchers size their grids for the H200's multiprocessors (:data:`SMS`) and take
     the tensor-descriptor paths the H200 takes (``has_tma``)."""
-    for mod in (launcher, common, chunk, chunk_fwd, chunk_bwd, kda_fwd, kda_bwd):
-        if hasattr(mod, "sm_count"):
+    # every module of gdn that sizes grids or splits (split, fused_fwd, fused_rev among them)
+    for mod in list(sys.modules.values()):
+        if not getattr(mod, "__name__", "").startswith("gdn."):
+            continue
+        if callable(getattr(mod, "sm_count", None)):
             mod.sm_count = lambda device: SMS
-        if hasattr(mod, "has_tma"):
+        if callable(getattr(mod, "has_tma", None)):
             mod.has_tma = lambda x: True
 
 
@@ -73,9 +76,10 @@ def record(B, T, H, HV, K, V=None, dtype=torch.bfloat16):
     k, v = torch.empty_like(q), torch.empty(B * T, HV, V, dtype=dtype)
     g, beta = torch.empty(B * T, HV), torch.empty(B * T, HV)
     ch = common.make_chunks(B, T, None, torch.device("cpu"))
+    plans = {}  # what the forward hands its backward (as the autograd node does)
     with launcher.recording() as launches:
-        _, _, ai, gam = chunk._forward(q, k, v, g, beta, None, ch, False, K ** -0.5, dtype)
-        chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, K ** -0.5, ai, dtype, gam)
+        _, _, ai, gam = chunk._forward(q, k, v, g, beta, None, ch, False, K ** -0.5, dtype, plans=plans)
+        chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, K ** -0.5, ai, dtype, gam, plans=plans)
     return launches
 
 

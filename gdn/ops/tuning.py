@@ -155,7 +155,10 @@ DELTA = {
     "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, VT=128,
                       narrow=64),
     "cumsum": dict(num_warps=1, stages=(1,)),
-    "warm_plan": dict(num_warps=4, stages=(1,)),
+    # warm_plan reads one bound per chunk, 16 at a time: one warp; bound (a backward not handed the
+    # forward's bounds) reads a chunk's [64, K] keys
+    "warm_plan": dict(num_warps=1, stages=(1,)),
+    "bound": dict(num_warps=4, stages=(1,)),
     # The split state passes (delta.triton.split.split_len): L = 0 off, > 0 a fixed segment length in
     # chunks, -1 automatic (warm-started passes only). warm: the gated members' split passes start
     # each segment from a zero state a bounded number of chunks early (state_fwd_kernel,

@@ -36,7 +36,8 @@ def _forward(q, k, v, g, beta, h0, ch, want_final, scale, io, fused=None, ws=Non
     if fused:
         return chunk_fwd.forward(q, k, v, g, beta, h0, ch, want_final, scale, io, ws, plans)
     h, VN, ht, Ai, _, G = chunk_fwd.forward_intermediates(q, k, v, g, beta, h0, ch, want_final,
-                                                          from_inverse=DELTA["state_fwd"].get("from_inverse", False))
+                                                          from_inverse=DELTA["state_fwd"].get("from_inverse", False),
+                                                          plans=plans)
     return chunk_fwd.output(q, k, v, g, h, VN, ch, scale, io), ht, Ai, G
 
 
@@ -131,14 +132,16 @@ def _chunk_forward(ctx, q, k, v, g, beta, h0, scale: float, want_final: bool, ch
     if qp.is_cuda:  # first call of this kind: compile the forward and backward kernels in parallel
         def dry_run():  # the launches of one forward + backward, recorded by precompile, not run
             dht = torch.empty(ch.N, HV, Kp, Vp, device=qp.device) if want_final else None
-            _, _, ai, gam = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0], ws)
-            chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt, gam, vdt)
+            pl = {}  # (as a call with autograd hands them on: no launch that such a call does not make)
+            _, _, ai, gam = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0], ws, pl)
+            chunk_bwd.backward(qp, kp, vp, gp, bp, h0p, vp, dht, ch, scale, ai, gdt, gam, vdt, pl)
 
         precompile(kind, dry_run)
     # the in-chunk inverse Ai [T, HV, 64] is kept for the backward (as small as a 64-wide value
-    # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not
-    # the warm-started split's warm-up counts, made by the forward's pass and read again by the
-    # backward's recomputed one (the same k, β and γ: the same counts), instead of walked twice
+    # tensor, and its kernel is the forward's costliest after the state pass); h and δ are not.
+    # So are the warm-started split's chunk bounds (kkt_solve's) and warm-up counts, made by the
+    # forward and read again by the backward's passes (the same k, β and γ: the same counts),
+    # instead of formed twice
     plans = {} if ctx is not None else None
     o, ht, Ai, G = _forward(qp, kp, vp, gp, bp, h0p, ch, want_final, scale, io, lay[0], ws, plans)
     o = o if Vp == V else o[..., :V]

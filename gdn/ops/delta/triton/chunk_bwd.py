@@ -34,7 +34,7 @@ from ... import tuning
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
 from .chunk_fwd import _block, state_tile, tile_reads
-from .split import chain, fill_empty, split_len, warm_plan, warm_split, warm_up
+from .split import bounds, chain, fill_empty, split_len, warm_plan, warm_split, warm_up
 
 
 @triton.jit
@@ -154,8 +154,8 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
 
 @triton.jit
 def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, ends, chunk_off, scale, H,
-                     HV, beta, seg_seq, seq_cu, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
+                     HV, beta, seg_seq, seq_cu, seq_off, Bnd, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
                      USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr,
                      AUG: tl.constexpr = False, QS: tl.constexpr = False, TMA: tl.constexpr = False,
                      WARM: tl.constexpr = False, LOG_EPS: tl.constexpr = -16.0, FROM_INV: tl.constexpr = False,
@@ -181,8 +181,8 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, ends, chunk_off,
 
     ``WARM`` (gated members): the warm-started split, the reverse of ``state_fwd_kernel``'s: the
     "sequences" are segments of sequence ``seg_seq[s]`` (tokens bounded by ``seq_cu``); a segment's
-    program walks forward over the chunks after it, adding up ``chunk_log_bound`` (β and k read for
-    it), until the bound falls to ``LOG_EPS`` or the sequence ends, runs those chunks in reverse from
+    program walks forward over the chunks after it, adding up their log norm bounds (Bnd [NT, HV],
+    split.bounds), until the sum falls to ``LOG_EPS`` or the sequence ends, runs those chunks in reverse from
     a zero dS (from dht at the sequence end) storing nothing, then its own; the first segment of a
     sequence stores dS_0. With ``CARRY`` every program stores the dS entering its range at its own
     index of dh0 instead (a sliced warm-started pass: the later slices start from it)."""
@@ -205,8 +205,8 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, ends, chunk_off,
     first = True
     nw = 0
     if WARM:
-        i_seq, sbos, seos, nw = warm_up(k, beta, g, seg_seq, seq_cu, i_n, bos, eos, i_hv, i_h, H, HV, o_t, o_k, K,
-                                        BT, DELTA, LOG_EPS, True)
+        i_seq, sbos, seos, nw = warm_up(Bnd, g, seg_seq, seq_cu, seq_off, i_n, bos, eos, i_hv, HV, BT, DELTA,
+                                        LOG_EPS, True)
         first = bos == sbos
         eos = tl.minimum(eos + nw * BT, seos)
         at_end = eos == seos
@@ -491,7 +491,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     """Gradients of the chunk op. Shapes in the packed layout: q, k [T, H, K]; v, do [T, HV, V]
     (q, k, v, do of one dtype); g, beta [T, HV] fp32 or None; h0, dht [N, HV, K, V] fp32 or None;
     ``Ai`` the forward's in-chunk inverse and ``gamma`` its γ (each recomputed when None), ``plans``
-    its warm-up counts (chunk_fwd.forward's).
+    its chunk bounds and warm-up counts (chunk_fwd.forward's; made here when missing).
     Returns (dq [T, HV, K], dk [T, HV, K], dv [T, HV, V], dg or None, dbeta or None, dh0 or None):
     dq and dk in ``grad_dtype``, dv in ``dv_dtype`` (default ``grad_dtype``; each accumulated in
     fp32 and rounded once; dv of the members without the delta term is dδ, in the input dtype), the
@@ -506,17 +506,21 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     dev, f32 = v.device, torch.float32
     # from_inverse: the recomputed state pass and the reverse pass form δ and Wᵀ dδ from T⁻¹ (no wu)
     from_inv = delta and bool(DELTA["state_bwd"]["from_inverse"])
+    plans = {} if plans is None else plans
     h, VN, _, Ai, W, gamma = forward_intermediates(q, k, v, g, beta, h0, ch, False, Ai, from_inverse=from_inv,
                                                    gamma=gamma, plans=plans)
     dummy = v
     gp = g if gated else dummy
     (SK, SV), WV, rev, L, nsl = _decisions(q, g, beta, ch, HV, K, V, from_inv, v.element_size())
+    warm = bool(L) and warm_split(g)
+    # the chunks' log norm bounds that the warm-started split's walks add up (the forward's, in plans)
+    bnd = bounds(k, beta, gamma, ch, HV, plans) if warm else None
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
-                  beta=beta if delta else dummy, seg_seq=ch.cu, seq_cu=ch.cu, FROM_INV=from_inv, name="state_bwd")
+                  beta=beta if delta else dummy, seg_seq=ch.cu, seq_cu=ch.cu, seq_off=ch.chunk_off,
+                  Bnd=bnd if bnd is not None else dummy, FROM_INV=from_inv, name="state_bwd")
     Wp = (Ai if from_inv else W) if delta else dummy
     del W
     gs = gamma if gated else dummy  # the state pass reads γ, not g
-    warm = bool(L) and warm_split(g)
     DVL = torch.empty(T, HV, V, device=dev, dtype=io)  # dδ_loc (then dδ over it); dδ alone for fused_rev
     if rev is None:
         BK, BV = tiles("dv_local", K, V)
@@ -546,7 +550,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         carry = torch.empty(sg.NS, HV, K, V, device=dev, dtype=f32)  # dS entering each segment's slice
         if rev is not None:
             run = rev.reverser(q, k, do, gs, beta, Ai, dh, DD, scale)
-            plan = (warm_plan(k, beta, gs, sg, ch, HV, after=True), sg.seq, ch.cu)
+            plan = (warm_plan(bnd, gs, sg, ch, HV, after=True), sg.seq, ch.cu)
         else:
             run = functools.partial(_state_bwd_reverse, ((cdiv(V, WV), sg.NS * HV), q, k, gs, Wp, do, DVL),
                                     dict(common, BV=WV, seg_seq=sg.seq), dh, DD, dummy, scale)
@@ -568,7 +572,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         sg = make_segments(ch, L, dev)
         if rev is not None:
             rev.reverse(q, k, do, gs, beta, Ai, dht, dh, DD, dh0, sg.cu, sg.cu[1:], sg.off, sg.NS, scale,
-                        warm=(warm_plan(k, beta, gs, sg, ch, HV, after=True), sg.seq, ch.cu))
+                        warm=(warm_plan(bnd, gs, sg, ch, HV, after=True), sg.seq, ch.cu))
         else:
             SV = WV
             launch(state_bwd_kernel, (cdiv(V, SV), sg.NS * HV), q, k, gs, Wp, do, DVL,

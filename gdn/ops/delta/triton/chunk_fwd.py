@@ -28,7 +28,7 @@ from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, chunk_cumsum,
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
 from .intra import kkt_solve_kernel, wu_kernel
-from .split import chain, fill_empty, split_len, warm_split, warm_up
+from .split import bounds, chain, fill_empty, split_len, warm_split, warm_up
 
 
 @triton.jit
@@ -136,7 +136,7 @@ def _state_fwd_step(i_c, b_s, k, v, g, W, U, Ai, beta, h, VN, bos, eos, c0, i_hv
 
 
 @triton.jit
-def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, HV, seg_seq, seq_cu,
+def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, HV, seg_seq, seq_cu, seq_off, Bnd,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, AUG: tl.constexpr = False,
@@ -159,8 +159,9 @@ def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, H
 
     ``WARM`` (gated members; the warm-started split pass): the "sequences" are segments
     (``cu``, ``chunk_off``), of sequence ``seg_seq[s]`` whose tokens ``seq_cu`` bounds. A segment's
-    program walks back over whole chunks before it, adding up :func:`chunk_log_bound`, until the
-    bound falls to ``LOG_EPS`` or the sequence starts; it runs those warm-up chunks from a zero
+    program walks back over whole chunks before it, adding up their log norm bounds (Bnd [NT, HV],
+    split.bounds; γ_C without the delta term: split.warm_up), until the sum falls to ``LOG_EPS``
+    or the sequence starts; it runs those warm-up chunks from a zero
     state (from h0 at the sequence start) storing nothing, then its own chunks. The state it enters
     its segment with differs from the true one by at most e^LOG_EPS times the true state at its
     warm-up's start (the chunks' maps multiply, and so do their norms), exactly nothing when the
@@ -185,8 +186,8 @@ def state_fwd_kernel(k, v, g, W, U, Ai, beta, h0, h, VN, ht, cu, chunk_off, H, H
     last = True
     nw = 0
     if WARM:
-        i_init, sbos, seos, nw = warm_up(k, beta, g, seg_seq, seq_cu, i_n, bos, eos, i_hv, i_h, H, HV, o_t, o_k, K,
-                                         BT, DELTA, LOG_EPS, False)
+        i_init, sbos, seos, nw = warm_up(Bnd, g, seg_seq, seq_cu, seq_off, i_n, bos, eos, i_hv, HV, BT, DELTA,
+                                         LOG_EPS, False)
         last = eos == seos
         at_start = bos - nw * BT == sbos
         bos -= nw * BT
@@ -322,8 +323,8 @@ def _state_out_step(i_c, b_s, q, k, v, g, W, U, Ai, beta, PQ, o, bos, eos, scale
 
 
 @triton.jit
-def state_out_kernel(q, k, v, g, W, U, Ai, beta, PQ, h0, o, ht, cu, scale, H, HV, seg_seq, seq_cu,
-                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def state_out_kernel(q, k, v, g, W, U, Ai, beta, PQ, h0, o, ht, cu, scale, H, HV, seg_seq, seq_cu, seq_off,
+                     Bnd, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      USE_G: tl.constexpr, DELTA: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, FROM_INV: tl.constexpr = False,
                      TMA: tl.constexpr = False, PRE_P: tl.constexpr = False, WARM: tl.constexpr = False,
@@ -338,7 +339,8 @@ def state_out_kernel(q, k, v, g, W, U, Ai, beta, PQ, h0, o, ht, cu, scale, H, HV
     the pair matrix is read from PQ [T, HV, BT] (kkt_solve's) instead of formed per value tile.
 
     ``WARM`` (gated members): the "sequences" are segments of sequence ``seg_seq[s]`` (tokens
-    bounded by ``seq_cu``), warm-started as in :func:`state_fwd_kernel`: the warm-up chunks before
+    bounded by ``seq_cu``, first chunks ``seq_off``), warm-started as in :func:`state_fwd_kernel`
+    (the chunks' bounds in Bnd): the warm-up chunks before
     a segment update the state only (no output), then the segment's own chunks give their output."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
@@ -355,8 +357,8 @@ def state_out_kernel(q, k, v, g, W, U, Ai, beta, PQ, h0, o, ht, cu, scale, H, HV
     last = True
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     if WARM:
-        i_init, sbos, seos, nw = warm_up(k, beta, g, seg_seq, seq_cu, i_n, bos, eos, i_hv, i_h, H, HV, o_t, o_k, K,
-                                         BT, DELTA, LOG_EPS, False)
+        i_init, sbos, seos, nw = warm_up(Bnd, g, seg_seq, seq_cu, seq_off, i_n, bos, eos, i_hv, HV, BT, DELTA,
+                                         LOG_EPS, False)
         last = eos == seos
         at_start = bos - nw * BT == sbos
     p_s = (i_init * HV + i_hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
@@ -387,14 +389,16 @@ def state_out_kernel(q, k, v, g, W, U, Ai, beta, PQ, h0, o, ht, cu, scale, H, HV
         tl.store(ht + p_s, b_s, mask=mkv & last)
 
 
-def prepare(k, v, g, beta, ch: Chunks, Ai=None, wu: bool = True, gamma_out=None, q=None, pairs_out=None):
+def prepare(k, v, g, beta, ch: Chunks, Ai=None, wu: bool = True, gamma_out=None, q=None, pairs_out=None,
+            bound_out=None):
     """The per-chunk factors of a delta member: (Ai [T, HV, BT] = T⁻¹ rows, W [T, HV, K], U [T, HV, V]),
     in the inputs' dtype; (None, None, None) without the delta term. ``Ai``, when given (the
     backward passes the forward's), is used instead of being computed again. Without ``wu`` only
     Ai is made (W and U None): for the state passes that form δ from T (``FROM_INV``).
     ``gamma_out`` [T, HV] fp32: filled with γ by the inverse's kernel (gated members, Ai not given).
     ``pairs_out`` [T, HV, BT] in the inputs' dtype (with ``q``; Ai not given): filled with the rows of
-    each chunk's Q Kᵀ ⊙ D by the same kernel."""
+    each chunk's Q Kᵀ ⊙ D by the same kernel. ``bound_out`` [NT, HV] fp32 (gated members, Ai not
+    given): filled with each chunk's log norm bound (split.bounds) by the same kernel."""
     if beta is None:
         return None, None, None
     T, H, K = k.shape
@@ -406,11 +410,12 @@ def prepare(k, v, g, beta, ch: Chunks, Ai=None, wu: bool = True, gamma_out=None,
         BK, _ = tiles("kkt_solve", K, V)
         store_g = g is not None and gamma_out is not None
         store_p = pairs_out is not None
+        store_b = g is not None and bound_out is not None
         launch(kkt_solve_kernel, (ch.NT, HV), k, gp, beta, Ai, gamma_out if store_g else gp,
-               q if store_p else k, pairs_out if store_p else Ai, ch.cu, ch.chunk_idx,
+               q if store_p else k, pairs_out if store_p else Ai, bound_out if store_b else gp, ch.cu, ch.chunk_idx,
                H=H, HV=HV, K=K, BK=BK, USE_G=g is not None, PREC=prec,
                INV=DELTA["kkt_solve"]["INV"] if DT != tl.float32 else "ieee", STORE_G=store_g, STORE_P=store_p,
-               name="kkt_solve")
+               STORE_B=store_b, name="kkt_solve")
     if not wu:
         return Ai, None, None
     W = torch.empty(T, HV, K, device=dev, dtype=io)
@@ -444,9 +449,18 @@ def gamma_of(g, ch: Chunks, gamma=None):
     return chunk_cumsum(g, ch)
 
 
-def _gamma_buffer(g, beta, Ai):
-    """Where the inverse's kernel writes γ: a gated delta member whose inverse is computed here."""
-    return torch.empty_like(g) if g is not None and beta is not None and Ai is None else None
+def _gamma_buffer(g, beta, Ai, ch: Chunks, plans=None):
+    """(γ [T, HV], the chunks' bounds [NT, HV]) where the inverse's kernel writes them (a gated delta
+    member whose inverse is computed here; else (None, None)): views of one fp32 buffer, one
+    allocation. The bounds go into ``plans["bound"]`` (when ``plans`` is a dict), where the warm-up
+    walks of this call and of its backward find them (split.bounds)."""
+    if g is None or beta is None or Ai is not None:
+        return None, None
+    buf = torch.empty(g.shape[0] + ch.NT, g.shape[1], device=g.device, dtype=torch.float32)
+    G, bnd = buf[:g.shape[0]], buf[g.shape[0]:]
+    if plans is not None:
+        plans["bound"] = bnd
+    return G, bnd
 
 
 def _fused_fwd():
@@ -476,18 +490,20 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
     kkt_solve and wu, then one fused sequential pass (:func:`state_out_kernel`); with
     ``DELTA["state_out"]["from_inverse"]`` no wu: the pass forms δ from T⁻¹, v and β. With
     ``DELTA["fused_fwd"]["on"]`` the warp-specialised form of that pass (delta.triton.fused_fwd)
-    runs where it applies (``ws``: whether it does, when the caller knows; ``plans``: its warm-up
-    counts kept for the backward, fused_fwd._run)."""
+    runs where it applies (``ws``: whether it does, when the caller knows; ``plans``: a dict that
+    keeps the call's chunk bounds and warm-up counts for the backward, split.bounds and
+    fused_fwd._run)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dev = v.device
     from_inv = beta is not None and DELTA["state_out"].get("from_inverse", False)
-    G = _gamma_buffer(g, beta, None)
+    plans = {} if plans is None else plans
+    G, bnd = _gamma_buffer(g, beta, None, ch, plans)
     ws = warp_specialised(q, g, beta, K, V) if ws is None else ws
     # the pair matrix Q Kᵀ ⊙ D from kkt_solve (delta members, which run it) instead of per value tile
     # (the warp-specialised pass forms it itself, beside its chain)
     pairs = torch.empty(T, HV, BT, device=dev, dtype=v.dtype) if beta is not None and not ws else None
-    Ai, W, U = prepare(k, v, g, beta, ch, wu=not from_inv, gamma_out=G, q=q, pairs_out=pairs)
+    Ai, W, U = prepare(k, v, g, beta, ch, wu=not from_inv, gamma_out=G, q=q, pairs_out=pairs, bound_out=bnd)
     o = torch.empty(T, HV, V, device=dev, dtype=out_dtype)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     G = gamma_of(g, ch, G)
@@ -510,10 +526,12 @@ def forward(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, scale: float, ou
         sg = make_segments(ch, L, dev)
         seqs, cu, seg_seq = sg.NS, sg.cu, sg.seq
         warm = dict(WARM=True, LOG_EPS=float(DELTA["split"]["log_eps"]))
+    bnd = bounds(k, beta, G, ch, HV, plans) if L else None
     launch(state_out_kernel, (cdiv(V, SV), seqs * HV), qa, ka, va, gp, W if W is not None else v,
            U if U is not None else v, aa, beta if beta is not None else v, pa,
            h0 if h0 is not None else v, o, ht if want_final else v, cu,
-           scale, H=H, HV=HV, seg_seq=seg_seq, seq_cu=ch.cu, K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None,
+           scale, H=H, HV=HV, seg_seq=seg_seq, seq_cu=ch.cu, seq_off=ch.chunk_off, Bnd=bnd if bnd is not None else gp,
+           K=K, V=V, BT=BT, BK=SK, BV=SV, USE_G=g is not None,
            DELTA=beta is not None, USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=dot_precision(v.dtype),
            DT=tl_dtype(v.dtype), WHILE=INTERPRET, FROM_INV=from_inv, TMA=tma, PRE_P=pairs is not None,
            name="state_out", **warm)
@@ -543,8 +561,8 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     (h [NT, HV, K, V], VN or None, ht or None, Ai or None, W or None, γ or None); h, VN, Ai, W in
     the inputs' dtype, ht and γ fp32. q, k: [T, H, K]; v: [T, HV, V] (q, k, v of one dtype); g, beta:
     [T, HV] fp32 or None. ``Ai`` [T, HV, BT] and ``gamma`` [T, HV], when given (the backward passes
-    the forward's), are used instead of being computed again, and so are the warm-up counts in
-    ``plans`` (fused_fwd._run). ``from_inverse``: no wu; the pass forms δ from T⁻¹, v and β, and W comes
+    the forward's), are used instead of being computed again, and so are the chunk bounds and
+    warm-up counts in ``plans`` (split.bounds, fused_fwd._run), where this call leaves its own. ``from_inverse``: no wu; the pass forms δ from T⁻¹, v and β, and W comes
     back None (the backward, whose state pass reads W, keeps wu)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
@@ -552,8 +570,9 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     from_inv = delta and from_inverse
     prec, DT, io = dot_precision(v.dtype), tl_dtype(v.dtype), v.dtype
     dev = v.device
-    fill = _gamma_buffer(g, beta, Ai) if gamma is None else None
-    Ai, W, U = prepare(k, v, g, beta, ch, Ai, wu=not from_inv, gamma_out=fill)
+    plans = {} if plans is None else plans
+    fill, bnd = _gamma_buffer(g, beta, Ai, ch, plans) if gamma is None else (None, None)
+    Ai, W, U = prepare(k, v, g, beta, ch, Ai, wu=not from_inv, gamma_out=fill, bound_out=bnd)
     gamma = fill if gamma is None else gamma
     VN = torch.empty(T, HV, V, device=dev, dtype=io) if delta else None
     h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=io)
@@ -561,7 +580,8 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     SK, SV = tiles("state_fwd", K, V)
     dummy = v
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=g is not None, DELTA=delta, PREC=prec, DT=DT,
-                  WHILE=INTERPRET, FROM_INV=from_inv, seg_seq=ch.cu, seq_cu=ch.cu, name="state_fwd")
+                  WHILE=INTERPRET, FROM_INV=from_inv, seg_seq=ch.cu, seq_cu=ch.cu, seq_off=ch.chunk_off, Bnd=v,
+                  name="state_fwd")
     # the state passes read γ (the in-chunk cumulative decay), computed once per forward + backward
     G = gamma_of(g, ch, gamma)
     if from_inv and warp_specialised(k, g, beta, K, V, "fused_states"):
@@ -575,10 +595,12 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
         # Warm-started split pass: every segment starts a bounded walk back before its first chunk
         # (state_fwd_kernel's WARM form); one launch, no maps, no chain
         sg = make_segments(ch, L, dev)
+        bnd = bounds(k, beta, G, ch, HV, plans)
         launch(state_fwd_kernel, (cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Ap, beta if delta else dummy,
                h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy, sg.cu, sg.off,
                BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, WARM=True,
-               LOG_EPS=float(DELTA["split"]["log_eps"]), **dict(common, seg_seq=sg.seq))
+               LOG_EPS=float(DELTA["split"]["log_eps"]),
+               **dict(common, seg_seq=sg.seq, Bnd=bnd if bnd is not None else dummy))
         fill_empty(ht, h0, ch)
         return h, VN, ht, Ai, W, G
     if L:

@@ -53,7 +53,7 @@ from ...triton.common import make_segments
 from ...triton.launch import launch
 from ...tuning import DELTA
 from .fused_bwd import _rows, _tiles, acc_layout, hopper
-from .split import fill_empty, split_len, warm_plan, warm_split
+from .split import bounds, fill_empty, split_len, warm_plan, warm_split
 
 BT = gl.constexpr(CHUNK)
 WG = gl.constexpr(4)  # warps of a warpgroup: each role but the copies'
@@ -384,8 +384,9 @@ def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN
     multiprocessors idle, the sequences run as warm-started segments (split.split_len counting every
     value tile, at one program a multiprocessor: this program's shared memory takes the whole of
     one), each segment's warm-up count per head shared by the head's value tiles. ``plans``: one
-    call's warm-up counts by segment length (a dict the forward fills and its backward's state pass
-    reads: the same k, β and γ walk to the same counts), or None."""
+    call's chunk bounds (``"bound"``, split.bounds) and warm-up counts by segment length (a dict the
+    forward fills and its backward's state pass reads: the same k, β and γ walk to the same counts),
+    or None."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     out = o is not None
@@ -400,7 +401,7 @@ def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN
         programs, cu, off, seg_seq = sg.NS, sg.cu, sg.off, sg.seq
         plan = None if plans is None else plans.get(L)
         if plan is None:
-            plan = warm_plan(k, beta, G, sg, ch, HV)
+            plan = warm_plan(bounds(k, beta, G, ch, HV, plans), G, sg, ch, HV)
             if plans is not None:
                 plans[L] = plan
     DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16

@@ -40,15 +40,27 @@ def _lower_dots(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, a0, a1, a2, a3
 
 
 @triton.jit
-def kkt_solve_kernel(k, g, beta, Ai, G, q, P, cu, chunk_idx, H, HV, K: tl.constexpr,
+def _stretch(Aii, b_i):
+    """Σ_t log max(1, |1 − β_t‖k_t‖²|) over one diagonal Gram block's rows (‖k_t‖² its diagonal; 0
+    on padded rows, whose β is 0)."""
+    o = tl.arange(0, 16)
+    nk = tl.sum(tl.where(o[:, None] == o[None, :], Aii, 0.0), axis=1)
+    return tl.sum(tl.log(tl.maximum(tl.abs(1.0 - b_i * nk), 1.0)), axis=0)
+
+
+@triton.jit
+def kkt_solve_kernel(k, g, beta, Ai, G, q, P, Bnd, cu, chunk_idx, H, HV, K: tl.constexpr,
                      BK: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr, INV: tl.constexpr,
-                     STORE_G: tl.constexpr, STORE_P: tl.constexpr = False):
+                     STORE_G: tl.constexpr, STORE_P: tl.constexpr = False, STORE_B: tl.constexpr = False):
     """Ai[t, hv, :] = rows of T = (I + A)⁻¹ for each chunk, built from four 16-row blocks. With
     STORE_G, also G[t, hv] = γ, the in-chunk cumulative log decay this kernel forms anyway (the
     sequential passes read it, so the call needs no cumsum kernel). With STORE_P, also
     P[t, hv, :] = rows of (Q Kᵀ ⊙ D) with D_ij = exp(γ_i − γ_j) for j ≤ i, else 0: the output's
     in-chunk pair matrix, made here from the same K tiles and γ instead of once per value tile
-    in the fused forward pass."""
+    in the fused forward pass. With STORE_B (gated), also Bnd[i_t, hv] = the chunk's log norm
+    bound (split.chunk_log_bound: γ_C + Σ_t log max(1, |1 − β_t‖k_t‖²|)), ‖k_t‖² read off the
+    diagonal of the Gram blocks this kernel forms anyway: the warm-started split's walks then
+    read one number per chunk instead of the chunk's keys."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
@@ -114,6 +126,10 @@ def kkt_solve_kernel(k, g, beta, Ai, G, q, P, cu, chunk_idx, H, HV, K: tl.conste
         k3 = tl.load(k + (r3[:, None] * H + i_h) * K + o_k[None, :], mask=m3[:, None] & mk[None, :], other=0.0)
         A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = _lower_dots(
             A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, k0, k1, k2, k3, k0, k1, k2, k3, PREC)
+    if STORE_B:
+        # reduced to one number before the blocks are scaled: nothing more stays live through the solve
+        bnd = s + s3 + _stretch(A00, b0) + _stretch(A11, b1) + _stretch(A22, b2) + _stretch(A33, b3)
+        tl.store(Bnd + i_t * HV + i_hv, bnd)
     A00 = _block_a(A00, b0, g0, g0, True, USE_G)
     A11 = _block_a(A11, b1, g1, g1, True, USE_G)
     A22 = _block_a(A22, b2, g2, g2, True, USE_G)

@@ -2,8 +2,9 @@
 few long sequences still fill the card (docs/TRITON.md "Split state passes").
 
 Warm-started (gated members, ``DELTA["split"]["warm"]``): each segment's program starts from a
-zero state a bounded number of chunks early (:func:`warm_up`, adding up :func:`chunk_log_bound`)
-and reaches the true state within ``log_eps``; the state kernels' ``WARM`` form. Chained (any
+zero state a bounded number of chunks early (:func:`warm_up`, adding up each chunk's
+:func:`bound_kernel`'s bound, made once per call: :func:`bounds`) and reaches the true state within
+``log_eps``; the state kernels' ``WARM`` form. Chained (any
 member, an explicit ``L`` only): each segment's map S ↦ A S + B is formed from [I | 0] (the state
 kernels' ``AUG`` form), then :func:`chain` walks the maps in order, then each segment runs from
 its true entering state. :func:`split_len` decides the segment length.
@@ -14,79 +15,111 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton.common import BT, INTERPRET, Chunks, launch, pow2, sm_count, to_device_many
+from ...triton.common import BT, INTERPRET, Chunks, chunk_bounds, launch, pow2, sm_count, to_device_many
 from ...tuning import DELTA, cdiv
 
 
 @triton.jit
-def chunk_log_bound(k, beta, G, r0, end, i_hv, i_h, H, HV, o_t, o_k, K: tl.constexpr, DELTA: tl.constexpr):
-    """log of a bound on the norm of one chunk's state map S ↦ A S (rows r0 … min(r0 + BT, end) − 1;
-    the reverse pass's dS ↦ Aᵀ dS has the same norm): Σ_t g_t (γ at the chunk's last row) plus, for
-    the delta members, Σ_t log max(1, |1 − β_t‖k_t‖²|) (the norm of I − β k kᵀ: 0 for unit keys with
-    β ≤ 2)."""
-    rows = r0 + o_t
-    m = rows < end
-    b = tl.load(G + (tl.minimum(r0 + o_t.shape[0], end) - 1) * HV + i_hv)
-    if DELTA:
-        # ‖k‖² in 32-column slices: a whole [BT, K] fp32 tile beside the pass's state would spill
-        o_c = tl.arange(0, 32)
-        nk = tl.zeros([o_t.shape[0]], dtype=tl.float32)
-        for c in range(0, K, 32):
-            b_k = tl.load(k + (rows[:, None] * H + i_h) * K + c + o_c[None, :], mask=m[:, None] & (c + o_c < K)[None, :],
-                          other=0.0).to(tl.float32)
-            nk += tl.sum(b_k * b_k, axis=1)
-        b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
-        b += tl.sum(tl.log(tl.maximum(tl.abs(1.0 - b_b * nk), 1.0)), axis=0)
+def bound_kernel(k, beta, G, Bnd, cu, chunk_idx, H, HV, K: tl.constexpr, BT: tl.constexpr):
+    """Bnd[i_t, hv] = the log of a bound on the norm of chunk i_t's state map S ↦ A S (the reverse
+    pass's dS ↦ Aᵀ dS has the same norm), for the gated delta members: γ_C (Σ_t g_t over the chunk)
+    plus Σ_t log max(1, |1 − β_t‖k_t‖²|) (the norm of I − β k kᵀ: 0 for unit keys with β ≤ 2). For a
+    call whose in-chunk inverse was made elsewhere: kkt_solve stores the same bounds as it forms T⁻¹
+    (``STORE_B``), which is where the forward's come from."""
+    i_t, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    _, t0, eos = chunk_bounds(cu, chunk_idx, i_t, BT)
+    rows = t0 + tl.arange(0, BT)
+    m = rows < eos
+    b_k = tl.load(k + (rows[:, None] * H + i_h) * K + tl.arange(0, K)[None, :], mask=m[:, None], other=0.0)
+    nk = tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
+    b_b = tl.load(beta + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(G + (tl.minimum(t0 + BT, eos) - 1) * HV + i_hv)
+    b += tl.sum(tl.log(tl.maximum(tl.abs(1.0 - b_b * nk), 1.0)), axis=0)
+    tl.store(Bnd + i_t * HV + i_hv, b)
+
+
+def bounds(k, beta, G, ch: Chunks, HV: int, plans=None):
+    """The chunks' log norm bounds Bnd [NT, HV] fp32 that the warm-started split's walks read (gated
+    delta members; None for the others, whose walks read γ): ``plans["bound"]``, kkt_solve's, when
+    the forward left them there, else made by :func:`bound_kernel` (and left there)."""
+    if G is None or beta is None:
+        return None
+    b = None if plans is None else plans.get("bound")
+    if b is None:
+        T, H, K = k.shape
+        b = torch.empty(ch.NT, HV, device=k.device, dtype=torch.float32)
+        launch(bound_kernel, (ch.NT, HV), k, beta, G, b, ch.cu, ch.chunk_idx, H, HV, K=K, BT=BT, name="bound")
+        if plans is not None:
+            plans["bound"] = b
     return b
 
 
 @triton.jit
-def warm_up(k, beta, G, seg_seq, seq_cu, i_s, bos, eos, i_hv, i_h, H, HV, o_t, o_k, K: tl.constexpr,
-            BT: tl.constexpr, DELTA: tl.constexpr, LOG_EPS: tl.constexpr, AFTER: tl.constexpr):
+def warm_up(Bnd, G, seg_seq, seq_cu, seq_off, i_s, bos, eos, i_hv, HV, BT: tl.constexpr, DELTA: tl.constexpr,
+            LOG_EPS: tl.constexpr, AFTER: tl.constexpr, NB: tl.constexpr = 16):
     """(sequence, its first row, its end, warm-up chunks) of segment ``i_s`` = rows [bos, eos) of a
-    ``WARM`` state pass: whole chunks walked from the segment's first row back (``AFTER``: from its
-    end forward, the reverse pass's warm-up), adding up :func:`chunk_log_bound`, until the sum falls
-    to ``LOG_EPS`` or the walk reaches the sequence's edge."""
+    ``WARM`` state pass (of sequence seg_seq[i_s], whose rows seq_cu bounds and whose first chunk is
+    the call's chunk seq_off[seg_seq[i_s]]: Chunks.chunk_off): whole chunks walked from the
+    segment's first row back (``AFTER``: from its end forward, the reverse pass's warm-up), adding up
+    each chunk's log norm bound (:func:`bound_kernel`), until the sum falls to ``LOG_EPS`` or the walk reaches the
+    sequence's edge. The bounds come from Bnd [NT, HV] (delta members: kkt_solve's or
+    :func:`bound_kernel`'s), else they are γ_C, G at each chunk's last row; NB chunks' bounds are
+    read at once and the walk's stop is found in their running sum (no chain of dependent loads)."""
     i_seq = tl.load(seg_seq + i_s)
     sbos = tl.load(seq_cu + i_seq).to(tl.int64)
     seos = tl.load(seq_cu + i_seq + 1).to(tl.int64)
-    nw = 0
-    acc = 0.0
+    c_seq = tl.load(seq_off + i_seq).to(tl.int64)
     if AFTER:
-        while (acc > LOG_EPS) & (eos + nw * BT < seos):
-            acc += chunk_log_bound(k, beta, G, eos + nw * BT, seos, i_hv, i_h, H, HV, o_t, o_k, K, DELTA)
-            nw += 1
+        avail = tl.cdiv(seos - eos, BT)
+        step = 1
+        c1 = c_seq + tl.cdiv(eos - sbos, BT)  # the first chunk after the segment
     else:
-        while (acc > LOG_EPS) & (bos - nw * BT > sbos):
-            acc += chunk_log_bound(k, beta, G, bos - (nw + 1) * BT, bos, i_hv, i_h, H, HV, o_t, o_k, K, DELTA)
-            nw += 1
+        avail = (bos - sbos) // BT
+        step = -1
+        c1 = c_seq + (bos - sbos) // BT - 1  # the last chunk before it
+    o_j = tl.arange(0, NB)
+    nw = avail * 0
+    acc = 0.0
+    go = (avail > 0) & (LOG_EPS < 0.0)  # (a bound of e^0 or more is met before any chunk)
+    while go:
+        j = nw + o_j
+        m = j < avail
+        if DELTA:
+            b = tl.load(Bnd + (c1 + step * j).to(tl.int64) * HV + i_hv, mask=m, other=0.0)
+        else:
+            last = tl.minimum(eos + (j + 1) * BT, seos) - 1 if AFTER else bos - j * BT - 1
+            b = tl.load(G + last.to(tl.int64) * HV + i_hv, mask=m, other=0.0)
+        hit = m & (acc + tl.cumsum(b, axis=0) <= LOG_EPS)
+        stop = tl.min(tl.where(hit, j, avail), axis=0)  # the first chunk whose bound closes the walk
+        nw = tl.where(stop < avail, stop + 1, tl.minimum(nw + NB, avail))
+        acc += tl.sum(b, axis=0)
+        go = (stop >= avail) & (nw < avail)
     return i_seq, sbos, seos, nw
 
 
 @triton.jit
-def warm_plan_kernel(k, beta, G, cu, seg_seq, seq_cu, nw_out, H, HV, K: tl.constexpr, BT: tl.constexpr,
-                     DELTA: tl.constexpr, LOG_EPS: tl.constexpr, AFTER: tl.constexpr):
+def warm_plan_kernel(Bnd, G, cu, seg_seq, seq_cu, seq_off, nw_out, HV, BT: tl.constexpr, DELTA: tl.constexpr,
+                     LOG_EPS: tl.constexpr, AFTER: tl.constexpr):
     """For each segment and value head (program (s, hv)): the warm-up chunks :func:`warm_up` walks
     back before the segment (``AFTER``: forward after it, the reverse pass's), into nw_out [NS, HV]
     (int32), for a pass that takes them from memory (delta.triton.fused_fwd and fused_rev, whose
     roles all need the count before they start)."""
     i_s, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
     bos = tl.load(cu + i_s).to(tl.int64)
     eos = tl.load(cu + i_s + 1).to(tl.int64)
-    _, _, _, nw = warm_up(k, beta, G, seg_seq, seq_cu, i_s, bos, eos, i_hv, i_h, H, HV, tl.arange(0, BT),
-                          tl.arange(0, K), K, BT, DELTA, LOG_EPS, AFTER)
+    _, _, _, nw = warm_up(Bnd, G, seg_seq, seq_cu, seq_off, i_s, bos, eos, i_hv, HV, BT, DELTA, LOG_EPS, AFTER)
     tl.store(nw_out + i_s * HV + i_hv, nw)
 
 
-def warm_plan(k, beta, G, sg, ch: Chunks, HV: int, after: bool = False):
+def warm_plan(Bnd, G, sg, ch: Chunks, HV: int, after: bool = False):
     """nw [NS, HV] int32: :func:`warm_plan_kernel` over segments ``sg`` of the sequences ``ch``
-    (gated delta members: the passes that take the counts from memory run only those; ``after``:
-    the reverse pass's warm-up, after each segment)."""
-    T, H, K = k.shape
-    nw = torch.empty(sg.NS, HV, device=k.device, dtype=torch.int32)
-    launch(warm_plan_kernel, (sg.NS, HV), k, beta, G, sg.cu, sg.seq, ch.cu, nw, H, HV, K=K, BT=BT, DELTA=True,
-           LOG_EPS=float(DELTA["split"]["log_eps"]), AFTER=after, name="warm_plan")
+    (gated members: the passes that take the counts from memory run only those; ``Bnd`` the chunks'
+    bounds of a delta member, :func:`bounds`, None for the others; ``after``: the reverse pass's
+    warm-up, after each segment)."""
+    nw = torch.empty(sg.NS, HV, device=G.device, dtype=torch.int32)
+    launch(warm_plan_kernel, (sg.NS, HV), Bnd if Bnd is not None else G, G, sg.cu, sg.seq, ch.cu, ch.chunk_off, nw, HV,
+           BT=BT, DELTA=Bnd is not None, LOG_EPS=float(DELTA["split"]["log_eps"]), AFTER=after, name="warm_plan")
     return nw
 
 
