@@ -187,6 +187,52 @@ def test_warm_split(case, dtype, fused, monkeypatch):
     assert_within(errs, bounds, f"warm split, {member} at {case[0]}, {dtype_id(dtype)}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+def test_warm_plan_counts(after, dtype):
+    """The warm-up counts of split.warm_plan on the GPU (the chunks' bounds stored by kkt_solve from
+    its Gram blocks, read 16 at a time by the walk), packed sequences in segments of one chunk with
+    heads that decay fast and slowly (walks of one chunk up to the sequence's start, some over more
+    than one block of 16), against the walk written out in float64 from the same (rounded) inputs.
+    A count may differ from it only where the float64 running sum at that chunk is within 1e-3 of
+    the bound (rounding in the sums)."""
+    from gdn.ops.delta.triton import chunk_fwd, split
+    from gdn.ops.triton.common import make_chunks, make_segments
+
+    lens, H, HV, K = [65, 1, 0, 1300, 200, 130, 2200], 2, 4, 128
+    T, eps, BT = sum(lens), -16.0, 64
+    gen = torch.Generator().manual_seed(11)
+    k = (torch.randn(T, H, K, generator=gen) * torch.rand(T, H, 1, generator=gen) * 0.2).to(dtype)
+    beta = torch.rand(T, HV, generator=gen) * 2
+    g = -torch.rand(T, HV, generator=gen) * torch.tensor([0.4, 0.05, 0.01, 0.004])
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    ch = make_chunks(1, T, cu.to(DEVICE), torch.device(DEVICE))
+    sg = make_segments(ch, 1, torch.device(DEVICE))
+    G = torch.empty(T, HV, device=DEVICE)
+    bnd = torch.full((ch.NT, HV), float("nan"), device=DEVICE)
+    kd, bd, gd = k.to(DEVICE), beta.to(DEVICE), g.to(DEVICE)
+    chunk_fwd.prepare(kd, torch.zeros(T, HV, K, device=DEVICE, dtype=dtype), gd, bd, ch, wu=False, gamma_out=G,
+                      bound_out=bnd)
+    nw = split.warm_plan(bnd, G, sg, ch, HV, after=after).cpu()
+    seg_cu, seq = sg.cu.tolist(), sg.seq.tolist()
+    nk = (k.double() ** 2).sum(-1)
+    longest = 0
+    for s in range(sg.NS):
+        sbos, seos = int(cu[seq[s]]), int(cu[seq[s] + 1])
+        for hv in range(HV):
+            expect, acc, near, bos, eos = 0, 0.0, False, seg_cu[s], seg_cu[s + 1]
+            while acc > eps and (eos + expect * BT < seos if after else bos - expect * BT > sbos):
+                r0 = eos + expect * BT if after else bos - (expect + 1) * BT
+                rows = slice(r0, min(r0 + BT, seos))
+                acc += float(g[rows, hv].double().sum() + (1 - beta[rows, hv].double() * nk[rows, hv // (HV // H)])
+                             .abs().clamp(min=1).log().sum())
+                near |= abs(acc - eps) < 1e-3
+                expect += 1
+            longest = max(longest, expect)
+            assert int(nw[s, hv]) == expect or near, (s, hv, int(nw[s, hv]), expect)
+    assert longest > 16
+
+
 # ------------------------------------------------------------------------------- fused prologue
 #: (B, T, H, HV, K, V, allow_neg_eigval)
 FUSED = [(2, 300, 2, 4, 128, 128, False), (1, 65, 1, 2, 60, 100, False), (1, 65, 1, 2, 60, 100, True)]
