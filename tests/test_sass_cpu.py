@@ -30,3 +30,14 @@ def test_hopper_records_the_gluon_kernels():
     assert 128 < regs <= 255, rows["fused_bwd_kernel"]
     plain = _rows("--shape", "1x256", "--h", "2", "--kernels", "kkt_solve,fused_fwd,fused_bwd")
     assert set(plain) == {"kkt_solve_kernel"}, plain  # a card without the Gluon kernels
+
+
+def test_hopper_splits_as_the_card_would():
+    """Every module that sizes a grid or splits sequences sees the H200's 132 multiprocessors: at
+    1 × 4096 and 4 heads the sequential passes run as warm-started segments (their warm-up counts
+    from warm_plan, over the bounds kkt_solve stores) rather than as the four programs the CPU's
+    count would leave whole."""
+    rows = _rows("--shape", "1x4096", "--h", "4", "--hopper", "--kernels", "warm_plan,fused_fwd,bound")
+    assert "warm_plan_kernel" in rows and "bound_kernel" not in rows, rows
+    grid = int(rows["fused_fwd_kernel"].split("|")[11])
+    assert grid > 4, rows["fused_fwd_kernel"]

@@ -227,12 +227,12 @@ KDA = {
     # --config, H200).
     # fp32 inputs: one candidate and value tiles of 64 in both passes (their states spill at every
     # setting by ptxas, 0.2-1.1 KB, and neither the cap nor tiles of 128 was timed for them).
-    # TMA: W, KT, U read and the per-chunk and final states stored through tensor descriptors where
-    # the card has them: no address registers and no spills at the cap, but slower on the H200 at
-    # one stage (forward's pass 258 against 207 µs at (8, 2048, 16, 128) bf16, 746 against 556 at
-    # (4, 8192); at two and three stages 246 and 715-719; benchmarks/kda_gpu.py --profile --config,
-    # 2026-12-05), so off: the pointer form,
-    # which spills 100 + 84 bytes at the cap in bf16 (40 + 40 in the backward's recompute).
+    # TMA: W, KT and U read through tensor descriptors where the card has them (the states stored
+    # through pointers): no spills at the cap in bf16 (ptxas sm_90, (8, 2048) and (4, 8192)), not
+    # yet timed. A form that also stored the states through descriptors was slower on the H200
+    # (forward's pass 258 against 207 µs at (8, 2048, 16, 128) bf16, 746 against 556 at (4, 8192);
+    # benchmarks/kda_gpu.py --profile --config, 2026-12-05), so off: the pointer form, which spills
+    # 68 + 68 bytes at the cap in bf16 (40 + 40 in the backward's recompute).
     "state_fwd": dict(num_warps=8, stages=(1, (1, {"maxnreg": 128})), waves=True, SV=8192, BV_min=32, per_sm=2,
                       TMA=False, fp32=dict(stages=(1,), per_sm=1)),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),

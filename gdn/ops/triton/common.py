@@ -92,6 +92,17 @@ def to_device_many(arrays, device: torch.device) -> list[torch.Tensor]:
 _CAPTURED_HOST: list[torch.Tensor] = []  # the pinned sources of copies captured in CUDA graphs
 
 
+def fill_empty(out, src, ch: Chunks) -> None:
+    """``out[n] = src[n]`` (0 without ``src``) for the empty sequences n of ``ch``, for the passes that
+    have no program, or no step, for them (a warm-started split pass has no segment for them; the
+    KDA state pass stores the final state in its last chunk's step): their final state is h0, their
+    dS₀ is dht."""
+    empty = ch.empty_sequences
+    if out is not None and len(empty):
+        empty, = to_device_many([empty], out.device)  # (no host sync; a CUDA graph may capture it)
+        out[empty] = src[empty] if src is not None else 0.0
+
+
 def make_segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
     """Cut every sequence of ``ch`` into segments of ``L`` chunks (built on the host in numpy, no
     sync; made once per layout, L and device, and kept in ``ch.memo``: the layers of a model and

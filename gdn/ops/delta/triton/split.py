@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton.common import BT, INTERPRET, Chunks, chunk_bounds, launch, pow2, sm_count, to_device_many
+from ...triton.common import BT, INTERPRET, Chunks, chunk_bounds, fill_empty, launch, pow2, sm_count
 from ...tuning import DELTA, cdiv
 
 
@@ -193,15 +193,6 @@ def warm_split(g) -> bool:
     """Whether a split state pass takes the warm-started form (``DELTA["split"]["warm"]``; gated
     members only: without a decay nothing bounds how far a segment must walk back)."""
     return g is not None and bool(DELTA["split"]["warm"])
-
-
-def fill_empty(out, src, ch: Chunks) -> None:
-    """``out[n] = src[n]`` (0 without ``src``) for the empty sequences n of ``ch``: a warm-started
-    split pass has no segment, so no program, for them (the final state is h0, dS₀ is dht)."""
-    empty = ch.empty_sequences
-    if out is not None and len(empty):
-        empty, = to_device_many([empty], out.device)  # (no host sync; a CUDA graph may capture it)
-        out[empty] = src[empty] if src is not None else 0.0
 
 
 def split_len(ch: Chunks, HV: int, tiles: int, device, warm: bool = True, per_sm: float | None = None) -> int:

@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, has_tma, load16, sm_count,
-                              solve_blocks, store16, store_blocks, tl_dtype)
+from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, fill_empty, has_tma, load16,
+                              sm_count, solve_blocks, store16, store_blocks, tl_dtype)
 from ...triton.launch import launch as triton_launch
 from ...tuning import KDA
 
@@ -375,46 +375,43 @@ def _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, 
 
 
 @triton.jit
-def _state_fwd_step_tma(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v, HV,
-                        K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, STORE_FINAL: tl.constexpr,
-                        PREC: tl.constexpr, DT: tl.constexpr):
-    """:func:`_state_fwd_step` through tensor descriptors (h, ht, W, KT, U). With ``STORE_FINAL``
-    the step i_c = nc after the last chunk stores S as the final state and returns it: the final
-    store is the loop's own, so nothing is held across the loop for it. W, KT and U are read in
-    whole blocks of 64 rows: the rows of a later sequence (finite, from wu) get δ = 0, so they add
-    nothing to the state."""
-    if STORE_FINAL:
-        if i_c < nc:
-            h.store([(((c0 + i_c) * HV + i_hv) * K).to(tl.int32), i_v * BV], b_s)
-        else:
-            ht.store([((i_n * HV + i_hv) * K).to(tl.int32), i_v * BV], b_s)
-    else:
-        h.store([(((c0 + i_c) * HV + i_hv) * K).to(tl.int32), i_v * BV], b_s)
-    if i_c < nc:
-        cs = bos + i_c * 64
-        nv = tl.minimum(eos - cs, 64).to(tl.int32)
-        m = o_t < nv
-        b_w = W.load([cs.to(tl.int32), i_hv * K])
-        b_d = tl.dot(b_w, (-b_s).to(DT), acc=U.load([cs.to(tl.int32), i_hv * V + i_v * BV]).to(tl.float32),
-                     input_precision=PREC)
-        b_d = tl.where(m[:, None], b_d, 0.0)
-        tl.store(VN + cs * HV * V + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
-        b_kt = KT.load([cs.to(tl.int32), i_hv * K])
-        b_gc = tl.load(G + ((cs + nv - 1) * HV + i_hv) * K + o_k)
-        b_s = tl.dot(tl.trans(b_kt), b_d.to(DT), acc=b_s * tl.exp(b_gc)[:, None], input_precision=PREC)
-    return b_s
+def _state_fwd_step_tma(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, i_v, o_t, o_k, o_v, HV,
+                        K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """:func:`_state_fwd_step` with W, KT and U read through tensor descriptors (bulk copies: no
+    address registers, and none staging the dot operands), S and δ stored through pointers (stores
+    that nothing waits on; a store through a descriptor goes out of shared memory, which the next
+    step's S may not overwrite until it has). W, KT and U are read in whole blocks of 64 rows: the
+    rows of a later sequence (finite, from wu) get δ = 0, so they add nothing to the state."""
+    tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_s.to(h.dtype.element_ty))
+    cs = bos + i_c * 64
+    nv = tl.minimum(eos - cs, 64).to(tl.int32)
+    m = o_t < nv
+    b_w = W.load([cs.to(tl.int32), i_hv * K])
+    b_d = tl.dot(b_w, (-b_s).to(DT), acc=U.load([cs.to(tl.int32), i_hv * V + i_v * BV]).to(tl.float32),
+                 input_precision=PREC)
+    b_d = tl.where(m[:, None], b_d, 0.0)
+    tl.store(VN + cs * HV * V + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
+    b_kt = KT.load([cs.to(tl.int32), i_hv * K])
+    b_gc = tl.load(G + ((cs + nv - 1) * HV + i_hv) * K + o_k)
+    return tl.dot(tl.trans(b_kt), b_d.to(DT), acc=b_s * tl.exp(b_gc)[:, None], input_precision=PREC)
 
 
 @triton.jit
-def _state_fwd_any(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v, HV,
+def _state_fwd_any(i_c, b_s, KT, G, W, U, h, VN, ht, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v, HV,
                    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
                    DT: tl.constexpr, TMA: tl.constexpr):
-    """Step i_c of the forward state pass in the form ``TMA`` names."""
+    """Step i_c of the forward state pass in the form ``TMA`` names; with ``STORE_FINAL`` the last
+    step (i_c = nc − 1) stores the state it returns as the final state, its addresses formed here
+    rather than held across the loop (the launch fills the final state of a sequence without
+    chunks, which has no step: common.fill_empty)."""
     if TMA:
-        b_s = _state_fwd_step_tma(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v,
-                                  HV, K, V, BV, STORE_FINAL, PREC, DT)
+        b_s = _state_fwd_step_tma(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, i_v, o_t, o_k, o_v, HV, K, V, BV,
+                                  PREC, DT)
     else:
         b_s = _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, HV, K, V, PREC, DT)
+    if STORE_FINAL:
+        tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], b_s,
+                 mask=(i_c == nc - 1) & (o_k < K)[:, None])
     return b_s
 
 
@@ -423,12 +420,14 @@ def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, HV, K: tl.conste
                      V: tl.constexpr, BV: tl.constexpr, USE_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                      PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr, TMA: tl.constexpr = False):
     """Sequential pass over one sequence's chunks for one value head and V tile: h [NT, HV, K, V]
-    (state entering each chunk), VN = δ [T, HV, V], final state ht [N, HV, K, V] (fp32). Runs the
-    sequence's own chunk count, so in a packed batch a short sequence's programs end early.
-    ``TMA``: h and ht are tensor descriptors of their [rows · K, V] views with [K, BV] blocks, W,
-    KT and U of their [T, HV · K] and [T, HV · V] views with [64, K] and [64, BV] blocks (the
-    copies take no address registers, and the loads none for staging the dot operands in shared
-    memory; :func:`_state_fwd_step_tma`)."""
+    (state entering each chunk), VN = δ [T, HV, V], final state ht [N, HV, K, V] (fp32; stored by
+    the last step, so not for a sequence without chunks, whose final state the launch copies from
+    h0). Runs the sequence's own chunk count, so in a packed batch a short sequence's programs end
+    early.
+    ``TMA``: W, KT and U are tensor descriptors of their [T, HV · K] and [T, HV · V] views with
+    [64, K] and [64, BV] blocks (the copies take no address registers, and none for staging the
+    dot operands in shared memory; :func:`_state_fwd_step_tma`); h, VN and ht are stored through
+    pointers in either form."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -438,26 +437,20 @@ def state_fwd_kernel(KT, G, W, U, h0, h, VN, ht, cu, chunk_off, HV, K: tl.conste
     o_t = tl.arange(0, 64)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
-    p_s = o_k[:, None] * V + o_v[None, :]
     b_s = tl.zeros([K, BV], dtype=tl.float32)
     if USE_INIT:
-        b_s = tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s).to(tl.float32)
+        b_s = tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]).to(tl.float32)
     nc = tl.cdiv(eos - bos, 64)
-    steps = nc
-    if TMA and STORE_FINAL:
-        steps = nc + 1  # the descriptor form stores the final state in a step of its own
     if WHILE:
         i_c = 0
-        while i_c < steps:
-            b_s = _state_fwd_any(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v,
+        while i_c < nc:
+            b_s = _state_fwd_any(i_c, b_s, KT, G, W, U, h, VN, ht, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v,
                                  HV, K, V, BV, STORE_FINAL, PREC, DT, TMA)
             i_c += 1
     else:
-        for i_c in range(0, steps):
-            b_s = _state_fwd_any(i_c, b_s, KT, G, W, U, h, ht, VN, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v,
+        for i_c in range(0, nc):
+            b_s = _state_fwd_any(i_c, b_s, KT, G, W, U, h, VN, ht, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v,
                                  HV, K, V, BV, STORE_FINAL, PREC, DT, TMA)
-    if STORE_FINAL and not TMA:
-        tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + p_s, b_s)
 
 
 @triton.jit
@@ -500,27 +493,21 @@ def gamma(g: torch.Tensor, ch: Chunks) -> torch.Tensor:
     return G
 
 
-def state_tiles(h: torch.Tensor, ht: torch.Tensor | None, W: torch.Tensor, KT: torch.Tensor, U: torch.Tensor,
-                BV: int) -> tuple:
-    """(TMA, (h, ht, W, KT, U)) as the forward state pass takes them: with ``KDA["state_fwd"]["TMA"]``,
+def state_tiles(W: torch.Tensor, KT: torch.Tensor, U: torch.Tensor, BV: int) -> tuple:
+    """(TMA, (W, KT, U)) as the forward state pass reads them: with ``KDA["state_fwd"]["TMA"]``,
     where the card has the tensor-memory accelerator (and under the interpreter, which runs
     descriptors too) and every tensor is contiguous and 16-byte aligned with coordinates inside
-    int32, (True, tensor descriptors: h and ht of their [rows · K, V] views in [K, BV] blocks (the
-    h descriptor stands in for a missing ht), W and KT of their [T, HV · K] views in [64, K]
-    blocks, U of its [T, HV · V] view in [64, BV] blocks); else (False, the tensors themselves)."""
-    K, V = h.shape[2], h.shape[3]
-    xs = [x for x in (h, ht, W, KT, U) if x is not None]
-    ok = (KDA["state_fwd"]["TMA"] and has_tma(h) and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in xs)
-          and all(x.numel() // x.shape[-1] < 2 ** 31 for x in xs) and (V * h.element_size()) % 16 == 0
-          and (V * U.element_size()) % 16 == 0)
+    int32, (True, tensor descriptors: W and KT of their [T, HV · K] views in [64, K] blocks, U of
+    its [T, HV · V] view in [64, BV] blocks); else (False, the tensors themselves)."""
+    T, K, V = W.shape[0], W.shape[2], U.shape[2]
+    xs = (W, KT, U)
+    ok = (KDA["state_fwd"]["TMA"] and has_tma(W) and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in xs)
+          and all(x.numel() // x.shape[-1] < 2 ** 31 for x in xs) and (V * U.element_size()) % 16 == 0)
     if not ok:
-        return False, (h, ht, W, KT, U)
+        return False, xs
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
 
-    T = W.shape[0]
-    hd = TensorDescriptor.from_tensor(h.view(-1, V), block_shape=[K, BV])
-    htd = TensorDescriptor.from_tensor(ht.view(-1, V), block_shape=[K, BV]) if ht is not None else hd
-    return True, (hd, htd, TensorDescriptor.from_tensor(W.view(T, -1), block_shape=[BT, K]),
+    return True, (TensorDescriptor.from_tensor(W.view(T, -1), block_shape=[BT, K]),
                   TensorDescriptor.from_tensor(KT.view(T, -1), block_shape=[BT, K]),
                   TensorDescriptor.from_tensor(U.view(T, -1), block_shape=[BT, BV]))
 
@@ -569,11 +556,12 @@ def forward_intermediates(q, k, v, G, beta, h0, ch: Chunks, want_final: bool, sc
     VN = torch.empty(T, HV, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SV = state_vtile("state_fwd", K, V, ch.N * HV, dev, io)
-    tma, (hs, hts, Ws, KTs, Us) = state_tiles(h, ht, W, KT, U, SV)
-    launch(state_fwd_kernel, (V // SV, ch.N * HV), KTs, G, Ws, Us, h0 if h0 is not None else v, hs, VN,
-           hts if hts is not None else v, ch.cu, ch.chunk_off, HV, K=K, V=V, BV=SV,
+    tma, (Ws, KTs, Us) = state_tiles(W, KT, U, SV)
+    launch(state_fwd_kernel, (V // SV, ch.N * HV), KTs, G, Ws, Us, h0 if h0 is not None else v, h, VN,
+           ht if ht is not None else v, ch.cu, ch.chunk_off, HV, K=K, V=V, BV=SV,
            USE_INIT=h0 is not None, STORE_FINAL=want_final, PREC=prec, DT=DT, WHILE=INTERPRET, TMA=tma,
            name="state_fwd", io=io)
+    fill_empty(ht, h0, ch)
     return Intermediates(Ai, P, W, QG, KT, h, VN, ht)
 
 
