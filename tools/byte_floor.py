@@ -13,7 +13,8 @@ rate) and, for each kernel given a measured time (µs, e.g. from ``benchmarks/op
 --profile``: its fwd+bwd ``fused_fwd_kernel`` line is fused_fwd and fused_states together, its
 fwd line fused_fwd alone), that time over its floor. Nothing runs: the model is the kernels' reads
 and writes as their docstrings state them. The warm-started split's warm_plan and its warm-up walks
-(work the unsplit passes do not do) are outside the model.
+(work the unsplit passes do not do: a few bytes per chunk walked, the bounds kkt_solve stores) are
+outside the model.
 """
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def kernels(B: int, T: int, H: int, HV: int, K: int, V: int, io: int = 2) -> dic
 
     solve = blocks * 2 * BT ** 3 // 6  # (I + A)⁻¹ of a unit lower triangular [64, 64]
     out = {
-        # k, g, β in; T⁻¹ and γ out; K Kᵀ and the solve
-        "kkt_solve": (qk1 + 2 * vec + t64 + vec, mm((BT, BT, K)) + solve),
+        # k, g, β in; T⁻¹, γ and each chunk's log norm bound out; K Kᵀ and the solve
+        "kkt_solve": (qk1 + 2 * vec + t64 + vec + blocks * 4, mm((BT, BT, K)) + solve),
         # q, k, v, T⁻¹, γ, β in; o out; per chunk K S, δ = T X, P = Q Kᵀ, Q S, P δ, Kᵀ δ̃
         "fused_fwd": (2 * qk1 + tv + t64 + 2 * vec + tv,
                       mm((BT, V, K), (BT, V, BT), (BT, BT, K), (BT, V, K), (BT, V, BT), (K, V, BT))),
