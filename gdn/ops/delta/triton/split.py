@@ -57,15 +57,19 @@ def bounds(k, beta, G, ch: Chunks, HV: int, plans=None):
 
 @triton.jit
 def warm_up(Bnd, G, seg_seq, seq_cu, seq_off, i_s, bos, eos, i_hv, HV, BT: tl.constexpr, DELTA: tl.constexpr,
-            LOG_EPS: tl.constexpr, AFTER: tl.constexpr, NB: tl.constexpr = 16):
+            LOG_EPS: tl.constexpr, AFTER: tl.constexpr, NB: tl.constexpr = 1):
     """(sequence, its first row, its end, warm-up chunks) of segment ``i_s`` = rows [bos, eos) of a
     ``WARM`` state pass (of sequence seg_seq[i_s], whose rows seq_cu bounds and whose first chunk is
     the call's chunk seq_off[seg_seq[i_s]]: Chunks.chunk_off): whole chunks walked from the
     segment's first row back (``AFTER``: from its end forward, the reverse pass's warm-up), adding up
     each chunk's log norm bound (:func:`bound_kernel`), until the sum falls to ``LOG_EPS`` or the walk reaches the
     sequence's edge. The bounds come from Bnd [NT, HV] (delta members: kkt_solve's or
-    :func:`bound_kernel`'s), else they are γ_C, G at each chunk's last row; NB chunks' bounds are
-    read at once and the walk's stop is found in their running sum (no chain of dependent loads)."""
+    :func:`bound_kernel`'s), else they are γ_C, G at each chunk's last row. With NB > 1, NB chunks'
+    bounds are read at once and the walk's stop found in their running sum (warm_plan_kernel: a
+    walk of n chunks waits on ⌈n / NB⌉ loads, not n); NB = 1 reads one bound a step (the state
+    passes' own walks: there the block's scan and reductions raise the whole kernel's registers,
+    ptxas sm_90 bf16 at 1 × 32768: state_bwd's WARM form 255 registers and 76 + 72 B of spills at
+    three stages with NB = 16, 253 and none with NB = 1)."""
     i_seq = tl.load(seg_seq + i_s)
     sbos = tl.load(seq_cu + i_seq).to(tl.int64)
     seos = tl.load(seq_cu + i_seq + 1).to(tl.int64)
@@ -78,23 +82,34 @@ def warm_up(Bnd, G, seg_seq, seq_cu, seq_off, i_s, bos, eos, i_hv, HV, BT: tl.co
         avail = (bos - sbos) // BT
         step = -1
         c1 = c_seq + (bos - sbos) // BT - 1  # the last chunk before it
-    o_j = tl.arange(0, NB)
-    nw = avail * 0
-    acc = 0.0
-    go = (avail > 0) & (LOG_EPS < 0.0)  # (a bound of e^0 or more is met before any chunk)
-    while go:
-        j = nw + o_j
-        m = j < avail
-        if DELTA:
-            b = tl.load(Bnd + (c1 + step * j).to(tl.int64) * HV + i_hv, mask=m, other=0.0)
-        else:
-            last = tl.minimum(eos + (j + 1) * BT, seos) - 1 if AFTER else bos - j * BT - 1
-            b = tl.load(G + last.to(tl.int64) * HV + i_hv, mask=m, other=0.0)
-        hit = m & (acc + tl.cumsum(b, axis=0) <= LOG_EPS)
-        stop = tl.min(tl.where(hit, j, avail), axis=0)  # the first chunk whose bound closes the walk
-        nw = tl.where(stop < avail, stop + 1, tl.minimum(nw + NB, avail))
-        acc += tl.sum(b, axis=0)
-        go = (stop >= avail) & (nw < avail)
+    if NB == 1:
+        nw = 0
+        acc = 0.0
+        while (acc > LOG_EPS) & (nw < avail):
+            if DELTA:
+                acc += tl.load(Bnd + (c1 + step * nw) * HV + i_hv)
+            else:
+                last = tl.minimum(eos + (nw + 1) * BT, seos) - 1 if AFTER else bos - nw * BT - 1
+                acc += tl.load(G + last * HV + i_hv)
+            nw += 1
+    else:
+        o_j = tl.arange(0, NB)
+        nw = avail * 0
+        acc = 0.0
+        go = (avail > 0) & (LOG_EPS < 0.0)  # (a bound of e^0 or more is met before any chunk)
+        while go:
+            j = nw + o_j
+            m = j < avail
+            if DELTA:
+                b = tl.load(Bnd + (c1 + step * j).to(tl.int64) * HV + i_hv, mask=m, other=0.0)
+            else:
+                last = tl.minimum(eos + (j + 1) * BT, seos) - 1 if AFTER else bos - j * BT - 1
+                b = tl.load(G + last.to(tl.int64) * HV + i_hv, mask=m, other=0.0)
+            hit = m & (acc + tl.cumsum(b, axis=0) <= LOG_EPS)
+            stop = tl.min(tl.where(hit, j, avail), axis=0)  # the first chunk whose bound closes the walk
+            nw = tl.where(stop < avail, stop + 1, tl.minimum(nw + NB, avail))
+            acc += tl.sum(b, axis=0)
+            go = (stop >= avail) & (nw < avail)
     return i_seq, sbos, seos, nw
 
 
@@ -108,7 +123,7 @@ def warm_plan_kernel(Bnd, G, cu, seg_seq, seq_cu, seq_off, nw_out, HV, BT: tl.co
     i_s, i_hv = tl.program_id(0), tl.program_id(1)
     bos = tl.load(cu + i_s).to(tl.int64)
     eos = tl.load(cu + i_s + 1).to(tl.int64)
-    _, _, _, nw = warm_up(Bnd, G, seg_seq, seq_cu, seq_off, i_s, bos, eos, i_hv, HV, BT, DELTA, LOG_EPS, AFTER)
+    _, _, _, nw = warm_up(Bnd, G, seg_seq, seq_cu, seq_off, i_s, bos, eos, i_hv, HV, BT, DELTA, LOG_EPS, AFTER, 16)
     tl.store(nw_out + i_s * HV + i_hv, nw)
 
 
