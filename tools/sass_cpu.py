@@ -228,7 +228,7 @@ def main():
             raise SystemExit("--depths: the delta family's sequential passes only")
         depths(launches)
         return
-    print("\n| kernel | BK | BV | warps | stages | regs | stack B | spill st/ld B | shared KB | programs / SM | grid "
+    print("\n| kernel | BK | BV | warps (with the workers') | stages | regs | stack B | spill st/ld B | shared KB | programs / SM | grid "
           "| waves | loop instrs | loop mix (top 8) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     seen = set()
@@ -241,7 +241,10 @@ def main():
         ck = compile_sm90(kernel, kargs, meta)
         regs, _, smem, sass = resources(ck, with_sass=True)
         stack, st, ld = ptxas_spills(ck)
-        n_sm = per_sm(regs, smem, meta["num_warps"])
+        # a warp-specialised (Gluon) kernel runs its worker partitions' warps beside the launch's:
+        # the compiled kernel counts them all (in whole warpgroups), and occupancy is by that count
+        total = getattr(ck.metadata, "num_warps", meta["num_warps"])
+        n_sm = per_sm(regs, smem, total)
         programs = 1
         for d in grid:
             programs *= d
@@ -252,7 +255,8 @@ def main():
             with open(os.path.join(args.sass, f"{name}_{len(seen)}.sass"), "w") as f:
                 f.write(sass)
         top = ", ".join(f"{k} {v}" for k, v in mix.most_common(8))
-        print(f"| {name} | {meta.get('BK', '-')} | {meta.get('BV', '-')} | {meta['num_warps']} | {meta.get('num_stages', '-')} "
+        warps = f"{meta['num_warps']}" + (f" ({total})" if total != meta["num_warps"] else "")
+        print(f"| {name} | {meta.get('BK', '-')} | {meta.get('BV', '-')} | {warps} | {meta.get('num_stages', '-')} "
               f"| {regs} | {stack} | {st}/{ld} | {smem / 1024:.0f} | {n_sm} | {programs} | {waves:.2f} | {n} | {top} |",
               flush=True)
 
