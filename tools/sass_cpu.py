@@ -170,16 +170,22 @@ def compile_sm90(kernel, args, meta):
 
 
 def loop_mix(sass: str):
-    """(instructions, Counter of opcodes) of the innermost loop (the last backward branch's body)."""
+    """(instructions, Counter of opcodes) of the kernel's main loop: of the loops (a backward branch
+    and its body), the one with the most matrix-product instructions (HMMA, HGMMA), the innermost
+    (shortest) of those; without any, the innermost that is not a spin-wait (a body of three
+    instructions or fewer: a barrier poll and its branch)."""
     ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s*(.*?);", sass)]
-    best = None
+    best, best_key = None, None
     for addr, txt in ins:
         m = re.search(r"BRA.*?0x([0-9a-f]+)", txt)
         if m and int(m.group(1), 16) < addr:
             lo = int(m.group(1), 16)
             body = [t for a, t in ins if lo <= a <= addr]
-            if best is None or len(body) < len(best):
-                best = body
+            if len(body) <= 3:
+                continue
+            key = (-sum(bool(re.match(r"(@!?U?P\w+\s+)?H(G)?MMA", t)) for t in body), len(body))
+            if best_key is None or key < best_key:
+                best, best_key = body, key
     if not best:
         return 0, collections.Counter()
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best)
