@@ -28,6 +28,9 @@ def test_hopper_records_the_gluon_kernels():
     assert set(rows) == {"kkt_solve_kernel", "fused_fwd_kernel", "fused_bwd_kernel"}, rows
     regs = int(rows["fused_bwd_kernel"].split("|")[6])
     assert 128 < regs <= 255, rows["fused_bwd_kernel"]
+    # the warp-specialised pass's worker warps count towards occupancy: 4 launched, 12 or 16 run
+    warps = rows["fused_fwd_kernel"].split("|")[4].strip()
+    assert warps.startswith("4 (") and int(warps[3:-1]) > 4, warps
     plain = _rows("--shape", "1x256", "--h", "2", "--kernels", "kkt_solve,fused_fwd,fused_bwd")
     assert set(plain) == {"kkt_solve_kernel"}, plain  # a card without the Gluon kernels
 
