@@ -155,8 +155,9 @@ def _state_bwd_step(j, b_ds, NC, q, k, g, W, do, DVL, dh, DD, bos, eos, c0, i_hv
 @triton.jit
 def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, ends, chunk_off, scale, H,
                      HV, beta, seg_seq, seq_cu, seq_off, Bnd, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, USE_DHT: tl.constexpr,
-                     USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, WHILE: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr,
+                     USE_DHT: tl.constexpr, USE_INIT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+                     WHILE: tl.constexpr,
                      AUG: tl.constexpr = False, QS: tl.constexpr = False, TMA: tl.constexpr = False,
                      WARM: tl.constexpr = False, LOG_EPS: tl.constexpr = -16.0, FROM_INV: tl.constexpr = False,
                      CARRY: tl.constexpr = False):

@@ -2,12 +2,11 @@
 few long sequences still fill the card (docs/TRITON.md "Split state passes").
 
 Warm-started (gated members, ``DELTA["split"]["warm"]``): each segment's program starts from a
-zero state a bounded number of chunks early (:func:`warm_up`, adding up each chunk's
-:func:`bound_kernel`'s bound, made once per call: :func:`bounds`) and reaches the true state within
-``log_eps``; the state kernels' ``WARM`` form. Chained (any
-member, an explicit ``L`` only): each segment's map S ↦ A S + B is formed from [I | 0] (the state
-kernels' ``AUG`` form), then :func:`chain` walks the maps in order, then each segment runs from
-its true entering state. :func:`split_len` decides the segment length.
+zero state a bounded number of chunks early (:func:`warm_up`, adding up the chunks' log norm
+bounds, made once per call: :func:`bounds`) and reaches the true state within ``log_eps``; the
+state kernels' ``WARM`` form. Chained (any member, an explicit ``L`` only): each segment's map
+S ↦ A S + B is formed from [I | 0] (the state kernels' ``AUG`` form), then :func:`chain` walks the
+maps in order, then each segment runs from its true entering state. :func:`split_len` decides the segment length.
 """
 from __future__ import annotations
 
@@ -62,8 +61,8 @@ def warm_up(Bnd, G, seg_seq, seq_cu, seq_off, i_s, bos, eos, i_hv, HV, BT: tl.co
     ``WARM`` state pass (of sequence seg_seq[i_s], whose rows seq_cu bounds and whose first chunk is
     the call's chunk seq_off[seg_seq[i_s]]: Chunks.chunk_off): whole chunks walked from the
     segment's first row back (``AFTER``: from its end forward, the reverse pass's warm-up), adding up
-    each chunk's log norm bound (:func:`bound_kernel`), until the sum falls to ``LOG_EPS`` or the walk reaches the
-    sequence's edge. The bounds come from Bnd [NT, HV] (delta members: kkt_solve's or
+    each chunk's log norm bound (:func:`bound_kernel`), until the sum falls to ``LOG_EPS`` or the
+    walk reaches the sequence's edge. The bounds come from Bnd [NT, HV] (delta members: kkt_solve's or
     :func:`bound_kernel`'s), else they are γ_C, G at each chunk's last row. With NB > 1, NB chunks'
     bounds are read at once and the walk's stop found in their running sum (warm_plan_kernel: a
     walk of n chunks waits on ⌈n / NB⌉ loads, not n); NB = 1 reads one bound a step (the state
@@ -133,8 +132,8 @@ def warm_plan(Bnd, G, sg, ch: Chunks, HV: int, after: bool = False):
     bounds of a delta member, :func:`bounds`, None for the others; ``after``: the reverse pass's
     warm-up, after each segment)."""
     nw = torch.empty(sg.NS, HV, device=G.device, dtype=torch.int32)
-    launch(warm_plan_kernel, (sg.NS, HV), Bnd if Bnd is not None else G, G, sg.cu, sg.seq, ch.cu, ch.chunk_off, nw, HV,
-           BT=BT, DELTA=Bnd is not None, LOG_EPS=float(DELTA["split"]["log_eps"]), AFTER=after, name="warm_plan")
+    launch(warm_plan_kernel, (sg.NS, HV), Bnd if Bnd is not None else G, G, sg.cu, sg.seq, ch.cu, ch.chunk_off, nw,
+           HV, BT=BT, DELTA=Bnd is not None, LOG_EPS=float(DELTA["split"]["log_eps"]), AFTER=after, name="warm_plan")
     return nw
 
 
