@@ -45,7 +45,9 @@ DELTA = {
     # what bf16 inputs cost), within tier 3 at every case of tests/gpu. Two stages: 188 → 151 µs
     # at (4, 8192, 16, 128); three: 113 → 105 µs at (8, 2048), 217 → 202 at (4, 8192), outputs
     # identical bit for bit (docs/BENCHMARKS.md).
-    "kkt_solve": dict(num_warps=2, stages=(3, 2, 1), BK=64, BV=64, INV="tf32"),
+    # fp32 inputs: K tiles of 16 at one stage (ptxas, sm_90, (8, 2048): no spills, 255 registers;
+    # BK = 64 at three stages spilled 2716 + 2700 B, BK = 32 at one stage 120 + 140; not timed)
+    "kkt_solve": dict(num_warps=2, stages=(3, 2, 1), BK=64, BV=64, INV="tf32", fp32=dict(BK=16, stages=(1,))),
     # 8 warps: with 4, triton 3.6 on the H200 compiles an out-of-range shared-memory access at
     # K = 60/64, T = 63 (compute-sanitizer); 8 warps time the same.
     "wu": dict(num_warps=8, stages=(3, 2, 1), BK=64, BV=64),
@@ -308,10 +310,25 @@ def pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (int(n) - 1).bit_length()) if n > 1 else lo
 
 
-def chunk_tiles(name: str, K: int, V: int, table: dict = DELTA) -> tuple[int, int]:
-    """(BK, BV) of chunk kernel ``name``: its tiles capped at the next power of two of K and V;
-    for a sequential pass (an ``SV`` entry) the whole K and ``SV // BK`` values."""
-    c = table[name]
+#: The override key of an entry for inputs of a dtype (by the dtype's name: this module does not
+#: import torch): fp32 inputs' 3-pass tf32 dots hold each fp32 operand as two tiles, so they need
+#: other tiles and warps than half inputs to stay clear of spills; fp16 inputs' 10-bit mantissa is
+#: as fine as one-pass tf32's (KDA's intra_bwd takes 3-pass for them).
+_DTYPE_KEYS = {"torch.float32": "fp32", "torch.float16": "fp16"}
+
+
+def for_dtype(entry: dict, io=None) -> dict:
+    """A kernel's table ``entry`` for inputs of dtype ``io``: with the entry's ``fp32`` or ``fp16``
+    overrides applied where it has them for that dtype (the entry itself otherwise)."""
+    key = _DTYPE_KEYS.get(str(io)) if io is not None else None
+    return {**entry, **entry[key]} if key in entry else entry
+
+
+def chunk_tiles(name: str, K: int, V: int, table: dict = DELTA, io=None) -> tuple[int, int]:
+    """(BK, BV) of chunk kernel ``name`` (for inputs of dtype ``io``: :func:`for_dtype`): its tiles
+    capped at the next power of two of K and V; for a sequential pass (an ``SV`` entry) the whole K
+    and ``SV // BK`` values."""
+    c = for_dtype(table[name], io)
     if "SV" in c:
         BK = pow2(K)
         return BK, min(pow2(V), max(16, c["SV"] // BK))

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 import triton
 
-from ..tuning import DELTA, INTERPRET
+from ..tuning import DELTA, INTERPRET, for_dtype
 
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of ``device`` (4 off CUDA, e.g. under the interpreter); a device named with its
@@ -63,18 +63,19 @@ _RECORD: list | None = None  # launches collected instead of run, inside recordi
 log = logging.getLogger(__name__)
 
 
-def launch(kernel, grid, *args, name: str, config: dict | None = None, **meta):
+def launch(kernel, grid, *args, name: str, config: dict | None = None, io=None, **meta):
     """``kernel[grid](*args, **meta)`` with the warps of ``config[name]`` (default: this module's
-    tuning's ``DELTA`` table) and one of its candidates ``stages``: software-pipelining depths, each an int or a
-    pair (depth, form), a form being compile-time switches of the kernel (e.g. one that needs less
-    shared memory for more arithmetic).
+    tuning's ``DELTA`` table; for inputs of dtype ``io``, its overrides for them:
+    gdn.ops.tuning.for_dtype) and one of its candidates ``stages``: software-pipelining depths, each
+    an int or a pair (depth, form), a form being compile-time switches of the kernel (e.g. one that
+    needs less shared memory for more arithmetic).
 
     Which candidate: with ``waves`` set in the kernel's config (the sequential passes, whose grids
     are about one wave of programs, each walking a whole sequence), :func:`by_waves` picks; else
     the first whose shared memory fits the card (remembered per kernel and compile-time arguments,
     so the fallback costs one failed load at most). Inside :func:`recording` nothing runs (a
     ``waves`` launch records each of its candidates)."""
-    cfg = (DELTA if config is None else config)[name]
+    cfg = for_dtype((DELTA if config is None else config)[name], io)
     cands, ckey = _candidates(cfg["stages"])
     meta["num_warps"] = cfg["num_warps"]
     key = (id(kernel), settings(meta), ckey)  # by id: a JITFunction's own hash runs Python code

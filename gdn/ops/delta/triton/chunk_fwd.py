@@ -407,7 +407,7 @@ def prepare(k, v, g, beta, ch: Chunks, Ai=None, wu: bool = True, gamma_out=None,
     gp = g if g is not None else beta
     if Ai is None:
         Ai = torch.empty(T, HV, BT, device=dev, dtype=io)
-        BK, _ = tiles("kkt_solve", K, V)
+        BK, _ = tiles("kkt_solve", K, V, io=io)
         store_g = g is not None and gamma_out is not None
         store_p = pairs_out is not None
         store_b = g is not None and bound_out is not None
@@ -415,7 +415,7 @@ def prepare(k, v, g, beta, ch: Chunks, Ai=None, wu: bool = True, gamma_out=None,
                q if store_p else k, pairs_out if store_p else Ai, bound_out if store_b else gp, ch.cu, ch.chunk_idx,
                H=H, HV=HV, K=K, BK=BK, USE_G=g is not None, PREC=prec,
                INV=DELTA["kkt_solve"]["INV"] if DT != tl.float32 else "ieee", STORE_G=store_g, STORE_P=store_p,
-               STORE_B=store_b, name="kkt_solve")
+               STORE_B=store_b, name="kkt_solve", io=io)
     if not wu:
         return Ai, None, None
     W = torch.empty(T, HV, K, device=dev, dtype=io)

@@ -37,7 +37,7 @@ import triton.language as tl
 from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, fill_empty, has_tma, load16,
                               sm_count, solve_blocks, store16, store_blocks, tl_dtype)
 from ...triton.launch import launch as triton_launch
-from ...tuning import KDA
+from ...tuning import KDA, for_dtype
 
 #: dtype of the per-chunk states h and state gradients dh: fp32 for every input dtype. Stored in
 #: bf16/fp16 they cost the per-channel dg ~2× the error that bf16 inputs cost anyway (measured with
@@ -54,22 +54,15 @@ SPAN = 60.0
 SPAN_FP16 = 10.0
 
 
-_OVERRIDES = {torch.float32: "fp32", torch.float16: "fp16"}
-
-
 def entry(name: str, io: torch.dtype) -> dict:
-    """Kernel ``name``'s entry of the KDA table for inputs of dtype ``io``: fp32 inputs take the
-    entry's ``fp32`` overrides (3-pass tf32 dots hold each fp32 operand as two tiles, so they
-    need other tiles and warps than half inputs to stay clear of spills), fp16 inputs its ``fp16``
-    ones (their 10-bit mantissa is as fine as one-pass tf32's)."""
-    c = KDA[name]
-    over = _OVERRIDES.get(io)
-    return {**c, **c[over]} if over in c else c
+    """Kernel ``name``'s entry of the KDA table for inputs of dtype ``io`` (its ``fp32`` or ``fp16``
+    overrides applied: gdn.ops.tuning.for_dtype)."""
+    return for_dtype(KDA[name], io)
 
 
 def launch(kernel, grid, *args, name: str, io: torch.dtype, **meta):
     """:func:`gdn.ops.triton.launch.launch` with the KDA table's entry for ``io`` inputs."""
-    return triton_launch(kernel, grid, *args, name=name, config={name: entry(name, io)}, **meta)
+    return triton_launch(kernel, grid, *args, name=name, config=KDA, io=io, **meta)
 
 
 def ktile(name: str, K: int, io: torch.dtype) -> int:
