@@ -649,7 +649,7 @@ def _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch: Chunks, scale
             return outs
 
         return fused_run
-    BK, BV = tiles("dqk", K, V)
+    BK, BV = tiles("dqk", K, V, io=io)
     NK = cdiv(K, BK)
     DQ = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
     # dK is final after dqk without the delta term; with it, wy_bwd adds two terms and writes DKO
@@ -667,14 +667,14 @@ def _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch: Chunks, scale
         hd, dhd = (TensorDescriptor.from_tensor(x.view(-1, V), block_shape=[BK, BV]) for x in (h, dh))
     reads = [(v if not tma else vd, vd if delta else dummy, dod, hd, dhd, ddd if delta else dummy)]  # dqk's order
     del h, dh, VN, hd, dhd, vd, dod, ddd
-    WK, WV = tiles("wy_bwd", K, V)
+    WK, WV = tiles("wy_bwd", K, V, io=io)
     outs = []
 
     def run(chunk_idx, NT: int, last: bool):
         r = reads[0]
         launch(dqk_kernel, (NK, NT, HV), q, k, r[0], gp, *r[1:], DQ, DK,
                DW if delta else dummy, DGAM if gated else dummy, ch.cu, chunk_idx, ch.chunk_off, scale, T, H=H,
-               HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, TMA=tma, name="dqk")
+               HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, TMA=tma, name="dqk", io=io)
         del r
         if last:
             reads.clear()
@@ -689,7 +689,7 @@ def _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch: Chunks, scale
                    k, v, gp, beta if delta else dummy, Ai if delta else dummy, DD, DW if delta else dummy, DK,
                    *outs[1:3], outs[4] if delta else dummy, DGAM if gated else dummy, outs[3] if gated else dummy,
                    ch.cu, chunk_idx, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=WK, BV=WV, NK=NK, USE_G=gated, DELTA=delta,
-                   PREC=prec, DT=DT, name="wy_bwd")
+                   PREC=prec, DT=DT, name="wy_bwd", io=io)
         return tuple(outs)
 
     return run
