@@ -109,12 +109,12 @@ DELTA = {
     # them, triton 3.6 on the H200 gives a non-finite dg (its row sums Σ S ⊙ dS of the copied h and
     # dh tiles) in 16 of 4440 runs of the T = 1 case under load, 0 of 4698 without; they would
     # save 699 → 651 µs at (4, 8192) (docs/TRITON.md).
-    # fp32 inputs (ptxas, sm_90, (8, 2048); not timed): dqk at K tiles of 16 and value tiles of 32,
-    # one stage, spills nothing (3300 + 3472 B at the half inputs' settings); wy_bwd, which holds
+    # fp32 inputs (ptxas, sm_90, (8, 2048); not timed): dqk at tiles of 32, one stage, spills
+    # 320 + 328 B (3300 + 3472 B at the half inputs' settings; none at K tiles of 16, whose dQ and
+    # dK products are the 16-wide dots triton 3.6 miscompiles in some kernels); wy_bwd, which holds
     # T and dT as [64, 64] fp32 tiles whatever its tiles, 268 + 316 B at 8 warps and tiles of 32
-    # (3844 + 4472 B; 84 + 120 at tiles of 16, the value tile triton 3.6 miscompiles in some kernels
-    # on the H200).
-    "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64, TMA=False, fp32=dict(BK=16, BV=32, stages=(1,))),
+    # (3844 + 4472 B; 84 + 120 at tiles of 16).
+    "dqk": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64, TMA=False, fp32=dict(BK=32, BV=32, stages=(1,))),
     "wy_bwd": dict(num_warps=4, stages=(3, 2, 1), BK=64, BV=64, fp32=dict(num_warps=8, BK=32, BV=32, stages=(1,))),
     # The per-chunk backward of the gated delta members in one Gluon kernel (delta.triton.fused_bwd:
     # dqk and wy_bwd's work, accumulators placed over two warpgroups), each program on `items`
