@@ -999,3 +999,31 @@ def test_per_shape_decisions_are_kept_until_the_tables_change(monkeypatch):
     call()
     assert len(made) == 4
     assert tuning.token() == tuning.token()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp32_inputs_take_their_launch_overrides(dtype):
+    """An entry's ``fp32`` dict (tuning.for_dtype) is what fp32 inputs launch with, tiles, warps and
+    pipeline depth, and half inputs keep the entry itself: kkt_solve, dqk and wy_bwd of one forward +
+    backward, recorded on the CPU (nothing runs)."""
+    from gdn.ops.delta.triton import chunk_bwd
+    from gdn.ops.triton.common import make_chunks
+
+    T, H, K, V = 128, 2, 128, 128
+    q = torch.empty(T, H, K, dtype=dtype)
+    k, v = torch.empty_like(q), torch.empty(T, H, V, dtype=dtype)
+    g, beta = torch.zeros(T, H), torch.zeros(T, H)
+    ch = make_chunks(1, T, None, torch.device("cpu"))
+    with L.recording() as launches:
+        _, _, ai, gam = chunk_mod._forward(q, k, v, g, beta, None, ch, False, K ** -0.5, dtype)
+        chunk_bwd.backward(q, k, v, g, beta, None, v, None, ch, K ** -0.5, ai, dtype, gam)
+    got = {kern.fn.__name__[:-7]: meta for kern, _, _, meta in launches}
+    for name in ("kkt_solve", "dqk", "wy_bwd"):
+        want = tuning.for_dtype(tuning.DELTA[name], dtype)
+        m = got[name]
+        assert m["num_warps"] == want["num_warps"] and m["num_stages"] == L.candidates(want["stages"])[0][0]
+        assert m["BK"] == min(want["BK"], K), (name, m)
+        if name != "kkt_solve":
+            assert m["BV"] == min(want["BV"], V), (name, m)
+    over = dtype == torch.float32
+    assert (got["kkt_solve"]["BK"] == 16) == over and (got["wy_bwd"]["num_warps"] == 8) == over, got
