@@ -1027,3 +1027,20 @@ def test_fp32_inputs_take_their_launch_overrides(dtype):
             assert m["BV"] == min(want["BV"], V), (name, m)
     over = dtype == torch.float32
     assert (got["kkt_solve"]["BK"] == 16) == over and (got["wy_bwd"]["num_warps"] == 8) == over, got
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["two-stage", "fused"])
+def test_warm_split_bounds_come_from_kkt_solve(fused, monkeypatch):
+    """Through autograd, every warm-up walk of a forward + backward (the forward's pass, the
+    backward's recomputed state pass and its reverse pass, each in segments of one chunk) reads
+    the chunk bounds the forward's kkt_solve stored: no kernel reads the keys for them again, and
+    the gradients are the reference's (test_warm_split_state_pass)."""
+    from gdn.ops.delta.triton import chunk_bwd, chunk_fwd, split
+
+    _warm(monkeypatch, 1, fused=fused)
+    seen = _record_launches(monkeypatch, chunk_fwd, chunk_bwd, split)
+    _grads("gated_delta_rule", B=1, T=200, H=1, HV=2, K=16, V=64, dtype=torch.float32, lens=[65, 1, 0, 134], seed=4)
+    names = [n for n, _ in seen]
+    warm = [m for n, m in seen if n in ("state_out_kernel", "state_fwd_kernel", "state_bwd_kernel") and m.get("WARM")]
+    assert "bound_kernel" not in names and any(m.get("STORE_B") for n, m in seen if n == "kkt_solve_kernel"), names
+    assert len(warm) >= 3, names  # the forward's pass, the recomputed one and the reverse one
