@@ -353,11 +353,10 @@ def wu_kernel(q, k, v, G, beta, Ai, W, U, QG, KT, cu, chunk_idx, scale, H, HV, K
 @triton.jit
 def _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, o_v, HV,
                     K: tl.constexpr, V: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """Chunk i_c of the forward state pass, through pointers: store S, δ = U − W S, return the next S."""
+    """Chunk i_c of the forward state pass, through pointers: δ = U − W S into VN, return the next S."""
     cs = bos + i_c * 64
     rows = cs + o_t
     m = rows < eos
-    tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_s.to(h.dtype.element_ty))
     b_w = tl.load(W + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=m[:, None], other=0.0)
     b_d = tl.dot(b_w, (-b_s).to(DT), acc=load_rows(U, rows, m, HV, i_hv, o_v, V), input_precision=PREC)
     tl.store(VN + (rows[:, None] * HV + i_hv) * V + o_v[None, :], b_d.to(DT), mask=m[:, None])
@@ -371,11 +370,10 @@ def _state_fwd_step(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, o_t, o_k, 
 def _state_fwd_step_tma(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, i_v, o_t, o_k, o_v, HV,
                         K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """:func:`_state_fwd_step` with W, KT and U read through tensor descriptors (bulk copies: no
-    address registers, and none staging the dot operands), S and δ stored through pointers (stores
-    that nothing waits on; a store through a descriptor goes out of shared memory, which the next
+    address registers, and none staging the dot operands), δ stored through pointers (as S is,
+    :func:`_state_fwd_any`: stores that nothing waits on; a store through a descriptor goes out of shared memory, which the next
     step's S may not overwrite until it has). W, KT and U are read in whole blocks of 64 rows: the
     rows of a later sequence (finite, from wu) get δ = 0, so they add nothing to the state."""
-    tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_s.to(h.dtype.element_ty))
     cs = bos + i_c * 64
     nv = tl.minimum(eos - cs, 64).to(tl.int32)
     m = o_t < nv
@@ -393,10 +391,11 @@ def _state_fwd_step_tma(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, i_v, o
 def _state_fwd_any(i_c, b_s, KT, G, W, U, h, VN, ht, bos, eos, c0, nc, i_n, i_hv, i_v, o_t, o_k, o_v, HV,
                    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
                    DT: tl.constexpr, TMA: tl.constexpr):
-    """Step i_c of the forward state pass in the form ``TMA`` names; with ``STORE_FINAL`` the last
-    step (i_c = nc − 1) stores the state it returns as the final state, its addresses formed here
-    rather than held across the loop (the launch fills the final state of a sequence without
-    chunks, which has no step: common.fill_empty)."""
+    """Step i_c of the forward state pass in the form ``TMA`` names: S entering the chunk into h, δ,
+    the next S; with ``STORE_FINAL`` the last step (i_c = nc − 1) stores the state it returns as the
+    final state, its addresses formed here rather than held across the loop (the launch fills the
+    final state of a sequence without chunks, which has no step: common.fill_empty)."""
+    tl.store(h + ((c0 + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_s.to(h.dtype.element_ty))
     if TMA:
         b_s = _state_fwd_step_tma(i_c, b_s, KT, G, W, U, h, VN, bos, eos, c0, i_hv, i_v, o_t, o_k, o_v, HV, K, V, BV,
                                   PREC, DT)
