@@ -58,7 +58,7 @@ def kkt_solve_kernel(k, g, beta, Ai, G, q, P, Bnd, cu, chunk_idx, H, HV, K: tl.c
     P[t, hv, :] = rows of (Q Kᵀ ⊙ D) with D_ij = exp(γ_i − γ_j) for j ≤ i, else 0: the output's
     in-chunk pair matrix, made here from the same K tiles and γ instead of once per value tile
     in the fused forward pass. With STORE_B (gated), also Bnd[i_t, hv] = the chunk's log norm
-    bound (split.chunk_log_bound: γ_C + Σ_t log max(1, |1 − β_t‖k_t‖²|)), ‖k_t‖² read off the
+    bound (split.bound_kernel's: γ_C + Σ_t log max(1, |1 − β_t‖k_t‖²|)), ‖k_t‖² read off the
     diagonal of the Gram blocks this kernel forms anyway: the warm-started split's walks then
     read one number per chunk instead of the chunk's keys."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)

@@ -55,6 +55,21 @@ def bounds(k, beta, G, ch: Chunks, HV: int, plans=None):
 
 
 @triton.jit
+def _bound_at(Bnd, G, c, j, m, bos, eos, seos, i_hv, HV, BT: tl.constexpr, DELTA: tl.constexpr,
+              AFTER: tl.constexpr):
+    """The log norm bound of the j-th chunk a walk takes (global chunk c; j and c scalars or
+    vectors, m their mask): Bnd's for the delta members, else γ_C, G at the chunk's last row (the
+    j-th chunk after the segment's end ``eos``, or before its start ``bos``; ``seos`` its
+    sequence's end); 0 where m is false."""
+    if DELTA:
+        b = tl.load(Bnd + c * HV + i_hv, mask=m, other=0.0)
+    else:
+        last = tl.minimum(eos + (j + 1) * BT, seos) - 1 if AFTER else bos - j * BT - 1
+        b = tl.load(G + last * HV + i_hv, mask=m, other=0.0)
+    return b
+
+
+@triton.jit
 def warm_up(Bnd, G, seg_seq, seq_cu, seq_off, i_s, bos, eos, i_hv, HV, BT: tl.constexpr, DELTA: tl.constexpr,
             LOG_EPS: tl.constexpr, AFTER: tl.constexpr, NB: tl.constexpr = 1):
     """(sequence, its first row, its end, warm-up chunks) of segment ``i_s`` = rows [bos, eos) of a
@@ -85,11 +100,7 @@ def warm_up(Bnd, G, seg_seq, seq_cu, seq_off, i_s, bos, eos, i_hv, HV, BT: tl.co
         nw = 0
         acc = 0.0
         while (acc > LOG_EPS) & (nw < avail):
-            if DELTA:
-                acc += tl.load(Bnd + (c1 + step * nw) * HV + i_hv)
-            else:
-                last = tl.minimum(eos + (nw + 1) * BT, seos) - 1 if AFTER else bos - nw * BT - 1
-                acc += tl.load(G + last * HV + i_hv)
+            acc += _bound_at(Bnd, G, c1 + step * nw, nw, True, bos, eos, seos, i_hv, HV, BT, DELTA, AFTER)
             nw += 1
     else:
         o_j = tl.arange(0, NB)
@@ -99,11 +110,7 @@ def warm_up(Bnd, G, seg_seq, seq_cu, seq_off, i_s, bos, eos, i_hv, HV, BT: tl.co
         while go:
             j = nw + o_j
             m = j < avail
-            if DELTA:
-                b = tl.load(Bnd + (c1 + step * j).to(tl.int64) * HV + i_hv, mask=m, other=0.0)
-            else:
-                last = tl.minimum(eos + (j + 1) * BT, seos) - 1 if AFTER else bos - j * BT - 1
-                b = tl.load(G + last.to(tl.int64) * HV + i_hv, mask=m, other=0.0)
+            b = _bound_at(Bnd, G, c1 + step * j, j, m, bos, eos, seos, i_hv, HV, BT, DELTA, AFTER)
             hit = m & (acc + tl.cumsum(b, axis=0) <= LOG_EPS)
             stop = tl.min(tl.where(hit, j, avail), axis=0)  # the first chunk whose bound closes the walk
             nw = tl.where(stop < avail, stop + 1, tl.minimum(nw + NB, avail))
