@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from gdn import ops
 from gdn.ops.delta import chunk as chunk_form
+from tests.ops.helpers import warm_walks
 
 from .helpers import (DEVICE, FP32_TOL, HAS_BETA, HAS_G, assert_within, dtype_id, leaves, offsets,
                       outputs_and_grads, rel_err, tier3_bounds)
@@ -200,7 +201,7 @@ def test_warm_plan_counts(after, dtype):
     from gdn.ops.triton.common import make_chunks, make_segments
 
     lens, H, HV, K = [65, 1, 0, 1300, 200, 130, 2200], 2, 4, 128
-    T, eps, BT = sum(lens), -16.0, 64
+    T = sum(lens)
     gen = torch.Generator().manual_seed(11)
     k = (torch.randn(T, H, K, generator=gen) * torch.rand(T, H, 1, generator=gen) * 0.2).to(dtype)
     beta = torch.rand(T, HV, generator=gen) * 2
@@ -214,22 +215,10 @@ def test_warm_plan_counts(after, dtype):
     chunk_fwd.prepare(kd, torch.zeros(T, HV, K, device=DEVICE, dtype=dtype), gd, bd, ch, wu=False, gamma_out=G,
                       bound_out=bnd)
     nw = split.warm_plan(bnd, G, sg, ch, HV, after=after).cpu()
-    seg_cu, seq = sg.cu.tolist(), sg.seq.tolist()
-    nk = (k.double() ** 2).sum(-1)
-    longest = 0
-    for s in range(sg.NS):
-        sbos, seos = int(cu[seq[s]]), int(cu[seq[s] + 1])
-        for hv in range(HV):
-            expect, acc, near, bos, eos = 0, 0.0, False, seg_cu[s], seg_cu[s + 1]
-            while acc > eps and (eos + expect * BT < seos if after else bos - expect * BT > sbos):
-                r0 = eos + expect * BT if after else bos - (expect + 1) * BT
-                rows = slice(r0, min(r0 + BT, seos))
-                acc += float(g[rows, hv].double().sum() + (1 - beta[rows, hv].double() * nk[rows, hv // (HV // H)])
-                             .abs().clamp(min=1).log().sum())
-                near |= abs(acc - eps) < 1e-3
-                expect += 1
-            longest = max(longest, expect)
-            assert int(nw[s, hv]) == expect or near, (s, hv, int(nw[s, hv]), expect)
+    walks = warm_walks(k, beta, g, cu, sg.cu.tolist(), sg.seq.tolist(), HV, after)
+    for (s, hv), (expect, near) in walks.items():
+        assert int(nw[s, hv]) == expect or near, (s, hv, int(nw[s, hv]), expect)
+    longest = max(n for n, _ in walks.values())
     assert longest > 16
 
 

@@ -69,3 +69,32 @@ def spy_group_sum(monkeypatch, module) -> list:
 
     monkeypatch.setattr(module, "group_sum", spy)
     return seen
+
+
+def warm_walks(k, beta, g, cu, seg_cu, seq, HV, after, delta=True, eps=-16.0, BT=64):
+    """The warm-up walk of every segment and value head written out in float64 (the reference of
+    split.warm_plan): {(segment, head): (chunks walked, whether the running sum passed within 1e-3
+    of ``eps``: where rounding may end the kernel's walk a chunk off)}. A chunk's bound is the sum
+    of its g, plus (``delta``) Σ log max(1, |1 − β‖k‖²|) over its rows; the walk goes back from the
+    segment's first row (``after``: forward from its end) until the sum is at most ``eps`` or the
+    sequence's edge. k [T, H, K], beta and g [T, HV] (CPU), cu the sequences' offsets, seg_cu and
+    seq the segments' offsets and sequences (lists)."""
+    H = k.shape[1]
+    nk = (k.double() ** 2).sum(-1)  # [T, H]
+    out = {}
+    for s in range(len(seq)):
+        sbos, seos = int(cu[seq[s]]), int(cu[seq[s] + 1])
+        bos, eos = seg_cu[s], seg_cu[s + 1]
+        for hv in range(HV):
+            n, acc, near = 0, 0.0, False
+            while acc > eps and (eos + n * BT < seos if after else bos - n * BT > sbos):
+                r0 = eos + n * BT if after else bos - (n + 1) * BT
+                rows = slice(r0, min(r0 + BT, seos))
+                acc += float(g[rows, hv].double().sum())
+                if delta:
+                    stretch = (1 - beta[rows, hv].double() * nk[rows, hv // (HV // H)]).abs().clamp(min=1)
+                    acc += float(stretch.log().sum())
+                near |= abs(acc - eps) < 1e-3
+                n += 1
+            out[s, hv] = n, near
+    return out

@@ -28,7 +28,7 @@ from gdn.ops.delta import reference  # noqa: E402
 from gdn.ops import tuning  # noqa: E402
 from gdn.ops.tuning import INTERPRET  # noqa: E402
 
-from .helpers import HAS_BETA, HAS_G, MEMBERS, make_inputs, rel_err, spy_group_sum  # noqa: E402
+from .helpers import HAS_BETA, HAS_G, MEMBERS, make_inputs, rel_err, spy_group_sum, warm_walks  # noqa: E402
 
 if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
@@ -919,21 +919,9 @@ def test_warm_plan_counts_the_walk_of_each_segment(after, source):
         bnd = split.bounds(k, None, G, ch, HV)
         assert bnd is None
     nw = split.warm_plan(bnd, G, sg, ch, HV, after=after)
-    seg_cu, seq = sg.cu.tolist(), sg.seq.tolist()
-    nk = (k.double() ** 2).sum(-1)  # [T, H]
-    for s in range(sg.NS):
-        sbos, seos = int(cu[seq[s]]), int(cu[seq[s] + 1])
-        for hv in range(HV):
-            expect, acc, bos, eos = 0, 0.0, seg_cu[s], seg_cu[s + 1]
-            while acc > -16.0 and (eos + expect * BT < seos if after else bos - expect * BT > sbos):
-                r0 = eos + expect * BT if after else bos - (expect + 1) * BT
-                rows = slice(r0, min(r0 + BT, seos))
-                acc += float(g[rows, hv].double().sum())
-                if source != "gate":
-                    stretch = (1 - beta[rows, hv].double() * nk[rows, hv // (HV // H)]).abs().clamp(min=1)
-                    acc += float(stretch.log().sum())
-                expect += 1
-            assert int(nw[s, hv]) == expect, (s, hv, int(nw[s, hv]), expect)
+    walks = warm_walks(k, beta, g, cu, sg.cu.tolist(), sg.seq.tolist(), HV, after, delta=source != "gate")
+    for (s, hv), (expect, _) in walks.items():
+        assert int(nw[s, hv]) == expect, (s, hv, int(nw[s, hv]), expect)
     assert int(nw.max()) > 16  # some walks take more than one block of bounds (warm_up's NB)
 
 
