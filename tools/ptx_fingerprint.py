@@ -57,6 +57,22 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 SMS = 132  # the H200's multiprocessors: tile and pass choices as on the card
 
 
+def device_rules(rules: dict, prefixes=("gdn.",)) -> list:
+    """Set each of ``rules`` ({name: function}: a device test such as ``sm_count`` or ``has_tma``) on
+    every loaded module whose name starts with one of ``prefixes`` and has that function, so that
+    every module deciding grids, splits or paths sees the card's answers; [(module, name, old
+    function)], to put back."""
+    patched = []
+    for mod in list(sys.modules.values()):
+        name = getattr(mod, "__name__", "") or ""
+        if name.startswith(prefixes) or name in prefixes:
+            for attr, value in rules.items():
+                if callable(getattr(mod, attr, None)):
+                    patched.append((mod, attr, getattr(mod, attr)))
+                    setattr(mod, attr, value)
+    return patched
+
+
 @contextlib.contextmanager
 def captured(hopper: bool = False):
     """Inside: every ``kernel[grid](...)`` and every :func:`gdn.ops.triton.launch.launch` records
@@ -74,15 +90,9 @@ def captured(hopper: bool = False):
             out.append((self, args, kwargs))
         return run
 
-    patched = []
-    for mod in list(sys.modules.values()):
-        name = getattr(mod, "__name__", "") or ""
-        if name.startswith("gdn.") or name.startswith("tools.") or name == "__main__":
-            for attr, value in (("use_triton", lambda x: True), ("sm_count", lambda device: SMS),
-                                ("hopper", lambda x: hopper), ("has_tma", lambda x: hopper)):
-                if hasattr(mod, attr) and callable(getattr(mod, attr)):
-                    patched.append((mod, attr, getattr(mod, attr)))
-                    setattr(mod, attr, value)
+    patched = device_rules({"use_triton": lambda x: True, "sm_count": lambda device: SMS,
+                            "hopper": lambda x: hopper, "has_tma": lambda x: hopper},
+                           ("gdn.", "tools.", "__main__"))
     JITFunction.__getitem__ = getitem
     try:
         with launcher.recording() as rec:

@@ -46,7 +46,7 @@ from gdn.ops.tuning import DELTA, update_from  # noqa: E402
 from triton.backends.nvidia.compiler import sm_arch_from_capability  # noqa: E402
 from triton.compiler import make_backend  # noqa: E402
 
-from ptx_fingerprint import TARGET, compile_launch, launch_key  # noqa: E402  (the launcher's own compile inputs)
+from ptx_fingerprint import TARGET, compile_launch, device_rules, launch_key  # noqa: E402  (the launcher's own compile inputs)
 
 _BACKEND, _BINDERS = make_backend(TARGET), {}
 
@@ -59,13 +59,7 @@ def _card_sms():
     """Make the launchers size their grids for the H200's multiprocessors (:data:`SMS`) and take
     the tensor-descriptor paths the H200 takes (``has_tma``)."""
     # every module of gdn that sizes grids or splits (split, fused_fwd, fused_rev among them)
-    for mod in list(sys.modules.values()):
-        if not getattr(mod, "__name__", "").startswith("gdn."):
-            continue
-        if callable(getattr(mod, "sm_count", None)):
-            mod.sm_count = lambda device: SMS
-        if callable(getattr(mod, "has_tma", None)):
-            mod.has_tma = lambda x: True
+    device_rules({"sm_count": lambda device: SMS, "has_tma": lambda x: True})
 
 
 def record(B, T, H, HV, K, V=None, dtype=torch.bfloat16):
