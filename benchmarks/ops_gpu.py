@@ -6,7 +6,8 @@ One process times every peer at each shape, side by side: ``gdn`` (``gdn.ops.gat
 SM90/SM100 only, "n/a" elsewhere) and ``sdpa`` (PyTorch's flash attention at the same shape, for
 scale). ``--peers`` picks them.
 
-Rows, bf16 q/k/v, fp32 g and beta (index: shape; ``--shapes`` takes indices, in the order to run):
+Rows, bf16 q/k/v (``--dtype fp16`` or ``fp32`` for the other input dtypes gdn takes; FlashQLA's
+cells are then "n/a" in fp32, which it does not take), fp32 g and beta (index: shape; ``--shapes`` takes indices, in the order to run):
 0 (8, 2048, 16, 128); 1 (4, 8192, 16, 128); 2 (1, 32768, 16, 128) (the same tokens per call at three
 sequence lengths); 3 grouped values (1, 8192, H = 16, HV = 32, 128); 4 a packed batch of 12
 sequences of mixed lengths totalling 32768; 5 one layer of the 340m model (K = 128, V = 256); 6 the
@@ -91,6 +92,9 @@ SHAPES = [
 D = 128
 #: where the inputs are made (the CPU test of the table's plumbing sets "cpu")
 DEVICE = "cuda"
+#: the dtype of q, k, v and dO (--dtype); g and beta are fp32 throughout
+IO = torch.bfloat16
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: the run order without --shapes: FlashQLA's compile budget goes to these rows first
 DEFAULT_ORDER = [1, 2, 6, 0, 3, 4, 5]
 PEERS = ["gdn", "fla", "qla", "sdpa"]
@@ -153,16 +157,17 @@ def triton_ready():
 def counts(B, T, H, HV, V=D):
     tokens = B * T
     fwd_flops = tokens * HV * 2 * (3 * C * D + 2 * C * V + 3 * D * V)
-    ins = tokens * (2 * H * D * 2 + HV * V * 2 + HV * 4 * 2)  # q, k, v bf16; g, beta fp32
-    out = tokens * HV * V * 2
+    e = torch.finfo(IO).bits // 8
+    ins = tokens * (2 * H * D * e + HV * V * e + HV * 4 * 2)  # q, k, v in IO; g, beta fp32
+    out = tokens * HV * V * e
     return fwd_flops, 3 * fwd_flops, ins + out, 2 * ins + 2 * out + ins
 
 
 def inputs(B, T, H, HV, lens, V=D, device=None):
     device = device or DEVICE  # (read at call time: tests point DEVICE elsewhere)
-    q = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=device), dim=-1).bfloat16()
-    v = torch.randn(B, T, HV, V, device=device, dtype=torch.bfloat16)
+    q = torch.randn(B, T, H, D, device=device, dtype=IO)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=device), dim=-1).to(IO)
+    v = torch.randn(B, T, HV, V, device=device, dtype=IO)
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device=device) + 3)
     beta = torch.rand(B, T, HV, device=device).sigmoid()
     cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
@@ -307,6 +312,8 @@ def qla_skip(K, V, index, qla_rows, spent, budget, left):
     reach ``budget`` or with under 30 s of the run left."""
     if not qla_supported(K, V):
         return "n/a", f"K = V = 128 only (K = {K}, V = {V})"
+    if IO not in (torch.bfloat16, torch.float16):
+        return "n/a", "16-bit inputs only"
     if torch.version.hip is not None:
         return "n/a", "NVIDIA only"
     if qla_rows is not None and index not in qla_rows:
@@ -337,7 +344,7 @@ def rows(out, rates, deadline=float("inf"), *, order=None, peers=("gdn", "fla", 
             continue
         V = vd[0] if vd else D
         xs, cu = inputs(B, T, H, HV, lens, V)
-        do = torch.randn(B, T, HV, V, device=DEVICE, dtype=torch.bfloat16)
+        do = torch.randn(B, T, HV, V, device=DEVICE, dtype=IO)
         sd = sdpa_fn(B, T, HV, lens, V) if "sdpa" in peers else None
         f_fwd, f_all, b_fwd, b_all = counts(B, T, H, HV, V)
         for bwd in (False, True):
@@ -460,12 +467,18 @@ def versions():
     return out
 
 
+def dtype_name() -> str:
+    """The --dtype name of the inputs' dtype (IO)."""
+    return next(n for n, d in DTYPES.items() if d is IO)
+
+
 def caption(mm_rate, copy_bw, peers) -> str:
     v = versions()
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     lines = [f"{dev}, torch {v['torch']}, triton {v['triton']}, FLA {v['fla-core']}, FlashQLA {v['flash-qla']} "
              f"(TileLang {v['tilelang']}), {datetime.date.today()}. Ceilings measured in this run: bf16 matmul "
-             f"{mm_rate / 1e12:.0f} TFLOP/s, copy {copy_bw / 1e9:.0f} GB/s. Gated DeltaNet, bf16 q/k/v, fp32 g/beta."]
+             f"{mm_rate / 1e12:.0f} TFLOP/s, copy {copy_bw / 1e9:.0f} GB/s. Gated DeltaNet, "
+             f"{dtype_name()} q/k/v, fp32 g/beta."]
     if "fla" in peers:
         lines.append(f"FLA: FLA's Triton path (FLA_FLASH_QLA={os.environ.get('FLA_FLASH_QLA')}, "
                      f"FLA_TILELANG={os.environ.get('FLA_TILELANG', 'unset')}); fwd+bwd timed with "
@@ -527,7 +540,7 @@ def variants(specs, prof=False, shapes=None):
     for name, B, T, H, HV, lens, *vd in SHAPES if shapes is None else shapes:
         V = vd[0] if vd else D
         xs, cu = inputs(B, T, H, HV, lens, V)
-        do = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
+        do = torch.randn(B, T, HV, V, device="cuda", dtype=IO)
         g = gdn_fn(xs, cu)
         base = None
         for spec in specs:
@@ -635,7 +648,7 @@ def profile(shapes=None, peers=("gdn", "fla")):
     for label, B, T, H, HV, lens, *vd in SHAPES if shapes is None else shapes:
         V = vd[0] if vd else D
         xs, cu = inputs(B, T, H, HV, lens, V)
-        do = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
+        do = torch.randn(B, T, HV, V, device="cuda", dtype=IO)
         fns = (("gdn", gdn_fn(xs, cu) if "gdn" in peers else None),
                ("FLA", fla_fn(xs, cu) if "fla" in peers else None))
         for name, f in fns:
@@ -670,6 +683,8 @@ def main():
     ap.add_argument("--config", default=None, metavar="FILE|JSON",
                     help="launch configurations to use: a JSON file (tools/tune_gpu.py --out) or an inline "
                          "partial configuration such as '{\"split\": {\"L\": -1}}' (gdn.ops.tuning.update_from)")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
+                    help="dtype of q, k, v and dO (g and beta stay fp32; SDPA's reference stays bf16)")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="start no new shape after this many seconds (the table and what was measured still print)")
     args = ap.parse_args()
@@ -680,6 +695,8 @@ def main():
     except ValueError as e:
         ap.error(str(e))
     fla_backends(args.fla_tilelang)
+    global IO
+    IO = DTYPES[args.dtype]
     shapes = [SHAPES[i] for i in order]
     if args.config:
         from gdn.ops import tuning
@@ -703,7 +720,7 @@ def main():
     rs, rates = [], [float("nan"), float("nan")]
     meta = {"argv": sys.argv[1:], "date": str(datetime.date.today()), "peers": peers, "order": order,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None, **versions(),
-            "FLA_FLASH_QLA": os.environ.get("FLA_FLASH_QLA"), "FLA_TILELANG": os.environ.get("FLA_TILELANG")}
+            "dtype": args.dtype, "FLA_FLASH_QLA": os.environ.get("FLA_FLASH_QLA"), "FLA_TILELANG": os.environ.get("FLA_TILELANG")}
 
     def on_row(_):
         if args.json:

@@ -115,6 +115,22 @@ def test_rows_table_and_json(bench, monkeypatch, tmp_path):
     assert len(saved["rows"]) == len(rs) and saved["rows"][0]["peers"]["gdn"]["status"] == "ok"
 
 
+def test_input_dtype(bench, monkeypatch):
+    """--dtype sets q, k, v (and dO) and the bytes counted; g and beta stay fp32; FlashQLA's cells
+    are "n/a" for fp32, which it does not take."""
+    inf = float("inf")
+    (q, k, v, g, beta), _ = bench.inputs(1, 8, 1, 1, None, 16, device="cpu")
+    assert q.dtype == k.dtype == v.dtype == torch.bfloat16 and g.dtype == beta.dtype == torch.float32
+    bytes16 = bench.counts(1, 64, 1, 1)[2]
+    assert bench.qla_skip(128, 128, 1, None, 0, inf, inf) is None and bench.dtype_name() == "bf16"
+    monkeypatch.setattr(bench, "IO", bench.DTYPES["fp32"])
+    (q, k, v, g, beta), _ = bench.inputs(1, 8, 1, 1, None, 16, device="cpu")
+    assert q.dtype == k.dtype == v.dtype == torch.float32 and g.dtype == beta.dtype == torch.float32
+    assert bench.counts(1, 64, 1, 1)[2] > bytes16
+    assert bench.qla_skip(128, 128, 1, None, 0, inf, inf) == ("n/a", "16-bit inputs only")
+    assert bench.dtype_name() == "fp32"
+
+
 def test_a_failing_peer_and_the_compile_budget(bench, monkeypatch, capsys):
     def broken(*a, **k):
         raise RuntimeError("no kernel for this card\nsecond line")
