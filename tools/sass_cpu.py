@@ -198,7 +198,7 @@ def main():
     ap.add_argument("--v", type=int, default=None, help="value width V (default K)")
     ap.add_argument("--depths", action="store_true",
                     help="the sequential passes at each of their launch candidates, and the one the launcher takes")
-    ap.add_argument("--kernels", default=None, help="comma-separated names (default every launched kernel)")
+    ap.add_argument("--kernels", default=None, help="comma-separated names, with or without the _kernel suffix (default every launched kernel)")
     ap.add_argument("--sass", default=None, metavar="DIR", help="also write each kernel's SASS there")
     ap.add_argument("--config", default=None, metavar="JSON",
                     help="launch overrides (a file or inline JSON, gdn.ops.tuning.update_from), e.g. "
@@ -218,7 +218,9 @@ def main():
             ap.error(f"--config: {e}")
     B, T = (int(x) for x in args.shape.lower().split("x"))
     HV = args.hv or args.h
-    want = None if args.kernels is None else {f"{n}_kernel" for n in args.kernels.split(",")}
+    # a name with or without its "_kernel" suffix (state_bwd or state_bwd_kernel)
+    want = None if args.kernels is None else {n.strip().removesuffix("_kernel") + "_kernel"
+                                              for n in args.kernels.split(",")}
     print(f"H200 (sm_90) compile of the launches of one fwd+bwd ({args.op}) at B={B}, T={T}, H={args.h}, HV={HV}, "
           f"K={args.k}, V={args.v or args.k}, {args.dtype}; {SMS} multiprocessors, "
           f"{launcher.SM90['shared'] // 1024} KB shared each")
