@@ -156,3 +156,22 @@ def test_warp_specialised_forward_value_tiles_compile_without_spills():
     assert all(r["spill"] == 0 for r in runs[4:]), runs[4:]
     assert fwd["shared"] < runs[1]["shared"] and states["shared"] < runs[3]["shared"], runs
     assert rev["shared"] <= rev_warm["shared"] < 200 * 1024, (rev, rev_warm)
+
+
+PROBE = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tools import merged_probe as M
+print(json.dumps([M.probe(), M.probe(regs=(24, 248, 248), maxnreg=248, on=(False, False))]))
+"""
+
+
+def test_merged_reverse_probe_counts_its_buffers():
+    """tools/merged_probe.py: the probe of the reverse pass that does the per-chunk work compiles for
+    sm_90; its shared memory is its fourteen tiles (q, k, dO, v, dδ, δ, Z, V − ΓKS, dW at 16 KB,
+    T, Pᵀ and M at 8, h and dS at 32: 232 KB, over the 227 KB a program may take) and a few
+    hundred bytes of barriers, and the chain's role alone needs no spills."""
+    full, chain = _run(PROBE)
+    assert 232 * 1024 <= full["shared"] < 233 * 1024, full
+    assert full["regs"] == 128 and chain["regs"] == 248
+    assert chain["spill"] == 0, chain
