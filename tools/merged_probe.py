@@ -56,6 +56,26 @@ def _copies(q_t, k_t, do_t, v_t, a_t, h_t, s_q, s_k, s_do, s_v, s_a, s_h, ready,
 
 
 @gluon.jit
+def _decay(G, t0, l_t: gl.constexpr):
+    """The chunk's [64, 64] decay matrix exp(γ_c − γ_r) on and above the diagonal, zero below it, in
+    layout l_t (that of Pᵀ = K Qᵀ)."""
+    o_r = gl.arange(0, BT, layout=gl.SliceLayout(1, l_t))
+    o_c = gl.arange(0, BT, layout=gl.SliceLayout(0, l_t))
+    g_r = gl.load(G + t0 + o_r)
+    g_c = gl.load(G + t0 + o_c)
+    return gl.exp(gl.where(o_c[None, :] >= o_r[:, None], g_c[None, :] - g_r[:, None], float("-inf")))
+
+
+@gluon.jit
+def _store_rows(X, t0, x, N: gl.constexpr):
+    """Rows t0 … t0 + 63 of the [T, N] output X from a [64, N] accumulator (bf16)."""
+    l_x: gl.constexpr = acc_layout(N, WG)
+    o_t = gl.arange(0, BT, layout=gl.SliceLayout(1, l_x))
+    o_n = gl.arange(0, N, layout=gl.SliceLayout(0, l_x))
+    gl.store(X + (t0 + o_t)[:, None] * N + o_n[None, :], x.to(gl.bfloat16))
+
+
+@gluon.jit
 def _chain(s_q, s_k, s_do, s_ds, s_z, ready, empty, hand, G, dh0, nc, K: gl.constexpr, V: gl.constexpr):
     l_s: gl.constexpr = acc_layout(V, WG)
     b_s = gl.zeros([K, V], gl.float32, l_s)
@@ -84,12 +104,8 @@ def _grad_b(s_k, s_a, s_h, s_ds, s_dd, s_dl, s_z, s_dw, s_m, ready, empty, hand,
     l_v: gl.constexpr = acc_layout(V, WG)
     l_k: gl.constexpr = acc_layout(K, WG)
     l_t: gl.constexpr = acc_layout(BT, WG)
-    r_v: gl.constexpr = gl.SliceLayout(1, l_v)
-    o_t = gl.arange(0, BT, layout=r_v)
-    o_v = gl.arange(0, V, layout=gl.SliceLayout(0, l_v))
-    r_k: gl.constexpr = gl.SliceLayout(1, l_k)
-    o_tk = gl.arange(0, BT, layout=r_k)
-    o_kk = gl.arange(0, K, layout=gl.SliceLayout(0, l_k))
+    o_t = gl.arange(0, BT, layout=gl.SliceLayout(1, l_v))
+    o_tk = gl.arange(0, BT, layout=gl.SliceLayout(1, l_k))
     zv = gl.zeros([BT, V], gl.float32, l_v)
     zk = gl.zeros([BT, K], gl.float32, l_k)
     zt = gl.zeros([BT, BT], gl.float32, l_t)
@@ -109,9 +125,8 @@ def _grad_b(s_k, s_a, s_h, s_ds, s_dd, s_dl, s_z, s_dw, s_m, ready, empty, hand,
             s_z.store((b_y * (0.0 - gl.exp(g_t))[:, None]).to(gl.bfloat16))
             fence_async_shared()
             mbarrier.arrive(hand.index(2), count=1)  # Z
-            gl.store(DV + (t0 + o_t)[:, None] * V + o_v[None, :], b_y.to(gl.bfloat16))
-            # dK's products
-            # one product live beside the dK accumulator at a time, each stored as soon as formed
+            _store_rows(DV, t0, b_y, V)
+            # dK's products, one product live beside the dK accumulator at a time, each stored as soon as formed
             b_dk = warpgroup_mma(s_dl, s_ds.permute((1, 0)), zk, use_acc=False)
             b_w = warpgroup_mma(s_dd, s_h.permute((1, 0)), zk, use_acc=False)
             s_dw.store((0.0 - b_w).to(gl.bfloat16))
@@ -128,7 +143,7 @@ def _grad_b(s_k, s_a, s_h, s_ds, s_dd, s_dl, s_z, s_dw, s_m, ready, empty, hand,
             b_dk = warpgroup_mma(s_m, s_k, b_dk, is_async=True)
             b_dk = warpgroup_mma(s_m.permute((1, 0)), s_k, b_dk, is_async=True)
             b_dk = warpgroup_mma_wait(0, deps=[b_dk])
-            gl.store(DK + (t0 + o_tk)[:, None] * K + o_kk[None, :], b_dk.to(gl.bfloat16))
+            _store_rows(DK, t0, b_dk, K)
             mbarrier.arrive(empty, count=1)
         else:
             mbarrier.arrive(hand.index(2), count=1)
@@ -143,11 +158,6 @@ def _grad_a(s_q, s_k, s_do, s_v, s_a, s_h, s_ds, s_dd, s_dl, s_p, s_u, ready, em
     l_v: gl.constexpr = acc_layout(V, WG)
     l_k: gl.constexpr = acc_layout(K, WG)
     l_t: gl.constexpr = acc_layout(BT, WG)
-    o_r = gl.arange(0, BT, layout=gl.SliceLayout(1, l_t))
-    o_c = gl.arange(0, BT, layout=gl.SliceLayout(0, l_t))
-    r_k: gl.constexpr = gl.SliceLayout(1, l_k)
-    o_tk = gl.arange(0, BT, layout=r_k)
-    o_kk = gl.arange(0, K, layout=gl.SliceLayout(0, l_k))
     o_tv = gl.arange(0, BT, layout=gl.SliceLayout(1, l_v))
     zv = gl.zeros([BT, V], gl.float32, l_v)
     zk = gl.zeros([BT, K], gl.float32, l_k)
@@ -158,10 +168,7 @@ def _grad_a(s_q, s_k, s_do, s_v, s_a, s_h, s_ds, s_dd, s_dl, s_p, s_u, ready, em
         mbarrier.wait(ready, par)
         if ON:
             b_p = warpgroup_mma(s_k, s_q.permute((1, 0)), zt, use_acc=False)
-            g_r = gl.load(G + t0 + o_r)
-            g_c = gl.load(G + t0 + o_c)
-            dec = gl.exp(gl.where(o_c[None, :] >= o_r[:, None], g_c[None, :] - g_r[:, None], float("-inf")))
-            s_p.store((b_p * dec).to(gl.bfloat16))
+            s_p.store((b_p * _decay(G, t0, l_t)).to(gl.bfloat16))
             fence_async_shared()
             b_l = warpgroup_mma(s_p, s_do, zv, use_acc=False)
             mbarrier.wait(hand.index(1), par ^ 1)  # B is done with the previous chunk's dδ and δ
@@ -177,15 +184,13 @@ def _grad_a(s_q, s_k, s_do, s_v, s_a, s_h, s_ds, s_dd, s_dl, s_p, s_u, ready, em
             b_e = warpgroup_mma(s_do, s_dl.permute((1, 0)), zt, use_acc=False, is_async=True)
             b_dq = warpgroup_mma(s_do, s_h.permute((1, 0)), zk, use_acc=False, is_async=True)
             b_e, b_dq = warpgroup_mma_wait(0, deps=[b_e, b_dq])
-            g_r = gl.load(G + t0 + o_r)  # the decay matrix formed again rather than held
-            g_c = gl.load(G + t0 + o_c)
-            dec = gl.exp(gl.where(o_c[None, :] >= o_r[:, None], g_c[None, :] - g_r[:, None], float("-inf")))
+            dec = _decay(G, t0, l_t)  # formed again rather than held
             gl.thread_barrier()
             s_p.store(gl.permute((b_e * dec).to(gl.bfloat16), (1, 0)))
             fence_async_shared()
             b_dq = warpgroup_mma(s_p.permute((1, 0)), s_k, b_dq, is_async=True)
             b_dq = warpgroup_mma_wait(0, deps=[b_dq])
-            gl.store(DQ + (t0 + o_tk)[:, None] * K + o_kk[None, :], b_dq.to(gl.bfloat16))
+            _store_rows(DQ, t0, b_dq, K)
             mbarrier.arrive(empty, count=1)
         else:
             mbarrier.arrive(hand.index(3), count=1)
