@@ -212,7 +212,18 @@ def _aligned(sig: dict, at: dict) -> dict:
     return {(at[n],): [["tt.divisibility", 16]] for n in names}
 
 
-def _compiled(src, num_warps: int, **extra) -> dict:
+def sass(cubin: bytes) -> str:
+    """The SASS of a compiled kernel's cubin (cuobjdump -sass)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def _compiled(src, num_warps: int, cubin: bool = False, **extra) -> dict:
+    """{"regs", "spill", "shared", "seconds"} of ``src`` compiled for sm_90 (and its "cubin" with
+    ``cubin``)."""
     opts = make_backend(TARGET).parse_options({"num_warps": num_warps, **extra})
     t = time.perf_counter()
     ck = triton.compile(src, target=TARGET, options=opts.__dict__)
@@ -223,8 +234,11 @@ def _compiled(src, num_warps: int, **extra) -> dict:
         usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", f.name],
                                capture_output=True, text=True, check=True).stdout
     field = {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
-    return {"regs": field["REG"], "spill": field["STACK"] + field["LOCAL"], "shared": ck.metadata.shared,
-            "seconds": seconds}
+    out = {"regs": field["REG"], "spill": field["STACK"] + field["LOCAL"], "shared": ck.metadata.shared,
+           "seconds": seconds}
+    if cubin:
+        out["cubin"] = ck.asm["cubin"]
+    return out
 
 
 def main(argv=None) -> int:

@@ -10,13 +10,16 @@ Roles (one program: a sequence and value head, K = V = 128, bf16 tiles):
 - chain (the default partition, 4 warps): dS [K, V] fp32 as the accumulator of its update
   Γ_C dS + (diag(sΓ) Q)ᵀ dO + Kᵀ Z; publishes dS in 16 bits each chunk.
 - B (4 warps): K dS and Tᵀ dδ for the chain (dδ written over L's place, Z and dV from the one
-  product), and the dK accumulator's products: δ dSᵀ, Tᵀ dW (dW = −dδ Sᵀ), (M + Mᵀ) K with
-  M from Tᵀ (dδ δᵀ).
+  product), and the dK accumulator's products: dW = −dδ Sᵀ first, then dK from Tᵀ dW (scaled by
+  rows in place), δ dSᵀ into it, and (M + Mᵀ) K with M from Tᵀ (dδ δᵀ): one [64, K] product live
+  beside the accumulator at most.
 - A (4 warps): Pᵀ = K Qᵀ and L = Pᵀ dO ahead of the chain, δ = T (V − K S) from h, dO δᵀ, and the
   dQ accumulator's products: dO Sᵀ and (dO δᵀ ⊙ D) K.
 - copies (1 warp): q, k, dO, v, T and h of each chunk by tensor copies.
 
-    python tools/merged_probe.py [--regs 24,160,160] [--maxnreg 128]
+dW (B's) and V − ΓKS (A's) share one buffer: their uses never overlap in time (K = V here).
+
+    python tools/merged_probe.py [--regs 24,160,160] [--maxnreg 128] [--only A|B|chain] [--sass FILE]
 """
 from __future__ import annotations
 
@@ -126,16 +129,20 @@ def _grad_b(s_k, s_a, s_h, s_ds, s_dd, s_dl, s_z, s_dw, s_m, ready, empty, hand,
             fence_async_shared()
             mbarrier.arrive(hand.index(2), count=1)  # Z
             _store_rows(DV, t0, b_y, V)
-            # dK's products, one product live beside the dK accumulator at a time, each stored as soon as formed
-            b_dk = warpgroup_mma(s_dl, s_ds.permute((1, 0)), zk, use_acc=False)
+            # dK's products: dW first (its product dead once stored), then the dK accumulator starts
+            # from Tᵀ dW scaled by rows in place and takes δ dSᵀ into it, so no second [64, K]
+            # product is live beside it
             b_w = warpgroup_mma(s_dd, s_h.permute((1, 0)), zk, use_acc=False)
             s_dw.store((0.0 - b_w).to(gl.bfloat16))
+            fence_async_shared()
+            b_dk = warpgroup_mma(s_a.permute((1, 0)), s_dw, zk, use_acc=False)
+            b_dk = b_dk * gl.exp(gl.load(G + t0 + o_tk))[:, None]
+            b_dk = warpgroup_mma(s_dl, s_ds.permute((1, 0)), b_dk, is_async=True)
+            b_dk = warpgroup_mma_wait(0, deps=[b_dk])
             b_e = warpgroup_mma(s_dd, s_dl.permute((1, 0)), zt, use_acc=False)
             s_m.store(b_e.to(gl.bfloat16))
             mbarrier.arrive(hand.index(1), count=1)  # done with dS, dδ and δ
             fence_async_shared()
-            b_tw = warpgroup_mma(s_a.permute((1, 0)), s_dw, zk, use_acc=False)
-            b_dk += b_tw * gl.exp(gl.load(G + t0 + o_tk))[:, None]
             b_da = warpgroup_mma(s_a.permute((1, 0)), s_m, zt, use_acc=False)
             gl.thread_barrier()
             s_m.store(b_da.to(gl.bfloat16))
@@ -203,7 +210,6 @@ def merged_probe_kernel(q_t, k_t, do_t, v_t, a_t, h_t, G, DQ, DK, DV, dh0, nc, K
                         ON_B: gl.constexpr = True):
     dt: gl.constexpr = gl.bfloat16
     rows_v: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, V], dt)
-    rows_k: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, K], dt)
     sq_t: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], dt)
     s_q = gl.allocate_shared_memory(dt, [BT, K], q_t.layout)
     s_k = gl.allocate_shared_memory(dt, [BT, K], k_t.layout)
@@ -216,7 +222,9 @@ def merged_probe_kernel(q_t, k_t, do_t, v_t, a_t, h_t, G, DQ, DK, DV, dh0, nc, K
     s_dl = gl.allocate_shared_memory(dt, [BT, V], rows_v)
     s_z = gl.allocate_shared_memory(dt, [BT, V], rows_v)
     s_u = gl.allocate_shared_memory(dt, [BT, V], rows_v)
-    s_dw = gl.allocate_shared_memory(dt, [BT, K], rows_k)
+    # dW (B's, between A's L and δ of a chunk and B's release of it) shares U's place (A's, between
+    # that release and the next chunk's L and δ): their uses never overlap in time
+    s_dw = s_u
     s_p = gl.allocate_shared_memory(dt, [BT, BT], sq_t)
     s_m = gl.allocate_shared_memory(dt, [BT, BT], sq_t)
     ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -235,10 +243,11 @@ def merged_probe_kernel(q_t, k_t, do_t, v_t, a_t, h_t, G, DQ, DK, DV, dh0, nc, K
     ], [1, WG, WG], [R_COPY, R_A, R_B])
 
 
-def probe(K: int = 128, V: int = 128, regs=(24, 160, 160), maxnreg: int = 128, on=(True, True)) -> dict:
+def probe(K: int = 128, V: int = 128, regs=(24, 160, 160), maxnreg: int = 128, on=(True, True),
+          cubin: bool = False) -> dict:
     """{"regs", "spill", "shared"} of the probe compiled for sm_90 (4 warps launched, the workers'
     registers ``regs`` = (copies, A, B), the chain taking the rest of ``maxnreg`` times the program's
-    warps)."""
+    warps); with ``cubin`` its "cubin" too."""
     from gdn.ops.delta.triton import fused_bwd as B  # noqa: PLC0415
 
     def desc(rows, cols):
@@ -252,7 +261,8 @@ def probe(K: int = 128, V: int = 128, regs=(24, 160, 160), maxnreg: int = 128, o
     at = {n: i for i, n in enumerate(names)}
     consts = {(at[n],): v for n, v in const.items()}
     sig = {n: sig[n] for n in names}
-    return _compiled(GluonASTSource(merged_probe_kernel, sig, consts, _aligned(sig, at)), 4, maxnreg=maxnreg)
+    return _compiled(GluonASTSource(merged_probe_kernel, sig, consts, _aligned(sig, at)), 4, cubin=cubin,
+                     maxnreg=maxnreg)
 
 
 def main(argv=None) -> int:
@@ -261,10 +271,15 @@ def main(argv=None) -> int:
     ap.add_argument("--maxnreg", type=int, default=128)
     ap.add_argument("--only", default=None, choices=["A", "B", "chain"],
                     help="compile that role's work alone (the others only pass the handshakes on)")
+    ap.add_argument("--sass", default=None, metavar="FILE", help="also write the compiled kernel's SASS there")
     a = ap.parse_args(argv)
     regs = tuple(int(x) for x in a.regs.split(","))
     on = {None: (True, True), "A": (True, False), "B": (False, True), "chain": (False, False)}[a.only]
-    r = probe(regs=regs, maxnreg=a.maxnreg, on=on)
+    r = probe(regs=regs, maxnreg=a.maxnreg, on=on, cubin=bool(a.sass))
+    if a.sass:
+        from tools.gluon_budget import sass  # noqa: PLC0415
+
+        Path(a.sass).write_text(sass(r["cubin"]))
     print(f"regs {regs} maxnreg {a.maxnreg}: {r['regs']} registers, {r['spill']} spill bytes, "
           f"{r['shared'] / 1024:.0f} KB shared")
     return 0
