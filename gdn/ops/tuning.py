@@ -47,7 +47,12 @@ DELTA = {
     # identical bit for bit (docs/BENCHMARKS.md).
     # fp32 inputs: K tiles of 16 at one stage (ptxas, sm_90, (8, 2048): no spills, 255 registers;
     # BK = 64 at three stages spilled 2716 + 2700 B, BK = 32 at one stage 120 + 140; not timed)
-    "kkt_solve": dict(num_warps=2, stages=(3, 2, 1), BK=64, BV=64, INV="tf32", fp32=dict(BK=16, stages=(1,))),
+    # One warp (16-bit inputs): ptxas sm_90 189 registers, no spills, ten programs a multiprocessor
+    # and no barriers across warps in the block solve, against 179 registers and five at two warps;
+    # H100, GPU µs 148 → 100 at 1 × 32768, 558 → 361 at Qwen3.5-397B, 149 → 101 packed, 77 → 55 at
+    # (8, 2048) (register caps at two warps: 168 → 138 µs at 1 × 32768, 144 → 155; ops_gpu.py
+    # --variants, 2026-12-05). fp32 inputs keep two warps (one was not timed for them).
+    "kkt_solve": dict(num_warps=1, stages=(3, 2, 1), BK=64, BV=64, INV="tf32", fp32=dict(BK=16, stages=(1,), num_warps=2)),
     # 8 warps: with 4, triton 3.6 on the H200 compiles an out-of-range shared-memory access at
     # K = 60/64, T = 63 (compute-sanitizer); 8 warps time the same.
     "wu": dict(num_warps=8, stages=(3, 2, 1), BK=64, BV=64),
