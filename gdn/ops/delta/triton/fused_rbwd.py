@@ -1,0 +1,448 @@
+"""The backward of the gated delta rule after its recomputed state pass as one warp-specialised
+Gluon kernel (``DELTA["fused_rbwd"]``): the reverse pass (:mod:`.fused_rev`) and the per-chunk
+gradients (:mod:`.fused_bwd`) in one program per (sequence or warm-started segment, value head),
+for 16-bit inputs at K = V = 128 on compute capability 9. Each chunk's gradients are formed as soon
+as the state gradient leaving it exists, so the per-chunk dS (dh) and dδ never go to memory and the
+pass reads q, k, dO, T⁻¹, δ, v and h and writes dQ, dK (per value head), dV, dβ, dg and dh0.
+
+Per chunk, walked last first (dS = dS_out, the gradient of the state leaving the chunk; S = h, the
+state entering it; Γ = exp(γ), γ the in-chunk cumulative log decay; D_rc = exp(γ_r − γ_c) for
+r ≥ c; T the in-chunk inverse)::
+
+    Pᵀ = K Qᵀ ⊙ Dᵀ,  L = scale · Pᵀ dO,  dÕ = diag(scale · Γ) dO
+    dδ = diag(Γ_C / Γ) K dS + L,  Y = Tᵀ dδ,  Z = −diag(βΓ) Y,  dV = diag(β) Y
+    dS_in = Γ_C dS + Qᵀ dÕ + Kᵀ Z                                           (the chain)
+    dQ = (dO δᵀ ⊙ D · scale) K + diag(scale · Γ) dO Sᵀ
+    dK = (dO δᵀ ⊙ D · scale)ᵀ Q + diag(Γ_C / Γ) δ dSᵀ + diag(βΓ) Tᵀ dW + (M + Mᵀ) K,
+         dW = −dδ Sᵀ,  M = diag(β) dA,  dA = −(Tᵀ (dδ δᵀ)) ⊙ D strictly below the diagonal
+    dβ, dg: fused_bwd's row sums (dg the reverse in-chunk cumsum of dγ)
+
+with fused_rev's arithmetic for the chain and fused_bwd's for the gradients (dδ δᵀ in two 16-bit
+parts for dA). Four roles run side by side in one program, handing tiles through shared memory and
+mbarriers (a consumer waits for phase j of a tile's *ready* barrier before it arrives at phase j of
+its *free* one, so no role can complete a phase twice by running a chunk ahead):
+
+- the chain (the default partition, one warpgroup) holds dS [K, V] in fp32 registers; per chunk it
+  publishes dS in 16 bits, then adds Qᵀ dÕ and Kᵀ Z onto Γ_C dS;
+- A (one warpgroup): Pᵀ, L and dÕ for the chain, then (on the segment's own chunks) dO δᵀ, the
+  decayed pair terms, Σ S ⊙ dS, and dQ in two halves of K; hands its parts of dγ to B;
+- B (one warpgroup): K dS, dδ (over L's place), Y, Z and dV, then dW, dδ δᵀ's parts, Tᵀ (dδ δᵀ),
+  K Kᵀ, M, dβ, dg, and dK in two halves of K;
+- one copy warp brings each chunk's q, k, dO and T⁻¹ (and on own chunks δ and h) by tensor copies
+  into one slot, once the three warpgroups have released it.
+
+Warm-up chunks (the warm-started split's, walked after a segment's end) run the chain's work only.
+Gluon does not run under Triton's interpreter: the GPU tests check the kernel against the two-kernel
+path (tests/gpu/test_fused_rbwd.py); the CPU tests compile it for sm_90 and count its resources.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from ...triton.common import BT as CHUNK
+from ...triton.launch import launch
+from ...tuning import DELTA
+from .fused_bwd import _tiles, acc_layout, hopper
+from .fused_fwd import _edges
+from .fused_rev import _span
+
+BT = gl.constexpr(CHUNK)
+WG = gl.constexpr(4)  # warps of a warpgroup: each role but the copies'
+HK = gl.constexpr(64)  # the halves of K that dQ and dK are formed in
+
+# handshake barriers (index into ``hand``), each with one writer role and its readers
+DS_READY, DS_FREE = gl.constexpr(0), gl.constexpr(1)  # dS: chain → A, B
+L_READY, DD_FREE = gl.constexpr(2), gl.constexpr(3)  # L (then dδ over it): A → B
+O_READY, O_FREE = gl.constexpr(4), gl.constexpr(5)  # dÕ: A → chain
+Z_READY, Z_FREE = gl.constexpr(6), gl.constexpr(7)  # Z: B → chain
+P_READY, P_FREE = gl.constexpr(8), gl.constexpr(9)  # (dO δᵀ ⊙ D · scale)ᵀ: A → B
+G_READY, G_FREE = gl.constexpr(10), gl.constexpr(11)  # A's parts of dγ: A → B
+NHAND = gl.constexpr(12)
+
+
+@gluon.jit
+def _rows_of(G, beta, t0, eos, HV, i_hv, layout: gl.constexpr):
+    """(row indices, valid mask, γ, β) of the chunk's 64 rows in the row layout of ``layout``."""
+    rt = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
+    m = rt < eos
+    return rt, m, gl.load(G + rt * HV + i_hv, mask=m, other=0.0), gl.load(beta + rt * HV + i_hv, mask=m, other=0.0)
+
+
+@gluon.jit
+def _decay(G, t0, eos, HV, i_hv, layout: gl.constexpr):
+    """D: exp(γ_r − γ_c) on and below the diagonal of valid rows, zero elsewhere ([64, 64] in
+    ``layout``); and the strict lower mask."""
+    rt = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
+    ct = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, layout))
+    g_r = gl.load(G + rt * HV + i_hv, mask=rt < eos, other=0.0)
+    g_c = gl.load(G + ct * HV + i_hv, mask=ct < eos, other=0.0)
+    lower = (rt[:, None] >= ct[None, :]) & (rt < eos)[:, None]
+    return gl.exp(gl.where(lower, g_r[:, None] - g_c[None, :], float("-inf"))), lower & (rt[:, None] != ct[None, :])
+
+
+@gluon.jit
+def _decay_t(G, t0, eos, HV, i_hv, layout: gl.constexpr):
+    """Dᵀ: exp(γ_c − γ_r) where c ≥ r and column c is a valid row, zero elsewhere ([64, 64] in
+    ``layout``; the mask of Pᵀ = K Qᵀ, whose columns past the end must not reach dO's rows there)."""
+    rt = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
+    ct = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, layout))
+    g_r = gl.load(G + rt * HV + i_hv, mask=rt < eos, other=0.0)
+    g_c = gl.load(G + ct * HV + i_hv, mask=ct < eos, other=0.0)
+    keep = (ct[None, :] >= rt[:, None]) & (ct < eos)[None, :]
+    return gl.exp(gl.where(keep, g_c[None, :] - g_r[:, None], float("-inf")))
+
+
+@gluon.jit
+def _store_rows(X, x, t0, eos, HV, i_hv, col, W: gl.constexpr, N: gl.constexpr):
+    """Columns col … col + N − 1 of the chunk's valid rows of X [T, HV, W] from the [64, N]
+    accumulator ``x`` (one warpgroup's), in X's dtype."""
+    l_x: gl.constexpr = acc_layout(N, WG)
+    rt = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, l_x))
+    o_n = col + gl.arange(0, N, layout=gl.SliceLayout(0, l_x))
+    gl.store(X + (rt.to(gl.int64)[:, None] * HV + i_hv) * W + o_n[None, :], x.to(X.dtype.element_ty),
+             mask=(rt < eos)[:, None])
+
+
+@gluon.jit
+def _copies(q_t, k_t, do_t, a_t, d_t, h_t, s_q, s_k, s_do, s_a, s_dl, s_h, ready, empty, cu, ends, off, plan,
+            seg_seq, seq_cu, i_n, i_h, i_hv, HV, K: gl.constexpr, V: gl.constexpr, WARM: gl.constexpr):
+    """The copy warp: chunk nc − 1 − j's tiles (δ and h on the program's own chunks only) once the
+    three warpgroups have released the slot."""
+    chain_bytes: gl.constexpr = (2 * BT * K + BT * V + BT * BT) * 2
+    own_bytes: gl.constexpr = chain_bytes + (BT * V + K * V) * 2
+    bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
+    c0 = gl.load(off + i_n)
+    for j in range(nc):
+        mbarrier.wait(empty, (j & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+        i_c = nc - 1 - j
+        t0 = bos + i_c * BT
+        if j >= nw:
+            mbarrier.expect(ready, own_bytes)
+            tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready, s_dl)
+            tma.async_copy_global_to_shared(h_t, [((c0 + i_c) * HV + i_hv) * K, 0], ready, s_h)
+        else:
+            mbarrier.expect(ready, chain_bytes)
+        tma.async_copy_global_to_shared(k_t, [t0, i_h * K], ready, s_k)
+        tma.async_copy_global_to_shared(q_t, [t0, i_h * K], ready, s_q)
+        tma.async_copy_global_to_shared(do_t, [t0, i_hv * V], ready, s_do)
+        tma.async_copy_global_to_shared(a_t, [t0, i_hv * BT], ready, s_a)
+
+
+@gluon.jit
+def _chain(s_q, s_k, s_ds, s_o, s_z, ready, empty, hand, G, dht, dh0, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv,
+           HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr, USE_DHT: gl.constexpr, USE_INIT: gl.constexpr,
+           WARM: gl.constexpr):
+    """The chain: dS [K, V] in fp32 registers, from dht where the walk reaches the sequence's end (or
+    zero); published in 16 bits per chunk, then Γ_C dS + Qᵀ dÕ + Kᵀ Z; dS_in of the segment that
+    starts its sequence to dh0."""
+    l_s: gl.constexpr = acc_layout(V, WG)
+    bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
+    i_seq, at_start, at_end = _edges(seg_seq, seq_cu, i_n, bos, eos, WARM)
+    o_k = gl.arange(0, K, layout=gl.SliceLayout(1, l_s))
+    o_v = gl.arange(0, V, layout=gl.SliceLayout(0, l_s))
+    base = (i_seq * HV + i_hv).to(gl.int64) * K * V
+    if USE_DHT:
+        b_s = gl.load(dht + base + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & at_end, other=0.0)
+    else:
+        b_s = gl.zeros([K, V], gl.float32, l_s)
+    for j in range(nc):
+        par = j & 1
+        i_c = nc - 1 - j
+        mbarrier.wait(hand.index(DS_FREE), par ^ 1)  # A and B are done with the previous dS
+        s_ds.store(b_s.to(DT))
+        fence_async_shared()
+        mbarrier.arrive(hand.index(DS_READY), count=1)
+        last = gl.minimum(eos, bos + (i_c + 1) * BT) - 1
+        b_gc = gl.exp(gl.load(G + last * HV + i_hv))
+        mbarrier.wait(ready, par)
+        mbarrier.wait(hand.index(O_READY), par)
+        b_s = warpgroup_mma(s_q.permute((1, 0)), s_o, b_s * b_gc, is_async=True)
+        mbarrier.wait(hand.index(Z_READY), par)
+        b_s = warpgroup_mma(s_k.permute((1, 0)), s_z, b_s, is_async=True)
+        b_s = warpgroup_mma_wait(0, deps=[b_s])
+        mbarrier.arrive(hand.index(O_FREE), count=1)
+        mbarrier.arrive(hand.index(Z_FREE), count=1)
+        mbarrier.arrive(empty, count=1)
+    if USE_INIT:
+        gl.store(dh0 + base + o_k[:, None] * V + o_v[None, :], b_s, mask=(o_k < K)[:, None] & at_start)
+
+
+@gluon.jit
+def _grad_a(s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_g, ready, empty, hand, G, DQ, cu, ends, plan,
+            seg_seq, seq_cu, i_n, i_hv, HV, scale, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
+            WARM: gl.constexpr):
+    """A: Pᵀ, L (into dδ's place) and dÕ for the chain; on own chunks dO δᵀ, the decayed pair terms,
+    Σ S ⊙ dS, dQ in two halves of K, and its parts of dγ to B."""
+    f32: gl.constexpr = gl.float32
+    l_v: gl.constexpr = acc_layout(V, WG)
+    l_t: gl.constexpr = acc_layout(BT, WG)
+    l_h: gl.constexpr = acc_layout(HK, WG)
+    r_t: gl.constexpr = gl.SliceLayout(1, l_t)
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WG, 1], [1, 0])  # [32, 128] slices of S and dS
+    zt = gl.zeros([BT, BT], f32, l_t)
+    zh = gl.zeros([BT, HK], f32, l_h)
+    zv = gl.zeros([BT, V], f32, l_v)
+    bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
+    for j in range(nc):
+        par = j & 1
+        t0 = bos + (nc - 1 - j) * BT
+        mbarrier.wait(ready, par)
+        # Pᵀ = K Qᵀ ⊙ Dᵀ (columns past the end zeroed), then L and dÕ
+        b_p = warpgroup_mma(s_k, s_q.permute((1, 0)), zt, use_acc=False)
+        b_p = b_p * _decay_t(G, t0, eos, HV, i_hv, l_t)
+        mbarrier.wait(hand.index(P_FREE), par ^ 1)  # B is done with the previous chunk's pair terms
+        s_p.store(b_p.to(DT))
+        fence_async_shared()
+        b_l = warpgroup_mma(s_p, s_do, zv, use_acc=False)
+        mbarrier.wait(hand.index(DD_FREE), par ^ 1)  # B is done with the previous dδ
+        s_dd.store((b_l * scale).to(DT))
+        fence_async_shared()
+        mbarrier.arrive(hand.index(L_READY), count=1)
+        rv, mv, g_v, b_unused = _rows_of(G, G, t0, eos, HV, i_hv, l_v)  # (β not needed: γ read twice)
+        b_o = s_do.load(l_v).to(f32) * gl.where(mv, scale * gl.exp(g_v), 0.0)[:, None]
+        mbarrier.wait(hand.index(O_FREE), par ^ 1)  # the chain's previous update has read dÕ
+        s_o.store(b_o.to(DT))
+        fence_async_shared()
+        mbarrier.arrive(hand.index(O_READY), count=1)
+        mbarrier.wait(hand.index(DS_READY), par)
+        mbarrier.wait(hand.index(G_FREE), par ^ 1)  # B has read the previous chunk's parts of dγ
+        if j >= nw:
+            # dO δᵀ ⊙ D · scale, and its pair terms with Q Kᵀ (dγ's)
+            b_e = warpgroup_mma(s_do, s_dl.permute((1, 0)), zt, use_acc=False, is_async=True)
+            b_qk = warpgroup_mma(s_q, s_k.permute((1, 0)), zt, use_acc=False, is_async=True)
+            # Σ S ⊙ dS over the whole [K, V] tile (its dγ term), in row slices of 32
+            sig = gl.zeros([32], f32, gl.SliceLayout(1, ld))
+            for i in gl.static_range(K // 32):
+                sig += gl.sum(s_h.slice(i * 32, 32, dim=0).load(ld).to(f32)
+                              * s_ds.slice(i * 32, 32, dim=0).load(ld).to(f32), axis=1)
+            mbarrier.arrive(hand.index(DS_FREE), count=1)
+            b_e, b_qk = warpgroup_mma_wait(0, deps=[b_e, b_qk])
+            dec, s_unused = _decay(G, t0, eos, HV, i_hv, l_t)
+            dsm = b_e * dec * scale
+            b_qk = b_qk * dsm
+            dg_t = gl.sum(b_qk, axis=1)
+            dg_c = 0.0 - gl.sum(b_qk, axis=0)
+            # the chunk's tail term through its last state, exp(γ_C) Σ S ⊙ dS, on its last row
+            ct = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, l_t))
+            last = gl.minimum(eos, t0 + BT) - 1
+            sig_c = gl.exp(gl.load(G + last * HV + i_hv)) * gl.sum(sig, axis=0)
+            dg_c += gl.where(ct == last, sig_c, 0.0)
+            s_p.store(gl.permute(dsm.to(DT), (1, 0)))  # (dO δᵀ ⊙ D)ᵀ: A operand of B's dK term, Bᵀ of dQ's
+            fence_async_shared()
+            mbarrier.arrive(hand.index(P_READY), count=1)
+            # dQ in two halves of K: dO Sᵀ scaled by rows, plus (dO δᵀ ⊙ D) K
+            rh, mh, g_h, h_unused = _rows_of(G, G, t0, eos, HV, i_hv, l_h)
+            e_h = gl.where(mh, scale * gl.exp(g_h), 0.0)
+            dg_k = gl.zeros([BT], f32, gl.SliceLayout(1, l_h))
+            for i in gl.static_range(K // HK):
+                b_dq = warpgroup_mma(s_do, s_h.slice(i * HK, HK, dim=0).permute((1, 0)), zh, use_acc=False)
+                b_dq = b_dq * e_h[:, None]
+                dg_k += gl.sum(s_q.slice(i * HK, HK, dim=1).load(l_h).to(f32) * b_dq, axis=1)
+                b_dq = warpgroup_mma(s_p.permute((1, 0)), s_k.slice(i * HK, HK, dim=1), b_dq)
+                _store_rows(DQ, b_dq, t0, eos, HV, i_hv, i * HK, K, HK)
+            s_g.slice(0 * BT, BT).store(dg_t + gl.convert_layout(dg_k, r_t))
+            s_g.slice(1 * BT, BT).store(dg_c)
+        else:
+            mbarrier.arrive(hand.index(DS_FREE), count=1)
+            mbarrier.arrive(hand.index(P_READY), count=1)
+        mbarrier.arrive(hand.index(G_READY), count=1)
+        mbarrier.arrive(empty, count=1)
+
+
+@gluon.jit
+def _grad_b(s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g, ready, empty, hand, G, beta, v, DK,
+            DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K: gl.constexpr, V: gl.constexpr,
+            DT: gl.constexpr, WARM: gl.constexpr):
+    """B: K dS, dδ over L, Y = Tᵀ dδ, Z for the chain; on own chunks dV, dW, dδ δᵀ's parts, dA,
+    K Kᵀ, M, dβ, dg, and dK in two halves of K."""
+    f32: gl.constexpr = gl.float32
+    l_v: gl.constexpr = acc_layout(V, WG)
+    l_t: gl.constexpr = acc_layout(BT, WG)
+    l_h: gl.constexpr = acc_layout(HK, WG)
+    r_t: gl.constexpr = gl.SliceLayout(1, l_t)
+    c_t: gl.constexpr = gl.SliceLayout(0, l_t)
+    zt = gl.zeros([BT, BT], f32, l_t)
+    zh = gl.zeros([BT, HK], f32, l_h)
+    zv = gl.zeros([BT, V], f32, l_v)
+    o_vv = gl.arange(0, V, layout=gl.SliceLayout(0, l_v))
+    bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
+    for j in range(nc):
+        par = j & 1
+        t0 = bos + (nc - 1 - j) * BT
+        last = gl.minimum(eos, t0 + BT) - 1
+        g_last = gl.load(G + last * HV + i_hv)
+        rv, mv, g_v, b_bv = _rows_of(G, beta, t0, eos, HV, i_hv, l_v)
+        mbarrier.wait(ready, par)
+        mbarrier.wait(hand.index(DS_READY), par)
+        b_x = warpgroup_mma(s_k, s_ds, zv, use_acc=False)
+        mbarrier.wait(hand.index(L_READY), par)
+        b_d = b_x * gl.where(mv, gl.exp(g_last - g_v), 0.0)[:, None] + s_dd.load(l_v).to(f32)
+        s_dd.store(b_d.to(DT))
+        fence_async_shared()
+        b_y = warpgroup_mma(s_a.permute((1, 0)), s_dd, zv, use_acc=False)
+        mbarrier.wait(hand.index(Z_FREE), par ^ 1)  # the chain's previous update has read Z
+        s_z.store((b_y * (0.0 - b_bv * gl.exp(g_v))[:, None]).to(DT))
+        fence_async_shared()
+        mbarrier.arrive(hand.index(Z_READY), count=1)
+        mbarrier.wait(hand.index(P_READY), par)
+        mbarrier.wait(hand.index(G_READY), par)
+        if j >= nw:
+            # dV = diag(β) Y and dβ's term Σ_v v ⊙ Y (v read in Y's layout)
+            _store_rows(DV, b_y * b_bv[:, None], t0, eos, HV, i_hv, 0, V, V)
+            b_vv = gl.load(v + (rv.to(gl.int64)[:, None] * HV + i_hv) * V + o_vv[None, :], mask=mv[:, None],
+                           other=0.0).to(f32)
+            dbu = gl.sum(b_vv * b_y, axis=1)
+            # dW = −dδ Sᵀ to shared memory; dδ δᵀ as a 16-bit part and its remainder
+            b_w = warpgroup_mma(s_dd, s_h.permute((1, 0)), zv, use_acc=False)
+            s_w.store((0.0 - b_w).to(DT))
+            b_dd = warpgroup_mma(s_dd, s_dl.permute((1, 0)), zt, use_acc=False)
+            hi = b_dd.to(DT)
+            s_x.store(hi)
+            s_lo.store((b_dd - hi.to(f32)).to(DT))
+            fence_async_shared()
+            mbarrier.arrive(hand.index(DD_FREE), count=1)
+            b_da = warpgroup_mma(s_a.permute((1, 0)), s_x, zt, use_acc=False, is_async=True)
+            b_da = warpgroup_mma(s_a.permute((1, 0)), s_lo, b_da, is_async=True)
+            b_kk = warpgroup_mma(s_k, s_k.permute((1, 0)), zt, use_acc=False, is_async=True)
+            b_da, b_kk = warpgroup_mma_wait(0, deps=[b_da, b_kk])
+            # dA = −(Tᵀ (dδ δᵀ)) ⊙ D strictly below the diagonal; M = diag(β) dA; dβ's and dγ's terms
+            dec, strict = _decay(G, t0, eos, HV, i_hv, l_t)
+            rt, mt, g_t, b_bt = _rows_of(G, beta, t0, eos, HV, i_hv, l_t)
+            b_da = 0.0 - gl.where(strict, b_da * dec, 0.0)
+            db = gl.sum(b_da * b_kk, axis=1)
+            b_m = b_da * b_bt[:, None]
+            b_e2 = b_m * b_kk
+            dg_t = gl.sum(b_e2, axis=1) + s_g.slice(0 * BT, BT).load(r_t)
+            dg_c = s_g.slice(1 * BT, BT).load(c_t) - gl.sum(b_e2, axis=0)
+            mbarrier.arrive(hand.index(G_FREE), count=1)
+            s_x.store(b_m.to(DT))  # M over dδ δᵀ's first part (its products are done)
+            fence_async_shared()
+            # dK in two halves of K
+            rh, mh, g_h, b_bh = _rows_of(G, beta, t0, eos, HV, i_hv, l_h)
+            e_h = gl.exp(g_h)
+            w_h = gl.where(mh, gl.exp(g_last - g_h), 0.0)
+            ktdw = gl.zeros([BT], f32, gl.SliceLayout(1, l_h))
+            b_a = gl.zeros([BT], f32, gl.SliceLayout(1, l_h))
+            for i in gl.static_range(K // HK):
+                k_i = s_k.slice(i * HK, HK, dim=1)
+                b_kh = k_i.load(l_h).to(f32)
+                tdw = warpgroup_mma(s_a.permute((1, 0)), s_w.slice(i * HK, HK, dim=1), zh, use_acc=False)
+                ktdw += gl.sum(b_kh * tdw, axis=1)
+                b_dk = warpgroup_mma(s_dl, s_ds.slice(i * HK, HK, dim=0).permute((1, 0)), zh, use_acc=False)
+                b_dk = b_dk * w_h[:, None]
+                b_a += gl.sum(b_kh * b_dk, axis=1)
+                b_dk += tdw * (b_bh * e_h)[:, None]
+                b_dk = warpgroup_mma(s_p, s_q.slice(i * HK, HK, dim=1), b_dk, is_async=True)
+                b_dk = warpgroup_mma(s_x, k_i, b_dk, is_async=True)
+                b_dk = warpgroup_mma(s_x.permute((1, 0)), k_i, b_dk, is_async=True)
+                b_dk = warpgroup_mma_wait(0, deps=[b_dk])
+                _store_rows(DK, b_dk, t0, eos, HV, i_hv, i * HK, K, HK)
+            mbarrier.arrive(hand.index(DS_FREE), count=1)
+            mbarrier.arrive(hand.index(P_FREE), count=1)
+            # dβ; dγ = A's and B's terms, the chunk's tail on its last row; dg its reverse cumsum
+            db_k = ktdw * e_h + gl.convert_layout(dbu, gl.SliceLayout(1, l_h))
+            db += gl.convert_layout(db_k, r_t)
+            gl.store(DB + rt * HV + i_hv, db, mask=mt)
+            dg_k = ktdw * (b_bh * e_h) - b_a
+            tail = gl.sum(b_a, axis=0)  # (A added the tail's state term)
+            ct = t0 + gl.arange(0, BT, layout=c_t)
+            dg_c += gl.where(ct == last, tail, 0.0)
+            dg_c += gl.convert_layout(dg_t + gl.convert_layout(dg_k, r_t), c_t)
+            after = ct[None, :] >= rt[:, None]
+            gl.store(DG + rt * HV + i_hv, gl.sum(gl.where(after, dg_c[None, :], 0.0), axis=1), mask=mt)
+        else:
+            mbarrier.arrive(hand.index(DD_FREE), count=1)
+            mbarrier.arrive(hand.index(DS_FREE), count=1)
+            mbarrier.arrive(hand.index(P_FREE), count=1)
+            mbarrier.arrive(hand.index(G_FREE), count=1)
+        mbarrier.arrive(empty, count=1)
+
+
+@gluon.jit
+def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, G, beta, v, dht, dh0, DQ, DK, DV, DB, DG, cu, ends, off, plan,
+                      seg_seq, seq_cu, scale, H, HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
+                      USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr,
+                      R_A: gl.constexpr, R_B: gl.constexpr):
+    """One program per (token range [cu[i_n], ends[i_n]), value head), program id i_n · HV + i_hv.
+    Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; do_t, d_t (δ) of [T, HV · V] in [64, V]
+    blocks; a_t (T⁻¹) of [T, HV · 64] in [64, 64] blocks; h_t of [chunks · HV · K, V] in [K, V]
+    blocks (the state entering each chunk at its global index off[i_n] + its index in the range).
+    G (γ) and beta [T, HV] fp32; v [T, HV, V]; dht, dh0 [N, HV, K, V] fp32; DQ, DK [T, HV, K], DV
+    [T, HV, V], DB, DG [T, HV] fp32. ``WARM``: the ranges are warm-started segments (fused_rev's
+    form: plan [NS, HV] the warm-up chunks after each, seg_seq their sequences, seq_cu the
+    sequences' bounds). R_*: registers a thread of the copy, A and B partitions (the chain takes
+    the rest of the launch's ``maxnreg``)."""
+    pid = gl.program_id(0)
+    i_n = pid // HV
+    i_hv = pid % HV
+    i_h = i_hv // (HV // H)
+    rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, V], DT)
+    sq_t: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], DT)
+    s_q = gl.allocate_shared_memory(DT, [BT, K], q_t.layout)
+    s_k = gl.allocate_shared_memory(DT, [BT, K], k_t.layout)
+    s_do = gl.allocate_shared_memory(DT, [BT, V], do_t.layout)
+    s_dl = gl.allocate_shared_memory(DT, [BT, V], d_t.layout)
+    s_a = gl.allocate_shared_memory(DT, [BT, BT], a_t.layout)
+    s_h = gl.allocate_shared_memory(DT, [K, V], h_t.layout)
+    s_ds = gl.allocate_shared_memory(DT, [K, V], h_t.layout)
+    s_dd = gl.allocate_shared_memory(DT, [BT, V], rows)
+    s_z = gl.allocate_shared_memory(DT, [BT, V], rows)
+    s_o = gl.allocate_shared_memory(DT, [BT, V], rows)
+    s_w = gl.allocate_shared_memory(DT, [BT, K], q_t.layout)
+    s_p = gl.allocate_shared_memory(DT, [BT, BT], sq_t)
+    s_x = gl.allocate_shared_memory(DT, [BT, BT], sq_t)
+    s_lo = gl.allocate_shared_memory(DT, [BT, BT], sq_t)
+    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    s_g = gl.allocate_shared_memory(gl.float32, [2 * BT], vec)  # A's dγ terms: by rows, by columns
+    ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    hand = gl.allocate_shared_memory(gl.int64, [NHAND, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(ready, count=1)
+    mbarrier.init(empty, count=3)  # the chain, A and B
+    for i in gl.static_range(NHAND):
+        mbarrier.init(hand.index(i), count=2 if i == DS_FREE else 1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_chain, (s_q, s_k, s_ds, s_o, s_z, ready, empty, hand, G, dht, dh0, cu, ends, plan, seg_seq, seq_cu, i_n,
+                  i_hv, HV, K, V, DT, USE_DHT, USE_INIT, WARM)),
+        (_copies, (q_t, k_t, do_t, a_t, d_t, h_t, s_q, s_k, s_do, s_a, s_dl, s_h, ready, empty, cu, ends, off, plan,
+                   seg_seq, seq_cu, i_n, i_h, i_hv, HV, K, V, WARM)),
+        (_grad_a, (s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_g, ready, empty, hand, G, DQ, cu, ends, plan,
+                   seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT, WARM)),
+        (_grad_b, (s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g, ready, empty, hand, G, beta,
+                   v, DK, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, WARM)),
+    ], [1, WG, WG], [R_COPY, R_A, R_B])
+
+
+def usable(q, g, beta, K: int, V: int) -> bool:
+    """Whether this kernel takes the backward (``DELTA["fused_rbwd"]["on"]``): gated delta member,
+    16-bit inputs, K = V = 128, on a device that runs the Gluon kernels (fused_bwd.hopper)."""
+    return (bool(DELTA.get("fused_rbwd", {}).get("on")) and g is not None and beta is not None
+            and q.dtype in (torch.bfloat16, torch.float16) and K == V == 128 and hopper(q))
+
+
+def backward(q, k, v, do, G, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, cu, ends, off, N: int, scale: float,
+             warm=None):
+    """Launch the kernel over N programs' token ranges [cu, ends) (sequences, or warm-started
+    segments with ``warm`` = (plan, seg_seq, seq_cu)): fills DQ, DK [T, HV, K], DV [T, HV, V], DB,
+    DG [T, HV] and dh0 [N, HV, K, V] (fp32) when given. q, k [T, H, K]; v, do, VN (δ) [T, HV, V];
+    G (γ), beta [T, HV] fp32; Ai [T, HV, 64]; h [chunks, HV, K, V] (the recomputed states, from
+    ``off`` on per program)."""
+    T, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    c = DELTA["fused_rbwd"]
+    DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
+    q_t, k_t = (_tiles(x, T, (CHUNK, K), DT) for x in (q, k))
+    do_t, d_t = (_tiles(x, T, (CHUNK, V), DT) for x in (do, VN))
+    a_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
+    h_t = _tiles(h, h.numel() // V, (K, V), DT)
+    plan, seg_seq, seq_cu = warm if warm is not None else (cu, cu, cu)
+    r = tuple(c["regs"])
+    launch(fused_rbwd_kernel, (N * HV,), q_t, k_t, do_t, a_t, d_t, h_t, G, beta, v,
+           dht if dht is not None else G, dh0 if dh0 is not None else G, DQ, DK, DV, DB, DG, cu, ends, off, plan,
+           seg_seq, seq_cu, scale, H, HV, K=K, V=V, DT=DT, USE_DHT=dht is not None, USE_INIT=dh0 is not None,
+           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], maxnreg=c["maxnreg"], name="fused_rbwd")
