@@ -14,7 +14,8 @@ import torch
 pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 
-from gdn.ops.delta.triton import chunk, chunk_bwd, chunk_fwd, fused_bwd, fused_fwd, fused_rev, split  # noqa: E402
+from gdn.ops.delta.triton import chunk, chunk_bwd, chunk_fwd, fused_bwd, fused_fwd, fused_rbwd, fused_rev, split  # noqa: E402
+from gdn.ops import tuning  # noqa: E402
 from gdn.ops.triton import common  # noqa: E402
 from gdn.ops.triton import launch as launcher  # noqa: E402
 
@@ -191,7 +192,7 @@ def test_off_switches(hopper, monkeypatch):
 @pytest.fixture
 def h200(monkeypatch):
     """Every device rule as on the H200: the three Gluon passes' Hopper tests, 132 multiprocessors."""
-    for mod in (fused_fwd, fused_rev, fused_bwd):
+    for mod in (fused_fwd, fused_rev, fused_bwd, fused_rbwd):
         monkeypatch.setattr(mod, "hopper", lambda q: True)
     for mod in (launcher, common, chunk, chunk_fwd, chunk_bwd, split, fused_rev):
         if hasattr(mod, "sm_count"):
@@ -225,6 +226,37 @@ def test_awkward_calls_take_the_h200_path_end_to_end(h200, T, H, HV, K, V, lens,
         (o.float().sum() + (ht.sum() if state else 0)).backward()
     names = set(_names(launches))
     assert {"fused_fwd_kernel", "fused_rev_kernel", "fused_bwd_kernel"} <= names, names
+    assert all(d > 0 for _, grid, _, _ in launches for d in grid), [(_names([x]), x[1]) for x in launches]
+    for x in (q, k, v, g, beta) + ((h0,) if state else ()):
+        assert x.grad is not None and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("T, H, HV, lens, state", [
+    (1, 2, 4, None, True),  # one token
+    (4100, 4, 16, [1, 4000, 99], True),  # grouped heads; one long sequence splits
+    (33000, 16, 16, None, False),  # few long sequences: warm-started segments
+])
+def test_merged_backward_takes_the_h200_path(h200, monkeypatch, T, H, HV, lens, state):
+    """With ``DELTA["fused_rbwd"]`` on, a forward + backward at K = V = 128 on the H200's path
+    (recorded, nothing runs) launches the merged backward once instead of the reverse pass and the
+    per-chunk kernel (whole sequences or warm-started segments: no slices), and the gradients come
+    back in their inputs' shapes."""
+    monkeypatch.setitem(tuning.DELTA, "fused_rbwd", dict(tuning.DELTA["fused_rbwd"], on=True))
+    B = 1 if lens else 2
+    cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    N = len(lens) if lens else B
+    q = torch.zeros(B, T, H, 128, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.zeros(B, T, H, 128, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.zeros(B, T, HV, 128, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.zeros(B, T, HV, requires_grad=True)
+    beta = torch.zeros(B, T, HV, requires_grad=True)
+    h0 = torch.zeros(N, HV, 128, 128, requires_grad=True) if state else None
+    with launcher.recording() as launches:
+        o, ht = chunk.chunk_op(q, k, v, g, beta, initial_state=h0, output_final_state=state, cu_seqlens=cu)
+        (o.float().sum() + (ht.sum() if state else 0)).backward()
+    names = _names(launches)
+    assert names.count("fused_rbwd_kernel") == 1 and "fused_rev_kernel" not in names, names
+    assert "fused_bwd_kernel" not in names, names
     assert all(d > 0 for _, grid, _, _ in launches for d in grid), [(_names([x]), x[1]) for x in launches]
     for x in (q, k, v, g, beta) + ((h0,) if state else ()):
         assert x.grad is not None and x.grad.shape == x.shape

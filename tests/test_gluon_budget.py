@@ -175,3 +175,20 @@ def test_merged_reverse_probe_counts_its_buffers():
     assert 216 * 1024 <= full["shared"] < 217 * 1024, full
     assert full["regs"] == 128 and chain["regs"] == 248
     assert chain["spill"] == 0, chain
+
+
+RBWD = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tools.gluon_budget import rbwd_resources
+print(json.dumps([rbwd_resources(), rbwd_resources(warm=False)]))
+"""
+
+
+def test_merged_backward_compiles_within_shared_memory():
+    """The merged backward kernel (fused_rbwd) compiles for sm_90 at its launch setting, in both
+    forms, within the 227 KB of shared memory a program may take: its single-buffered tiles (q, k,
+    dO, δ, dδ, Z, dÕ, dW at 16 KB; h and dS at 32; T, the pair terms and dA's two parts at 8) are
+    224 KB."""
+    for r in _run(RBWD):
+        assert 224 * 1024 <= r["shared"] <= 227 * 1024, r

@@ -212,6 +212,39 @@ def _aligned(sig: dict, at: dict) -> dict:
     return {(at[n],): [["tt.divisibility", 16]] for n in names}
 
 
+def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cubin: bool = False) -> dict:
+    """{"regs", "spill", "shared"} of the merged backward kernel
+    (:func:`gdn.ops.delta.triton.fused_rbwd.fused_rbwd_kernel`, bf16, K = V = 128, with dht and dh0,
+    ``warm``: the warm-started segments' form) compiled for sm_90 with the partitions' registers
+    ``regs`` = (copies, A, B) and ``maxnreg`` (defaults: the launch setting's). "spill" is the
+    program's stack frame, the largest any partition needs."""
+    from gdn.ops.delta.triton import fused_bwd as F  # noqa: PLC0415
+    from gdn.ops.delta.triton import fused_rbwd as R  # noqa: PLC0415
+    from gdn.ops.tuning import DELTA  # noqa: PLC0415
+
+    c = DELTA["fused_rbwd"]
+    regs = tuple(c["regs"]) if regs is None else tuple(regs)
+    maxnreg = c["maxnreg"] if maxnreg is None else maxnreg
+    K = V = 128
+
+    def desc(rows, cols):
+        return f"tensordesc<bf16[{rows}, {cols}],{F._tile((rows, cols), gl.bfloat16, torch.bfloat16)[0]!r}>"
+
+    sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, V), a_t=desc(64, 64), d_t=desc(64, V),
+               h_t=desc(K, V), G="*fp32", beta="*fp32", v="*bf16", dht="*fp32", dh0="*fp32", DQ="*bf16",
+               DK="*bf16", DV="*bf16", DB="*fp32", DG="*fp32", cu="*i32", ends="*i32", off="*i32", plan="*i32",
+               seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
+    const = dict(K=K, V=V, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, WARM=warm, R_COPY=regs[0], R_A=regs[1],
+                 R_B=regs[2])
+    sig.update({n: "constexpr" for n in const})
+    names = R.fused_rbwd_kernel.arg_names
+    at = {n: i for i, n in enumerate(names)}
+    sig = {n: sig[n] for n in names}
+    consts = {(at[n],): v for n, v in const.items()}
+    return _compiled(GluonASTSource(R.fused_rbwd_kernel, sig, consts, _aligned(sig, at)), 4, cubin=cubin,
+                     maxnreg=maxnreg)
+
+
 def sass(cubin: bytes) -> str:
     """The SASS of a compiled kernel's cubin (cuobjdump -sass)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -251,7 +284,16 @@ def main(argv=None) -> int:
                     help="items a program of the fused backward kernel to compile (e.g. 1,2,3): its table "
                          "alone, at 8 warps and the first tile width, with each compile's seconds (give "
                          "TRITON_CACHE_DIR an empty folder for cold compiles)")
+    ap.add_argument("--rbwd", default=None, metavar="COPY,A,B",
+                    help="the merged backward kernel (fused_rbwd) at these partition registers ('' for the "
+                         "launch setting's)")
     a = ap.parse_args(argv)
+    if a.rbwd is not None:
+        regs = tuple(int(x) for x in a.rbwd.split(",")) if a.rbwd else None
+        r = rbwd_resources(regs)
+        print(f"fused_rbwd, K = V = 128, bf16, sm_90, triton {triton.__version__}, registers (copies, A, B) "
+              f"{regs or 'of the launch setting'}: {r['spill']} B of stack, {r['shared'] / 1024:.1f} KB shared")
+        return 0
     if a.items:
         bv = int(a.tiles.split(",")[0])
         print(f"The fused backward kernel, K = {a.K}, V = {a.V}, value tiles of {bv}, 8 warps, bf16, sm_90, "

@@ -487,6 +487,16 @@ def _fused_bwd():
     return fused_bwd
 
 
+def _fused_rbwd():
+    """The Gluon merged backward's module (delta.triton.fused_rbwd), imported on first use; None
+    where this triton has no Gluon."""
+    try:
+        from . import fused_rbwd  # noqa: PLC0415
+    except ImportError:
+        return None
+    return fused_rbwd
+
+
 def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, grad_dtype=torch.float32,
              gamma=None, dv_dtype=None, plans=None):
     """Gradients of the chunk op. Shapes in the packed layout: q, k [T, H, K]; v, do [T, HV, V]
@@ -516,6 +526,10 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     warm = bool(L) and warm_split(g)
     # the chunks' log norm bounds that the warm-started split's walks add up (the forward's, in plans)
     bnd = bounds(k, beta, gamma, ch, HV, plans) if warm else None
+    rb = _fused_rbwd() if from_inv and rev is not None and (warm or not L) else None
+    if rb is not None and rb.usable(q, g, beta, K, V):
+        return _merged(rb, q, k, v, do, gamma, beta, Ai, VN, h, h0, dht, ch, scale, L if warm else 0, bnd,
+                       grad_dtype, dv_dtype)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
                   beta=beta if delta else dummy, seg_seq=ch.cu, seq_cu=ch.cu, seq_off=ch.chunk_off,
                   Bnd=bnd if bnd is not None else dummy, FROM_INV=from_inv, name="state_bwd")
@@ -625,6 +639,33 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         del dh
         outs = per_chunk(ch.chunk_idx, ch.NT, True)
     return (*outs, dh0)
+
+
+def _merged(rb, q, k, v, do, gamma, beta, Ai, VN, h, h0, dht, ch: Chunks, scale: float, L: int, bnd, grad_dtype,
+            dv_dtype):
+    """:func:`backward`'s outputs from the merged kernel (delta.triton.fused_rbwd): one launch over the
+    sequences, or over warm-started segments of ``L`` chunks, that forms each chunk's gradients
+    from h and δ (the recomputed forward's) as soon as the state gradient leaving it exists: no dh,
+    dδ or slices."""
+    T, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    dev, f32 = v.device, torch.float32
+    DQ = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
+    DK = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
+    DV = torch.empty(T, HV, V, device=dev, dtype=dv_dtype or grad_dtype)
+    DB = torch.empty(T, HV, device=dev, dtype=f32)
+    DG = torch.empty(T, HV, device=dev, dtype=f32)
+    dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
+    qc, kc, doc = (x if x.dtype == v.dtype else x.to(v.dtype) for x in (q, k, do))
+    if L:
+        sg = make_segments(ch, L, dev)
+        rb.backward(qc, kc, v, doc, gamma, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, sg.cu, sg.cu[1:], sg.off,
+                    sg.NS, scale, warm=(warm_plan(bnd, gamma, sg, ch, HV, after=True), sg.seq, ch.cu))
+        fill_empty(dh0, dht, ch)
+    else:
+        rb.backward(qc, kc, v, doc, gamma, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, ch.cu, ch.cu[1:],
+                    ch.chunk_off, ch.N, scale)
+    return DQ, DK, DV, DG, DB, dh0
 
 
 def _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch: Chunks, scale: float, grad_dtype, dv_dtype):

@@ -421,7 +421,7 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, G, beta, v, dht, dh0, DQ, D
 def usable(q, g, beta, K: int, V: int) -> bool:
     """Whether this kernel takes the backward (``DELTA["fused_rbwd"]["on"]``): gated delta member,
     16-bit inputs, K = V = 128, on a device that runs the Gluon kernels (fused_bwd.hopper)."""
-    return (bool(DELTA.get("fused_rbwd", {}).get("on")) and g is not None and beta is not None
+    return (bool(DELTA["fused_rbwd"]["on"]) and g is not None and beta is not None
             and q.dtype in (torch.bfloat16, torch.float16) and K == V == 128 and hopper(q))
 
 

@@ -1,0 +1,40 @@
+"""The merged backward of the gated delta rule (gdn.ops.delta.triton.fused_rbwd,
+``DELTA["fused_rbwd"]``: the reverse pass and the per-chunk gradients in one warp-specialised
+kernel) on the GPU: the cases of the warp-specialised forward that pad to K = V = 128, bf16 and
+fp16, against the float64 reference at tier 3, whole sequences or warm-started segments of two
+chunks; and the launches show it replaced fused_rev and fused_bwd. Gluon has no interpreter, so
+this is its only check of results."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gdn.ops import tuning
+from gdn.ops.delta.triton import chunk_bwd, fused_rbwd
+from gdn.ops.delta.triton import split as split_mod
+
+from .helpers import assert_within, dtype_id, launched, poison_empty
+from .test_chunk import check_once
+from .test_fused_fwd import CASES, _width
+
+RCASES = [c for c in CASES if _width(c[5]) == 128 and _width(c[6]) == 128]
+
+
+@pytest.mark.parametrize("split", (0, 2), ids=("whole", "segments-of-2"))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in RCASES])
+def test_merged_backward(case, dtype, split, monkeypatch):
+    """Whole sequences, or warm-started segments of two chunks (each program first walks the
+    warm-up chunks after its segment: the chain's work only). Fresh buffers hold NaN
+    (``poison_empty``)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMAs: compute capability 9")
+    monkeypatch.setitem(tuning.DELTA, "fused_rbwd", dict(tuning.DELTA["fused_rbwd"], on=True))
+    monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], warm=bool(split), L=split))
+    seen = launched(monkeypatch, fused_rbwd, chunk_bwd, split_mod)
+    poison_empty(monkeypatch)
+    errs, bounds = check_once(case, "gated_delta_rule", 3500 + RCASES.index(case), dtype)
+    assert "fused_rbwd_kernel" in seen and "fused_rev_kernel" not in seen and "fused_bwd_kernel" not in seen, seen
+    if split and max(case[7] or [case[2]]) > 2 * 64:  # a sequence of more than two chunks: segments
+        assert "warm_plan_kernel" in seen, seen
+    assert_within(errs, bounds, f"merged backward at {case[0]}, {dtype_id(dtype)}, split {split}")
