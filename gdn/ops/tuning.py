@@ -167,7 +167,7 @@ DELTA = {
     # The merged backward (delta.triton.fused_rbwd: the reverse pass and the per-chunk gradients in
     # one kernel, K = V = 128). Off until the GPU has checked and timed it. regs: copies, A, B (the
     # chain takes 488 − A − B a thread: the pool is 64 K registers over 16 warps' worth, each
-    # partition counted as a warpgroup); ptxas sm_90 at these: 1264 B of stack, 227 KB of shared
+    # partition counted as a warpgroup); ptxas sm_90 at these: 1208 B of stack, 227 KB of shared
     # memory (tools/gluon_budget.py --rbwd).
     "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 96, 200), maxnreg=128),
     "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, VT=128,

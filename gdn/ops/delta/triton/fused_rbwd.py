@@ -211,19 +211,22 @@ def _grad_a(s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_g, ready, empty, 
         mbarrier.wait(hand.index(DS_READY), par)
         mbarrier.wait(hand.index(G_FREE), par ^ 1)  # B has read the previous chunk's parts of dγ
         if j >= nw:
-            # dO δᵀ ⊙ D · scale, and its pair terms with Q Kᵀ (dγ's)
+            # dO δᵀ ⊙ D · scale (beside it, Σ S ⊙ dS over the whole [K, V] tile, in row slices of
+            # 32: its dγ term), handed to B as soon as formed; then its pair terms with Q Kᵀ (dγ's),
+            # one [64, 64] product live beside it at a time
             b_e = warpgroup_mma(s_do, s_dl.permute((1, 0)), zt, use_acc=False, is_async=True)
-            b_qk = warpgroup_mma(s_q, s_k.permute((1, 0)), zt, use_acc=False, is_async=True)
-            # Σ S ⊙ dS over the whole [K, V] tile (its dγ term), in row slices of 32
             sig = gl.zeros([32], f32, gl.SliceLayout(1, ld))
             for i in gl.static_range(K // 32):
                 sig += gl.sum(s_h.slice(i * 32, 32, dim=0).load(ld).to(f32)
                               * s_ds.slice(i * 32, 32, dim=0).load(ld).to(f32), axis=1)
             mbarrier.arrive(hand.index(DS_FREE), count=1)
-            b_e, b_qk = warpgroup_mma_wait(0, deps=[b_e, b_qk])
+            b_e = warpgroup_mma_wait(0, deps=[b_e])
             dec, s_unused = _decay(G, t0, eos, HV, i_hv, l_t)
             dsm = b_e * dec * scale
-            b_qk = b_qk * dsm
+            s_p.store(gl.permute(dsm.to(DT), (1, 0)))  # (dO δᵀ ⊙ D)ᵀ: A operand of B's dK term, Bᵀ of dQ's
+            fence_async_shared()
+            mbarrier.arrive(hand.index(P_READY), count=1)
+            b_qk = warpgroup_mma(s_q, s_k.permute((1, 0)), zt, use_acc=False) * dsm
             dg_t = gl.sum(b_qk, axis=1)
             dg_c = 0.0 - gl.sum(b_qk, axis=0)
             # the chunk's tail term through its last state, exp(γ_C) Σ S ⊙ dS, on its last row
@@ -231,9 +234,6 @@ def _grad_a(s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_g, ready, empty, 
             last = gl.minimum(eos, t0 + BT) - 1
             sig_c = gl.exp(gl.load(G + last * HV + i_hv)) * gl.sum(sig, axis=0)
             dg_c += gl.where(ct == last, sig_c, 0.0)
-            s_p.store(gl.permute(dsm.to(DT), (1, 0)))  # (dO δᵀ ⊙ D)ᵀ: A operand of B's dK term, Bᵀ of dQ's
-            fence_async_shared()
-            mbarrier.arrive(hand.index(P_READY), count=1)
             # dQ in two halves of K: dO Sᵀ scaled by rows, plus (dO δᵀ ⊙ D) K
             rh, mh, g_h, h_unused = _rows_of(G, G, t0, eos, HV, i_hv, l_h)
             e_h = gl.where(mh, scale * gl.exp(g_h), 0.0)
@@ -308,14 +308,15 @@ def _grad_b(s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g,
             b_da = warpgroup_mma(s_a.permute((1, 0)), s_x, zt, use_acc=False, is_async=True)
             b_da = warpgroup_mma(s_a.permute((1, 0)), s_lo, b_da, is_async=True)
             b_kk = warpgroup_mma(s_k, s_k.permute((1, 0)), zt, use_acc=False, is_async=True)
-            b_da, b_kk = warpgroup_mma_wait(0, deps=[b_da, b_kk])
             # dA = −(Tᵀ (dδ δᵀ)) ⊙ D strictly below the diagonal; M = diag(β) dA; dβ's and dγ's terms
             dec, strict = _decay(G, t0, eos, HV, i_hv, l_t)
             rt, mt, g_t, b_bt = _rows_of(G, beta, t0, eos, HV, i_hv, l_t)
+            b_da, b_kk = warpgroup_mma_wait(0, deps=[b_da, b_kk])
             b_da = 0.0 - gl.where(strict, b_da * dec, 0.0)
-            db = gl.sum(b_da * b_kk, axis=1)
+            b_kk = b_da * b_kk  # dA ⊙ K Kᵀ
+            db = gl.sum(b_kk, axis=1)
+            b_e2 = b_kk * b_bt[:, None]
             b_m = b_da * b_bt[:, None]
-            b_e2 = b_m * b_kk
             dg_t = gl.sum(b_e2, axis=1) + s_g.slice(0 * BT, BT).load(r_t)
             dg_c = s_g.slice(1 * BT, BT).load(c_t) - gl.sum(b_e2, axis=0)
             mbarrier.arrive(hand.index(G_FREE), count=1)
