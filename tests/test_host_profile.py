@@ -23,3 +23,20 @@ def test_timeline_marks_in_call_order():
     assert order[0] == "kkt_solve> → <kkt_solve" and "state_bwd> → <state_bwd" in order, order
     assert marks.index("<Function.forward → Function.backward>") < marks.index("state_bwd> → <state_bwd")
     assert all(us >= 0 for us, _ in rows) and rows[-1][0] > 0
+
+
+def test_config_overrides_reach_the_calls():
+    """--config applies launch overrides before the calls: on the H200's host path (--hopper) the
+    merged backward takes a forward + backward in four launches where the reverse pass and the
+    per-chunk kernel take five or more; a bad JSON is one line, exit status 2."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = ("--cpu-stub", "--hopper", "--shape", "1x256", "--heads", "2", "--hv", "2", "--top", "1")
+
+    def launches(*extra):
+        p = run_tool("host_profile.py", *args, *extra, env=env)
+        assert p.returncode == 0, p.stdout + p.stderr
+        return int(re.search(r"forward\+backward\s+host\s+[\d.]+ µs/call\s+\((\d+) launches\)", p.stdout).group(1))
+
+    assert launches("--config", '{"fused_rbwd": {"on": true}}') == 4 < launches()
+    bad = run_tool("host_profile.py", *args, "--config", "{oops", env=env)
+    assert bad.returncode == 2 and "--config" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

@@ -310,7 +310,17 @@ def main(argv=None) -> int:
                    help="(CUDA) host and wall µs per call through Triton's launch path and gdn's, interleaved")
     p.add_argument("--launches", action="store_true",
                    help="(CUDA) host µs per kernel launch, Triton's path against the compiled kernel's launcher")
+    p.add_argument("--config", default=None, metavar="JSON",
+                   help="launch overrides first (a file or inline JSON, gdn.ops.tuning.update_from), e.g. "
+                        "'{\"fused_rbwd\": {\"on\": true}}'")
     a = p.parse_args(argv)
+    if a.config:
+        from gdn.ops.tuning import update_from  # noqa: PLC0415
+
+        try:
+            update_from(a.config)
+        except ValueError as e:
+            p.error(f"--config: {e}")
     if a.launches:
         if a.cpu_stub or not torch.cuda.is_available():
             p.error("--launches needs CUDA (and no --cpu-stub)")

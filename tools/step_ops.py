@@ -48,13 +48,13 @@ def stub_kernels(counts: collections.Counter, hopper: bool = True) -> None:
     JITFunction.__getitem__ = getitem
     interp.InterpretedFunction.__getitem__ = getitem
     import gdn.ops  # noqa: F401  (every module that holds the CUDA test, imported)
-    from gdn.ops.delta.triton import fused_bwd, fused_fwd, fused_rev
+    from gdn.ops.delta.triton import fused_bwd, fused_fwd, fused_rbwd, fused_rev
 
     for mod in list(sys.modules.values()):
         if getattr(mod, "__name__", "").startswith("gdn.") and hasattr(mod, "use_triton"):
             mod.use_triton = lambda x: True
     if hopper:
-        for mod in (fused_bwd, fused_fwd, fused_rev):
+        for mod in (fused_bwd, fused_fwd, fused_rbwd, fused_rev):
             mod.hopper = lambda q: True
         for mod in list(sys.modules.values()):
             if getattr(mod, "__name__", "").startswith("gdn.") and callable(getattr(mod, "sm_count", None)):
