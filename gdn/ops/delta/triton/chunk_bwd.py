@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, dot_precision, gate_cumsum, gate_load,
+from ...triton.common import (BT, INTERPRET, Chunks, cast, chunk_bounds, dot_precision, gate_cumsum, gate_load,
                               launch, make_segment_slices, make_segments, make_slices, pow2, sm_count, tl_dtype,
                               value_cols)
 from ... import tuning
@@ -656,7 +656,7 @@ def _merged(rb, q, k, v, do, gamma, beta, Ai, VN, h, h0, dht, ch: Chunks, scale:
     DB = torch.empty(T, HV, device=dev, dtype=f32)
     DG = torch.empty(T, HV, device=dev, dtype=f32)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
-    qc, kc, doc = (x if x.dtype == v.dtype else x.to(v.dtype) for x in (q, k, do))
+    qc, kc, doc, VN = (cast(x, v.dtype) for x in (q, k, do, VN))
     if L:
         sg = make_segments(ch, L, dev)
         rb.backward(qc, kc, v, doc, gamma, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, sg.cu, sg.cu[1:], sg.off,
