@@ -1,7 +1,7 @@
 """The merged backward of the gated delta rule (gdn.ops.delta.triton.fused_rbwd,
 ``DELTA["fused_rbwd"]``: the reverse pass and the per-chunk gradients in one warp-specialised
-kernel) on the GPU: the cases of the warp-specialised forward that pad to K = V = 128, bf16 and
-fp16, against the float64 reference at tier 3, whole sequences or warm-started segments of two
+kernel) on the GPU: the cases of the warp-specialised forward that pad to K = V = 128 and awkward
+ones at that width, bf16 and fp16, against the float64 reference at tier 3, whole sequences or warm-started segments of two
 chunks; and the launches show it replaced fused_rev and fused_bwd. Gluon has no interpreter, so
 this is its only check of results."""
 from __future__ import annotations
@@ -17,7 +17,15 @@ from .helpers import assert_within, dtype_id, launched, poison_empty
 from .test_chunk import check_once
 from .test_fused_fwd import CASES, _width
 
-RCASES = [c for c in CASES if _width(c[5]) == 128 and _width(c[6]) == 128]
+#: the forward's cases at K = V = 128 after padding, and the awkward ones at K = V = 128: a token,
+#: partial chunks, grouped heads, packed sequences around empty and one-token ones (with initial
+#: and final states), K and V padded from 100 and 72
+RCASES = [c for c in CASES if _width(c[5]) == 128 and _width(c[6]) == 128] + [
+    ("T=1 K=V=128", 4, 1, 2, 4, 128, 128, None, True),
+    ("T=63 grouped", 2, 63, 2, 4, 128, 128, None, True),
+    ("T=65 K=100 V=72", 1, 65, 2, 4, 100, 72, None, True),
+    ("packed K=V=128", 1, 360, 2, 4, 128, 128, (65, 1, 0, 63, 128, 103), True),
+]
 
 
 @pytest.mark.parametrize("split", (0, 2), ids=("whole", "segments-of-2"))
