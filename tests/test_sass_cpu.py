@@ -45,3 +45,14 @@ def test_hopper_splits_as_the_card_would():
     assert "warm_plan_kernel" in rows and "bound_kernel" not in rows, rows
     grid = int(rows["fused_fwd_kernel"].split("|")[11])
     assert grid > 4, rows["fused_fwd_kernel"]
+
+
+def test_kda_kernels_hold_no_spills_in_bf16():
+    """Every KDA chunk kernel of a forward + backward at K = V = 128 in bf16, at its launch settings
+    (register caps included), compiles for sm_90 with no stack and no spills (docs/KDA.md,
+    "Spill-free at the timed settings")."""
+    rows = _rows("--shape", "8x2048", "--op", "kda")
+    assert {"state_fwd_kernel", "state_bwd_kernel", "intra_bwd_kernel", "kkt_kernel"} <= set(rows), rows
+    for name, line in rows.items():
+        cells = [c.strip() for c in line.split("|")]
+        assert cells[7] == "0" and cells[8] == "0/0", line

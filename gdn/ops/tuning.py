@@ -202,10 +202,10 @@ DELTA = {
 #: intra_bwd, wu and output by timing on the H200 (below). Register caps (a ``{"maxnreg": N}``
 #: form) were taken where the H200 timed them faster, for the programs per multiprocessor they
 #: give: intra_bwd, wy_bwd and state_fwd's capped candidate. The kernels hold little enough live
-#: state that ptxas spills nothing at these settings in bf16 but in state_fwd's capped candidate,
-#: whose spill-free form (TMA) timed slower (fp16: that and intra_bwd's 12 + 12 bytes of stores +
-#: loads; fp32: the state passes, wy_bwd and intra_bwd), docs/KDA.md "Spill-free at the timed
-#: settings".
+#: state that ptxas spills nothing at these settings in bf16, state_fwd's capped candidate in its
+#: descriptor-read form (TMA, below) included (fp16: its 4 + 4 bytes of stores + loads and
+#: intra_bwd's 12 + 12; fp32: the state passes, wy_bwd and intra_bwd), docs/KDA.md "Spill-free at
+#: the timed settings".
 #: wu takes 8 warps for the reason the scalar-gate wu does. An entry's ``fp32`` dict overrides it
 #: for fp32 inputs (their 3-pass tf32 dots hold two tiles per operand).
 KDA = {
@@ -246,13 +246,16 @@ KDA = {
     # fp32 inputs: one candidate and value tiles of 64 in both passes (their states spill at every
     # setting by ptxas, 0.2-1.1 KB, and neither the cap nor tiles of 128 was timed for them).
     # TMA: W, KT and U read through tensor descriptors where the card has them (the states stored
-    # through pointers): no spills at the cap in bf16 (ptxas sm_90, (8, 2048) and (4, 8192)), not
-    # yet timed. A form that also stored the states through descriptors was slower on the H200
-    # (forward's pass 258 against 207 µs at (8, 2048, 16, 128) bf16, 746 against 556 at (4, 8192);
-    # benchmarks/kda_gpu.py --profile --config, 2026-12-05), so off: the pointer form, which spills
-    # 68 + 68 bytes at the cap in bf16 (40 + 40 in the backward's recompute).
+    # through pointers): no spills at the cap in bf16 (ptxas sm_90, (8, 2048) and (4, 8192)), where
+    # the pointer form spills 68 + 68 bytes (40 + 40 in the backward's recompute). On: the KDA
+    # chunk kernels hold no spills in bf16 at K = V = 128 with it, at a measured price (H200,
+    # benchmarks/kda_gpu.py --profile --config, 2026-12-05, pointer → descriptor form): the
+    # forward's pass 207 → 238 µs at (8, 2048, 16, 128) bf16 and 553 → 682 at (4, 8192), the
+    # forward + backward's kernels 3901 → 3961 and 8129 → 8386 µs (+1.5 %, +3.2 %), still ahead of
+    # FLA's chunk_kda (4851 and 9864 µs of wall, 2026-12-02). A form that also stored the states
+    # through descriptors was slower again (258 and 746 µs).
     "state_fwd": dict(num_warps=8, stages=(1, (1, {"maxnreg": 128})), waves=True, SV=8192, BV_min=32, per_sm=2,
-                      TMA=False, fp32=dict(stages=(1,), per_sm=1)),
+                      TMA=True, fp32=dict(stages=(1,), per_sm=1)),
     "output": dict(num_warps=8, stages=(1,), BK=64, BV=64),
     "dv_local": dict(num_warps=4, stages=(1,), BV=64),
     "state_bwd": dict(num_warps=8, stages=(1,), SV=16384, BV_min=32, per_sm=1, fp32=dict(SV=8192)),

@@ -109,19 +109,20 @@ def test_chunk_kernels(spec, seed, dtype):
 @pytest.mark.parametrize("dtype", CHUNK_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("spec,seed", [pytest.param(c, 100 + i, id=c[0]) for i, c in enumerate(CHECKS)
                                        if c[0].startswith(("packed", "T=130", "(8, 2048"))])
-def test_chunk_kernels_state_reads_by_descriptor(spec, seed, dtype, monkeypatch):
-    """The forward state pass's other form (``KDA["state_fwd"]["TMA"]``: W, KT and U read through
-    tensor descriptors, the states stored through pointers; not the default) at the packed case
-    (an empty sequence's final state, a one-token sequence), an unpadded K and a benchmark shape."""
+def test_chunk_kernels_state_reads_by_pointer(spec, seed, dtype, monkeypatch):
+    """The forward state pass's other form (``KDA["state_fwd"]["TMA"]`` off: W, KT and U read
+    through pointers, as on cards without tensor descriptors; the default reads them through
+    descriptors) at the packed case (an empty sequence's final state, a one-token sequence), an
+    unpadded K and a benchmark shape."""
     from gdn.ops import tuning
 
-    monkeypatch.setitem(tuning.KDA, "state_fwd", dict(tuning.KDA["state_fwd"], TMA=True))
+    monkeypatch.setitem(tuning.KDA, "state_fwd", dict(tuning.KDA["state_fwd"], TMA=False))
     try:
         errs, bounds = check_chunk_case(spec, seed, dtype)
     finally:
         if dtype == CHUNK_DTYPES[-1]:
             reference_case.cache_clear()
-    assert_within(errs, bounds, f"chunk_kda (state reads by descriptor) at {spec[0]}, {dtype_id(dtype)}")
+    assert_within(errs, bounds, f"chunk_kda (state reads by pointer) at {spec[0]}, {dtype_id(dtype)}")
 
 
 # ------------------------------------------------------------------ public op and chunk form, fixed bounds
