@@ -83,7 +83,7 @@ def _decisions(ch: Chunks, qp, gp, bp, h0p, H: int, HV: int, Kp: int, Vp: int, w
         inv = tuple(DELTA[n].get("from_inverse", False) for n in ("state_out", "state_fwd", "state_bwd"))
         split = tuple(sorted(DELTA["split"].items()))
         kind = (Kp, Vp, io, gp is None, bp is None, h0p is None, want_final, dev, H, HV, gdt, vdt, lay, inv, split,
-                tuple(bool(DELTA[n]["on"]) for n in ("fused_bwd", "fused_fwd", "fused_states")))
+                tuple(bool(DELTA[n]["on"]) for n in ("fused_bwd", "fused_fwd", "fused_states", "fused_rbwd")))
         hit = ch.memo[key] = (ws, lay, kind)
     return hit
 
