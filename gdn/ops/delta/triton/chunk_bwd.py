@@ -33,7 +33,7 @@ from ...triton.common import (BT, INTERPRET, Chunks, cast, chunk_bounds, dot_pre
 from ... import tuning
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
-from .chunk_fwd import _block, state_tile, tile_reads
+from .chunk_fwd import _block, gluon_module, state_tile, tile_reads
 from .split import bounds, chain, fill_empty, split_len, warm_plan, warm_split, warm_up
 
 
@@ -467,34 +467,9 @@ def _state_bwd_reverse(args, kw, dh, DD, dummy, scale: float, dS_end, dS_0, star
            USE_INIT=dS_0 is not None, **kw, **more)
 
 
-def _fused_rev():
-    """The Gluon reverse pass's module (delta.triton.fused_rev), imported on first use; None where
-    this triton has no Gluon."""
-    try:
-        from . import fused_rev  # noqa: PLC0415
-    except ImportError:
-        return None
-    return fused_rev
-
-
-def _fused_bwd():
-    """The Gluon fused backward's module (delta.triton.fused_bwd), imported on first use; None where
-    this triton has no Gluon."""
-    try:
-        from . import fused_bwd  # noqa: PLC0415
-    except ImportError:
-        return None
-    return fused_bwd
-
-
-def _fused_rbwd():
-    """The Gluon merged backward's module (delta.triton.fused_rbwd), imported on first use; None
-    where this triton has no Gluon."""
-    try:
-        from . import fused_rbwd  # noqa: PLC0415
-    except ImportError:
-        return None
-    return fused_rbwd
+_fused_rev = functools.partial(gluon_module, "fused_rev")
+_fused_bwd = functools.partial(gluon_module, "fused_bwd")
+_fused_rbwd = functools.partial(gluon_module, "fused_rbwd")
 
 
 def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, grad_dtype=torch.float32,
@@ -526,7 +501,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     warm = bool(L) and warm_split(g)
     # the chunks' log norm bounds that the warm-started split's walks add up (the forward's, in plans)
     bnd = bounds(k, beta, gamma, ch, HV, plans) if warm else None
-    rb = _fused_rbwd() if from_inv and rev is not None and (warm or not L) else None
+    rb = _fused_rbwd() if rev is not None else None  # (rev: a delta member from T⁻¹, unsplit or warm-started)
     if rb is not None and rb.usable(q, g, beta, K, V):
         return _merged(rb, q, k, v, do, gamma, beta, Ai, VN, h, h0, dht, ch, scale, L if warm else 0, bnd,
                        grad_dtype, dv_dtype)
@@ -657,14 +632,14 @@ def _merged(rb, q, k, v, do, gamma, beta, Ai, VN, h, h0, dht, ch: Chunks, scale:
     DG = torch.empty(T, HV, device=dev, dtype=f32)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
     qc, kc, doc, VN = (cast(x, v.dtype) for x in (q, k, do, VN))
+    warm, ranges = None, (ch.cu, ch.cu[1:], ch.chunk_off, ch.N)
     if L:
         sg = make_segments(ch, L, dev)
-        rb.backward(qc, kc, v, doc, gamma, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, sg.cu, sg.cu[1:], sg.off,
-                    sg.NS, scale, warm=(warm_plan(bnd, gamma, sg, ch, HV, after=True), sg.seq, ch.cu))
+        warm = (warm_plan(bnd, gamma, sg, ch, HV, after=True), sg.seq, ch.cu)
+        ranges = (sg.cu, sg.cu[1:], sg.off, sg.NS)
+    rb.backward(qc, kc, v, doc, gamma, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, *ranges, scale, warm=warm)
+    if L:
         fill_empty(dh0, dht, ch)
-    else:
-        rb.backward(qc, kc, v, doc, gamma, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, ch.cu, ch.cu[1:],
-                    ch.chunk_off, ch.N, scale)
     return DQ, DK, DV, DG, DB, dh0
 
 
