@@ -65,35 +65,33 @@ NHAND = gl.constexpr(12)
 
 
 @gluon.jit
-def _rows_of(G, beta, t0, eos, HV, i_hv, layout: gl.constexpr):
-    """(row indices, valid mask, γ, β) of the chunk's 64 rows in the row layout of ``layout``."""
+def _rows(t0, eos, layout: gl.constexpr):
+    """(row indices, valid mask) of the chunk's 64 rows in the row layout of ``layout``."""
     rt = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
-    m = rt < eos
-    return rt, m, gl.load(G + rt * HV + i_hv, mask=m, other=0.0), gl.load(beta + rt * HV + i_hv, mask=m, other=0.0)
+    return rt, rt < eos
 
 
 @gluon.jit
-def _decay(G, t0, eos, HV, i_hv, layout: gl.constexpr):
-    """D: exp(γ_r − γ_c) on and below the diagonal of valid rows, zero elsewhere ([64, 64] in
-    ``layout``); and the strict lower mask."""
-    rt = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
-    ct = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, layout))
-    g_r = gl.load(G + rt * HV + i_hv, mask=rt < eos, other=0.0)
-    g_c = gl.load(G + ct * HV + i_hv, mask=ct < eos, other=0.0)
-    lower = (rt[:, None] >= ct[None, :]) & (rt < eos)[:, None]
-    return gl.exp(gl.where(lower, g_r[:, None] - g_c[None, :], float("-inf"))), lower & (rt[:, None] != ct[None, :])
+def _at_rows(X, rt, m, HV, i_hv):
+    """X[rt, i_hv] of a [T, HV] fp32 tensor (γ or β), zero on rows past the end."""
+    return gl.load(X + rt * HV + i_hv, mask=m, other=0.0)
 
 
 @gluon.jit
-def _decay_t(G, t0, eos, HV, i_hv, layout: gl.constexpr):
-    """Dᵀ: exp(γ_c − γ_r) where c ≥ r and column c is a valid row, zero elsewhere ([64, 64] in
-    ``layout``; the mask of Pᵀ = K Qᵀ, whose columns past the end must not reach dO's rows there)."""
-    rt = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
+def _decay(G, t0, eos, HV, i_hv, layout: gl.constexpr, TRANS: gl.constexpr):
+    """D, exp(γ_r − γ_c) where r ≥ c and row r is valid, zero elsewhere, and its strict part's mask
+    ([64, 64] in ``layout``); with ``TRANS`` Dᵀ and its mask (the mask of Pᵀ = K Qᵀ, whose columns
+    past the end must not reach dO's rows there)."""
+    rt, mr = _rows(t0, eos, layout)
     ct = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, layout))
-    g_r = gl.load(G + rt * HV + i_hv, mask=rt < eos, other=0.0)
-    g_c = gl.load(G + ct * HV + i_hv, mask=ct < eos, other=0.0)
-    keep = (ct[None, :] >= rt[:, None]) & (ct < eos)[None, :]
-    return gl.exp(gl.where(keep, g_c[None, :] - g_r[:, None], float("-inf")))
+    g_r = _at_rows(G, rt, mr, HV, i_hv)
+    g_c = _at_rows(G, ct, ct < eos, HV, i_hv)
+    if TRANS:
+        late, early, g_late, g_early = ct[None, :], rt[:, None], g_c[None, :], g_r[:, None]
+    else:
+        late, early, g_late, g_early = rt[:, None], ct[None, :], g_r[:, None], g_c[None, :]
+    keep = (late >= early) & (late < eos)
+    return gl.exp(gl.where(keep, g_late - g_early, float("-inf"))), keep & (late != early)
 
 
 @gluon.jit
@@ -193,7 +191,8 @@ def _grad_a(s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_g, ready, empty, 
         mbarrier.wait(ready, par)
         # Pᵀ = K Qᵀ ⊙ Dᵀ (columns past the end zeroed), then L and dÕ
         b_p = warpgroup_mma(s_k, s_q.permute((1, 0)), zt, use_acc=False)
-        b_p = b_p * _decay_t(G, t0, eos, HV, i_hv, l_t)
+        dec_t, s_unused = _decay(G, t0, eos, HV, i_hv, l_t, True)
+        b_p = b_p * dec_t
         mbarrier.wait(hand.index(P_FREE), par ^ 1)  # B is done with the previous chunk's pair terms
         s_p.store(b_p.to(DT))
         fence_async_shared()
@@ -202,7 +201,8 @@ def _grad_a(s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_g, ready, empty, 
         s_dd.store((b_l * scale).to(DT))
         fence_async_shared()
         mbarrier.arrive(hand.index(L_READY), count=1)
-        rv, mv, g_v, b_unused = _rows_of(G, G, t0, eos, HV, i_hv, l_v)  # (β not needed: γ read twice)
+        rv, mv = _rows(t0, eos, l_v)
+        g_v = _at_rows(G, rv, mv, HV, i_hv)
         b_o = s_do.load(l_v).to(f32) * gl.where(mv, scale * gl.exp(g_v), 0.0)[:, None]
         mbarrier.wait(hand.index(O_FREE), par ^ 1)  # the chain's previous update has read dÕ
         s_o.store(b_o.to(DT))
@@ -221,7 +221,7 @@ def _grad_a(s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_g, ready, empty, 
                               * s_ds.slice(i * 32, 32, dim=0).load(ld).to(f32), axis=1)
             mbarrier.arrive(hand.index(DS_FREE), count=1)
             b_e = warpgroup_mma_wait(0, deps=[b_e])
-            dec, s_unused = _decay(G, t0, eos, HV, i_hv, l_t)
+            dec, s_unused = _decay(G, t0, eos, HV, i_hv, l_t, False)
             dsm = b_e * dec * scale
             s_p.store(gl.permute(dsm.to(DT), (1, 0)))  # (dO δᵀ ⊙ D)ᵀ: A operand of B's dK term, Bᵀ of dQ's
             fence_async_shared()
@@ -235,7 +235,8 @@ def _grad_a(s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_g, ready, empty, 
             sig_c = gl.exp(gl.load(G + last * HV + i_hv)) * gl.sum(sig, axis=0)
             dg_c += gl.where(ct == last, sig_c, 0.0)
             # dQ in two halves of K: dO Sᵀ scaled by rows, plus (dO δᵀ ⊙ D) K
-            rh, mh, g_h, h_unused = _rows_of(G, G, t0, eos, HV, i_hv, l_h)
+            rh, mh = _rows(t0, eos, l_h)
+            g_h = _at_rows(G, rh, mh, HV, i_hv)
             e_h = gl.where(mh, scale * gl.exp(g_h), 0.0)
             dg_k = gl.zeros([BT], f32, gl.SliceLayout(1, l_h))
             for i in gl.static_range(K // HK):
@@ -275,7 +276,8 @@ def _grad_b(s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g,
         t0 = bos + (nc - 1 - j) * BT
         last = gl.minimum(eos, t0 + BT) - 1
         g_last = gl.load(G + last * HV + i_hv)
-        rv, mv, g_v, b_bv = _rows_of(G, beta, t0, eos, HV, i_hv, l_v)
+        rv, mv = _rows(t0, eos, l_v)
+        g_v, b_bv = _at_rows(G, rv, mv, HV, i_hv), _at_rows(beta, rv, mv, HV, i_hv)
         mbarrier.wait(ready, par)
         mbarrier.wait(hand.index(DS_READY), par)
         b_x = warpgroup_mma(s_k, s_ds, zv, use_acc=False)
@@ -309,8 +311,9 @@ def _grad_b(s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g,
             b_da = warpgroup_mma(s_a.permute((1, 0)), s_lo, b_da, is_async=True)
             b_kk = warpgroup_mma(s_k, s_k.permute((1, 0)), zt, use_acc=False, is_async=True)
             # dA = −(Tᵀ (dδ δᵀ)) ⊙ D strictly below the diagonal; M = diag(β) dA; dβ's and dγ's terms
-            dec, strict = _decay(G, t0, eos, HV, i_hv, l_t)
-            rt, mt, g_t, b_bt = _rows_of(G, beta, t0, eos, HV, i_hv, l_t)
+            dec, strict = _decay(G, t0, eos, HV, i_hv, l_t, False)
+            rt, mt = _rows(t0, eos, l_t)
+            b_bt = _at_rows(beta, rt, mt, HV, i_hv)
             b_da, b_kk = warpgroup_mma_wait(0, deps=[b_da, b_kk])
             b_da = 0.0 - gl.where(strict, b_da * dec, 0.0)
             b_kk = b_da * b_kk  # dA ⊙ K Kᵀ
@@ -323,7 +326,8 @@ def _grad_b(s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g,
             s_x.store(b_m.to(DT))  # M over dδ δᵀ's first part (its products are done)
             fence_async_shared()
             # dK in two halves of K
-            rh, mh, g_h, b_bh = _rows_of(G, beta, t0, eos, HV, i_hv, l_h)
+            rh, mh = _rows(t0, eos, l_h)
+            g_h, b_bh = _at_rows(G, rh, mh, HV, i_hv), _at_rows(beta, rh, mh, HV, i_hv)
             e_h = gl.exp(g_h)
             w_h = gl.where(mh, gl.exp(g_last - g_h), 0.0)
             ktdw = gl.zeros([BT], f32, gl.SliceLayout(1, l_h))
