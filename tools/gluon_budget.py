@@ -218,7 +218,6 @@ def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cub
     ``warm``: the warm-started segments' form) compiled for sm_90 with the partitions' registers
     ``regs`` = (copies, A, B) and ``maxnreg`` (defaults: the launch setting's). "spill" is the
     program's stack frame, the largest any partition needs."""
-    from gdn.ops.delta.triton import fused_bwd as F  # noqa: PLC0415
     from gdn.ops.delta.triton import fused_rbwd as R  # noqa: PLC0415
     from gdn.ops.tuning import DELTA  # noqa: PLC0415
 
@@ -226,10 +225,7 @@ def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cub
     regs = tuple(c["regs"]) if regs is None else tuple(regs)
     maxnreg = c["maxnreg"] if maxnreg is None else maxnreg
     K = V = 128
-
-    def desc(rows, cols):
-        return f"tensordesc<bf16[{rows}, {cols}],{F._tile((rows, cols), gl.bfloat16, torch.bfloat16)[0]!r}>"
-
+    desc = desc_type
     sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, V), a_t=desc(64, 64), d_t=desc(64, V),
                h_t=desc(K, V), G="*fp32", beta="*fp32", v="*bf16", dht="*fp32", dh0="*fp32", DQ="*bf16",
                DK="*bf16", DV="*bf16", DB="*fp32", DG="*fp32", cu="*i32", ends="*i32", off="*i32", plan="*i32",
@@ -245,13 +241,26 @@ def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cub
                      maxnreg=maxnreg)
 
 
-def sass(cubin: bytes) -> str:
-    """The SASS of a compiled kernel's cubin (cuobjdump -sass)."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """cuobjdump's ``flag`` output for a compiled kernel's cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+        return subprocess.run([os.path.join(BIN, "cuobjdump"), flag, f.name], capture_output=True, text=True,
                               check=True).stdout
+
+
+def sass(cubin: bytes) -> str:
+    """The SASS of a compiled kernel's cubin (cuobjdump -sass)."""
+    return _cuobjdump(cubin, "-sass")
+
+
+def desc_type(rows: int, cols: int) -> str:
+    """The signature type of a bf16 tensor descriptor read in [rows, cols] blocks, with the shared
+    layout the launches give it (fused_bwd._tile)."""
+    from gdn.ops.delta.triton import fused_bwd as F  # noqa: PLC0415
+
+    return f"tensordesc<bf16[{rows}, {cols}],{F._tile((rows, cols), gl.bfloat16, torch.bfloat16)[0]!r}>"
 
 
 def _compiled(src, num_warps: int, cubin: bool = False, **extra) -> dict:
@@ -261,11 +270,7 @@ def _compiled(src, num_warps: int, cubin: bool = False, **extra) -> dict:
     t = time.perf_counter()
     ck = triton.compile(src, target=TARGET, options=opts.__dict__)
     seconds = time.perf_counter() - t  # (a cache hit where TRITON_CACHE_DIR holds it already)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(ck.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", f.name],
-                               capture_output=True, text=True, check=True).stdout
+    usage = _cuobjdump(ck.asm["cubin"], "--dump-resource-usage")
     field = {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
     out = {"regs": field["REG"], "spill": field["STACK"] + field["LOCAL"], "shared": ck.metadata.shared,
            "seconds": seconds}

@@ -27,7 +27,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -36,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gdn.ops.delta.triton.fused_bwd import acc_layout  # noqa: E402
-from tools.gluon_budget import _aligned, _compiled  # noqa: E402
+from tools.gluon_budget import _aligned, _compiled, desc_type  # noqa: E402
 
 BT = gl.constexpr(64)
 WG = gl.constexpr(4)
@@ -248,11 +247,7 @@ def probe(K: int = 128, V: int = 128, regs=(24, 160, 160), maxnreg: int = 128, o
     """{"regs", "spill", "shared"} of the probe compiled for sm_90 (4 warps launched, the workers'
     registers ``regs`` = (copies, A, B), the chain taking the rest of ``maxnreg`` times the program's
     warps); with ``cubin`` its "cubin" too."""
-    from gdn.ops.delta.triton import fused_bwd as B  # noqa: PLC0415
-
-    def desc(rows, cols):
-        return f"tensordesc<bf16[{rows}, {cols}],{B._tile((rows, cols), gl.bfloat16, torch.bfloat16)[0]!r}>"
-
+    desc = desc_type
     sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, V), v_t=desc(64, V), a_t=desc(64, 64),
                h_t=desc(K, V), G="*fp32", DQ="*bf16", DK="*bf16", DV="*bf16", dh0="*fp32", nc="i32")
     const = dict(K=K, V=V, R_COPY=regs[0], R_A=regs[1], R_B=regs[2], ON_A=on[0], ON_B=on[1])
