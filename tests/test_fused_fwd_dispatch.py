@@ -212,6 +212,13 @@ def test_awkward_calls_take_the_h200_path_end_to_end(h200, T, H, HV, K, V, lens,
     path (nothing runs): its host side (chunk layout, splits, slices, descriptors, the warm-up
     counts handed on) raises nothing, every grid is non-empty, the Gluon passes take the call and
     the gradients come back in their inputs' shapes."""
+    names = set(_end_to_end(T, H, HV, K, V, lens, state))
+    assert {"fused_fwd_kernel", "fused_rev_kernel", "fused_bwd_kernel"} <= names, names
+
+
+def _end_to_end(T, H, HV, K, V, lens, state) -> list:
+    """The kernels a bf16 forward + backward through autograd launches (recorded, nothing runs),
+    having checked that every grid is non-empty and every input got a gradient of its shape."""
     B = 1 if lens else 2
     cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     N = len(lens) if lens else B
@@ -224,11 +231,10 @@ def test_awkward_calls_take_the_h200_path_end_to_end(h200, T, H, HV, K, V, lens,
     with launcher.recording() as launches:
         o, ht = chunk.chunk_op(q, k, v, g, beta, initial_state=h0, output_final_state=state, cu_seqlens=cu)
         (o.float().sum() + (ht.sum() if state else 0)).backward()
-    names = set(_names(launches))
-    assert {"fused_fwd_kernel", "fused_rev_kernel", "fused_bwd_kernel"} <= names, names
     assert all(d > 0 for _, grid, _, _ in launches for d in grid), [(_names([x]), x[1]) for x in launches]
     for x in (q, k, v, g, beta) + ((h0,) if state else ()):
         assert x.grad is not None and x.grad.shape == x.shape
+    return _names(launches)
 
 
 @pytest.mark.parametrize("T, H, HV, lens, state", [
@@ -242,21 +248,6 @@ def test_merged_backward_takes_the_h200_path(h200, monkeypatch, T, H, HV, lens, 
     per-chunk kernel (whole sequences or warm-started segments: no slices), and the gradients come
     back in their inputs' shapes."""
     monkeypatch.setitem(tuning.DELTA, "fused_rbwd", dict(tuning.DELTA["fused_rbwd"], on=True))
-    B = 1 if lens else 2
-    cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    N = len(lens) if lens else B
-    q = torch.zeros(B, T, H, 128, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.zeros(B, T, H, 128, dtype=torch.bfloat16, requires_grad=True)
-    v = torch.zeros(B, T, HV, 128, dtype=torch.bfloat16, requires_grad=True)
-    g = torch.zeros(B, T, HV, requires_grad=True)
-    beta = torch.zeros(B, T, HV, requires_grad=True)
-    h0 = torch.zeros(N, HV, 128, 128, requires_grad=True) if state else None
-    with launcher.recording() as launches:
-        o, ht = chunk.chunk_op(q, k, v, g, beta, initial_state=h0, output_final_state=state, cu_seqlens=cu)
-        (o.float().sum() + (ht.sum() if state else 0)).backward()
-    names = _names(launches)
+    names = _end_to_end(T, H, HV, 128, 128, lens, state)
     assert names.count("fused_rbwd_kernel") == 1 and "fused_rev_kernel" not in names, names
     assert "fused_bwd_kernel" not in names, names
-    assert all(d > 0 for _, grid, _, _ in launches for d in grid), [(_names([x]), x[1]) for x in launches]
-    for x in (q, k, v, g, beta) + ((h0,) if state else ()):
-        assert x.grad is not None and x.grad.shape == x.shape
