@@ -33,7 +33,7 @@ from ...triton.common import (BT, INTERPRET, Chunks, cast, chunk_bounds, dot_pre
 from ... import tuning
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
-from .chunk_fwd import _block, gluon_module, state_tile, tile_reads
+from .chunk_fwd import _block, state_tile, tile_reads
 from .split import bounds, chain, fill_empty, split_len, warm_plan, warm_split, warm_up
 
 
@@ -467,9 +467,34 @@ def _state_bwd_reverse(args, kw, dh, DD, dummy, scale: float, dS_end, dS_0, star
            USE_INIT=dS_0 is not None, **kw, **more)
 
 
-_fused_rev = functools.partial(gluon_module, "fused_rev")
-_fused_bwd = functools.partial(gluon_module, "fused_bwd")
-_fused_rbwd = functools.partial(gluon_module, "fused_rbwd")
+def _fused_rev():
+    """The Gluon reverse pass's module (delta.triton.fused_rev), imported on first use; None where
+    this triton has no Gluon."""
+    try:
+        from . import fused_rev  # noqa: PLC0415
+    except ImportError:
+        return None
+    return fused_rev
+
+
+def _fused_bwd():
+    """The Gluon fused backward's module (delta.triton.fused_bwd), imported on first use; None where
+    this triton has no Gluon."""
+    try:
+        from . import fused_bwd  # noqa: PLC0415
+    except ImportError:
+        return None
+    return fused_bwd
+
+
+def _fused_rbwd():
+    """The Gluon merged backward's module (delta.triton.fused_rbwd), imported on first use; None
+    where this triton has no Gluon."""
+    try:
+        from . import fused_rbwd  # noqa: PLC0415
+    except ImportError:
+        return None
+    return fused_rbwd
 
 
 def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, grad_dtype=torch.float32,

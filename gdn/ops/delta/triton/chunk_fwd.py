@@ -19,9 +19,6 @@ are fp32.
 """
 from __future__ import annotations
 
-import functools
-import importlib
-
 import torch
 import triton
 import triton.language as tl
@@ -466,16 +463,14 @@ def _gamma_buffer(g, beta, Ai, ch: Chunks, plans=None):
     return G, bnd
 
 
-def gluon_module(name: str):
-    """The Gluon kernel module delta.triton.``name`` (fused_fwd, fused_rev, fused_bwd, fused_rbwd),
-    imported on first use; None where this triton has no Gluon."""
+def _fused_fwd():
+    """The warp-specialised forward pass's module (delta.triton.fused_fwd), imported on first use;
+    None where this triton has no Gluon."""
     try:
-        return importlib.import_module(f"{__package__}.{name}")
+        from . import fused_fwd  # noqa: PLC0415
     except ImportError:
         return None
-
-
-_fused_fwd = functools.partial(gluon_module, "fused_fwd")
+    return fused_fwd
 
 
 def warp_specialised(q, g, beta, K: int, V: int, name: str = "fused_fwd") -> bool:
