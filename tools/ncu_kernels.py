@@ -31,7 +31,17 @@ def main():
     ap.add_argument("--shape", default="4x8192", help="BxT (H = HV = 16, K = V = 128), e.g. 8x2048")
     ap.add_argument("--hv", type=int, default=16, help="value heads (grouped when above 16)")
     ap.add_argument("--no-fla", action="store_true", help="gdn only")
+    ap.add_argument("--config", default=None, metavar="JSON",
+                    help="launch overrides first (a file or inline JSON, gdn.ops.tuning.update_from), e.g. "
+                         "'{\"fused_rbwd\": {\"on\": true}}'")
     args = ap.parse_args()
+    if args.config:
+        from gdn.ops.tuning import update_from  # noqa: PLC0415
+
+        try:
+            update_from(args.config)
+        except ValueError as e:
+            ap.error(f"--config: {e}")
     B, T = (int(x) for x in args.shape.lower().split("x"))
     xs, cu = inputs(B, T, 16, args.hv, None)
     do = torch.randn(B, T, args.hv, 128, device="cuda", dtype=torch.bfloat16)

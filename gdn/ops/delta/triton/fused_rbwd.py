@@ -120,18 +120,18 @@ def _copies(q_t, k_t, do_t, a_t, d_t, h_t, s_q, s_k, s_do, s_a, s_dl, s_h, ready
         t0 = bos + i_c * BT
         if j >= nw:
             mbarrier.expect(ready, own_bytes)
-            tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready, s_dl)
-            tma.async_copy_global_to_shared(h_t, [((c0 + i_c) * HV + i_hv) * K, 0], ready, s_h)
+            tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready, s_dl.index(0))
+            tma.async_copy_global_to_shared(h_t, [((c0 + i_c) * HV + i_hv) * K, 0], ready, s_h.index(0))
         else:
             mbarrier.expect(ready, chain_bytes)
-        tma.async_copy_global_to_shared(k_t, [t0, i_h * K], ready, s_k)
-        tma.async_copy_global_to_shared(q_t, [t0, i_h * K], ready, s_q)
-        tma.async_copy_global_to_shared(do_t, [t0, i_hv * V], ready, s_do)
-        tma.async_copy_global_to_shared(a_t, [t0, i_hv * BT], ready, s_a)
+        tma.async_copy_global_to_shared(k_t, [t0, i_h * K], ready, s_k.index(0))
+        tma.async_copy_global_to_shared(q_t, [t0, i_h * K], ready, s_q.index(0))
+        tma.async_copy_global_to_shared(do_t, [t0, i_hv * V], ready, s_do.index(0))
+        tma.async_copy_global_to_shared(a_t, [t0, i_hv * BT], ready, s_a.index(0))
 
 
 @gluon.jit
-def _chain(s_q, s_k, s_ds, s_o, s_z, ready, empty, hand, G, dht, dh0, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv,
+def _chain(u_q, u_k, u_ds, u_o, u_z, ready, empty, hand, G, dht, dh0, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv,
            HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr, USE_DHT: gl.constexpr, USE_INIT: gl.constexpr,
            WARM: gl.constexpr):
     """The chain: dS [K, V] in fp32 registers, from dht where the walk reaches the sequence's end (or
@@ -148,6 +148,12 @@ def _chain(s_q, s_k, s_ds, s_o, s_z, ready, empty, hand, G, dht, dh0, cu, ends, 
     else:
         b_s = gl.zeros([K, V], gl.float32, l_s)
     for j in range(nc):
+        z = j // nc  # zero, not provably so: the MMA operand descriptors stay in the loop
+        s_q = u_q.index(z)
+        s_k = u_k.index(z)
+        s_ds = u_ds.index(z)
+        s_o = u_o.index(z)
+        s_z = u_z.index(z)
         par = j & 1
         i_c = nc - 1 - j
         mbarrier.wait(hand.index(DS_FREE), par ^ 1)  # A and B are done with the previous dS
@@ -170,7 +176,7 @@ def _chain(s_q, s_k, s_ds, s_o, s_z, ready, empty, hand, G, dht, dh0, cu, ends, 
 
 
 @gluon.jit
-def _grad_a(s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_g, ready, empty, hand, G, DQ, cu, ends, plan,
+def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, s_g, ready, empty, hand, G, DQ, cu, ends, plan,
             seg_seq, seq_cu, i_n, i_hv, HV, scale, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
             WARM: gl.constexpr):
     """A: Pᵀ, L (into dδ's place) and dÕ for the chain; on own chunks dO δᵀ, the decayed pair terms,
@@ -186,6 +192,16 @@ def _grad_a(s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_g, ready, empty, 
     zv = gl.zeros([BT, V], f32, l_v)
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     for j in range(nc):
+        z = j // nc  # zero, not provably so: the MMA operand descriptors stay in the loop
+        s_q = u_q.index(z)
+        s_k = u_k.index(z)
+        s_do = u_do.index(z)
+        s_dl = u_dl.index(z)
+        s_h = u_h.index(z)
+        s_ds = u_ds.index(z)
+        s_dd = u_dd.index(z)
+        s_o = u_o.index(z)
+        s_p = u_p.index(z)
         par = j & 1
         t0 = bos + (nc - 1 - j) * BT
         mbarrier.wait(ready, par)
@@ -255,7 +271,7 @@ def _grad_a(s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_g, ready, empty, 
 
 
 @gluon.jit
-def _grad_b(s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g, ready, empty, hand, G, beta, v, DK,
+def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g, ready, empty, hand, G, beta, v, DK,
             DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K: gl.constexpr, V: gl.constexpr,
             DT: gl.constexpr, WARM: gl.constexpr):
     """B: K dS, dδ over L, Y = Tᵀ dδ, Z for the chain; on own chunks dV, dW, dδ δᵀ's parts, dA,
@@ -272,6 +288,19 @@ def _grad_b(s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g,
     o_vv = gl.arange(0, V, layout=gl.SliceLayout(0, l_v))
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     for j in range(nc):
+        z = j // nc  # zero, not provably so: the MMA operand descriptors stay in the loop
+        s_k = u_k.index(z)
+        s_q = u_q.index(z)
+        s_a = u_a.index(z)
+        s_dl = u_dl.index(z)
+        s_h = u_h.index(z)
+        s_ds = u_ds.index(z)
+        s_dd = u_dd.index(z)
+        s_z = u_z.index(z)
+        s_w = u_w.index(z)
+        s_x = u_x.index(z)
+        s_lo = u_lo.index(z)
+        s_p = u_p.index(z)
         par = j & 1
         t0 = bos + (nc - 1 - j) * BT
         last = gl.minimum(eos, t0 + BT) - 1
@@ -387,20 +416,20 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, G, beta, v, dht, dh0, DQ, D
     i_h = i_hv // (HV // H)
     rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, V], DT)
     sq_t: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], DT)
-    s_q = gl.allocate_shared_memory(DT, [BT, K], q_t.layout)
-    s_k = gl.allocate_shared_memory(DT, [BT, K], k_t.layout)
-    s_do = gl.allocate_shared_memory(DT, [BT, V], do_t.layout)
-    s_dl = gl.allocate_shared_memory(DT, [BT, V], d_t.layout)
-    s_a = gl.allocate_shared_memory(DT, [BT, BT], a_t.layout)
-    s_h = gl.allocate_shared_memory(DT, [K, V], h_t.layout)
-    s_ds = gl.allocate_shared_memory(DT, [K, V], h_t.layout)
-    s_dd = gl.allocate_shared_memory(DT, [BT, V], rows)
-    s_z = gl.allocate_shared_memory(DT, [BT, V], rows)
-    s_o = gl.allocate_shared_memory(DT, [BT, V], rows)
-    s_w = gl.allocate_shared_memory(DT, [BT, K], q_t.layout)
-    s_p = gl.allocate_shared_memory(DT, [BT, BT], sq_t)
-    s_x = gl.allocate_shared_memory(DT, [BT, BT], sq_t)
-    s_lo = gl.allocate_shared_memory(DT, [BT, BT], sq_t)
+    s_q = gl.allocate_shared_memory(DT, [1, BT, K], q_t.layout)
+    s_k = gl.allocate_shared_memory(DT, [1, BT, K], k_t.layout)
+    s_do = gl.allocate_shared_memory(DT, [1, BT, V], do_t.layout)
+    s_dl = gl.allocate_shared_memory(DT, [1, BT, V], d_t.layout)
+    s_a = gl.allocate_shared_memory(DT, [1, BT, BT], a_t.layout)
+    s_h = gl.allocate_shared_memory(DT, [1, K, V], h_t.layout)
+    s_ds = gl.allocate_shared_memory(DT, [1, K, V], h_t.layout)
+    s_dd = gl.allocate_shared_memory(DT, [1, BT, V], rows)
+    s_z = gl.allocate_shared_memory(DT, [1, BT, V], rows)
+    s_o = gl.allocate_shared_memory(DT, [1, BT, V], rows)
+    s_w = gl.allocate_shared_memory(DT, [1, BT, K], q_t.layout)
+    s_p = gl.allocate_shared_memory(DT, [1, BT, BT], sq_t)
+    s_x = gl.allocate_shared_memory(DT, [1, BT, BT], sq_t)
+    s_lo = gl.allocate_shared_memory(DT, [1, BT, BT], sq_t)
     vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     s_g = gl.allocate_shared_memory(gl.float32, [2 * BT], vec)  # A's dγ terms: by rows, by columns
     ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
