@@ -227,7 +227,7 @@ def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cub
     K = V = 128
     desc = desc_type
     sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, V), a_t=desc(64, 64), d_t=desc(64, V),
-               h_t=desc(K, V), G="*fp32", beta="*fp32", v="*bf16", dht="*fp32", dh0="*fp32", DQ="*bf16",
+               h_t=desc(K, V), v_t=desc(64, V), G="*fp32", beta="*fp32", dht="*fp32", dh0="*fp32", DQ="*bf16",
                DK="*bf16", DV="*bf16", DB="*fp32", DG="*fp32", cu="*i32", ends="*i32", off="*i32", plan="*i32",
                seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
     const = dict(K=K, V=V, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, WARM=warm, R_COPY=regs[0], R_A=regs[1],

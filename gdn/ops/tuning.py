@@ -169,7 +169,7 @@ DELTA = {
     # chain takes 488 − A − B a thread: the pool is 64 K registers over 16 warps' worth, each
     # partition counted as a warpgroup); ptxas sm_90 at these: 1208 B of stack, 227 KB of shared
     # memory (tools/gluon_budget.py --rbwd).
-    "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 96, 200), maxnreg=128),
+    "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 136, 192), maxnreg=128),
     "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, VT=128,
                       narrow=64),
     "cumsum": dict(num_warps=1, stages=(1,)),
@@ -281,7 +281,7 @@ KDA = {
     # rounds as finely as one-pass tf32, and with it dq, dk and dg exceed the GPU tests' fp16 bounds
     # by up to 25 % (tests/gpu/test_kda.py).
     "intra_bwd": dict(num_warps=4, stages=((1, {"maxnreg": 128}),), BK=32, PREC="tf32", fp32=dict(PREC="tf32x3"),
-                      fp16=dict(PREC="tf32x3")),
+                      fp16=dict(PREC="tf32x3", stages=(1,))),
 }
 
 #: The token-recurrent and glue kernels (no candidates: one setting each, or a rule below).

@@ -3,7 +3,7 @@ Gluon kernel (``DELTA["fused_rbwd"]``): the reverse pass (:mod:`.fused_rev`) and
 gradients (:mod:`.fused_bwd`) in one program per (sequence or warm-started segment, value head),
 for 16-bit inputs at K = V = 128 on compute capability 9. Each chunk's gradients are formed as soon
 as the state gradient leaving it exists, so the per-chunk dS (dh) and dδ never go to memory and the
-pass reads q, k, dO, T⁻¹, δ, v and h and writes dQ, dK (per value head), dV, dβ, dg and dh0.
+pass reads q, k, dO, T⁻¹, δ, v and h (all by tensor copies) and writes dQ, dK (per value head), dV, dβ, dg and dh0.
 
 Per chunk, walked last first (dS = dS_out, the gradient of the state leaving the chunk; S = h, the
 state entering it; Γ = exp(γ), γ the in-chunk cumulative log decay; D_rc = exp(γ_r − γ_c) for
@@ -28,8 +28,8 @@ its *free* one, so no role can complete a phase twice by running a chunk ahead):
   decayed pair terms, Σ S ⊙ dS, and dQ in two halves of K; hands its parts of dγ to B;
 - B (one warpgroup): K dS, dδ (over L's place), Y, Z and dV, then dW, dδ δᵀ's parts, Tᵀ (dδ δᵀ),
   K Kᵀ, M, dβ, dg, and dK in two halves of K;
-- one copy warp brings each chunk's q, k, dO and T⁻¹ (and on own chunks δ and h) by tensor copies
-  into one slot, once the three warpgroups have released it.
+- one copy warp brings each chunk's q, k, dO and T⁻¹ (and on own chunks δ, h and v) by tensor
+  copies into one slot, once the three warpgroups have released it.
 
 Warm-up chunks (the warm-started split's, walked after a segment's end) run the chain's work only.
 Gluon does not run under Triton's interpreter: the GPU tests check the kernel against the two-kernel
@@ -106,12 +106,13 @@ def _store_rows(X, x, t0, eos, HV, i_hv, col, W: gl.constexpr, N: gl.constexpr):
 
 
 @gluon.jit
-def _copies(q_t, k_t, do_t, a_t, d_t, h_t, s_q, s_k, s_do, s_a, s_dl, s_h, ready, empty, cu, ends, off, plan,
-            seg_seq, seq_cu, i_n, i_h, i_hv, HV, K: gl.constexpr, V: gl.constexpr, WARM: gl.constexpr):
-    """The copy warp: chunk nc − 1 − j's tiles (δ and h on the program's own chunks only) once the
-    three warpgroups have released the slot."""
+def _copies(q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, s_w, ready, empty, cu, ends, off,
+            plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K: gl.constexpr, V: gl.constexpr, WARM: gl.constexpr):
+    """The copy warp: chunk nc − 1 − j's tiles (δ, h and v on the program's own chunks only; v into
+    dW's buffer, which B reads it from before it forms dW there) once the three warpgroups have
+    released the slot."""
     chain_bytes: gl.constexpr = (2 * BT * K + BT * V + BT * BT) * 2
-    own_bytes: gl.constexpr = chain_bytes + (BT * V + K * V) * 2
+    own_bytes: gl.constexpr = chain_bytes + (2 * BT * V + K * V) * 2
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     c0 = gl.load(off + i_n)
     for j in range(nc):
@@ -122,6 +123,7 @@ def _copies(q_t, k_t, do_t, a_t, d_t, h_t, s_q, s_k, s_do, s_a, s_dl, s_h, ready
             mbarrier.expect(ready, own_bytes)
             tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready, s_dl.index(0))
             tma.async_copy_global_to_shared(h_t, [((c0 + i_c) * HV + i_hv) * K, 0], ready, s_h.index(0))
+            tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], ready, s_w.index(0))
         else:
             mbarrier.expect(ready, chain_bytes)
         tma.async_copy_global_to_shared(k_t, [t0, i_h * K], ready, s_k.index(0))
@@ -271,8 +273,8 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, s_g, ready, empty, 
 
 
 @gluon.jit
-def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g, ready, empty, hand, G, beta, v, DK,
-            DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K: gl.constexpr, V: gl.constexpr,
+def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g, ready, empty, hand, G, beta, DK, DV,
+            DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K: gl.constexpr, V: gl.constexpr,
             DT: gl.constexpr, WARM: gl.constexpr):
     """B: K dS, dδ over L, Y = Tᵀ dδ, Z for the chain; on own chunks dV, dW, dδ δᵀ's parts, dA,
     K Kᵀ, M, dβ, dg, and dK in two halves of K."""
@@ -285,7 +287,6 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g,
     zt = gl.zeros([BT, BT], f32, l_t)
     zh = gl.zeros([BT, HK], f32, l_h)
     zv = gl.zeros([BT, V], f32, l_v)
-    o_vv = gl.arange(0, V, layout=gl.SliceLayout(0, l_v))
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     for j in range(nc):
         z = j // nc  # zero, not provably so: the MMA operand descriptors stay in the loop
@@ -322,11 +323,9 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g,
         mbarrier.wait(hand.index(P_READY), par)
         mbarrier.wait(hand.index(G_READY), par)
         if j >= nw:
-            # dV = diag(β) Y and dβ's term Σ_v v ⊙ Y (v read in Y's layout)
+            # dV = diag(β) Y and dβ's term Σ_v v ⊙ Y (v copied into dW's place)
             _store_rows(DV, b_y * b_bv[:, None], t0, eos, HV, i_hv, 0, V, V)
-            b_vv = gl.load(v + (rv.to(gl.int64)[:, None] * HV + i_hv) * V + o_vv[None, :], mask=mv[:, None],
-                           other=0.0).to(f32)
-            dbu = gl.sum(b_vv * b_y, axis=1)
+            dbu = gl.sum(s_w.load(l_v).to(f32) * b_y, axis=1)
             # dW = −dδ Sᵀ to shared memory; dδ δᵀ as a 16-bit part and its remainder
             b_w = warpgroup_mma(s_dd, s_h.permute((1, 0)), zv, use_acc=False)
             s_w.store((0.0 - b_w).to(DT))
@@ -397,15 +396,15 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g,
 
 
 @gluon.jit
-def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, G, beta, v, dht, dh0, DQ, DK, DV, DB, DG, cu, ends, off, plan,
+def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ, DK, DV, DB, DG, cu, ends, off, plan,
                       seg_seq, seq_cu, scale, H, HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
                       USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr,
                       R_A: gl.constexpr, R_B: gl.constexpr):
     """One program per (token range [cu[i_n], ends[i_n]), value head), program id i_n · HV + i_hv.
-    Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; do_t, d_t (δ) of [T, HV · V] in [64, V]
-    blocks; a_t (T⁻¹) of [T, HV · 64] in [64, 64] blocks; h_t of [chunks · HV · K, V] in [K, V]
+    Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; do_t, d_t (δ), v_t of [T, HV · V] in [64,
+    V] blocks; a_t (T⁻¹) of [T, HV · 64] in [64, 64] blocks; h_t of [chunks · HV · K, V] in [K, V]
     blocks (the state entering each chunk at its global index off[i_n] + its index in the range).
-    G (γ) and beta [T, HV] fp32; v [T, HV, V]; dht, dh0 [N, HV, K, V] fp32; DQ, DK [T, HV, K], DV
+    G (γ) and beta [T, HV] fp32; dht, dh0 [N, HV, K, V] fp32; DQ, DK [T, HV, K], DV
     [T, HV, V], DB, DG [T, HV] fp32. ``WARM``: the ranges are warm-started segments (fused_rev's
     form: plan [NS, HV] the warm-up chunks after each, seg_seq their sequences, seq_cu the
     sequences' bounds). R_*: registers a thread of the copy, A and B partitions (the chain takes
@@ -443,12 +442,12 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, G, beta, v, dht, dh0, DQ, D
     gl.warp_specialize([
         (_chain, (s_q, s_k, s_ds, s_o, s_z, ready, empty, hand, G, dht, dh0, cu, ends, plan, seg_seq, seq_cu, i_n,
                   i_hv, HV, K, V, DT, USE_DHT, USE_INIT, WARM)),
-        (_copies, (q_t, k_t, do_t, a_t, d_t, h_t, s_q, s_k, s_do, s_a, s_dl, s_h, ready, empty, cu, ends, off, plan,
-                   seg_seq, seq_cu, i_n, i_h, i_hv, HV, K, V, WARM)),
+        (_copies, (q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, s_w, ready, empty, cu, ends,
+                   off, plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K, V, WARM)),
         (_grad_a, (s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_g, ready, empty, hand, G, DQ, cu, ends, plan,
                    seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT, WARM)),
         (_grad_b, (s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g, ready, empty, hand, G, beta,
-                   v, DK, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, WARM)),
+                   DK, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, WARM)),
     ], [1, WG, WG], [R_COPY, R_A, R_B])
 
 
@@ -471,12 +470,12 @@ def backward(q, k, v, do, G, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, cu, 
     c = DELTA["fused_rbwd"]
     DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
     q_t, k_t = (_tiles(x, T, (CHUNK, K), DT) for x in (q, k))
-    do_t, d_t = (_tiles(x, T, (CHUNK, V), DT) for x in (do, VN))
+    do_t, d_t, v_t = (_tiles(x, T, (CHUNK, V), DT) for x in (do, VN, v))
     a_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
     h_t = _tiles(h, h.numel() // V, (K, V), DT)
     plan, seg_seq, seq_cu = warm if warm is not None else (cu, cu, cu)
     r = tuple(c["regs"])
-    launch(fused_rbwd_kernel, (N * HV,), q_t, k_t, do_t, a_t, d_t, h_t, G, beta, v,
+    launch(fused_rbwd_kernel, (N * HV,), q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta,
            dht if dht is not None else G, dh0 if dh0 is not None else G, DQ, DK, DV, DB, DG, cu, ends, off, plan,
            seg_seq, seq_cu, scale, H, HV, K=K, V=V, DT=DT, USE_DHT=dht is not None, USE_INIT=dh0 is not None,
            WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], maxnreg=c["maxnreg"], name="fused_rbwd")
