@@ -165,7 +165,7 @@ DELTA = {
     # still fit one wave (fused_rev.plain_tile: the latency-bound chain finishes sooner on twice
     # the programs where half the card would idle; 0 never).
     # The merged backward (delta.triton.fused_rbwd: the reverse pass and the per-chunk gradients in
-    # one kernel, K = V = 128). Off: correct on the GPU but 1.6–1.8× slower than fused_rev +
+    # one kernel, K = V = 128). Off: correct on the GPU but 1.6–1.7× slower than fused_rev +
     # fused_bwd (H100, docs/BENCHMARKS.md "The merged backward on the GPU"). regs: copies, A, B
     # (the chain takes 488 − A − B a thread: the pool is 64 K registers over 16 warps' worth, each
     # partition counted as a warpgroup), the fastest split timed at 1 × 32768 and Qwen3.5-397B;
@@ -281,8 +281,11 @@ KDA = {
     # H200. 3-pass for fp32 and fp16 inputs (the pair loop's two sides then in separate loops): fp16
     # rounds as finely as one-pass tf32, and with it dq, dk and dg exceed the GPU tests' fp16 bounds
     # by up to 25 % (tests/gpu/test_kda.py).
+    # fp16 keeps the cap too: uncapped it holds 142 registers without spills (12 + 12 B at 128) but
+    # three programs a multiprocessor instead of four, and the forward + backward took 7 % longer
+    # (H100, 2026-12-05: 4.64 → 4.96 ms at (8, 2048, 16, 128), 9.68 → 10.33 at (4, 8192)).
     "intra_bwd": dict(num_warps=4, stages=((1, {"maxnreg": 128}),), BK=32, PREC="tf32", fp32=dict(PREC="tf32x3"),
-                      fp16=dict(PREC="tf32x3", stages=(1,))),
+                      fp16=dict(PREC="tf32x3")),
 }
 
 #: The token-recurrent and glue kernels (no candidates: one setting each, or a rule below).
