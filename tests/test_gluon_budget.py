@@ -196,3 +196,25 @@ def test_merged_backward_compiles_within_shared_memory():
     for r in _run(RBWD):
         assert 224 * 1024 <= r["shared"] <= 227 * 1024, r
         assert r["spill"] <= 640, r
+
+
+def test_partition_counts_split_at_register_reallocations():
+    """tools/gluon_budget.partition_counts: SASS lines counted per partition (the code before the
+    first USETMAXREG, then from each one to the next), with HGMMA steps and spill stores and loads
+    (predicated or not) told apart."""
+    from tools.gluon_budget import partition_counts
+
+    text = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;           /* 0x000 */",
+        "        /*0010*/                   USETMAXREG.DEALLOC.CTAPOOL 0x18 ; /* 0x000 */",
+        "        /*0020*/              @!P0 STL [R1+0x8], R2 ;              /* 0x000 */",
+        "        /*0030*/                   USETMAXREG.ALLOC.CTAPOOL 0xc0 ;  /* 0x000 */",
+        "        /*0040*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ; /* 0x000 */",
+        "        /*0050*/                   LDL.LU R4, [R1+0x8] ;            /* 0x000 */",
+        "        /*0060*/                   LDL R5, [R1+0xc] ;               /* 0x000 */",
+        "                                   (a line that is not an instruction)",
+    ])
+    c = partition_counts(text)
+    assert [x["n"] for x in c] == [1, 2, 4]
+    assert (c[1]["STL"], c[1]["LDL"], c[1]["HGMMA"]) == (1, 0, 0)
+    assert (c[2]["STL"], c[2]["LDL"], c[2]["HGMMA"]) == (0, 2, 1)

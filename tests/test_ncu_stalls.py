@@ -57,3 +57,36 @@ def test_missing_kernel_is_one_line(tmp_path, capsys):
     assert ncu_stalls.main([str(p), "--kernel", "absent"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --launch: absent has 0")
+
+
+def _ws_rows() -> list:
+    """A two-partition launch: partition 1 (after the first USETMAXREG) waits in an out-of-line loop
+    after the kernel's EXIT and branches back; partition 2 reloads a spill (LDL, 8 local sectors)
+    and runs one HGMMA."""
+    def row(a, src, smp, ex=1, local=0):
+        return {"Address": hex(0x1000 + 16 * a), "Source": src, ncu_stalls.SAMPLES: str(smp),
+                "Instructions Executed": str(ex), ncu_stalls.LOCAL: str(local)}
+
+    return [row(0, "MOV R1, c[0x0][0x28]", 1),
+            row(1, "USETMAXREG.DEALLOC.CTAPOOL 0x18", 0),
+            row(2, "@!P1 BRA " + hex(0x1000 + 16 * 8), 10),   # into the wait loop at 8
+            row(3, "FADD R2, R2, R3", 5),
+            row(4, "USETMAXREG.ALLOC.CTAPOOL 0xc0", 0),
+            row(5, "LDL R4, [R1+0x10]", 6, ex=4, local=8),
+            row(6, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ", 4),
+            row(7, "EXIT", 0),
+            row(8, "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR6+0x38a08], R2", 30),
+            row(9, "@!P1 BRA " + hex(0x1000 + 16 * 8), 40),
+            row(10, "BRA " + hex(0x1000 + 16 * 3), 4)]          # back to partition 1
+
+
+def test_partitions_take_their_wait_loops():
+    parts = ncu_stalls.partitions(_ws_rows())
+    assert [(p["first"], p["last"]) for p in parts] == [(0, 0), (1, 3), (4, 7)]
+    p1, p2 = parts[1], parts[2]
+    # partition 1: its own 15 samples and the loop's 74; waiting: the branch in (10) and the loop (74)
+    assert p1["samples"] == 89 and p1["wait"] == 84 and p1["hgmma"] == 0
+    assert p2["samples"] == 10 and p2["wait"] == 0 and p2["hgmma"] == 1 and p2["ldl"] == 4 and p2["local"] == 8
+    assert abs(sum(p["share"] for p in parts) - 100) < 1e-9
+    text = ncu_stalls.partition_report(_ws_rows())
+    assert "| 1–3 | 89.0 | 84.0 | 0 |" in text and "| 4–7 | 10.0 | 0.0 | 1 | 4 | 8 |" in text

@@ -255,6 +255,28 @@ def sass(cubin: bytes) -> str:
     return _cuobjdump(cubin, "-sass")
 
 
+def partition_counts(sass_text: str) -> list:
+    """Per partition of a warp-specialised kernel's SASS (the code from one register reallocation,
+    ``USETMAXREG``, to the next; the first entry is the code before any): its instructions and how
+    many of them are HGMMA steps, spill stores (STL) and spill loads (LDL)."""
+    out = [dict(n=0, HGMMA=0, STL=0, LDL=0)]
+    for line in sass_text.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if not m:
+            continue
+        words = m.group(1).split()
+        if words and words[0].startswith("@"):
+            words = words[1:]
+        op = words[0].split(".")[0] if words else ""
+        if op == "USETMAXREG":
+            out.append(dict(n=0, HGMMA=0, STL=0, LDL=0))
+        cur = out[-1]
+        cur["n"] += 1
+        if op in cur:
+            cur[op] += 1
+    return out
+
+
 def desc_type(rows: int, cols: int) -> str:
     """The signature type of a bf16 tensor descriptor read in [rows, cols] blocks, with the shared
     layout the launches give it (fused_bwd._tile)."""
@@ -295,9 +317,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.rbwd is not None:
         regs = tuple(int(x) for x in a.rbwd.split(",")) if a.rbwd else None
-        r = rbwd_resources(regs)
+        r = rbwd_resources(regs, cubin=True)
         print(f"fused_rbwd, K = V = 128, bf16, sm_90, triton {triton.__version__}, registers (copies, A, B) "
               f"{regs or 'of the launch setting'}: {r['spill']} B of stack, {r['shared'] / 1024:.1f} KB shared")
+        print("partitions with matrix products (the chain 16 HGMMA steps, A 52, B 92): HGMMA / spill stores / "
+              "spill loads, instructions of SASS")
+        for c in partition_counts(sass(r["cubin"])):
+            if c["HGMMA"]:
+                print(f"  {c['HGMMA']:3d} HGMMA: {c['STL']} STL, {c['LDL']} LDL")
         return 0
     if a.items:
         bv = int(a.tiles.split(",")[0])

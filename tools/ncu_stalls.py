@@ -13,6 +13,12 @@ waits, branches), each with the instruction kinds that hold its samples. On the 
     ncu --import rep.ncu-rep --page source --csv --print-source sass > sass.csv
     python3 tools/ncu_stalls.py sass.csv --kernel fused_bwd_kernel
 
+With ``--partitions``, a warp-specialised kernel by partition instead (each role's code between
+its register reallocations, with the wait loops it branches to): its share of the samples, the
+share spent waiting, its MMA instructions and the spills it read back:
+
+    python3 tools/ncu_stalls.py sass.csv --kernel fused_rbwd_kernel --partitions
+
 The stretches are in instruction order, which is the program's order except where the compiler
 moved code out of line; a stretch's share of samples is its share of the warps' time.
 """
@@ -93,6 +99,72 @@ def report(rows: list, top: int = 20, min_share: float = 0.5) -> str:
     return "\n".join(lines)
 
 
+LOCAL = "L2 Theoretical Sectors Local"
+
+
+def _target(source: str):
+    """The address a branch jumps to (``@!P1 BRA 0x7f11c6dde0`` → 0x7f11c6dde0), else None."""
+    words = source.split()
+    if "BRA" in words and words[-1].startswith("0x"):
+        return int(words[-1], 16)
+    return None
+
+
+def partitions(rows: list) -> list:
+    """A warp-specialised kernel's launch by partition: the code between one register reallocation
+    (``USETMAXREG``, where each partition's warps start) and the next, with the out-of-line wait
+    loops after the kernel's last ``EXIT`` (each ends in a branch back to its call site) counted to
+    the partition they return to. Per partition: its instruction index range, its share of the
+    stall samples, the share spent waiting (in those loops and on try-waits and branches into
+    them), its matrix-multiply instructions (HGMMA, as compiled), and the local-memory loads it
+    executed with the L2 sectors its local accesses moved (spills read back and written)."""
+    total = sum(_int(r[SAMPLES]) for r in rows) or 1
+    where = {int(r["Address"], 16): i for i, r in enumerate(rows)}
+    exits = [i for i, r in enumerate(rows) if opcode(r["Source"]) == "EXIT"]
+    tail = exits[-1] + 1 if exits else len(rows)
+    starts = [i for i, r in enumerate(rows[:tail]) if "USETMAXREG" in r["Source"]]
+    bounds = [0] + starts + [tail]
+    parts = [dict(first=a, last=b - 1, samples=0, wait=0, hgmma=0, ldl=0, local=0)
+             for a, b in zip(bounds, bounds[1:]) if b > a]
+    owner = [0] * len(rows)
+    for n, p in enumerate(parts):
+        for i in range(p["first"], p["last"] + 1):
+            owner[i] = n
+    loop = []  # the tail's rows since the last branch back
+    for i in range(tail, len(rows)):
+        loop.append(i)
+        src = rows[i]["Source"].split()
+        back = where.get(_target(rows[i]["Source"])) if src and src[0] == "BRA" else None
+        if back is not None and back < tail:
+            for j in loop:
+                owner[j] = owner[back]
+            loop = []
+    for i, r in enumerate(rows):
+        p, src, smp = parts[owner[i]], r["Source"], _int(r[SAMPLES])
+        p["samples"] += smp
+        t = where.get(_target(src))
+        if i >= tail or "SYNCS.PHASECHK" in src or (t is not None and t >= tail and i < tail):
+            p["wait"] += smp
+        op = opcode(src)
+        p["hgmma"] += op == "HGMMA"
+        p["ldl"] += _int(r["Instructions Executed"]) if op == "LDL" else 0
+        p["local"] += _int(r.get(LOCAL, "0"))
+    for p in parts:
+        p["share"], p["wait_share"] = 100 * p["samples"] / total, 100 * p["wait"] / total
+    return parts
+
+
+def partition_report(rows: list) -> str:
+    """:func:`partitions` as a table (partitions with under 0.5 % of the samples left out)."""
+    lines = ["| partition (instructions) | samples % | waiting % | HGMMA | LDL executed | local L2 sectors |",
+             "|---|---|---|---|---|---|"]
+    for p in partitions(rows):
+        if p["share"] >= 0.5:
+            lines.append(f"| {p['first']}–{p['last']} | {p['share']:.1f} | {p['wait_share']:.1f} | {p['hgmma']} | "
+                         f"{p['ldl']} | {p['local']} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass output")
@@ -100,12 +172,15 @@ def main(argv=None) -> int:
     ap.add_argument("--launch", type=int, default=1, help="which profiled launch of it (1 = the first)")
     ap.add_argument("--top", type=int, default=20, help="instructions listed")
     ap.add_argument("--min-share", type=float, default=0.5, help="least share (%%) of a stretch listed")
+    ap.add_argument("--partitions", action="store_true",
+                    help="a warp-specialised kernel by partition instead (samples, waits, MMAs, spills read back)")
     args = ap.parse_args(argv)
     runs = launches(args.csv, args.kernel)
     if not 1 <= args.launch <= len(runs) or not runs[args.launch - 1]:
         print(f"error: --launch: {args.kernel} has {len(runs)} profiled launch(es) in {args.csv}", file=sys.stderr)
         return 2
-    print(report(runs[args.launch - 1], args.top, args.min_share))
+    rows = runs[args.launch - 1]
+    print(partition_report(rows) if args.partitions else report(rows, args.top, args.min_share))
     return 0
 
 
