@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gdn.ops.delta.triton.fused_bwd import acc_layout  # noqa: E402  (the kernel's accumulator layout)
+from tools.ncu_stalls import opcode  # noqa: E402  (the one opcode reader for SASS text)
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -264,10 +265,7 @@ def partition_counts(sass_text: str) -> list:
         m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
         if not m:
             continue
-        words = m.group(1).split()
-        if words and words[0].startswith("@"):
-            words = words[1:]
-        op = words[0].split(".")[0] if words else ""
+        op = opcode(m.group(1))
         if op == "USETMAXREG":
             out.append(dict(n=0, HGMMA=0, STL=0, LDL=0))
         cur = out[-1]
