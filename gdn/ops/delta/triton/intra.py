@@ -74,25 +74,14 @@ def kkt_solve_kernel(k, g, beta, Ai, G, q, P, Bnd, cu, chunk_idx, H, HV, K: tl.c
     b1 = tl.load(beta + r1 * HV + i_hv, mask=m1, other=0.0).to(tl.float32)
     b2 = tl.load(beta + r2 * HV + i_hv, mask=m2, other=0.0).to(tl.float32)
     b3 = tl.load(beta + r3 * HV + i_hv, mask=m3, other=0.0).to(tl.float32)
-    g0 = tl.zeros([16], dtype=tl.float32)
-    g1 = g0
-    g2 = g0
-    g3 = g0
+    # g's raw loads first, its scans after the Gram loop: the scans' shuffles would otherwise wait
+    # on these loads before the keys' loads are even issued (the prologue held a fifth of the
+    # kernel's stall samples, ncu on an H100 at Qwen3.5-397B)
     if USE_G:
-        g0, s = gate_cumsum(g, r0, m0, HV, i_hv)
-        g1, s1 = gate_cumsum(g, r1, m1, HV, i_hv)
-        g1 += s
-        s += s1
-        g2, s2 = gate_cumsum(g, r2, m2, HV, i_hv)
-        g2 += s
-        s += s2
-        g3, s3 = gate_cumsum(g, r3, m3, HV, i_hv)
-        g3 += s
-        if STORE_G:
-            tl.store(G + r0 * HV + i_hv, g0, mask=m0)
-            tl.store(G + r1 * HV + i_hv, g1, mask=m1)
-            tl.store(G + r2 * HV + i_hv, g2, mask=m2)
-            tl.store(G + r3 * HV + i_hv, g3, mask=m3)
+        e0 = tl.load(g + r0 * HV + i_hv, mask=m0, other=0.0).to(tl.float32)
+        e1 = tl.load(g + r1 * HV + i_hv, mask=m1, other=0.0).to(tl.float32)
+        e2 = tl.load(g + r2 * HV + i_hv, mask=m2, other=0.0).to(tl.float32)
+        e3 = tl.load(g + r3 * HV + i_hv, mask=m3, other=0.0).to(tl.float32)
     if STORE_P:
         # one whole-chunk [64, BK] × [BK, 64] product in its own loop, stored before the A blocks
         # exist: accumulated beside them (ten 16 × 16 blocks each) ptxas spills 68 + 72 B at sm_90
@@ -126,6 +115,26 @@ def kkt_solve_kernel(k, g, beta, Ai, G, q, P, Bnd, cu, chunk_idx, H, HV, K: tl.c
         k3 = tl.load(k + (r3[:, None] * H + i_h) * K + o_k[None, :], mask=m3[:, None] & mk[None, :], other=0.0)
         A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = _lower_dots(
             A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, k0, k1, k2, k3, k0, k1, k2, k3, PREC)
+    g0 = tl.zeros([16], dtype=tl.float32)
+    g1 = g0
+    g2 = g0
+    g3 = g0
+    s = 0.0
+    s3 = 0.0
+    if USE_G:
+        g0 = tl.cumsum(e0, axis=0)
+        s = tl.sum(e0, axis=0)
+        g1 = tl.cumsum(e1, axis=0) + s
+        s += tl.sum(e1, axis=0)
+        g2 = tl.cumsum(e2, axis=0) + s
+        s += tl.sum(e2, axis=0)
+        g3 = tl.cumsum(e3, axis=0) + s
+        s3 = tl.sum(e3, axis=0)
+        if STORE_G:
+            tl.store(G + r0 * HV + i_hv, g0, mask=m0)
+            tl.store(G + r1 * HV + i_hv, g1, mask=m1)
+            tl.store(G + r2 * HV + i_hv, g2, mask=m2)
+            tl.store(G + r3 * HV + i_hv, g3, mask=m3)
     if STORE_B:
         # reduced to one number before the blocks are scaled: nothing more stays live through the solve
         bnd = s + s3 + _stretch(A00, b0) + _stretch(A11, b1) + _stretch(A22, b2) + _stretch(A33, b3)
