@@ -200,13 +200,15 @@ _EMPTY = inspect.Parameter.empty
 
 
 def _params(kernel) -> tuple:
-    """(names, defaults, constexpr flags) of ``kernel``'s parameters, in order (read once a kernel)."""
-    hit = _PARAMS.get(kernel)
-    if hit is None:
+    """(names, defaults, constexpr flags) of ``kernel``'s parameters, in order (read once a kernel;
+    looked up by identity: a JITFunction's own hash runs Python code, twice a launch here). The
+    entry holds the kernel, so its id is not reused while the entry stands."""
+    hit = _PARAMS.get(id(kernel))
+    if hit is None or hit[0] is not kernel:
         ps = kernel.params
-        hit = _PARAMS[kernel] = (tuple(p.name for p in ps), tuple(p.default for p in ps),
-                                 tuple(bool(p.is_constexpr) for p in ps))
-    return hit
+        hit = _PARAMS[id(kernel)] = (kernel, tuple(p.name for p in ps), tuple(p.default for p in ps),
+                                     tuple(bool(p.is_constexpr) for p in ps))
+    return hit[1:]
 
 
 def _values(kernel, args, kw) -> tuple:
