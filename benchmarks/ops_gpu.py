@@ -483,6 +483,10 @@ def caption(mm_rate, copy_bw, peers) -> str:
         lines.append(f"FLA: FLA's Triton path (FLA_FLASH_QLA={os.environ.get('FLA_FLASH_QLA')}, "
                      f"FLA_TILELANG={os.environ.get('FLA_TILELANG', 'unset')}); fwd+bwd timed with "
                      "fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True (its guard for triton 3.6).")
+    if "qla" in peers and os.environ.get("TILELANG_CACHE_DIR"):
+        lines.append(f"FlashQLA's first calls read TileLang's cache at {os.environ['TILELANG_CACHE_DIR']}: a kernel "
+                     "compiled there by an earlier run loads instead of compiling, so its first-call column is "
+                     "not a cold compile.")
     lines.append("SDPA: torch's scaled_dot_product_attention (flash), causal, HV heads of width V. "
                  "Speed-up = peer ms / gdn ms. Peak GiB: one call above its inputs, gradients included. "
                  "First call s: the first call of that pass at that shape (fwd+bwd after the fwd).")

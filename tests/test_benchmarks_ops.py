@@ -225,3 +225,13 @@ def test_kda_table_has_a_first_call_column(monkeypatch):
     assert len(cols) == len(cells) == rule.count("---")
     assert cells[cols.index("first call s gdn KDA / FLA chunk")] == "2.25 / -"
     assert cells[cols.index("peak GiB gdn KDA / FLA chunk")] == "0.50 / -"
+
+
+def test_caption_says_when_flashqla_reads_a_tilelang_cache(bench, monkeypatch):
+    monkeypatch.delenv("TILELANG_CACHE_DIR", raising=False)
+    cold = bench.caption(1e12, 1e12, ("gdn", "qla"))
+    assert "TileLang's cache" not in cold
+    monkeypatch.setenv("TILELANG_CACHE_DIR", "/tmp/tlcache")
+    warm = bench.caption(1e12, 1e12, ("gdn", "qla"))
+    assert "TileLang's cache at /tmp/tlcache" in warm and "not a cold compile" in warm
+    assert "TileLang's cache" not in bench.caption(1e12, 1e12, ("gdn", "fla"))  # no FlashQLA column

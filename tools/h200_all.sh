@@ -21,6 +21,10 @@
 # $OUT/autotune.tar.gz; unpacked into .autotune/ at the repository root (ignored, carried) for a
 # later run, they are loaded instead of tuned again, so FLA compiles one configuration per kernel.
 # The peers' first-call column then leaves their tuning out; gdn (no autotuning) is unaffected.
+# QLA_CACHE=1: FlashQLA's TileLang kernels (compiled per shape, 15-200 s each) are kept in
+# TILELANG_CACHE_DIR and brought back as $OUT/tlcache.tar.gz; copied to .tlcache/ (ignored, carried)
+# they load instead of compiling in a later run, whose ops table then says its FlashQLA first-call
+# column is not a cold compile.
 # WHEELS: folders of wheels (carried) to install into the machine's scratch site first, e.g. the
 # peers' that exceed one transfer together (../shared/tools/peer-wheels --flashqla), in two calls
 # back to back on the same warm machine, the site kept between them:
@@ -43,11 +47,23 @@ done
 [ "${INSTALL_ONLY:-0}" = 1 ] && exit 0
 export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1
 TCACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+on_exit() {  # the caches so far, whenever the script ends (a step cut by its timeout included)
+  if [ "${AUTOTUNE_CACHE:-0}" = 1 ]; then
+    (cd "$TCACHE" && find . -name "*.autotune.json" -print0 | tar -czf "$OUT/autotune.tar.gz" --null -T -) 2>/dev/null
+  fi
+  if [ "${QLA_CACHE:-0}" = 1 ]; then
+    tar -czf "$OUT/tlcache.tar.gz" -C "$(dirname "$TILELANG_CACHE_DIR")" "$(basename "$TILELANG_CACHE_DIR")" 2>/dev/null
+  fi
+}
+trap on_exit EXIT
 if [ "${AUTOTUNE_CACHE:-0}" = 1 ]; then
   export TRITON_CACHE_AUTOTUNING=1
   [ -d .autotune ] && mkdir -p "$TCACHE" && cp -r .autotune/. "$TCACHE"/ && echo "autotune results: $(find .autotune -name '*.autotune.json' | wc -l) carried"
-  # the results so far, whenever the script ends (a step cut by its timeout included)
-  trap '(cd "$TCACHE" && find . -name "*.autotune.json" -print0 | tar -czf "$OUT/autotune.tar.gz" --null -T -) 2>/dev/null' EXIT
+fi
+if [ "${QLA_CACHE:-0}" = 1 ]; then
+  export TILELANG_CACHE_DIR=/tmp/tlcache
+  mkdir -p /tmp && [ -f .tlcache/tlcache.tar.gz ] && tar -xzf .tlcache/tlcache.tar.gz -C /tmp \
+    && echo "TileLang cache: $(find "$TILELANG_CACHE_DIR" -type f | wc -l) files carried"
 fi
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
