@@ -47,7 +47,7 @@ DELTA = {
     # identical bit for bit (docs/BENCHMARKS.md).
     # fp32 inputs: K tiles of 16 at one stage (ptxas, sm_90, (8, 2048): no spills, 255 registers;
     # BK = 64 at three stages spilled 2716 + 2700 B, BK = 32 at one stage 120 + 140; not timed)
-    # One warp (16-bit inputs): ptxas sm_90 189 registers, no spills, ten programs a multiprocessor
+    # One warp (16-bit inputs): ptxas sm_90 208 registers, no spills, nine programs a multiprocessor
     # and no barriers across warps in the block solve, against 179 registers and five at two warps;
     # H100, GPU µs 148 → 100 at 1 × 32768, 558 → 361 at Qwen3.5-397B, 149 → 101 packed, 77 → 55 at
     # (8, 2048) (register caps at two warps: 168 → 138 µs at 1 × 32768, 144 → 155; ops_gpu.py
