@@ -40,3 +40,16 @@ def test_config_overrides_reach_the_calls():
     assert launches("--config", '{"fused_rbwd": {"on": true}}') == 4 < launches()
     bad = run_tool("host_profile.py", *args, "--config", "{oops", env=env)
     assert bad.returncode == 2 and "--config" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_stub_keeps_freed_blocks_in_the_heap():
+    """Under --cpu-stub the tool runs itself again with glibc keeping freed large blocks for reuse
+    (as CUDA's caching allocator does), started without those settings or with them."""
+    from tools.host_profile import HEAP_ENV
+
+    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and k not in HEAP_ENV}
+    for env in (base, {**base, **HEAP_ENV}):
+        p = run_tool("host_profile.py", "--cpu-stub", "--shape", "1x128", "--heads", "2", "--hv", "2", "--top", "1",
+                     env=env)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "freed blocks kept in the heap" in p.stdout.splitlines()[0], p.stdout[:300]

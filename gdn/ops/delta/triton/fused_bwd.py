@@ -20,7 +20,6 @@ from __future__ import annotations
 
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -29,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ...triton.common import BT as CHUNK, cast
 from ...triton.launch import descriptor_key, launch, major
-from ...tuning import DELTA, INTERPRET
+from ...tuning import DELTA, INTERPRET, cdiv
 
 BT = gl.constexpr(CHUNK)  # chunk rows, as the Triton chunk kernels'
 
@@ -505,7 +504,7 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     def run(chunk_idx, NT: int):
         c = DELTA["fused_bwd"]
         PER = c["items"]
-        launch(fused_bwd_kernel, (triton.cdiv(NT * HV, PER),), q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t,
+        launch(fused_bwd_kernel, (cdiv(NT * HV, PER),), q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t,
                dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, ch.cu, chunk_idx, ch.chunk_off, scale, H, HV, NT * HV, K=K,
                V=V, BV=BV, NS=c["NS"], DT=DT, QK_TMA=qk_tma, DV_TMA=dv_tma, PER=PER, name="fused_bwd")
 
