@@ -33,7 +33,7 @@ from ...triton.common import (BT, INTERPRET, Chunks, cast, chunk_bounds, dot_pre
 from ... import tuning
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
-from .chunk_fwd import _block, state_tile, tile_reads
+from .chunk_fwd import _block, forward_intermediates, state_tile, tile_reads
 from .split import bounds, chain, fill_empty, split_len, warm_plan, warm_split, warm_up
 
 
@@ -467,6 +467,7 @@ def _state_bwd_reverse(args, kw, dh, DD, dummy, scale: float, dS_end, dS_0, star
            USE_INIT=dS_0 is not None, **kw, **more)
 
 
+@functools.cache  # (an import statement costs a lookup through the import system at each call)
 def _fused_rev():
     """The Gluon reverse pass's module (delta.triton.fused_rev), imported on first use; None where
     this triton has no Gluon."""
@@ -477,6 +478,7 @@ def _fused_rev():
     return fused_rev
 
 
+@functools.cache  # (an import statement costs a lookup through the import system at each call)
 def _fused_bwd():
     """The Gluon fused backward's module (delta.triton.fused_bwd), imported on first use; None where
     this triton has no Gluon."""
@@ -487,6 +489,7 @@ def _fused_bwd():
     return fused_bwd
 
 
+@functools.cache  # (an import statement costs a lookup through the import system at each call)
 def _fused_rbwd():
     """The Gluon merged backward's module (delta.triton.fused_rbwd), imported on first use; None
     where this triton has no Gluon."""
@@ -508,8 +511,6 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     fp32 and rounded once; dv of the members without the delta term is dδ, in the input dtype), the
     rest fp32; dq and dk are per value head (the caller sums each group, so it asks for fp32 then,
     while dv needs no sum and may come in the input dtype)."""
-    from .chunk_fwd import forward_intermediates  # noqa: PLC0415
-
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     delta, gated = beta is not None, g is not None

@@ -19,6 +19,8 @@ are fp32.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -463,6 +465,7 @@ def _gamma_buffer(g, beta, Ai, ch: Chunks, plans=None):
     return G, bnd
 
 
+@functools.cache  # (an import statement costs a lookup through the import system at each call)
 def _fused_fwd():
     """The warp-specialised forward pass's module (delta.triton.fused_fwd), imported on first use;
     None where this triton has no Gluon."""
