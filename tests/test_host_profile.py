@@ -53,3 +53,13 @@ def test_stub_keeps_freed_blocks_in_the_heap():
                      env=env)
         assert p.returncode == 0, p.stdout + p.stderr
         assert "freed blocks kept in the heap" in p.stdout.splitlines()[0], p.stdout[:300]
+
+
+def test_calibrate_prints_its_four_workloads():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = run_tool("host_profile.py", "--calibrate", env=env)
+    assert p.returncode == 0, p.stderr
+    rows = re.findall(r"^\s+([\d.]+) µs  (.+)$", p.stdout, re.M)
+    assert [w for _, w in rows] == ["pure-Python loop (200 dict updates)", "autograd Function forward + backward",
+                                    "torch.empty, 64 MB", "a view (reshape)"], p.stdout
+    assert all(float(us) > 0 for us, _ in rows)

@@ -29,8 +29,14 @@ With ``--cpu-stub`` (no GPU needed) the same calls take the Triton path on CPU t
 kernel launch replaced by a no-op: what is left is gdn's own host work per call (argument checks,
 chunk layout, tile and pass choices, allocations), without Triton's launch path or the CUDA
 runtime; ``--hopper`` takes the H200's paths (the Gluon kernels' host side). Its outputs are
-garbage; only the time is meant. A small shape (``--shape 2x512``) keeps the CPU's allocations
-of large buffers out of the figure.
+garbage; only the time is meant. The tool runs itself again with glibc keeping freed large blocks
+in its heap (:data:`HEAP_ENV`), so that an allocation costs about what CUDA's caching allocator
+charges, not an mmap and munmap.
+
+With ``--calibrate``: the host µs of a few fixed workloads on this machine (a pure-Python loop of
+the kind the launch path runs, a trivial autograd Function's forward + backward, an allocation and a
+view on the device), to compare one host's speed with another's before reading host figures across
+machines (the CPU stub's against the GPU host's).
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ import collections
 import cProfile
 import io
 import os
+import platform
 import pstats
 import sys
 import time
@@ -73,6 +80,50 @@ def heap_allocations() -> None:
         return
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **HEAP_ENV})
+
+
+def calibrate(device: str) -> list:
+    """[(workload, µs a call)] of fixed host workloads on ``device`` (best of three rounds each)."""
+    def best(fn, n):
+        fn()
+        b = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            b = min(b, time.perf_counter() - t0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return b / n * 1e6
+
+    def python_loop():  # tuples, dict lookups and small calls: what a launch key's work is made of
+        d = {}
+        for i in range(200):
+            k = (i & 7, "x", i % 3)
+            d[k] = d.get(k, 0) + len(k)
+        return d
+
+    class Ident(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    x = torch.zeros(16, device=device, requires_grad=True)
+    g = torch.ones(16, device=device)
+
+    def autograd_call():
+        x.grad = None
+        Ident.apply(x).backward(g)
+
+    y = torch.empty(1 << 20, device=device)
+    return [("pure-Python loop (200 dict updates)", best(python_loop, 2000)),
+            ("autograd Function forward + backward", best(autograd_call, 2000)),
+            ("torch.empty, 64 MB", best(lambda: torch.empty(1 << 24, device=device), 2000)),
+            ("a view (reshape)", best(lambda: y.view(1024, 1024), 20000))]
 
 
 def stub_launches(hopper: bool = False) -> None:
@@ -326,6 +377,8 @@ def main(argv=None) -> int:
                    help="(CUDA) host and wall µs per call through Triton's launch path and gdn's, interleaved")
     p.add_argument("--launches", action="store_true",
                    help="(CUDA) host µs per kernel launch, Triton's path against the compiled kernel's launcher")
+    p.add_argument("--calibrate", action="store_true",
+                   help="host µs of fixed workloads on this machine (to compare hosts' speeds), then exit")
     p.add_argument("--config", default=None, metavar="JSON",
                    help="launch overrides first (a file or inline JSON, gdn.ops.tuning.update_from), e.g. "
                         "'{\"fused_rbwd\": {\"on\": true}}'")
@@ -337,6 +390,14 @@ def main(argv=None) -> int:
             update_from(a.config)
         except ValueError as e:
             p.error(f"--config: {e}")
+    if a.calibrate:
+        dev = "cuda" if torch.cuda.is_available() and not a.cpu_stub else "cpu"
+        name = torch.cuda.get_device_name() if dev == "cuda" else "CPU"
+        print(f"host calibration on {name} ({platform.processor() or platform.machine()}), "
+              f"Python {platform.python_version()}, torch {torch.__version__}")
+        for what, us in calibrate(dev):
+            print(f"  {us:8.2f} µs  {what}")
+        return 0
     if a.launches:
         if a.cpu_stub or not torch.cuda.is_available():
             p.error("--launches needs CUDA (and no --cpu-stub)")
