@@ -101,8 +101,38 @@ def time_steps(model, B, T, vocab, steps, warmup, device, bf16, label="", profil
     return statistics.median(times), mem
 
 
+#: kernel-name patterns of each part of a step, tried in order (lower-case substrings)
+KINDS = (
+    ("matrix products", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "wgmma", "matmul")),
+    ("chunk op", ("fused_bwd", "fused_fwd", "fused_rev", "fused_rbwd", "kkt_solve", "warm_plan", "group_sum",
+                  "state_", "chunk", "dqk", "wy_bwd", "dv_local", "wu_kernel", "output_kernel", "cumsum")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("glue kernels", ("rmsnorm", "norm_", "short_conv", "conv", "swiglu", "cross_entropy", "prologue", "l2norm")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("copies and fills", ("memcpy", "memset", "copy", "fill", "cat", "index")),
+    ("other elementwise and reductions", ("elementwise", "reduce", "softmax", "embedding")),
+)
+
+
+def kind_of(name: str) -> str:
+    """The part of a step a kernel belongs to, from its name (:data:`KINDS`), else "other"."""
+    low = name.lower()
+    return next((kind for kind, pats in KINDS if any(p in low for p in pats)), "other")
+
+
+def by_kind(rows) -> list:
+    """[(kind, ms, share)] of [(kernel name, ms)], largest first."""
+    acc: dict = {}
+    for name, ms in rows:
+        k = kind_of(name)
+        acc[k] = acc.get(k, 0.0) + ms
+    total = sum(acc.values()) or 1.0
+    return sorted(((k, ms, ms / total) for k, ms in acc.items()), key=lambda r: -r[1])
+
+
 def kernel_profile(step, label, top=30):
-    """Print the GPU time per kernel of one training step (torch.profiler), largest first."""
+    """Print the GPU time per kernel of one training step (torch.profiler), largest first, and the
+    step's parts (matrix products, the chunk op, glue kernels, optimizer, ...) summed by kernel name."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
@@ -112,6 +142,9 @@ def kernel_profile(step, label, top=30):
     print(f"\n{label}: GPU time of one step by kernel, ms (total {total / 1e3:.1f} ms)")
     for e in evs[:top]:
         print(f"  {e.device_time_total / 1e3:8.2f}  x{e.count:<4d} {e.key[:100]}")
+    print(f"{label}: by part of the step, ms (share)")
+    for kind, ms, share in by_kind([(e.key, e.device_time_total / 1e3) for e in evs]):
+        print(f"  {ms:8.2f}  ({100 * share:4.1f} %)  {kind}")
 
 
 def fla_model(cfg: GDNConfig):
