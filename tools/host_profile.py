@@ -83,19 +83,7 @@ def heap_allocations() -> None:
 
 
 def calibrate(device: str) -> list:
-    """[(workload, µs a call)] of fixed host workloads on ``device`` (best of three rounds each)."""
-    def best(fn, n):
-        fn()
-        b = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            b = min(b, time.perf_counter() - t0)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return b / n * 1e6
-
+    """[(workload, µs a call)] of fixed host workloads on ``device`` (:func:`host_us` of each)."""
     def python_loop():  # tuples, dict lookups and small calls: what a launch key's work is made of
         d = {}
         for i in range(200):
@@ -120,10 +108,10 @@ def calibrate(device: str) -> list:
         Ident.apply(x).backward(g)
 
     y = torch.empty(1 << 20, device=device)
-    return [("pure-Python loop (200 dict updates)", best(python_loop, 2000)),
-            ("autograd Function forward + backward", best(autograd_call, 2000)),
-            ("torch.empty, 64 MB", best(lambda: torch.empty(1 << 24, device=device), 2000)),
-            ("a view (reshape)", best(lambda: y.view(1024, 1024), 20000))]
+    return [("pure-Python loop (200 dict updates)", host_us(python_loop, 2000)),
+            ("autograd Function forward + backward", host_us(autograd_call, 2000)),
+            ("torch.empty, 64 MB", host_us(lambda: torch.empty(1 << 24, device=device), 2000)),
+            ("a view (reshape)", host_us(lambda: y.view(1024, 1024), 20000))]
 
 
 def stub_launches(hopper: bool = False) -> None:
@@ -137,7 +125,7 @@ def stub_launches(hopper: bool = False) -> None:
 
 
 def sync() -> None:
-    if DEVICE == "cuda":
+    if DEVICE == "cuda" and torch.cuda.is_available():
         torch.cuda.synchronize()
 
 

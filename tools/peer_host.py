@@ -21,7 +21,7 @@ import time
 import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks"), os.path.dirname(os.path.abspath(__file__))]
 
 PEERS = ("qla", "fla")
 
@@ -53,21 +53,10 @@ def idle_line(label: str) -> str:
     return f"{label}: {len(b)} threads, CPU ticks over one idle second (busiest): {busiest(a, b)}"
 
 
-def host_us(fn, n: int = 30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, time.perf_counter() - t0)
-        torch.cuda.synchronize()
-    return best / n * 1e6
-
-
 def measure(label: str, rows) -> None:
     from triton.testing import do_bench  # noqa: PLC0415
+
+    from host_profile import host_us  # noqa: PLC0415  (best of three rounds, synchronised after each)
 
     for name, f, xs, do in rows:
         def fwd_bwd():
@@ -76,9 +65,9 @@ def measure(label: str, rows) -> None:
             f().backward(do)
 
         with torch.no_grad():
-            hf = host_us(f)
+            hf = host_us(f, 30)
             wf = do_bench(f, warmup=5, rep=60, return_mode="median")
-        hb = host_us(fwd_bwd)
+        hb = host_us(fwd_bwd, 30)
         wb = do_bench(lambda: f().backward(do), warmup=5, rep=60, grad_to_none=xs, return_mode="median")
         print(f"| {label} | {name} | {hf:.0f} | {wf * 1e3:.0f} | {hb:.0f} | {wb * 1e3:.0f} |", flush=True)
 

@@ -206,9 +206,9 @@ def _params(kernel) -> tuple:
     hit = _PARAMS.get(id(kernel))
     if hit is None or hit[0] is not kernel:
         ps = kernel.params
-        hit = _PARAMS[id(kernel)] = (kernel, tuple(p.name for p in ps), tuple(p.default for p in ps),
-                                     tuple(bool(p.is_constexpr) for p in ps))
-    return hit[1:]
+        hit = _PARAMS[id(kernel)] = (kernel, (tuple(p.name for p in ps), tuple(p.default for p in ps),
+                                              tuple(bool(p.is_constexpr) for p in ps)))
+    return hit[1]
 
 
 def _values(kernel, args, kw) -> tuple:
