@@ -567,7 +567,7 @@ def variants(specs, prof=False, shapes=None):
             except Exception as e:  # noqa: BLE001 - one failing variant must not end the table
                 print(f"| {name} | {json.dumps(spec)} | err | err | err | {one_line(e)} |", flush=True)
                 continue
-            print(f"| {name} | {json.dumps(spec)} | {t_f:.3f} | {t_b:.3f} | {gib:.2f} | {diff:.1e} |", flush=True)
+            print(f"| {name} | {json.dumps(spec)} | {t_f:.3f} | {t_b:.3f} | {gib:.3f} | {diff:.1e} |", flush=True)
             if prof:
                 with torch.no_grad():
                     kernel_times(g, f"gdn kernels at {name}, {json.dumps(spec)}, fwd", top=8)
