@@ -17,13 +17,21 @@ TileLang does not change which kernels its column measures.
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
+import shutil
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from gdn.models import GDNConfig, GDNForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import trace_gaps  # noqa: E402  (tools/: the idle-gap analysis of the profiled step)
 
 CHUNK = 64
 os.environ.setdefault("FLA_FLASH_QLA", "0")
@@ -47,7 +55,10 @@ def parse_args(argv=None):
                         "forward and backward as CUDA graphs: no per-kernel host work per step)")
     p.add_argument("--peak-tflops", type=float, default=989.0 if cuda else 0.0, help="for MFU (0 = not reported)")
     p.add_argument("--no-fla", action="store_true", help="skip the FLA comparison")
-    p.add_argument("--profile", action="store_true", help="per-kernel GPU times of one step of each model (CUDA)")
+    p.add_argument("--profile", action="store_true",
+                   help="per-kernel GPU times of one step of each model and where its GPU idles (CUDA)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="with --profile: keep each model's profiled step as a Chrome trace DIR/<model>.json.gz")
     return p.parse_args(argv)
 
 
@@ -73,7 +84,7 @@ def model_flops_per_token(cfg: GDNConfig, T: int) -> float:
     return 6 * matmul + 3 * mixer_fwd
 
 
-def time_steps(model, B, T, vocab, steps, warmup, device, bf16, label="", profile=False, **fwd_kw):
+def time_steps(model, B, T, vocab, steps, warmup, device, bf16, label="", profile=False, trace=None, **fwd_kw):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, vocab, (B, T), device=device)
     times = []
@@ -97,7 +108,7 @@ def time_steps(model, B, T, vocab, steps, warmup, device, bf16, label="", profil
             times.append(time.perf_counter() - t)
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     if profile and device.type == "cuda":
-        kernel_profile(step, label)
+        kernel_profile(step, label, trace=trace)
     return statistics.median(times), mem
 
 
@@ -130,10 +141,15 @@ def by_kind(rows) -> list:
     return sorted(((k, ms, ms / total) for k, ms in acc.items()), key=lambda r: -r[1])
 
 
-def kernel_profile(step, label, top=30):
-    """Print the GPU time per kernel of one training step (torch.profiler), largest first, and the
-    step's parts (matrix products, the chunk op, glue kernels, optimizer, ...) summed by kernel name."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+def kernel_profile(step, label, top=30, trace=None):
+    """Print the GPU time per kernel of one training step (torch.profiler), largest first, the
+    step's parts (matrix products, the chunk op, glue kernels, optimizer, ...) summed by kernel name,
+    and where the GPU idles within the step (tools/trace_gaps.py: the gaps between kernels, charged
+    to the host operator that launched the next one when the launch came after the GPU went idle).
+    The host is traced too, which slows it: the idle figures are an upper bound of the unprofiled
+    step's. ``trace``: a folder to keep the step's Chrome trace in, as ``<label>.json.gz``."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
         step()
         torch.cuda.synchronize()
     evs = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -145,6 +161,17 @@ def kernel_profile(step, label, top=30):
     print(f"{label}: by part of the step, ms (share)")
     for kind, ms, share in by_kind([(e.key, e.device_time_total / 1e3) for e in evs]):
         print(f"  {ms:8.2f}  ({100 * share:4.1f} %)  {kind}")
+    try:  # (the run's table comes after this: an unreadable trace must not lose it)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "step.json")
+            prof.export_chrome_trace(path)
+            print(trace_gaps.report(trace_gaps.analyse(trace_gaps.load(path)), label))
+            if trace:
+                os.makedirs(trace, exist_ok=True)
+                with open(path, "rb") as src, gzip.open(os.path.join(trace, f"{label}.json.gz"), "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"{label}: idle analysis unavailable: {type(e).__name__}: {e}")
 
 
 def fla_model(cfg: GDNConfig):
@@ -176,7 +203,7 @@ def main(argv=None):
         model.model.gradient_checkpointing = True
     run = torch.compile(model, mode=None if a.compile_mode == "default" else a.compile_mode) if a.compile else model
     s, mem = time_steps(run, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, "gdn", a.profile,
-                        use_cache=False)
+                        a.trace, use_cache=False)
     rows.append(("gdn", sum(p.numel() for p in model.parameters()), s, mem))
     print(f"gdn: {s * 1e3:.1f} ms per step, {a.batch * a.seq_len / s:,.0f} tokens/s, peak {mem:.1f} GiB", flush=True)
     del model, run
@@ -191,7 +218,8 @@ def main(argv=None):
             if a.checkpointing:
                 fm.gradient_checkpointing_enable()
             torch.cuda.reset_peak_memory_stats(device)
-            s, mem = time_steps(fm, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, "fla", a.profile)
+            s, mem = time_steps(fm, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, "fla",
+                                a.profile, a.trace)
             rows.append(("fla", sum(p.numel() for p in fm.parameters()), s, mem))
             print(f"fla: {s * 1e3:.1f} ms per step, {a.batch * a.seq_len / s:,.0f} tokens/s, peak {mem:.1f} GiB",
                   flush=True)
