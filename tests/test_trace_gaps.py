@@ -49,6 +49,9 @@ def test_busy_idle_and_gaps_charged():
     assert r["host_late"] == pytest.approx(95.0)  # 50 .. 145, launched at 140
     assert r["queued"] == pytest.approx(5.0)  # 180 .. 185, launched at 150
     assert r["by_op"] == [("autograd::engine::evaluate_function: FooBackward", pytest.approx(95.0), 1)]
+    # the copy ends last before k3's gap: it is the work before that gap
+    assert r["longest"] == [(pytest.approx(95.0), "k1", "k2", "autograd::engine::evaluate_function: FooBackward"),
+                            (pytest.approx(5.0), "copy", "k3", "queued")]
 
 
 def test_short_gaps_are_not_counted():
@@ -71,7 +74,7 @@ def test_cli_reads_gzip_and_rejects_a_bad_file(tmp_path, capsys):
         json.dump(_trace(), f)
     trace_gaps.main([str(p), "--min-us", "1"])
     out = capsys.readouterr().out
-    assert "host late 0.1 ms" in out and "FooBackward" in out
+    assert "host late 0.1 ms" in out and "FooBackward" in out and "k1 → k2" in out
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(SystemExit) as e:

@@ -40,13 +40,14 @@ def _events(trace) -> list:
 
 def analyse(trace, min_us: float = 2.0) -> dict:
     """{"span", "busy", "idle", "host_late", "queued" (µs), "by_op": [(operator, µs, gaps)] largest
-    first, "gaps": number of gaps of at least ``min_us``} of a trace (a dict with ``traceEvents`` or
-    the list of events itself)."""
+    first, "gaps": number of gaps of at least ``min_us``, "longest": the 50 longest gaps as (µs, the
+    device work before, the one after, the host operator charged or "queued")} of a trace (a dict
+    with ``traceEvents`` or the list of events itself)."""
     evs = [e for e in _events(trace) if e.get("ph") == "X" and "ts" in e]
     dev = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e) for e in evs
                  if e.get("cat") in DEVICE_CATS)
     if not dev:
-        return dict(span=0.0, busy=0.0, idle=0.0, host_late=0.0, queued=0.0, by_op=[], gaps=0)
+        return dict(span=0.0, busy=0.0, idle=0.0, host_late=0.0, queued=0.0, by_op=[], gaps=0, longest=[])
     launches = {}
     for e in evs:
         if e.get("cat") in LAUNCH_CATS:
@@ -82,8 +83,10 @@ def analyse(trace, min_us: float = 2.0) -> dict:
     busy = 0.0
     host_late = queued = 0.0
     by_op = defaultdict(lambda: [0.0, 0])
+    longest = []  # (gap µs, work before, work after, the host operator or "queued")
     n_gaps = 0
     cur0, cur1 = dev[0][0], dev[0][1]
+    last = dev[0][2]  # the device work that ends last so far
     for s, end, e in dev[1:]:
         if s > cur1:
             busy += cur1 - cur0
@@ -98,13 +101,18 @@ def analyse(trace, min_us: float = 2.0) -> dict:
                     by_op[op][1] += 1
                 else:
                     queued += gap
+                    op = "queued"
+                longest.append((gap, last.get("name", "?"), e.get("name", "?"), op))
             cur0, cur1 = s, end
-        else:
-            cur1 = max(cur1, end)
+            last = e
+        elif end > cur1:
+            cur1, last = end, e
     busy += cur1 - cur0
     span = span1 - span0
     rows = sorted(((op, us, n) for op, (us, n) in by_op.items()), key=lambda r: -r[1])
-    return dict(span=span, busy=busy, idle=span - busy, host_late=host_late, queued=queued, by_op=rows, gaps=n_gaps)
+    longest.sort(key=lambda r: -r[0])
+    return dict(span=span, busy=busy, idle=span - busy, host_late=host_late, queued=queued, by_op=rows, gaps=n_gaps,
+                longest=longest[:50])
 
 
 def report(res: dict, label: str = "", top: int = 15) -> str:
@@ -115,6 +123,9 @@ def report(res: dict, label: str = "", top: int = 15) -> str:
     if res["by_op"]:
         out.append(f"{pre}host-late gaps by the host operator that launched the next kernel, ms (gaps):")
         out += [f"  {us / 1e3:8.2f}  ({n:4d})  {op[:110]}" for op, us, n in res["by_op"][:top]]
+    if res["longest"]:
+        out.append(f"{pre}longest gaps, µs: before → after (charged to)")
+        out += [f"  {us:8.1f}  {a[:45]} → {b[:45]} ({op[:60]})" for us, a, b, op in res["longest"][:top]]
     return "\n".join(out)
 
 
