@@ -171,8 +171,11 @@ DELTA = {
     # partition counted as a warpgroup), the fastest split timed at 1 × 32768 and Qwen3.5-397B;
     # ptxas sm_90 at these: 432 B of stack, 227 KB of shared memory (tools/gluon_budget.py --rbwd).
     "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 136, 192), maxnreg=128),
+    # ds_terms: the pass forms what the per-chunk stage reads dS_out for (δ dS_outᵀ into dK's buffer,
+    # Σ S ⊙ dS_out per chunk) in its local warpgroup instead of storing dh, where a program holds a
+    # whole value head (chunk_bwd._with_terms): no dh and no slices. Off: not yet run on a GPU.
     "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, VT=128,
-                      narrow=64),
+                      narrow=64, ds_terms=False),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # warm_plan reads one bound per chunk, 16 at a time: one warp; bound (a backward not handed the
     # forward's bounds) reads a chunk's [64, K] keys

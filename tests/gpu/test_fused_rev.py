@@ -24,7 +24,7 @@ from .test_fused_fwd import CASES  # the warp-specialised forward's cases: the s
 
 @pytest.mark.parametrize("mode", ("whole", "chunk-slices", "segments-of-2", "segments-of-3-chunk-slices",
                                   "whole-tiles-64", "chunk-slices-tiles-64", "segments-of-2-tiles-64",
-                                  "segments-of-3-chunk-slices-tiles-64"))
+                                  "segments-of-3-chunk-slices-tiles-64", "whole-ds-terms", "segments-of-2-ds-terms"))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in CASES])
 def test_fused_reverse(case, dtype, mode, monkeypatch):
@@ -33,13 +33,17 @@ def test_fused_reverse(case, dtype, mode, monkeypatch):
     segments of three chunks run one chunk a slice, tails first (the first slice's programs warm
     up and store the dS entering them, the later ones start from it); each on
     128-wide value tiles (``narrow`` off) or on tiles of 64 (``VT``: what plain_tile picks for an
-    unsplit pass that would leave half the card idle). Fresh
+    unsplit pass that would leave half the card idle); or, ``ds-terms``, forming the per-chunk
+    stage's dS_out terms itself (no dh: one launch of each kernel; where a head spans two
+    programs, V = 256, dh as without it). Fresh
     buffers hold NaN (``poison_empty``): sliced, the per-chunk kernel meets rows of dδ that a later
     slice writes."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warpgroup MMAs: compute capability 9")
     VT = 64 if mode.endswith("tiles-64") else 128
-    monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], on=True, VT=VT, narrow=0))
+    terms = mode.endswith("ds-terms")
+    monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], on=True, VT=VT, narrow=0,
+                                                        ds_terms=terms))
     split = int(mode.split("-")[2]) if mode.startswith("segments-of-") else 0
     monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], warm=bool(split), L=split))
     # slice_MB: 0 never slices; a budget below one chunk's dS (no cap) makes every chunk a slice
@@ -51,6 +55,8 @@ def test_fused_reverse(case, dtype, mode, monkeypatch):
     errs, bounds = check_once(case, "gated_delta_rule", 3400 + CASES.index(case), dtype)
     assert "fused_rev_kernel" in seen and "state_bwd_kernel" not in seen and "dv_local_kernel" not in seen, seen
     longest = max(case[7] or [case[2]])
+    if terms and max(32, case[6]) <= 128:  # a whole head a program (V padded to at least 32)
+        assert seen.count("fused_rev_kernel") == seen.count("fused_bwd_kernel") == 1, seen
     if sliced and longest > 64:  # a sequence of more than one chunk: several slices
         assert seen.count("fused_rev_kernel") > 1, seen
     if split and longest > split * 64:  # a sequence of more than one segment's chunks: segments

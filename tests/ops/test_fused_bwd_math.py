@@ -15,9 +15,11 @@ from .test_triton_chunk import TOL, _record_launches, _run_both
 BT = 64
 
 
-def transcription(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype, dv_dtype):
+def transcription(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype, dv_dtype, terms=False):
     """fused_bwd.backward's results, computed chunk by chunk as fused_bwd_kernel does (fp32
-    accumulation; operands rounded to the input dtype where the kernel rounds them)."""
+    accumulation; operands rounded to the input dtype where the kernel rounds them). ``terms``: its
+    ``DS_IN`` form, δ dSᵀ and Σ S ⊙ dS as the reverse pass's ``DS_TERMS`` hands them (the product
+    rounded to dK's dtype, in whose buffer it comes)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dt, f = v.dtype, torch.float32
@@ -51,6 +53,8 @@ def transcription(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype
             # the value loop
             dod, ddd = dO @ dl.T, dd @ dl.T
             dqs, dks, wac = dO @ S.T, dl @ dS.T, dd @ S.T
+            if terms:
+                dks = dks.to(grad_dtype).float()
             y = tt @ dd
             DV[t0:t0 + n, i_hv] = (y * b[:, None])[:n]
             dbu = (vv * y).sum(1)
@@ -101,7 +105,7 @@ def transcription(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype
     return DQ.to(grad_dtype), DK.to(grad_dtype), DV.to(dv_dtype or grad_dtype), DG, DB
 
 
-def _as_backward(*args):
+def _as_backward(*args, terms=False):
     """The transcription in fused_bwd.backward's form: the outputs, allocated, and ``run``, which fills
     them (the whole call's chunks at once: the cases here are too small to be sliced)."""
     q, v, ch, grad_dtype, dv_dtype = args[0], args[2], args[11], args[13], args[14]
@@ -111,23 +115,25 @@ def _as_backward(*args):
 
     def run(chunk_idx, NT):
         assert NT == ch.NT
-        for o, x in zip(outs, transcription(*args)):
+        for o, x in zip(outs, transcription(*args, terms=terms)):
             o.copy_(x)
 
     return outs, run
 
 
+@pytest.mark.parametrize("terms", [False, True], ids=["dh", "ds-terms"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("K,V", [(32, 64), (64, 32)])
-def test_fused_backward_math(dtype, K, V, monkeypatch):
+def test_fused_backward_math(dtype, K, V, terms, monkeypatch):
     """Packed with an empty, a one-token and a partial sequence, grouped value heads, an initial
     state: the transcription in the backward gives the reference's gradients, and the chunk op
-    launches neither dqk nor wy_bwd then."""
+    launches neither dqk nor wy_bwd then; also in its form that takes δ dSᵀ rounded to dK's dtype
+    (the reverse pass's ``DS_TERMS``)."""
     from gdn.ops.delta.triton import chunk_bwd, fused_bwd
 
     monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=True))
     monkeypatch.setattr(fused_bwd, "usable", lambda *a: True)
-    monkeypatch.setattr(fused_bwd, "backward", _as_backward)
+    monkeypatch.setattr(fused_bwd, "backward", lambda *a: _as_backward(*a, terms=terms))
     launches = _record_launches(monkeypatch, chunk_bwd)
     errs = _run_both("gated_delta_rule", B=1, T=194, H=1, HV=2, K=K, V=V, dtype=dtype, lens=[65, 1, 0, 128], seed=19)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}

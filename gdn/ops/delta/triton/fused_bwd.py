@@ -66,9 +66,10 @@ def _chunk(w, HV, cu, chunk_idx):
 
 @gluon.jit
 def _issue(n, w, i_v, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd,
-           ring_v, ring_h, ring_dh, bars, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr):
-    """Start the tensor copies of item ``w``'s value tile ``i_v`` (δ, dO, dδ, v rows; h, dh rows) into
-    ring slot ``s``; its barrier completes when all ``n`` bytes have landed."""
+           ring_v, ring_h, ring_dh, bars, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+           DS_IN: gl.constexpr = False):
+    """Start the tensor copies of item ``w``'s value tile ``i_v`` (δ, dO, dδ, v rows; h, dh rows; no dh
+    with ``DS_IN``) into ring slot ``s``; its barrier completes when all ``n`` bytes have landed."""
     i_t, i_hv, i_n, i_c, t0 = _chunk(w, HV, cu, chunk_idx)
     col = i_hv * V + i_v * BV
     row_h = ((gl.load(chunk_off + i_n) + i_c) * HV + i_hv) * K  # h: the chunk's global index
@@ -80,7 +81,8 @@ def _issue(n, w, i_v, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t
     tma.async_copy_global_to_shared(dd_t, [t0, col], bar, ring_dd.index(s))
     tma.async_copy_global_to_shared(v_t, [t0, col], bar, ring_v.index(s))
     tma.async_copy_global_to_shared(h_t, [row_h, i_v * BV], bar, ring_h.index(s))
-    tma.async_copy_global_to_shared(dh_t, [row, i_v * BV], bar, ring_dh.index(s))
+    if not DS_IN:
+        tma.async_copy_global_to_shared(dh_t, [row, i_v * BV], bar, ring_dh.index(s))
 
 
 @gluon.jit
@@ -110,9 +112,9 @@ def _issue_inv(w, HV, H, cu, chunk_idx, ai_t, s_a, bar):
 @gluon.jit
 def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK,
           DV, dq_t, dk_t, dv_t, DB, DG, cu, chunk_idx, chunk_off, scale, H, HV, ring_d, ring_do, ring_dd, ring_v,
-          ring_h, ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K: gl.constexpr,
+          ring_h, ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, Tr, K: gl.constexpr,
           V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr,
-          DV_TMA: gl.constexpr):
+          DV_TMA: gl.constexpr, DS_IN: gl.constexpr):
     """Item ``w``, the program's J-th of PER (fused_bwd_kernel's docstring). The program's first item
     requests its first value tiles, its T⁻¹ (slot 0 of ``s_as``) and its q and k once its per-row
     scalars are requested; a later item's were requested by the item before: once its value loop
@@ -131,7 +133,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
     c_t: gl.constexpr = gl.SliceLayout(0, a_t)  # column vectors of [64, 64]
     r_k: gl.constexpr = gl.SliceLayout(1, a_k)  # row vectors of [64, K]
     r_v: gl.constexpr = gl.SliceLayout(1, a_v)  # row vectors of [64, BV]
-    tile_bytes: gl.constexpr = (4 * BT + 2 * K) * BV * 2  # 16-bit tiles
+    tile_bytes: gl.constexpr = (4 * BT + (1 if DS_IN else 2) * K) * BV * 2  # 16-bit tiles (no dh with DS_IN)
     NEXT: gl.constexpr = J + 1 < PER  # a later item of this program may follow
     s_a = s_as.index(J % 2)
     bar_a = bars_a.index(J % 2)
@@ -167,7 +169,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
         _issue_inv(w, HV, H, cu, chunk_idx, ai_t, s_as.index(0), bars_a.index(0))
         for i_s in gl.static_range(min(NS, NV)):
             _issue(tile_bytes, w, i_s, i_s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d,
-                   ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
+                   ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV, DS_IN)
         _issue_qk(w, HV, H, cu, chunk_idx, q_t, k_t, s_q, s_k, bar_qk, K)
 
     # ---- the value loop
@@ -204,11 +206,13 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
         dod = warpgroup_mma(sdo, sd.permute((1, 0)), dod, is_async=True)
         ddd = warpgroup_mma(sdd, sd.permute((1, 0)), ddd, is_async=True)
         dqs = warpgroup_mma(sdo, sh.permute((1, 0)), dqs, is_async=True)
-        dks = warpgroup_mma(sd, sdh.permute((1, 0)), dks, is_async=True)
+        if not DS_IN:
+            dks = warpgroup_mma(sd, sdh.permute((1, 0)), dks, is_async=True)
         wac = warpgroup_mma(sdd, sh.permute((1, 0)), wac, is_async=True)
         # dV = diag(β) Tᵀ dδ for this value tile, and dβ's term Σ_v v ⊙ (Tᵀ dδ)
         b_y = warpgroup_mma(s_tt, sdd, gl.zeros([BT, BV], f32, a_v), use_acc=False, is_async=True)
-        gcs += gl.sum(sh.load(ld_v).to(f32) * sdh.load(ld_v).to(f32), axis=1)
+        if not DS_IN:
+            gcs += gl.sum(sh.load(ld_v).to(f32) * sdh.load(ld_v).to(f32), axis=1)
         b_v = ring_v.index(s).load(a_v).to(f32)
         dod, ddd, dqs, dks, wac, b_y = warpgroup_mma_wait(0, deps=[dod, ddd, dqs, dks, wac, b_y])
         dbu += gl.sum(b_v * b_y, axis=1)
@@ -233,7 +237,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
             gl.store(DV + p_o, dv.to(DV.dtype.element_ty), mask=m_v[:, None])
         if i_v + NS < NV:
             _issue(tile_bytes, w, i_v + NS, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t,
-                   v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
+                   v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV, DS_IN)
     if NEXT:
         # the next item's first value tiles into the slots this loop is done with (once dV's copies
         # out of them have read them) and its T⁻¹ into the other slot: they land during this epilogue
@@ -242,8 +246,18 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
             gl.thread_barrier()
             for i_s in gl.static_range(min(NS, NV)):
                 _issue(tile_bytes, w + 1, i_s, ((J + 1) * NV + i_s) % NS, HV, cu, chunk_idx, chunk_off, d_t, do_t,
-                       dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
+                       dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV,
+                       DS_IN)
             _issue_inv(w + 1, HV, H, cu, chunk_idx, ai_t, s_as.index((J + 1) % 2), bars_a.index((J + 1) % 2))
+
+    if DS_IN:
+        # δ dSᵀ and Σ S ⊙ dS as the reverse pass formed them: the rows D of dK's own buffer (read
+        # before this item writes them) and the chunk's scalar at its global index, h's; requested
+        # here, used after the epilogue's first products
+        _, _, i_n, i_c, _ = _chunk(w, HV, cu, chunk_idx)
+        o_kd = gl.arange(0, K, layout=gl.SliceLayout(0, a_k))
+        d_ds = gl.load(DK + (rk[:, None] * HV + i_hv) * K + o_kd[None, :], mask=m_k[:, None], other=0.0)
+        s_dsh = gl.load(Tr + (gl.load(chunk_off + i_n) + i_c) * HV + i_hv)
 
     # ---- the epilogue. q and k (zeroed past the sequence end), then dW = −dδ Sᵀ and dδ δᵀ (as a
     # rounded part and its remainder) to shared memory, and the five products that need nothing
@@ -277,13 +291,17 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
     e_k = gl.exp(g_k)
     dqs = dqs * (scale * e_k)[:, None]
     dg_k = gl.sum(s_q.load(a_k).to(f32) * dqs, axis=1)
+    o_kk = gl.arange(0, K, layout=gl.SliceLayout(0, a_k))
+    p_out = (rk[:, None] * HV + i_hv) * K + o_kk[None, :]
+    if DS_IN:
+        dks = d_ds.to(f32)
+    else:
+        s_dsh = gl.sum(gcs, axis=0)
     dks = dks * gl.exp(g_last - g_k)[:, None]
     b_a = gl.sum(s_k.load(a_k).to(f32) * dks, axis=1)
     dg_k -= b_a
-    tail = gl.sum(b_a, axis=0) + gl.exp(g_last) * gl.sum(gcs, axis=0)
+    tail = gl.sum(b_a, axis=0) + gl.exp(g_last) * s_dsh
     s_p.store(gl.permute(dsm.to(DT), (1, 0)))  # (dO δᵀ ⊙ D)ᵀ, the A operand of its product with Q
-    o_kk = gl.arange(0, K, layout=gl.SliceLayout(0, a_k))
-    p_out = (rk[:, None] * HV + i_hv) * K + o_kk[None, :]
     b_e, b_kk, tdw, b_da = warpgroup_mma_wait(0, deps=[b_e, b_kk, tdw, b_da])
     b_e = b_e * dsm
     dg_t = gl.sum(b_e, axis=1)
@@ -348,9 +366,9 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
 
 @gluon.jit(do_not_specialize=["NW"])
 def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, cu,
-                     chunk_idx, chunk_off, scale, H, HV, NW, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                     chunk_idx, chunk_off, Tr, scale, H, HV, NW, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                      NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr, DV_TMA: gl.constexpr,
-                     PER: gl.constexpr):
+                     PER: gl.constexpr, DS_IN: gl.constexpr = False):
     """PER consecutive items a program (the last program's items past ``NW`` are skipped), item w =
     i_t · HV + i_hv being chunk i_t of ``chunk_idx`` (all of the call's chunks, or a slice of them)
     and value head i_hv. G [T, HV] the in-chunk cumulative log decay γ; beta [T, HV]. Descriptors:
@@ -372,7 +390,11 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
     are zero there (T⁻¹ is lower triangular, so its valid rows never reach a later column). In a
     chunk that ends early, q's, k's and T⁻¹'s rows past the end are zeroed in shared memory once
     they land, and so are the dδ tile's: the reverse pass may not have written those yet (a sliced
-    pass writes them with a later slice), and zero times a non-finite value is not zero."""
+    pass writes them with a later slice), and zero times a non-finite value is not zero.
+
+    ``DS_IN``: the reverse pass formed what this kernel would read dh for (fused_rev's
+    ``DS_TERMS``): D = δ dS_outᵀ in dK's rows (read first, dK written over it) and Σ S ⊙ dS_out in
+    Tr [chunks, HV] at h's chunk index; dh_t is not read."""
     w0 = gl.program_id(0) * PER
 
     # ---- shared memory: the ring of value tiles, then q, k, two slots of T⁻¹ (Tᵀ is its transposed
@@ -404,8 +426,8 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
         if PER == 1 or w0 + j < NW:  # (every program has a first item)
             _item(j, PER, w0 + j, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t,
                   dv_t, DB, DG, cu, chunk_idx, chunk_off, scale, H, HV, ring_d, ring_do, ring_dd, ring_v, ring_h,
-                  ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K, V, BV, NS, DT, QK_TMA,
-                  DV_TMA)
+                  ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, Tr, K, V, BV, NS, DT, QK_TMA,
+                  DV_TMA, DS_IN)
     tma.store_wait(0)
 
 
@@ -467,10 +489,12 @@ def descriptor(x, shape: tuple, strides: tuple, block: list, layout):
     return d
 
 
-def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dtype, dv_dtype):
+def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dtype, dv_dtype, terms=None):
     """(dQ, dK, dV, dg, dβ) of the chunk op, allocated, and ``run(chunk_idx, NT)``, which fills their rows
     of those NT chunks (``chunk_idx`` [NT, 2] as ``Chunks.chunk_idx``; dh holds their dS_out in that
-    order) from the reverse pass's results (chunk_bwd.backward)."""
+    order) from the reverse pass's results (chunk_bwd.backward). ``terms`` = (DK, Tr): the reverse
+    pass formed dh's terms itself (fused_rev's ``DS_TERMS``: D in DK [T, HV, K] of ``grad_dtype``,
+    which becomes dK, and Tr [chunks, HV]); dh is then None."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dev, f32 = v.device, torch.float32
@@ -483,13 +507,14 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     dv_dtype = dv_dtype or grad_dtype
     DQ = (VN if VN.shape == (T, HV, K) and VN.dtype == grad_dtype
           else torch.empty(T, HV, K, device=dev, dtype=grad_dtype))
-    DK = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
+    DK = terms[0] if terms is not None else torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
     DV = DD if DD.dtype == dv_dtype else torch.empty(T, HV, V, device=dev, dtype=dv_dtype)
     DB = torch.empty(T, HV, device=dev, dtype=f32)
     DG = torch.empty(T, HV, device=dev, dtype=f32)
     DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
     d_t, do_t, dd_t, v_t = (_tiles(cast(x, v.dtype), T, (CHUNK, BV), DT) for x in (VN, do, DD, v))
-    h_t, dh_t = (_tiles(x, x.numel() // V, (K, BV), DT) for x in (h, dh))
+    h_t = _tiles(h, h.numel() // V, (K, BV), DT)
+    dh_t = h_t if terms is not None else _tiles(dh, dh.numel() // V, (K, BV), DT)  # (not read with terms)
     q_t, k_t = (_tiles(cast(x, v.dtype), T, (CHUNK, K), DT) for x in (q, k))
     ai_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
     # dQ, dK and dV leave by tensor copies where they are in the inputs' dtype (the copies go out
@@ -505,7 +530,8 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
         c = DELTA["fused_bwd"]
         PER = c["items"]
         launch(fused_bwd_kernel, (cdiv(NT * HV, PER),), q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t,
-               dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, ch.cu, chunk_idx, ch.chunk_off, scale, H, HV, NT * HV, K=K,
-               V=V, BV=BV, NS=c["NS"], DT=DT, QK_TMA=qk_tma, DV_TMA=dv_tma, PER=PER, name="fused_bwd")
+               dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, ch.cu, chunk_idx, ch.chunk_off,
+               terms[1] if terms is not None else DG, scale, H, HV, NT * HV, K=K, V=V, BV=BV, NS=c["NS"], DT=DT,
+               QK_TMA=qk_tma, DV_TMA=dv_tma, PER=PER, DS_IN=terms is not None, name="fused_bwd")
 
     return (DQ, DK, DV, DG, DB), run

@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ...triton.common import BT as CHUNK
 from ...triton.launch import launch, sm_count
 from ...tuning import DELTA
-from .fused_bwd import _tiles, acc_layout, hopper
+from .fused_bwd import _rows, _tiles, acc_layout, hopper
 from .fused_fwd import _edges, _program, value_tile
 
 BT = gl.constexpr(CHUNK)
@@ -101,11 +101,12 @@ def _copies(q_t, k_t, do_t, a_t, ring_q, ring_k, ring_do, ring_a, ready, empty, 
 def _state(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready, o_empty, z_buf, z_ready, z_empty,
            G, dht, dh0, dh_t, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, K: gl.constexpr,
            V: gl.constexpr, VT: gl.constexpr, DT: gl.constexpr, USE_DHT: gl.constexpr, USE_INIT: gl.constexpr,
-           WARM: gl.constexpr, CARRY: gl.constexpr):
+           WARM: gl.constexpr, CARRY: gl.constexpr, DS_TERMS: gl.constexpr):
     """The state warpgroup: dS [K, VT] (the head's [K, V] state gradient's value columns from
     ``col``) in fp32 registers from dht (or zero), published in 16 bits per chunk and copied to dh
     (descriptor dh_t of [chunks · HV · K, V] in [K, VT] blocks, at column ``col`` of the chunk's
-    index off[i_n] + its index in the program's chunks), updated to Γ_C dS + Qᵀ dÕ + Kᵀ Z; dS_in of
+    index off[i_n] + its index in the program's chunks; not with ``DS_TERMS``, where the local
+    warpgroup takes what the per-chunk stage needed of it), updated to Γ_C dS + Qᵀ dÕ + Kᵀ Z; dS_in of
     the first chunk to dh0 (dht and dh0 read and written at the tile's columns). ``WARM``: it starts
     from dht only where its warm-up reaches the sequence's end, stores nothing on warm-up chunks and
     dS_in only if the segment starts the sequence; ``CARRY``: dS_in of every program, at its own
@@ -126,12 +127,13 @@ def _state(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready
         s = j % NS
         par = j & 1
         i_c = nc - 1 - j
-        mbarrier.wait(s_empty, par ^ 1)  # the δ warpgroup is done with the previous dS
-        tma.store_wait(0)  # and so is the copy of it out to dh
+        mbarrier.wait(s_empty, par ^ 1)  # its readers are done with the previous dS
+        if not DS_TERMS:
+            tma.store_wait(0)  # and so is the copy of it out to dh
         s_buf.store(b_s.to(DT))
         fence_async_shared()
         mbarrier.arrive(s_ready, count=1)
-        if j >= nw:
+        if not DS_TERMS and j >= nw:
             tma.async_copy_shared_to_global(dh_t, [((c0 + i_c) * HV + i_hv) * K, col], s_buf)
         last = gl.minimum(eos, bos + (i_c + 1) * BT) - 1
         b_gc = gl.exp(gl.load(G + last * HV + i_hv))
@@ -200,12 +202,59 @@ def _delta(ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready
 
 
 @gluon.jit
-def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty, o_buf, o_ready, o_empty, G, cu,
-           ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, VT: gl.constexpr, DT: gl.constexpr,
-           WARM: gl.constexpr):
+def _ds_terms(s_buf, s_ready, s_empty, VN, h, Dk, Tr, i_g, i_hv, HV, t0, eos, par, store,
+              K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr):
+    """The local warpgroup's share of chunk i_c's dS_out (``_local``'s ``DS_TERMS``): once the state
+    warpgroup has published it in s_buf [K, V], D = δ dS_outᵀ to Dk's rows and Σ S ⊙ dS_out to
+    Tr (where ``store``: not on warm-up chunks; i_g the chunk's global index with the head, h's and
+    Tr's), then s_buf released."""
+    a_k: gl.constexpr = acc_layout(K, WG)
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_k, k_width=2)
+    ld: gl.constexpr = _rows(V, WG)
+    RP: gl.constexpr = 16  # the rows of S and dS_out a step of the sum reads
+    o_r = gl.arange(0, BT, layout=gl.SliceLayout(1, a_op))
+    o_v = gl.arange(0, V, layout=gl.SliceLayout(0, a_op))
+    rt = t0 + o_r
+    m_r = rt < eos
+    # δ's rows requested before the wait (they do not depend on dS)
+    b_dl = gl.load(VN + (rt.to(gl.int64)[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_r[:, None] & store,
+                   other=0.0)
+    mbarrier.wait(s_ready, par)
+    if store:
+        b_d = warpgroup_mma(b_dl, s_buf.permute((1, 0)), gl.zeros([BT, K], gl.float32, a_k), use_acc=False)
+        o_p = gl.arange(0, RP, layout=gl.SliceLayout(1, ld))
+        o_c = gl.arange(0, V, layout=gl.SliceLayout(0, ld))
+        p_h = h + i_g.to(gl.int64) * K * V + o_p[:, None] * V + o_c[None, :]
+        acc = gl.zeros([RP, V], gl.float32, ld)
+        for r in gl.static_range(K // RP):
+            b_h = gl.load(p_h + r * RP * V).to(gl.float32)
+            acc += b_h * s_buf.slice(r * RP, RP, dim=0).load(ld).to(gl.float32)
+        mbarrier.arrive(s_empty, count=1)
+        gl.store(Tr + i_g, gl.sum(gl.sum(acc, axis=1), axis=0))
+        rk = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, a_k))
+        o_k = gl.arange(0, K, layout=gl.SliceLayout(0, a_k))
+        gl.store(Dk + (rk.to(gl.int64)[:, None] * HV + i_hv) * K + o_k[None, :], b_d.to(Dk.dtype.element_ty),
+                 mask=(rk < eos)[:, None])
+    else:
+        mbarrier.arrive(s_empty, count=1)
+
+
+@gluon.jit
+def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty, o_buf, o_ready, o_empty, s_buf,
+           s_ready, s_empty, G, VN, h, Dk, Tr, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale,
+           K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr,
+           DS_TERMS: gl.constexpr):
     """The local warpgroup: Pᵀ = K Qᵀ ⊙ Dᵀ (columns of rows past the end zeroed, so the next
     sequence's dO adds nothing), L = scale · Pᵀ dO and dÕ = diag(scale · Γ) dO (zero past the end),
-    on the program's VT value columns of dO (the ring's tiles: it indexes no global column)."""
+    on the program's VT value columns of dO (the ring's tiles: it indexes no global column).
+
+    With ``DS_TERMS`` (a program holds the whole [K, V] gradient: VT = V), then what the per-chunk
+    stage (fused_bwd) would read dS_out for, from the dS the state warpgroup publishes: the rows
+    D = δ dS_outᵀ [64, K] (δ the recomputed forward's, read as the product's register operand;
+    stored in Dk's dtype at the chunk's rows of Dk [T, HV, K]) and the scalar Σ S ⊙ dS_out (S the
+    state entering the chunk, h's, streamed in row blocks; Tr [chunks, HV] at the chunk's global
+    index off[i_n] + c, the same index as h's). Off the chain: it answers dS a chunk behind the
+    tiles it hands the chain."""
     NS: gl.constexpr = ring_k.shape[0]
     l_v: gl.constexpr = acc_layout(VT, WG)
     r_v: gl.constexpr = gl.SliceLayout(1, l_v)
@@ -216,6 +265,9 @@ def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty
     zero = gl.zeros([BT, VT], gl.float32, l_v)
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     o_t = gl.arange(0, BT, layout=r_v)
+    c0 = 0
+    if DS_TERMS:
+        c0 = gl.load(off + i_n)
     for j in range(nc):
         s = j % NS
         par = j & 1
@@ -242,13 +294,17 @@ def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty
         fence_async_shared()
         mbarrier.arrive(o_ready, count=1)
         mbarrier.arrive(empty.index(s), count=1)
+        if DS_TERMS:
+            _ds_terms(s_buf, s_ready, s_empty, VN, h, Dk, Tr, (c0 + nc - 1 - j) * HV + i_hv, i_hv, HV, t0, eos,
+                      par, j >= nw, K, V, DT)
 
 
 @gluon.jit
-def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, cu, ends, off, plan, seg_seq, seq_cu, scale, H,
-                     HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr,
-                     USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, CARRY: gl.constexpr,
-                     R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_LOCAL: gl.constexpr):
+def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, VN, h, Dk, Tr, cu, ends, off, plan, seg_seq,
+                     seq_cu, scale, H, HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, NS: gl.constexpr,
+                     DT: gl.constexpr, USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr,
+                     CARRY: gl.constexpr, R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_LOCAL: gl.constexpr,
+                     DS_TERMS: gl.constexpr = False):
     """One program per (sequence, value head, value tile) over tokens [cu[i_n], ends[i_n]) (a slice
     of the sequence where the caller cuts the pass: chunk_bwd.backward), last chunk first: V the
     head's value width (the row length of do, DD, dht, dh0, dh), VT the program's tile of it (V a
@@ -266,7 +322,10 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, cu, ends,
     state_bwd_kernel's ``WARM`` form; dht and dh0 are then per sequence (with ``CARRY``, dh0 per
     program: the dS entering each, which a sliced pass's later slices start from). R_*: the registers a
     thread of the copy, δ and local partitions holds (the state's partition takes the rest of the
-    launch's ``maxnreg`` budget)."""
+    launch's ``maxnreg`` budget). ``DS_TERMS`` (VT = V, unsliced: off[i_n] the program's first
+    chunk's global index): no dh; instead D = δ dS_outᵀ into Dk [T, HV, K] and Σ S ⊙ dS_out into Tr
+    [chunks, HV] per chunk (``_local``), from VN (δ) [T, HV, V] and h [chunks, HV, K, V], the
+    recomputed forward's."""
     NVT: gl.constexpr = V // VT
     i_n, i_hv, i_h, col = _program(H, HV, NVT, VT)
     ring_q = gl.allocate_shared_memory(DT, [NS, BT, K], q_t.layout)
@@ -287,21 +346,25 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, cu, ends,
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=3)  # the state, δ and local warpgroups
     for i in gl.static_range(8):  # each handed tile has one writer and one reader
-        mbarrier.init(hand.index(i), count=1)
+        if DS_TERMS and i == 1:  # but dS with DS_TERMS: the δ and the local warpgroups release it
+            mbarrier.init(hand.index(i), count=2)
+        else:
+            mbarrier.init(hand.index(i), count=1)
     fence_async_shared()
     s_ready, s_empty, l_ready, l_empty = hand.index(0), hand.index(1), hand.index(2), hand.index(3)
     o_ready, o_empty, z_ready, z_empty = hand.index(4), hand.index(5), hand.index(6), hand.index(7)
     gl.warp_specialize([
         (_state, (ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready, o_empty, z_buf, z_ready,
                   z_empty, G, dht, dh0, dh_t, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, K, V, VT,
-                  DT, USE_DHT, USE_INIT, WARM, CARRY)),
+                  DT, USE_DHT, USE_INIT, WARM, CARRY, DS_TERMS)),
         (_copies, (q_t, k_t, do_t, a_t, ring_q, ring_k, ring_do, ring_a, ready, empty, cu, ends, plan, seg_seq,
                    seq_cu, i_n, i_h, i_hv, col, HV, K, V, VT, WARM)),
         (_delta, (ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready, l_empty, d_buf, z_buf,
                   z_ready, z_empty, G, beta, DD, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, V, VT, DT,
                   WARM)),
-        (_local, (ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty, o_buf, o_ready, o_empty, G,
-                  cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, VT, DT, WARM)),
+        (_local, (ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty, o_buf, o_ready, o_empty,
+                  s_buf, s_ready, s_empty, G, VN, h, Dk, Tr, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale,
+                  K, V, VT, DT, WARM, DS_TERMS)),
     ], [1, WG, WG], [R_COPY, R_DELTA, R_LOCAL])
 
 
@@ -342,18 +405,27 @@ def reverse(q, k, do, G, beta, Ai, dht, dh, DD, dh0, cu, ends, off, N: int, scal
     reverser(q, k, do, G, beta, Ai, dh, DD, scale)(dht, dh0, cu, ends, off, N, warm)
 
 
-def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None):
+def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None, terms=None):
     """:func:`reverse` over these tensors as ``run(dht, dh0, cu, ends, off, N, warm=None, carry=False)``,
     with the tensor descriptors made once for every launch (a sliced backward launches the pass once a
     slice over the same tensors); programs on value tiles of ``VT`` columns (default
     :func:`value_tiles`' tile; :func:`plain_tile` for an unsplit pass). ``carry`` (with ``warm``):
-    dh0 [N, HV, K, V] takes the dS entering each program's range (the kernel's ``CARRY``)."""
+    dh0 [N, HV, K, V] takes the dS entering each program's range (the kernel's ``CARRY``).
+    ``terms`` = (VN, h, Dk, Tr): the pass forms the per-chunk stage's terms of dS_out instead of
+    storing it (the kernel's ``DS_TERMS``; whole value heads, unsliced: :func:`terms_usable`); dh is
+    then None."""
     T, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     VT = value_tile(V, "fused_rev") if VT is None else VT
     c = DELTA["fused_rev"]
     DT = gl.bfloat16 if do.dtype == torch.bfloat16 else gl.float16
-    assert dh.is_contiguous() and dh.data_ptr() % 16 == 0  # written through its descriptor in place
+    if terms is not None:
+        assert VT == V and dh is None
+        VN, h, Dk, Tr = terms
+        dh = h  # (the descriptor argument of a dh that is never written)
+    else:
+        assert dh.is_contiguous() and dh.data_ptr() % 16 == 0  # written through its descriptor in place
+        VN = h = Dk = Tr = G
     q_t = _tiles(q, T, (CHUNK, K), DT)
     k_t = _tiles(k, T, (CHUNK, K), DT)
     do_t = _tiles(do, T, (CHUNK, VT), DT)
@@ -365,9 +437,16 @@ def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None)
     def run(dht, dh0, cu, ends, off, N: int, warm=None, carry: bool = False):
         plan, seg_seq, seq_cu = warm if warm is not None else (cu, cu, cu)
         launch(fused_rev_kernel, (N * programs,), q_t, k_t, do_t, a_t, dh_t, G, beta,
-               dht if dht is not None else G, dh0 if dh0 is not None else G, DD, cu, ends, off, plan, seg_seq,
-               seq_cu, scale, H, HV, K=K, V=V, VT=VT, NS=c["NS"], DT=DT, USE_DHT=dht is not None,
+               dht if dht is not None else G, dh0 if dh0 is not None else G, DD, VN, h, Dk, Tr, cu, ends, off, plan,
+               seg_seq, seq_cu, scale, H, HV, K=K, V=V, VT=VT, NS=c["NS"], DT=DT, USE_DHT=dht is not None,
                USE_INIT=dh0 is not None, WARM=warm is not None, CARRY=carry, R_COPY=r[0], R_DELTA=r[1], R_LOCAL=r[2],
-               maxnreg=c["maxnreg"], name="fused_rev")
+               DS_TERMS=terms is not None, maxnreg=c["maxnreg"], name="fused_rev")
 
     return run
+
+
+def terms_usable(V: int, VT: int) -> bool:
+    """Whether the pass can form the per-chunk stage's dS_out terms itself (``DELTA["fused_rev"]
+    ["ds_terms"]``): each program holds a whole value head (VT = V; the terms sum over every value
+    column)."""
+    return bool(DELTA["fused_rev"].get("ds_terms", False)) and VT == V
