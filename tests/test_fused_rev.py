@@ -277,9 +277,9 @@ print(json.dumps([G.reverse_resources(128, 128, ds_terms=True), G.reverse_resour
 def test_the_dh_terms_forms_compile_within_the_card():
     """sm_90 at the launch setting, K = V = 128: the reverse pass that forms the dS_out terms in its
     local warpgroup takes the plain pass's shared memory (its operands come by registers) and at
-    most 24 B of stack (ptxas: values handed to the partitions, and one kept across the terms'
-    cross-warp sum); the per-chunk kernel that reads them compiles without spills and with less
-    shared memory than with dh (no dh tiles in its ring)."""
+    most 24 B of stack at its register split (ptxas: values handed to the partitions); the per-chunk
+    kernel that reads them compiles without spills and with less shared memory than with dh (no dh
+    tiles in its ring)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", COMPILE_TERMS.format(root=str(ROOT))], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=600)

@@ -189,7 +189,7 @@ def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
 
     c = DELTA["fused_rev"]
     NS = c["NS"] if NS is None else NS
-    regs = tuple(c["regs"] if regs is None else regs)
+    regs = tuple(c["regs_ds" if ds_terms else "regs"] if regs is None else regs)
     VT = FF.value_tile(V, "fused_rev") if VT is None else VT
 
     def desc(rows, cols):

@@ -174,8 +174,10 @@ DELTA = {
     # ds_terms: the pass forms what the per-chunk stage reads dS_out for (δ dS_outᵀ into dK's buffer,
     # Σ S ⊙ dS_out per chunk) in its local warpgroup instead of storing dh, where a program holds a
     # whole value head (chunk_bwd._with_terms): no dh and no slices. Off: not yet run on a GPU.
+    # regs_ds: its partitions' registers (the local warpgroup holds δ's rows, the product and a block
+    # of S more: at 168 ptxas spills 48 B at K = V = 128, here 16, the values handed to the partitions)
     "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, VT=128,
-                      narrow=64, ds_terms=False),
+                      narrow=64, ds_terms=False, regs_ds=(24, 144, 176)),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # warm_plan reads one bound per chunk, 16 at a time: one warp; bound (a backward not handed the
     # forward's bounds) reads a chunk's [64, K] keys

@@ -211,22 +211,24 @@ def _ds_terms(s_buf, s_ready, s_empty, VN, h, Dk, Tr, i_g, i_hv, HV, t0, eos, pa
     a_k: gl.constexpr = acc_layout(K, WG)
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_k, k_width=2)
     ld: gl.constexpr = _rows(V, WG)
-    RP: gl.constexpr = 16  # the rows of S and dS_out a step of the sum reads
+    RP: gl.constexpr = 32  # the rows of S and dS_out a step of the sum reads
     o_r = gl.arange(0, BT, layout=gl.SliceLayout(1, a_op))
     o_v = gl.arange(0, V, layout=gl.SliceLayout(0, a_op))
     rt = t0 + o_r
     m_r = rt < eos
-    # δ's rows requested before the wait (they do not depend on dS)
+    # δ's rows and S's first rows requested before the wait (they do not depend on dS): less load
+    # latency between dS's publication and its release
     b_dl = gl.load(VN + (rt.to(gl.int64)[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_r[:, None] & store,
                    other=0.0)
+    o_p = gl.arange(0, RP, layout=gl.SliceLayout(1, ld))
+    o_c = gl.arange(0, V, layout=gl.SliceLayout(0, ld))
+    p_h = h + i_g.to(gl.int64) * K * V + o_p[:, None] * V + o_c[None, :]
+    b_h0 = gl.load(p_h, mask=store, other=0.0)
     mbarrier.wait(s_ready, par)
     if store:
         b_d = warpgroup_mma(b_dl, s_buf.permute((1, 0)), gl.zeros([BT, K], gl.float32, a_k), use_acc=False)
-        o_p = gl.arange(0, RP, layout=gl.SliceLayout(1, ld))
-        o_c = gl.arange(0, V, layout=gl.SliceLayout(0, ld))
-        p_h = h + i_g.to(gl.int64) * K * V + o_p[:, None] * V + o_c[None, :]
-        acc = gl.zeros([RP, V], gl.float32, ld)
-        for r in gl.static_range(K // RP):
+        acc = b_h0.to(gl.float32) * s_buf.slice(0, RP, dim=0).load(ld).to(gl.float32)
+        for r in gl.static_range(1, K // RP):
             b_h = gl.load(p_h + r * RP * V).to(gl.float32)
             acc += b_h * s_buf.slice(r * RP, RP, dim=0).load(ld).to(gl.float32)
         mbarrier.arrive(s_empty, count=1)
@@ -431,7 +433,7 @@ def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None,
     do_t = _tiles(do, T, (CHUNK, VT), DT)
     a_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
     dh_t = _tiles(dh, dh.numel() // V, (K, VT), DT)
-    r = tuple(c["regs"])
+    r = tuple(c["regs_ds" if terms is not None else "regs"])
     programs = HV * (V // VT)
 
     def run(dht, dh0, cu, ends, off, N: int, warm=None, carry: bool = False):
