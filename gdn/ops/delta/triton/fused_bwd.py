@@ -291,17 +291,18 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
     e_k = gl.exp(g_k)
     dqs = dqs * (scale * e_k)[:, None]
     dg_k = gl.sum(s_q.load(a_k).to(f32) * dqs, axis=1)
-    o_kk = gl.arange(0, K, layout=gl.SliceLayout(0, a_k))
-    p_out = (rk[:, None] * HV + i_hv) * K + o_kk[None, :]
     if DS_IN:
         dks = d_ds.to(f32)
-    else:
-        s_dsh = gl.sum(gcs, axis=0)
     dks = dks * gl.exp(g_last - g_k)[:, None]
     b_a = gl.sum(s_k.load(a_k).to(f32) * dks, axis=1)
     dg_k -= b_a
-    tail = gl.sum(b_a, axis=0) + gl.exp(g_last) * s_dsh
+    if DS_IN:
+        tail = gl.sum(b_a, axis=0) + gl.exp(g_last) * s_dsh
+    else:
+        tail = gl.sum(b_a, axis=0) + gl.exp(g_last) * gl.sum(gcs, axis=0)
     s_p.store(gl.permute(dsm.to(DT), (1, 0)))  # (dO δᵀ ⊙ D)ᵀ, the A operand of its product with Q
+    o_kk = gl.arange(0, K, layout=gl.SliceLayout(0, a_k))
+    p_out = (rk[:, None] * HV + i_hv) * K + o_kk[None, :]
     b_e, b_kk, tdw, b_da = warpgroup_mma_wait(0, deps=[b_e, b_kk, tdw, b_da])
     b_e = b_e * dsm
     dg_t = gl.sum(b_e, axis=1)
