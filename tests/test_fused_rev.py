@@ -111,33 +111,30 @@ def _ds_launches(monkeypatch, *shape, h0=False):
     return record(*shape, h0=h0)[1]
 
 
-@pytest.mark.parametrize("shape,warm", [((8, 2048, 16, 16, 128, 128), False), ((1, 32768, 16, 16, 128, 128), True),
-                                        ((2, 512, 2, 4, 64, 64), False)])
-def test_the_reverse_pass_forms_the_dh_terms_without_slices(card, monkeypatch, shape, warm):
-    """With ``ds_terms``, where a program holds a whole value head: one launch of the reverse pass
-    (warm-started segments where few long sequences would idle the card) and one of the per-chunk
-    kernel, at shapes whose dh would be sliced: D goes to the per-chunk kernel's dK buffer (the
-    same tensor) and Σ S ⊙ dS_out to its Tr, h to the reverse pass as the per-chunk kernel's h."""
+@pytest.mark.parametrize("shape,warm,nvt", [((8, 2048, 16, 16, 128, 128), False, 1),
+                                            ((1, 32768, 16, 16, 128, 128), True, 1),
+                                            ((2, 512, 2, 4, 64, 64), False, 1),
+                                            ((8, 2048, 16, 16, 128, 256), False, 2),
+                                            ((2, 512, 4, 4, 128, 128), False, 2)])
+def test_the_reverse_pass_forms_the_dh_terms_without_slices(card, monkeypatch, shape, warm, nvt):
+    """With ``ds_terms``: one launch of the reverse pass (warm-started segments where few long
+    sequences would idle the card) and one of the per-chunk kernel, at shapes whose dh would be
+    sliced; one partial of D and of Σ S ⊙ dS_out a value tile of the pass (V = 256: two 128-wide
+    tiles; an unsplit pass that would leave half the card idle: two 64-wide ones), the first
+    partial of D being the per-chunk kernel's dK buffer; h to the reverse pass as the per-chunk
+    kernel's h."""
     rec = _ds_launches(monkeypatch, *shape, h0=True)
     names = [k.fn.__name__ for k, _, _, _ in rec]
     assert names.count("fused_rev_kernel") == 1 and names.count("fused_bwd_kernel") == 1, names
     (rev,) = [dict(zip(k.arg_names, a)) | m for k, _, a, m in rec if k.fn.__name__ == "fused_rev_kernel"]
     (bwd,) = [dict(zip(k.arg_names, a)) | m for k, _, a, m in rec if k.fn.__name__ == "fused_bwd_kernel"]
-    assert rev["DS_TERMS"] and bwd["DS_IN"] and rev["WARM"] == warm and rev["VT"] == rev["V"], rev
-    assert rev["Dk"] is bwd["DK"] and rev["Tr"] is bwd["Tr"] and rev["h"] is bwd["h_t"].base, (rev, bwd)
-    assert rev["VN"] is bwd["d_t"].base or rev["VN"].data_ptr() == bwd["d_t"].base.data_ptr()
+    assert rev["DS_TERMS"] and bwd["DS_IN"] and rev["WARM"] == warm and rev["V"] // rev["VT"] == nvt, rev
     B, T, H, HV, K, V = shape
-    assert tuple(rev["Tr"].shape) == (B * T // 64, HV) and rev["Tr"].dtype == torch.float32
-
-
-def test_dh_terms_keep_dh_where_a_head_spans_two_programs(card, monkeypatch):
-    """Value heads of 256 (two 128-wide programs a head), or an unsplit pass on narrower tiles: the
-    terms sum over a head's every value column, so dh is stored (and sliced) as without the flag."""
-    for shape in ((8, 2048, 16, 16, 128, 256), (2, 512, 4, 4, 128, 128)):
-        rec = _ds_launches(monkeypatch, *shape)
-        revs = [m for k, _, _, m in rec if k.fn.__name__ == "fused_rev_kernel"]
-        assert revs and not any(m["DS_TERMS"] for m in revs), (shape, revs)
-        assert not any(m["DS_IN"] for k, _, _, m in rec if k.fn.__name__ == "fused_bwd_kernel"), shape
+    assert bwd["NDS"] == nvt and tuple(rev["Dk"].shape) == (nvt, B * T, HV, K), (bwd["NDS"], rev["Dk"].shape)
+    assert bwd["DK"].data_ptr() == rev["Dk"].data_ptr() and tuple(bwd["DK"].shape) == (B * T, HV, K)
+    assert rev["Tr"] is bwd["Tr"] and tuple(rev["Tr"].shape) == (nvt, B * T // 64, HV) and rev["Tr"].dtype == torch.float32
+    assert rev["h"] is bwd["h_t"].base and rev["dh_t"].base is rev["h"]  # (h's rows give the kernel its chunks)
+    assert rev["VN"].data_ptr() == bwd["d_t"].base.data_ptr()
 
 
 def test_value_heads_of_256_run_as_two_value_tiles(card, monkeypatch):
@@ -269,22 +266,28 @@ import json, sys
 sys.path.insert(0, {root!r})
 from tools import gluon_budget as G
 print(json.dumps([G.reverse_resources(128, 128, ds_terms=True), G.reverse_resources(128, 128, ds_terms=True, warm=True),
-                  G.reverse_resources(64, 64, ds_terms=True, warm=True), G.reverse_resources(128, 128),
-                  G.kernel_resources(128, 128, 64, 8, ds_in=True), G.kernel_resources(128, 128, 64, 8)]))
+                  G.reverse_resources(64, 64, ds_terms=True, warm=True), G.reverse_resources(128, 256, ds_terms=True),
+                  G.reverse_resources(128, 128, ds_terms=True, VT=64), G.reverse_resources(128, 128),
+                  G.kernel_resources(128, 128, 64, 8, ds_in=True), G.kernel_resources(128, 128, 64, 8, ds_in=True, nds=2),
+                  G.kernel_resources(128, 128, 64, 8)]))
 """
 
 
 def test_the_dh_terms_forms_compile_within_the_card():
-    """sm_90 at the launch setting, K = V = 128: the reverse pass that forms the dS_out terms in its
-    local warpgroup takes the plain pass's shared memory (its operands come by registers) and at
-    most 24 B of stack at its register split (ptxas: values handed to the partitions); the per-chunk
-    kernel that reads them compiles without spills and with less shared memory than with dh (no dh
-    tiles in its ring)."""
+    """sm_90 at the launch setting, K = 128: the reverse pass that forms the dS_out terms in its local
+    warpgroup takes the plain pass's shared memory (its operands come by registers) and at most 24 B
+    of stack at its register split (ptxas: values handed to the partitions), on 128-wide value tiles
+    of V = 128 or 256, none on 64-wide ones; the per-chunk kernel that reads them (one partial or
+    two) compiles without spills and with less shared memory than with dh (no dh tiles in its
+    ring)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", COMPILE_TERMS.format(root=str(ROOT))], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
-    rev, rev_warm, rev_64, rev_plain, bwd, bwd_plain = json.loads(p.stdout.strip().splitlines()[-1])
+    rev, rev_warm, rev_64, rev_256, rev_t64, rev_plain, bwd, bwd_2, bwd_plain = json.loads(
+        p.stdout.strip().splitlines()[-1])
     assert rev["shared"] <= rev_plain["shared"] + 64 <= 227 * 1024, (rev, rev_plain)
-    assert max(rev["spill"], rev_warm["spill"]) <= 24 and rev_64["spill"] == 0, (rev, rev_warm, rev_64)
-    assert bwd["spill"] == 0 and bwd["shared"] < bwd_plain["shared"], (bwd, bwd_plain)
+    assert rev_256["shared"] == rev["shared"] and rev_t64["shared"] < rev["shared"], (rev_256, rev_t64)
+    assert max(r["spill"] for r in (rev, rev_warm, rev_256)) <= 24 and rev_64["spill"] == rev_t64["spill"] == 0, (
+        rev, rev_warm, rev_256, rev_64, rev_t64)
+    assert bwd["spill"] == bwd_2["spill"] == 0 and bwd["shared"] < bwd_plain["shared"], (bwd, bwd_2, bwd_plain)

@@ -105,7 +105,7 @@ def resources(K: int, V: int, BV: int, num_warps: int) -> dict:
 
 
 def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = None, PER: int | None = None,
-                     ds_in: bool = False) -> dict:
+                     ds_in: bool = False, nds: int = 1) -> dict:
     """{"regs", "spill", "shared"} of the fused backward kernel itself
     (:func:`gdn.ops.delta.triton.fused_bwd.fused_bwd_kernel`, bf16) compiled for sm_90, with a ring
     of ``NS`` slots and ``PER`` items a program (defaults: the launch setting's; ``ds_in``: the form
@@ -130,10 +130,11 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = N
     sig.update({n: desc(64, K) for n in ("q_t", "k_t", "dq_t", "dk_t")})
     sig.update(cu="*i32", chunk_idx="*i32", chunk_off="*i32", scale="fp32", H="i32", HV="i32", NW="i32",
                K="constexpr", V="constexpr", BV="constexpr", NS="constexpr", DT="constexpr", QK_TMA="constexpr",
-               DV_TMA="constexpr", PER="constexpr", DS_IN="constexpr")
+               DV_TMA="constexpr", PER="constexpr", DS_IN="constexpr", NDS="constexpr")
     at = {n: i for i, n in enumerate(names)}
     consts = {(at["K"],): K, (at["V"],): V, (at["BV"],): BV, (at["NS"],): NS, (at["DT"],): gl.bfloat16,
-              (at["QK_TMA"],): True, (at["DV_TMA"],): True, (at["PER"],): PER, (at["DS_IN"],): ds_in}
+              (at["QK_TMA"],): True, (at["DV_TMA"],): True, (at["PER"],): PER, (at["DS_IN"],): ds_in,
+              (at["NDS"],): nds}
     return _compiled(GluonASTSource(F.fused_bwd_kernel, sig, consts, _aligned(sig, at)), num_warps)
 
 

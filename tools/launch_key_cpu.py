@@ -48,7 +48,7 @@ def fake_launch(calls: list):
     args = (q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, dd, dq_t, dk_t, dd_t, DB, DG, cu, ci, co,
             DG, 0.088, H, HV, 256 * HV)
     meta = dict(K=K, V=V, BV=128, NS=DELTA["fused_bwd"]["NS"], DT=DT, QK_TMA=True, DV_TMA=True,
-                PER=DELTA["fused_bwd"]["items"], DS_IN=False)
+                PER=DELTA["fused_bwd"]["items"], DS_IN=False, NDS=1)
     kernel = fb.fused_bwd_kernel
     sig = {p.name: ("tensordesc<bf16[64, 128]>" if p.name.endswith("_t") else "*bf16") for p in kernel.params}
     metas = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[64, 128], fp4_padded=False)] * 12

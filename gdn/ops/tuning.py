@@ -172,8 +172,8 @@ DELTA = {
     # ptxas sm_90 at these: 432 B of stack, 227 KB of shared memory (tools/gluon_budget.py --rbwd).
     "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 136, 192), maxnreg=128),
     # ds_terms: the pass forms what the per-chunk stage reads dS_out for (δ dS_outᵀ into dK's buffer,
-    # Σ S ⊙ dS_out per chunk) in its local warpgroup instead of storing dh, where a program holds a
-    # whole value head (chunk_bwd._with_terms): no dh and no slices. Off: not yet run on a GPU.
+    # Σ S ⊙ dS_out per chunk; a partial of each per value tile) in its local warpgroup instead of
+    # storing dh (chunk_bwd._with_terms): no dh and no slices. Off: not yet run on a GPU.
     # regs_ds: its partitions' registers (the local warpgroup holds δ's rows, the product and a block
     # of S more: at 168 ptxas spills 48 B at K = V = 128, here 16, the values handed to the partitions)
     "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, VT=128,

@@ -457,11 +457,10 @@ def _decisions(q, g, beta, ch: Chunks, HV: int, K: int, V: int, from_inv: bool, 
         nsl = 1 if not budget or (L and not warm_split(g)) else max(1, min(
             L or ch.max_nc, DELTA["state_bwd"]["max_slices"], cdiv(dh_bytes, max(1, int(budget)))))
         # the reverse pass forms what the per-chunk stage reads dh for (no dh, so no slices): where
-        # it runs unsplit or warm-started, the fused per-chunk stage follows, and each of its
-        # programs holds a whole value head
+        # it runs unsplit or warm-started and the fused per-chunk stage follows
         fb = _fused_bwd() if DELTA["fused_bwd"]["on"] else None
         ds = (rev is not None and (not L or warm_split(g)) and fb is not None and fb.usable(q, g, beta, K, V)
-              and rev.terms_usable(V, rev.value_tile(V, "fused_rev") if L else rev.plain_tile(V, ch.N * HV, q.device)))
+              and rev.terms_usable())
         hit = ch.memo[key] = (st, WV, rev, L, 1 if ds else nsl, ds)
     return hit
 
@@ -655,28 +654,30 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
 def _with_terms(rev, q, k, v, do, gamma, beta, Ai, VN, h, h0, dht, ch: Chunks, scale: float, L: int, bnd,
                 grad_dtype, dv_dtype):
     """:func:`backward`'s outputs where the reverse pass forms what the per-chunk stage would read dS_out
-    for (delta.triton.fused_rev's ``DS_TERMS``: D = δ dS_outᵀ into dK's own buffer, Σ S ⊙ dS_out
-    per chunk and head) and the fused per-chunk stage reads those (fused_bwd's ``DS_IN``): no dh,
-    so one launch of each, however long the call (dh is what the sliced backward bounds). One
-    launch over the sequences, or over warm-started segments of ``L`` chunks."""
+    for (delta.triton.fused_rev's ``DS_TERMS``: D = δ dS_outᵀ, Σ S ⊙ dS_out per chunk and head, one
+    partial a value tile of the pass) and the fused per-chunk stage reads those (fused_bwd's
+    ``DS_IN``, which adds the partials up; the first partial of D is dK's own buffer): no dh, so
+    one launch of each, however long the call (dh is what the sliced backward bounds). One launch
+    over the sequences, or over warm-started segments of ``L`` chunks."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dev, f32 = v.device, torch.float32
+    VT = rev.value_tile(V, "fused_rev") if L else rev.plain_tile(V, ch.N * HV, dev)
     DD = torch.empty(T, HV, V, device=dev, dtype=v.dtype)  # dδ (dV written over it)
-    DK = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)  # D (dK written over it)
-    Tr = torch.empty(ch.NT, HV, device=dev, dtype=f32)
+    Dp = torch.empty(V // VT, T, HV, K, device=dev, dtype=grad_dtype)  # D's partials (dK written over the first)
+    Tr = torch.empty(V // VT, ch.NT, HV, device=dev, dtype=f32)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
-    terms = (VN, h, DK, Tr)
+    run_rev = rev.reverser(q, k, do, gamma, beta, Ai, None, DD, scale, VT, terms=(VN, h, Dp, Tr))
     if L:
         sg = make_segments(ch, L, dev)
-        rev.reverser(q, k, do, gamma, beta, Ai, None, DD, scale, terms=terms)(
-            dht, dh0, sg.cu, sg.cu[1:], sg.off, sg.NS, warm=(warm_plan(bnd, gamma, sg, ch, HV, after=True), sg.seq, ch.cu))
+        run_rev(dht, dh0, sg.cu, sg.cu[1:], sg.off, sg.NS, warm=(warm_plan(bnd, gamma, sg, ch, HV, after=True), sg.seq,
+                                                                 ch.cu))
         fill_empty(dh0, dht, ch)
     else:
-        rev.reverser(q, k, do, gamma, beta, Ai, None, DD, scale, V, terms=terms)(dht, dh0, ch.cu, ch.cu[1:],
-                                                                                ch.chunk_off, ch.N)
+        run_rev(dht, dh0, ch.cu, ch.cu[1:], ch.chunk_off, ch.N)
+    del run_rev
     outs, run = _fused_bwd().backward(q, k, v, gamma, beta, Ai, VN, do, h, None, DD, ch, scale, grad_dtype, dv_dtype,
-                                      terms=(DK, Tr))
+                                      terms=(Dp, Tr))
     run(ch.chunk_idx, ch.NT)
     return (*outs, dh0)
 

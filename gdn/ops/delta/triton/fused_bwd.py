@@ -112,9 +112,8 @@ def _issue_inv(w, HV, H, cu, chunk_idx, ai_t, s_a, bar):
 @gluon.jit
 def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK,
           DV, dq_t, dk_t, dv_t, DB, DG, cu, chunk_idx, chunk_off, scale, H, HV, ring_d, ring_do, ring_dd, ring_v,
-          ring_h, ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, Tr, K: gl.constexpr,
-          V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr,
-          DV_TMA: gl.constexpr, DS_IN: gl.constexpr):
+          ring_h, ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, Tr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr,
+          QK_TMA: gl.constexpr, DV_TMA: gl.constexpr, DS_IN: gl.constexpr, NDS: gl.constexpr):
     """Item ``w``, the program's J-th of PER (fused_bwd_kernel's docstring). The program's first item
     requests its first value tiles, its T⁻¹ (slot 0 of ``s_as``) and its q and k once its per-row
     scalars are requested; a later item's were requested by the item before: once its value loop
@@ -251,13 +250,19 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
             _issue_inv(w + 1, HV, H, cu, chunk_idx, ai_t, s_as.index((J + 1) % 2), bars_a.index((J + 1) % 2))
 
     if DS_IN:
-        # δ dSᵀ and Σ S ⊙ dS as the reverse pass formed them: the rows D of dK's own buffer (read
-        # before this item writes them) and the chunk's scalar at its global index, h's; requested
-        # here, used after the epilogue's first products
+        # δ dSᵀ and Σ S ⊙ dS as the reverse pass formed them, NDS partials each (one a value tile of
+        # that pass): the rows D of dK's own buffer (read before this item writes them) and of the
+        # partials after it, and the chunk's scalars at its global index, h's; requested here, used
+        # after the epilogue's first products
         _, _, i_n, i_c, _ = _chunk(w, HV, cu, chunk_idx)
         o_kd = gl.arange(0, K, layout=gl.SliceLayout(0, a_k))
-        d_ds = gl.load(DK + (rk[:, None] * HV + i_hv) * K + o_kd[None, :], mask=m_k[:, None], other=0.0)
-        s_dsh = gl.load(Tr + (gl.load(chunk_off + i_n) + i_c) * HV + i_hv)
+        p_d = DK + (rk[:, None] * HV + i_hv) * K + o_kd[None, :]
+        i_g = (gl.load(chunk_off + i_n) + i_c) * HV + i_hv
+        d_ds = gl.load(p_d, mask=m_k[:, None], other=0.0).to(f32)
+        s_dsh = gl.load(Tr + i_g)
+        for i_p in gl.static_range(1, NDS):  # (partials [T, HV, K] and [chunks, HV] apart: all the call's)
+            d_ds += gl.load(p_d + i_p * k_t.shape[0].to(gl.int64) * HV * K, mask=m_k[:, None], other=0.0).to(f32)
+            s_dsh += gl.load(Tr + i_p * NW + i_g)
 
     # ---- the epilogue. q and k (zeroed past the sequence end), then dW = −dδ Sᵀ and dδ δᵀ (as a
     # rounded part and its remainder) to shared memory, and the five products that need nothing
@@ -292,7 +297,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
     dqs = dqs * (scale * e_k)[:, None]
     dg_k = gl.sum(s_q.load(a_k).to(f32) * dqs, axis=1)
     if DS_IN:
-        dks = d_ds.to(f32)
+        dks = d_ds
     dks = dks * gl.exp(g_last - g_k)[:, None]
     b_a = gl.sum(s_k.load(a_k).to(f32) * dks, axis=1)
     dg_k -= b_a
@@ -369,7 +374,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
 def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, cu,
                      chunk_idx, chunk_off, Tr, scale, H, HV, NW, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                      NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr, DV_TMA: gl.constexpr,
-                     PER: gl.constexpr, DS_IN: gl.constexpr = False):
+                     PER: gl.constexpr, DS_IN: gl.constexpr = False, NDS: gl.constexpr = 1):
     """PER consecutive items a program (the last program's items past ``NW`` are skipped), item w =
     i_t · HV + i_hv being chunk i_t of ``chunk_idx`` (all of the call's chunks, or a slice of them)
     and value head i_hv. G [T, HV] the in-chunk cumulative log decay γ; beta [T, HV]. Descriptors:
@@ -394,8 +399,9 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
     pass writes them with a later slice), and zero times a non-finite value is not zero.
 
     ``DS_IN``: the reverse pass formed what this kernel would read dh for (fused_rev's
-    ``DS_TERMS``): D = δ dS_outᵀ in dK's rows (read first, dK written over it) and Σ S ⊙ dS_out in
-    Tr [chunks, HV] at h's chunk index; dh_t is not read."""
+    ``DS_TERMS``), in NDS partials each: D = δ dS_outᵀ in dK's rows (read first, dK written over
+    it) and in the partials after it (one [T, HV, K] apart), Σ S ⊙ dS_out in Tr [NDS, chunks, HV]
+    at h's chunk index (the call's every chunk: NW items a partial); dh_t is not read."""
     w0 = gl.program_id(0) * PER
 
     # ---- shared memory: the ring of value tiles, then q, k, two slots of T⁻¹ (Tᵀ is its transposed
@@ -428,7 +434,7 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
             _item(j, PER, w0 + j, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t,
                   dv_t, DB, DG, cu, chunk_idx, chunk_off, scale, H, HV, ring_d, ring_do, ring_dd, ring_v, ring_h,
                   ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, Tr, K, V, BV, NS, DT, QK_TMA,
-                  DV_TMA, DS_IN)
+                  DV_TMA, DS_IN, NDS)
     tma.store_wait(0)
 
 
@@ -493,9 +499,10 @@ def descriptor(x, shape: tuple, strides: tuple, block: list, layout):
 def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dtype, dv_dtype, terms=None):
     """(dQ, dK, dV, dg, dβ) of the chunk op, allocated, and ``run(chunk_idx, NT)``, which fills their rows
     of those NT chunks (``chunk_idx`` [NT, 2] as ``Chunks.chunk_idx``; dh holds their dS_out in that
-    order) from the reverse pass's results (chunk_bwd.backward). ``terms`` = (DK, Tr): the reverse
-    pass formed dh's terms itself (fused_rev's ``DS_TERMS``: D in DK [T, HV, K] of ``grad_dtype``,
-    which becomes dK, and Tr [chunks, HV]); dh is then None."""
+    order) from the reverse pass's results (chunk_bwd.backward). ``terms`` = (D, Tr): the reverse
+    pass formed dh's terms itself (fused_rev's ``DS_TERMS``), a partial a value tile of it: D [NDS,
+    T, HV, K] of ``grad_dtype`` (its first partial becomes dK) and Tr [NDS, chunks, HV]; dh is then
+    None."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dev, f32 = v.device, torch.float32
@@ -508,7 +515,7 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     dv_dtype = dv_dtype or grad_dtype
     DQ = (VN if VN.shape == (T, HV, K) and VN.dtype == grad_dtype
           else torch.empty(T, HV, K, device=dev, dtype=grad_dtype))
-    DK = terms[0] if terms is not None else torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
+    DK = terms[0][0] if terms is not None else torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
     DV = DD if DD.dtype == dv_dtype else torch.empty(T, HV, V, device=dev, dtype=dv_dtype)
     DB = torch.empty(T, HV, device=dev, dtype=f32)
     DG = torch.empty(T, HV, device=dev, dtype=f32)
@@ -528,11 +535,12 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     dv_t = dd_t if not dv_tma or dd_t.base is DV else _tiles(DV, T, (CHUNK, BV), DT)
 
     def run(chunk_idx, NT: int):
+        assert terms is None or NT == ch.NT  # (the terms' partials are those of every chunk of the call)
         c = DELTA["fused_bwd"]
         PER = c["items"]
         launch(fused_bwd_kernel, (cdiv(NT * HV, PER),), q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t,
                dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, ch.cu, chunk_idx, ch.chunk_off,
-               terms[1] if terms is not None else DG, scale, H, HV, NT * HV, K=K, V=V, BV=BV, NS=c["NS"], DT=DT,
-               QK_TMA=qk_tma, DV_TMA=dv_tma, PER=PER, DS_IN=terms is not None, name="fused_bwd")
+               terms[1] if terms is not None else DG, scale, H, HV, NT * HV, K=K, V=V, BV=BV, NS=c["NS"], DT=DT, QK_TMA=qk_tma, DV_TMA=dv_tma, PER=PER,
+               DS_IN=terms is not None, NDS=terms[0].shape[0] if terms is not None else 1, name="fused_bwd")
 
     return (DQ, DK, DV, DG, DB), run

@@ -202,18 +202,20 @@ def _delta(ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready
 
 
 @gluon.jit
-def _ds_terms(s_buf, s_ready, s_empty, VN, h, Dk, Tr, i_g, i_hv, HV, t0, eos, par, store,
-              K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr):
+def _ds_terms(s_buf, s_ready, s_empty, VN, h, Dk, Tr, d_stride, tr_stride, i_g, i_hv, col, HV, t0, eos, par, store,
+              K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, DT: gl.constexpr):
     """The local warpgroup's share of chunk i_c's dS_out (``_local``'s ``DS_TERMS``): once the state
     warpgroup has published it in s_buf [K, V], D = δ dS_outᵀ to Dk's rows and Σ S ⊙ dS_out to
     Tr (where ``store``: not on warm-up chunks; i_g the chunk's global index with the head, h's and
-    Tr's), then s_buf released."""
+    Tr's), then s_buf released. On the program's VT value columns from ``col``: partial sums over
+    them, the value tile's own (partial col // VT of Dk and Tr, d_stride and tr_stride elements
+    apart)."""
     a_k: gl.constexpr = acc_layout(K, WG)
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_k, k_width=2)
-    ld: gl.constexpr = _rows(V, WG)
+    ld: gl.constexpr = _rows(VT, WG)
     RP: gl.constexpr = 32  # the rows of S and dS_out a step of the sum reads
     o_r = gl.arange(0, BT, layout=gl.SliceLayout(1, a_op))
-    o_v = gl.arange(0, V, layout=gl.SliceLayout(0, a_op))
+    o_v = col + gl.arange(0, VT, layout=gl.SliceLayout(0, a_op))
     rt = t0 + o_r
     m_r = rt < eos
     # δ's rows and S's first rows requested before the wait (they do not depend on dS): less load
@@ -221,7 +223,7 @@ def _ds_terms(s_buf, s_ready, s_empty, VN, h, Dk, Tr, i_g, i_hv, HV, t0, eos, pa
     b_dl = gl.load(VN + (rt.to(gl.int64)[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_r[:, None] & store,
                    other=0.0)
     o_p = gl.arange(0, RP, layout=gl.SliceLayout(1, ld))
-    o_c = gl.arange(0, V, layout=gl.SliceLayout(0, ld))
+    o_c = col + gl.arange(0, VT, layout=gl.SliceLayout(0, ld))
     p_h = h + i_g.to(gl.int64) * K * V + o_p[:, None] * V + o_c[None, :]
     b_h0 = gl.load(p_h, mask=store, other=0.0)
     mbarrier.wait(s_ready, par)
@@ -232,31 +234,32 @@ def _ds_terms(s_buf, s_ready, s_empty, VN, h, Dk, Tr, i_g, i_hv, HV, t0, eos, pa
             b_h = gl.load(p_h + r * RP * V).to(gl.float32)
             acc += b_h * s_buf.slice(r * RP, RP, dim=0).load(ld).to(gl.float32)
         mbarrier.arrive(s_empty, count=1)
-        gl.store(Tr + i_g, gl.sum(gl.sum(acc, axis=1), axis=0))
+        i_vt = col // VT
+        gl.store(Tr + i_vt * tr_stride + i_g, gl.sum(gl.sum(acc, axis=1), axis=0))
         rk = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, a_k))
         o_k = gl.arange(0, K, layout=gl.SliceLayout(0, a_k))
-        gl.store(Dk + (rk.to(gl.int64)[:, None] * HV + i_hv) * K + o_k[None, :], b_d.to(Dk.dtype.element_ty),
-                 mask=(rk < eos)[:, None])
+        gl.store(Dk + i_vt.to(gl.int64) * d_stride + (rk.to(gl.int64)[:, None] * HV + i_hv) * K + o_k[None, :],
+                 b_d.to(Dk.dtype.element_ty), mask=(rk < eos)[:, None])
     else:
         mbarrier.arrive(s_empty, count=1)
 
 
 @gluon.jit
 def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty, o_buf, o_ready, o_empty, s_buf,
-           s_ready, s_empty, G, VN, h, Dk, Tr, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale,
-           K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr,
-           DS_TERMS: gl.constexpr):
+           s_ready, s_empty, G, VN, h, Dk, Tr, d_stride, tr_stride, cu, ends, off, plan, seg_seq, seq_cu, i_n,
+           i_hv, col, HV, scale, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, DT: gl.constexpr,
+           WARM: gl.constexpr, DS_TERMS: gl.constexpr):
     """The local warpgroup: Pᵀ = K Qᵀ ⊙ Dᵀ (columns of rows past the end zeroed, so the next
     sequence's dO adds nothing), L = scale · Pᵀ dO and dÕ = diag(scale · Γ) dO (zero past the end),
     on the program's VT value columns of dO (the ring's tiles: it indexes no global column).
 
-    With ``DS_TERMS`` (a program holds the whole [K, V] gradient: VT = V), then what the per-chunk
-    stage (fused_bwd) would read dS_out for, from the dS the state warpgroup publishes: the rows
-    D = δ dS_outᵀ [64, K] (δ the recomputed forward's, read as the product's register operand;
-    stored in Dk's dtype at the chunk's rows of Dk [T, HV, K]) and the scalar Σ S ⊙ dS_out (S the
-    state entering the chunk, h's, streamed in row blocks; Tr [chunks, HV] at the chunk's global
-    index off[i_n] + c, the same index as h's). Off the chain: it answers dS a chunk behind the
-    tiles it hands the chain."""
+    With ``DS_TERMS``, then what the per-chunk stage (fused_bwd) would read dS_out for, from the dS
+    the state warpgroup publishes: the rows D = δ dS_outᵀ [64, K] (δ the recomputed forward's,
+    read as the product's register operand; stored in Dk's dtype at the chunk's rows of Dk [NVT, T,
+    HV, K]) and the scalar Σ S ⊙ dS_out (S the state entering the chunk, h's, streamed in row
+    blocks; Tr [NVT, chunks, HV] at the chunk's global index off[i_n] + c, the same index as h's),
+    each summed over the program's value columns only: one partial a value tile, which the per-chunk
+    stage adds up. Off the chain: it answers dS a chunk behind the tiles it hands the chain."""
     NS: gl.constexpr = ring_k.shape[0]
     l_v: gl.constexpr = acc_layout(VT, WG)
     r_v: gl.constexpr = gl.SliceLayout(1, l_v)
@@ -297,8 +300,8 @@ def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty
         mbarrier.arrive(o_ready, count=1)
         mbarrier.arrive(empty.index(s), count=1)
         if DS_TERMS:
-            _ds_terms(s_buf, s_ready, s_empty, VN, h, Dk, Tr, (c0 + nc - 1 - j) * HV + i_hv, i_hv, HV, t0, eos,
-                      par, j >= nw, K, V, DT)
+            _ds_terms(s_buf, s_ready, s_empty, VN, h, Dk, Tr, d_stride, tr_stride, (c0 + nc - 1 - j) * HV + i_hv,
+                      i_hv, col, HV, t0, eos, par, j >= nw, K, V, VT, DT)
 
 
 @gluon.jit
@@ -324,12 +327,15 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, VN, h, Dk
     state_bwd_kernel's ``WARM`` form; dht and dh0 are then per sequence (with ``CARRY``, dh0 per
     program: the dS entering each, which a sliced pass's later slices start from). R_*: the registers a
     thread of the copy, δ and local partitions holds (the state's partition takes the rest of the
-    launch's ``maxnreg`` budget). ``DS_TERMS`` (VT = V, unsliced: off[i_n] the program's first
-    chunk's global index): no dh; instead D = δ dS_outᵀ into Dk [T, HV, K] and Σ S ⊙ dS_out into Tr
-    [chunks, HV] per chunk (``_local``), from VN (δ) [T, HV, V] and h [chunks, HV, K, V], the
-    recomputed forward's."""
+    launch's ``maxnreg`` budget). ``DS_TERMS`` (unsliced: off[i_n] the program's first chunk's
+    global index): no dh; instead D = δ dS_outᵀ into Dk [NVT, T, HV, K] and Σ S ⊙ dS_out into Tr
+    [NVT, chunks, HV] per chunk, each value tile's partial after the previous one's (``_local``), from
+    VN (δ) [T, HV, V] and h [chunks, HV, K, V], the recomputed forward's (dh_t then h's descriptor:
+    its rows give the chunks, q_t's the tokens)."""
     NVT: gl.constexpr = V // VT
     i_n, i_hv, i_h, col = _program(H, HV, NVT, VT)
+    d_stride = q_t.shape[0].to(gl.int64) * HV * K  # D's and Tr's partials apart (DS_TERMS)
+    tr_stride = dh_t.shape[0] // K
     ring_q = gl.allocate_shared_memory(DT, [NS, BT, K], q_t.layout)
     ring_k = gl.allocate_shared_memory(DT, [NS, BT, K], k_t.layout)
     ring_do = gl.allocate_shared_memory(DT, [NS, BT, VT], do_t.layout)
@@ -365,8 +371,8 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, VN, h, Dk
                   z_ready, z_empty, G, beta, DD, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, V, VT, DT,
                   WARM)),
         (_local, (ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty, o_buf, o_ready, o_empty,
-                  s_buf, s_ready, s_empty, G, VN, h, Dk, Tr, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale,
-                  K, V, VT, DT, WARM, DS_TERMS)),
+                  s_buf, s_ready, s_empty, G, VN, h, Dk, Tr, d_stride, tr_stride, cu, ends, off, plan, seg_seq, seq_cu,
+                  i_n, i_hv, col, HV, scale, K, V, VT, DT, WARM, DS_TERMS)),
     ], [1, WG, WG], [R_COPY, R_DELTA, R_LOCAL])
 
 
@@ -414,17 +420,18 @@ def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None,
     :func:`value_tiles`' tile; :func:`plain_tile` for an unsplit pass). ``carry`` (with ``warm``):
     dh0 [N, HV, K, V] takes the dS entering each program's range (the kernel's ``CARRY``).
     ``terms`` = (VN, h, Dk, Tr): the pass forms the per-chunk stage's terms of dS_out instead of
-    storing it (the kernel's ``DS_TERMS``; whole value heads, unsliced: :func:`terms_usable`); dh is
-    then None."""
+    storing it (the kernel's ``DS_TERMS``; unsliced: :func:`terms_usable`), Dk [V / VT, T, HV, K]
+    and Tr [V / VT, chunks, HV] taking one partial a value tile; dh is then None."""
     T, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     VT = value_tile(V, "fused_rev") if VT is None else VT
     c = DELTA["fused_rev"]
     DT = gl.bfloat16 if do.dtype == torch.bfloat16 else gl.float16
     if terms is not None:
-        assert VT == V and dh is None
         VN, h, Dk, Tr = terms
-        dh = h  # (the descriptor argument of a dh that is never written)
+        assert dh is None and Dk.shape[0] == Tr.shape[0] == V // VT and Dk.is_contiguous() and Tr.is_contiguous()
+        assert Dk[0].numel() == T * HV * K and Tr[0].numel() * K * V == h.numel()  # (the kernel's strides)
+        dh = h  # (the descriptor argument of a dh that is never written; its rows give the chunks)
     else:
         assert dh.is_contiguous() and dh.data_ptr() % 16 == 0  # written through its descriptor in place
         VN = h = Dk = Tr = G
@@ -447,8 +454,7 @@ def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None,
     return run
 
 
-def terms_usable(V: int, VT: int) -> bool:
-    """Whether the pass can form the per-chunk stage's dS_out terms itself (``DELTA["fused_rev"]
-    ["ds_terms"]``): each program holds a whole value head (VT = V; the terms sum over every value
-    column)."""
-    return bool(DELTA["fused_rev"].get("ds_terms", False)) and VT == V
+def terms_usable() -> bool:
+    """Whether the pass forms the per-chunk stage's dS_out terms itself (``DELTA["fused_rev"]
+    ["ds_terms"]``) where it runs unsliced."""
+    return bool(DELTA["fused_rev"].get("ds_terms", False))
