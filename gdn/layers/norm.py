@@ -48,8 +48,8 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, autocast_of(x) or x.dtype)
 
     def add_forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A residual add and this norm after it: ``(s, self(s))`` with ``s = x + h``; one kernel at
-        decode (:func:`gdn.ops.norm.add_rms_norm`). x, h: [..., D]."""
+        """A residual add and this norm after it: ``(s, self(s))`` with ``s = x + h``; one kernel each
+        way where the norm's kernels run (:func:`gdn.ops.norm.add_rms_norm`). x, h: [..., D]."""
         self._check("x", x)
         return add_rms_norm(x, h, self.weight, self.eps, autocast_of(x) or torch.promote_types(x.dtype, h.dtype))
 

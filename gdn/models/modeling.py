@@ -53,8 +53,8 @@ class GDNBlock(nn.Module):
         if context_parallel is not None:
             kw["context_parallel"] = context_parallel
         h, new_state = self.mixer(self.mixer_norm(x), **kw)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x)), new_state
+        x, y = self.mlp_norm.add_forward(x, h)  # x + h and its norm: one kernel each way on the GPU
+        return x + self.mlp(y), new_state
 
     def decode_weights(self) -> tuple:
         """The fused projection weights of the decode step: ``(mixer's, MLP's)``
