@@ -19,7 +19,7 @@ from gdn.layers import GatedRMSNorm, RMSNorm, ShortConvolution
 from gdn.ops.conv import ConvActFn, conv_act
 from gdn.ops.norm import GatedRMSNormFn, RMSNormFn
 from gdn.ops.triton.cross_entropy import logsumexp_pick, softmax_grad
-from gdn.ops.triton.rmsnorm import gated_rms_norm, rms_norm
+from gdn.ops.triton.rmsnorm import add_rms_norm, gated_rms_norm, rms_norm
 from gdn.ops.triton.short_conv import short_conv
 from gdn.ops.triton.swiglu import swiglu_backward, swiglu_forward
 
@@ -138,6 +138,40 @@ def test_rms_norm(shape, gated, dtype, device=DEVICE):
         theirs = grads(lambda a, b: RMSNormFn.apply(a, b, 1e-6, dtype), inputs, dy)
         names = ["y", "dx", "dw"]
     compare(names, ours, theirs, ref, dtype, f"{'gated ' if gated else ''}rmsnorm {list(shape)}", floor=1e-2)
+
+
+@pytest.mark.parametrize("x_dtype,h_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float32, torch.float32)], ids=["fp32+bf16", "bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(4, 4096, 1024), (3, 17, 100)], ids=["4x4096x1024", "3x17x100"])
+def test_add_rms_norm(shape, x_dtype, h_dtype, device=DEVICE):
+    """The training block's residual add and the norm after it (fp32 stream + bf16 block output,
+    normed to bf16 under autocast), one kernel each way, against x + h and the norm in float64:
+    s, y and the gradients of x, h and the weight, both outputs read downstream."""
+    gen = torch.Generator(device=device).manual_seed(shape[-1])
+    x = (2 * torch.randn(shape, device=device, generator=gen)).to(x_dtype)
+    h = torch.randn(shape, device=device, generator=gen).to(h_dtype)
+    w = 1 + 0.5 * torch.randn(shape[-1], device=device, generator=gen)
+    out = h_dtype
+    ds = torch.randn(shape, device=device, generator=gen).to(x_dtype)
+    dy = torch.randn(shape, device=device, generator=gen).to(out)
+
+    def run(fn, ins):
+        s, y = fn(*ins)
+        torch.autograd.backward((s, y), (ds.to(s.dtype), dy.to(y.dtype)))
+        return [s.detach(), y.detach()] + [t.grad for t in ins]
+
+    def leaves(dt=None):
+        return [t.detach().clone().to(dt or t.dtype).requires_grad_() for t in (x, h, w)]
+
+    def two_ops(a, b, c, out_dtype):
+        s = a + b
+        return s, RMSNormFn.apply(s, c, 1e-6, out_dtype)
+
+    ours = run(lambda a, b, c: add_rms_norm(a, b, c, 1e-6, out), leaves())
+    ref = run(lambda a, b, c: two_ops(a, b, c, torch.float64), leaves(torch.float64))
+    theirs = run(lambda a, b, c: two_ops(a, b, c, out), leaves())
+    compare(["s", "y", "dx", "dh", "dw"], ours, theirs, ref, torch.float32 if out == torch.float32 else torch.bfloat16,
+            f"add + rmsnorm {list(shape)}", floor=1e-2)
 
 
 def test_layers_dispatch_to_the_kernels(device=DEVICE):
