@@ -53,7 +53,7 @@ class GDNBlock(nn.Module):
         if context_parallel is not None:
             kw["context_parallel"] = context_parallel
         h, new_state = self.mixer(self.mixer_norm(x), **kw)
-        x, y = self.mlp_norm.add_forward(x, h)  # x + h and its norm: one kernel each way on the GPU
+        x, y = self.mlp_norm(x, residual=h)  # x + h and its norm: one kernel each way on the GPU
         return x + self.mlp(y), new_state
 
     def decode_weights(self) -> tuple:
