@@ -107,7 +107,9 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, dzs, T, D, s_xb, s_xt, NTB, K
     the tile's last K - 1 rows of dx read, formed again by the next tile), written to the program's
     own [BT + KP, BD] fp32 rows of ``dzs`` (a scratch that stays in cache) and read back shifted by
     each tap. Forming dz at every shift instead costs K times the recomputation of z and the
-    activation's derivative, which bound the kernel."""
+    activation's derivative, which bound the kernel. dw's terms are summed elementwise over the
+    program's tiles and over the tokens once, at its end (a sum over tokens is a reduction across
+    the warps)."""
     i_d, i_tb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
@@ -118,14 +120,17 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, dzs, T, D, s_xb, s_xt, NTB, K
     ws = ()
     for j in tl.static_range(K):
         ws = ws + (_tap_weight(w, x, o_d, m_d, j, K),)
-    b_dw = tl.zeros([BD, KP], dtype=tl.float32)
+    dws = ()
+    for j in tl.static_range(K):
+        dws = dws + (tl.zeros([BT, BD], dtype=tl.float32),)
     for l in range(NLOOP):
         o_s = (i_tb * NLOOP + l) * BT + o_r
         m_s = o_s < T
         dz, taps = _dz(x, hist, pos, dy, ws, o_s, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST, PACKED, SILU)
+        nd = ()
         for j in tl.static_range(K):
-            part = tl.sum(dz * taps[j], 0)
-            b_dw += tl.where(o_k[None, :] == K - 1 - j, part[:, None], 0.0)
+            nd = nd + (dws[j] + dz * taps[j],)
+        dws = nd
         dz_h, _ = _dz(x, hist, pos, dy, ws, (i_tb * NLOOP + l) * BT + BT + o_k, o_d, m_d, b, s_xb, s_xt, T, D, K,
                       HAS_HIST, PACKED, SILU)
         tl.debug_barrier()  # the previous tile's reads of the scratch are done
@@ -142,6 +147,9 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, dzs, T, D, s_xb, s_xt, NTB, K
             b_dx += d_i * ws[i][None, :]
         tl.store(dx + b * T * D + o_s[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty),
                  mask=m_s[:, None] & m_d[None, :])
+    b_dw = tl.zeros([BD, KP], dtype=tl.float32)
+    for j in tl.static_range(K):
+        b_dw += tl.where(o_k[None, :] == K - 1 - j, tl.sum(dws[j], 0)[:, None], 0.0)
     tl.store(dwp + ((b * NTB + i_tb) * D + o_d[:, None]) * K + o_k[None, :], b_dw,
              mask=m_d[:, None] & (o_k[None, :] < K))
 
