@@ -17,9 +17,7 @@ TileLang does not change which kernels its column measures.
 from __future__ import annotations
 
 import argparse
-import gzip
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -163,13 +161,11 @@ def kernel_profile(step, label, top=30, trace=None):
         print(f"  {ms:8.2f}  ({100 * share:4.1f} %)  {kind}")
     try:  # (the run's table comes after this: an unreadable trace must not lose it)
         with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "step.json")
-            prof.export_chrome_trace(path)
-            print(trace_gaps.report(trace_gaps.analyse(trace_gaps.load(path)), label))
             if trace:
                 os.makedirs(trace, exist_ok=True)
-                with open(path, "rb") as src, gzip.open(os.path.join(trace, f"{label}.json.gz"), "wb") as dst:
-                    shutil.copyfileobj(src, dst)
+            path = os.path.join(trace, f"{label}.json.gz") if trace else os.path.join(tmp, "step.json")
+            prof.export_chrome_trace(path)  # (gzipped by torch for a .gz name)
+            print(trace_gaps.report(trace_gaps.analyse(trace_gaps.load(path)), label))
     except (OSError, ValueError, KeyError) as e:
         print(f"{label}: idle analysis unavailable: {type(e).__name__}: {e}")
 

@@ -1,6 +1,6 @@
 """tools/kda_fp16_cap.py: the fp16 intra_bwd register-cap comparison is GPU-only; without CUDA it
-says so in one line and exits with status 2. Its two forms are the tuning table's fp16 entry with
-and without the cap, each accepted by gdn.ops.tuning.update."""
+says so in one line and exits with status 2. Its first two forms are the tuning table's fp16 entry
+with and without the cap, each accepted by gdn.ops.tuning.update."""
 from __future__ import annotations
 
 import copy

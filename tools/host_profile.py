@@ -74,9 +74,14 @@ HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2 ** 35), "MALLOC_TRIM_THRESHOLD_": st
             "MALLOC_TOP_PAD_": str(2 ** 30)}
 
 
+def heap_kept() -> bool:
+    """Whether this process runs with :data:`HEAP_ENV` set."""
+    return all(os.environ.get(k) == v for k, v in HEAP_ENV.items())
+
+
 def heap_allocations() -> None:
     """Run this process again with :data:`HEAP_ENV` set (glibc reads it at start), unless it is."""
-    if all(os.environ.get(k) == v for k, v in HEAP_ENV.items()):
+    if heap_kept():
         return
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **HEAP_ENV})
@@ -409,9 +414,8 @@ def main(argv=None) -> int:
             x.grad = None
         fwd().backward(do)
 
-    heap = all(os.environ.get(k) == v for k, v in HEAP_ENV.items())
-    where = (f"CPU, launches stubbed, freed blocks {'kept in the heap' if heap else 'returned by glibc'}" if a.cpu_stub
-             else torch.cuda.get_device_name())
+    where = (f"CPU, launches stubbed, freed blocks {'kept in the heap' if heap_kept() else 'returned by glibc'}"
+             if a.cpu_stub else torch.cuda.get_device_name())
     print(f"shape ({B}, {T}, H={a.heads}, HV={a.hv}, {D}) bf16; torch {torch.__version__}, {where}")
     if a.ab:
         if a.cpu_stub or not torch.cuda.is_available():
