@@ -63,13 +63,16 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float = 0.0, decay:
 def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float = 1e-8,
           decay_embeddings: bool = True) -> torch.optim.AdamW:
     """AdamW over :func:`gdn.models.param_groups` (no decay on norms, biases, ``A_log``, ``dt_bias``;
-    none on the input embedding either unless ``decay_embeddings``)."""
+    none on the input embedding either unless ``decay_embeddings``). On CUDA torch's fused form
+    (one pass over each parameter, its gradient and moments, and the step counts on the GPU: no
+    host work per parameter), else the multi-tensor one."""
     groups = param_groups(model, weight_decay)
     if not decay_embeddings:
         emb = model.get_input_embeddings().weight
         groups[0]["params"] = [p for p in groups[0]["params"] if p is not emb]
         groups[1]["params"].append(emb)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+    cuda = all(p.is_cuda for g in groups for p in g["params"])
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **({"fused": True} if cuda else {"foreach": True}))
 
 
 def autocast_for(device: torch.device, dtype: str = "auto"):

@@ -116,3 +116,11 @@ def test_without_a_progress_bar_every_logged_step_is_a_line_too(caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert [ln.split(":")[0] for ln in lines] == ["step 2/5", "step 4/5", "step 5/5"], lines
     assert all("loss" in ln and "tokens/s" in ln for ln in lines)
+
+
+def test_adamw_is_multi_tensor_off_cuda():
+    from gdn.train.loop import adamw
+    m = torch.nn.Sequential(torch.nn.Embedding(7, 4), torch.nn.Linear(4, 4))
+    opt = adamw(m, 1e-3, 0.1, (0.9, 0.95))
+    assert opt.defaults["foreach"] and not opt.defaults["fused"]
+    assert sum(len(g["params"]) for g in opt.param_groups) == 3
