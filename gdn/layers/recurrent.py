@@ -25,24 +25,12 @@ from ..distributed import halo
 from ..ops.conv import conv_step_
 from ..ops.gemv import decode_linear
 from .conv import ShortConvolution
-from .fused import FusedLinear, FusedWeight
+from .fused import FusedLinear, FusedWeight, joinable
 from .norm import GatedRMSNorm, RMSNorm
 from .state import RecurrentState
 
 #: Value given to the gate pre-activation at padded tokens: softplus of it is exactly 0, so g = 0.
 MASKED_GATE_INPUT = -1e4
-
-
-def _joinable(mods) -> bool:
-    """Whether ``mods`` can run as one product of their joined weights with the same result: plain
-    bias-free ``nn.Linear`` layers (a subclass or a wrapper may change what the layer computes),
-    with no forward hook of their own or of every module (a hook may read or change the output)."""
-    from torch.nn.modules import module as module_mod  # noqa: PLC0415
-
-    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
-        return False
-    return all(type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
-               for m in mods)
 
 
 def positive_int(name: str, val) -> int:
@@ -225,7 +213,7 @@ class RecurrentMixer(nn.Module):
         e.g. a LoRA adapter's or a quantised one, keeps its own forward)."""
         names = self.input_projections()
         mods = [getattr(self, n) for n in names]
-        if not _joinable(mods):
+        if not joinable(mods):
             return {n: m(x) for n, m in zip(names, mods)}
         sizes = [m.out_features for m in mods]
         ws = [m.weight for m in mods]

@@ -213,6 +213,39 @@ def test_swiglu(dtype, device=DEVICE, shape=(16384, 2816)):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_swiglu_backward_into_the_joined_gradient(dtype, device=DEVICE, T=4096, I=2816):
+    """The training MLP's layout: gate and up the column blocks of one product [T, 2I]; the backward
+    writes both gradients into one [T, 2I] tensor, bit for bit the packed pass's, and the SwiGLU
+    layer's gradients match the per-projection path's."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    gu = (2 * torch.randn(T, 2 * I, device=device, generator=gen)).to(dtype)
+    g, u = gu.chunk(2, -1)
+    dh = torch.randn(T, I, device=device, generator=gen).to(dtype)
+    out = torch.full_like(gu, float("nan"))
+    swiglu_backward(dh, g, u, out=out.chunk(2, -1))
+    assert torch.equal(out, torch.cat(swiglu_backward(dh, g.contiguous(), u.contiguous()), -1))
+
+    from gdn.layers import SwiGLU
+    torch.manual_seed(0)
+    mlp = SwiGLU(256, 704).to(device)
+    x = torch.randn(2, 300, 256, device=device)
+    grads = []
+    for hooked in (False, True):
+        h = mlp.up_proj.register_forward_hook(lambda mod, inp, o: o) if hooked else None
+        xr = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            y = mlp(xr)
+        y.float().square().sum().backward()
+        grads.append([y.detach().float(), xr.grad] + [p.grad.clone() for p in mlp.parameters()])
+        mlp.zero_grad()
+        if h is not None:
+            h.remove()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(*grads):
+        assert ((a - b).norm() / b.norm()).item() < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("batch", [1, 32])
 def test_strided_rows_bit_equal(batch, dtype, device=DEVICE):
     """The decode step's layouts on the compiled kernels: column slices of one product (and their

@@ -264,7 +264,7 @@ def test_mixer_on_the_kernels_with_joined_projections(monkeypatch):
     dy = torch.randn(2, 20, 32)
     res = []
     for joined in (True, False):
-        monkeypatch.setattr("gdn.layers.recurrent._joinable", (lambda mods: True) if joined else (lambda mods: False))
+        monkeypatch.setattr("gdn.layers.recurrent.joinable", (lambda mods: True) if joined else (lambda mods: False))
         m.zero_grad()
         xt = x.clone().requires_grad_()
         o, _ = m(xt)
