@@ -24,6 +24,7 @@ from torch import nn
 from ..distributed import halo
 from ..ops.conv import conv_step_
 from ..ops.gemv import decode_linear
+from ..ops.joined import split_columns, view_block
 from .conv import ShortConvolution
 from .fused import FusedLinear, FusedWeight, joinable
 from .norm import GatedRMSNorm, RMSNorm
@@ -199,7 +200,7 @@ class RecurrentMixer(nn.Module):
         else:
             o, S = self._mix(q, k, v, proj, None, None, False, None, context_parallel=cp)
         if self.use_gate:
-            o = self.o_norm(o, proj("g_proj").view(B, T, self.num_v_heads, self.head_v_dim))
+            o = self.o_norm(o, view_block(proj("g_proj"), B, T, self.num_v_heads, self.head_v_dim))
         else:
             o = self.o_norm(o)
         o = self.o_proj(o.reshape(B, T, self.value_dim))
@@ -221,7 +222,9 @@ class RecurrentMixer(nn.Module):
         if pad:
             ws.append(ws[0].new_zeros(pad, ws[0].shape[1]))
         y = F.linear(x, torch.cat(ws))
-        return dict(zip(names, y.split(sizes + [pad], -1)))
+        # the blocks' gradients come back in one tensor, those of the short convolutions and the
+        # output norm's gate written in place by their kernels (gdn.ops.joined)
+        return dict(zip(names, split_columns(y, sizes + [pad])))
 
     def decode_into(self, x: torch.Tensor, state: RecurrentState, weights) -> torch.Tensor:
         """One decode step that updates ``state`` in place: x [B, 1, D] -> o [B, 1, D].

@@ -310,3 +310,38 @@ def test_cross_entropy_rows(dtype, device=DEVICE, rows=1048, vocab=32000):
     lse, picked = logsumexp_pick(z, t)
     ours = (lse, picked, softmax_grad(z, lse, t, coef))
     compare(("lse", "picked", "dz"), ours, torch_ce(z, t, coef), ref, dtype, "cross entropy rows", floor=2e-7)
+
+
+def test_mixer_joined_gradient_written_in_place(monkeypatch, device=DEVICE):
+    """A Gated DeltaNet layer at training shapes under bf16 autocast: the short convolutions' dx and
+    the gated norm's dgate land in the joined projection's gradient in place (their kernels at the
+    product's strides), and every gradient matches the layers called one by one."""
+    from gdn.layers import GatedDeltaNet
+    from gdn.ops import joined as joined_mod
+
+    real_bwd = joined_mod._SplitColumns.backward
+    placed = []
+
+    def spy(ctx, *grads):
+        buf = ctx.sink.buf
+        placed.append([g is not None and buf is not None and g.data_ptr() == buf.narrow(-1, off, n).data_ptr()
+                       for (off, n), g in zip(ctx.sink.blocks, grads)])
+        return real_bwd(ctx, *grads)
+
+    monkeypatch.setattr(joined_mod._SplitColumns, "backward", staticmethod(spy))
+    torch.manual_seed(0)
+    m = GatedDeltaNet(512, 4, 128, expand_v=2).to(device).train()
+    x = torch.randn(2, 300, 512, device=device)
+    dy = torch.randn(2, 300, 512, device=device)
+    res = []
+    for joined in (True, False):
+        monkeypatch.setattr("gdn.layers.recurrent.joinable", (lambda mods: True) if joined else (lambda mods: False))
+        m.zero_grad()
+        xt = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            o, _ = m(xt)
+        o.float().backward(dy)
+        res.append([o.detach().float(), xt.grad] + [p.grad.clone() for p in m.parameters()])
+    assert placed == [[True, True, True, False, False, True, False]], placed
+    for a, b in zip(*res):
+        assert ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item() < 2e-2

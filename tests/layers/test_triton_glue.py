@@ -262,6 +262,18 @@ def test_mixer_on_the_kernels_with_joined_projections(monkeypatch):
     m = GatedDeltaNet(32, 2, 16, num_v_heads=4, expand_v=1.5).train()
     x = torch.randn(2, 20, 32)
     dy = torch.randn(2, 20, 32)
+    from gdn.ops import joined as joined_mod
+
+    real_bwd = joined_mod._SplitColumns.backward
+    placed = []  # per backward of a split: which blocks' gradients arrive in the joined buffer already
+
+    def spy(ctx, *grads):
+        buf = ctx.sink.buf
+        placed.append([g is not None and buf is not None and g.data_ptr() == buf.narrow(-1, off, n).data_ptr()
+                       for (off, n), g in zip(ctx.sink.blocks, grads)])
+        return real_bwd(ctx, *grads)
+
+    monkeypatch.setattr(joined_mod._SplitColumns, "backward", staticmethod(spy))
     res = []
     for joined in (True, False):
         monkeypatch.setattr("gdn.layers.recurrent.joinable", (lambda mods: True) if joined else (lambda mods: False))
@@ -271,5 +283,8 @@ def test_mixer_on_the_kernels_with_joined_projections(monkeypatch):
         o.backward(dy)
         res.append([o.detach(), xt.grad] + [p.grad.clone() for p in m.parameters()])
     assert strided == [True] * 3 + [False] * 3, strided  # q, k, v read in place from the joined product
+    # the joined product's gradient: the convolutions' dx (q, k, v) and the gated norm's dgate (g)
+    # written in place by their kernels; the gate inputs a and b (and the padding) are not
+    assert placed == [[True, True, True, False, False, True, False]], placed
     for (name, _), a, b in zip([("o", 0), ("dx", 0)] + list(m.named_parameters()), *res):
         assert _rel(a, b.double()) < 1e-5, (name, _rel(a, b.double()))

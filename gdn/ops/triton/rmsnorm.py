@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..tuning import INTERPRET, OTHER, cdiv, norm_tiles, pow2
+from ..joined import grad_slot
 from .rows import row_offsets, rows, strided
 from .launch import direct
 
@@ -57,12 +58,14 @@ def _norm_fwd_kernel(x, g, w, y, rstd, R, D, eps, x_inner, x_so, x_si, g_inner, 
 @triton.jit(do_not_specialize=["x_inner", "x_so", "x_si", "g_inner", "g_so", "g_si"])
 def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, ds, dh, R, D, x_inner, x_so, x_si, g_inner, g_so, g_si,
                      GATED: tl.constexpr, STRIDED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
-                     NLOOP: tl.constexpr, RES: tl.constexpr = False, DS: tl.constexpr = False):
+                     NLOOP: tl.constexpr, RES: tl.constexpr = False, DS: tl.constexpr = False,
+                     DG_AT_G: tl.constexpr = False):
     """One program: NLOOP blocks of BR rows; writes dx (and dgate) and its dw partial [D]. x and the
     gate in their row layouts (:mod:`.rows`; packed unless STRIDED); dy, dx, dgate packed [R, D].
     ``RES`` (the norm of a residual sum s = x + h, x here being s): dx is the whole gradient of s,
     the norm's plus ``ds`` (the stream's own, where ``DS``), written as dx in its dtype and again as
-    dh in h's (both packed [R, D])."""
+    dh in h's (both packed [R, D]). ``DG_AT_G``: dgate written at the gate's own layout (its block
+    of a joined gradient, :mod:`gdn.ops.joined`) instead of packed."""
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -82,7 +85,7 @@ def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, ds, dh, R, D, x_inner, x_so
             b_g = tl.load(g + offs_g, mask=m, other=0.0).to(tl.float32)
             sig = tl.sigmoid(b_g)
             b_dg = dn * xhat * b_w[None, :] * sig * (1.0 + b_g * (1.0 - sig))
-            tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m)
+            tl.store(dg + (offs_g if DG_AT_G else offs), b_dg.to(dg.dtype.element_ty), mask=m)
             dn = dn * b_g * sig
         b_dw += tl.sum(dn * xhat, 0)
         dxhat = dn * b_w[None, :]
@@ -140,15 +143,18 @@ def _forward(x, g, weight, eps, out_dtype):
     return y, rstd, rx.t, (rg.t if rg is not None else None)
 
 
-def _backward(dy, x, g, weight, rstd, ds=None, h_dtype=None):
+def _backward(dy, x, g, weight, rstd, ds=None, h_dtype=None, dg=None):
     """(dx, dgate or None, both packed with x's shape, dw in fp32) for x [..., D] (and the gate) in
     any layout :func:`.rows.rows` takes; dy of x's shape. With ``h_dtype`` (the norm of a residual
     sum x = s + h, no gate): (dx, dh, dw), dx and dh the whole gradient of the sum (the norm's plus
-    ``ds``, the stream's own gradient, when given) in x's dtype and in ``h_dtype``."""
+    ``ds``, the stream's own gradient, when given) in x's dtype and in ``h_dtype``. ``dg``: where to
+    write dgate, a tensor with the gate's strides (the gate read in place), instead of a packed one."""
     D = x.shape[-1]
     R = x.numel() // D if D else 0
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    dg = torch.empty(g.shape, device=g.device, dtype=g.dtype) if g is not None else None
+    dg_at_g = dg is not None
+    if g is not None and dg is None:
+        dg = torch.empty(g.shape, device=g.device, dtype=g.dtype)
     dh = torch.empty(x.shape, device=x.device, dtype=h_dtype) if h_dtype is not None else None
     if not R:
         return dx, (dh if dh is not None else dg), torch.zeros(D, device=x.device, dtype=torch.float32)
@@ -165,7 +171,8 @@ def _backward(dy, x, g, weight, rstd, ds=None, h_dtype=None):
         ds = ds.contiguous()
     direct(_norm_bwd_kernel, (nprog,), rx.t, gl.t, weight, rstd, dy, dx, dg if dg is not None else dx, dwp,
            ds if ds is not None else dx, dh if dh is not None else dx, R, D, *rx.args(), *gl.args(), GATED=g is not None,
-           STRIDED=strided(rx, rg), BR=BR, BD=BD, NLOOP=nloop, RES=dh is not None, DS=ds is not None, num_warps=nw)
+           STRIDED=strided(rx, rg), BR=BR, BD=BD, NLOOP=nloop, RES=dh is not None, DS=ds is not None,
+           DG_AT_G=dg_at_g, num_warps=nw)
     return dx, (dh if dh is not None else dg), dwp.sum(0)
 
 
@@ -187,13 +194,16 @@ class _GatedRMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, weight, eps: float):
         y, rstd, xs, gs = _forward(x, gate, weight.contiguous(), eps, x.dtype)
+        # the gate a block of a joined product, read in place: dgate goes into its joined gradient
+        ctx.slot = grad_slot(gate) if gs is gate else None
         ctx.save_for_backward(xs, gs, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, gate, weight, rstd = ctx.saved_tensors
-        dx, dg, dw = _backward(dy, x, gate, weight.contiguous(), rstd)
+        target = ctx.slot.take() if ctx.slot is not None and ctx.needs_input_grad[1] else None
+        dx, dg, dw = _backward(dy, x, gate, weight.contiguous(), rstd, dg=target)
         return dx, dg, dw.to(weight.dtype) if ctx.needs_input_grad[2] else None, None
 
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import offsets
+from ..joined import grad_slot
 from ..tuning import INTERPRET, OTHER, cdiv, pow2
 from .launch import direct
 
@@ -96,10 +97,12 @@ def _dz(x, hist, pos, dy, ws, o_t, o_d, m_d, b, s_xb, s_xt, T, D, K: tl.constexp
 
 
 @triton.jit
-def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, dzs, T, D, s_xb, s_xt, NTB, K: tl.constexpr, KP: tl.constexpr,
+def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, dzs, T, D, s_xb, s_xt, s_db, s_dt, NTB, K: tl.constexpr,
+                     KP: tl.constexpr,
                      HAS_HIST: tl.constexpr, PACKED: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr,
                      BD: tl.constexpr, NLOOP: tl.constexpr):
-    """One program: channels ``o_d`` over NLOOP tiles of BT tokens. For the tokens s of a tile,
+    """One program: channels ``o_d`` over NLOOP tiles of BT tokens (dx's rows ``s_dt`` and batch rows
+    ``s_db`` elements apart: a block of a joined gradient is written in place). For the tokens s of a tile,
     dx[s] = Σ_i w[K-1-i] · dz[s+i] (where token s+i's tap i is valid); dw[K-1-j] gathers
     Σ_t dz[t] · x[t-j] over the tile's tokens t, written as this program's partial [BD, K].
 
@@ -145,7 +148,7 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, dzs, T, D, s_xb, s_xt, NTB, K
                 ok = ok & (tl.load(pos + o_t, mask=ok, other=0) >= i)
             d_i = tl.load(scr + (o_r + i)[:, None] * BD, mask=ok[:, None], other=0.0)
             b_dx += d_i * ws[i][None, :]
-        tl.store(dx + b * T * D + o_s[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty),
+        tl.store(dx + b * s_db + o_s[:, None] * s_dt + o_d[None, :], b_dx.to(dx.dtype.element_ty),
                  mask=m_s[:, None] & m_d[None, :])
     b_dw = tl.zeros([BD, KP], dtype=tl.float32)
     for j in tl.static_range(K):
@@ -178,22 +181,24 @@ def _conv_fwd(x, weight, hist, pos, silu: bool) -> torch.Tensor:
     return y
 
 
-def _conv_bwd(dy, x, weight, hist, pos, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx [B, T, D] in x.dtype, dw [D, K] in fp32) of the convolution given dy."""
+def _conv_bwd(dy, x, weight, hist, pos, silu: bool, dx=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [B, T, D] in x.dtype, dw [D, K] in fp32) of the convolution given dy; dx written into
+    ``dx`` when given (any strides with contiguous channels), else packed."""
     B, T, D = x.shape
     K = weight.shape[1]
     c = OTHER["short_conv"]
     BT, BD = c["BT"], min(c["BD_bwd"], pow2(D, 1))
     nloop = min(2 if INTERPRET else c["loop"], pow2(cdiv(T, BT), 1))  # token blocks a program
     ntb = cdiv(T, BT * nloop)
-    dx = torch.empty(B, T, D, device=x.device, dtype=x.dtype)
+    if dx is None:
+        dx = torch.empty(B, T, D, device=x.device, dtype=x.dtype)
     dwp = torch.empty(B, ntb, D, K, device=x.device, dtype=torch.float32)
     has_hist = hist is not None and K > 1
     grid = (cdiv(D, BD), ntb, B)
     KP = pow2(K, 1)
     dzs = torch.empty(grid[0] * grid[1] * grid[2], BT + KP, BD, device=x.device, dtype=torch.float32)
     direct(_conv_bwd_kernel, grid, x, weight, hist if has_hist else x, pos if pos is not None else x, dy, dx, dwp,
-           dzs, T, D, x.stride(0), x.stride(1), ntb, K=K, KP=KP, HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD,
+           dzs, T, D, x.stride(0), x.stride(1), dx.stride(0), dx.stride(1), ntb, K=K, KP=KP, HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD,
            NLOOP=nloop, num_warps=c["num_warps"])
     return dx, dwp.sum((0, 1))
 
@@ -218,6 +223,7 @@ class _ShortConvFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, hist, pos, silu: bool):
         ctx.silu = silu
+        ctx.slot = grad_slot(x)  # x a block of a joined product: dx goes into its joined gradient
         ctx.save_for_backward(x, weight, hist, pos)
         return _conv_fwd(x, weight, hist, pos, silu)
 
@@ -225,7 +231,10 @@ class _ShortConvFn(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, hist, pos = ctx.saved_tensors
         dy = dy.contiguous()
-        dx, dw = _conv_bwd(dy, x, weight, hist, pos, ctx.silu)
+        target = ctx.slot.take() if ctx.slot is not None and ctx.needs_input_grad[0] else None
+        if target is not None and (target.stride(2) != 1 or x.shape[2] == 1):
+            target = None
+        dx, dw = _conv_bwd(dy, x, weight, hist, pos, ctx.silu, target)
         dhist = None
         if hist is not None and ctx.needs_input_grad[2]:
             dhist = _hist_grad(dy, x, weight, hist, ctx.silu) if weight.shape[1] > 1 else torch.zeros_like(hist)
