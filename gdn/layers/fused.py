@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from ..ops.gemv import decode_linear
-from ..ops.library import autocast_of
 
 
 class FusedWeight:
@@ -94,11 +93,3 @@ def joinable(mods) -> bool:
         return False
     return all(type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
                for m in mods)
-
-
-def joined_weight(x: torch.Tensor, weights) -> torch.Tensor:
-    """``torch.cat(weights)``: the weights of :func:`joinable` layers stacked for one product with
-    ``x``. Under autocast each weight is cast to the autocast dtype first, as the product would cast
-    the stack (the same values): the fp32 stack would be written and read once more."""
-    dt = autocast_of(x)
-    return torch.cat([w.to(dt) for w in weights] if dt is not None else list(weights))

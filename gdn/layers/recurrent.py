@@ -26,7 +26,7 @@ from ..ops.conv import conv_step_
 from ..ops.gemv import decode_linear
 from ..ops.joined import split_columns, view_block
 from .conv import ShortConvolution
-from .fused import FusedLinear, FusedWeight, joinable, joined_weight
+from .fused import FusedLinear, FusedWeight, joinable
 from .norm import GatedRMSNorm, RMSNorm
 from .state import RecurrentState
 
@@ -221,7 +221,7 @@ class RecurrentMixer(nn.Module):
         pad = -sum(sizes) % 8  # rows of 16-byte multiples (16-bit outputs): aligned column blocks
         if pad:
             ws.append(ws[0].new_zeros(pad, ws[0].shape[1]))
-        y = F.linear(x, joined_weight(x, ws))
+        y = F.linear(x, torch.cat(ws))
         # the blocks' gradients come back in one tensor, those of the short convolutions and the
         # output norm's gate written in place by their kernels (gdn.ops.joined)
         return dict(zip(names, split_columns(y, sizes + [pad])))

@@ -467,20 +467,3 @@ def test_a_hooked_or_wrapped_projection_keeps_its_own_forward():
     wrapped, _ = m(x)
     m.k_proj = m.k_proj.lin
     assert rel(wrapped, base) > 1e-3 and torch.allclose(m(x)[0], base, rtol=1e-12, atol=1e-12)
-
-
-def test_joined_weight_under_autocast_is_the_cast_stack():
-    """Under autocast the stack is made of the weights cast first: the values the product would
-    cast the fp32 stack to, and the same gradients to each fp32 weight."""
-    from gdn.layers.fused import joined_weight
-    x = torch.randn(3, 8)
-    ws = [torch.randn(n, 8, requires_grad=True) for n in (5, 3)]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        a = joined_weight(x, ws)
-        ya = F.linear(x, a)
-        yb = F.linear(x, torch.cat(ws))
-    assert a.dtype == torch.bfloat16 and torch.equal(a, torch.cat(ws).to(torch.bfloat16)) and torch.equal(ya, yb)
-    ga = torch.autograd.grad(ya.float().square().sum(), ws)
-    gb = torch.autograd.grad(yb.float().square().sum(), ws)
-    assert all(torch.equal(p, q) for p, q in zip(ga, gb))
-    assert joined_weight(x, ws).dtype == torch.float32  # no autocast: the weights' own dtype
