@@ -31,18 +31,16 @@ class _Sink:
 
     def __init__(self, y: torch.Tensor, sizes: list[int]):
         self.shape, self.dtype, self.device = tuple(y.shape), y.dtype, y.device
-        offs = [0]
-        for n in sizes:
-            offs.append(offs[-1] + n)
-        self.blocks = list(zip(offs[:-1], sizes))
+        self.sizes = sizes
         self.buf: torch.Tensor | None = None
+        self.regions: tuple[torch.Tensor, ...] = ()
         self.taken: set[int] = set()
 
     def region(self, i: int) -> torch.Tensor:
         if self.buf is None:
             self.buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        off, n = self.blocks[i]
-        return self.buf.narrow(-1, off, n)
+            self.regions = self.buf.split(self.sizes, -1)  # (one operator for every block's view)
+        return self.regions[i]
 
 
 class _SplitColumns(torch.autograd.Function):
@@ -50,15 +48,15 @@ class _SplitColumns(torch.autograd.Function):
     def forward(ctx, y, sink: _Sink):
         ctx.sink = sink
         ctx.set_materialize_grads(False)  # a block nobody used gives None: its columns are zeroed
-        return tuple(y.narrow(-1, off, n) for off, n in sink.blocks)
+        return y.split(sink.sizes, -1)
 
     @staticmethod
     def backward(ctx, *grads):
         sink = ctx.sink
-        buf = sink.buf if sink.buf is not None else torch.empty(sink.shape, dtype=sink.dtype, device=sink.device)
-        sink.buf, sink.taken = None, set()  # a second backward through this graph starts afresh
-        for (off, n), g in zip(sink.blocks, grads):
-            r = buf.narrow(-1, off, n)
+        sink.region(0)  # (the buffer, where no consumer asked for it)
+        buf, regions = sink.buf, sink.regions
+        sink.buf, sink.regions, sink.taken = None, (), set()  # a second backward through this graph starts afresh
+        for r, g in zip(regions, grads):
             if g is None:
                 r.zero_()
             elif not (g.data_ptr() == r.data_ptr() and g.shape == r.shape and g.stride() == r.stride()):
