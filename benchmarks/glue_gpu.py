@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from gdn.ops.conv import ConvActFn, conv_act  # noqa: E402
 from gdn.ops.norm import GatedRMSNormFn, RMSNormFn  # noqa: E402
-from gdn.ops.triton.rmsnorm import gated_rms_norm, rms_norm  # noqa: E402
+from gdn.ops.triton.rmsnorm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
 from gdn.ops.triton.short_conv import short_conv  # noqa: E402
 
 DEV = "cuda"
@@ -72,7 +72,35 @@ def rows() -> list[str]:
     dy = torch.randn_like(x)
     row("gated norm [98304, 256]", bench(lambda a, b, c: gated_rms_norm(a, b, c, 1e-6), (x, g, w), dy),
         bench(lambda a, b, c: GatedRMSNormFn.apply(a, b, c, 1e-6), (x, g, w), dy))
+    # the training block's residual add and mlp_norm: fp32 stream + bf16 mixer output, normed to bf16,
+    # both outputs read downstream; against x + h and then the Triton norm (the block's former path)
+    x = torch.randn(4, 4096, 1024, device=DEV, generator=gen).requires_grad_()
+    h = torch.randn(4, 4096, 1024, device=DEV, generator=gen).to(dt).requires_grad_()
+    w = torch.ones(1024, device=DEV, requires_grad=True)
+    ds, dy = torch.randn_like(x), torch.randn_like(h)
+
+    def two_ops(a, b, c):
+        s = a + b
+        return s, rms_norm(s, c, 1e-6, dt)
+
+    row("add + rmsnorm [4, 4096, 1024] (Triton: one kernel; other: add, then the Triton norm)",
+        bench_pair(lambda a, b, c: add_rms_norm(a, b, c, 1e-6, dt), (x, h, w), (ds, dy)),
+        bench_pair(two_ops, (x, h, w), (ds, dy)))
     return out
+
+
+def bench_pair(fn_fwd, args, grads):
+    """:func:`bench` of a function with two outputs, each given its gradient."""
+    from triton.testing import do_bench
+
+    with torch.no_grad():
+        t_f = do_bench(lambda: fn_fwd(*args), return_mode="median")
+
+    def step():
+        torch.autograd.backward(fn_fwd(*args), grads)
+
+    t_fb = do_bench(step, grad_to_none=list(args), return_mode="median")
+    return t_f, t_fb
 
 
 def main(argv=None) -> int:

@@ -81,3 +81,15 @@ def refresh_all(parts) -> None:
     elif isinstance(parts, (tuple, list)):
         for p in parts:
             refresh_all(p)
+
+
+def joinable(mods) -> bool:
+    """Whether ``mods`` can run as one product of their joined weights with the same result: plain
+    bias-free ``nn.Linear`` layers (a subclass or a wrapper may change what the layer computes),
+    with no forward hook of their own or of every module (a hook may read or change the output)."""
+    from torch.nn.modules import module as module_mod  # noqa: PLC0415
+
+    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
+        return False
+    return all(type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
+               for m in mods)

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..ops.gemv import decode_linear
 from ..ops.library import autocast_of
-from ..ops.swiglu import swiglu_down
-from .fused import FusedLinear
+from ..ops.swiglu import swiglu_down, swiglu_down_joined
+from .fused import FusedLinear, joinable
 
 
 class SwiGLU(nn.Module):
@@ -34,8 +35,13 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, D] -> [B, T, D]."""
-        return self._down(self.gate_proj(x), self.up_proj(x))
+        """x: [B, T, D] -> [B, T, D]. Where gate and up are plain bias-free ``nn.Linear`` layers that
+        no hook watches: one product with their weights joined (x read once, and the backward's dx
+        one product instead of a sum of two), whose gradient the SwiGLU's backward writes whole."""
+        if not joinable((self.gate_proj, self.up_proj)):
+            return self._down(self.gate_proj(x), self.up_proj(x))
+        gu = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+        return swiglu_down_joined(gu, self.down_proj.weight, autocast_of(gu) or gu.dtype)
 
     def decode_weights(self) -> FusedLinear:
         """``gate_proj`` and ``up_proj`` as one weight, for :meth:`decode`."""

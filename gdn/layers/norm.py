@@ -42,16 +42,20 @@ class RMSNorm(nn.Module):
         xf = x.float()
         return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., D] -> [..., D]."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: [..., D] -> [..., D]. With ``residual`` h [..., D]: a residual add and this norm after it,
+        ``(s, norm(s))`` with ``s = x + h``, one kernel each way where the norm's kernels run
+        (:func:`gdn.ops.norm.add_rms_norm`); inside the module's call, so its hooks see it."""
         self._check("x", x)
-        return rms_norm(x, self.weight, self.eps, autocast_of(x) or x.dtype)
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps, autocast_of(x) or x.dtype)
+        self._check("residual", residual)
+        dt = autocast_of(x) or torch.promote_types(x.dtype, residual.dtype)
+        return add_rms_norm(x, residual, self.weight, self.eps, dt)
 
     def add_forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A residual add and this norm after it: ``(s, self(s))`` with ``s = x + h``; one kernel at
-        decode (:func:`gdn.ops.norm.add_rms_norm`). x, h: [..., D]."""
-        self._check("x", x)
-        return add_rms_norm(x, h, self.weight, self.eps, autocast_of(x) or torch.promote_types(x.dtype, h.dtype))
+        """``self(x, residual=h)``: ``(s, norm(s))`` with ``s = x + h``. x, h: [..., D]."""
+        return self(x, residual=h)
 
     def linear_forward(self, x: torch.Tensor, delta: torch.Tensor | None,
                        weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,25 +24,14 @@ from torch import nn
 from ..distributed import halo
 from ..ops.conv import conv_step_
 from ..ops.gemv import decode_linear
+from ..ops.joined import split_columns, view_block
 from .conv import ShortConvolution
-from .fused import FusedLinear, FusedWeight
+from .fused import FusedLinear, FusedWeight, joinable
 from .norm import GatedRMSNorm, RMSNorm
 from .state import RecurrentState
 
 #: Value given to the gate pre-activation at padded tokens: softplus of it is exactly 0, so g = 0.
 MASKED_GATE_INPUT = -1e4
-
-
-def _joinable(mods) -> bool:
-    """Whether ``mods`` can run as one product of their joined weights with the same result: plain
-    bias-free ``nn.Linear`` layers (a subclass or a wrapper may change what the layer computes),
-    with no forward hook of their own or of every module (a hook may read or change the output)."""
-    from torch.nn.modules import module as module_mod  # noqa: PLC0415
-
-    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
-        return False
-    return all(type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
-               for m in mods)
 
 
 def positive_int(name: str, val) -> int:
@@ -211,7 +200,7 @@ class RecurrentMixer(nn.Module):
         else:
             o, S = self._mix(q, k, v, proj, None, None, False, None, context_parallel=cp)
         if self.use_gate:
-            o = self.o_norm(o, proj("g_proj").view(B, T, self.num_v_heads, self.head_v_dim))
+            o = self.o_norm(o, view_block(proj("g_proj"), B, T, self.num_v_heads, self.head_v_dim))
         else:
             o = self.o_norm(o)
         o = self.o_proj(o.reshape(B, T, self.value_dim))
@@ -225,7 +214,7 @@ class RecurrentMixer(nn.Module):
         e.g. a LoRA adapter's or a quantised one, keeps its own forward)."""
         names = self.input_projections()
         mods = [getattr(self, n) for n in names]
-        if not _joinable(mods):
+        if not joinable(mods):
             return {n: m(x) for n, m in zip(names, mods)}
         sizes = [m.out_features for m in mods]
         ws = [m.weight for m in mods]
@@ -233,7 +222,9 @@ class RecurrentMixer(nn.Module):
         if pad:
             ws.append(ws[0].new_zeros(pad, ws[0].shape[1]))
         y = F.linear(x, torch.cat(ws))
-        return dict(zip(names, y.split(sizes + [pad], -1)))
+        # the blocks' gradients come back in one tensor, those of the short convolutions and the
+        # output norm's gate written in place by their kernels (gdn.ops.joined)
+        return dict(zip(names, split_columns(y, sizes + [pad])))
 
     def decode_into(self, x: torch.Tensor, state: RecurrentState, weights) -> torch.Tensor:
         """One decode step that updates ``state`` in place: x [B, 1, D] -> o [B, 1, D].

@@ -47,14 +47,30 @@ class GDNBlock(nn.Module):
     def forward(self, x, attention_mask=None, cu_seqlens=None, state=None, use_cache=False, positions=None,
                 context_parallel=None):
         """x: [B, T, D] -> (x [B, T, D], the mixer's new state or None)."""
+        x, delta, new_state = self.stream(x, None, attention_mask, cu_seqlens, state, use_cache, positions,
+                                          context_parallel)
+        return x + delta, new_state
+
+    def stream(self, x, delta=None, attention_mask=None, cu_seqlens=None, state=None, use_cache=False,
+               positions=None, context_parallel=None):
+        """This block on the residual stream ``x + delta`` (``delta`` the previous block's MLP output,
+        not yet added; None for none) -> ``(x, delta, the mixer's new state or None)``: the stream
+        after the mixer and this block's MLP output, whose sum is the block's output. Each residual
+        add runs with the norm that reads its sum (:meth:`gdn.layers.RMSNorm.forward` with
+        ``residual``: one kernel each way on the GPU), so a stack of blocks passes the pair from one
+        to the next and the model's last norm adds the last ``delta``."""
         kw = dict(attention_mask=attention_mask, cu_seqlens=cu_seqlens, state=state, use_cache=use_cache)
         if isinstance(self.mixer, Attention):
             kw["positions"] = positions
         if context_parallel is not None:
             kw["context_parallel"] = context_parallel
-        h, new_state = self.mixer(self.mixer_norm(x), **kw)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x)), new_state
+        if delta is None:
+            y = self.mixer_norm(x)
+        else:
+            x, y = self.mixer_norm(x, residual=delta)
+        h, new_state = self.mixer(y, **kw)
+        x, y = self.mlp_norm(x, residual=h)
+        return x, self.mlp(y), new_state
 
     def decode_weights(self) -> tuple:
         """The fused projection weights of the decode step: ``(mixer's, MLP's)``
@@ -291,13 +307,13 @@ class GDNModel(GDNPreTrainedModel):
 
         hidden = [] if output_hidden_states else None
         if use_cache and cache.recording:
-            x = self._recorded_blocks(x, mask, position_ids, cache, hidden)
+            x, delta = self._recorded_blocks(x, mask, position_ids, cache, hidden), None
         else:
-            x = self._blocks(x, mask, cu_seqlens, cache, use_cache, position_ids, checkpointing, hidden,
-                             context_parallel=cp)
+            x, delta = self._blocks(x, mask, cu_seqlens, cache, use_cache, position_ids, checkpointing, hidden,
+                                    context_parallel=cp)
             if use_cache:
                 cache.advance(T, mask.sum(1) if mask is not None else torch.full((B,), T, device=x.device))
-        x = self.norm(x)
+        x = self.norm(x) if delta is None else self.norm(x, residual=delta)[1]
         if hidden is not None:
             hidden.append(x)
         out = BaseModelOutputWithPast(x, cache if use_cache else None, tuple(hidden) if hidden is not None else None)
@@ -306,22 +322,27 @@ class GDNModel(GDNPreTrainedModel):
     def _blocks(self, x, mask, cu_seqlens, cache, use_cache, position_ids, checkpointing, hidden, inputs=None,
                 context_parallel=None):
         """Run every block over x [B, T, D], updating ``cache``'s layer states; appends each block's input
-        to ``hidden`` and ``inputs`` when they are lists."""
+        to ``hidden`` and ``inputs`` when they are lists. Returns ``(x, delta)``, the stream after the
+        last block as :meth:`GDNBlock.stream` leaves it (its sum is the last block's output; the
+        final norm adds it)."""
         cp = context_parallel
+        delta = None
         for i, block in enumerate(self.layers):
+            if (hidden is not None or inputs is not None) and delta is not None:
+                x, delta = x + delta, None  # a block input that is kept is the sum itself
             if hidden is not None:
                 hidden.append(x)
             if inputs is not None:
                 inputs.append(x)
             state = cache.layers[i] if cache is not None else None
+            args = (x, delta, mask, cu_seqlens, state, use_cache, position_ids, cp)
             if checkpointing:
-                x, new_state = checkpoint(block, x, mask, cu_seqlens, state, use_cache, position_ids, cp,
-                                          use_reentrant=False)
+                x, delta, new_state = checkpoint(block.stream, *args, use_reentrant=False)
             else:
-                x, new_state = block(x, mask, cu_seqlens, state, use_cache, position_ids, cp)
+                x, delta, new_state = block.stream(*args)
             if use_cache:
                 cache.layers[i] = new_state
-        return x
+        return x, delta
 
     def _recorded_blocks(self, x, mask, position_ids, cache, hidden):
         """The blocks on a recording cache (:meth:`GDNCache.activate_past_recording`): the last
@@ -341,7 +362,8 @@ class GDNModel(GDNPreTrainedModel):
             if recorded:
                 cache.begin_call()
             start = cache.seen
-            parts.append(self._blocks(x[:, lo:hi], seg_mask, None, cache, True, seg_pos, False, seg_hidden, inputs))
+            part, delta = self._blocks(x[:, lo:hi], seg_mask, None, cache, True, seg_pos, False, seg_hidden, inputs)
+            parts.append(part if delta is None else part + delta)
             cache.advance(hi - lo, seg_mask.sum(1) if seg_mask is not None else torch.full((B,), hi - lo,
                                                                                           device=x.device))
             if recorded:

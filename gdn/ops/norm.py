@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import library
-from .router import HAS_TRITON, needs_grad, use_triton
+from .router import HAS_TRITON, use_triton
 
 if HAS_TRITON:
     from .triton import rmsnorm as kernels
@@ -122,11 +122,12 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, y)``: the residual stream ``s = x + h`` and ``y = rms_norm(s)`` in ``out_dtype``. One
-    kernel (:func:`gdn.ops.triton.rmsnorm.add_rms_norm`) where the norm's kernels run, x and h share
-    shape and dtype and no gradient is wanted (the decode step); the two ops otherwise. The kernel
-    rounds s to x's dtype before normalising it, as the two ops do."""
-    if (not library.compiling() and _kernels_take(x) and h.dtype == x.dtype and h.shape == x.shape
-            and not needs_grad(x, h, weight)):
+    kernel each way (:func:`gdn.ops.triton.rmsnorm.add_rms_norm`) where the norm's kernels run, x
+    and h share a shape and x's dtype holds h's (the decode step; the training step's fp32 stream
+    plus a bf16 block output); the two ops otherwise. The kernel rounds s to x's dtype before
+    normalising it, as the two ops do."""
+    if (not library.compiling() and _kernels_take(x) and h.shape == x.shape
+            and torch.promote_types(x.dtype, h.dtype) == x.dtype):
         return kernels.add_rms_norm(x, h, weight, eps, out_dtype)
     s = x + h
     return s, rms_norm(s, weight, eps, out_dtype)

@@ -31,8 +31,10 @@ def swiglu_down_forward(gate, up, weight, dtype: torch.dtype) -> torch.Tensor:
         return F.linear(h, weight.to(dtype))
 
 
-def swiglu_down_backward(dy, gate, up, weight, dtype: torch.dtype, need_dw: bool):
-    """``(dgate, dup, dw or None)`` of :func:`swiglu_down_forward`; recomputes the product for dw."""
+def swiglu_down_backward(dy, gate, up, weight, dtype: torch.dtype, need_dw: bool, out=None):
+    """``(dgate, dup, dw or None)`` of :func:`swiglu_down_forward`; recomputes the product for dw.
+    ``out``: (dgate, dup) views to write the two gradients into (the column blocks of one joined
+    gradient, in gate's dtype and with gate's and up's strides)."""
     with torch.autocast(gate.device.type, enabled=False):
         g, u, w, dy = gate.to(dtype), up.to(dtype), weight.to(dtype), dy.to(dtype)
         dw = None
@@ -41,12 +43,14 @@ def swiglu_down_backward(dy, gate, up, weight, dtype: torch.dtype, need_dw: bool
             dw = (dy.reshape(-1, dy.shape[-1]).t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)
             del h
         dh = dy @ w
-        if use_triton(g):
-            dgate, dup = kernels.swiglu_backward(dh, g, u)
+        if use_triton(g) and (out is None or g is gate):  # written in place where no cast stands between
+            dgate, dup = kernels.swiglu_backward(dh, g, u, out)
             dgate, dup = dgate.to(gate.dtype), dup.to(up.dtype)
         else:
             dgate = torch.ops.aten.silu_backward(dh * u, g).to(gate.dtype)
             dup = (dh * F.silu(g)).to(up.dtype)
+            if out is not None:
+                dgate, dup = out[0].copy_(dgate), out[1].copy_(dup)
     return dgate, dup, dw
 
 
@@ -72,12 +76,49 @@ class SwiGLUDownFn(torch.autograd.Function):
         return dgate, dup, dw, None
 
 
+class SwiGLUDownJoinedFn(torch.autograd.Function):
+    """:class:`SwiGLUDownFn` on one joined product ``gu`` [..., 2 I] (gate's columns, then up's):
+    keeps gu, and its backward writes the gradients of the two column blocks into one [..., 2 I]
+    tensor, so that gate and up from one product of their joined weights reach that product's
+    backward without a copy joining their gradients."""
+
+    @staticmethod
+    def forward(ctx, gu, weight, dtype: torch.dtype):
+        gate, up = gu.chunk(2, -1)
+        y = swiglu_down_forward(gate, up, weight, dtype)
+        ctx.save_for_backward(gu, weight)
+        ctx.dtype = dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        gu, weight = ctx.saved_tensors
+        gu = gu.contiguous()  # (a product's output already is)
+        gate, up = gu.chunk(2, -1)
+        dgu = torch.empty_like(gu)
+        _, _, dw = swiglu_down_backward(dy, gate, up, weight, ctx.dtype, ctx.needs_input_grad[1],
+                                        out=dgu.chunk(2, -1))
+        return dgu, dw, None
+
+
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``F.linear(SiLU(gate) · up, weight)`` computed in ``dtype``. gate, up: [..., I]; weight: [D, I].
     Returns [..., D] in ``dtype``."""
     if library.compiling():
         return _swiglu_op(gate, up, weight, dtype)
     return SwiGLUDownFn.apply(gate, up, weight, dtype)
+
+
+def swiglu_down_joined(gu: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`swiglu_down` of gate and up given as one product ``gu`` [..., 2 I] (gate's columns
+    first): its gradient comes back as one tensor, written in place by the backward (no copy joins
+    the two halves' gradients). Under ``torch.compile`` the halves go to ``gdn::swiglu_down``."""
+    if gu.shape[-1] % 2:
+        raise ValueError(f"gu must have an even last dimension (gate's columns, then up's), got {tuple(gu.shape)}")
+    if library.compiling():
+        gate, up = gu.chunk(2, -1)
+        return _swiglu_op(gate, up, weight, dtype)
+    return SwiGLUDownJoinedFn.apply(gu, weight, dtype)
 
 
 # ---- the custom ops (torch.compile) -------------------------------------------------------------

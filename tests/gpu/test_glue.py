@@ -19,7 +19,7 @@ from gdn.layers import GatedRMSNorm, RMSNorm, ShortConvolution
 from gdn.ops.conv import ConvActFn, conv_act
 from gdn.ops.norm import GatedRMSNormFn, RMSNormFn
 from gdn.ops.triton.cross_entropy import logsumexp_pick, softmax_grad
-from gdn.ops.triton.rmsnorm import gated_rms_norm, rms_norm
+from gdn.ops.triton.rmsnorm import add_rms_norm, gated_rms_norm, rms_norm
 from gdn.ops.triton.short_conv import short_conv
 from gdn.ops.triton.swiglu import swiglu_backward, swiglu_forward
 
@@ -140,6 +140,40 @@ def test_rms_norm(shape, gated, dtype, device=DEVICE):
     compare(names, ours, theirs, ref, dtype, f"{'gated ' if gated else ''}rmsnorm {list(shape)}", floor=1e-2)
 
 
+@pytest.mark.parametrize("x_dtype,h_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float32, torch.float32)], ids=["fp32+bf16", "bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(4, 4096, 1024), (3, 17, 100)], ids=["4x4096x1024", "3x17x100"])
+def test_add_rms_norm(shape, x_dtype, h_dtype, device=DEVICE):
+    """The training block's residual add and the norm after it (fp32 stream + bf16 block output,
+    normed to bf16 under autocast), one kernel each way, against x + h and the norm in float64:
+    s, y and the gradients of x, h and the weight, both outputs read downstream."""
+    gen = torch.Generator(device=device).manual_seed(shape[-1])
+    x = (2 * torch.randn(shape, device=device, generator=gen)).to(x_dtype)
+    h = torch.randn(shape, device=device, generator=gen).to(h_dtype)
+    w = 1 + 0.5 * torch.randn(shape[-1], device=device, generator=gen)
+    out = h_dtype
+    ds = torch.randn(shape, device=device, generator=gen).to(x_dtype)
+    dy = torch.randn(shape, device=device, generator=gen).to(out)
+
+    def run(fn, ins):
+        s, y = fn(*ins)
+        torch.autograd.backward((s, y), (ds.to(s.dtype), dy.to(y.dtype)))
+        return [s.detach(), y.detach()] + [t.grad for t in ins]
+
+    def leaves(dt=None):
+        return [t.detach().clone().to(dt or t.dtype).requires_grad_() for t in (x, h, w)]
+
+    def two_ops(a, b, c, out_dtype):
+        s = a + b
+        return s, RMSNormFn.apply(s, c, 1e-6, out_dtype)
+
+    ours = run(lambda a, b, c: add_rms_norm(a, b, c, 1e-6, out), leaves())
+    ref = run(lambda a, b, c: two_ops(a, b, c, torch.float64), leaves(torch.float64))
+    theirs = run(lambda a, b, c: two_ops(a, b, c, out), leaves())
+    compare(["s", "y", "dx", "dh", "dw"], ours, theirs, ref, torch.float32 if out == torch.float32 else torch.bfloat16,
+            f"add + rmsnorm {list(shape)}", floor=1e-2)
+
+
 def test_layers_dispatch_to_the_kernels(device=DEVICE):
     """ShortConvolution, RMSNorm and GatedRMSNorm run the Triton kernels on CUDA (bit-equal
     results), keep PyTorch's dtypes under autocast, and the convolution continues from a state."""
@@ -176,6 +210,39 @@ def test_swiglu(dtype, device=DEVICE, shape=(16384, 2816)):
     ref = torch_swiglu(g.double(), u.double(), dh.double())
     ours = (swiglu_forward(g, u), *swiglu_backward(dh, g, u))
     compare(("h", "dgate", "dup"), ours, torch_swiglu(g, u, dh), ref, dtype, "swiglu", floor=2e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_swiglu_backward_into_the_joined_gradient(dtype, device=DEVICE, T=4096, I=2816):
+    """The training MLP's layout: gate and up the column blocks of one product [T, 2I]; the backward
+    writes both gradients into one [T, 2I] tensor, bit for bit the packed pass's, and the SwiGLU
+    layer's gradients match the per-projection path's."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    gu = (2 * torch.randn(T, 2 * I, device=device, generator=gen)).to(dtype)
+    g, u = gu.chunk(2, -1)
+    dh = torch.randn(T, I, device=device, generator=gen).to(dtype)
+    out = torch.full_like(gu, float("nan"))
+    swiglu_backward(dh, g, u, out=out.chunk(2, -1))
+    assert torch.equal(out, torch.cat(swiglu_backward(dh, g.contiguous(), u.contiguous()), -1))
+
+    from gdn.layers import SwiGLU
+    torch.manual_seed(0)
+    mlp = SwiGLU(256, 704).to(device)
+    x = torch.randn(2, 300, 256, device=device)
+    grads = []
+    for hooked in (False, True):
+        h = mlp.up_proj.register_forward_hook(lambda mod, inp, o: o) if hooked else None
+        xr = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            y = mlp(xr)
+        y.float().square().sum().backward()
+        grads.append([y.detach().float(), xr.grad] + [p.grad.clone() for p in mlp.parameters()])
+        mlp.zero_grad()
+        if h is not None:
+            h.remove()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(*grads):
+        assert ((a - b).norm() / b.norm()).item() < tol
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -243,3 +310,38 @@ def test_cross_entropy_rows(dtype, device=DEVICE, rows=1048, vocab=32000):
     lse, picked = logsumexp_pick(z, t)
     ours = (lse, picked, softmax_grad(z, lse, t, coef))
     compare(("lse", "picked", "dz"), ours, torch_ce(z, t, coef), ref, dtype, "cross entropy rows", floor=2e-7)
+
+
+def test_mixer_joined_gradient_written_in_place(monkeypatch, device=DEVICE):
+    """A Gated DeltaNet layer at training shapes under bf16 autocast: the short convolutions' dx and
+    the gated norm's dgate land in the joined projection's gradient in place (their kernels at the
+    product's strides), and every gradient matches the layers called one by one."""
+    from gdn.layers import GatedDeltaNet
+    from gdn.ops import joined as joined_mod
+
+    real_bwd = joined_mod._SplitColumns.backward
+    placed = []
+
+    def spy(ctx, *grads):
+        regions = ctx.sink.regions  # (empty where no consumer asked for its place)
+        placed.append([g is not None and i < len(regions) and g.data_ptr() == regions[i].data_ptr()
+                       for i, g in enumerate(grads)])
+        return real_bwd(ctx, *grads)
+
+    monkeypatch.setattr(joined_mod._SplitColumns, "backward", staticmethod(spy))
+    torch.manual_seed(0)
+    m = GatedDeltaNet(512, 4, 128, expand_v=2).to(device).train()
+    x = torch.randn(2, 300, 512, device=device)
+    dy = torch.randn(2, 300, 512, device=device)
+    res = []
+    for joined in (True, False):
+        monkeypatch.setattr("gdn.layers.recurrent.joinable", (lambda mods: True) if joined else (lambda mods: False))
+        m.zero_grad()
+        xt = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            o, _ = m(xt)
+        o.float().backward(dy)
+        res.append([o.detach().float(), xt.grad] + [p.grad.clone() for p in m.parameters()])
+    assert placed == [[True, True, True, False, False, True, False]], placed
+    for a, b in zip(*res):
+        assert ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item() < 2e-2

@@ -393,9 +393,54 @@ def test_input_projections_run_as_one_product(cls, monkeypatch):
     # x read by one product, of the joined weight with its rows padded to a multiple of 8
     assert calls[0] == (outs + -outs % 8, D) and sum(1 for s in calls if s[1] == D) == 1, calls
     m.zero_grad()
-    monkeypatch.setattr("gdn.layers.recurrent._joinable", lambda mods: False)
+    monkeypatch.setattr("gdn.layers.recurrent.joinable", lambda mods: False)
     each = _grads_of(m, x)
     for a, b in zip(joined, each):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), (a - b).abs().max()
+
+
+def test_swiglu_gate_and_up_run_as_one_product(monkeypatch):
+    """SwiGLU's gate and up projections run as one product of their joined weights, whose gradient
+    its backward writes whole (no concatenation of the two halves' gradients), with the per-layer
+    result and gradients (fp64: equal to rounding); a hooked projection keeps its own forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    mlp = SwiGLU(8, 12).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+
+    def run():
+        xr = x.clone().requires_grad_(True)
+        calls = []
+        real = F.linear
+        monkeypatch.setattr(F, "linear", lambda *a, **kw: calls.append(tuple(a[1].shape)) or real(*a, **kw))
+        y = mlp(xr)
+        monkeypatch.setattr(F, "linear", real)
+        ops = Ops()
+        with ops:
+            y.square().sum().backward()
+        grads = [xr.grad] + [p.grad.clone() for p in mlp.parameters()]
+        mlp.zero_grad()
+        return y.detach(), grads, calls, ops.names
+
+    y, grads, calls, bwd = run()
+    assert calls == [(24, 8), (8, 12)], calls  # gate and up: one product; then down
+    assert "aten.cat.default" not in bwd, bwd
+    h = mlp.up_proj.register_forward_hook(lambda mod, inp, out: out)
+    y2, grads2, calls2, _ = run()
+    h.remove()
+    assert calls2 == [(12, 8), (12, 8), (8, 12)], calls2
+    assert torch.allclose(y, y2, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, grads2):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), (a - b).abs().max()
 
 

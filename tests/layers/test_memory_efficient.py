@@ -133,7 +133,7 @@ def test_modules_match_plain_autograd_fp32():
     mlp = SwiGLU(16, 40)
     y = mlp(x)
     ref = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
-    assert torch.equal(y, ref)
+    assert rel(y, ref) < 1e-6  # (gate and up from one product of the joined weights: other roundings)
     ps = (x, *mlp.parameters())
     for a, b in zip(grads(y, ps), grads(ref, ps)):
         assert rel(a, b) < 1e-6

@@ -28,7 +28,7 @@ if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
 from gdn.ops.conv import ConvActFn as _ConvActFn  # noqa: E402
 from gdn.ops.norm import GatedRMSNormFn as _GatedRMSNormFn
 from gdn.ops.norm import RMSNormFn as _RMSNormFn  # noqa: E402
-from gdn.ops.triton.rmsnorm import gated_rms_norm, rms_norm  # noqa: E402
+from gdn.ops.triton.rmsnorm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
 from gdn.ops.triton.short_conv import short_conv  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
@@ -187,6 +187,52 @@ def test_rms_norm_out_dtype():
     _check_norm((4, 9, 64), False, torch.float32, out_dtype=torch.float16)
 
 
+@pytest.mark.parametrize("shape", [(1, 7), (3, 5, 64), (2, 70, 100)])
+@pytest.mark.parametrize("x_dtype,h_dtype,out_dtype", [(torch.float32, torch.float32, None),
+                                                       (torch.float32, torch.float16, torch.float16),
+                                                       (torch.float16, torch.float16, None)])
+@pytest.mark.parametrize("used", ["both", "norm", "stream"])
+def test_add_rms_norm_with_gradients(shape, x_dtype, h_dtype, out_dtype, used):
+    """The residual add and the norm after it (the training block's x + h, then mlp_norm), one
+    kernel each way, against the two ops in float64: s, y and the gradients of x, h and the weight
+    (in their own dtypes), with the stream, the norm or both read downstream."""
+    gen = torch.Generator().manual_seed(len(shape))
+    D = shape[-1]
+    x = (2 * torch.randn(shape, generator=gen)).to(x_dtype)
+    h = torch.randn(shape, generator=gen).to(h_dtype)
+    w = 1 + 0.5 * torch.randn(D, generator=gen)
+    out = out_dtype or x_dtype
+    ds = torch.randn(shape, generator=gen).to(x_dtype)
+    dy = torch.randn(shape, generator=gen).to(out)
+
+    def loss(s, y):
+        return ((s.double() * ds.double()).sum() if used != "norm" else 0) + \
+            ((y.double() * dy.double()).sum() if used != "stream" else 0)
+
+    xt, ht, wt = x.clone().requires_grad_(), h.clone().requires_grad_(), w.clone().requires_grad_()
+    s, y = add_rms_norm(xt, ht, wt, 1e-6, out_dtype)
+    assert s.dtype == x_dtype and y.dtype == out and s.shape == y.shape == x.shape
+    loss(s, y).backward()
+    xr, hr, wr = x.double().requires_grad_(), h.double().requires_grad_(), w.double().requires_grad_()
+    sr = xr + hr
+    yr = _RMSNormFn.apply(sr, wr, 1e-6, torch.float64)
+    loss(sr, yr).backward()
+    assert xt.grad.dtype == x_dtype and ht.grad.dtype == h_dtype and wt.grad.dtype == torch.float32
+    pairs = [("s", s, sr), ("y", y, yr), ("dx", xt.grad, xr.grad), ("dh", ht.grad, hr.grad)]
+    if used != "stream":
+        pairs.append(("dw", wt.grad, wr.grad))
+    else:
+        assert wt.grad is None or not wt.grad.any()
+    for name, got, want in pairs:
+        err = _rel(got, want)
+        assert err <= TOL[torch.float16 if torch.float16 in (x_dtype, h_dtype, out) else torch.float32], (name, err)
+
+
+def test_add_rms_norm_rejects_a_wider_h():
+    with pytest.raises(ValueError, match="dtype that x's"):
+        add_rms_norm(torch.zeros(3, 8, dtype=torch.float16), torch.zeros(3, 8), torch.ones(8))
+
+
 def test_norms_reject_bad_input():
     with pytest.raises(ValueError, match="weight"):
         rms_norm(torch.zeros(3, 8), torch.ones(7))
@@ -216,14 +262,29 @@ def test_mixer_on_the_kernels_with_joined_projections(monkeypatch):
     m = GatedDeltaNet(32, 2, 16, num_v_heads=4, expand_v=1.5).train()
     x = torch.randn(2, 20, 32)
     dy = torch.randn(2, 20, 32)
+    from gdn.ops import joined as joined_mod
+
+    real_bwd = joined_mod._SplitColumns.backward
+    placed = []  # per backward of a split: which blocks' gradients arrive in the joined buffer already
+
+    def spy(ctx, *grads):
+        regions = ctx.sink.regions  # (empty where no consumer asked for its place)
+        placed.append([g is not None and i < len(regions) and g.data_ptr() == regions[i].data_ptr()
+                       for i, g in enumerate(grads)])
+        return real_bwd(ctx, *grads)
+
+    monkeypatch.setattr(joined_mod._SplitColumns, "backward", staticmethod(spy))
     res = []
     for joined in (True, False):
-        monkeypatch.setattr("gdn.layers.recurrent._joinable", (lambda mods: True) if joined else (lambda mods: False))
+        monkeypatch.setattr("gdn.layers.recurrent.joinable", (lambda mods: True) if joined else (lambda mods: False))
         m.zero_grad()
         xt = x.clone().requires_grad_()
         o, _ = m(xt)
         o.backward(dy)
         res.append([o.detach(), xt.grad] + [p.grad.clone() for p in m.parameters()])
     assert strided == [True] * 3 + [False] * 3, strided  # q, k, v read in place from the joined product
+    # the joined product's gradient: the convolutions' dx (q, k, v) and the gated norm's dgate (g)
+    # written in place by their kernels; the gate inputs a and b (and the padding) are not
+    assert placed == [[True, True, True, False, False, True, False]], placed
     for (name, _), a, b in zip([("o", 0), ("dx", 0)] + list(m.named_parameters()), *res):
         assert _rel(a, b.double()) < 1e-5, (name, _rel(a, b.double()))

@@ -43,3 +43,24 @@ def test_swiglu_rejects_mismatched_inputs():
         swiglu_forward(torch.zeros(4), torch.zeros(5))
     with pytest.raises(ValueError, match="dh must match gate"):
         swiglu_backward(torch.zeros(4, dtype=torch.float16), torch.zeros(4), torch.zeros(4))
+
+
+@pytest.mark.parametrize("lead", [(3, 5), (4,), (2, 3, 2)])
+def test_swiglu_backward_into_the_joined_gradient(lead):
+    """gate and up as the column blocks of one product [..., 2I]: the backward writes both
+    gradients into the blocks of one tensor of that layout (in place, or through a packed copy for
+    a layout the rows do not take), equal to the packed pass's; nothing else of it is written."""
+    gen = torch.Generator().manual_seed(1)
+    I = 6
+    gu = torch.randn(*lead, 2 * I, generator=gen)
+    if len(lead) == 3:  # a permuted view: three row levels, which the kernels take through a copy
+        gu = gu.transpose(0, 1)
+    gate, up = gu.chunk(2, -1)
+    dh = torch.randn(gate.shape, generator=gen)
+    want = swiglu_backward(dh, gate.contiguous(), up.contiguous())
+    out = torch.full_like(gu, float("nan"))  # (with gu's strides)
+    dg, du = swiglu_backward(dh, gate, up, out=out.chunk(2, -1))
+    assert dg.data_ptr() == out.data_ptr() and du.data_ptr() == out.data_ptr() + I * out.element_size()
+    assert torch.equal(out, torch.cat(want, -1))
+    with pytest.raises(ValueError, match="strides"):
+        swiglu_backward(dh, gate, up, out=(torch.empty(gate.shape), torch.empty(up.shape)))

@@ -255,6 +255,29 @@ def test_hidden_states_output():
     assert len(out.hidden_states) == m.config.num_hidden_layers + 1
 
 
+@pytest.mark.parametrize("hidden", [False, True])
+def test_model_equals_its_blocks_one_after_another(hidden):
+    """The model hands (stream, MLP output) from block to block and adds each MLP output inside the
+    next norm: the same as each block's forward applied in turn, then the last norm; gradients too."""
+    m = tiny("gdn-h2", num_hidden_layers=3).train()
+    x = ids(2, 9)
+    out = m.model(x, output_hidden_states=hidden)
+    out.last_hidden_state.square().sum().backward()
+    got = {n: p.grad.clone() for n, p in m.model.named_parameters()}
+    m.zero_grad()
+    h, inputs = m.model.embed_tokens(x), []
+    for block in m.model.layers:
+        inputs.append(h)
+        h = block(h)[0]
+    ref = m.model.norm(h)
+    ref.square().sum().backward()
+    assert torch.equal(out.last_hidden_state, ref)
+    if hidden:
+        assert all(torch.equal(a, b) for a, b in zip(out.hidden_states, inputs + [ref]))
+    for n, p in m.model.named_parameters():
+        assert torch.allclose(got[n], p.grad, rtol=1e-5, atol=1e-7), n
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(layer_pattern="GGXG"), "unknown letters"),
     (dict(layer_pattern="GGG"), "one letter per layer"),

@@ -110,8 +110,9 @@ def test_add_rms_norm_kernel(dtype, batch, out_dtype):
 
 
 def test_add_forward_routes_to_kernel(monkeypatch):
-    """RMSNorm.add_forward takes the kernel where use_triton says so and no gradient is wanted, and
-    x + h then the norm otherwise; the two agree."""
+    """RMSNorm.add_forward takes the kernel where use_triton says so, with or without gradients
+    (the training block's x + h, then mlp_norm), and x + h then the norm otherwise; the two agree,
+    gradients included."""
     from gdn.layers import RMSNorm
     norm = RMSNorm(32)
     x, h = torch.randn(3, 1, 32), torch.randn(3, 1, 32)
@@ -125,8 +126,16 @@ def test_add_forward_routes_to_kernel(monkeypatch):
         s1, y1 = norm.add_forward(x, h)
     assert calls == [1] and torch.equal(s0, s1)
     torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
-    s2, y2 = norm.add_forward(x, h.requires_grad_())  # a gradient is wanted: the two ops
-    assert calls == [1] and y2.requires_grad
+    hk = h.clone().requires_grad_()
+    s2, y2 = norm.add_forward(x, hk)  # a gradient is wanted: the kernels' autograd Function
+    assert calls == [1, 1] and y2.requires_grad and s2.requires_grad
+    (s2.sum() + (y2 * y2).sum()).backward()
+    monkeypatch.setattr(norm_ops, "use_triton", lambda x: False)
+    hp = h.clone().requires_grad_()
+    s3, y3 = norm.add_forward(x, hp)  # the two ops
+    assert calls == [1, 1]
+    (s3.sum() + (y3 * y3).sum()).backward()
+    torch.testing.assert_close(hk.grad, hp.grad, rtol=1e-5, atol=1e-5)
 
 
 # ---- the whole static step on the kernels' path ---------------------------------------------------

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..tuning import INTERPRET, OTHER, cdiv, norm_tiles, pow2
+from ..joined import grad_slot
 from .rows import row_offsets, rows, strided
 from .launch import direct
 
@@ -55,11 +56,16 @@ def _norm_fwd_kernel(x, g, w, y, rstd, R, D, eps, x_inner, x_so, x_si, g_inner, 
 
 
 @triton.jit(do_not_specialize=["x_inner", "x_so", "x_si", "g_inner", "g_so", "g_si"])
-def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, R, D, x_inner, x_so, x_si, g_inner, g_so, g_si,
+def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, ds, dh, R, D, x_inner, x_so, x_si, g_inner, g_so, g_si,
                      GATED: tl.constexpr, STRIDED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
-                     NLOOP: tl.constexpr):
+                     NLOOP: tl.constexpr, RES: tl.constexpr = False, DS: tl.constexpr = False,
+                     DG_AT_G: tl.constexpr = False):
     """One program: NLOOP blocks of BR rows; writes dx (and dgate) and its dw partial [D]. x and the
-    gate in their row layouts (:mod:`.rows`; packed unless STRIDED); dy, dx, dgate packed [R, D]."""
+    gate in their row layouts (:mod:`.rows`; packed unless STRIDED); dy, dx, dgate packed [R, D].
+    ``RES`` (the norm of a residual sum s = x + h, x here being s): dx is the whole gradient of s,
+    the norm's plus ``ds`` (the stream's own, where ``DS``), written as dx in its dtype and again as
+    dh in h's (both packed [R, D]). ``DG_AT_G``: dgate written at the gate's own layout (its block
+    of a joined gradient, :mod:`gdn.ops.joined`) instead of packed."""
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -79,20 +85,25 @@ def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, R, D, x_inner, x_so, x_si, 
             b_g = tl.load(g + offs_g, mask=m, other=0.0).to(tl.float32)
             sig = tl.sigmoid(b_g)
             b_dg = dn * xhat * b_w[None, :] * sig * (1.0 + b_g * (1.0 - sig))
-            tl.store(dg + offs, b_dg.to(dg.dtype.element_ty), mask=m)
+            tl.store(dg + (offs_g if DG_AT_G else offs), b_dg.to(dg.dtype.element_ty), mask=m)
             dn = dn * b_g * sig
         b_dw += tl.sum(dn * xhat, 0)
         dxhat = dn * b_w[None, :]
         c = tl.sum(dxhat * xhat, 1) / D
         b_dx = b_rstd[:, None] * (dxhat - xhat * c[:, None])
+        if DS:
+            b_dx += tl.load(ds + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(dx + offs, b_dx.to(dx.dtype.element_ty), mask=m)
+        if RES:
+            tl.store(dh + offs, b_dx.to(dh.dtype.element_ty), mask=m)
     tl.store(dwp + i_p.to(tl.int64) * D + o_d, b_dw, mask=m_d)
 
 
 @triton.jit
-def _add_norm_fwd_kernel(x, h, w, s, y, R, D, eps, BR: tl.constexpr, BD: tl.constexpr):
+def _add_norm_fwd_kernel(x, h, w, s, y, rstd, R, D, eps, BR: tl.constexpr, BD: tl.constexpr):
     """s = x + h rounded to s's dtype (the residual stream); y = s · rstd · w from that rounded s,
-    the arithmetic of :func:`_norm_fwd_kernel` on it. All packed [R, D]."""
+    the arithmetic of :func:`_norm_fwd_kernel` on it, and rstd [R] (for the backward). All packed
+    [R, D]."""
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -105,6 +116,7 @@ def _add_norm_fwd_kernel(x, h, w, s, y, R, D, eps, BR: tl.constexpr, BD: tl.cons
     b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, 1) / D + eps)
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
     tl.store(y + offs, (b_x * b_rstd[:, None] * b_w[None, :]).to(y.dtype.element_ty), mask=m)
+    tl.store(rstd + o_r, b_rstd, mask=o_r < R)
 
 
 def _rows(x, g):
@@ -131,15 +143,21 @@ def _forward(x, g, weight, eps, out_dtype):
     return y, rstd, rx.t, (rg.t if rg is not None else None)
 
 
-def _backward(dy, x, g, weight, rstd):
+def _backward(dy, x, g, weight, rstd, ds=None, h_dtype=None, dg=None):
     """(dx, dgate or None, both packed with x's shape, dw in fp32) for x [..., D] (and the gate) in
-    any layout :func:`.rows.rows` takes; dy of x's shape."""
+    any layout :func:`.rows.rows` takes; dy of x's shape. With ``h_dtype`` (the norm of a residual
+    sum x = s + h, no gate): (dx, dh, dw), dx and dh the whole gradient of the sum (the norm's plus
+    ``ds``, the stream's own gradient, when given) in x's dtype and in ``h_dtype``. ``dg``: where to
+    write dgate, a tensor with the gate's strides (the gate read in place), instead of a packed one."""
     D = x.shape[-1]
     R = x.numel() // D if D else 0
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    dg = torch.empty(g.shape, device=g.device, dtype=g.dtype) if g is not None else None
+    dg_at_g = dg is not None
+    if g is not None and dg is None:
+        dg = torch.empty(g.shape, device=g.device, dtype=g.dtype)
+    dh = torch.empty(x.shape, device=x.device, dtype=h_dtype) if h_dtype is not None else None
     if not R:
-        return dx, dg, torch.zeros(D, device=x.device, dtype=torch.float32)
+        return dx, (dh if dh is not None else dg), torch.zeros(D, device=x.device, dtype=torch.float32)
     rx, rg = _rows(x, g)
     gl = rg if rg is not None else rx
     dy = dy.contiguous()
@@ -149,10 +167,13 @@ def _backward(dy, x, g, weight, rstd):
     nloop = min(64, pow2(cdiv(nblocks, target), 1))
     nprog = cdiv(nblocks, nloop)
     dwp = torch.empty(nprog, D, device=x.device, dtype=torch.float32)
-    direct(_norm_bwd_kernel, (nprog,), rx.t, gl.t, weight, rstd, dy, dx, dg if dg is not None else dx, dwp, R, D,
-           *rx.args(), *gl.args(), GATED=g is not None, STRIDED=strided(rx, rg), BR=BR, BD=BD,
-           NLOOP=nloop, num_warps=nw)
-    return dx, dg, dwp.sum(0)
+    if ds is not None:
+        ds = ds.contiguous()
+    direct(_norm_bwd_kernel, (nprog,), rx.t, gl.t, weight, rstd, dy, dx, dg if dg is not None else dx, dwp,
+           ds if ds is not None else dx, dh if dh is not None else dx, R, D, *rx.args(), *gl.args(), GATED=g is not None,
+           STRIDED=strided(rx, rg), BR=BR, BD=BD, NLOOP=nloop, RES=dh is not None, DS=ds is not None,
+           DG_AT_G=dg_at_g, num_warps=nw)
+    return dx, (dh if dh is not None else dg), dwp.sum(0)
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -173,14 +194,39 @@ class _GatedRMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, weight, eps: float):
         y, rstd, xs, gs = _forward(x, gate, weight.contiguous(), eps, x.dtype)
+        # the gate a block of a joined product, read in place: dgate goes into its joined gradient
+        ctx.slot = grad_slot(gate) if gs is gate else None
         ctx.save_for_backward(xs, gs, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, gate, weight, rstd = ctx.saved_tensors
-        dx, dg, dw = _backward(dy, x, gate, weight.contiguous(), rstd)
+        target = ctx.slot.take() if ctx.slot is not None and ctx.needs_input_grad[1] else None
+        dx, dg, dw = _backward(dy, x, gate, weight.contiguous(), rstd, dg=target)
         return dx, dg, dw.to(weight.dtype) if ctx.needs_input_grad[2] else None, None
+
+
+class _AddRMSNormFn(torch.autograd.Function):
+    """``(s, y)`` of :func:`add_rms_norm` with gradients: one kernel each way. The backward's kernel
+    adds the stream's gradient ds to the norm's and writes the sum as both x's and h's gradient, so
+    no separate accumulation or cast of the residual's gradient runs. Saves s (the stream, kept by
+    its next reader anyway), the weight and rstd."""
+
+    @staticmethod
+    def forward(ctx, x, h, weight, eps: float, out_dtype: torch.dtype):
+        s, y, rstd = _add_forward(x, h, weight.contiguous(), eps, out_dtype)
+        ctx.save_for_backward(s, weight, rstd)
+        ctx.h_dtype = h.dtype
+        return s, y
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        s, weight, rstd = ctx.saved_tensors
+        if dy is None:  # only the stream is used: the norm adds nothing
+            return ds, ds.to(ctx.h_dtype), None, None, None
+        dx, dh, dw = _backward(dy, s, None, weight.contiguous(), rstd, ds, ctx.h_dtype)
+        return dx, dh, dw.to(weight.dtype) if ctx.needs_input_grad[2] else None, None, None
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -210,23 +256,33 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return _GatedRMSNormFn.apply(x, gate, weight, float(eps))
 
 
-def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(s, y)``: the residual add ``s = x + h`` (in x's dtype, as PyTorch rounds it) and
-    ``y = s · rstd · weight`` (:func:`rms_norm` of that s, in ``out_dtype``, x's dtype when None), in
-    one launch. x, h: [..., D] of one shape and dtype (copied when not contiguous); weight: [D].
-    Inference only (no autograd)."""
-    _check(x, weight)
-    if h.shape != x.shape or h.dtype != x.dtype:
-        raise ValueError(f"h must have the shape and dtype of x ({tuple(x.shape)}, {x.dtype}), got "
-                         f"{tuple(h.shape)}, {h.dtype}")
+def _add_forward(x, h, weight, eps, out_dtype):
+    """(s = x + h in x's dtype, y in ``out_dtype``, rstd [R] fp32), x and h packed."""
     x, h = x.contiguous(), h.contiguous()
     D = x.shape[-1]
     R = x.numel() // D
     s = torch.empty_like(x)
-    y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype)
+    y = torch.empty(x.shape, device=x.device, dtype=out_dtype)
+    rstd = torch.empty(R, device=x.device, dtype=torch.float32)
     if R:
         BR, BD, nw = norm_tiles(D)
-        direct(_add_norm_fwd_kernel, (cdiv(R, BR),), x, h, weight.contiguous(), s, y, R, D, float(eps), BR=BR, BD=BD,
+        direct(_add_norm_fwd_kernel, (cdiv(R, BR),), x, h, weight, s, y, rstd, R, D, float(eps), BR=BR, BD=BD,
                num_warps=nw)
-    return s, y
+    return s, y, rstd
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, y)``: the residual add ``s = x + h`` (in x's dtype, as PyTorch rounds it) and
+    ``y = s · rstd · weight`` (:func:`rms_norm` of that s, in ``out_dtype``, x's dtype when None), in
+    one launch each way; differentiable in x, h and weight. x, h: [..., D] of one shape (copied when
+    not contiguous), h in x's dtype or one that x's holds (bf16 or fp16 into fp32: the training
+    step's residual stream); weight: [D]."""
+    _check(x, weight)
+    if h.shape != x.shape or torch.promote_types(x.dtype, h.dtype) != x.dtype:
+        raise ValueError(f"h must have the shape of x {tuple(x.shape)} and a dtype that x's {x.dtype} holds, got "
+                         f"{tuple(h.shape)}, {h.dtype}")
+    if torch.is_grad_enabled() and (x.requires_grad or h.requires_grad or weight.requires_grad):
+        return _AddRMSNormFn.apply(x, h, weight, float(eps), out_dtype or x.dtype)
+    # no autograd node where no gradient will flow (the decode step): its host time is per layer and token
+    return _add_forward(x, h, weight.contiguous(), eps, out_dtype or x.dtype)[:2]

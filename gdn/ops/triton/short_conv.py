@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import offsets
+from ..joined import grad_slot
 from ..tuning import INTERPRET, OTHER, cdiv, pow2
 from .launch import direct
 
@@ -76,46 +77,82 @@ def _conv_fwd_kernel(x, w, hist, pos, y, T, D, s_xb, s_xt, K: tl.constexpr, HAS_
 
 
 @triton.jit
-def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, s_xb, s_xt, NTB, K: tl.constexpr, KP: tl.constexpr,
+def _dz(x, hist, pos, dy, ws, o_t, o_d, m_d, b, s_xb, s_xt, T, D, K: tl.constexpr, HAS_HIST: tl.constexpr,
+        PACKED: tl.constexpr, SILU: tl.constexpr):
+    """dz = dy · act'(z) at the tokens ``o_t`` (zero past T) as fp32 [R, BD], z recomputed from the
+    taps (``ws`` the taps' weights), and the taps x[t - j] themselves (a tuple by j)."""
+    m_t = o_t < T
+    z = tl.zeros([o_t.shape[0], o_d.shape[0]], dtype=tl.float32)
+    taps = ()
+    for j in tl.static_range(K):
+        b_x = _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, s_xb, s_xt, D, j, K, HAS_HIST, PACKED)
+        taps = taps + (b_x,)
+        z += b_x * ws[j][None, :]
+    dz = tl.load(dy + b * T * D + o_t[:, None] * D + o_d[None, :], mask=m_t[:, None] & m_d[None, :],
+                 other=0.0).to(tl.float32)
+    if SILU:
+        sig = tl.sigmoid(z)
+        dz = dz * sig * (1.0 + z * (1.0 - sig))
+    return dz, taps
+
+
+@triton.jit
+def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, dzs, T, D, s_xb, s_xt, s_db, s_dt, NTB, K: tl.constexpr,
+                     KP: tl.constexpr,
                      HAS_HIST: tl.constexpr, PACKED: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr,
                      BD: tl.constexpr, NLOOP: tl.constexpr):
-    """One program: channels ``o_d`` over NLOOP tiles of BT tokens. For the tokens s of a tile,
+    """One program: channels ``o_d`` over NLOOP tiles of BT tokens (dx's rows ``s_dt`` and batch rows
+    ``s_db`` elements apart: a block of a joined gradient is written in place). For the tokens s of a tile,
     dx[s] = Σ_i w[K-1-i] · dz[s+i] (where token s+i's tap i is valid); dw[K-1-j] gathers
-    Σ_t dz[t] · x[t-j] over the tile's tokens t, written as this program's partial [BD, K]."""
+    Σ_t dz[t] · x[t-j] over the tile's tokens t, written as this program's partial [BD, K].
+
+    Each token's dz is formed once: on the tile's BT rows and on the KP rows after it (the dz that
+    the tile's last K - 1 rows of dx read, formed again by the next tile), written to the program's
+    own [BT + KP, BD] fp32 rows of ``dzs`` (a scratch that stays in cache) and read back shifted by
+    each tap. Forming dz at every shift instead costs K times the recomputation of z and the
+    activation's derivative, which bound the kernel. dw's terms are summed elementwise over the
+    program's tiles and over the tokens once, at its end (a sum over tokens is a reduction across
+    the warps)."""
     i_d, i_tb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     o_k = tl.arange(0, KP)
-    b_dw = tl.zeros([BD, KP], dtype=tl.float32)
+    o_r = tl.arange(0, BT)
+    pid = (b * tl.num_programs(1) + i_tb) * tl.num_programs(0) + i_d
+    scr = dzs + pid * ((BT + KP) * BD) + tl.arange(0, BD)[None, :]
+    ws = ()
+    for j in tl.static_range(K):
+        ws = ws + (_tap_weight(w, x, o_d, m_d, j, K),)
+    dws = ()
+    for j in tl.static_range(K):
+        dws = dws + (tl.zeros([BT, BD], dtype=tl.float32),)
     for l in range(NLOOP):
-        o_s = (i_tb * NLOOP + l) * BT + tl.arange(0, BT)
+        o_s = (i_tb * NLOOP + l) * BT + o_r
         m_s = o_s < T
+        dz, taps = _dz(x, hist, pos, dy, ws, o_s, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST, PACKED, SILU)
+        nd = ()
+        for j in tl.static_range(K):
+            nd = nd + (dws[j] + dz * taps[j],)
+        dws = nd
+        dz_h, _ = _dz(x, hist, pos, dy, ws, (i_tb * NLOOP + l) * BT + BT + o_k, o_d, m_d, b, s_xb, s_xt, T, D, K,
+                      HAS_HIST, PACKED, SILU)
+        tl.debug_barrier()  # the previous tile's reads of the scratch are done
+        tl.store(scr + o_r[:, None] * BD, dz)
+        tl.store(scr + (BT + o_k)[:, None] * BD, dz_h)
+        tl.debug_barrier()  # every thread's rows are written
         b_dx = tl.zeros([BT, BD], dtype=tl.float32)
         for i in tl.static_range(K):
             o_t = o_s + i  # the tokens whose tap i reads token s
-            m_t = o_t < T
-            z = tl.zeros([BT, BD], dtype=tl.float32)
-            for j in tl.static_range(K):
-                b_x = _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, s_xb, s_xt, D, j, K, HAS_HIST, PACKED)
-                z += b_x * _tap_weight(w, x, o_d, m_d, j, K)[None, :]
-            dz = tl.load(dy + b * T * D + o_t[:, None] * D + o_d[None, :], mask=m_t[:, None] & m_d[None, :],
-                         other=0.0).to(tl.float32)
-            if SILU:
-                sig = tl.sigmoid(z)
-                dz = dz * sig * (1.0 + z * (1.0 - sig))
-            if i == 0:
-                for j in tl.static_range(K):
-                    b_x = _load_tap(x, hist, pos, o_t, o_d, m_t, m_d, b, s_xb, s_xt, D, j, K, HAS_HIST, PACKED)
-                    part = tl.sum(dz * b_x, 0)
-                    b_dw += tl.where(o_k[None, :] == K - 1 - j, part[:, None], 0.0)
+            ok = o_t < T
             if PACKED:
-                p = tl.load(pos + o_t, mask=m_t, other=0)
-                ok = m_t & (p >= i)
-            else:
-                ok = m_t
-            b_dx += tl.where(ok[:, None], dz, 0.0) * _tap_weight(w, x, o_d, m_d, i, K)[None, :]
-        tl.store(dx + b * T * D + o_s[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty),
+                ok = ok & (tl.load(pos + o_t, mask=ok, other=0) >= i)
+            d_i = tl.load(scr + (o_r + i)[:, None] * BD, mask=ok[:, None], other=0.0)
+            b_dx += d_i * ws[i][None, :]
+        tl.store(dx + b * s_db + o_s[:, None] * s_dt + o_d[None, :], b_dx.to(dx.dtype.element_ty),
                  mask=m_s[:, None] & m_d[None, :])
+    b_dw = tl.zeros([BD, KP], dtype=tl.float32)
+    for j in tl.static_range(K):
+        b_dw += tl.where(o_k[None, :] == K - 1 - j, tl.sum(dws[j], 0)[:, None], 0.0)
     tl.store(dwp + ((b * NTB + i_tb) * D + o_d[:, None]) * K + o_k[None, :], b_dw,
              mask=m_d[:, None] & (o_k[None, :] < K))
 
@@ -144,20 +181,24 @@ def _conv_fwd(x, weight, hist, pos, silu: bool) -> torch.Tensor:
     return y
 
 
-def _conv_bwd(dy, x, weight, hist, pos, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx [B, T, D] in x.dtype, dw [D, K] in fp32) of the convolution given dy."""
+def _conv_bwd(dy, x, weight, hist, pos, silu: bool, dx=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [B, T, D] in x.dtype, dw [D, K] in fp32) of the convolution given dy; dx written into
+    ``dx`` when given (any strides with contiguous channels), else packed."""
     B, T, D = x.shape
     K = weight.shape[1]
     c = OTHER["short_conv"]
     BT, BD = c["BT"], min(c["BD_bwd"], pow2(D, 1))
     nloop = min(2 if INTERPRET else c["loop"], pow2(cdiv(T, BT), 1))  # token blocks a program
     ntb = cdiv(T, BT * nloop)
-    dx = torch.empty(B, T, D, device=x.device, dtype=x.dtype)
+    if dx is None:
+        dx = torch.empty(B, T, D, device=x.device, dtype=x.dtype)
     dwp = torch.empty(B, ntb, D, K, device=x.device, dtype=torch.float32)
     has_hist = hist is not None and K > 1
     grid = (cdiv(D, BD), ntb, B)
-    direct(_conv_bwd_kernel, grid, x, weight, hist if has_hist else x, pos if pos is not None else x, dy, dx, dwp, T,
-           D, x.stride(0), x.stride(1), ntb, K=K, KP=pow2(K, 1), HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD,
+    KP = pow2(K, 1)
+    dzs = torch.empty(grid[0] * grid[1] * grid[2], BT + KP, BD, device=x.device, dtype=torch.float32)
+    direct(_conv_bwd_kernel, grid, x, weight, hist if has_hist else x, pos if pos is not None else x, dy, dx, dwp,
+           dzs, T, D, x.stride(0), x.stride(1), dx.stride(0), dx.stride(1), ntb, K=K, KP=KP, HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD,
            NLOOP=nloop, num_warps=c["num_warps"])
     return dx, dwp.sum((0, 1))
 
@@ -182,6 +223,7 @@ class _ShortConvFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, hist, pos, silu: bool):
         ctx.silu = silu
+        ctx.slot = grad_slot(x)  # x a block of a joined product: dx goes into its joined gradient
         ctx.save_for_backward(x, weight, hist, pos)
         return _conv_fwd(x, weight, hist, pos, silu)
 
@@ -189,7 +231,10 @@ class _ShortConvFn(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, hist, pos = ctx.saved_tensors
         dy = dy.contiguous()
-        dx, dw = _conv_bwd(dy, x, weight, hist, pos, ctx.silu)
+        target = ctx.slot.take() if ctx.slot is not None and ctx.needs_input_grad[0] else None
+        if target is not None and (target.stride(2) != 1 or x.shape[2] == 1):
+            target = None
+        dx, dw = _conv_bwd(dy, x, weight, hist, pos, ctx.silu, target)
         dhist = None
         if hist is not None and ctx.needs_input_grad[2]:
             dhist = _hist_grad(dy, x, weight, hist, ctx.silu) if weight.shape[1] > 1 else torch.zeros_like(hist)

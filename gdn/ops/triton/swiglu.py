@@ -54,8 +54,9 @@ def _swiglu_fwd_kernel(g, u, h, n, I, g_inner, g_so, g_si, u_inner, u_so, u_si, 
 
 @triton.jit(do_not_specialize=["g_inner", "g_so", "g_si", "u_inner", "u_so", "u_si"])
 def _swiglu_bwd_kernel(dh, g, u, dg, du, n, I, g_inner, g_so, g_si, u_inner, u_so, u_si, STRIDED: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """dg, du (packed) from dh (packed), g and u in their row layouts (packed unless STRIDED)."""
+                       OUT_LIKE_IN: tl.constexpr, BLOCK: tl.constexpr):
+    """dg, du from dh (packed), g and u in their row layouts (packed unless STRIDED); dg and du
+    packed, or with OUT_LIKE_IN in g's and u's layouts (the columns of one joined gradient)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     offs_g, offs_u = _gu_offsets(offs, I, g_inner, g_so, g_si, u_inner, u_so, u_si, STRIDED)
@@ -63,8 +64,12 @@ def _swiglu_bwd_kernel(dh, g, u, dg, du, n, I, g_inner, g_so, g_si, u_inner, u_s
     b_g = tl.load(g + offs_g, mask=m, other=0.0).to(tl.float32)
     b_u = tl.load(u + offs_u, mask=m, other=0.0).to(tl.float32)
     sig = tl.sigmoid(b_g)
-    tl.store(dg + offs, (b_dh * b_u * sig * (1.0 + b_g * (1.0 - sig))).to(dg.dtype.element_ty), mask=m)
-    tl.store(du + offs, (b_dh * b_g * sig).to(du.dtype.element_ty), mask=m)
+    if OUT_LIKE_IN:
+        out_g, out_u = offs_g, offs_u
+    else:
+        out_g, out_u = offs, offs
+    tl.store(dg + out_g, (b_dh * b_u * sig * (1.0 + b_g * (1.0 - sig))).to(dg.dtype.element_ty), mask=m)
+    tl.store(du + out_u, (b_dh * b_g * sig).to(du.dtype.element_ty), mask=m)
 
 
 def _check(name: str, ref: torch.Tensor, x: torch.Tensor) -> None:
@@ -94,17 +99,31 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dgate, dup), packed, of h = SiLU(gate) · up given dh; all of one shape, dtype and device
-    (gate and up read in place as in :func:`swiglu_forward`)."""
+def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup) of h = SiLU(gate) · up given dh; all of one shape, dtype and device (gate and up
+    read in place as in :func:`swiglu_forward`). Packed, or written into ``out`` = (dgate, dup): views
+    with gate's and up's strides (the column blocks of one joined gradient, where gate and up are
+    those of one joined product: no copy joins them afterwards)."""
     _check("up", gate, up)
     _check("dh", gate, dh)
-    dg = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
-    du = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    if out is None:
+        dg = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+        du = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    else:
+        dg, du = out
+        for name, o, ref in (("out[0]", dg, gate), ("out[1]", du, up)):
+            _check(name, ref, o)
+            if o.stride() != ref.stride():
+                raise ValueError(f"{name} must have the strides of its input {ref.stride()}, got {o.stride()}")
     n = gate.numel()
     if n:
         rg, ru, I = _operands(gate, up)
+        if out is not None and (rg.t is not gate or ru.t is not up):  # a layout rows() copies: not in place
+            dg_p, du_p = swiglu_backward(dh, rg.t.view(gate.shape), ru.t.view(up.shape))
+            return dg.copy_(dg_p), du.copy_(du_p)
         c = OTHER["swiglu"]
         direct(_swiglu_bwd_kernel, (cdiv(n, c["BLOCK"]),), dh.contiguous(), rg.t, ru.t, dg, du, n, I, *rg.args(),
-               *ru.args(), STRIDED=strided(rg, ru), BLOCK=c["BLOCK"], num_warps=c["num_warps"])
+               *ru.args(), STRIDED=strided(rg, ru), OUT_LIKE_IN=out is not None, BLOCK=c["BLOCK"],
+               num_warps=c["num_warps"])
     return dg, du
