@@ -317,18 +317,9 @@ def test_mixer_joined_gradient_written_in_place(monkeypatch, device=DEVICE):
     the gated norm's dgate land in the joined projection's gradient in place (their kernels at the
     product's strides), and every gradient matches the layers called one by one."""
     from gdn.layers import GatedDeltaNet
-    from gdn.ops import joined as joined_mod
+    from tests.joined_spy import record_placed
 
-    real_bwd = joined_mod._SplitColumns.backward
-    placed = []
-
-    def spy(ctx, *grads):
-        regions = ctx.sink.regions  # (empty where no consumer asked for its place)
-        placed.append([g is not None and i < len(regions) and g.data_ptr() == regions[i].data_ptr()
-                       for i, g in enumerate(grads)])
-        return real_bwd(ctx, *grads)
-
-    monkeypatch.setattr(joined_mod._SplitColumns, "backward", staticmethod(spy))
+    placed = record_placed(monkeypatch)  # per backward of a split: blocks written in place
     torch.manual_seed(0)
     m = GatedDeltaNet(512, 4, 128, expand_v=2).to(device).train()
     x = torch.randn(2, 300, 512, device=device)

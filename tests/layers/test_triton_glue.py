@@ -262,18 +262,9 @@ def test_mixer_on_the_kernels_with_joined_projections(monkeypatch):
     m = GatedDeltaNet(32, 2, 16, num_v_heads=4, expand_v=1.5).train()
     x = torch.randn(2, 20, 32)
     dy = torch.randn(2, 20, 32)
-    from gdn.ops import joined as joined_mod
+    from tests.joined_spy import record_placed
 
-    real_bwd = joined_mod._SplitColumns.backward
-    placed = []  # per backward of a split: which blocks' gradients arrive in the joined buffer already
-
-    def spy(ctx, *grads):
-        regions = ctx.sink.regions  # (empty where no consumer asked for its place)
-        placed.append([g is not None and i < len(regions) and g.data_ptr() == regions[i].data_ptr()
-                       for i, g in enumerate(grads)])
-        return real_bwd(ctx, *grads)
-
-    monkeypatch.setattr(joined_mod._SplitColumns, "backward", staticmethod(spy))
+    placed = record_placed(monkeypatch)  # per backward of a split: blocks written in place
     res = []
     for joined in (True, False):
         monkeypatch.setattr("gdn.layers.recurrent.joinable", (lambda mods: True) if joined else (lambda mods: False))
