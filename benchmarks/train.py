@@ -2,8 +2,10 @@
 ``fla`` is importable) flash-linear-attention's ``GatedDeltaNetForCausalLM`` at the same config
 and batch, side by side.
 
-One step = forward + backward + AdamW step on ``[batch, seq_len]`` random ids, bf16 autocast on
-CUDA (fp32 on CPU), median over ``--steps`` timed steps after ``--warmup``. Model FLOPs per token:
+One step = forward + backward + AdamW step on ``[batch, seq_len]`` random ids (AdamW's fused form
+on CUDA for both models, as ``gdn train`` steps it; ``--optimizer foreach`` for torch's default
+multi-tensor form), bf16 autocast on CUDA (fp32 on CPU), median over ``--steps`` timed steps after
+``--warmup``. Model FLOPs per token:
 6 x (matmul parameters) for the projections, plus 3 x the forward FLOPs of the token mixers
 (chunkwise delta rule: per value head ``2·(2·C·K + 2·C·V + 3·K·V)`` with chunk C = 64; causal
 softmax attention: ``2·T·d`` per head). MFU = achieved / ``--peak-tflops`` (default: 989 for an
@@ -53,6 +55,8 @@ def parse_args(argv=None):
                         "forward and backward as CUDA graphs: no per-kernel host work per step)")
     p.add_argument("--peak-tflops", type=float, default=989.0 if cuda else 0.0, help="for MFU (0 = not reported)")
     p.add_argument("--no-fla", action="store_true", help="skip the FLA comparison")
+    p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
+                   help="AdamW's form for both models: fused (one kernel a parameter group, CUDA only) or foreach")
     p.add_argument("--profile", action="store_true",
                    help="per-kernel GPU times of one step of each model and where its GPU idles (CUDA)")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -82,8 +86,10 @@ def model_flops_per_token(cfg: GDNConfig, T: int) -> float:
     return 6 * matmul + 3 * mixer_fwd
 
 
-def time_steps(model, B, T, vocab, steps, warmup, device, bf16, label="", profile=False, trace=None, **fwd_kw):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def time_steps(model, B, T, vocab, steps, warmup, device, bf16, label="", profile=False, trace=None,
+               optimizer="fused", **fwd_kw):
+    fused = optimizer == "fused" and device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
     ids = torch.randint(0, vocab, (B, T), device=device)
     times = []
 
@@ -199,7 +205,7 @@ def main(argv=None):
         model.model.gradient_checkpointing = True
     run = torch.compile(model, mode=None if a.compile_mode == "default" else a.compile_mode) if a.compile else model
     s, mem = time_steps(run, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, "gdn", a.profile,
-                        a.trace, use_cache=False)
+                        a.trace, a.optimizer, use_cache=False)
     rows.append(("gdn", sum(p.numel() for p in model.parameters()), s, mem))
     print(f"gdn: {s * 1e3:.1f} ms per step, {a.batch * a.seq_len / s:,.0f} tokens/s, peak {mem:.1f} GiB", flush=True)
     del model, run
@@ -215,7 +221,7 @@ def main(argv=None):
                 fm.gradient_checkpointing_enable()
             torch.cuda.reset_peak_memory_stats(device)
             s, mem = time_steps(fm, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, "fla",
-                                a.profile, a.trace)
+                                a.profile, a.trace, a.optimizer)
             rows.append(("fla", sum(p.numel() for p in fm.parameters()), s, mem))
             print(f"fla: {s * 1e3:.1f} ms per step, {a.batch * a.seq_len / s:,.0f} tokens/s, peak {mem:.1f} GiB",
                   flush=True)
