@@ -396,15 +396,15 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, h_t, G, beta, dht, dh0, DD, VN, 
     s_buf = gl.allocate_shared_memory(DT, [K, VT], dh_t.layout)
     rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, VT], DT)
     l_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
-    hb = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     if DS_TERMS:  # dδ over L (the δ warpgroup's D_OVER_L); the tile saved holds two row blocks of S
         d_buf = l_buf
         h_ring = gl.allocate_shared_memory(DT, [2, 32, VT], h_t.layout)
+        hb = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(4):
             mbarrier.init(hb.index(i), count=1)
     else:
         d_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
-        h_ring = d_buf  # (unused)
+        h_ring = d_buf  # (unused, as hb)
     z_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
     o_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -419,6 +419,8 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, h_t, G, beta, dht, dh0, DD, VN, 
         else:
             mbarrier.init(hand.index(i), count=1)
     fence_async_shared()
+    if not DS_TERMS:
+        hb = hand
     s_ready, s_empty, l_ready, l_empty = hand.index(0), hand.index(1), hand.index(2), hand.index(3)
     o_ready, o_empty, z_ready, z_empty = hand.index(4), hand.index(5), hand.index(6), hand.index(7)
     gl.warp_specialize([
