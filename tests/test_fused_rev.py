@@ -133,7 +133,9 @@ def test_the_reverse_pass_forms_the_dh_terms_without_slices(card, monkeypatch, s
     assert bwd["NDS"] == nvt and tuple(rev["Dk"].shape) == (nvt, B * T, HV, K), (bwd["NDS"], rev["Dk"].shape)
     assert bwd["DK"].data_ptr() == rev["Dk"].data_ptr() and tuple(bwd["DK"].shape) == (B * T, HV, K)
     assert rev["Tr"] is bwd["Tr"] and tuple(rev["Tr"].shape) == (nvt, B * T // 64, HV) and rev["Tr"].dtype == torch.float32
-    assert rev["h"] is bwd["h_t"].base and rev["dh_t"].base is rev["h"]  # (h's rows give the kernel its chunks)
+    # h's rows give the kernel its chunks (dh_t) and the state's row blocks it copies (h_t)
+    assert rev["dh_t"].base is bwd["h_t"].base and rev["h_t"].base is bwd["h_t"].base
+    assert tuple(rev["h_t"].block_shape) == (32, rev["VT"]) and tuple(rev["dh_t"].block_shape) == (K, rev["VT"])
     assert rev["VN"].data_ptr() == bwd["d_t"].base.data_ptr()
 
 
@@ -275,7 +277,8 @@ print(json.dumps([G.reverse_resources(128, 128, ds_terms=True), G.reverse_resour
 
 def test_the_dh_terms_forms_compile_within_the_card():
     """sm_90 at the launch setting, K = 128: the reverse pass that forms the dS_out terms in its local
-    warpgroup takes the plain pass's shared memory (its operands come by registers) and at most 24 B
+    warpgroup takes the plain pass's shared memory but for its barriers (the state's row blocks land
+    in the tile dδ took, dδ going over L; δ's rows come by registers) and at most 24 B
     of stack at its register split (ptxas: values handed to the partitions), on 128-wide value tiles
     of V = 128 or 256, none on 64-wide ones; the per-chunk kernel that reads them (one partial or
     two) compiles without spills and with less shared memory than with dh (no dh tiles in its
@@ -286,7 +289,7 @@ def test_the_dh_terms_forms_compile_within_the_card():
     assert p.returncode == 0, p.stdout + p.stderr
     rev, rev_warm, rev_64, rev_256, rev_t64, rev_plain, bwd, bwd_2, bwd_plain = json.loads(
         p.stdout.strip().splitlines()[-1])
-    assert rev["shared"] <= rev_plain["shared"] + 64 <= 227 * 1024, (rev, rev_plain)
+    assert rev["shared"] <= rev_plain["shared"] + 128 <= 227 * 1024, (rev, rev_plain)
     assert rev_256["shared"] == rev["shared"] and rev_t64["shared"] < rev["shared"], (rev_256, rev_t64)
     assert max(r["spill"] for r in (rev, rev_warm, rev_256)) <= 24 and rev_64["spill"] == rev_t64["spill"] == 0, (
         rev, rev_warm, rev_256, rev_64, rev_t64)

@@ -34,7 +34,8 @@ memory and mbarriers:
 - the local warpgroup forms Pᵀ = K Qᵀ ⊙ Dᵀ from the copied tiles, L = scale · Pᵀ dO and dÕ: the
   work that needs no state, a chunk ahead of the chain;
 - one copy warp fills a ring of ``NS`` slots with each chunk's q, k, dO and T tiles by tensor
-  copies, as soon as the three warpgroups have released the slot.
+  copies, as soon as the three warpgroups have released the slot (with ``DS_TERMS`` also the
+  state's row blocks the local warpgroup sums over, through a ring of their own).
 
 So the chain is three products (K dS, Tᵀ dδ, Kᵀ Z) and a handshake each way per chunk. The
 arithmetic and roundings are state_bwd_kernel's ``FROM_INV`` form after dv_local_kernel: Pᵀ in
@@ -78,15 +79,46 @@ def _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM: gl.constexpr):
 
 
 @gluon.jit
-def _copies(q_t, k_t, do_t, a_t, ring_q, ring_k, ring_do, ring_a, ready, empty, cu, ends, plan, seg_seq, seq_cu,
-            i_n, i_h, i_hv, col, HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, WARM: gl.constexpr):
+def _state_rows(h_t, h_ring, hb, c0, nc, nw, jj, i_hv, col, HV, r0: gl.constexpr, r1: gl.constexpr,
+                K: gl.constexpr):
+    """(``DS_TERMS``) Row blocks r0 … r1 − 1 of step jj's state S (h's [RP, VT] blocks of the chunk's
+    [K, VT] tile, ``RP`` = h_ring's rows) into h_ring's two slots, block n of the program's own
+    chunks (n counted over them, NB = K / RP a chunk) into slot n % 2 once its reader released the
+    block two before (hb: ready, ready, free, free)."""
+    RP: gl.constexpr = h_ring.shape[1]
+    NB: gl.constexpr = K // RP
+    for r in gl.static_range(r0, r1):
+        n = (jj - nw) * NB + r
+        sl = n % 2
+        mbarrier.wait(hb.index(2 + sl), ((n // 2) & 1) ^ 1)
+        mbarrier.expect(hb.index(sl), RP * h_ring.shape[2] * 2)
+        tma.async_copy_global_to_shared(h_t, [((c0 + nc - 1 - jj) * HV + i_hv) * K + r * RP, col], hb.index(sl),
+                                        h_ring.index(sl))
+
+
+@gluon.jit
+def _copies(q_t, k_t, do_t, a_t, h_t, ring_q, ring_k, ring_do, ring_a, h_ring, ready, empty, hb, cu, ends, off, plan,
+            seg_seq, seq_cu, i_n, i_h, i_hv, col, HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr,
+            WARM: gl.constexpr, DS_TERMS: gl.constexpr):
     """The copy warp: step j's tiles (chunk nc − 1 − j) into slot j % NS once the slot's readers
-    released it (of dO the program's VT columns from the head's column ``col``)."""
+    released it (of dO the program's VT columns from the head's column ``col``). With ``DS_TERMS``
+    also the state S of each own chunk (not warm-up ones) in row blocks through h_ring, a step
+    behind the tiles: the blocks the ring has slots for before the next tiles' wait (their slots
+    free once the step before's sum has read them), the rest after it (free once this step's sum has
+    read its first blocks), so that neither kind of copy waits on the other's reader longer than
+    it must."""
     NS: gl.constexpr = ring_k.shape[0]
     nbytes: gl.constexpr = (2 * BT * K + BT * VT + BT * BT) * 2
+    NB: gl.constexpr = K // 32
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
+    c0 = 0
+    if DS_TERMS:
+        c0 = gl.load(off + i_n)
     for j in range(nc):
         s = j % NS
+        if DS_TERMS:
+            if j >= 1 + nw:
+                _state_rows(h_t, h_ring, hb, c0, nc, nw, j - 1, i_hv, col, HV, 0, 2, K)
         mbarrier.wait(empty.index(s), ((j // NS) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
         bar = ready.index(s)
         t0 = bos + (nc - 1 - j) * BT
@@ -95,6 +127,12 @@ def _copies(q_t, k_t, do_t, a_t, ring_q, ring_k, ring_do, ring_a, ready, empty, 
         tma.async_copy_global_to_shared(q_t, [t0, i_h * K], bar, ring_q.index(s))
         tma.async_copy_global_to_shared(do_t, [t0, i_hv * V + col], bar, ring_do.index(s))
         tma.async_copy_global_to_shared(a_t, [t0, i_hv * BT], bar, ring_a.index(s))
+        if DS_TERMS:
+            if j >= 1 + nw:
+                _state_rows(h_t, h_ring, hb, c0, nc, nw, j - 1, i_hv, col, HV, 2, NB, K)
+    if DS_TERMS:
+        if nc >= 1 + nw:
+            _state_rows(h_t, h_ring, hb, c0, nc, nw, nc - 1, i_hv, col, HV, 0, NB, K)
 
 
 @gluon.jit
@@ -157,10 +195,11 @@ def _state(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready
 @gluon.jit
 def _delta(ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready, l_empty, d_buf, z_buf, z_ready,
            z_empty, G, beta, DD, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, V: gl.constexpr,
-           VT: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr):
+           VT: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, D_OVER_L: gl.constexpr):
     """The δ warpgroup, on the program's VT value columns: dδ = diag(Γ_C / Γ) K dS + L (zero on rows
     past the end; stored to its columns of DD [T, HV, V] but on warm-up chunks), then
-    Z = −diag(βΓ) Tᵀ dδ for the state's update."""
+    Z = −diag(βΓ) Tᵀ dδ for the state's update. ``D_OVER_L``: d_buf is l_buf (dδ written over the L
+    it was formed from, each thread over the elements it read; L released once Tᵀ dδ is formed)."""
     NS: gl.constexpr = ring_k.shape[0]
     l_v: gl.constexpr = acc_layout(VT, WG)
     r_v: gl.constexpr = gl.SliceLayout(1, l_v)
@@ -186,13 +225,16 @@ def _delta(ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready
         mbarrier.arrive(s_empty, count=1)
         mbarrier.wait(l_ready, par)
         b_d = (b_x * b_w[:, None] + l_buf.load(l_v).to(gl.float32)).to(DT)
-        mbarrier.arrive(l_empty, count=1)
+        if not D_OVER_L:
+            mbarrier.arrive(l_empty, count=1)
         d_buf.store(b_d)
         fence_async_shared()
         b_z = warpgroup_mma(ring_a.index(s).permute((1, 0)), d_buf, zero, use_acc=False, is_async=True)
         p_d = (rt.to(gl.int64)[:, None] * HV + i_hv) * V + o_v[None, :]
         gl.store(DD + p_d, b_d, mask=m[:, None] & (j >= nw))
         b_z = warpgroup_mma_wait(0, deps=[b_z])
+        if D_OVER_L:
+            mbarrier.arrive(l_empty, count=1)
         b_z = (b_z * (-b_b * gl.exp(g_t))[:, None]).to(DT)
         mbarrier.wait(z_empty, par ^ 1)  # the state's previous update has read Z
         z_buf.store(b_z)
@@ -202,36 +244,39 @@ def _delta(ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready
 
 
 @gluon.jit
-def _ds_terms(s_buf, s_ready, s_empty, VN, h, Dk, Tr, d_stride, tr_stride, i_g, i_hv, col, HV, t0, eos, par, store,
-              K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, DT: gl.constexpr):
-    """The local warpgroup's share of chunk i_c's dS_out (``_local``'s ``DS_TERMS``): once the state
-    warpgroup has published it in s_buf [K, V], D = δ dS_outᵀ to Dk's rows and Σ S ⊙ dS_out to
-    Tr (where ``store``: not on warm-up chunks; i_g the chunk's global index with the head, h's and
-    Tr's), then s_buf released. On the program's VT value columns from ``col``: partial sums over
-    them, the value tile's own (partial col // VT of Dk and Tr, d_stride and tr_stride elements
-    apart)."""
-    a_k: gl.constexpr = acc_layout(K, WG)
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_k, k_width=2)
-    ld: gl.constexpr = _rows(VT, WG)
-    RP: gl.constexpr = 32  # the rows of S and dS_out a step of the sum reads
-    o_r = gl.arange(0, BT, layout=gl.SliceLayout(1, a_op))
+def _delta_rows(VN, t0, eos, i_hv, col, HV, store, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr):
+    """δ's rows [64, VT] of the chunk from t0 (VN [T, HV, V], the recomputed forward's; the
+    program's columns from ``col``; zero past eos and where not ``store``) as the register operand
+    of D's product."""
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout(K, WG), k_width=2)
+    rt = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, a_op))
     o_v = col + gl.arange(0, VT, layout=gl.SliceLayout(0, a_op))
-    rt = t0 + o_r
-    m_r = rt < eos
-    # δ's rows and S's first rows requested before the wait (they do not depend on dS): less load
-    # latency between dS's publication and its release
-    b_dl = gl.load(VN + (rt.to(gl.int64)[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_r[:, None] & store,
+    return gl.load(VN + (rt.to(gl.int64)[:, None] * HV + i_hv) * V + o_v[None, :], mask=(rt < eos)[:, None] & store,
                    other=0.0)
-    o_p = gl.arange(0, RP, layout=gl.SliceLayout(1, ld))
-    o_c = col + gl.arange(0, VT, layout=gl.SliceLayout(0, ld))
-    p_h = h + i_g.to(gl.int64) * K * V + o_p[:, None] * V + o_c[None, :]
-    b_h0 = gl.load(p_h, mask=store, other=0.0)
+
+
+@gluon.jit
+def _ds_terms(s_buf, s_ready, s_empty, h_ring, hb, b_dl, Dk, Tr, d_stride, tr_stride, i_g, i_hv, col, HV, t0, eos,
+              par, store, m0, K: gl.constexpr, VT: gl.constexpr):
+    """The local warpgroup's share of a chunk's dS_out (``_local``'s ``DS_TERMS``): once the state
+    warpgroup has published it in s_buf [K, VT], D = δ dS_outᵀ (b_dl: δ's rows, requested at the
+    start of the step) to Dk's rows and Σ S ⊙ dS_out to Tr (where ``store``: not on warm-up
+    chunks; i_g the chunk's global index with the head, Tr's), S's row blocks taken from h_ring as
+    the copy warp lands them (block m0 + r of the program's own chunks), then s_buf released. On the
+    program's VT value columns from ``col``: partial sums over them, the value tile's own (partial
+    col // VT of Dk and Tr, d_stride and tr_stride elements apart)."""
+    a_k: gl.constexpr = acc_layout(K, WG)
+    ld: gl.constexpr = _rows(VT, WG)
+    RP: gl.constexpr = h_ring.shape[1]  # the rows of S and dS_out a step of the sum reads
     mbarrier.wait(s_ready, par)
     if store:
         b_d = warpgroup_mma(b_dl, s_buf.permute((1, 0)), gl.zeros([BT, K], gl.float32, a_k), use_acc=False)
-        acc = b_h0.to(gl.float32) * s_buf.slice(0, RP, dim=0).load(ld).to(gl.float32)
-        for r in gl.static_range(1, K // RP):
-            b_h = gl.load(p_h + r * RP * V).to(gl.float32)
+        acc = gl.zeros([RP, VT], gl.float32, ld)
+        for r in gl.static_range(K // RP):
+            n = m0 + r
+            mbarrier.wait(hb.index(n % 2), (n // 2) & 1)
+            b_h = h_ring.index(n % 2).load(ld).to(gl.float32)
+            mbarrier.arrive(hb.index(2 + n % 2), count=1)
             acc += b_h * s_buf.slice(r * RP, RP, dim=0).load(ld).to(gl.float32)
         mbarrier.arrive(s_empty, count=1)
         i_vt = col // VT
@@ -246,7 +291,7 @@ def _ds_terms(s_buf, s_ready, s_empty, VN, h, Dk, Tr, d_stride, tr_stride, i_g, 
 
 @gluon.jit
 def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty, o_buf, o_ready, o_empty, s_buf,
-           s_ready, s_empty, G, VN, h, Dk, Tr, d_stride, tr_stride, cu, ends, off, plan, seg_seq, seq_cu, i_n,
+           s_ready, s_empty, h_ring, hb, G, VN, Dk, Tr, d_stride, tr_stride, cu, ends, off, plan, seg_seq, seq_cu, i_n,
            i_hv, col, HV, scale, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, DT: gl.constexpr,
            WARM: gl.constexpr, DS_TERMS: gl.constexpr):
     """The local warpgroup: Pᵀ = K Qᵀ ⊙ Dᵀ (columns of rows past the end zeroed, so the next
@@ -255,11 +300,15 @@ def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty
 
     With ``DS_TERMS``, then what the per-chunk stage (fused_bwd) would read dS_out for, from the dS
     the state warpgroup publishes: the rows D = δ dS_outᵀ [64, K] (δ the recomputed forward's,
-    read as the product's register operand; stored in Dk's dtype at the chunk's rows of Dk [NVT, T,
-    HV, K]) and the scalar Σ S ⊙ dS_out (S the state entering the chunk, h's, streamed in row
-    blocks; Tr [NVT, chunks, HV] at the chunk's global index off[i_n] + c, the same index as h's),
-    each summed over the program's value columns only: one partial a value tile, which the per-chunk
-    stage adds up. Off the chain: it answers dS a chunk behind the tiles it hands the chain."""
+    requested at the start of the step as the product's register operand, so that its loads wait
+    beside the step's other work rather than after dS's publication; stored in Dk's dtype at the
+    chunk's rows of Dk [NVT, T, HV, K]) and the scalar Σ S ⊙ dS_out (S the state entering the
+    chunk, h's, in row blocks the copy warp lands in h_ring ahead of the sum; Tr [NVT, chunks, HV]
+    at the chunk's global index off[i_n] + c, the same index as h's), each summed over the
+    program's value columns only: one partial a value tile, which the per-chunk stage adds up.
+    Neither waits on a load from memory once dS is published: the state warpgroup publishes the
+    next dS only after this one's readers released it, so whatever sits between the two is on
+    the chain."""
     NS: gl.constexpr = ring_k.shape[0]
     l_v: gl.constexpr = acc_layout(VT, WG)
     r_v: gl.constexpr = gl.SliceLayout(1, l_v)
@@ -277,6 +326,8 @@ def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty
         s = j % NS
         par = j & 1
         t0 = bos + (nc - 1 - j) * BT
+        if DS_TERMS:  # δ's rows for the step's terms, requested before its other work
+            b_dl = _delta_rows(VN, t0, eos, i_hv, col, HV, j >= nw, K, V, VT)
         mbarrier.wait(ready.index(s), (j // NS) & 1)
         b_p = warpgroup_mma(ring_k.index(s), ring_q.index(s).permute((1, 0)), zero_t, use_acc=False)
         g_r = gl.load(G + (t0 + o_r) * HV + i_hv, mask=t0 + o_r < eos, other=0.0)
@@ -300,12 +351,12 @@ def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty
         mbarrier.arrive(o_ready, count=1)
         mbarrier.arrive(empty.index(s), count=1)
         if DS_TERMS:
-            _ds_terms(s_buf, s_ready, s_empty, VN, h, Dk, Tr, d_stride, tr_stride, (c0 + nc - 1 - j) * HV + i_hv,
-                      i_hv, col, HV, t0, eos, par, j >= nw, K, V, VT, DT)
+            _ds_terms(s_buf, s_ready, s_empty, h_ring, hb, b_dl, Dk, Tr, d_stride, tr_stride,
+                      (c0 + nc - 1 - j) * HV + i_hv, i_hv, col, HV, t0, eos, par, j >= nw, (j - nw) * (K // 32), K, VT)
 
 
 @gluon.jit
-def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, VN, h, Dk, Tr, cu, ends, off, plan, seg_seq,
+def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, h_t, G, beta, dht, dh0, DD, VN, Dk, Tr, cu, ends, off, plan, seg_seq,
                      seq_cu, scale, H, HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, NS: gl.constexpr,
                      DT: gl.constexpr, USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr,
                      CARRY: gl.constexpr, R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_LOCAL: gl.constexpr,
@@ -330,8 +381,9 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, VN, h, Dk
     launch's ``maxnreg`` budget). ``DS_TERMS`` (unsliced: off[i_n] the program's first chunk's
     global index): no dh; instead D = δ dS_outᵀ into Dk [NVT, T, HV, K] and Σ S ⊙ dS_out into Tr
     [NVT, chunks, HV] per chunk, each value tile's partial after the previous one's (``_local``), from
-    VN (δ) [T, HV, V] and h [chunks, HV, K, V], the recomputed forward's (dh_t then h's descriptor:
-    its rows give the chunks, q_t's the tokens)."""
+    VN (δ) [T, HV, V] and h [chunks, HV, K, V], the recomputed forward's (dh_t then h's descriptor
+    in [K, VT] blocks: its rows give the chunks, q_t's the tokens; h_t h's in [32, VT] row blocks,
+    copied into the shared tile d_buf would take, dδ going over L instead)."""
     NVT: gl.constexpr = V // VT
     i_n, i_hv, i_h, col = _program(H, HV, NVT, VT)
     d_stride = q_t.shape[0].to(gl.int64) * HV * K  # D's and Tr's partials apart (DS_TERMS)
@@ -344,7 +396,15 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, VN, h, Dk
     s_buf = gl.allocate_shared_memory(DT, [K, VT], dh_t.layout)
     rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, VT], DT)
     l_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
-    d_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
+    if DS_TERMS:  # dδ over L (the δ warpgroup's D_OVER_L); the tile saved holds two row blocks of S
+        d_buf = l_buf
+        h_ring = gl.allocate_shared_memory(DT, [2, 32, VT], h_t.layout)
+        hb = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(4):
+            mbarrier.init(hb.index(i), count=1)
+    else:
+        d_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
+        h_ring = d_buf  # (unused, as hb)
     z_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
     o_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -359,20 +419,22 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, VN, h, Dk
         else:
             mbarrier.init(hand.index(i), count=1)
     fence_async_shared()
+    if not DS_TERMS:
+        hb = hand
     s_ready, s_empty, l_ready, l_empty = hand.index(0), hand.index(1), hand.index(2), hand.index(3)
     o_ready, o_empty, z_ready, z_empty = hand.index(4), hand.index(5), hand.index(6), hand.index(7)
     gl.warp_specialize([
         (_state, (ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready, o_empty, z_buf, z_ready,
                   z_empty, G, dht, dh0, dh_t, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, K, V, VT,
                   DT, USE_DHT, USE_INIT, WARM, CARRY, DS_TERMS)),
-        (_copies, (q_t, k_t, do_t, a_t, ring_q, ring_k, ring_do, ring_a, ready, empty, cu, ends, plan, seg_seq,
-                   seq_cu, i_n, i_h, i_hv, col, HV, K, V, VT, WARM)),
+        (_copies, (q_t, k_t, do_t, a_t, h_t, ring_q, ring_k, ring_do, ring_a, h_ring, ready, empty, hb, cu, ends, off,
+                   plan, seg_seq, seq_cu, i_n, i_h, i_hv, col, HV, K, V, VT, WARM, DS_TERMS)),
         (_delta, (ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready, l_empty, d_buf, z_buf,
                   z_ready, z_empty, G, beta, DD, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, V, VT, DT,
-                  WARM)),
+                  WARM, DS_TERMS)),
         (_local, (ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty, o_buf, o_ready, o_empty,
-                  s_buf, s_ready, s_empty, G, VN, h, Dk, Tr, d_stride, tr_stride, cu, ends, off, plan, seg_seq, seq_cu,
-                  i_n, i_hv, col, HV, scale, K, V, VT, DT, WARM, DS_TERMS)),
+                  s_buf, s_ready, s_empty, h_ring, hb, G, VN, Dk, Tr, d_stride, tr_stride, cu, ends, off, plan, seg_seq,
+                  seq_cu, i_n, i_hv, col, HV, scale, K, V, VT, DT, WARM, DS_TERMS)),
     ], [1, WG, WG], [R_COPY, R_DELTA, R_LOCAL])
 
 
@@ -434,19 +496,20 @@ def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None,
         dh = h  # (the descriptor argument of a dh that is never written; its rows give the chunks)
     else:
         assert dh.is_contiguous() and dh.data_ptr() % 16 == 0  # written through its descriptor in place
-        VN = h = Dk = Tr = G
+        VN = Dk = Tr = G
     q_t = _tiles(q, T, (CHUNK, K), DT)
     k_t = _tiles(k, T, (CHUNK, K), DT)
     do_t = _tiles(do, T, (CHUNK, VT), DT)
     a_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
     dh_t = _tiles(dh, dh.numel() // V, (K, VT), DT)
+    h_t = _tiles(dh, dh.numel() // V, (32, VT), DT) if terms is not None else dh_t  # S's row blocks
     r = tuple(c["regs_ds" if terms is not None else "regs"])
     programs = HV * (V // VT)
 
     def run(dht, dh0, cu, ends, off, N: int, warm=None, carry: bool = False):
         plan, seg_seq, seq_cu = warm if warm is not None else (cu, cu, cu)
-        launch(fused_rev_kernel, (N * programs,), q_t, k_t, do_t, a_t, dh_t, G, beta,
-               dht if dht is not None else G, dh0 if dh0 is not None else G, DD, VN, h, Dk, Tr, cu, ends, off, plan,
+        launch(fused_rev_kernel, (N * programs,), q_t, k_t, do_t, a_t, dh_t, h_t, G, beta,
+               dht if dht is not None else G, dh0 if dh0 is not None else G, DD, VN, Dk, Tr, cu, ends, off, plan,
                seg_seq, seq_cu, scale, H, HV, K=K, V=V, VT=VT, NS=c["NS"], DT=DT, USE_DHT=dht is not None,
                USE_INIT=dh0 is not None, WARM=warm is not None, CARRY=carry, R_COPY=r[0], R_DELTA=r[1], R_LOCAL=r[2],
                DS_TERMS=terms is not None, maxnreg=c["maxnreg"], name="fused_rev")
