@@ -256,35 +256,52 @@ def _delta_rows(VN, t0, eos, i_hv, col, HV, store, K: gl.constexpr, V: gl.conste
 
 
 @gluon.jit
+def _sum_block(acc, h_ring, hb, n, b_s):
+    """acc + S's row block n (of the program's own, from h_ring once landed; its slot then released)
+    ⊙ b_s, dS_out's matching rows."""
+    mbarrier.wait(hb.index(n % 2), (n // 2) & 1)
+    b_h = h_ring.index(n % 2).load(b_s.type.layout).to(gl.float32)
+    mbarrier.arrive(hb.index(2 + n % 2), count=1)
+    return acc + b_h * b_s.to(gl.float32)
+
+
+@gluon.jit
 def _ds_terms(s_buf, s_ready, s_empty, h_ring, hb, b_dl, Dk, Tr, d_stride, tr_stride, i_g, i_hv, col, HV, t0, eos,
               par, store, m0, K: gl.constexpr, VT: gl.constexpr):
     """The local warpgroup's share of a chunk's dS_out (``_local``'s ``DS_TERMS``): once the state
     warpgroup has published it in s_buf [K, VT], D = δ dS_outᵀ (b_dl: δ's rows, requested at the
     start of the step) to Dk's rows and Σ S ⊙ dS_out to Tr (where ``store``: not on warm-up
     chunks; i_g the chunk's global index with the head, Tr's), S's row blocks taken from h_ring as
-    the copy warp lands them (block m0 + r of the program's own chunks), then s_buf released. On the
-    program's VT value columns from ``col``: partial sums over them, the value tile's own (partial
-    col // VT of Dk and Tr, d_stride and tr_stride elements apart)."""
+    the copy warp lands them (block m0 + r of the program's own chunks). s_buf is released as soon
+    as nothing more is read from it: after the product, the sum over the two row blocks the ring
+    held when dS was published, and dS_out's other rows taken into registers, so that the blocks
+    the copy warp can only request once those two are read land off the chain. On the program's
+    VT value columns from ``col``: partial sums over them, the value tile's own (partial col // VT
+    of Dk and Tr, d_stride and tr_stride elements apart)."""
     a_k: gl.constexpr = acc_layout(K, WG)
     ld: gl.constexpr = _rows(VT, WG)
     RP: gl.constexpr = h_ring.shape[1]  # the rows of S and dS_out a step of the sum reads
+    gl.static_assert(K == 2 * RP or K == 4 * RP)
     mbarrier.wait(s_ready, par)
     if store:
         b_d = warpgroup_mma(b_dl, s_buf.permute((1, 0)), gl.zeros([BT, K], gl.float32, a_k), use_acc=False)
-        acc = gl.zeros([RP, VT], gl.float32, ld)
-        for r in gl.static_range(K // RP):
-            n = m0 + r
-            mbarrier.wait(hb.index(n % 2), (n // 2) & 1)
-            b_h = h_ring.index(n % 2).load(ld).to(gl.float32)
-            mbarrier.arrive(hb.index(2 + n % 2), count=1)
-            acc += b_h * s_buf.slice(r * RP, RP, dim=0).load(ld).to(gl.float32)
-        mbarrier.arrive(s_empty, count=1)
         i_vt = col // VT
-        gl.store(Tr + i_vt * tr_stride + i_g, gl.sum(gl.sum(acc, axis=1), axis=0))
         rk = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, a_k))
         o_k = gl.arange(0, K, layout=gl.SliceLayout(0, a_k))
         gl.store(Dk + i_vt.to(gl.int64) * d_stride + (rk.to(gl.int64)[:, None] * HV + i_hv) * K + o_k[None, :],
                  b_d.to(Dk.dtype.element_ty), mask=(rk < eos)[:, None])
+        acc = gl.zeros([RP, VT], gl.float32, ld)
+        acc = _sum_block(acc, h_ring, hb, m0, s_buf.slice(0, RP, dim=0).load(ld))
+        acc = _sum_block(acc, h_ring, hb, m0 + 1, s_buf.slice(RP, RP, dim=0).load(ld))
+        if K == 4 * RP:
+            b_s2 = s_buf.slice(2 * RP, RP, dim=0).load(ld)
+            b_s3 = s_buf.slice(3 * RP, RP, dim=0).load(ld)
+            mbarrier.arrive(s_empty, count=1)
+            acc = _sum_block(acc, h_ring, hb, m0 + 2, b_s2)
+            acc = _sum_block(acc, h_ring, hb, m0 + 3, b_s3)
+        else:
+            mbarrier.arrive(s_empty, count=1)
+        gl.store(Tr + i_vt * tr_stride + i_g, gl.sum(gl.sum(acc, axis=1), axis=0))
     else:
         mbarrier.arrive(s_empty, count=1)
 
