@@ -197,7 +197,7 @@ def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
         return f"tensordesc<bf16[{rows}, {cols}],{B._tile((rows, cols), gl.bfloat16, torch.bfloat16)[0]!r}>"
 
     sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, VT), a_t=desc(64, 64), dh_t=desc(K, VT),
-               h_t=desc(32, VT), G="*fp32", beta="*fp32", dht="*fp32", dh0="*fp32", DD="*bf16", VN="*bf16",
+               h_t=desc(F.ROWS, VT), G="*fp32", beta="*fp32", dht="*fp32", dh0="*fp32", DD="*bf16", VN="*bf16",
                Dk="*bf16", Tr="*fp32", cu="*i32", ends="*i32", off="*i32", plan="*i32", seg_seq="*i32",
                seq_cu="*i32", scale="fp32", H="i32", HV="i32")
     const = dict(K=K, V=V, VT=VT, NS=NS, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, WARM=warm, CARRY=carry,

@@ -62,6 +62,8 @@ from .fused_fwd import _edges, _program, value_tile
 
 BT = gl.constexpr(CHUNK)
 WG = gl.constexpr(4)  # warps of a warpgroup: each role but the copies'
+ROWS = 32  # (DS_TERMS) the rows of S one copy lands and one step of the sum reads
+RP = gl.constexpr(ROWS)
 
 
 @gluon.jit
@@ -82,10 +84,9 @@ def _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM: gl.constexpr):
 def _state_rows(h_t, h_ring, hb, c0, nc, nw, jj, i_hv, col, HV, r0: gl.constexpr, r1: gl.constexpr,
                 K: gl.constexpr):
     """(``DS_TERMS``) Row blocks r0 … r1 − 1 of step jj's state S (h's [RP, VT] blocks of the chunk's
-    [K, VT] tile, ``RP`` = h_ring's rows) into h_ring's two slots, block n of the program's own
+    [K, VT] tile) into h_ring's two slots, block n of the program's own
     chunks (n counted over them, NB = K / RP a chunk) into slot n % 2 once its reader released the
     block two before (hb: ready, ready, free, free)."""
-    RP: gl.constexpr = h_ring.shape[1]
     NB: gl.constexpr = K // RP
     for r in gl.static_range(r0, r1):
         n = (jj - nw) * NB + r
@@ -109,7 +110,7 @@ def _copies(q_t, k_t, do_t, a_t, h_t, ring_q, ring_k, ring_do, ring_a, h_ring, r
     it must."""
     NS: gl.constexpr = ring_k.shape[0]
     nbytes: gl.constexpr = (2 * BT * K + BT * VT + BT * BT) * 2
-    NB: gl.constexpr = K // 32
+    NB: gl.constexpr = K // RP
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     c0 = 0
     if DS_TERMS:
@@ -280,7 +281,6 @@ def _ds_terms(s_buf, s_ready, s_empty, h_ring, hb, b_dl, Dk, Tr, d_stride, tr_st
     of Dk and Tr, d_stride and tr_stride elements apart)."""
     a_k: gl.constexpr = acc_layout(K, WG)
     ld: gl.constexpr = _rows(VT, WG)
-    RP: gl.constexpr = h_ring.shape[1]  # the rows of S and dS_out a step of the sum reads
     gl.static_assert(K == 2 * RP or K == 4 * RP)
     mbarrier.wait(s_ready, par)
     if store:
@@ -369,7 +369,7 @@ def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty
         mbarrier.arrive(empty.index(s), count=1)
         if DS_TERMS:
             _ds_terms(s_buf, s_ready, s_empty, h_ring, hb, b_dl, Dk, Tr, d_stride, tr_stride,
-                      (c0 + nc - 1 - j) * HV + i_hv, i_hv, col, HV, t0, eos, par, j >= nw, (j - nw) * (K // 32), K, VT)
+                      (c0 + nc - 1 - j) * HV + i_hv, i_hv, col, HV, t0, eos, par, j >= nw, (j - nw) * (K // RP), K, VT)
 
 
 @gluon.jit
@@ -399,7 +399,7 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, h_t, G, beta, dht, dh0, DD, VN, 
     global index): no dh; instead D = δ dS_outᵀ into Dk [NVT, T, HV, K] and Σ S ⊙ dS_out into Tr
     [NVT, chunks, HV] per chunk, each value tile's partial after the previous one's (``_local``), from
     VN (δ) [T, HV, V] and h [chunks, HV, K, V], the recomputed forward's (dh_t then h's descriptor
-    in [K, VT] blocks: its rows give the chunks, q_t's the tokens; h_t h's in [32, VT] row blocks,
+    in [K, VT] blocks: its rows give the chunks, q_t's the tokens; h_t h's in [RP, VT] row blocks,
     copied into the shared tile d_buf would take, dδ going over L instead)."""
     NVT: gl.constexpr = V // VT
     i_n, i_hv, i_h, col = _program(H, HV, NVT, VT)
@@ -415,7 +415,7 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, h_t, G, beta, dht, dh0, DD, VN, 
     l_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
     if DS_TERMS:  # dδ over L (the δ warpgroup's D_OVER_L); the tile saved holds two row blocks of S
         d_buf = l_buf
-        h_ring = gl.allocate_shared_memory(DT, [2, 32, VT], h_t.layout)
+        h_ring = gl.allocate_shared_memory(DT, [2, RP, VT], h_t.layout)
         hb = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(4):
             mbarrier.init(hb.index(i), count=1)
@@ -519,7 +519,7 @@ def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None,
     do_t = _tiles(do, T, (CHUNK, VT), DT)
     a_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
     dh_t = _tiles(dh, dh.numel() // V, (K, VT), DT)
-    h_t = _tiles(dh, dh.numel() // V, (32, VT), DT) if terms is not None else dh_t  # S's row blocks
+    h_t = _tiles(dh, dh.numel() // V, (ROWS, VT), DT) if terms is not None else dh_t  # S's row blocks
     r = tuple(c["regs_ds" if terms is not None else "regs"])
     programs = HV * (V // VT)
 
