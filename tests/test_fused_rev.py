@@ -104,41 +104,6 @@ def test_half_the_card_runs_as_segments_slice_by_slice(card):
     assert all(SMS // 2 < g[0] <= SMS for g, _ in rev) and not any(m["WARM"] for _, m in rev[1:]), rev
 
 
-def _ds_launches(monkeypatch, *shape, h0=False):
-    monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], ds_terms=True))
-    from tests.test_fused_fwd_dispatch import _record as record  # noqa: PLC0415
-
-    return record(*shape, h0=h0)[1]
-
-
-@pytest.mark.parametrize("shape,warm,nvt", [((8, 2048, 16, 16, 128, 128), False, 1),
-                                            ((1, 32768, 16, 16, 128, 128), True, 1),
-                                            ((2, 512, 2, 4, 64, 64), False, 1),
-                                            ((8, 2048, 16, 16, 128, 256), False, 2),
-                                            ((2, 512, 4, 4, 128, 128), False, 2)])
-def test_the_reverse_pass_forms_the_dh_terms_without_slices(card, monkeypatch, shape, warm, nvt):
-    """With ``ds_terms``: one launch of the reverse pass (warm-started segments where few long
-    sequences would idle the card) and one of the per-chunk kernel, at shapes whose dh would be
-    sliced; one partial of D and of Σ S ⊙ dS_out a value tile of the pass (V = 256: two 128-wide
-    tiles; an unsplit pass that would leave half the card idle: two 64-wide ones), the first
-    partial of D being the per-chunk kernel's dK buffer; h to the reverse pass as the per-chunk
-    kernel's h."""
-    rec = _ds_launches(monkeypatch, *shape, h0=True)
-    names = [k.fn.__name__ for k, _, _, _ in rec]
-    assert names.count("fused_rev_kernel") == 1 and names.count("fused_bwd_kernel") == 1, names
-    (rev,) = [dict(zip(k.arg_names, a)) | m for k, _, a, m in rec if k.fn.__name__ == "fused_rev_kernel"]
-    (bwd,) = [dict(zip(k.arg_names, a)) | m for k, _, a, m in rec if k.fn.__name__ == "fused_bwd_kernel"]
-    assert rev["DS_TERMS"] and bwd["DS_IN"] and rev["WARM"] == warm and rev["V"] // rev["VT"] == nvt, rev
-    B, T, H, HV, K, V = shape
-    assert bwd["NDS"] == nvt and tuple(rev["Dk"].shape) == (nvt, B * T, HV, K), (bwd["NDS"], rev["Dk"].shape)
-    assert bwd["DK"].data_ptr() == rev["Dk"].data_ptr() and tuple(bwd["DK"].shape) == (B * T, HV, K)
-    assert rev["Tr"] is bwd["Tr"] and tuple(rev["Tr"].shape) == (nvt, B * T // 64, HV) and rev["Tr"].dtype == torch.float32
-    # h's rows give the kernel its chunks (dh_t) and the state's row blocks it copies (h_t)
-    assert rev["dh_t"].base is bwd["h_t"].base and rev["h_t"].base is bwd["h_t"].base
-    assert tuple(rev["h_t"].block_shape) == (32, rev["VT"]) and tuple(rev["dh_t"].block_shape) == (K, rev["VT"])
-    assert rev["VN"].data_ptr() == bwd["d_t"].base.data_ptr()
-
-
 def test_value_heads_of_256_run_as_two_value_tiles(card, monkeypatch):
     """(2, 512) at 4 heads of V = 256: one program per (sequence, value head, 128-wide value tile),
     the two tiles of a head neighbours in the grid; dO read and dh written in [64, 128] and
@@ -261,36 +226,3 @@ def test_compiles_without_spills_in_shared_memory():
     assert fits[4]["shared"] == fits[0]["shared"] and fits[5]["shared"] == fits[1]["shared"], fits
     assert fits[7]["shared"] == fits[1]["shared"], fits
     assert tight["spill"] > 0, tight
-
-
-COMPILE_TERMS = """
-import json, sys
-sys.path.insert(0, {root!r})
-from tools import gluon_budget as G
-print(json.dumps([G.reverse_resources(128, 128, ds_terms=True), G.reverse_resources(128, 128, ds_terms=True, warm=True),
-                  G.reverse_resources(64, 64, ds_terms=True, warm=True), G.reverse_resources(128, 256, ds_terms=True),
-                  G.reverse_resources(128, 128, ds_terms=True, VT=64), G.reverse_resources(128, 128),
-                  G.kernel_resources(128, 128, 64, 8, ds_in=True), G.kernel_resources(128, 128, 64, 8, ds_in=True, nds=2),
-                  G.kernel_resources(128, 128, 64, 8)]))
-"""
-
-
-def test_the_dh_terms_forms_compile_within_the_card():
-    """sm_90 at the launch setting, K = 128: the reverse pass that forms the dS_out terms in its local
-    warpgroup takes the plain pass's shared memory but for its barriers (the state's row blocks land
-    in the tile dδ took, dδ going over L; δ's rows come by registers) and at most 24 B
-    of stack at its register split (ptxas: values handed to the partitions), on 128-wide value tiles
-    of V = 128 or 256, none on 64-wide ones; the per-chunk kernel that reads them (one partial or
-    two) compiles without spills and with less shared memory than with dh (no dh tiles in its
-    ring)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", COMPILE_TERMS.format(root=str(ROOT))], capture_output=True, text=True,
-                       env=env, cwd=ROOT, timeout=600)
-    assert p.returncode == 0, p.stdout + p.stderr
-    rev, rev_warm, rev_64, rev_256, rev_t64, rev_plain, bwd, bwd_2, bwd_plain = json.loads(
-        p.stdout.strip().splitlines()[-1])
-    assert rev["shared"] <= rev_plain["shared"] + 128 <= 227 * 1024, (rev, rev_plain)
-    assert rev_256["shared"] == rev["shared"] and rev_t64["shared"] < rev["shared"], (rev_256, rev_t64)
-    assert max(r["spill"] for r in (rev, rev_warm, rev_256)) <= 24 and rev_64["spill"] == rev_t64["spill"] == 0, (
-        rev, rev_warm, rev_256, rev_64, rev_t64)
-    assert bwd["spill"] == bwd_2["spill"] == 0 and bwd["shared"] < bwd_plain["shared"], (bwd, bwd_2, bwd_plain)

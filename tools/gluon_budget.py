@@ -104,12 +104,10 @@ def resources(K: int, V: int, BV: int, num_warps: int) -> dict:
     return _compiled(GluonASTSource(value_loop, sig, consts, {}), num_warps)
 
 
-def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = None, PER: int | None = None,
-                     ds_in: bool = False, nds: int = 1) -> dict:
+def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = None, PER: int | None = None) -> dict:
     """{"regs", "spill", "shared"} of the fused backward kernel itself
     (:func:`gdn.ops.delta.triton.fused_bwd.fused_bwd_kernel`, bf16) compiled for sm_90, with a ring
-    of ``NS`` slots and ``PER`` items a program (defaults: the launch setting's; ``ds_in``: the form
-    that reads the reverse pass's dS_out terms instead of dh), specialised as
+    of ``NS`` slots and ``PER`` items a program (defaults: the launch setting's), specialised as
     Triton's launcher specialises a launch at Qwen's layouts: every pointer 16-byte aligned (torch's
     allocations are) and H, HV multiples of 16. The alignment changes the code ptxas gets (at
     K = V = 128 it is what spills three registers)."""
@@ -120,7 +118,7 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = N
     PER = DELTA["fused_bwd"]["items"] if PER is None else PER
     names = F.fused_bwd_kernel.arg_names
     sig = {n: "*bf16" for n in names}
-    sig.update({n: "*fp32" for n in ("G", "beta", "DB", "DG", "Tr")})
+    sig.update({n: "*fp32" for n in ("G", "beta", "DB", "DG")})
 
     def desc(rows, cols=BV):
         return f"tensordesc<bf16[{rows}, {cols}],{F._tile((rows, cols), gl.bfloat16, torch.bfloat16)[0]!r}>"
@@ -130,11 +128,10 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = N
     sig.update({n: desc(64, K) for n in ("q_t", "k_t", "dq_t", "dk_t")})
     sig.update(cu="*i32", chunk_idx="*i32", chunk_off="*i32", scale="fp32", H="i32", HV="i32", NW="i32",
                K="constexpr", V="constexpr", BV="constexpr", NS="constexpr", DT="constexpr", QK_TMA="constexpr",
-               DV_TMA="constexpr", PER="constexpr", DS_IN="constexpr", NDS="constexpr")
+               DV_TMA="constexpr", PER="constexpr")
     at = {n: i for i, n in enumerate(names)}
     consts = {(at["K"],): K, (at["V"],): V, (at["BV"],): BV, (at["NS"],): NS, (at["DT"],): gl.bfloat16,
-              (at["QK_TMA"],): True, (at["DV_TMA"],): True, (at["PER"],): PER, (at["DS_IN"],): ds_in,
-              (at["NDS"],): nds}
+              (at["QK_TMA"],): True, (at["DV_TMA"],): True, (at["PER"],): PER}
     return _compiled(GluonASTSource(F.fused_bwd_kernel, sig, consts, _aligned(sig, at)), num_warps)
 
 
@@ -175,14 +172,13 @@ def forward_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
 
 
 def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg: int | None = None,
-                      warm: bool = False, VT: int | None = None, carry: bool = False, ds_terms: bool = False) -> dict:
+                      warm: bool = False, VT: int | None = None, carry: bool = False) -> dict:
     """{"regs", "spill", "shared"} of the warp-specialised reverse pass
     (:func:`gdn.ops.delta.triton.fused_rev.fused_rev_kernel`, bf16, final- and initial-state
     gradients) compiled for sm_90 at the launch setting (or the given ring slots, partition registers
     and maxnreg; ``warm``: the warm-started segments' form, ``carry``: its sliced form's first
     slice, dS entering every program stored), each program on a value tile of
-    ``fused_fwd.value_tile(V, "fused_rev")`` columns as the launch takes it (or ``VT``); ``ds_terms``:
-    the form that forms the per-chunk stage's dS_out terms instead of storing dh."""
+    ``fused_fwd.value_tile(V, "fused_rev")`` columns as the launch takes it (or ``VT``)."""
     from gdn.ops.delta.triton import fused_bwd as B  # noqa: PLC0415
     from gdn.ops.delta.triton import fused_fwd as FF  # noqa: PLC0415
     from gdn.ops.delta.triton import fused_rev as F  # noqa: PLC0415
@@ -190,18 +186,17 @@ def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
 
     c = DELTA["fused_rev"]
     NS = c["NS"] if NS is None else NS
-    regs = tuple(c["regs_ds" if ds_terms else "regs"] if regs is None else regs)
+    regs = tuple(c["regs"] if regs is None else regs)
     VT = FF.value_tile(V, "fused_rev") if VT is None else VT
 
     def desc(rows, cols):
         return f"tensordesc<bf16[{rows}, {cols}],{B._tile((rows, cols), gl.bfloat16, torch.bfloat16)[0]!r}>"
 
-    sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, VT), a_t=desc(64, 64), dh_t=desc(K, VT),
-               h_t=desc(F.ROWS, VT), G="*fp32", beta="*fp32", dht="*fp32", dh0="*fp32", DD="*bf16", VN="*bf16",
-               Dk="*bf16", Tr="*fp32", cu="*i32", ends="*i32", off="*i32", plan="*i32", seg_seq="*i32",
-               seq_cu="*i32", scale="fp32", H="i32", HV="i32")
+    sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, VT), a_t=desc(64, 64), dh_t=desc(K, VT), G="*fp32",
+               beta="*fp32", dht="*fp32", dh0="*fp32", DD="*bf16", cu="*i32", ends="*i32", off="*i32", plan="*i32",
+               seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
     const = dict(K=K, V=V, VT=VT, NS=NS, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, WARM=warm, CARRY=carry,
-                 R_COPY=regs[0], R_DELTA=regs[1], R_LOCAL=regs[2], DS_TERMS=ds_terms)
+                 R_COPY=regs[0], R_DELTA=regs[1], R_LOCAL=regs[2])
     sig.update({n: "constexpr" for n in const})
     names = F.fused_rev_kernel.arg_names
     at = {n: i for i, n in enumerate(names)}

@@ -1,6 +1,6 @@
 """The Python host time of one launch on gdn's launch path (gdn.ops.triton.launch: the launch
 settings, the key of every argument, the cached launcher, the tensor maps from their cache), without
-a GPU: fused_bwd's launch at (8, 2048, 16, 128) bf16 (35 arguments, twelve Gluon tensor descriptors)
+a GPU: fused_bwd's launch at (8, 2048, 16, 128) bf16 (34 arguments, twelve Gluon tensor descriptors)
 with CPU tensors, the compiled kernel faked and the C launch function a no-op behind triton 3.6's own
 descriptor wrapper, so that everything but the driver call runs as on CUDA.
 
@@ -46,9 +46,9 @@ def fake_launch(calls: list):
     q_t, k_t, dq_t, dk_t = (fb._tiles(x, T, (64, K), DT) for x in (q, k, DQ, DK))
     ai_t = fb._tiles(Ai, T, (64, 64), DT)
     args = (q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, dd, dq_t, dk_t, dd_t, DB, DG, cu, ci, co,
-            DG, 0.088, H, HV, 256 * HV)
+            0.088, H, HV, 256 * HV)
     meta = dict(K=K, V=V, BV=128, NS=DELTA["fused_bwd"]["NS"], DT=DT, QK_TMA=True, DV_TMA=True,
-                PER=DELTA["fused_bwd"]["items"], DS_IN=False, NDS=1)
+                PER=DELTA["fused_bwd"]["items"])
     kernel = fb.fused_bwd_kernel
     sig = {p.name: ("tensordesc<bf16[64, 128]>" if p.name.endswith("_t") else "*bf16") for p in kernel.params}
     metas = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[64, 128], fp4_padded=False)] * 12

@@ -171,17 +171,8 @@ DELTA = {
     # partition counted as a warpgroup), the fastest split timed at 1 × 32768 and Qwen3.5-397B;
     # ptxas sm_90 at these: 432 B of stack, 227 KB of shared memory (tools/gluon_budget.py --rbwd).
     "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 136, 192), maxnreg=128),
-    # ds_terms: the pass forms what the per-chunk stage reads dS_out for (δ dS_outᵀ into dK's buffer,
-    # Σ S ⊙ dS_out per chunk; a partial of each per value tile) in its local warpgroup instead of
-    # storing dh (chunk_bwd._with_terms): no dh and no slices. Off: its form that loaded S and δ
-    # after dS's publication was correct on the GPU with 7-11 % less memory but the reverse pass
-    # 1.9-2.4x as long (H100, docs/BENCHMARKS.md); the form here (S by tensor copies ahead of the sum,
-    # δ requested at the step's start) has not run on a GPU.
-    # regs_ds: its partitions' registers (the local warpgroup holds δ's rows, the product and row
-    # blocks of S and dS more: at 168 ptxas spills 40 B at K = V = 128, at 176 32 B at V = 256, here
-    # 24 B at both, the values handed to the partitions)
     "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, VT=128,
-                      narrow=64, ds_terms=False, regs_ds=(24, 136, 184)),
+                      narrow=64),
     "cumsum": dict(num_warps=1, stages=(1,)),
     # warm_plan reads one bound per chunk, 16 at a time: one warp; bound (a backward not handed the
     # forward's bounds) reads a chunk's [64, K] keys

@@ -24,8 +24,7 @@ from .test_fused_fwd import CASES  # the warp-specialised forward's cases: the s
 
 @pytest.mark.parametrize("mode", ("whole", "chunk-slices", "segments-of-2", "segments-of-3-chunk-slices",
                                   "whole-tiles-64", "chunk-slices-tiles-64", "segments-of-2-tiles-64",
-                                  "segments-of-3-chunk-slices-tiles-64", "whole-ds-terms", "segments-of-2-ds-terms",
-                                  "whole-tiles-64-ds-terms"))
+                                  "segments-of-3-chunk-slices-tiles-64"))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in CASES])
 def test_fused_reverse(case, dtype, mode, monkeypatch):
@@ -34,17 +33,13 @@ def test_fused_reverse(case, dtype, mode, monkeypatch):
     segments of three chunks run one chunk a slice, tails first (the first slice's programs warm
     up and store the dS entering them, the later ones start from it); each on
     128-wide value tiles (``narrow`` off) or on tiles of 64 (``VT``: what plain_tile picks for an
-    unsplit pass that would leave half the card idle); or, ``ds-terms``, forming the per-chunk
-    stage's dS_out terms itself (no dh: one launch of each kernel; a partial of them a value tile,
-    added up by the per-chunk kernel). Fresh
+    unsplit pass that would leave half the card idle). Fresh
     buffers hold NaN (``poison_empty``): sliced, the per-chunk kernel meets rows of dδ that a later
     slice writes."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warpgroup MMAs: compute capability 9")
-    VT = 64 if "tiles-64" in mode else 128
-    terms = mode.endswith("ds-terms")
-    monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], on=True, VT=VT, narrow=0,
-                                                        ds_terms=terms))
+    VT = 64 if mode.endswith("tiles-64") else 128
+    monkeypatch.setitem(tuning.DELTA, "fused_rev", dict(tuning.DELTA["fused_rev"], on=True, VT=VT, narrow=0))
     split = int(mode.split("-")[2]) if mode.startswith("segments-of-") else 0
     monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], warm=bool(split), L=split))
     # slice_MB: 0 never slices; a budget below one chunk's dS (no cap) makes every chunk a slice
@@ -52,14 +47,10 @@ def test_fused_reverse(case, dtype, mode, monkeypatch):
     monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], max_slices=10 ** 9,
                                                         slice_MB=1e-9 if sliced else 0))
     seen = launched(monkeypatch, fused_rev, chunk_bwd, split_mod)
-    with_terms = []  # the backward's passes through chunk_bwd._with_terms
-    real_terms = chunk_bwd._with_terms
-    monkeypatch.setattr(chunk_bwd, "_with_terms", lambda *a, **kw: with_terms.append(1) or real_terms(*a, **kw))
     poison_empty(monkeypatch)
     errs, bounds = check_once(case, "gated_delta_rule", 3400 + CASES.index(case), dtype)
     assert "fused_rev_kernel" in seen and "state_bwd_kernel" not in seen and "dv_local_kernel" not in seen, seen
     longest = max(case[7] or [case[2]])
-    assert bool(with_terms) == terms, (with_terms, seen)
     if sliced and longest > 64:  # a sequence of more than one chunk: several slices
         assert seen.count("fused_rev_kernel") > 1, seen
     if split and longest > split * 64:  # a sequence of more than one segment's chunks: segments

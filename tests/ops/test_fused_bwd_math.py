@@ -15,12 +15,9 @@ from .test_triton_chunk import TOL, _record_launches, _run_both
 BT = 64
 
 
-def transcription(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype, dv_dtype, terms=0):
+def transcription(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype, dv_dtype):
     """fused_bwd.backward's results, computed chunk by chunk as fused_bwd_kernel does (fp32
-    accumulation; operands rounded to the input dtype where the kernel rounds them). ``terms``: its
-    ``DS_IN`` form, δ dSᵀ and Σ S ⊙ dS as the reverse pass's ``DS_TERMS`` hands them in ``terms``
-    partials (one a value tile of that pass: each product over its columns rounded to dK's dtype,
-    in whose buffers it comes, then added up in fp32)."""
+    accumulation; operands rounded to the input dtype where the kernel rounds them)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dt, f = v.dtype, torch.float32
@@ -54,9 +51,6 @@ def transcription(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype
             # the value loop
             dod, ddd = dO @ dl.T, dd @ dl.T
             dqs, dks, wac = dO @ S.T, dl @ dS.T, dd @ S.T
-            if terms:
-                cols = torch.arange(V).chunk(terms)
-                dks = sum((dl[:, c] @ dS[:, c].T).to(grad_dtype).float() for c in cols)
             y = tt @ dd
             DV[t0:t0 + n, i_hv] = (y * b[:, None])[:n]
             dbu = (vv * y).sum(1)
@@ -107,7 +101,7 @@ def transcription(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype
     return DQ.to(grad_dtype), DK.to(grad_dtype), DV.to(dv_dtype or grad_dtype), DG, DB
 
 
-def _as_backward(*args, terms=0):
+def _as_backward(*args):
     """The transcription in fused_bwd.backward's form: the outputs, allocated, and ``run``, which fills
     them (the whole call's chunks at once: the cases here are too small to be sliced)."""
     q, v, ch, grad_dtype, dv_dtype = args[0], args[2], args[11], args[13], args[14]
@@ -117,25 +111,23 @@ def _as_backward(*args, terms=0):
 
     def run(chunk_idx, NT):
         assert NT == ch.NT
-        for o, x in zip(outs, transcription(*args, terms=terms)):
+        for o, x in zip(outs, transcription(*args)):
             o.copy_(x)
 
     return outs, run
 
 
-@pytest.mark.parametrize("terms", [0, 1, 2], ids=["dh", "ds-terms", "ds-terms-2-partials"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("K,V", [(32, 64), (64, 32)])
-def test_fused_backward_math(dtype, K, V, terms, monkeypatch):
+def test_fused_backward_math(dtype, K, V, monkeypatch):
     """Packed with an empty, a one-token and a partial sequence, grouped value heads, an initial
     state: the transcription in the backward gives the reference's gradients, and the chunk op
-    launches neither dqk nor wy_bwd then; also in its form that takes δ dSᵀ rounded to dK's dtype
-    (the reverse pass's ``DS_TERMS``), whole or as two partials over halves of the value columns."""
+    launches neither dqk nor wy_bwd then."""
     from gdn.ops.delta.triton import chunk_bwd, fused_bwd
 
     monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=True))
     monkeypatch.setattr(fused_bwd, "usable", lambda *a: True)
-    monkeypatch.setattr(fused_bwd, "backward", lambda *a: _as_backward(*a, terms=terms))
+    monkeypatch.setattr(fused_bwd, "backward", _as_backward)
     launches = _record_launches(monkeypatch, chunk_bwd)
     errs = _run_both("gated_delta_rule", B=1, T=194, H=1, HV=2, K=K, V=V, dtype=dtype, lens=[65, 1, 0, 128], seed=19)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}

@@ -433,8 +433,7 @@ def _reverse_pass(q, g, beta, ch: Chunks, HV: int, K: int, V: int, from_inv: boo
 
 def _decisions(q, g, beta, ch: Chunks, HV: int, K: int, V: int, from_inv: bool, size: int) -> tuple:
     """((SK, SV) of state_bwd, the warm split's value tile WV, the reverse pass module or None, its
-    segment length L, the number of slices, whether the reverse pass forms the per-chunk stage's
-    dS_out terms: :func:`_with_terms`) of a backward (inputs of ``size`` bytes an element),
+    segment length L, the number of slices) of a backward (inputs of ``size`` bytes an element),
     worked out once per chunk layout, shapes, dtype, device, launch tables (tuning.token) and the
     device rules' answers (whether the warp-specialised reverse pass could take the call, the
     multiprocessors: asked at every call) and kept in the layout's memo, as the forward's
@@ -456,12 +455,7 @@ def _decisions(q, g, beta, ch: Chunks, HV: int, K: int, V: int, from_inv: bool, 
         # is not sliced)
         nsl = 1 if not budget or (L and not warm_split(g)) else max(1, min(
             L or ch.max_nc, DELTA["state_bwd"]["max_slices"], cdiv(dh_bytes, max(1, int(budget)))))
-        # the reverse pass forms what the per-chunk stage reads dh for (no dh, so no slices): where
-        # it runs unsplit or warm-started and the fused per-chunk stage follows
-        fb = _fused_bwd() if DELTA["fused_bwd"]["on"] else None
-        ds = (rev is not None and (not L or warm_split(g)) and fb is not None and fb.usable(q, g, beta, K, V)
-              and rev.terms_usable())
-        hit = ch.memo[key] = (st, WV, rev, L, 1 if ds else nsl, ds)
+        hit = ch.memo[key] = (st, WV, rev, L, nsl)
     return hit
 
 
@@ -529,7 +523,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                                                    gamma=gamma, plans=plans)
     dummy = v
     gp = g if gated else dummy
-    (SK, SV), WV, rev, L, nsl, ds = _decisions(q, g, beta, ch, HV, K, V, from_inv, v.element_size())
+    (SK, SV), WV, rev, L, nsl = _decisions(q, g, beta, ch, HV, K, V, from_inv, v.element_size())
     warm = bool(L) and warm_split(g)
     # the chunks' log norm bounds that the warm-started split's walks add up (the forward's, in plans)
     bnd = bounds(k, beta, gamma, ch, HV, plans) if warm else None
@@ -537,9 +531,6 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     if rb is not None and rb.usable(q, g, beta, K, V):
         return _merged(rb, q, k, v, do, gamma, beta, Ai, VN, h, h0, dht, ch, scale, L if warm else 0, bnd,
                        grad_dtype, dv_dtype)
-    if ds:
-        return _with_terms(rev, q, k, v, do, gamma, beta, Ai, VN, h, h0, dht, ch, scale, L if warm else 0, bnd,
-                           grad_dtype, dv_dtype)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
                   beta=beta if delta else dummy, seg_seq=ch.cu, seq_cu=ch.cu, seq_off=ch.chunk_off,
                   Bnd=bnd if bnd is not None else dummy, FROM_INV=from_inv, name="state_bwd")
@@ -648,37 +639,6 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     if not slices:
         del dh
         outs = per_chunk(ch.chunk_idx, ch.NT, True)
-    return (*outs, dh0)
-
-
-def _with_terms(rev, q, k, v, do, gamma, beta, Ai, VN, h, h0, dht, ch: Chunks, scale: float, L: int, bnd,
-                grad_dtype, dv_dtype):
-    """:func:`backward`'s outputs where the reverse pass forms what the per-chunk stage would read dS_out
-    for (delta.triton.fused_rev's ``DS_TERMS``: D = δ dS_outᵀ, Σ S ⊙ dS_out per chunk and head, one
-    partial a value tile of the pass) and the fused per-chunk stage reads those (fused_bwd's
-    ``DS_IN``, which adds the partials up; the first partial of D is dK's own buffer): no dh, so
-    one launch of each, however long the call (dh is what the sliced backward bounds). One launch
-    over the sequences, or over warm-started segments of ``L`` chunks."""
-    T, H, K = k.shape
-    HV, V = v.shape[1], v.shape[2]
-    dev, f32 = v.device, torch.float32
-    VT = rev.value_tile(V, "fused_rev") if L else rev.plain_tile(V, ch.N * HV, dev)
-    DD = torch.empty(T, HV, V, device=dev, dtype=v.dtype)  # dδ (dV written over it)
-    Dp = torch.empty(V // VT, T, HV, K, device=dev, dtype=grad_dtype)  # D's partials (dK written over the first)
-    Tr = torch.empty(V // VT, ch.NT, HV, device=dev, dtype=f32)
-    dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
-    run_rev = rev.reverser(q, k, do, gamma, beta, Ai, None, DD, scale, VT, terms=(VN, h, Dp, Tr))
-    if L:
-        sg = make_segments(ch, L, dev)
-        run_rev(dht, dh0, sg.cu, sg.cu[1:], sg.off, sg.NS, warm=(warm_plan(bnd, gamma, sg, ch, HV, after=True), sg.seq,
-                                                                 ch.cu))
-        fill_empty(dh0, dht, ch)
-    else:
-        run_rev(dht, dh0, ch.cu, ch.cu[1:], ch.chunk_off, ch.N)
-    del run_rev
-    outs, run = _fused_bwd().backward(q, k, v, gamma, beta, Ai, VN, do, h, None, DD, ch, scale, grad_dtype, dv_dtype,
-                                      terms=(Dp, Tr))
-    run(ch.chunk_idx, ch.NT)
     return (*outs, dh0)
 
 

@@ -66,10 +66,9 @@ def _chunk(w, HV, cu, chunk_idx):
 
 @gluon.jit
 def _issue(n, w, i_v, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd,
-           ring_v, ring_h, ring_dh, bars, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-           DS_IN: gl.constexpr = False):
-    """Start the tensor copies of item ``w``'s value tile ``i_v`` (δ, dO, dδ, v rows; h, dh rows; no dh
-    with ``DS_IN``) into ring slot ``s``; its barrier completes when all ``n`` bytes have landed."""
+           ring_v, ring_h, ring_dh, bars, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr):
+    """Start the tensor copies of item ``w``'s value tile ``i_v`` (δ, dO, dδ, v rows; h, dh rows) into
+    ring slot ``s``; its barrier completes when all ``n`` bytes have landed."""
     i_t, i_hv, i_n, i_c, t0 = _chunk(w, HV, cu, chunk_idx)
     col = i_hv * V + i_v * BV
     row_h = ((gl.load(chunk_off + i_n) + i_c) * HV + i_hv) * K  # h: the chunk's global index
@@ -81,8 +80,7 @@ def _issue(n, w, i_v, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t
     tma.async_copy_global_to_shared(dd_t, [t0, col], bar, ring_dd.index(s))
     tma.async_copy_global_to_shared(v_t, [t0, col], bar, ring_v.index(s))
     tma.async_copy_global_to_shared(h_t, [row_h, i_v * BV], bar, ring_h.index(s))
-    if not DS_IN:
-        tma.async_copy_global_to_shared(dh_t, [row, i_v * BV], bar, ring_dh.index(s))
+    tma.async_copy_global_to_shared(dh_t, [row, i_v * BV], bar, ring_dh.index(s))
 
 
 @gluon.jit
@@ -112,8 +110,9 @@ def _issue_inv(w, HV, H, cu, chunk_idx, ai_t, s_a, bar):
 @gluon.jit
 def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK,
           DV, dq_t, dk_t, dv_t, DB, DG, cu, chunk_idx, chunk_off, scale, H, HV, ring_d, ring_do, ring_dd, ring_v,
-          ring_h, ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, Tr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr,
-          QK_TMA: gl.constexpr, DV_TMA: gl.constexpr, DS_IN: gl.constexpr, NDS: gl.constexpr):
+          ring_h, ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K: gl.constexpr,
+          V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr,
+          DV_TMA: gl.constexpr):
     """Item ``w``, the program's J-th of PER (fused_bwd_kernel's docstring). The program's first item
     requests its first value tiles, its T⁻¹ (slot 0 of ``s_as``) and its q and k once its per-row
     scalars are requested; a later item's were requested by the item before: once its value loop
@@ -132,7 +131,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
     c_t: gl.constexpr = gl.SliceLayout(0, a_t)  # column vectors of [64, 64]
     r_k: gl.constexpr = gl.SliceLayout(1, a_k)  # row vectors of [64, K]
     r_v: gl.constexpr = gl.SliceLayout(1, a_v)  # row vectors of [64, BV]
-    tile_bytes: gl.constexpr = (4 * BT + (1 if DS_IN else 2) * K) * BV * 2  # 16-bit tiles (no dh with DS_IN)
+    tile_bytes: gl.constexpr = (4 * BT + 2 * K) * BV * 2  # 16-bit tiles
     NEXT: gl.constexpr = J + 1 < PER  # a later item of this program may follow
     s_a = s_as.index(J % 2)
     bar_a = bars_a.index(J % 2)
@@ -168,7 +167,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
         _issue_inv(w, HV, H, cu, chunk_idx, ai_t, s_as.index(0), bars_a.index(0))
         for i_s in gl.static_range(min(NS, NV)):
             _issue(tile_bytes, w, i_s, i_s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d,
-                   ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV, DS_IN)
+                   ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
         _issue_qk(w, HV, H, cu, chunk_idx, q_t, k_t, s_q, s_k, bar_qk, K)
 
     # ---- the value loop
@@ -205,13 +204,11 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
         dod = warpgroup_mma(sdo, sd.permute((1, 0)), dod, is_async=True)
         ddd = warpgroup_mma(sdd, sd.permute((1, 0)), ddd, is_async=True)
         dqs = warpgroup_mma(sdo, sh.permute((1, 0)), dqs, is_async=True)
-        if not DS_IN:
-            dks = warpgroup_mma(sd, sdh.permute((1, 0)), dks, is_async=True)
+        dks = warpgroup_mma(sd, sdh.permute((1, 0)), dks, is_async=True)
         wac = warpgroup_mma(sdd, sh.permute((1, 0)), wac, is_async=True)
         # dV = diag(β) Tᵀ dδ for this value tile, and dβ's term Σ_v v ⊙ (Tᵀ dδ)
         b_y = warpgroup_mma(s_tt, sdd, gl.zeros([BT, BV], f32, a_v), use_acc=False, is_async=True)
-        if not DS_IN:
-            gcs += gl.sum(sh.load(ld_v).to(f32) * sdh.load(ld_v).to(f32), axis=1)
+        gcs += gl.sum(sh.load(ld_v).to(f32) * sdh.load(ld_v).to(f32), axis=1)
         b_v = ring_v.index(s).load(a_v).to(f32)
         dod, ddd, dqs, dks, wac, b_y = warpgroup_mma_wait(0, deps=[dod, ddd, dqs, dks, wac, b_y])
         dbu += gl.sum(b_v * b_y, axis=1)
@@ -236,7 +233,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
             gl.store(DV + p_o, dv.to(DV.dtype.element_ty), mask=m_v[:, None])
         if i_v + NS < NV:
             _issue(tile_bytes, w, i_v + NS, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t,
-                   v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV, DS_IN)
+                   v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
     if NEXT:
         # the next item's first value tiles into the slots this loop is done with (once dV's copies
         # out of them have read them) and its T⁻¹ into the other slot: they land during this epilogue
@@ -245,24 +242,8 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
             gl.thread_barrier()
             for i_s in gl.static_range(min(NS, NV)):
                 _issue(tile_bytes, w + 1, i_s, ((J + 1) * NV + i_s) % NS, HV, cu, chunk_idx, chunk_off, d_t, do_t,
-                       dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV,
-                       DS_IN)
+                       dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
             _issue_inv(w + 1, HV, H, cu, chunk_idx, ai_t, s_as.index((J + 1) % 2), bars_a.index((J + 1) % 2))
-
-    if DS_IN:
-        # δ dSᵀ and Σ S ⊙ dS as the reverse pass formed them, NDS partials each (one a value tile of
-        # that pass): the rows D of dK's own buffer (read before this item writes them) and of the
-        # partials after it, and the chunk's scalars at its global index, h's; requested here, used
-        # after the epilogue's first products
-        _, _, i_n, i_c, _ = _chunk(w, HV, cu, chunk_idx)
-        o_kd = gl.arange(0, K, layout=gl.SliceLayout(0, a_k))
-        p_d = DK + (rk[:, None] * HV + i_hv) * K + o_kd[None, :]
-        i_g = (gl.load(chunk_off + i_n) + i_c) * HV + i_hv
-        d_ds = gl.load(p_d, mask=m_k[:, None], other=0.0).to(f32)
-        s_dsh = gl.load(Tr + i_g)
-        for i_p in gl.static_range(1, NDS):  # (partials [T, HV, K] and [chunks, HV] apart: all the call's)
-            d_ds += gl.load(p_d + i_p * k_t.shape[0].to(gl.int64) * HV * K, mask=m_k[:, None], other=0.0).to(f32)
-            s_dsh += gl.load(Tr + i_p * NW + i_g)
 
     # ---- the epilogue. q and k (zeroed past the sequence end), then dW = −dδ Sᵀ and dδ δᵀ (as a
     # rounded part and its remainder) to shared memory, and the five products that need nothing
@@ -296,15 +277,10 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
     e_k = gl.exp(g_k)
     dqs = dqs * (scale * e_k)[:, None]
     dg_k = gl.sum(s_q.load(a_k).to(f32) * dqs, axis=1)
-    if DS_IN:
-        dks = d_ds
     dks = dks * gl.exp(g_last - g_k)[:, None]
     b_a = gl.sum(s_k.load(a_k).to(f32) * dks, axis=1)
     dg_k -= b_a
-    if DS_IN:
-        tail = gl.sum(b_a, axis=0) + gl.exp(g_last) * s_dsh
-    else:
-        tail = gl.sum(b_a, axis=0) + gl.exp(g_last) * gl.sum(gcs, axis=0)
+    tail = gl.sum(b_a, axis=0) + gl.exp(g_last) * gl.sum(gcs, axis=0)
     s_p.store(gl.permute(dsm.to(DT), (1, 0)))  # (dO δᵀ ⊙ D)ᵀ, the A operand of its product with Q
     o_kk = gl.arange(0, K, layout=gl.SliceLayout(0, a_k))
     p_out = (rk[:, None] * HV + i_hv) * K + o_kk[None, :]
@@ -372,9 +348,9 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
 
 @gluon.jit(do_not_specialize=["NW"])
 def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, cu,
-                     chunk_idx, chunk_off, Tr, scale, H, HV, NW, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                     chunk_idx, chunk_off, scale, H, HV, NW, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                      NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr, DV_TMA: gl.constexpr,
-                     PER: gl.constexpr, DS_IN: gl.constexpr = False, NDS: gl.constexpr = 1):
+                     PER: gl.constexpr):
     """PER consecutive items a program (the last program's items past ``NW`` are skipped), item w =
     i_t · HV + i_hv being chunk i_t of ``chunk_idx`` (all of the call's chunks, or a slice of them)
     and value head i_hv. G [T, HV] the in-chunk cumulative log decay γ; beta [T, HV]. Descriptors:
@@ -396,12 +372,7 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
     are zero there (T⁻¹ is lower triangular, so its valid rows never reach a later column). In a
     chunk that ends early, q's, k's and T⁻¹'s rows past the end are zeroed in shared memory once
     they land, and so are the dδ tile's: the reverse pass may not have written those yet (a sliced
-    pass writes them with a later slice), and zero times a non-finite value is not zero.
-
-    ``DS_IN``: the reverse pass formed what this kernel would read dh for (fused_rev's
-    ``DS_TERMS``), in NDS partials each: D = δ dS_outᵀ in dK's rows (read first, dK written over
-    it) and in the partials after it (one [T, HV, K] apart), Σ S ⊙ dS_out in Tr [NDS, chunks, HV]
-    at h's chunk index (the call's every chunk: NW items a partial); dh_t is not read."""
+    pass writes them with a later slice), and zero times a non-finite value is not zero."""
     w0 = gl.program_id(0) * PER
 
     # ---- shared memory: the ring of value tiles, then q, k, two slots of T⁻¹ (Tᵀ is its transposed
@@ -433,8 +404,8 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
         if PER == 1 or w0 + j < NW:  # (every program has a first item)
             _item(j, PER, w0 + j, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t,
                   dv_t, DB, DG, cu, chunk_idx, chunk_off, scale, H, HV, ring_d, ring_do, ring_dd, ring_v, ring_h,
-                  ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, Tr, K, V, BV, NS, DT, QK_TMA,
-                  DV_TMA, DS_IN, NDS)
+                  ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K, V, BV, NS, DT, QK_TMA,
+                  DV_TMA)
     tma.store_wait(0)
 
 
@@ -496,13 +467,10 @@ def descriptor(x, shape: tuple, strides: tuple, block: list, layout):
     return d
 
 
-def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dtype, dv_dtype, terms=None):
+def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dtype, dv_dtype):
     """(dQ, dK, dV, dg, dβ) of the chunk op, allocated, and ``run(chunk_idx, NT)``, which fills their rows
     of those NT chunks (``chunk_idx`` [NT, 2] as ``Chunks.chunk_idx``; dh holds their dS_out in that
-    order) from the reverse pass's results (chunk_bwd.backward). ``terms`` = (D, Tr): the reverse
-    pass formed dh's terms itself (fused_rev's ``DS_TERMS``), a partial a value tile of it: D [NDS,
-    T, HV, K] of ``grad_dtype`` (its first partial becomes dK) and Tr [NDS, chunks, HV]; dh is then
-    None."""
+    order) from the reverse pass's results (chunk_bwd.backward)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dev, f32 = v.device, torch.float32
@@ -515,14 +483,13 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     dv_dtype = dv_dtype or grad_dtype
     DQ = (VN if VN.shape == (T, HV, K) and VN.dtype == grad_dtype
           else torch.empty(T, HV, K, device=dev, dtype=grad_dtype))
-    DK = terms[0][0] if terms is not None else torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
+    DK = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
     DV = DD if DD.dtype == dv_dtype else torch.empty(T, HV, V, device=dev, dtype=dv_dtype)
     DB = torch.empty(T, HV, device=dev, dtype=f32)
     DG = torch.empty(T, HV, device=dev, dtype=f32)
     DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
     d_t, do_t, dd_t, v_t = (_tiles(cast(x, v.dtype), T, (CHUNK, BV), DT) for x in (VN, do, DD, v))
-    h_t = _tiles(h, h.numel() // V, (K, BV), DT)
-    dh_t = h_t if terms is not None else _tiles(dh, dh.numel() // V, (K, BV), DT)  # (not read with terms)
+    h_t, dh_t = (_tiles(x, x.numel() // V, (K, BV), DT) for x in (h, dh))
     q_t, k_t = (_tiles(cast(x, v.dtype), T, (CHUNK, K), DT) for x in (q, k))
     ai_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
     # dQ, dK and dV leave by tensor copies where they are in the inputs' dtype (the copies go out
@@ -535,12 +502,10 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     dv_t = dd_t if not dv_tma or dd_t.base is DV else _tiles(DV, T, (CHUNK, BV), DT)
 
     def run(chunk_idx, NT: int):
-        assert terms is None or NT == ch.NT  # (the terms' partials are those of every chunk of the call)
         c = DELTA["fused_bwd"]
         PER = c["items"]
         launch(fused_bwd_kernel, (cdiv(NT * HV, PER),), q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t,
-               dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, ch.cu, chunk_idx, ch.chunk_off,
-               terms[1] if terms is not None else DG, scale, H, HV, NT * HV, K=K, V=V, BV=BV, NS=c["NS"], DT=DT, QK_TMA=qk_tma, DV_TMA=dv_tma, PER=PER,
-               DS_IN=terms is not None, NDS=terms[0].shape[0] if terms is not None else 1, name="fused_bwd")
+               dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, ch.cu, chunk_idx, ch.chunk_off, scale, H, HV, NT * HV, K=K,
+               V=V, BV=BV, NS=c["NS"], DT=DT, QK_TMA=qk_tma, DV_TMA=dv_tma, PER=PER, name="fused_bwd")
 
     return (DQ, DK, DV, DG, DB), run

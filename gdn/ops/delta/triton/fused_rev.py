@@ -34,8 +34,7 @@ memory and mbarriers:
 - the local warpgroup forms Pᵀ = K Qᵀ ⊙ Dᵀ from the copied tiles, L = scale · Pᵀ dO and dÕ: the
   work that needs no state, a chunk ahead of the chain;
 - one copy warp fills a ring of ``NS`` slots with each chunk's q, k, dO and T tiles by tensor
-  copies, as soon as the three warpgroups have released the slot (with ``DS_TERMS`` also the
-  state's row blocks the local warpgroup sums over, through a ring of their own).
+  copies, as soon as the three warpgroups have released the slot.
 
 So the chain is three products (K dS, Tᵀ dδ, Kᵀ Z) and a handshake each way per chunk. The
 arithmetic and roundings are state_bwd_kernel's ``FROM_INV`` form after dv_local_kernel: Pᵀ in
@@ -57,13 +56,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ...triton.common import BT as CHUNK
 from ...triton.launch import launch, sm_count
 from ...tuning import DELTA
-from .fused_bwd import _rows, _tiles, acc_layout, hopper
+from .fused_bwd import _tiles, acc_layout, hopper
 from .fused_fwd import _edges, _program, value_tile
 
 BT = gl.constexpr(CHUNK)
 WG = gl.constexpr(4)  # warps of a warpgroup: each role but the copies'
-ROWS = 32  # (DS_TERMS) the rows of S one copy lands and one step of the sum reads
-RP = gl.constexpr(ROWS)
 
 
 @gluon.jit
@@ -81,45 +78,15 @@ def _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM: gl.constexpr):
 
 
 @gluon.jit
-def _state_rows(h_t, h_ring, hb, c0, nc, nw, jj, i_hv, col, HV, r0: gl.constexpr, r1: gl.constexpr,
-                K: gl.constexpr):
-    """(``DS_TERMS``) Row blocks r0 … r1 − 1 of step jj's state S (h's [RP, VT] blocks of the chunk's
-    [K, VT] tile) into h_ring's two slots, block n of the program's own
-    chunks (n counted over them, NB = K / RP a chunk) into slot n % 2 once its reader released the
-    block two before (hb: ready, ready, free, free)."""
-    NB: gl.constexpr = K // RP
-    for r in gl.static_range(r0, r1):
-        n = (jj - nw) * NB + r
-        sl = n % 2
-        mbarrier.wait(hb.index(2 + sl), ((n // 2) & 1) ^ 1)
-        mbarrier.expect(hb.index(sl), RP * h_ring.shape[2] * 2)
-        tma.async_copy_global_to_shared(h_t, [((c0 + nc - 1 - jj) * HV + i_hv) * K + r * RP, col], hb.index(sl),
-                                        h_ring.index(sl))
-
-
-@gluon.jit
-def _copies(q_t, k_t, do_t, a_t, h_t, ring_q, ring_k, ring_do, ring_a, h_ring, ready, empty, hb, cu, ends, off, plan,
-            seg_seq, seq_cu, i_n, i_h, i_hv, col, HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr,
-            WARM: gl.constexpr, DS_TERMS: gl.constexpr):
+def _copies(q_t, k_t, do_t, a_t, ring_q, ring_k, ring_do, ring_a, ready, empty, cu, ends, plan, seg_seq, seq_cu,
+            i_n, i_h, i_hv, col, HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, WARM: gl.constexpr):
     """The copy warp: step j's tiles (chunk nc − 1 − j) into slot j % NS once the slot's readers
-    released it (of dO the program's VT columns from the head's column ``col``). With ``DS_TERMS``
-    also the state S of each own chunk (not warm-up ones) in row blocks through h_ring, a step
-    behind the tiles: the blocks the ring has slots for before the next tiles' wait (their slots
-    free once the step before's sum has read them), the rest after it (free once this step's sum has
-    read its first blocks), so that neither kind of copy waits on the other's reader longer than
-    it must."""
+    released it (of dO the program's VT columns from the head's column ``col``)."""
     NS: gl.constexpr = ring_k.shape[0]
     nbytes: gl.constexpr = (2 * BT * K + BT * VT + BT * BT) * 2
-    NB: gl.constexpr = K // RP
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
-    c0 = 0
-    if DS_TERMS:
-        c0 = gl.load(off + i_n)
     for j in range(nc):
         s = j % NS
-        if DS_TERMS:
-            if j >= 1 + nw:
-                _state_rows(h_t, h_ring, hb, c0, nc, nw, j - 1, i_hv, col, HV, 0, 2, K)
         mbarrier.wait(empty.index(s), ((j // NS) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
         bar = ready.index(s)
         t0 = bos + (nc - 1 - j) * BT
@@ -128,24 +95,17 @@ def _copies(q_t, k_t, do_t, a_t, h_t, ring_q, ring_k, ring_do, ring_a, h_ring, r
         tma.async_copy_global_to_shared(q_t, [t0, i_h * K], bar, ring_q.index(s))
         tma.async_copy_global_to_shared(do_t, [t0, i_hv * V + col], bar, ring_do.index(s))
         tma.async_copy_global_to_shared(a_t, [t0, i_hv * BT], bar, ring_a.index(s))
-        if DS_TERMS:
-            if j >= 1 + nw:
-                _state_rows(h_t, h_ring, hb, c0, nc, nw, j - 1, i_hv, col, HV, 2, NB, K)
-    if DS_TERMS:
-        if nc >= 1 + nw:
-            _state_rows(h_t, h_ring, hb, c0, nc, nw, nc - 1, i_hv, col, HV, 0, NB, K)
 
 
 @gluon.jit
 def _state(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready, o_empty, z_buf, z_ready, z_empty,
            G, dht, dh0, dh_t, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, K: gl.constexpr,
            V: gl.constexpr, VT: gl.constexpr, DT: gl.constexpr, USE_DHT: gl.constexpr, USE_INIT: gl.constexpr,
-           WARM: gl.constexpr, CARRY: gl.constexpr, DS_TERMS: gl.constexpr):
+           WARM: gl.constexpr, CARRY: gl.constexpr):
     """The state warpgroup: dS [K, VT] (the head's [K, V] state gradient's value columns from
     ``col``) in fp32 registers from dht (or zero), published in 16 bits per chunk and copied to dh
     (descriptor dh_t of [chunks · HV · K, V] in [K, VT] blocks, at column ``col`` of the chunk's
-    index off[i_n] + its index in the program's chunks; not with ``DS_TERMS``, where the local
-    warpgroup takes what the per-chunk stage needed of it), updated to Γ_C dS + Qᵀ dÕ + Kᵀ Z; dS_in of
+    index off[i_n] + its index in the program's chunks), updated to Γ_C dS + Qᵀ dÕ + Kᵀ Z; dS_in of
     the first chunk to dh0 (dht and dh0 read and written at the tile's columns). ``WARM``: it starts
     from dht only where its warm-up reaches the sequence's end, stores nothing on warm-up chunks and
     dS_in only if the segment starts the sequence; ``CARRY``: dS_in of every program, at its own
@@ -166,13 +126,12 @@ def _state(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready
         s = j % NS
         par = j & 1
         i_c = nc - 1 - j
-        mbarrier.wait(s_empty, par ^ 1)  # its readers are done with the previous dS
-        if not DS_TERMS:
-            tma.store_wait(0)  # and so is the copy of it out to dh
+        mbarrier.wait(s_empty, par ^ 1)  # the δ warpgroup is done with the previous dS
+        tma.store_wait(0)  # and so is the copy of it out to dh
         s_buf.store(b_s.to(DT))
         fence_async_shared()
         mbarrier.arrive(s_ready, count=1)
-        if not DS_TERMS and j >= nw:
+        if j >= nw:
             tma.async_copy_shared_to_global(dh_t, [((c0 + i_c) * HV + i_hv) * K, col], s_buf)
         last = gl.minimum(eos, bos + (i_c + 1) * BT) - 1
         b_gc = gl.exp(gl.load(G + last * HV + i_hv))
@@ -196,11 +155,10 @@ def _state(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready
 @gluon.jit
 def _delta(ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready, l_empty, d_buf, z_buf, z_ready,
            z_empty, G, beta, DD, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, V: gl.constexpr,
-           VT: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, D_OVER_L: gl.constexpr):
+           VT: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr):
     """The δ warpgroup, on the program's VT value columns: dδ = diag(Γ_C / Γ) K dS + L (zero on rows
     past the end; stored to its columns of DD [T, HV, V] but on warm-up chunks), then
-    Z = −diag(βΓ) Tᵀ dδ for the state's update. ``D_OVER_L``: d_buf is l_buf (dδ written over the L
-    it was formed from, each thread over the elements it read; L released once Tᵀ dδ is formed)."""
+    Z = −diag(βΓ) Tᵀ dδ for the state's update."""
     NS: gl.constexpr = ring_k.shape[0]
     l_v: gl.constexpr = acc_layout(VT, WG)
     r_v: gl.constexpr = gl.SliceLayout(1, l_v)
@@ -226,16 +184,13 @@ def _delta(ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready
         mbarrier.arrive(s_empty, count=1)
         mbarrier.wait(l_ready, par)
         b_d = (b_x * b_w[:, None] + l_buf.load(l_v).to(gl.float32)).to(DT)
-        if not D_OVER_L:
-            mbarrier.arrive(l_empty, count=1)
+        mbarrier.arrive(l_empty, count=1)
         d_buf.store(b_d)
         fence_async_shared()
         b_z = warpgroup_mma(ring_a.index(s).permute((1, 0)), d_buf, zero, use_acc=False, is_async=True)
         p_d = (rt.to(gl.int64)[:, None] * HV + i_hv) * V + o_v[None, :]
         gl.store(DD + p_d, b_d, mask=m[:, None] & (j >= nw))
         b_z = warpgroup_mma_wait(0, deps=[b_z])
-        if D_OVER_L:
-            mbarrier.arrive(l_empty, count=1)
         b_z = (b_z * (-b_b * gl.exp(g_t))[:, None]).to(DT)
         mbarrier.wait(z_empty, par ^ 1)  # the state's previous update has read Z
         z_buf.store(b_z)
@@ -245,87 +200,12 @@ def _delta(ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready
 
 
 @gluon.jit
-def _delta_rows(VN, t0, eos, i_hv, col, HV, store, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr):
-    """δ's rows [64, VT] of the chunk from t0 (VN [T, HV, V], the recomputed forward's; the
-    program's columns from ``col``; zero past eos and where not ``store``) as the register operand
-    of D's product."""
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout(K, WG), k_width=2)
-    rt = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, a_op))
-    o_v = col + gl.arange(0, VT, layout=gl.SliceLayout(0, a_op))
-    return gl.load(VN + (rt.to(gl.int64)[:, None] * HV + i_hv) * V + o_v[None, :], mask=(rt < eos)[:, None] & store,
-                   other=0.0)
-
-
-@gluon.jit
-def _sum_block(acc, h_ring, hb, n, b_s):
-    """acc + S's row block n (of the program's own, from h_ring once landed; its slot then released)
-    ⊙ b_s, dS_out's matching rows."""
-    mbarrier.wait(hb.index(n % 2), (n // 2) & 1)
-    b_h = h_ring.index(n % 2).load(b_s.type.layout).to(gl.float32)
-    mbarrier.arrive(hb.index(2 + n % 2), count=1)
-    return acc + b_h * b_s.to(gl.float32)
-
-
-@gluon.jit
-def _ds_terms(s_buf, s_ready, s_empty, h_ring, hb, b_dl, Dk, Tr, d_stride, tr_stride, i_g, i_hv, col, HV, t0, eos,
-              par, store, m0, K: gl.constexpr, VT: gl.constexpr):
-    """The local warpgroup's share of a chunk's dS_out (``_local``'s ``DS_TERMS``): once the state
-    warpgroup has published it in s_buf [K, VT], D = δ dS_outᵀ (b_dl: δ's rows, requested at the
-    start of the step) to Dk's rows and Σ S ⊙ dS_out to Tr (where ``store``: not on warm-up
-    chunks; i_g the chunk's global index with the head, Tr's), S's row blocks taken from h_ring as
-    the copy warp lands them (block m0 + r of the program's own chunks). s_buf is released as soon
-    as nothing more is read from it: after the product, the sum over the two row blocks the ring
-    held when dS was published, and dS_out's other rows taken into registers, so that the blocks
-    the copy warp can only request once those two are read land off the chain. On the program's
-    VT value columns from ``col``: partial sums over them, the value tile's own (partial col // VT
-    of Dk and Tr, d_stride and tr_stride elements apart)."""
-    a_k: gl.constexpr = acc_layout(K, WG)
-    ld: gl.constexpr = _rows(VT, WG)
-    gl.static_assert(K == 2 * RP or K == 4 * RP)
-    mbarrier.wait(s_ready, par)
-    if store:
-        b_d = warpgroup_mma(b_dl, s_buf.permute((1, 0)), gl.zeros([BT, K], gl.float32, a_k), use_acc=False)
-        i_vt = col // VT
-        rk = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, a_k))
-        o_k = gl.arange(0, K, layout=gl.SliceLayout(0, a_k))
-        gl.store(Dk + i_vt.to(gl.int64) * d_stride + (rk.to(gl.int64)[:, None] * HV + i_hv) * K + o_k[None, :],
-                 b_d.to(Dk.dtype.element_ty), mask=(rk < eos)[:, None])
-        acc = gl.zeros([RP, VT], gl.float32, ld)
-        acc = _sum_block(acc, h_ring, hb, m0, s_buf.slice(0, RP, dim=0).load(ld))
-        acc = _sum_block(acc, h_ring, hb, m0 + 1, s_buf.slice(RP, RP, dim=0).load(ld))
-        if K == 4 * RP:
-            b_s2 = s_buf.slice(2 * RP, RP, dim=0).load(ld)
-            b_s3 = s_buf.slice(3 * RP, RP, dim=0).load(ld)
-            mbarrier.arrive(s_empty, count=1)
-            acc = _sum_block(acc, h_ring, hb, m0 + 2, b_s2)
-            acc = _sum_block(acc, h_ring, hb, m0 + 3, b_s3)
-        else:
-            mbarrier.arrive(s_empty, count=1)
-        gl.store(Tr + i_vt * tr_stride + i_g, gl.sum(gl.sum(acc, axis=1), axis=0))
-    else:
-        mbarrier.arrive(s_empty, count=1)
-
-
-@gluon.jit
-def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty, o_buf, o_ready, o_empty, s_buf,
-           s_ready, s_empty, h_ring, hb, G, VN, Dk, Tr, d_stride, tr_stride, cu, ends, off, plan, seg_seq, seq_cu, i_n,
-           i_hv, col, HV, scale, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, DT: gl.constexpr,
-           WARM: gl.constexpr, DS_TERMS: gl.constexpr):
+def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty, o_buf, o_ready, o_empty, G, cu,
+           ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, VT: gl.constexpr, DT: gl.constexpr,
+           WARM: gl.constexpr):
     """The local warpgroup: Pᵀ = K Qᵀ ⊙ Dᵀ (columns of rows past the end zeroed, so the next
     sequence's dO adds nothing), L = scale · Pᵀ dO and dÕ = diag(scale · Γ) dO (zero past the end),
-    on the program's VT value columns of dO (the ring's tiles: it indexes no global column).
-
-    With ``DS_TERMS``, then what the per-chunk stage (fused_bwd) would read dS_out for, from the dS
-    the state warpgroup publishes: the rows D = δ dS_outᵀ [64, K] (δ the recomputed forward's,
-    requested at the start of the step as the product's register operand, so that its loads wait
-    beside the step's other work rather than after dS's publication; stored in Dk's dtype at the
-    chunk's rows of Dk [NVT, T, HV, K]) and the scalar Σ S ⊙ dS_out (S the state entering the
-    chunk, h's, in row blocks the copy warp lands in h_ring ahead of the sum; Tr [NVT, chunks, HV]
-    at the chunk's global index off[i_n] + c, the same index as h's), each summed over the
-    program's value columns only: one partial a value tile, which the per-chunk stage adds up.
-    Neither waits on a load from memory once dS is published: the state warpgroup publishes the
-    next dS only after this one's readers released it, so whatever sits between the two is on
-    the chain."""
+    on the program's VT value columns of dO (the ring's tiles: it indexes no global column)."""
     NS: gl.constexpr = ring_k.shape[0]
     l_v: gl.constexpr = acc_layout(VT, WG)
     r_v: gl.constexpr = gl.SliceLayout(1, l_v)
@@ -336,15 +216,10 @@ def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty
     zero = gl.zeros([BT, VT], gl.float32, l_v)
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     o_t = gl.arange(0, BT, layout=r_v)
-    c0 = 0
-    if DS_TERMS:
-        c0 = gl.load(off + i_n)
     for j in range(nc):
         s = j % NS
         par = j & 1
         t0 = bos + (nc - 1 - j) * BT
-        if DS_TERMS:  # δ's rows for the step's terms, requested before its other work
-            b_dl = _delta_rows(VN, t0, eos, i_hv, col, HV, j >= nw, K, V, VT)
         mbarrier.wait(ready.index(s), (j // NS) & 1)
         b_p = warpgroup_mma(ring_k.index(s), ring_q.index(s).permute((1, 0)), zero_t, use_acc=False)
         g_r = gl.load(G + (t0 + o_r) * HV + i_hv, mask=t0 + o_r < eos, other=0.0)
@@ -367,17 +242,13 @@ def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty
         fence_async_shared()
         mbarrier.arrive(o_ready, count=1)
         mbarrier.arrive(empty.index(s), count=1)
-        if DS_TERMS:
-            _ds_terms(s_buf, s_ready, s_empty, h_ring, hb, b_dl, Dk, Tr, d_stride, tr_stride,
-                      (c0 + nc - 1 - j) * HV + i_hv, i_hv, col, HV, t0, eos, par, j >= nw, (j - nw) * (K // RP), K, VT)
 
 
 @gluon.jit
-def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, h_t, G, beta, dht, dh0, DD, VN, Dk, Tr, cu, ends, off, plan, seg_seq,
-                     seq_cu, scale, H, HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, NS: gl.constexpr,
-                     DT: gl.constexpr, USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr,
-                     CARRY: gl.constexpr, R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_LOCAL: gl.constexpr,
-                     DS_TERMS: gl.constexpr = False):
+def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, cu, ends, off, plan, seg_seq, seq_cu, scale, H,
+                     HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr,
+                     USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, CARRY: gl.constexpr,
+                     R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_LOCAL: gl.constexpr):
     """One program per (sequence, value head, value tile) over tokens [cu[i_n], ends[i_n]) (a slice
     of the sequence where the caller cuts the pass: chunk_bwd.backward), last chunk first: V the
     head's value width (the row length of do, DD, dht, dh0, dh), VT the program's tile of it (V a
@@ -395,16 +266,9 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, h_t, G, beta, dht, dh0, DD, VN, 
     state_bwd_kernel's ``WARM`` form; dht and dh0 are then per sequence (with ``CARRY``, dh0 per
     program: the dS entering each, which a sliced pass's later slices start from). R_*: the registers a
     thread of the copy, δ and local partitions holds (the state's partition takes the rest of the
-    launch's ``maxnreg`` budget). ``DS_TERMS`` (unsliced: off[i_n] the program's first chunk's
-    global index): no dh; instead D = δ dS_outᵀ into Dk [NVT, T, HV, K] and Σ S ⊙ dS_out into Tr
-    [NVT, chunks, HV] per chunk, each value tile's partial after the previous one's (``_local``), from
-    VN (δ) [T, HV, V] and h [chunks, HV, K, V], the recomputed forward's (dh_t then h's descriptor
-    in [K, VT] blocks: its rows give the chunks, q_t's the tokens; h_t h's in [RP, VT] row blocks,
-    copied into the shared tile d_buf would take, dδ going over L instead)."""
+    launch's ``maxnreg`` budget)."""
     NVT: gl.constexpr = V // VT
     i_n, i_hv, i_h, col = _program(H, HV, NVT, VT)
-    d_stride = q_t.shape[0].to(gl.int64) * HV * K  # D's and Tr's partials apart (DS_TERMS)
-    tr_stride = dh_t.shape[0] // K
     ring_q = gl.allocate_shared_memory(DT, [NS, BT, K], q_t.layout)
     ring_k = gl.allocate_shared_memory(DT, [NS, BT, K], k_t.layout)
     ring_do = gl.allocate_shared_memory(DT, [NS, BT, VT], do_t.layout)
@@ -413,15 +277,7 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, h_t, G, beta, dht, dh0, DD, VN, 
     s_buf = gl.allocate_shared_memory(DT, [K, VT], dh_t.layout)
     rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, VT], DT)
     l_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
-    if DS_TERMS:  # dδ over L (the δ warpgroup's D_OVER_L); the tile saved holds two row blocks of S
-        d_buf = l_buf
-        h_ring = gl.allocate_shared_memory(DT, [2, RP, VT], h_t.layout)
-        hb = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(4):
-            mbarrier.init(hb.index(i), count=1)
-    else:
-        d_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
-        h_ring = d_buf  # (unused, as hb)
+    d_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
     z_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
     o_buf = gl.allocate_shared_memory(DT, [BT, VT], rows)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -431,27 +287,21 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, h_t, G, beta, dht, dh0, DD, VN, 
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=3)  # the state, δ and local warpgroups
     for i in gl.static_range(8):  # each handed tile has one writer and one reader
-        if DS_TERMS and i == 1:  # but dS with DS_TERMS: the δ and the local warpgroups release it
-            mbarrier.init(hand.index(i), count=2)
-        else:
-            mbarrier.init(hand.index(i), count=1)
+        mbarrier.init(hand.index(i), count=1)
     fence_async_shared()
-    if not DS_TERMS:
-        hb = hand
     s_ready, s_empty, l_ready, l_empty = hand.index(0), hand.index(1), hand.index(2), hand.index(3)
     o_ready, o_empty, z_ready, z_empty = hand.index(4), hand.index(5), hand.index(6), hand.index(7)
     gl.warp_specialize([
         (_state, (ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready, o_empty, z_buf, z_ready,
                   z_empty, G, dht, dh0, dh_t, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, K, V, VT,
-                  DT, USE_DHT, USE_INIT, WARM, CARRY, DS_TERMS)),
-        (_copies, (q_t, k_t, do_t, a_t, h_t, ring_q, ring_k, ring_do, ring_a, h_ring, ready, empty, hb, cu, ends, off,
-                   plan, seg_seq, seq_cu, i_n, i_h, i_hv, col, HV, K, V, VT, WARM, DS_TERMS)),
+                  DT, USE_DHT, USE_INIT, WARM, CARRY)),
+        (_copies, (q_t, k_t, do_t, a_t, ring_q, ring_k, ring_do, ring_a, ready, empty, cu, ends, plan, seg_seq,
+                   seq_cu, i_n, i_h, i_hv, col, HV, K, V, VT, WARM)),
         (_delta, (ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready, l_empty, d_buf, z_buf,
                   z_ready, z_empty, G, beta, DD, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, V, VT, DT,
-                  WARM, DS_TERMS)),
-        (_local, (ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty, o_buf, o_ready, o_empty,
-                  s_buf, s_ready, s_empty, h_ring, hb, G, VN, Dk, Tr, d_stride, tr_stride, cu, ends, off, plan, seg_seq,
-                  seq_cu, i_n, i_hv, col, HV, scale, K, V, VT, DT, WARM, DS_TERMS)),
+                  WARM)),
+        (_local, (ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty, o_buf, o_ready, o_empty, G,
+                  cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, VT, DT, WARM)),
     ], [1, WG, WG], [R_COPY, R_DELTA, R_LOCAL])
 
 
@@ -492,49 +342,32 @@ def reverse(q, k, do, G, beta, Ai, dht, dh, DD, dh0, cu, ends, off, N: int, scal
     reverser(q, k, do, G, beta, Ai, dh, DD, scale)(dht, dh0, cu, ends, off, N, warm)
 
 
-def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None, terms=None):
+def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None):
     """:func:`reverse` over these tensors as ``run(dht, dh0, cu, ends, off, N, warm=None, carry=False)``,
     with the tensor descriptors made once for every launch (a sliced backward launches the pass once a
     slice over the same tensors); programs on value tiles of ``VT`` columns (default
     :func:`value_tiles`' tile; :func:`plain_tile` for an unsplit pass). ``carry`` (with ``warm``):
-    dh0 [N, HV, K, V] takes the dS entering each program's range (the kernel's ``CARRY``).
-    ``terms`` = (VN, h, Dk, Tr): the pass forms the per-chunk stage's terms of dS_out instead of
-    storing it (the kernel's ``DS_TERMS``; unsliced: :func:`terms_usable`), Dk [V / VT, T, HV, K]
-    and Tr [V / VT, chunks, HV] taking one partial a value tile; dh is then None."""
+    dh0 [N, HV, K, V] takes the dS entering each program's range (the kernel's ``CARRY``)."""
     T, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     VT = value_tile(V, "fused_rev") if VT is None else VT
     c = DELTA["fused_rev"]
     DT = gl.bfloat16 if do.dtype == torch.bfloat16 else gl.float16
-    if terms is not None:
-        VN, h, Dk, Tr = terms
-        assert dh is None and Dk.shape[0] == Tr.shape[0] == V // VT and Dk.is_contiguous() and Tr.is_contiguous()
-        assert Dk[0].numel() == T * HV * K and Tr[0].numel() * K * V == h.numel()  # (the kernel's strides)
-        dh = h  # (the descriptor argument of a dh that is never written; its rows give the chunks)
-    else:
-        assert dh.is_contiguous() and dh.data_ptr() % 16 == 0  # written through its descriptor in place
-        VN = Dk = Tr = G
+    assert dh.is_contiguous() and dh.data_ptr() % 16 == 0  # written through its descriptor in place
     q_t = _tiles(q, T, (CHUNK, K), DT)
     k_t = _tiles(k, T, (CHUNK, K), DT)
     do_t = _tiles(do, T, (CHUNK, VT), DT)
     a_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
     dh_t = _tiles(dh, dh.numel() // V, (K, VT), DT)
-    h_t = _tiles(dh, dh.numel() // V, (ROWS, VT), DT) if terms is not None else dh_t  # S's row blocks
-    r = tuple(c["regs_ds" if terms is not None else "regs"])
+    r = tuple(c["regs"])
     programs = HV * (V // VT)
 
     def run(dht, dh0, cu, ends, off, N: int, warm=None, carry: bool = False):
         plan, seg_seq, seq_cu = warm if warm is not None else (cu, cu, cu)
-        launch(fused_rev_kernel, (N * programs,), q_t, k_t, do_t, a_t, dh_t, h_t, G, beta,
-               dht if dht is not None else G, dh0 if dh0 is not None else G, DD, VN, Dk, Tr, cu, ends, off, plan,
-               seg_seq, seq_cu, scale, H, HV, K=K, V=V, VT=VT, NS=c["NS"], DT=DT, USE_DHT=dht is not None,
+        launch(fused_rev_kernel, (N * programs,), q_t, k_t, do_t, a_t, dh_t, G, beta,
+               dht if dht is not None else G, dh0 if dh0 is not None else G, DD, cu, ends, off, plan, seg_seq,
+               seq_cu, scale, H, HV, K=K, V=V, VT=VT, NS=c["NS"], DT=DT, USE_DHT=dht is not None,
                USE_INIT=dh0 is not None, WARM=warm is not None, CARRY=carry, R_COPY=r[0], R_DELTA=r[1], R_LOCAL=r[2],
-               DS_TERMS=terms is not None, maxnreg=c["maxnreg"], name="fused_rev")
+               maxnreg=c["maxnreg"], name="fused_rev")
 
     return run
-
-
-def terms_usable() -> bool:
-    """Whether the pass forms the per-chunk stage's dS_out terms itself (``DELTA["fused_rev"]
-    ["ds_terms"]``) where it runs unsliced."""
-    return bool(DELTA["fused_rev"].get("ds_terms", False))
