@@ -313,7 +313,9 @@ OTHER = {
     # One decode step of the short convolution: BD channels of one row per program (the whole
     # row, up to 1024, under the interpreter).
     "conv_step": dict(num_warps=4, BD=512),
-    "swiglu": dict(num_warps=8, BLOCK=2048),
+    # SwiGLU: tiles of BLOCK elements, rows × up to BI columns (8 warps: 8 elements, one 16-byte
+    # vector of bf16, a thread).
+    "swiglu": dict(num_warps=8, BLOCK=2048, BI=256),
     "cross_entropy": dict(num_warps=8, BLOCK=4096),
     "pool_commit": dict(num_warps=4, BLOCK=4096),
 }
