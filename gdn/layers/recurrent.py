@@ -216,9 +216,14 @@ class RecurrentMixer(nn.Module):
         mods = [getattr(self, n) for n in names]
         if not joinable(mods):
             return {n: m(x) for n, m in zip(names, mods)}
+        # blocks whose width is a multiple of 8 first, the narrow gate inputs (a, b) last, and the
+        # width padded to a multiple of 8: in 16 bits every row and every wide block then starts on
+        # 16 bytes, which the glue kernels reading them in place need for vector loads and stores
+        order = sorted(range(len(mods)), key=lambda i: mods[i].out_features % 8 != 0)
+        names, mods = [names[i] for i in order], [mods[i] for i in order]
         sizes = [m.out_features for m in mods]
         ws = [m.weight for m in mods]
-        pad = -sum(sizes) % 8  # rows of 16-byte multiples (16-bit outputs): aligned column blocks
+        pad = -sum(sizes) % 8
         if pad:
             ws.append(ws[0].new_zeros(pad, ws[0].shape[1]))
         y = F.linear(x, torch.cat(ws))

@@ -274,8 +274,14 @@ def test_mixer_on_the_kernels_with_joined_projections(monkeypatch):
         o.backward(dy)
         res.append([o.detach(), xt.grad] + [p.grad.clone() for p in m.parameters()])
     assert strided == [True] * 3 + [False] * 3, strided  # q, k, v read in place from the joined product
-    # the joined product's gradient: the convolutions' dx (q, k, v) and the gated norm's dgate (g)
-    # written in place by their kernels; the gate inputs a and b (and the padding) are not
-    assert placed == [[True, True, True, False, False, True, False]], placed
+    # the joined product's gradient (blocks q, k, v, g, then the narrow a and b, then the padding):
+    # the convolutions' dx (q, k, v) and the gated norm's dgate (g) written in place by their
+    # kernels; the gate inputs a and b (and the padding) are not
+    assert placed == [[True, True, True, True, False, False, False]], placed
+    monkeypatch.setattr("gdn.layers.recurrent.joinable", lambda mods: True)
+    blocks = m.project(x)
+    row = blocks["q_proj"].stride(1)
+    assert row % 8 == 0 and all(b.storage_offset() % 8 == 0 for n, b in blocks.items() if b.shape[-1] % 8 == 0)
+    assert sorted(b.storage_offset() for n, b in blocks.items() if b.shape[-1] % 8)[0] > blocks["g_proj"].storage_offset()
     for (name, _), a, b in zip([("o", 0), ("dx", 0)] + list(m.named_parameters()), *res):
         assert _rel(a, b.double()) < 1e-5, (name, _rel(a, b.double()))
