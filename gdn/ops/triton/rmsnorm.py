@@ -33,7 +33,7 @@ from .launch import direct
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@triton.jit(do_not_specialize=["x_inner", "x_so", "x_si", "g_inner", "g_so", "g_si"])
+@triton.jit(do_not_specialize=["x_inner", "g_inner"])
 def _norm_fwd_kernel(x, g, w, y, rstd, R, D, eps, x_inner, x_so, x_si, g_inner, g_so, g_si, GATED: tl.constexpr,
                      STRIDED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     """x and the gate in their row layouts (:mod:`.rows`; packed unless STRIDED); y packed [R, D]."""
@@ -55,7 +55,7 @@ def _norm_fwd_kernel(x, g, w, y, rstd, R, D, eps, x_inner, x_so, x_si, g_inner, 
     tl.store(rstd + o_r, b_rstd, mask=m_r)
 
 
-@triton.jit(do_not_specialize=["x_inner", "x_so", "x_si", "g_inner", "g_so", "g_si"])
+@triton.jit(do_not_specialize=["x_inner", "g_inner"])
 def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, ds, dh, R, D, x_inner, x_so, x_si, g_inner, g_so, g_si,
                      GATED: tl.constexpr, STRIDED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
                      NLOOP: tl.constexpr, RES: tl.constexpr = False, DS: tl.constexpr = False,

@@ -9,8 +9,10 @@ product (the decode step's joined projections [B, 1, Σ out] split into [B, 1, o
 cover a per-head view [B, 1, H, K] of such a slice (heads at stride K, rows at the product's
 width). Any other layout is copied to a contiguous tensor first.
 
-R_i and the strides reach a kernel as run-time arguments that Triton does not specialise on
-(``do_not_specialize``), so every layout runs one compiled kernel; a kernel's constexpr
+R_i reaches a kernel as a run-time argument that Triton does not specialise on
+(``do_not_specialize``); the strides are specialised as any integer is (divisible by 16 or not), so
+that a layout whose rows start on 16 bytes gets vector loads and stores (a kernel that cannot see
+that issues one 2-byte access per element in 16 bits), at most a few compiled kernels; a kernel's constexpr
 ``STRIDED`` is False when all of its row inputs are contiguous, and that variant addresses rows
 as ``r·D`` with no layout arithmetic: contiguous inputs run the code of a kernel without strides.
 
@@ -27,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-#: Names of the run-time layout arguments, for ``do_not_specialize``.
+#: Names of the run-time layout arguments (the row count ``inner`` alone goes to ``do_not_specialize``).
 LAYOUT_ARGS = ("inner", "s_outer", "s_inner")
 
 
