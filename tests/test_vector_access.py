@@ -1,0 +1,45 @@
+"""tools/vector_access.py: at the 340m layer's layouts the SwiGLU and RMSNorm kernels (the gated
+norm reading its gate in place from the joined projection, writing the gate's gradient back there)
+move their 16-bit data as 16-byte vectors, compiled for sm_90 on the CPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[1]
+
+RUN = """
+import sys, json
+sys.path.insert(0, {root!r})
+from tools import vector_access as V
+print(json.dumps([(n, dict(a)) for n, a in V.glue_launches("gdn", "340m", 64, "norm_|swiglu")]))
+"""
+
+
+def test_glue_kernels_move_16_bit_data_as_vectors_at_340m():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", RUN.format(root=str(ROOT))], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    import json
+
+    launches = json.loads(p.stdout.strip().splitlines()[-1])
+    names = {n for n, _ in launches}
+    assert {"_swiglu_fwd_kernel", "_swiglu_bwd_kernel", "_norm_fwd_kernel", "_norm_bwd_kernel"} <= names, names
+    for name, acc in launches:
+        narrow = {op: n for op, n in acc.items() if op.endswith(".b16")}
+        assert not narrow, (name, acc)
+        assert any(op.startswith("ld.global.v4") for op in acc) and any(op.startswith("st.global.v4") for op in acc), (
+            name, acc)
+
+
+def test_accesses_counts_opcodes():
+    from tools.vector_access import accesses
+
+    ptx = "ld.global.b16 %rs1, [%rd1];\n\tld.global.v4.b32 {%r1}, [%rd2];\n\tst.global.b16 [%rd3], %rs1;\n"
+    assert accesses(ptx) == {"ld.global.b16": 1, "ld.global.v4.b32": 1, "st.global.b16": 1}
