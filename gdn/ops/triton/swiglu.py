@@ -15,8 +15,8 @@ Each program takes a tile of BR rows × BI columns, so a row's start (the layout
 formed once per row and its columns are one contiguous run: the loads and stores go out as 16-byte
 vectors. The layout's strides are specialised like any integer argument (divisible by 16 or not):
 an element-indexed kernel whose offsets come from a division per element, or strides the compiler
-cannot see are multiples of 16, issues a 2-byte access per element, which at the 340m training
-shapes took the backward to about five times its bytes' time.
+cannot see are multiples of 16, issues a 2-byte access per element: about five times the bytes'
+time for the backward at the 340m training shapes (docs/BENCHMARKS.md §4).
 """
 from __future__ import annotations
 
