@@ -5,10 +5,10 @@ q, k and v, the gated norm's gate, SwiGLU's gate and up) and write their gradien
 bits an access goes out as a 16-byte vector only when the compiler can prove the run is contiguous
 and starts on 16 bytes: a row offset from a division per element, a block that starts off 16 bytes,
 or a stride the kernel does not specialise (``do_not_specialize``) all give one 2-byte access per
-element: about five times the bytes' time for SwiGLU's backward at the 340m training shapes. This runs one forward and backward of a model on CPU tensors with every Triton
-launch captured instead of run (tools/ptx_fingerprint.py), compiles each distinct glue launch for
-sm_90 and counts its global accesses by width, so a layout or kernel change can be checked without
-a GPU:
+element: about five times the bytes' time for SwiGLU's backward at the 340m training shapes. This
+runs one forward and backward of a model on CPU tensors with every Triton launch captured instead of
+run (tools/ptx_fingerprint.py), compiles each distinct glue launch for sm_90 and counts its global
+accesses by width, so a layout or kernel change can be checked without a GPU:
 
     python tools/vector_access.py [--preset gdn --size 340m] [--kernels 'norm|swiglu|conv']
 
