@@ -3,6 +3,7 @@ norm reading its gate in place from the joined projection, writing the gate's gr
 move their 16-bit data as 16-byte vectors, compiled for sm_90 on the CPU."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,8 +27,6 @@ def test_glue_kernels_move_16_bit_data_as_vectors_at_340m():
     p = subprocess.run([sys.executable, "-c", RUN.format(root=str(ROOT))], capture_output=True, text=True,
                        env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    import json
-
     launches = json.loads(p.stdout.strip().splitlines()[-1])
     names = {n for n, _ in launches}
     assert {"_swiglu_fwd_kernel", "_swiglu_bwd_kernel", "_norm_fwd_kernel", "_norm_bwd_kernel"} <= names, names

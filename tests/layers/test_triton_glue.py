@@ -280,8 +280,8 @@ def test_mixer_on_the_kernels_with_joined_projections(monkeypatch):
     assert placed == [[True, True, True, True, False, False, False]], placed
     monkeypatch.setattr("gdn.layers.recurrent.joinable", lambda mods: True)
     blocks = m.project(x)
-    row = blocks["q_proj"].stride(1)
-    assert row % 8 == 0 and all(b.storage_offset() % 8 == 0 for n, b in blocks.items() if b.shape[-1] % 8 == 0)
-    assert sorted(b.storage_offset() for n, b in blocks.items() if b.shape[-1] % 8)[0] > blocks["g_proj"].storage_offset()
+    assert blocks["q_proj"].stride(1) % 8 == 0  # the product's rows
+    assert all(b.storage_offset() % 8 == 0 for b in blocks.values() if b.shape[-1] % 8 == 0)
+    assert min(b.storage_offset() for b in blocks.values() if b.shape[-1] % 8) > blocks["g_proj"].storage_offset()
     for (name, _), a, b in zip([("o", 0), ("dx", 0)] + list(m.named_parameters()), *res):
         assert _rel(a, b.double()) < 1e-5, (name, _rel(a, b.double()))

@@ -12,9 +12,10 @@ width). Any other layout is copied to a contiguous tensor first.
 R_i reaches a kernel as a run-time argument that Triton does not specialise on
 (``do_not_specialize``); the strides are specialised as any integer is (divisible by 16 or not), so
 that a layout whose rows start on 16 bytes gets vector loads and stores (a kernel that cannot see
-that issues one 2-byte access per element in 16 bits), at most a few compiled kernels; a kernel's constexpr
-``STRIDED`` is False when all of its row inputs are contiguous, and that variant addresses rows
-as ``r·D`` with no layout arithmetic: contiguous inputs run the code of a kernel without strides.
+that issues one 2-byte access per element in 16 bits), at most a few compiled kernels. A kernel's
+constexpr ``STRIDED`` is False when all of its row inputs are contiguous, and that variant
+addresses rows as ``r·D`` with no layout arithmetic: contiguous inputs run the code of a kernel
+without strides.
 
     rx = rows(x)                 # rx.t: the tensor to pass (x, or its contiguous copy)
     kernel[grid](rx.t, ..., *rx.args(), ..., STRIDED=strided(rx, ...))
@@ -28,10 +29,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-#: Names of the run-time layout arguments (the row count ``inner`` alone goes to ``do_not_specialize``).
-LAYOUT_ARGS = ("inner", "s_outer", "s_inner")
-
 
 @dataclass(frozen=True)
 class Rows:

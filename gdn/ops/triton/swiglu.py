@@ -99,8 +99,9 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n = gate.numel()
     if n:
         rg, ru, I = _operands(gate, up)
-        grid, BR, BI = _grid(n // I, I)
-        direct(_swiglu_fwd_kernel, grid, rg.t, ru.t, h, n // I, I, *rg.args(), *ru.args(),
+        R = n // I
+        grid, BR, BI = _grid(R, I)
+        direct(_swiglu_fwd_kernel, grid, rg.t, ru.t, h, R, I, *rg.args(), *ru.args(),
                STRIDED=strided(rg, ru), BR=BR, BI=BI, num_warps=OTHER["swiglu"]["num_warps"])
     return h
 
@@ -128,8 +129,9 @@ def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
         if out is not None and (rg.t is not gate or ru.t is not up):  # a layout rows() copies: not in place
             dg_p, du_p = swiglu_backward(dh, rg.t.view(gate.shape), ru.t.view(up.shape))
             return dg.copy_(dg_p), du.copy_(du_p)
-        grid, BR, BI = _grid(n // I, I)
-        direct(_swiglu_bwd_kernel, grid, dh.contiguous(), rg.t, ru.t, dg, du, n // I, I, *rg.args(),
+        R = n // I
+        grid, BR, BI = _grid(R, I)
+        direct(_swiglu_bwd_kernel, grid, dh.contiguous(), rg.t, ru.t, dg, du, R, I, *rg.args(),
                *ru.args(), STRIDED=strided(rg, ru), OUT_LIKE_IN=out is not None, BR=BR, BI=BI,
                num_warps=OTHER["swiglu"]["num_warps"])
     return dg, du

@@ -26,7 +26,7 @@ from ...triton.rows import row_offsets, row_start, rows, strided
 from ...triton.launch import direct
 
 
-@triton.jit(do_not_specialize=["inner", "s_outer", "s_inner"])
+@triton.jit(do_not_specialize=["inner"])
 def l2norm_fwd_kernel(x, y, r, n_rows, inner, s_outer, s_inner, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
                       eps, STRIDED: tl.constexpr):
     """y = x · rsqrt(Σx² + eps) over the last dim; r = that rsqrt (fp32), for BR rows. x in its row
@@ -42,7 +42,7 @@ def l2norm_fwd_kernel(x, y, r, n_rows, inner, s_outer, s_inner, D: tl.constexpr,
     tl.store(r + o_r, b_r, mask=o_r < n_rows)
 
 
-@triton.jit(do_not_specialize=["inner", "s_outer", "s_inner"])
+@triton.jit(do_not_specialize=["inner"])
 def l2norm_bwd_kernel(x, r, dy, dx, n_rows, inner, s_outer, s_inner, D: tl.constexpr, BD: tl.constexpr,
                       BR: tl.constexpr, STRIDED: tl.constexpr):
     """dx = r (dy − ŷ (ŷ·dy)) with ŷ = x r (exact with eps: dr/dx = −r³ x). x in its row layout
@@ -70,7 +70,7 @@ def _gate_offsets(o, h, HV, inner, s_outer, s_inner, STRIDED: tl.constexpr):
     return p
 
 
-@triton.jit(do_not_specialize=["a_inner", "a_so", "a_si", "b_inner", "b_so", "b_si"])
+@triton.jit(do_not_specialize=["a_inner", "b_inner"])
 def gate_fwd_kernel(a, b, A_log, dt_bias, g, beta, n, HV, a_inner, a_so, a_si, b_inner, b_so, b_si,
                     BLOCK: tl.constexpr, NEG: tl.constexpr, STRIDED: tl.constexpr):
     """g = −exp(A_log[h]) softplus(a + dt_bias[h]); β = (1 or 2)·sigmoid(b); h = index mod HV. a and
@@ -90,7 +90,7 @@ def gate_fwd_kernel(a, b, A_log, dt_bias, g, beta, n, HV, a_inner, a_so, a_si, b
     tl.store(beta + o, b_s, mask=m)
 
 
-@triton.jit(do_not_specialize=["a_inner", "a_so", "a_si", "b_inner", "b_so", "b_si"])
+@triton.jit(do_not_specialize=["a_inner", "b_inner"])
 def gate_bwd_kernel(a, b, A_log, dt_bias, g, dg, dbeta, da, db, dgg, n, HV, a_inner, a_so, a_si, b_inner, b_so, b_si,
                     BLOCK: tl.constexpr, NEG: tl.constexpr, STRIDED: tl.constexpr):
     """da = dg·(−exp(A_log))·sigmoid(a + dt_bias); db = dβ·c·σ(b)(1 − σ(b)); dgg = dg·g (→ dA_log).
