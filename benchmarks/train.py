@@ -61,7 +61,18 @@ def parse_args(argv=None):
                    help="per-kernel GPU times of one step of each model and where its GPU idles (CUDA)")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="with --profile: keep each model's profiled step as a Chrome trace DIR/<model>.json.gz")
-    return p.parse_args(argv)
+    p.add_argument("--config", default=None, metavar="JSON",
+                   help="launch settings of gdn's kernels to use instead of the defaults: a JSON file or inline "
+                        "JSON, e.g. '{\"other.swiglu\": {\"num_warps\": 4}}' (gdn.ops.tuning.update)")
+    a = p.parse_args(argv)
+    if a.config:
+        from gdn.ops.tuning import update_from
+
+        try:
+            update_from(a.config)
+        except ValueError as e:
+            p.error(f"--config: {e}")
+    return a
 
 
 def model_flops_per_token(cfg: GDNConfig, T: int) -> float:

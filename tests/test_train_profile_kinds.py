@@ -1,6 +1,6 @@
 """benchmarks/train.py's step profile sums kernels by part of the step from their names: cuBLAS
 and CUTLASS products, gdn's chunk kernels, the glue kernels, the optimizer, copies; an unknown
-name is "other"; the parts' shares add up to one."""
+name is "other"; the parts' shares add up to one. Its --config applies launch settings."""
 from __future__ import annotations
 
 import importlib.util
@@ -36,3 +36,25 @@ def test_parts_sum_and_order():
     assert [k for k, _, _ in rows] == ["matrix products", "chunk op", "other"]
     assert [ms for _, ms, _ in rows] == [5.0, 4.0, 1.0]
     assert abs(sum(sh for _, _, sh in rows) - 1.0) < 1e-12
+
+
+def test_config_applies_launch_settings_and_rejects_unknown_ones(capsys):
+    """--config updates gdn's launch tables before the model is built; a setting the tables do not
+    have is a one-line usage error (exit status 2), not a silent run at the defaults."""
+    import pytest
+
+    from gdn.ops import tuning
+
+    t = _train()
+    before = dict(tuning.OTHER["swiglu"])
+    try:
+        t.parse_args(["--config", '{"other.swiglu": {"num_warps": 2}}'])
+        assert tuning.OTHER["swiglu"]["num_warps"] == 2
+    finally:
+        tuning.OTHER["swiglu"].clear()
+        tuning.OTHER["swiglu"].update(before)
+    with pytest.raises(SystemExit) as e:
+        t.parse_args(["--config", '{"other.swiglu": {"warps": 2}}'])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--config" in err[-1] and "warps" in err[-1]
