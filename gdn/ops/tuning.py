@@ -304,8 +304,11 @@ OTHER = {
     # RMSNorm (norm_tiles): rows per block so a block holds ``elements`` values (1024 under the
     # interpreter); 8 warps from rows of 2048. The backward aims at ``programs`` programs.
     "rmsnorm": dict(elements=4096, max_rows=64, wide=2048, programs=1024),
-    # Short convolution: token blocks of BT, feature blocks of BD (64 under the interpreter).
-    "short_conv": dict(num_warps=4, BT=32, BD=128, BD_bwd=64, loop=4),
+    # Short convolution. Forward: tiles of BT tokens × BD channels (64 under the interpreter).
+    # Backward: BD_bwd channels (8 a thread) walked over L tokens, U an iteration; L as large as
+    # leaves ``programs`` one-warp programs a multiprocessor. On an H100 at [4, 4096, 768] and
+    # [.., 1536] that is L = 32 and 64, the best of L ∈ {32, 64} × U ∈ {4, 8} × 1–4 warps at each.
+    "short_conv": dict(num_warps=4, BT=32, BD=128, BD_bwd=256, warps_bwd=1, U=4, L_min=16, L_max=64, programs=8),
     # Decode products of at most max_rows rows (gdn.ops.gemv): BN output columns per program, the
     # largest power of two up to BN_max that leaves ``programs`` × the multiprocessors programs; K
     # tiles of ``elements`` / BN.
