@@ -82,16 +82,15 @@ def _conv_fwd_kernel(x, w, hist, pos, y, T, D, s_xb, s_xt, K: tl.constexpr, HAS_
 
 
 @triton.jit
-def _row(x, hist, pos, t, o_d, m_d, b, s_xb, s_xt, T, D, K: tl.constexpr, HAS_HIST: tl.constexpr,
-         PACKED: tl.constexpr):
-    """(x[b, t, o_d] as fp32 [BD], :func:`_pos` of t) for one token t (a scalar, possibly outside
-    [0, T)): zero past T, the history before token 0 (zero without one)."""
+def _row(x, hist, t, o_d, m_d, b, s_xb, s_xt, T, D, K: tl.constexpr, HAS_HIST: tl.constexpr):
+    """x[b, t, o_d] as fp32 [BD] for one token t (a scalar, possibly outside [0, T)): zero past T,
+    the history before token 0 (zero without one)."""
     inside = (t >= 0) & (t < T)
     b_x = tl.load(x + b * s_xb + t * s_xt + o_d, mask=m_d & inside, other=0.0).to(tl.float32)
     if HAS_HIST:
         b_x += tl.load(hist + b * D * (K - 1) + o_d * (K - 1) + (K - 1 + t), mask=m_d & (t < 0),
                        other=0.0).to(tl.float32)
-    return b_x, _pos(pos, t, T, K, PACKED)
+    return b_x
 
 
 @triton.jit
@@ -130,16 +129,15 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, s_xb, s_xt, s_db, s_dt,
     # ps[i] its token's position (i < K; zero past T)
     xs = ()
     for k in tl.static_range(K):
-        b_xk, p_k = _row(x, hist, pos, top + 1 - k, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST, PACKED)
-        xs = xs + (b_xk,)
+        xs = xs + (_row(x, hist, top + 1 - k, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST),)
     dzs = ()
     ps = ()
     for i in tl.static_range(K):
         t = top + 1 + i
         z = tl.zeros([BD], dtype=tl.float32)
-        b_xt, p_t = _row(x, hist, pos, t, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST, PACKED)
+        p_t = _pos(pos, t, T, K, PACKED)
         for j in tl.static_range(K):
-            b_xj, p_j = _row(x, hist, pos, t - j, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST, PACKED)
+            b_xj = _row(x, hist, t - j, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST)
             z += tl.where(p_t >= j, b_xj, 0.0) * ws[j]
         dz = tl.load(dy + b * T * D + t * D + o_d, mask=m_d & (t < T), other=0.0).to(tl.float32)
         if SILU:
@@ -153,7 +151,7 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, s_xb, s_xt, s_db, s_dt,
     for it in range(L // U):
         for u in tl.static_range(U):
             t = top - it * U - u
-            b_new, p_old = _row(x, hist, pos, t - K + 1, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST, PACKED)
+            b_new = _row(x, hist, t - K + 1, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST)
             p = _pos(pos, t, T, K, PACKED)
             win = ()  # win[j] = x[t - j]
             for j in tl.static_range(K - 1):
