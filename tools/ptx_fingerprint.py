@@ -170,6 +170,14 @@ def workloads(dtypes):
             a, b = wide[..., 1024:1056], wide[..., 1056:1088]
             qn, kn, gg, beta = prologue(q, k, a, b, torch.zeros(32), torch.zeros(32), True, True)
             (qn.float().sum() + kn.float().sum() + gg.sum() + beta.float().sum()).backward()
+            # the short convolution on a column block: with a history, and packed (the model
+            # workloads run it without either)
+            from gdn.ops.triton.short_conv import short_conv
+
+            w = torch.randn(128, 4, generator=g)
+            short_conv(wide[..., 768:896], w, torch.randn(2, 128, 3, generator=g, dtype=dt)).float().sum().backward()
+            cu = torch.tensor([0, 5, 40, 70])
+            short_conv(wide[:1, :, 768:896], w, None, cu).float().sum().backward()
         return run
 
     def model(preset, dt):
