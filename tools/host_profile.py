@@ -372,6 +372,9 @@ def main(argv=None) -> int:
                    help="(CUDA) host µs per kernel launch, Triton's path against the compiled kernel's launcher")
     p.add_argument("--calibrate", action="store_true",
                    help="host µs of fixed workloads on this machine (to compare hosts' speeds), then exit")
+    p.add_argument("--fused", action="store_true",
+                   help="the layer's entry instead: gated_delta_rule_fused from raw q, k, a, b (the prologue's "
+                        "L2 norms and gates too)")
     p.add_argument("--config", default=None, metavar="JSON",
                    help="launch overrides first (a file or inline JSON, gdn.ops.tuning.update_from), e.g. "
                         "'{\"fused_rbwd\": {\"on\": true}}'")
@@ -404,6 +407,16 @@ def main(argv=None) -> int:
     xs, _ = inputs(B, T, a.heads, a.hv, None, device=DEVICE)
     do = torch.randn(B, T, a.hv, D, device=DEVICE, dtype=torch.bfloat16)
     fwd = gdn_fn(xs, None)
+    if a.fused:  # a, b: the decay's and β's pre-activations; A_log, dt_bias: per value head
+        from gdn.ops import gated_delta_rule_fused  # noqa: PLC0415
+
+        q, k, v = xs[:3]
+        ab = [torch.randn(B, T, a.hv, device=DEVICE, dtype=torch.bfloat16).requires_grad_() for _ in range(2)]
+        params = [torch.zeros(a.hv, device=DEVICE, requires_grad=True) for _ in range(2)]
+        xs = [q, k, v, *ab, *params]
+
+        def fwd():
+            return gated_delta_rule_fused(q, k, v, *ab, *params, backend="triton")[0]
 
     def fwd_nograd():
         with torch.no_grad():
@@ -416,7 +429,8 @@ def main(argv=None) -> int:
 
     where = (f"CPU, launches stubbed, freed blocks {'kept in the heap' if heap_kept() else 'returned by glibc'}"
              if a.cpu_stub else torch.cuda.get_device_name())
-    print(f"shape ({B}, {T}, H={a.heads}, HV={a.hv}, {D}) bf16; torch {torch.__version__}, {where}")
+    print(f"{'gated_delta_rule_fused' if a.fused else 'gated_delta_rule'}, shape ({B}, {T}, H={a.heads}, "
+          f"HV={a.hv}, {D}) bf16; torch {torch.__version__}, {where}")
     if a.ab:
         if a.cpu_stub or not torch.cuda.is_available():
             p.error("--ab needs CUDA (and no --cpu-stub)")
