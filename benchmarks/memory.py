@@ -71,10 +71,10 @@ class _TritonCoreStandIn(torch.autograd.Function):
             o, S = gated_delta_rule_fused(q, k, v, a, b, A_log, dt_bias, **kw)
         B, T, H, K = q.shape
         HV = v.shape[2]
-        qc, kc = _as_saved(q), _as_saved(k)  # L2Norm saves its input as it read it, and rstd
+        qc, kc = _as_saved(q), _as_saved(k)  # the prologue saves q and k as it read them, and their rstd
         rq = q.new_empty(B * T * H, dtype=torch.float32)
         rk = k.new_empty(B * T * H, dtype=torch.float32)
-        g = torch.empty(a.shape, dtype=torch.float32)  # Gate saves a, b, A_log, dt_bias and g
+        g = torch.empty(a.shape, dtype=torch.float32)  # and a, b, A_log, dt_bias and g
         beta = torch.empty(a.shape, dtype=torch.float32)
         qh, kh = q.new_empty(q.shape), k.new_empty(k.shape)  # chunk op: q̂, k̂, v, g, β, Ai
         vp = v.reshape(B * T, HV, v.shape[3])

@@ -22,7 +22,7 @@ from gdn.ops.tuning import INTERPRET  # noqa: E402
 if not INTERPRET and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("triton was imported before TRITON_INTERPRET was set in this process", allow_module_level=True)
 
-from gdn.ops.delta.triton.prologue import Gate, L2Norm, prologue  # noqa: E402
+from gdn.ops.delta.triton.prologue import Gate, L2Norm, Prologue, prologue  # noqa: E402
 from gdn.ops.triton.rmsnorm import gated_rms_norm, rms_norm  # noqa: E402
 from gdn.ops.triton.rows import rows  # noqa: E402
 from gdn.ops.triton.swiglu import swiglu_backward, swiglu_forward  # noqa: E402
@@ -182,6 +182,38 @@ def test_prologue_gate_strided_rows_bit_equal(dtype, neg):
     _eq("db", p.grad[..., 150 + HV:150 + 2 * HV], bc.grad)
     _eq("dA_log", params[0].grad, params_c[0].grad)
     _eq("ddt_bias", params[1].grad, params_c[1].grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("neg", [False, True])
+def test_prologue_is_one_node_with_the_three_functions_results(dtype, neg):
+    """prologue() with the L2 norms is one autograd node (Prologue) whose outputs and gradients are
+    those of Gate and the two L2Norms applied one by one, to the bit; a q that wants no gradient
+    gets none (its norm's backward is not run)."""
+    HV = 6
+    gen = torch.Generator().manual_seed(18)
+    A_log, dt_bias = torch.randn(HV, generator=gen) * 0.5, torch.randn(HV, generator=gen) * 0.5
+    res = []
+    for fused in (True, False):
+        p = _product(dtype, 19)
+        q, k = _heads(p, 0), _heads(p, H * K)
+        a, b = _slice(p, 2 * H * K, HV), _slice(p, 2 * H * K + HV, HV)
+        params = [t.clone().requires_grad_() for t in (A_log, dt_bias)]
+        if fused:
+            outs = prologue(q, k, a, b, *params, True, neg)
+            assert {type(o.grad_fn).__name__ for o in outs} == {"PrologueBackward"}
+        else:
+            outs = (L2Norm.apply(q, 1e-6), L2Norm.apply(k, 1e-6), *Gate.apply(a, b, *params, neg))
+        g2 = torch.Generator().manual_seed(20)
+        sum((o.float() * torch.randn(o.shape, generator=g2)).sum() for o in outs).backward()
+        res.append([o.detach() for o in outs] + [p.grad, *(t.grad for t in params)])
+    for name, x, y in zip(("q", "k", "g", "beta", "dproduct", "dA_log", "ddt_bias"), *res):
+        _eq(name, x, y)
+    q, k = torch.randn(2, 5, H, K, dtype=dtype), torch.randn(2, 5, H, K, dtype=dtype, requires_grad=True)
+    a, b = torch.randn(2, 5, HV, dtype=dtype), torch.randn(2, 5, HV, dtype=dtype)
+    qn, kn, g, beta = Prologue.apply(q, k, a, b, A_log, dt_bias, 1e-6, neg)
+    (qn.float().sum() + kn.float().sum() + g.sum()).backward()
+    assert q.grad is None and k.grad is not None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -112,36 +112,83 @@ def gate_bwd_kernel(a, b, A_log, dt_bias, g, dg, dbeta, da, db, dgg, n, HV, a_in
     tl.store(dgg + o, b_dg * tl.load(g + o, mask=m, other=0.0), mask=m)
 
 
+def _l2_forward(x, eps: float):
+    """(x̂ packed in x.dtype, x as the kernel read it, rstd [rows] fp32) of :class:`L2Norm`."""
+    D = x.shape[-1]
+    rx = rows(x)
+    n = x.numel() // D
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    r = torch.empty(n, device=x.device, dtype=torch.float32)
+    c = OTHER["l2norm"]
+    if n:
+        direct(l2norm_fwd_kernel, (cdiv(n, c["BR"]),), rx.t, y, r, n, *rx.args(), D=D, BD=pow2(D, 1), BR=c["BR"],
+               eps=eps, STRIDED=rx.strided, num_warps=c["num_warps"])
+    return y, rx.t, r
+
+
+def _l2_backward(xs, r, dy):
+    """dx (packed) of :class:`L2Norm` from what :func:`_l2_forward` saved."""
+    D = xs.shape[-1]
+    n = xs.numel() // D
+    rx = rows(xs)
+    dx = torch.empty(xs.shape, device=xs.device, dtype=xs.dtype)
+    c = OTHER["l2norm"]
+    if n:
+        direct(l2norm_bwd_kernel, (cdiv(n, c["BR"]),), rx.t, r, dy.contiguous(), dx, n, *rx.args(), D=D,
+               BD=pow2(D, 1), BR=c["BR"], STRIDED=rx.strided, num_warps=c["num_warps"])
+    return dx
+
+
+def _gate_forward(a, b, A_log, dt_bias, neg: bool):
+    """(g, β, a and b as the kernel read them) of :class:`Gate`."""
+    ra, rb = rows(a), rows(b)
+    HV = a.shape[-1]
+    n = a.numel()
+    g = torch.empty(a.shape, device=a.device, dtype=torch.float32)
+    beta = torch.empty(a.shape, device=a.device, dtype=torch.float32)
+    c = OTHER["gate"]
+    if n:
+        direct(gate_fwd_kernel, (cdiv(n, c["BLOCK"]),), ra.t, rb.t, A_log.contiguous(), dt_bias.contiguous(), g,
+               beta, n, HV, *ra.args(), *rb.args(), BLOCK=c["BLOCK"],
+               NEG=neg, STRIDED=strided(ra, rb), num_warps=c["num_warps"])
+    return g, beta, ra.t, rb.t
+
+
+def _gate_backward(a, b, A_log, dt_bias, g, dg, dbeta, neg: bool):
+    """(da, db, dA_log, d dt_bias) of :class:`Gate` (None for a gradient that did not flow)."""
+    ra, rb = rows(a), rows(b)
+    HV = a.shape[-1]
+    n = a.numel()
+    dg = torch.zeros_like(g) if dg is None else dg.contiguous()
+    dbeta = torch.zeros_like(g) if dbeta is None else dbeta.contiguous()
+    da = torch.empty(a.shape, device=a.device, dtype=a.dtype)
+    db = torch.empty(b.shape, device=b.device, dtype=b.dtype)
+    dgg = torch.empty_like(g)
+    c = OTHER["gate"]
+    if n:
+        direct(gate_bwd_kernel, (cdiv(n, c["BLOCK"]),), ra.t, rb.t, A_log.contiguous(), dt_bias.contiguous(), g,
+               dg, dbeta, da, db, dgg, n, HV, *ra.args(), *rb.args(),
+               BLOCK=c["BLOCK"], NEG=neg, STRIDED=strided(ra, rb), num_warps=c["num_warps"])
+    # d dt_bias = Σ da over tokens; d A_log = Σ dg · g (g is linear in exp(A_log)).
+    dA_log = dgg.view(-1, HV).sum(0).to(A_log.dtype)
+    ddt = da.float().view(-1, HV).sum(0).to(dt_bias.dtype)
+    return da, db, dA_log, ddt
+
+
 class L2Norm(torch.autograd.Function):
     """x̂ = x · rsqrt(Σ x² + eps) over the last dim, in x.dtype (computed in fp32), packed. x: [..., D],
     read in place when its rows are strided with a contiguous last dim (:mod:`gdn.ops.triton.rows`)."""
 
     @staticmethod
     def forward(ctx, x, eps: float):
-        D = x.shape[-1]
-        rx = rows(x)
-        n = x.numel() // D
-        y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-        r = torch.empty(n, device=x.device, dtype=torch.float32)
-        c = OTHER["l2norm"]
-        if n:
-            direct(l2norm_fwd_kernel, (cdiv(n, c["BR"]),), rx.t, y, r, n, *rx.args(), D=D, BD=pow2(D, 1), BR=c["BR"],
-                   eps=eps, STRIDED=rx.strided, num_warps=c["num_warps"])
-        ctx.save_for_backward(rx.t, r)
+        y, xs, r = _l2_forward(x, eps)
+        ctx.save_for_backward(xs, r)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         xs, r = ctx.saved_tensors
-        D = xs.shape[-1]
-        n = xs.numel() // D
-        rx = rows(xs)
-        dx = torch.empty(xs.shape, device=xs.device, dtype=xs.dtype)
-        c = OTHER["l2norm"]
-        if n:
-            direct(l2norm_bwd_kernel, (cdiv(n, c["BR"]),), rx.t, r, dy.contiguous(), dx, n, *rx.args(), D=D,
-                   BD=pow2(D, 1), BR=c["BR"], STRIDED=rx.strided, num_warps=c["num_warps"])
-        return dx, None
+        return _l2_backward(xs, r, dy), None
 
 
 class Gate(torch.autograd.Function):
@@ -151,40 +198,38 @@ class Gate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, A_log, dt_bias, neg: bool):
-        ra, rb = rows(a), rows(b)
-        HV = a.shape[-1]
-        n = a.numel()
-        g = torch.empty(a.shape, device=a.device, dtype=torch.float32)
-        beta = torch.empty(a.shape, device=a.device, dtype=torch.float32)
-        c = OTHER["gate"]
-        if n:
-            direct(gate_fwd_kernel, (cdiv(n, c["BLOCK"]),), ra.t, rb.t, A_log.contiguous(), dt_bias.contiguous(), g,
-                   beta, n, HV, *ra.args(), *rb.args(), BLOCK=c["BLOCK"],
-                   NEG=neg, STRIDED=strided(ra, rb), num_warps=c["num_warps"])
-        ctx.save_for_backward(ra.t, rb.t, A_log, dt_bias, g)
+        g, beta, at, bt = _gate_forward(a, b, A_log, dt_bias, neg)
+        ctx.save_for_backward(at, bt, A_log, dt_bias, g)
         ctx.neg = neg
         return g, beta
 
     @staticmethod
     def backward(ctx, dg, dbeta):
         a, b, A_log, dt_bias, g = ctx.saved_tensors
-        ra, rb = rows(a), rows(b)
-        HV = a.shape[-1]
-        n = a.numel()
-        dg = torch.zeros_like(g) if dg is None else dg.contiguous()
-        dbeta = torch.zeros_like(g) if dbeta is None else dbeta.contiguous()
-        da = torch.empty(a.shape, device=a.device, dtype=a.dtype)
-        db = torch.empty(b.shape, device=b.device, dtype=b.dtype)
-        dgg = torch.empty_like(g)
-        c = OTHER["gate"]
-        if n:
-            direct(gate_bwd_kernel, (cdiv(n, c["BLOCK"]),), ra.t, rb.t, A_log.contiguous(), dt_bias.contiguous(), g,
-                   dg, dbeta, da, db, dgg, n, HV, *ra.args(), *rb.args(),
-                   BLOCK=c["BLOCK"], NEG=ctx.neg, STRIDED=strided(ra, rb), num_warps=c["num_warps"])
-        # d dt_bias = Σ da over tokens; d A_log = Σ dg · g (g is linear in exp(A_log)).
-        dA_log = dgg.view(-1, HV).sum(0).to(A_log.dtype)
-        ddt = da.float().view(-1, HV).sum(0).to(dt_bias.dtype)
-        return da, db, dA_log, ddt, None
+        return *_gate_backward(a, b, A_log, dt_bias, g, dg, dbeta, ctx.neg), None
+
+
+class Prologue(torch.autograd.Function):
+    """:class:`Gate` and the :class:`L2Norm` of q and of k as one autograd node: the same launches
+    and gradients, one Function's host work in each direction instead of three (an autograd
+    Function's forward and backward cost a GPU machine's host ≈ 100 µs, the step of a model pays it
+    per layer)."""
+
+    @staticmethod
+    def forward(ctx, q, k, a, b, A_log, dt_bias, eps: float, neg: bool):
+        g, beta, at, bt = _gate_forward(a, b, A_log, dt_bias, neg)
+        qn, qs, rq = _l2_forward(q, eps)
+        kn, ks, rk = _l2_forward(k, eps)
+        ctx.save_for_backward(qs, rq, ks, rk, at, bt, A_log, dt_bias, g)
+        ctx.neg = neg
+        return qn, kn, g, beta
+
+    @staticmethod
+    def backward(ctx, dq, dk, dg, dbeta):
+        qs, rq, ks, rk, a, b, A_log, dt_bias, g = ctx.saved_tensors
+        dq = _l2_backward(qs, rq, dq) if dq is not None and ctx.needs_input_grad[0] else None
+        dk = _l2_backward(ks, rk, dk) if dk is not None and ctx.needs_input_grad[1] else None
+        return dq, dk, *_gate_backward(a, b, A_log, dt_bias, g, dg, dbeta, ctx.neg), None, None
 
 
 def prologue(q, k, a, b, A_log, dt_bias, use_qk_l2norm: bool, allow_neg_eigval: bool):
@@ -192,7 +237,7 @@ def prologue(q, k, a, b, A_log, dt_bias, use_qk_l2norm: bool, allow_neg_eigval: 
 
     q, k: [B, T, H, K]; a, b: [B, T, HV]; A_log, dt_bias: [HV]. q̂, k̂ in q's and k's dtype
     (normalised only with ``use_qk_l2norm``); g, β: [B, T, HV] fp32."""
-    g, beta = Gate.apply(a, b, A_log, dt_bias, bool(allow_neg_eigval))
     if use_qk_l2norm:
-        q, k = L2Norm.apply(q, L2NORM_EPS), L2Norm.apply(k, L2NORM_EPS)
+        return Prologue.apply(q, k, a, b, A_log, dt_bias, L2NORM_EPS, bool(allow_neg_eigval))
+    g, beta = Gate.apply(a, b, A_log, dt_bias, bool(allow_neg_eigval))
     return q, k, g, beta
