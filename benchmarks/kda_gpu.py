@@ -634,11 +634,7 @@ def main():
                          '\'{"kda.kkt": {"BK": 64}}\'')
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    if args.config:
-        try:
-            tuning.update_from(args.config)
-        except ValueError as e:  # (bad JSON too: json's error is a ValueError)
-            ap.error(f"--config: {e}")
+    tuning.apply_config(ap, args.config)
     fla_backends(args.fla_tilelang)
     on_cpu = args.device == "cpu"
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":

@@ -705,10 +705,7 @@ def main():
     if args.config:
         from gdn.ops import tuning
 
-        try:
-            tuning.update_from(args.config)
-        except ValueError as e:  # (bad JSON too: json's error is a ValueError)
-            ap.error(f"--config: {e}")
+        tuning.apply_config(ap, args.config)
         print("launch configuration overrides:", args.config)
     if args.variants:
         variants(json.loads(args.variants), args.profile, shapes)

@@ -65,13 +65,9 @@ def parse_args(argv=None):
                    help="launch settings of gdn's kernels to use instead of the defaults: a JSON file or inline "
                         "JSON, e.g. '{\"other.swiglu\": {\"num_warps\": 4}}' (gdn.ops.tuning.update)")
     a = p.parse_args(argv)
-    if a.config:
-        from gdn.ops.tuning import update_from
+    from gdn.ops.tuning import apply_config
 
-        try:
-            update_from(a.config)
-        except ValueError as e:
-            p.error(f"--config: {e}")
+    apply_config(p, a.config)
     return a
 
 

@@ -379,13 +379,9 @@ def main(argv=None) -> int:
                    help="launch overrides first (a file or inline JSON, gdn.ops.tuning.update_from), e.g. "
                         "'{\"fused_rbwd\": {\"on\": true}}'")
     a = p.parse_args(argv)
-    if a.config:
-        from gdn.ops.tuning import update_from  # noqa: PLC0415
+    from gdn.ops.tuning import apply_config  # noqa: PLC0415
 
-        try:
-            update_from(a.config)
-        except ValueError as e:
-            p.error(f"--config: {e}")
+    apply_config(p, a.config)
     if a.calibrate:
         dev = "cuda" if torch.cuda.is_available() and not a.cpu_stub else "cpu"
         name = torch.cuda.get_device_name() if dev == "cuda" else "CPU"

@@ -35,13 +35,9 @@ def main():
                     help="launch overrides first (a file or inline JSON, gdn.ops.tuning.update_from), e.g. "
                          "'{\"fused_rbwd\": {\"on\": true}}'")
     args = ap.parse_args()
-    if args.config:
-        from gdn.ops.tuning import update_from  # noqa: PLC0415
+    from gdn.ops.tuning import apply_config  # noqa: PLC0415
 
-        try:
-            update_from(args.config)
-        except ValueError as e:
-            ap.error(f"--config: {e}")
+    apply_config(ap, args.config)
     B, T = (int(x) for x in args.shape.lower().split("x"))
     xs, cu = inputs(B, T, 16, args.hv, None)
     do = torch.randn(B, T, args.hv, 128, device="cuda", dtype=torch.bfloat16)

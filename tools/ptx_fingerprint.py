@@ -293,13 +293,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: the kernels must compile, not interpret")
-    if a.config:
-        from gdn.ops.tuning import update_from  # noqa: PLC0415
+    from gdn.ops.tuning import apply_config  # noqa: PLC0415
 
-        try:
-            update_from(a.config)
-        except ValueError as e:  # (bad JSON and unknown settings alike)
-            ap.error(f"--config: {e}")
+    apply_config(ap, a.config)
     import gdn.generation  # noqa: F401, PLC0415  (every module the workloads reach, imported before
     import gdn.models  # noqa: F401, PLC0415   captured() patches their routing)
     import gdn.ops.delta.triton.fused_bwd  # noqa: F401, PLC0415  (and the Gluon kernels' Hopper tests,

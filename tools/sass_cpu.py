@@ -42,7 +42,7 @@ from gdn.ops.kda.triton import chunk_bwd as kda_bwd  # noqa: E402
 from gdn.ops.kda.triton import chunk_fwd as kda_fwd  # noqa: E402
 from gdn.ops.triton import common  # noqa: E402
 from gdn.ops.triton import launch as launcher  # noqa: E402
-from gdn.ops.tuning import DELTA, update_from  # noqa: E402
+from gdn.ops.tuning import DELTA, apply_config  # noqa: E402
 from triton.backends.nvidia.compiler import sm_arch_from_capability  # noqa: E402
 from triton.compiler import make_backend  # noqa: E402
 
@@ -211,11 +211,7 @@ def main():
 
         for mod in (fused_bwd, fused_fwd, fused_rev):
             mod.hopper = lambda q: True
-    if args.config:
-        try:
-            update_from(args.config)
-        except ValueError as e:  # (bad JSON too: json's error is a ValueError)
-            ap.error(f"--config: {e}")
+    apply_config(ap, args.config)
     B, T = (int(x) for x in args.shape.lower().split("x"))
     HV = args.hv or args.h
     # a name with or without its "_kernel" suffix (state_bwd or state_bwd_kernel)

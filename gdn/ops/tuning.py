@@ -449,3 +449,13 @@ def update_from(arg: str) -> None:
         with open(arg) as f:
             arg = f.read()
     update(json.loads(arg))
+
+
+def apply_config(parser, arg: str | None) -> None:
+    """A command line's ``--config``: :func:`update_from` of ``arg`` when given; bad JSON or a setting
+    the tables do not have is ``parser``'s usage error naming --config (exit status 2)."""
+    if arg:
+        try:
+            update_from(arg)
+        except ValueError as e:  # (json's errors are ValueErrors too)
+            parser.error(f"--config: {e}")
