@@ -53,9 +53,7 @@ def sweep(table: str, grid: dict, run, check) -> list:
                 rows.append((_us(run), setting, err))
             except Exception as e:  # a setting the compiler refuses (registers, shared memory)
                 print(f"  {setting}: {type(e).__name__}: {str(e)[:120]}")
-            tuning.OTHER[table].clear()
-            tuning.OTHER[table].update(base)
-    finally:
+    finally:  # (each setting sets every key of the grid: only the defaults need restoring)
         tuning.OTHER[table].clear()
         tuning.OTHER[table].update(base)
     return sorted(rows, key=lambda r: r[0])

@@ -103,9 +103,23 @@ def _pos(pos, t, T, K: tl.constexpr, PACKED: tl.constexpr):
 
 
 @triton.jit
+def _dz(win, p, ws, dy, b, t, o_d, m_d, T, D, K: tl.constexpr, SILU: tl.constexpr):
+    """dz[t] = dy[t] · act'(z[t]) as fp32 [BD] (zero past T), z[t] = Σ_j w[K-1-j] · x[t-j] over the
+    taps valid at position p (p ≥ j); ``win[j]`` = x[t - j], ``ws[j]`` = w[K-1-j]."""
+    z = tl.zeros([o_d.shape[0]], dtype=tl.float32)
+    for j in tl.static_range(K):
+        z += tl.where(p >= j, win[j], 0.0) * ws[j]
+    dz = tl.load(dy + b * T * D + t * D + o_d, mask=m_d & (t < T), other=0.0).to(tl.float32)
+    if SILU:
+        sig = tl.sigmoid(z)
+        dz = dz * sig * (1.0 + z * (1.0 - sig))
+    return dz
+
+
+@triton.jit
 def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, s_xb, s_xt, s_db, s_dt, NTB, K: tl.constexpr,
-                          KP: tl.constexpr, HAS_HIST: tl.constexpr, PACKED: tl.constexpr, SILU: tl.constexpr,
-                          L: tl.constexpr, U: tl.constexpr, BD: tl.constexpr):
+                     KP: tl.constexpr, HAS_HIST: tl.constexpr, PACKED: tl.constexpr, SILU: tl.constexpr,
+                     L: tl.constexpr, U: tl.constexpr, BD: tl.constexpr):
     """One program: channels ``o_d`` of the L tokens [a, a + L), walked from the last token down, U
     tokens an iteration (unrolled, so their loads issue together). Each token is one [BD] row and
     the convolution's shifts are register renames: the walk carries the K inputs x[t + 1 - k] and
@@ -134,16 +148,11 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, s_xb, s_xt, s_db, s_dt,
     ps = ()
     for i in tl.static_range(K):
         t = top + 1 + i
-        z = tl.zeros([BD], dtype=tl.float32)
         p_t = _pos(pos, t, T, K, PACKED)
+        win = ()
         for j in tl.static_range(K):
-            b_xj = _row(x, hist, t - j, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST)
-            z += tl.where(p_t >= j, b_xj, 0.0) * ws[j]
-        dz = tl.load(dy + b * T * D + t * D + o_d, mask=m_d & (t < T), other=0.0).to(tl.float32)
-        if SILU:
-            sig = tl.sigmoid(z)
-            dz = dz * sig * (1.0 + z * (1.0 - sig))
-        dzs = dzs + (dz,)
+            win = win + (_row(x, hist, t - j, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST),)
+        dzs = dzs + (_dz(win, p_t, ws, dy, b, t, o_d, m_d, T, D, K, SILU),)
         ps = ps + (p_t,)
     dws = ()
     for j in tl.static_range(K):
@@ -157,14 +166,7 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, s_xb, s_xt, s_db, s_dt,
             for j in tl.static_range(K - 1):
                 win = win + (xs[j + 1],)
             win = win + (b_new,)
-            z = tl.zeros([BD], dtype=tl.float32)
-            for j in tl.static_range(K):
-                z += tl.where(p >= j, win[j], 0.0) * ws[j]
-            m_t = t < T
-            dz = tl.load(dy + b * T * D + t * D + o_d, mask=m_d & m_t, other=0.0).to(tl.float32)
-            if SILU:
-                sig = tl.sigmoid(z)
-                dz = dz * sig * (1.0 + z * (1.0 - sig))
+            dz = _dz(win, p, ws, dy, b, t, o_d, m_d, T, D, K, SILU)
             nd = ()
             for j in tl.static_range(K):
                 nd = nd + (dws[j] + tl.where(p >= j, dz * win[j], 0.0),)
@@ -172,7 +174,7 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, s_xb, s_xt, s_db, s_dt,
             b_dx = dz * ws[0]
             for i in tl.static_range(1, K):
                 b_dx += tl.where(ps[i - 1] >= i, dzs[i - 1], 0.0) * ws[i]
-            tl.store(dx + b * s_db + t * s_dt + o_d, b_dx.to(dx.dtype.element_ty), mask=m_d & m_t)
+            tl.store(dx + b * s_db + t * s_dt + o_d, b_dx.to(dx.dtype.element_ty), mask=m_d & (t < T))
             xs = win
             n_dz = (dz,)
             n_ps = (p,)
