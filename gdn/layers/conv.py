@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..distributed import halo as exchange_halo
-from ..ops.conv import conv_state, short_conv
+from ..ops.conv import conv_state, short_conv, short_conv_group
 
 
 class ShortConvolution(nn.Module):
@@ -96,3 +96,26 @@ class ShortConvolution(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.dim}, kernel_size={self.kernel_size}, activation={self.activation}"
+
+
+def convolve(convs, xs, mask=None, cu_seqlens=None, states=None, output_state=False):
+    """``[conv(x, mask, cu_seqlens, state, output_state) for conv, x, state in zip(convs, xs, states)]``
+    (``states`` None: none), as one convolution over all their channels where the op can
+    (:func:`gdn.ops.conv.short_conv_group`: the inputs adjacent column blocks of one product, as a
+    mixer's q, k and v are, the same kernel size and activation, no mask): one launch each way and
+    one autograd node instead of one per convolution."""
+    states = (None,) * len(convs) if states is None else tuple(states)
+    c0, x0 = convs[0], xs[0]
+    W = c0.kernel_size - 1
+    same = all(c.kernel_size == c0.kernel_size and c.activation == c0.activation for c in convs)
+    fits = all(x.dim() == 3 and x.shape[-1] == c.dim for c, x in zip(convs, xs))
+    given = [s is not None for s in states]
+    if same and fits and mask is None and (not any(given) or (all(given) and cu_seqlens is None)):
+        ok = all(tuple(s.shape) == (x0.shape[0], c.dim, W) for c, s in zip(convs, states) if s is not None)
+        hist = torch.cat([s.to(x0.dtype) for s in states], 1) if ok and all(given) else None
+        ys = short_conv_group(xs, [c.weight for c in convs], hist, cu_seqlens, c0.activation) if ok else None
+        if ys is not None:
+            return [(y, conv_state(x, None if s is None else s.to(x.dtype), cu_seqlens, W) if output_state else None)
+                    for x, y, s in zip(xs, ys, states)]
+    return [c(x, mask=mask, cu_seqlens=cu_seqlens, state=s, output_state=output_state)
+            for c, x, s in zip(convs, xs, states)]

@@ -25,7 +25,7 @@ from ..distributed import halo
 from ..ops.conv import conv_step_
 from ..ops.gemv import decode_linear
 from ..ops.joined import split_columns, view_block
-from .conv import ShortConvolution
+from .conv import ShortConvolution, convolve
 from .fused import FusedLinear, FusedWeight, joinable
 from .norm import GatedRMSNorm, RMSNorm
 from .state import RecurrentState
@@ -182,10 +182,8 @@ class RecurrentMixer(nn.Module):
             q, k, v = (conv(t, context_parallel=cp, halo=ht)[0]
                        for conv, t, ht in zip((self.q_conv, self.k_conv, self.v_conv), (q, k, v), h))
         elif self.use_short_conv:
-            (q, sq), (k, sk), (v, sv) = (
-                conv(t, mask=mask, cu_seqlens=cu_seqlens, state=s, output_state=use_cache)
-                for conv, t, s in zip((self.q_conv, self.k_conv, self.v_conv), (q, k, v), conv_states)
-            )
+            (q, sq), (k, sk), (v, sv) = convolve((self.q_conv, self.k_conv, self.v_conv), (q, k, v), mask=mask,
+                                                 cu_seqlens=cu_seqlens, states=conv_states, output_state=use_cache)
             new_conv = (sq, sk, sv) if use_cache else ()
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)

@@ -116,6 +116,17 @@ def short_conv(x, weight, hist, cu_seqlens, activation):
     return conv_act(x, weight, hist, cu_seqlens, activation)
 
 
+def short_conv_group(xs, weights, hist, cu_seqlens, activation):
+    """:func:`short_conv` of two or three inputs at once (``xs[i]`` [B, T, D_i] with ``weights[i]``
+    [D_i, K]; ``hist`` [B, ΣD_i, K-1] or None) where the Triton kernels take them and the inputs are
+    adjacent column blocks of one tensor (a mixer's q, k, v in its joined projections): one forward
+    and one backward launch, one autograd node, instead of one each. Returns the outputs, or None
+    where they must run one by one (another device, under ``torch.compile``, blocks not side by side)."""
+    if library.compiling() or not _kernels_take(xs[0], cu_seqlens):
+        return None
+    return kernels.short_conv_group(xs, weights, hist, cu_seqlens, activation)
+
+
 def _kernels_take(x, cu_seqlens) -> bool:
     """:func:`short_conv`'s rule (inlined there: its eager path is host-bound on the GPU)."""
     return use_triton(x) and (cu_seqlens is not None or x.shape[1] > 1)

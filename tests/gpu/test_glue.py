@@ -114,6 +114,46 @@ def test_short_conv_reads_a_column_block_in_place(lens, dtype, device=DEVICE):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("lens", [None, (1, 0, 3000, 5, 4096, 1090)], ids=["history", "packed"])
+def test_short_conv_group_is_the_three_convolutions(lens, dtype, device=DEVICE):
+    """q, k and v of the 340m layer (768, 768 and 1536 channels side by side in rows of 4624) through
+    one convolution over their channels: the outputs and the product's gradient of the three
+    convolutions run one by one, bit for bit; the weights' gradients within fp32 rounding (their
+    partial sums may be added in another order)."""
+    from gdn.ops.triton.short_conv import short_conv_group
+
+    gen = torch.Generator(device=device).manual_seed(12)
+    B, T = (1, 8192) if lens else (4, 4096)
+    sizes = (768, 768, 1536)
+    wide = torch.randn(B, T, 4624, device=device, generator=gen).to(dtype)
+    ws = [torch.randn(n, 4, device=device, generator=gen) / 2 for n in sizes]
+    hs = None if lens else [torch.randn(B, n, 3, device=device, generator=gen).to(dtype) for n in sizes]
+    cu = None if lens is None else offsets(lens, device)
+    dys = [torch.randn(B, T, n, device=device, generator=gen).to(dtype) for n in sizes]
+
+    def run(group):
+        y = wide.detach().clone().requires_grad_()
+        wl = [w.detach().clone().requires_grad_() for w in ws]
+        hl = None if hs is None else [h.detach().clone().requires_grad_() for h in hs]
+        xs = (y[..., :768], y[..., 768:1536], y[..., 1536:3072])
+        if group:
+            outs = short_conv_group(xs, wl, None if hl is None else torch.cat(hl, 1), cu, "silu")
+            assert outs is not None
+        else:
+            outs = [short_conv(x, w, None if hl is None else h, cu, "silu")
+                    for x, w, h in zip(xs, wl, hl or [None] * 3)]
+        leaves = [y, *wl] + (hl or [])
+        return [o.detach() for o in outs] + list(torch.autograd.grad(outs, leaves, dys))
+
+    ours, theirs = run(True), run(False)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if 4 <= i < 7:  # dw
+            assert rel_err(a, b.double()) < 1e-6, i
+        else:
+            assert torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("shape,gated", [((4, 4096, 1024), False), ((4 * 4096 * 6, 256), True), ((3, 17, 100), True),
                                          ((5, 7), False)], ids=["rms-4x4096x1024", "gated-98304x256",
                                                                 "gated-3x17x100", "rms-5x7"])

@@ -129,6 +129,70 @@ def test_conv_reads_a_column_block_in_place(lens):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+@pytest.mark.parametrize("lens,with_hist,sizes", [(None, False, [32, 32, 96]), (None, True, [32, 32, 96]),
+                                                   ([5, 1, 0, 60], False, [32, 32, 96]), (None, False, [48, 80])],
+                         ids=["plain", "history", "packed", "two"])
+def test_conv_group_is_the_convolutions_one_by_one(lens, with_hist, sizes):
+    """Two or three convolutions over adjacent column blocks of one product run as one: the outputs
+    (each its own contiguous tensor), the product's gradient (the blocks' dx written in place in the
+    split's buffer), the weights' and the histories' gradients are those of the convolutions run
+    one by one: bit for bit but for dw, whose fp32 partials may be summed in another order (the
+    group's channel blocks are aligned to its bounds, so its tiles can be narrower)."""
+    from gdn.ops.joined import split_columns
+    from gdn.ops.triton.short_conv import short_conv_group
+
+    gen = torch.Generator().manual_seed(11)
+    B = 1 if lens else 2
+    T = sum(lens) if lens else 70
+    wide = torch.randn(B, T, sum(sizes) + 16, generator=gen)
+    ws = [torch.randn(n, 4, generator=gen) / 4 for n in sizes]
+    hs = [torch.randn(B, n, 3, generator=gen) for n in sizes] if with_hist else [None] * len(sizes)
+    cu = None if lens is None else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    dys = [torch.randn(B, T, n, generator=gen) for n in sizes]
+    outs = []
+    for group in (True, False):
+        yt = wide.clone().requires_grad_()
+        wl = [w.clone().requires_grad_() for w in ws]
+        hl = [None if h is None else h.clone().requires_grad_() for h in hs]
+        xs = split_columns(yt, sizes + [16])[:len(sizes)]
+        if group:
+            ys = short_conv_group(xs, wl, torch.cat(hl, 1) if with_hist else None, cu, "silu")
+            assert ys is not None and all(y.is_contiguous() and y.shape == x.shape for y, x in zip(ys, xs))
+        else:
+            ys = [short_conv(x, w, h, cu, "silu") for x, w, h in zip(xs, wl, hl)]
+        sum((y * d).sum() for y, d in zip(ys, dys)).backward()
+        outs.append([*ys, yt.grad, *[w.grad for w in wl]] + ([h.grad for h in hl] if with_hist else []))
+    n = len(sizes)
+    for i, (a, b) in enumerate(zip(*outs)):
+        if n + 1 <= i < 2 * n + 1:  # dw
+            assert _rel(a, b.double()) < 1e-6, i
+        else:
+            assert torch.equal(a, b), i
+
+
+def test_conv_group_places_dx_and_declines_what_it_cannot_join(monkeypatch):
+    """The group's dx lands in the joined product's gradient buffer (no copy by the split); inputs
+    that are not side by side, not aligned to 16 channels, or of other kernel sizes are declined
+    (None: the caller runs the convolutions one by one)."""
+    from gdn.ops.joined import split_columns
+    from gdn.ops.triton.short_conv import short_conv_group
+    from tests.joined_spy import record_placed
+
+    placed = record_placed(monkeypatch)
+    y = torch.randn(2, 9, 112, requires_grad=True)
+    q, k, v, rest = split_columns(y, [32, 32, 32, 16])
+    ws = [torch.randn(32, 4) for _ in range(3)]
+    outs = short_conv_group((q, k, v), ws, None, None, "silu")
+    sum(o.sum() for o in outs).backward()
+    assert placed == [[True, True, True, False]], placed
+    z = torch.randn(2, 9, 112)
+    assert short_conv_group((z[..., :32], z[..., 48:80]), ws[:2], None, None, "silu") is None  # a gap
+    assert short_conv_group((z[..., 32:64], z[..., :32]), ws[:2], None, None, "silu") is None  # out of order
+    assert short_conv_group((z[..., :40], z[..., 40:72]), [torch.randn(40, 4), ws[0]], None, None, "silu") is None
+    assert short_conv_group((z[..., :32], z[..., 32:64]), [ws[0], torch.randn(32, 3)], None, None, "silu") is None
+    assert short_conv_group((z[..., :32], z[..., 32:64]), ws[:2], None, None, "silu") is not None
+
+
 def test_conv_rejects_bad_input():
     x, w = torch.zeros(1, 4, 8), torch.zeros(8, 4)
     with pytest.raises(ValueError, match="weight must have shape"):
@@ -273,7 +337,9 @@ def test_mixer_on_the_kernels_with_joined_projections(monkeypatch):
         o, _ = m(xt)
         o.backward(dy)
         res.append([o.detach(), xt.grad] + [p.grad.clone() for p in m.parameters()])
-    assert strided == [True] * 3 + [False] * 3, strided  # q, k, v read in place from the joined product
+    # q, k, v read in place from the joined product by one convolution over their channels; one
+    # convolution each when the projections are separate tensors
+    assert strided == [True] + [False] * 3, strided
     # the joined product's gradient (blocks q, k, v, g, then the narrow a and b, then the padding):
     # the convolutions' dx (q, k, v) and the gated norm's dgate (g) written in place by their
     # kernels; the gate inputs a and b (and the padding) are not

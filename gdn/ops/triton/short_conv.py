@@ -19,7 +19,14 @@ each row K times and needs dz on the tile's K - 1 rows past its end, through a s
 at the 340m model's shapes it took 1.5–1.8× the walk's time). The forward's own walk took 1.2–1.5×
 its tiles' time there: with no dz to share, the tiles' re-reads hit the cache.
 
+Two or three convolutions whose inputs lie side by side in one tensor (a mixer's q, k and v,
+column blocks of its joined input projections) run as one over all their channels
+(:func:`short_conv_group`): each channel block belongs to one of them, so the kernels write each
+output to its own tensor and read each one's gradient from its own, with one launch each way and
+one autograd node instead of three.
+
     y = short_conv(x, weight, hist=None, cu_seqlens=None, activation="silu")   # autograd-aware
+    q, k, v = short_conv_group((xq, xk, xv), (wq, wk, wv))                     # or None: one by one
 """
 from __future__ import annotations
 
@@ -65,8 +72,33 @@ def _tap_weight(w, x, o_d, m_d, J: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def _conv_fwd_kernel(x, w, hist, pos, y, T, D, s_xb, s_xt, K: tl.constexpr, HAS_HIST: tl.constexpr, PACKED: tl.constexpr,
-                     SILU: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+def _segment(t0, t1, t2, S1, S2, D, d0, GROUP: tl.constexpr):
+    """(tensor, its channels, its first channel) of the channel block starting at d0: with GROUP, one
+    of the three [B, T, ·] tensors t0, t1, t2 holding channels [0, S1), [S1, S2), [S2, D) (a block
+    never straddles two: the launcher aligns the blocks to the bounds); else t0, all D channels."""
+    tp = t0
+    Dt = D
+    c0 = D * 0
+    if GROUP:
+        if d0 >= S2:
+            tp = t2
+            Dt = D - S2
+            c0 = S2
+        elif d0 >= S1:
+            tp = t1
+            Dt = S2 - S1
+            c0 = S1
+        else:
+            Dt = S1
+    return tp, Dt, c0
+
+
+@triton.jit
+def _conv_fwd_kernel(x, w, hist, pos, y, y1, y2, S1, S2, T, D, s_xb, s_xt, K: tl.constexpr, HAS_HIST: tl.constexpr,
+                     PACKED: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                     GROUP: tl.constexpr):
+    """One program: BT tokens × BD channels of y (with GROUP: of y, y1 or y2, the convolution's
+    outputs over the channel segments of :func:`_segment`)."""
     i_d, i_t, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -77,7 +109,8 @@ def _conv_fwd_kernel(x, w, hist, pos, y, T, D, s_xb, s_xt, K: tl.constexpr, HAS_
         z += b_x * _tap_weight(w, x, o_d, m_d, j, K)[None, :]
     if SILU:
         z = z * tl.sigmoid(z)
-    tl.store(y + b * T * D + o_t[:, None] * D + o_d[None, :], z.to(y.dtype.element_ty),
+    yp, Dy, c0 = _segment(y, y1, y2, S1, S2, D, i_d * BD, GROUP)
+    tl.store(yp + b * T * Dy + o_t[:, None] * Dy + (o_d - c0)[None, :], z.to(y.dtype.element_ty),
              mask=m_t[:, None] & m_d[None, :])
 
 
@@ -117,9 +150,9 @@ def _dz(win, p, ws, dy, b, t, o_d, m_d, T, D, K: tl.constexpr, SILU: tl.constexp
 
 
 @triton.jit
-def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, s_xb, s_xt, s_db, s_dt, NTB, K: tl.constexpr,
-                     KP: tl.constexpr, HAS_HIST: tl.constexpr, PACKED: tl.constexpr, SILU: tl.constexpr,
-                     L: tl.constexpr, U: tl.constexpr, BD: tl.constexpr):
+def _conv_bwd_kernel(x, w, hist, pos, dy, dy1, dy2, S1, S2, dx, dwp, T, D, s_xb, s_xt, s_db, s_dt, NTB,
+                     K: tl.constexpr, KP: tl.constexpr, HAS_HIST: tl.constexpr, PACKED: tl.constexpr,
+                     SILU: tl.constexpr, L: tl.constexpr, U: tl.constexpr, BD: tl.constexpr, GROUP: tl.constexpr):
     """One program: channels ``o_d`` of the L tokens [a, a + L), walked from the last token down, U
     tokens an iteration (unrolled, so their loads issue together). Each token is one [BD] row and
     the convolution's shifts are register renames: the walk carries the K inputs x[t + 1 - k] and
@@ -131,10 +164,13 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, s_xb, s_xt, s_db, s_dt,
         dw[K-1-j] += dz[t] · x[t-j]
 
     so every input row is read once (and K - 1 rows more at the program's top end), with no
-    scratch and no recomputed halo. dw is this program's partial [BD, K]."""
+    scratch and no recomputed halo. dw is this program's partial [BD, K]. With GROUP, dy is that of
+    one of three convolutions side by side (:func:`_segment`)."""
     i_d, i_tb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
+    dyp, Dy, c0 = _segment(dy, dy1, dy2, S1, S2, D, i_d * BD, GROUP)
+    o_y = o_d - c0  # the channels in dy's own tensor
     top = i_tb.to(tl.int64) * L + L - 1  # the first token walked
     ws = ()
     for j in tl.static_range(K):
@@ -152,7 +188,7 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, s_xb, s_xt, s_db, s_dt,
         win = ()
         for j in tl.static_range(K):
             win = win + (_row(x, hist, t - j, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST),)
-        dzs = dzs + (_dz(win, p_t, ws, dy, b, t, o_d, m_d, T, D, K, SILU),)
+        dzs = dzs + (_dz(win, p_t, ws, dyp, b, t, o_y, m_d, T, Dy, K, SILU),)
         ps = ps + (p_t,)
     dws = ()
     for j in tl.static_range(K):
@@ -166,7 +202,7 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dx, dwp, T, D, s_xb, s_xt, s_db, s_dt,
             for j in tl.static_range(K - 1):
                 win = win + (xs[j + 1],)
             win = win + (b_new,)
-            dz = _dz(win, p, ws, dy, b, t, o_d, m_d, T, D, K, SILU)
+            dz = _dz(win, p, ws, dyp, b, t, o_y, m_d, T, Dy, K, SILU)
             nd = ()
             for j in tl.static_range(K):
                 nd = nd + (dws[j] + tl.where(p >= j, dz * win[j], 0.0),)
@@ -202,26 +238,51 @@ def _blocks(D: int) -> int:
     return min(64 if INTERPRET else OTHER["short_conv"]["BD"], pow2(D, 1))
 
 
-def _conv_fwd(x, weight, hist, pos, silu: bool) -> torch.Tensor:
+def _bounds(sizes) -> tuple[int, int, int]:
+    """(S1, S2, the largest power of two dividing the inner bounds) of two or three channel segments
+    ``sizes`` side by side: segment 1 starts at S1, segment 2 at S2 (their sum with two segments)."""
+    S1 = sizes[0]
+    S2 = S1 + sizes[1] if len(sizes) == 3 else sum(sizes)
+    inner = S1 | (S2 if len(sizes) == 3 else S1)
+    return S1, S2, inner & -inner
+
+
+def _conv_fwd(x, weight, hist, pos, silu: bool, sizes=None):
+    """y [B, T, D] in x.dtype; with ``sizes`` (the channel counts of two or three convolutions side by
+    side in x and weight), a tuple of y per segment, each its own [B, T, size] tensor."""
     B, T, D = x.shape
     K = weight.shape[1]
-    y = torch.empty(B, T, D, device=x.device, dtype=x.dtype)
     c = OTHER["short_conv"]
     has_hist = hist is not None and K > 1
     BT, BD = c["BT"], _blocks(D)
+    if sizes is None:
+        ys = (torch.empty(B, T, D, device=x.device, dtype=x.dtype),)
+        S1 = S2 = D
+    else:
+        ys = tuple(torch.empty(B, T, n, device=x.device, dtype=x.dtype) for n in sizes)
+        S1, S2, align = _bounds(sizes)
+        BD = min(BD, align)
     grid = (cdiv(D, BD), cdiv(T, BT), B)
-    direct(_conv_fwd_kernel, grid, x, weight, hist if has_hist else x, pos if pos is not None else x, y, T, D,
-           x.stride(0), x.stride(1), K=K, HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, BT=BT, BD=BD, num_warps=c["num_warps"])
-    return y
+    direct(_conv_fwd_kernel, grid, x, weight, hist if has_hist else x, pos if pos is not None else x, ys[0],
+           ys[1 % len(ys)], ys[-1], S1, S2, T, D, x.stride(0), x.stride(1), K=K, HAS_HIST=has_hist,
+           PACKED=pos is not None, SILU=silu, BT=BT, BD=BD, GROUP=sizes is not None, num_warps=c["num_warps"])
+    return ys[0] if sizes is None else ys
 
 
-def _conv_bwd(dy, x, weight, hist, pos, silu: bool, dx=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _conv_bwd(dy, x, weight, hist, pos, silu: bool, dx=None, sizes=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [B, T, D] in x.dtype, dw [D, K] in fp32) of the convolution given dy; dx written into
-    ``dx`` when given (any strides with contiguous channels), else packed."""
+    ``dx`` when given (any strides with contiguous channels), else packed. With ``sizes``
+    (:func:`_conv_fwd`'s), dy is a tuple of the segments' contiguous gradients."""
     B, T, D = x.shape
     K = weight.shape[1]
     c = OTHER["short_conv"]
     BD, U = min(64 if INTERPRET else c["BD_bwd"], pow2(D, 1)), c["U"]
+    if sizes is None:
+        dys, (S1, S2) = (dy,), (D, D)
+    else:
+        dys = dy
+        S1, S2, align = _bounds(sizes)
+        BD = min(BD, align)
     # tokens a program L: the most (a power of two in [L_min, L_max]) that still leave ``programs``
     # programs a multiprocessor; no more than T needs
     n = B * T * cdiv(D, BD) // (c["programs"] * sm_count(x.device))
@@ -233,9 +294,9 @@ def _conv_bwd(dy, x, weight, hist, pos, silu: bool, dx=None) -> tuple[torch.Tens
     dwp = torch.empty(B, ntb, D, K, device=x.device, dtype=torch.float32)
     has_hist = hist is not None and K > 1
     direct(_conv_bwd_kernel, (cdiv(D, BD), ntb, B), x, weight, hist if has_hist else x,
-           pos if pos is not None else x, dy, dx, dwp, T, D, x.stride(0), x.stride(1), dx.stride(0), dx.stride(1), ntb,
-           K=K, KP=pow2(K, 1), HAS_HIST=has_hist, PACKED=pos is not None, SILU=silu, L=L, U=U, BD=BD,
-           num_warps=c["warps_bwd"])
+           pos if pos is not None else x, dys[0], dys[1 % len(dys)], dys[-1], S1, S2, dx, dwp, T, D, x.stride(0),
+           x.stride(1), dx.stride(0), dx.stride(1), ntb, K=K, KP=pow2(K, 1), HAS_HIST=has_hist,
+           PACKED=pos is not None, SILU=silu, L=L, U=U, BD=BD, GROUP=sizes is not None, num_warps=c["warps_bwd"])
     return dx, dwp.sum((0, 1))
 
 
@@ -327,6 +388,91 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, hist: torch.Tensor | None 
     if x.stride(2) != 1 and D > 1:
         x = x.contiguous()
     return _ShortConvFn.apply(x, weight.contiguous(), hist, pos, activation == "silu")
+
+
+def _adjacent(xs) -> torch.Tensor | None:
+    """The [B, T, ΣD] view spanning ``xs`` when they are column blocks side by side in one tensor
+    (each block's channels contiguous, the next block starting where this one ends, the same row
+    strides: a mixer's q, k, v projections in its joined product), else None."""
+    x0 = xs[0]
+    if x0.stride(2) != 1:
+        return None
+    off = x0.storage_offset()
+    for t in xs:
+        if (t.dim() != 3 or t.shape[:2] != x0.shape[:2] or t.dtype != x0.dtype or t.stride() != x0.stride()
+                or t.untyped_storage().data_ptr() != x0.untyped_storage().data_ptr() or t.storage_offset() != off):
+            return None
+        off += t.shape[2]
+    return x0.as_strided((x0.shape[0], x0.shape[1], off - x0.storage_offset()), x0.stride())
+
+
+class _ShortConvGroupFn(torch.autograd.Function):
+    """Two or three convolutions whose inputs are adjacent column blocks of one tensor, as one: one
+    forward and one backward launch over all their channels, their dx written side by side (into
+    the joined product's gradient where the blocks are a split's: gdn.ops.joined). Saves the joined
+    input view, the joined weight, the history and the packed positions."""
+
+    @staticmethod
+    def forward(ctx, hist, pos, silu: bool, n: int, *xw):
+        xs, ws = xw[:n], xw[n:]
+        sizes = [t.shape[2] for t in xs]
+        x = _adjacent(xs)
+        w = torch.cat([t.contiguous() for t in ws])
+        ctx.silu, ctx.sizes, ctx.wdt = silu, sizes, [t.dtype for t in ws]
+        ctx.slots = [grad_slot(t) for t in xs]
+        ctx.save_for_backward(x, w, hist, pos)
+        return _conv_fwd(x, w, hist, pos, silu, sizes)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x, w, hist, pos = ctx.saved_tensors
+        n, need = len(ctx.sizes), ctx.needs_input_grad
+        dys = tuple(d.contiguous() for d in dys)
+        places = [s.take() if s is not None and any(need[4:4 + n]) else None for s in ctx.slots]
+        target = _adjacent(places) if all(p is not None for p in places) else None
+        dx, dw = _conv_bwd(dys, x, w, hist, pos, ctx.silu, target, ctx.sizes)
+        dxs = dx.split(ctx.sizes, -1)
+        if target is None:  # some blocks' places not handed out (or not side by side): theirs filled here
+            dxs = tuple(d if p is None else p.copy_(d) for d, p in zip(dxs, places))
+        dhist = None
+        if hist is not None and need[0]:
+            dhist = _hist_grad(torch.cat(dys, -1), x, w, hist, ctx.silu) if w.shape[1] > 1 else torch.zeros_like(hist)
+        dws = dw.split(ctx.sizes)
+        return (dhist, None, None, None, *(d if need[4 + i] else None for i, d in enumerate(dxs)),
+                *(d.to(dt) if need[4 + n + i] else None for i, (d, dt) in enumerate(zip(dws, ctx.wdt))))
+
+
+def short_conv_group(xs, weights, hist: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                     activation: str | None = "silu") -> tuple[torch.Tensor, ...] | None:
+    """:func:`short_conv` of each ``xs[i]`` [B, T, D_i] with ``weights[i]`` [D_i, K] (two or three, one
+    kernel size), as one convolution when the inputs are adjacent column blocks of one tensor (a
+    mixer's q, k, v in its joined projections) whose bounds the channel blocks can align to; None
+    otherwise (the caller runs them one by one). ``hist`` [B, ΣD_i, K-1]: the histories side by side.
+    Returns the outputs, each its own [B, T, D_i] tensor in x's dtype."""
+    if not 2 <= len(xs) <= 3 or len(weights) != len(xs) or activation not in ("silu", None):
+        return None
+    x = _adjacent(xs)
+    if x is None or x.dtype not in DTYPES or x.shape[1] < 1:
+        return None
+    B, T, D = x.shape
+    dev = x.device.type
+    if cu_seqlens is None and torch.is_autocast_enabled(dev) and x.dtype != torch.get_autocast_dtype(dev):
+        return None
+    K = weights[0].shape[1]
+    if any(w.dim() != 2 or w.shape != (t.shape[2], K) for w, t in zip(weights, xs)):
+        return None
+    if _bounds([t.shape[2] for t in xs])[2] < 16:  # channel blocks this narrow: one by one
+        return None
+    pos = None
+    if cu_seqlens is not None:
+        if hist is not None or B != 1:
+            return None
+        pos = offsets.memo(cu_seqlens, ("positions", T, x.device), lambda: _positions(cu_seqlens.to(x.device), T))
+    if hist is not None:
+        if tuple(hist.shape) != (B, D, K - 1):
+            return None
+        hist = hist.to(x.dtype).contiguous()
+    return _ShortConvGroupFn.apply(hist, pos, activation == "silu", len(xs), *xs, *weights)
 
 
 # ---- one decode step, tails rolled in place -----------------------------------------------------
