@@ -32,25 +32,27 @@ def swiglu_down_forward(gate, up, weight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def swiglu_down_backward(dy, gate, up, weight, dtype: torch.dtype, need_dw: bool, out=None):
-    """``(dgate, dup, dw or None)`` of :func:`swiglu_down_forward`; recomputes the product for dw.
-    ``out``: (dgate, dup) views to write the two gradients into (the column blocks of one joined
-    gradient, in gate's dtype and with gate's and up's strides)."""
+    """``(dgate, dup, dw or None)`` of :func:`swiglu_down_forward`; the product, which dw needs, formed
+    again (on CUDA by the same pass as dgate and dup). ``out``: (dgate, dup) views to write the two
+    gradients into (the column blocks of one joined gradient, in gate's dtype and with gate's and
+    up's strides)."""
     with torch.autocast(gate.device.type, enabled=False):
         g, u, w, dy = gate.to(dtype), up.to(dtype), weight.to(dtype), dy.to(dtype)
-        dw = None
-        if need_dw:
-            h = _product(g, u)
-            dw = (dy.reshape(-1, dy.shape[-1]).t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)
-            del h
         dh = dy @ w
         if use_triton(g) and (out is None or g is gate):  # written in place where no cast stands between
-            dgate, dup = kernels.swiglu_backward(dh, g, u, out)
+            dgate, dup, *h = kernels.swiglu_backward(dh, g, u, out, want_h=need_dw)
+            h = h[0] if h else None
             dgate, dup = dgate.to(gate.dtype), dup.to(up.dtype)
         else:
+            h = _product(g, u) if need_dw else None
             dgate = torch.ops.aten.silu_backward(dh * u, g).to(gate.dtype)
             dup = (dh * F.silu(g)).to(up.dtype)
             if out is not None:
                 dgate, dup = out[0].copy_(dgate), out[1].copy_(dup)
+        del dh
+        dw = None
+        if need_dw:
+            dw = (dy.reshape(-1, dy.shape[-1]).t() @ h.reshape(-1, h.shape[-1])).to(weight.dtype)
     return dgate, dup, dw
 
 

@@ -250,6 +250,9 @@ def test_swiglu(dtype, device=DEVICE, shape=(16384, 2816)):
     ref = torch_swiglu(g.double(), u.double(), dh.double())
     ours = (swiglu_forward(g, u), *swiglu_backward(dh, g, u))
     compare(("h", "dgate", "dup"), ours, torch_swiglu(g, u, dh), ref, dtype, "swiglu", floor=2e-7)
+    # the backward forming the product too (what the down projection's dw reads): the same three, bit for bit
+    dg, du, h = swiglu_backward(dh, g, u, want_h=True)
+    assert torch.equal(h, ours[0]) and torch.equal(dg, ours[1]) and torch.equal(du, ours[2])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

@@ -36,6 +36,9 @@ def test_swiglu_passes_match_pytorch(shape, dtype, tol):
     for got, want in ((h, ref), (dg, gd.grad), (du, ud.grad)):
         err = (got.double() - want).norm() / want.norm().clamp_min(1e-30)
         assert err <= tol, err
+    # the backward forming the product as well: the forward's product and the same gradients, bit for bit
+    dg2, du2, h2 = swiglu_backward(dh, g, u, want_h=True)
+    assert torch.equal(h2, h) and torch.equal(dg2, dg) and torch.equal(du2, du)
 
 
 def test_swiglu_rejects_mismatched_inputs():
@@ -62,5 +65,8 @@ def test_swiglu_backward_into_the_joined_gradient(lead):
     dg, du = swiglu_backward(dh, gate, up, out=out.chunk(2, -1))
     assert dg.data_ptr() == out.data_ptr() and du.data_ptr() == out.data_ptr() + I * out.element_size()
     assert torch.equal(out, torch.cat(want, -1))
+    out2 = torch.full_like(gu, float("nan"))
+    *_, h = swiglu_backward(dh, gate, up, out=out2.chunk(2, -1), want_h=True)
+    assert torch.equal(out2, out) and torch.equal(h, swiglu_forward(gate.contiguous(), up.contiguous()))
     with pytest.raises(ValueError, match="strides"):
         swiglu_backward(dh, gate, up, out=(torch.empty(gate.shape), torch.empty(up.shape)))

@@ -50,10 +50,12 @@ def _swiglu_fwd_kernel(g, u, h, R, I, g_inner, g_so, g_si, u_inner, u_so, u_si, 
 
 
 @triton.jit(do_not_specialize=["g_inner", "u_inner"])
-def _swiglu_bwd_kernel(dh, g, u, dg, du, R, I, g_inner, g_so, g_si, u_inner, u_so, u_si, STRIDED: tl.constexpr,
-                       OUT_LIKE_IN: tl.constexpr, BR: tl.constexpr, BI: tl.constexpr):
+def _swiglu_bwd_kernel(dh, g, u, dg, du, h, R, I, g_inner, g_so, g_si, u_inner, u_so, u_si, STRIDED: tl.constexpr,
+                       OUT_LIKE_IN: tl.constexpr, WANT_H: tl.constexpr, BR: tl.constexpr, BI: tl.constexpr):
     """dg, du from dh (packed), g and u in their row layouts (packed unless STRIDED); dg and du
-    packed, or with OUT_LIKE_IN in g's and u's layouts (the columns of one joined gradient)."""
+    packed, or with OUT_LIKE_IN in g's and u's layouts (the columns of one joined gradient). With
+    WANT_H also h = SiLU(g) · u (packed), as the forward kernel forms and rounds it: the down
+    projection's weight gradient reads it, and it costs one more store here against a pass of its own."""
     o_r, o_c, m, p = _tile(R, I, BR, BI)
     offs_g = row_offsets(o_r, o_c, p, g_inner, g_so, g_si, STRIDED)
     offs_u = row_offsets(o_r, o_c, p, u_inner, u_so, u_si, STRIDED)
@@ -67,6 +69,8 @@ def _swiglu_bwd_kernel(dh, g, u, dg, du, R, I, g_inner, g_so, g_si, u_inner, u_s
         out_g, out_u = p, p
     tl.store(dg + out_g, (b_dh * b_u * sig * (1.0 + b_g * (1.0 - sig))).to(dg.dtype.element_ty), mask=m)
     tl.store(du + out_u, (b_dh * b_g * sig).to(du.dtype.element_ty), mask=m)
+    if WANT_H:
+        tl.store(h + p, (b_g * sig * b_u).to(h.dtype.element_ty), mask=m)
 
 
 def _grid(R: int, I: int) -> tuple[tuple[int, int], int, int]:
@@ -107,11 +111,12 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                    out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None, want_h: bool = False) -> tuple:
     """(dgate, dup) of h = SiLU(gate) · up given dh; all of one shape, dtype and device (gate and up
     read in place as in :func:`swiglu_forward`). Packed, or written into ``out`` = (dgate, dup): views
     with gate's and up's strides (the column blocks of one joined gradient, where gate and up are
-    those of one joined product: no copy joins them afterwards)."""
+    those of one joined product: no copy joins them afterwards). ``want_h``: (dgate, dup, h), h the
+    product :func:`swiglu_forward` gives, formed in the same pass."""
     _check("up", gate, up)
     _check("dh", gate, dh)
     if out is None:
@@ -123,15 +128,16 @@ def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
             _check(name, ref, o)
             if o.stride() != ref.stride():
                 raise ValueError(f"{name} must have the strides of its input {ref.stride()}, got {o.stride()}")
+    h = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype) if want_h else None
     n = gate.numel()
     if n:
         rg, ru, I = _operands(gate, up)
         if out is not None and (rg.t is not gate or ru.t is not up):  # a layout rows() copies: not in place
-            dg_p, du_p = swiglu_backward(dh, rg.t.view(gate.shape), ru.t.view(up.shape))
-            return dg.copy_(dg_p), du.copy_(du_p)
+            res = swiglu_backward(dh, rg.t.view(gate.shape), ru.t.view(up.shape), want_h=want_h)
+            return (dg.copy_(res[0]), du.copy_(res[1])) + res[2:]
         R = n // I
         grid, BR, BI = _grid(R, I)
-        direct(_swiglu_bwd_kernel, grid, dh.contiguous(), rg.t, ru.t, dg, du, R, I, *rg.args(),
-               *ru.args(), STRIDED=strided(rg, ru), OUT_LIKE_IN=out is not None, BR=BR, BI=BI,
+        direct(_swiglu_bwd_kernel, grid, dh.contiguous(), rg.t, ru.t, dg, du, h if want_h else dg, R, I, *rg.args(),
+               *ru.args(), STRIDED=strided(rg, ru), OUT_LIKE_IN=out is not None, WANT_H=want_h, BR=BR, BI=BI,
                num_warps=OTHER["swiglu"]["num_warps"])
-    return dg, du
+    return (dg, du, h) if want_h else (dg, du)
