@@ -51,10 +51,11 @@ def test_fused_backward_kernel_compiles_within_its_budget():
     """gdn.ops.delta.triton.fused_bwd at its launch setting (8 warps, value tiles of 64, or 32 where
     64 does not divide V; a ring of two), bf16, specialised as the launcher specialises it: compiles
     for sm_90 in the card's shared memory (227 KB a block), without spilling at K = 64, V = 256 and
-    at K = 32, V = 96; at K = V = 128 with 8 bytes of stack at most (ptxas: one value of the
-    epilogue stored once and loaded once; none in the value loop)."""
+    at K = 32, V = 96; at K = V = 128 with 16 bytes of stack at most (ptxas: three scalars of the
+    item's setup and epilogue, among them the chunk's rows of h and dh, stored once and loaded once
+    an item; none in the value loop)."""
     wide, *rest = _run(KERNEL)
-    assert wide["spill"] <= 8 and wide["regs"] <= 255 and wide["shared"] <= 227 * 1024, wide
+    assert wide["spill"] <= 16 and wide["regs"] <= 255 and wide["shared"] <= 227 * 1024, wide
     for r in rest:
         assert r["spill"] == 0 and r["regs"] <= 255 and r["shared"] <= 227 * 1024, r
 

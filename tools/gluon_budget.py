@@ -126,7 +126,7 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = N
     sig.update({n: desc(64) for n in ("d_t", "do_t", "dd_t", "v_t", "dv_t")})
     sig.update(h_t=desc(K), dh_t=desc(K), ai_t=desc(64, 64))
     sig.update({n: desc(64, K) for n in ("q_t", "k_t", "dq_t", "dk_t")})
-    sig.update(cu="*i32", chunk_idx="*i32", chunk_off="*i32", scale="fp32", H="i32", HV="i32", NW="i32",
+    sig.update(cu="*i32", chunk_idx="*i32", rows="*i32", scale="fp32", H="i32", HV="i32", NW="i32",
                K="constexpr", V="constexpr", BV="constexpr", NS="constexpr", DT="constexpr", QK_TMA="constexpr",
                DV_TMA="constexpr", PER="constexpr")
     at = {n: i for i, n in enumerate(names)}

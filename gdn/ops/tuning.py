@@ -107,9 +107,15 @@ DELTA = {
     # wherever split_len would (it ran sliced and unsplit where the programs filled a quarter of
     # the card): (4, 8192) 2.039 → 2.004 ms at 0.88 → 0.89 GiB, Qwen3.5-397B 7.796 → 7.485 at
     # 3.53, the 340m layer 1.565 → 1.390 (docs/BENCHMARKS.md).
+    # share_h: the plain sliced pass cuts every sequence from its end (common.make_tail_slices) and
+    # writes each slice's dS_out into h's own buffer, over the states of the chunks the slices
+    # before it have done with, plus a pad of the first slice's size after each sequence: the
+    # first slice is as large as the budget allows and each later one as large as the rows freed
+    # before it, so the same peak takes fewer slices ((8, 2048): 11 + 21 chunks instead of
+    # 11 + 11 + 10). Off until the GPU has checked and timed it.
     "state_bwd": dict(num_warps=4, waves=True, SV=8192, BV_min=16,
                       stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True})),
-                      TMA=False, from_inverse=True, slice_MB=44, max_slices=4),
+                      TMA=False, from_inverse=True, slice_MB=44, max_slices=4, share_h=False),
     # TMA: the value loop's five tiles by tensor descriptors (chunk_bwd.dqk_kernel). Off: with
     # them, triton 3.6 on the H200 gives a non-finite dg (its row sums Σ S ⊙ dS of the copied h and
     # dh tiles) in 16 of 4440 runs of the T = 1 case under load, 0 of 4698 without; they would

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gdn.ops import tuning
+from gdn.ops.triton import common
 
 from .test_triton_chunk import TOL, _record_launches, _run_both
 
@@ -109,8 +110,8 @@ def _as_backward(*args):
     outs = (torch.empty(T, HV, K, dtype=grad_dtype), torch.empty(T, HV, K, dtype=grad_dtype),
             torch.empty(T, HV, V, dtype=dv_dtype or grad_dtype), torch.empty(T, HV), torch.empty(T, HV))
 
-    def run(chunk_idx, NT):
-        assert NT == ch.NT
+    def run(chunk_idx, rows, NT):
+        assert NT == ch.NT and torch.equal(rows, common.chunk_rows(ch, rows.device))
         for o, x in zip(outs, transcription(*args)):
             o.copy_(x)
 
@@ -152,7 +153,7 @@ def test_fused_backward_launch():
     with L.recording() as rec:
         (DQ, DK, DV, DG, DB), run = fused_bwd.backward(q, q, v, G, beta, Ai, v, v, h, h, v, ch, 0.125, torch.float32,
                                                        bf)
-        run(ch.chunk_idx, ch.NT)
+        run(ch.chunk_idx, common.chunk_rows(ch, ch.cu.device), ch.NT)
     assert [(kern.fn.__name__, tuple(grid)) for kern, grid, _, _ in rec] == [("fused_bwd_kernel", (ch.NT * HV,))]
     meta = rec[0][3]
     c = tuning.DELTA["fused_bwd"]
@@ -193,7 +194,7 @@ def test_fused_backward_launch_items(monkeypatch):
         monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], items=items))
         with L.recording() as rec:
             _, run = fused_bwd.backward(q, q, v, G, beta, Ai, v, v, h, h, v, ch, 0.125, bf, bf)
-            run(ch.chunk_idx, ch.NT)
+            run(ch.chunk_idx, common.chunk_rows(ch, ch.cu.device), ch.NT)
         (kern, grid, args, meta), = rec
         assert tuple(grid) == (programs,) and meta["PER"] == items
         assert dict(zip(kern.arg_names, args))["NW"] == ch.NT * HV == 18

@@ -211,6 +211,62 @@ def test_sliced_reverse_pass(member, slice_mb, slices, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced)), [(a - b).abs().max() for a, b in zip(whole, sliced)]
 
 
+@pytest.mark.parametrize("member,slice_mb", [  # `make test`: the gated delta rule at two-chunk slices
+    pytest.param(m, mb, id=f"{sid}-{m}", marks=[] if (m, sid) == ("gated_delta_rule", "two") else [pytest.mark.slow])
+    for mb, sid in ((0.04, "two"), (1e-6, "one")) for m in MEMBERS])
+def test_sliced_reverse_pass_sharing_h(member, slice_mb, monkeypatch):
+    """DELTA["state_bwd"]["share_h"]: slices cut from each sequence's end, their dS_out written into
+    h's own buffer (over the states of chunks already done, and a pad after each sequence), so that
+    fewer slices keep the same peak; on packed sequences with an empty, a one-token and multi-chunk
+    members, an initial state and a final-state gradient: the reference's gradients, and the
+    unsliced backward's bit for bit."""
+    from gdn.ops.delta.triton import chunk_bwd
+
+    args = dict(B=1, T=330, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 200, 64], seed=14)
+    whole = _grads(member, **args)
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=slice_mb, max_slices=8,
+                                                       share_h=True))
+    seen = _record_launches(monkeypatch, chunk_bwd)
+    errs = _run_both(member, **args)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
+    assert not bad, bad
+    # the longest sequence's 4 chunks: first slices of 2 (budget) then 2, or of 1 then 2 and 1
+    want = 2 if slice_mb == 0.04 else 3
+    assert sum(name == "state_bwd_kernel" for name, _ in seen) == want, seen
+    sliced = _grads(member, **args)
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced)), [(a - b).abs().max() for a, b in zip(whole, sliced)]
+
+
+def test_tail_slices_write_only_rows_already_done():
+    """make_tail_slices and state_rows: each sequence's chunks cut from its end; every chunk in one
+    slice, its state row where the padded buffer holds it; a slice's dS_out rows lie in its
+    sequence's region of that buffer, clear of every state the slices after it still read (their
+    chunks come before it), and distinct."""
+    dev = torch.device("cpu")
+    ch = common.make_chunks(1, 1500, torch.tensor([0, 65, 66, 66, 1266, 1500]), dev)  # 2, 1, 0, 19, 4 chunks
+    sizes = common.tail_sizes(ch.max_nc, 3)
+    assert sizes == [3, 6, 10] and common.tail_sizes(32, 11) == [11, 21] and common.tail_sizes(5, 9) == [5]
+    sl = common.make_tail_slices(ch, sizes, dev)
+    off, rows = common.state_rows(ch, 3, dev)
+    per = [2, 1, 0, 19, 4]
+    pad = [min(3, n) for n in per]
+    assert rows == sum(per) + sum(pad) and off.tolist() == [0, 4, 6, 6, 28]
+    every = sorted(tuple(c) for s in sl for c in s.chunk_idx.tolist())
+    assert every == sorted(tuple(c) for c in ch.chunk_idx.tolist())
+    for j, s in enumerate(sl):
+        later = {(n, c) for t in sl[j + 1:] for n, c in t.chunk_idx.tolist()}  # states still to be read
+        state_row = {(n, c): off[n].item() + c for n, c in ch.chunk_idx.tolist()}
+        assert s.rows[:, 0].tolist() == [state_row[n, c] for n, c in s.chunk_idx.tolist()]
+        got = s.rows[:, 1].tolist()
+        assert len(set(got)) == len(got)
+        for (n, c), r in zip(s.chunk_idx.tolist(), got):
+            assert off[n].item() <= r < off[n].item() + per[n] + pad[n], (j, n, c, r)
+            assert r not in {state_row[x] for x in later}, (j, n, c, r)
+        # each sequence's part: its last chunks first, token bounds from the chunks
+        for n, c in s.chunk_idx.tolist():
+            assert c >= per[n] - sum(sizes[:j + 1])
+
+
 def _grads(member, B, T, H, HV, K, V, dtype, lens, seed):
     """The chunk op's gradients of every input at one seeded draw (the final-state gradient given)."""
     d = make_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, N=len(lens), state=True, seed=seed)
@@ -571,6 +627,10 @@ def test_slices_cover_every_chunk_once():
     assert sl[1].off.tolist() == [0, 2, 3, 3, 5]
     every = sorted(tuple(c) for s in sl for c in s.chunk_idx.tolist())
     assert every == sorted(tuple(c) for c in ch.chunk_idx.tolist())
+    # each chunk's state at its global index in h, its dS_out at its index in the slice's own buffer
+    for s in sl:
+        assert s.rows[:, 0].tolist() == [ch.chunk_off[n].item() + c for n, c in s.chunk_idx.tolist()]
+        assert s.rows[:, 1].tolist() == list(range(s.NT))
     assert common.make_slices(ch, 2, torch.device("cpu")) is sl  # made once per layout
 
 

@@ -152,9 +152,10 @@ class Slice:
 
     starts: torch.Tensor  # [N] first token of each run's part (where it would start if empty)
     ends: torch.Tensor  # [N] end of each run's part (= its start if empty)
-    off: torch.Tensor  # [N] first chunk of each run's part, in the slice's own numbering
+    off: torch.Tensor  # [N] the dh row of each run's part's first chunk (its others follow it)
     chunk_idx: torch.Tensor  # [NT, 2] (sequence, chunk in sequence) of the slice's chunks
     NT: int
+    rows: torch.Tensor  # [NT, 2] each of the slice's chunks' state row in h and dS_out row in dh
 
 
 def make_slices(ch: "Chunks", L: int, device: torch.device) -> list[Slice]:
@@ -167,24 +168,93 @@ def make_slices(ch: "Chunks", L: int, device: torch.device) -> list[Slice]:
 def _slices(ch: "Chunks", L: int, device: torch.device) -> list[Slice]:
     per, cu = ch.host_per.numpy().astype(np.int64), ch.host_cu.numpy().astype(np.int64)
     parts = [(np.minimum(j * L, per), np.minimum((j + 1) * L, per)) for j in reversed(range(cdiv(ch.max_nc, L)))]
-    return _cut(cu[:-1], cu[1:], np.arange(len(per)), np.zeros_like(per), parts, device)
+    return _cut(cu[:-1], cu[1:], np.arange(len(per)), np.zeros_like(per), parts, device, _state_first(per, 0))
 
 
-def _cut(bos, end, seq, c0, parts, device: torch.device) -> list[Slice]:
+def _cut(bos, end, seq, c0, parts, device: torch.device, h_first, bases=None) -> list[Slice]:
     """The :class:`Slice` of each of ``parts`` [(a, b)]: chunks [a, b) of every run of tokens
-    [bos, end) (a sequence, or a segment of sequence ``seq`` from its chunk ``c0`` on)."""
+    [bos, end) (a sequence, or a segment of sequence ``seq`` from its chunk ``c0`` on). A chunk's
+    state row in h: ``h_first`` [its sequence] + its index in the sequence; each part's dS_out
+    rows: from ``bases`` [the runs' first rows, one array a part] where given, else its own rows
+    0, 1, … in run order (a buffer of the slice's size)."""
     out, arrays = [], []
-    for a, b in parts:
+    for j, (a, b) in enumerate(parts):
         cnt = b - a
         ends = np.minimum(bos + b * BT, end)
         starts = np.minimum(bos + a * BT, ends)
-        off = np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.int64)
+        first = np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.int64)
         owner = np.repeat(np.arange(len(bos)), cnt)
-        idx = np.stack([seq[owner], c0[owner] + a[owner] + np.arange(int(cnt.sum())) - off[owner]], axis=1)
-        arrays += [starts, ends, off, idx.reshape(-1)]
+        place = np.arange(int(cnt.sum())) - first[owner]
+        idx = np.stack([seq[owner], c0[owner] + a[owner] + place], axis=1)
+        off = first if bases is None else np.asarray(bases[j], dtype=np.int64)
+        rows = np.stack([h_first[idx[:, 0]] + idx[:, 1], off[owner] + place], axis=1)
+        arrays += [starts, ends, off, idx.reshape(-1), rows.reshape(-1)]
         out.append(int(cnt.sum()))
     d = to_device_many(arrays, device)
-    return [Slice(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3].view(nt, 2), nt) for i, nt in enumerate(out)]
+    return [Slice(d[5 * i], d[5 * i + 1], d[5 * i + 2], d[5 * i + 3].view(nt, 2), nt, d[5 * i + 4].view(nt, 2))
+            for i, nt in enumerate(out)]
+
+
+def tail_sizes(max_nc: int, first: int) -> list[int]:
+    """The chunk counts of :func:`make_tail_slices`' slices: ``first`` (the most a sequence's dS_out
+    may take beyond its states), then each as many as the rows its predecessors and the first leave
+    free (the k-th at most the first plus all before it), until ``max_nc`` are covered."""
+    sizes = [min(max(1, first), max_nc)]
+    while sum(sizes) < max_nc:
+        sizes.append(min(max_nc - sum(sizes), sizes[0] + sum(sizes)))
+    return sizes
+
+
+def make_tail_slices(ch: "Chunks", sizes: tuple[int, ...], device: torch.device) -> list[Slice]:
+    """Every sequence's chunks cut from its end into slices of ``sizes`` chunks (:func:`tail_sizes`;
+    slice j: its chunks [n − S_j − s_j, n − S_j) of n, S_j = s_0 + … + s_{j−1}, empty where it has no
+    more), tails first, whose dS_out rows lie in the state buffer laid out by :func:`state_rows`
+    (with pad s_0): slice j's rows of sequence n start at the row after its own chunks' states, so
+    they fill the states of the chunks after them (used by the slices before) and the sequence's
+    pad. Where the reverse pass and the per-chunk stage run slice by slice, those rows are free when
+    the slice's reverse pass writes them. Built on the host in numpy (no sync), once per layout,
+    sizes and device."""
+    return _memo(ch, ("tail slices", tuple(sizes), device), lambda: _tail_slices(ch, tuple(sizes), device))
+
+
+def _tail_slices(ch: "Chunks", sizes: tuple[int, ...], device: torch.device) -> list[Slice]:
+    per, cu = ch.host_per.numpy().astype(np.int64), ch.host_cu.numpy().astype(np.int64)
+    first = _state_first(per, sizes[0])
+    S = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    parts = [(np.maximum(per - S[j + 1], 0), np.maximum(per - S[j], 0)) for j in range(len(sizes))]
+    bases = [first + b for _, b in parts]
+    return _cut(cu[:-1], cu[1:], np.arange(len(per)), np.zeros_like(per), parts, device, first, bases)
+
+
+def _state_first(per: np.ndarray, pad: int) -> np.ndarray:
+    """Each sequence's first state row when each is followed by min(pad, its chunks) free rows."""
+    rows = per + np.minimum(pad, per)
+    return np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+
+
+def state_rows(ch: "Chunks", pad: int, device: torch.device, L: int = 0) -> tuple[torch.Tensor, int]:
+    """(first state row of each sequence, or with ``L`` of each segment of :func:`make_segments`,
+    the rows in all) of a per-chunk state buffer in which min(``pad``, its chunks) free rows follow
+    every sequence's states (:func:`make_tail_slices`' dS_out rows); ``pad`` 0: ``chunk_off`` (or the
+    segments' ``off``) and NT. Once per layout, pad, L and device."""
+    if not pad:
+        return (make_segments(ch, L, device).off if L else ch.chunk_off), ch.NT
+
+    def build():
+        per = ch.host_per.numpy().astype(np.int64)
+        first = _state_first(per, pad)
+        if L:
+            _, _, seq, c0, _, _ = _segment_layout(ch, L)
+            first = first[seq] + c0
+        return to_device_many([first], device)[0], int((per + np.minimum(pad, per)).sum())
+
+    return _memo(ch, ("state rows", pad, L, device), build)
+
+
+def chunk_rows(ch: "Chunks", device: torch.device) -> torch.Tensor:
+    """[NT, 2] (state row, dS_out row) of every chunk of an unsliced backward: both its own index."""
+    return _memo(ch, ("chunk rows", device),
+                 lambda: to_device_many([np.repeat(np.arange(ch.NT), 2)], device)[0].view(ch.NT, 2))
 
 
 def make_segment_slices(ch: "Chunks", L: int, S: int, device: torch.device) -> list[Slice]:
@@ -202,7 +272,7 @@ def _segment_slices(ch: "Chunks", L: int, S: int, device: torch.device) -> list[
     _, _, seq, c0, bos, ends = _segment_layout(ch, L)
     n = np.minimum(ch.host_per.numpy().astype(np.int64)[seq] - c0, L)  # each segment's chunks
     parts = [(np.maximum(n - (j + 1) * S, 0), np.maximum(n - j * S, 0)) for j in range(cdiv(L, S))]
-    return _cut(bos, ends, seq, c0, parts, device)
+    return _cut(bos, ends, seq, c0, parts, device, _state_first(ch.host_per.numpy().astype(np.int64), 0))
 
 
 @functools.lru_cache(maxsize=64)

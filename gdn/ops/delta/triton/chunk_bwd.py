@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...triton.common import (BT, INTERPRET, Chunks, cast, chunk_bounds, dot_precision, gate_cumsum, gate_load,
-                              launch, make_segment_slices, make_segments, make_slices, pow2, sm_count, tl_dtype,
-                              value_cols)
+from ...triton.common import (BT, INTERPRET, Chunks, cast, chunk_bounds, chunk_rows, dot_precision, gate_cumsum,
+                              gate_load, launch, make_segment_slices, make_segments, make_slices, make_tail_slices,
+                              pow2, sm_count, tail_sizes, tl_dtype, value_cols)
 from ... import tuning
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
@@ -240,13 +240,13 @@ def state_bwd_kernel(q, k, g, W, do, DVL, dht, dh, DD, dh0, cu, ends, chunk_off,
 
 
 @triton.jit(do_not_specialize=['T'])
-def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, chunk_off, scale, T, H,
+def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, srows, scale, T, H,
                HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
                TMA: tl.constexpr = False):
     """dQ, the O- and state-terms of dK, dW = −dδ Sᵀ and this K tile's part of dγ, per chunk i_t of
-    ``chunk_idx`` (all of the call's chunks or a slice of them): its state entering from h at its
-    global index chunk_off[n] + c, the gradient of the one leaving from dh at i_t.
+    ``chunk_idx`` (all of the call's chunks or a slice of them): its state entering from h at row
+    srows[i_t, 0], the gradient of the one leaving from dh at row srows[i_t, 1] (common.Slice).
     ``TMA``: δ (or v), dO, dδ, h and dh are tensor descriptors (``_block``; the per-chunk states
     as [chunks · HV · K, V] rows), their value tiles read by bulk copies instead of through a
     pointer and a mask per thread and element. A block's rows of a later sequence are read as
@@ -262,9 +262,10 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, c
     m = rows < eos
     o_k = i_k * BK + tl.arange(0, BK)
     mk = m[:, None] & (o_k < K)[None, :]
-    i_g = tl.load(chunk_off + i_n) + tl.load(chunk_idx + 2 * i_t + 1)  # the chunk's global index, for h
+    i_g = tl.load(srows + 2 * i_t)  # the chunk's row in h
+    i_d = tl.load(srows + 2 * i_t + 1)  # and in dh
     base_h = (i_g.to(tl.int64) * HV + i_hv) * K * V
-    base_dh = (i_t.to(tl.int64) * HV + i_hv) * K * V
+    base_dh = (i_d.to(tl.int64) * HV + i_hv) * K * V
     b_dod = tl.zeros([BT, BT], dtype=tl.float32)
     b_dqs = tl.zeros([BT, BK], dtype=tl.float32)
     b_dks = tl.zeros([BT, BK], dtype=tl.float32)
@@ -272,7 +273,7 @@ def dqk_kernel(q, k, v, g, VN, do, h, dh, DD, DQ, DK, DW, DGAM, cu, chunk_idx, c
     b_gcs = tl.zeros([BK], dtype=tl.float32)
     # the state tiles' first rows in the [chunks · HV · K, V] views
     row_h = (i_g * HV + i_hv) * K + i_k * BK
-    row_dh = (i_t * HV + i_hv) * K + i_k * BK
+    row_dh = (i_d * HV + i_hv) * K + i_k * BK
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         mv = m[:, None] & (o_v < V)[None, :]
@@ -519,16 +520,23 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # from_inverse: the recomputed state pass and the reverse pass form δ and Wᵀ dδ from T⁻¹ (no wu)
     from_inv = delta and bool(DELTA["state_bwd"]["from_inverse"])
     plans = {} if plans is None else plans
-    h, VN, _, Ai, W, gamma = forward_intermediates(q, k, v, g, beta, h0, ch, False, Ai, from_inverse=from_inv,
-                                                   gamma=gamma, plans=plans)
-    dummy = v
-    gp = g if gated else dummy
     (SK, SV), WV, rev, L, nsl = _decisions(q, g, beta, ch, HV, K, V, from_inv, v.element_size())
     warm = bool(L) and warm_split(g)
+    rb = _fused_rbwd() if rev is not None else None  # (rev: a delta member from T⁻¹, unsplit or warm-started)
+    merged = rb is not None and rb.usable(q, g, beta, K, V)
+    # the plain sliced pass with its dS_out in h's buffer (DELTA["state_bwd"]["share_h"]): slices cut
+    # from each sequence's end, the first of the budget's size, h padded by it after each sequence
+    sizes = None
+    if nsl > 1 and not L and not merged and DELTA["state_bwd"].get("share_h", False):
+        sizes = tuple(tail_sizes(ch.max_nc, cdiv(ch.max_nc, nsl)))
+    pad = sizes[0] if sizes else 0
+    h, VN, _, Ai, W, gamma = forward_intermediates(q, k, v, g, beta, h0, ch, False, Ai, from_inverse=from_inv,
+                                                   gamma=gamma, plans=plans, pad=pad)
+    dummy = v
+    gp = g if gated else dummy
     # the chunks' log norm bounds that the warm-started split's walks add up (the forward's, in plans)
     bnd = bounds(k, beta, gamma, ch, HV, plans) if warm else None
-    rb = _fused_rbwd() if rev is not None else None  # (rev: a delta member from T⁻¹, unsplit or warm-started)
-    if rb is not None and rb.usable(q, g, beta, K, V):
+    if merged:
         return _merged(rb, q, k, v, do, gamma, beta, Ai, VN, h, h0, dht, ch, scale, L if warm else 0, bnd,
                        grad_dtype, dv_dtype)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, WHILE=INTERPRET,
@@ -556,8 +564,8 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     slices = None
     if nsl > 1:
         slices = (make_segment_slices(ch, L, cdiv(L, nsl), dev) if warm
-                  else make_slices(ch, cdiv(ch.max_nc, nsl), dev))
-    dh = torch.empty(max(sl.NT for sl in slices) if slices else ch.NT, HV, K, V, device=dev, dtype=io)
+                  else make_tail_slices(ch, sizes, dev) if sizes else make_slices(ch, cdiv(ch.max_nc, nsl), dev))
+    dh = h if sizes else torch.empty(max(sl.NT for sl in slices) if slices else ch.NT, HV, K, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None and not slices else None
     per_chunk = _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch, scale, grad_dtype, dv_dtype)
     del h, VN
@@ -579,7 +587,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                 run(d_end, keep, sl.starts, sl.ends, sl.off, sg.NS, warm=plan if j == 0 else None, carry=j == 0)
             else:
                 run(d_end, keep, sl.starts, sl.ends, sl.off, **(warm_kw if j == 0 else {}))
-            outs = per_chunk(sl.chunk_idx, sl.NT, last)
+            outs = per_chunk(sl.chunk_idx, sl.rows, sl.NT, last)
         if h0 is not None:  # dS_0 of a sequence: the dS entering its first segment
             dh0 = torch.index_select(carry, 0, sg.first.clamp(max=max(sg.NS - 1, 0)))
         fill_empty(dh0, dht, ch)
@@ -630,7 +638,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
                 last = j == len(slices) - 1
                 reverse(carry if j > 0 or dht is not None else None, carry if not last or h0 is not None else None,
                         sl.starts, sl.ends, sl.off)
-                outs = per_chunk(sl.chunk_idx, sl.NT, last)
+                outs = per_chunk(sl.chunk_idx, sl.rows, sl.NT, last)
             if h0 is not None:
                 dh0 = carry
         else:
@@ -638,7 +646,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
         del reverse  # (its inputs hold DVL, W and dh)
     if not slices:
         del dh
-        outs = per_chunk(ch.chunk_idx, ch.NT, True)
+        outs = per_chunk(ch.chunk_idx, chunk_rows(ch, dev), ch.NT, True)
     return (*outs, dh0)
 
 
@@ -670,8 +678,9 @@ def _merged(rb, q, k, v, do, gamma, beta, Ai, VN, h, h0, dht, ch: Chunks, scale:
 
 
 def _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch: Chunks, scale: float, grad_dtype, dv_dtype):
-    """The backward's per-chunk stage after the reverse pass: ``run(chunk_idx, NT, last)`` fills the rows of
-    those chunks (dh holding their dS_out in that order) of its outputs and returns them (dQ, dK, dV,
+    """The backward's per-chunk stage after the reverse pass: ``run(chunk_idx, rows, NT, last)`` fills the
+    rows of those chunks (their states and dS_out at ``rows`` [NT, 2] of h and dh: common.Slice) of
+    its outputs and returns them (dQ, dK, dV,
     dg, dβ; dg and dβ None where the member has no gate or no delta term); ``last``: no later call, so
     it may drop its inputs as it goes. On compute capability 9 for the gated delta members in 16
     bits one Gluon kernel (``fused_bwd``); else dqk then wy_bwd."""
@@ -686,8 +695,8 @@ def _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch: Chunks, scale
         # dqk and wy_bwd's work in one Gluon kernel per chunk and value head
         outs, run = fused.backward(q, k, v, gamma, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype, dv_dtype)
 
-        def fused_run(chunk_idx, NT: int, last: bool):
-            run(chunk_idx, NT)
+        def fused_run(chunk_idx, rows, NT: int, last: bool):
+            run(chunk_idx, rows, NT)
             return outs
 
         return fused_run
@@ -712,10 +721,10 @@ def _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch: Chunks, scale
     WK, WV = tiles("wy_bwd", K, V, io=io)
     outs = []
 
-    def run(chunk_idx, NT: int, last: bool):
+    def run(chunk_idx, rows, NT: int, last: bool):
         r = reads[0]
         launch(dqk_kernel, (NK, NT, HV), q, k, r[0], gp, *r[1:], DQ, DK,
-               DW if delta else dummy, DGAM if gated else dummy, ch.cu, chunk_idx, ch.chunk_off, scale, T, H=H,
+               DW if delta else dummy, DGAM if gated else dummy, ch.cu, chunk_idx, rows, scale, T, H=H,
                HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_G=gated, DELTA=delta, PREC=prec, DT=DT, TMA=tma, name="dqk", io=io)
         del r
         if last:

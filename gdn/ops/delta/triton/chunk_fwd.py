@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
-                              has_tma, launch, make_segments, pow2, sm_count, tl_dtype, value_cols)
+                              has_tma, launch, make_segments, pow2, sm_count, state_rows, tl_dtype, value_cols)
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
 from .intra import kkt_solve_kernel, wu_kernel
@@ -559,14 +559,16 @@ def tile_reads(name: str, *reads) -> tuple:
 
 
 def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai=None, from_inverse=False,
-                          gamma=None, plans=None):
+                          gamma=None, plans=None, pad: int = 0):
     """Run the sequential part of the forward, storing what the backward needs: returns
     (h [NT, HV, K, V], VN or None, ht or None, Ai or None, W or None, γ or None); h, VN, Ai, W in
     the inputs' dtype, ht and γ fp32. q, k: [T, H, K]; v: [T, HV, V] (q, k, v of one dtype); g, beta:
     [T, HV] fp32 or None. ``Ai`` [T, HV, BT] and ``gamma`` [T, HV], when given (the backward passes
     the forward's), are used instead of being computed again, and so are the chunk bounds and
     warm-up counts in ``plans`` (split.bounds, fused_fwd._run), where this call leaves its own. ``from_inverse``: no wu; the pass forms δ from T⁻¹, v and β, and W comes
-    back None (the backward, whose state pass reads W, keeps wu)."""
+    back None (the backward, whose state pass reads W, keeps wu). ``pad``: h has min(pad, its chunks)
+    free rows after each sequence's states (common.state_rows: where the backward's sliced dS_out
+    go), h [rows, HV, K, V]."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     delta = beta is not None
@@ -578,7 +580,8 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     Ai, W, U = prepare(k, v, g, beta, ch, Ai, wu=not from_inv, gamma_out=fill, bound_out=bnd)
     gamma = fill if gamma is None else gamma
     VN = torch.empty(T, HV, V, device=dev, dtype=io) if delta else None
-    h = torch.empty(ch.NT, HV, K, V, device=dev, dtype=io)
+    h_off, rows = state_rows(ch, pad, dev)
+    h = torch.empty(rows, HV, K, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     SK, SV = tiles("state_fwd", K, V)
     dummy = v
@@ -588,7 +591,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     # the state passes read γ (the in-chunk cumulative decay), computed once per forward + backward
     G = gamma_of(g, ch, gamma)
     if from_inv and warp_specialised(k, g, beta, K, V, "fused_states"):
-        _fused_fwd().states(k, v, G, beta, Ai, h0, h, VN, ht, ch, plans)
+        _fused_fwd().states(k, v, G, beta, Ai, h0, h, VN, ht, ch, plans, pad)
         return h, VN, ht, Ai, W, G
     gp = G if G is not None else dummy
     Wp, Up = (W, U) if delta and not from_inv else (dummy, dummy)
@@ -600,8 +603,8 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
         sg = make_segments(ch, L, dev)
         bnd = bounds(k, beta, G, ch, HV, plans)
         launch(state_fwd_kernel, (cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Ap, beta if delta else dummy,
-               h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy, sg.cu, sg.off,
-               BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, WARM=True,
+               h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy, sg.cu,
+               state_rows(ch, pad, dev, L)[0], BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, WARM=True,
                LOG_EPS=float(DELTA["split"]["log_eps"]),
                **dict(common, seg_seq=sg.seq, Bnd=bnd if bnd is not None else dummy))
         fill_empty(ht, h0, ch)
@@ -616,7 +619,8 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
                X, sg.cu, sg.off, BV=AV, USE_INIT=False, STORE_FINAL=True, AUG=True, **dict(common, name="state_aug"))
         Sin = chain(X, h0, ht, sg, HV, K, V, False, prec)
         launch(state_fwd_kernel, (cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Ap, bp, Sin, h,
-               VN if delta else dummy, dummy, sg.cu, sg.off, BV=SV, USE_INIT=True, STORE_FINAL=False, **common)
+               VN if delta else dummy, dummy, sg.cu, state_rows(ch, pad, dev, L)[0], BV=SV, USE_INIT=True,
+               STORE_FINAL=False, **common)
         return h, VN, ht, Ai, W, G
     SK, SV = state_tile("state_fwd", ch, HV, K, V, dev)
     # the per-chunk inputs, perhaps as tensor descriptors
@@ -629,7 +633,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     launch(state_fwd_kernel, (cdiv(V, SV), ch.N * HV),
            k, v, gp, Wp, Up, Ap, bp, h0 if h0 is not None else dummy, h, VN if delta else dummy,
            ht if want_final else dummy,
-           ch.cu, ch.chunk_off, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, TMA=tma, **common)
+           ch.cu, h_off, BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, TMA=tma, **common)
     return h, VN, ht, Ai, W, G
 
 

@@ -65,14 +65,14 @@ def _chunk(w, HV, cu, chunk_idx):
 
 
 @gluon.jit
-def _issue(n, w, i_v, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd,
+def _issue(n, w, i_v, s, HV, cu, chunk_idx, rows, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd,
            ring_v, ring_h, ring_dh, bars, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr):
     """Start the tensor copies of item ``w``'s value tile ``i_v`` (δ, dO, dδ, v rows; h, dh rows) into
     ring slot ``s``; its barrier completes when all ``n`` bytes have landed."""
     i_t, i_hv, i_n, i_c, t0 = _chunk(w, HV, cu, chunk_idx)
     col = i_hv * V + i_v * BV
-    row_h = ((gl.load(chunk_off + i_n) + i_c) * HV + i_hv) * K  # h: the chunk's global index
-    row = (i_t * HV + i_hv) * K  # dh: the chunk's index in this launch
+    row_h = (gl.load(rows + 2 * i_t) * HV + i_hv) * K  # the chunk's state row in h
+    row = (gl.load(rows + 2 * i_t + 1) * HV + i_hv) * K  # and its dS_out row in dh
     bar = bars.index(s)
     mbarrier.expect(bar, n)
     tma.async_copy_global_to_shared(d_t, [t0, col], bar, ring_d.index(s))
@@ -109,7 +109,7 @@ def _issue_inv(w, HV, H, cu, chunk_idx, ai_t, s_a, bar):
 
 @gluon.jit
 def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK,
-          DV, dq_t, dk_t, dv_t, DB, DG, cu, chunk_idx, chunk_off, scale, H, HV, ring_d, ring_do, ring_dd, ring_v,
+          DV, dq_t, dk_t, dv_t, DB, DG, cu, chunk_idx, rows, scale, H, HV, ring_d, ring_do, ring_dd, ring_v,
           ring_h, ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K: gl.constexpr,
           V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr,
           DV_TMA: gl.constexpr):
@@ -166,7 +166,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
         # T⁻¹ and the first value tiles (the loop's), then q and k (the epilogue's)
         _issue_inv(w, HV, H, cu, chunk_idx, ai_t, s_as.index(0), bars_a.index(0))
         for i_s in gl.static_range(min(NS, NV)):
-            _issue(tile_bytes, w, i_s, i_s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d,
+            _issue(tile_bytes, w, i_s, i_s, HV, cu, chunk_idx, rows, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d,
                    ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
         _issue_qk(w, HV, H, cu, chunk_idx, q_t, k_t, s_q, s_k, bar_qk, K)
 
@@ -232,7 +232,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
         else:
             gl.store(DV + p_o, dv.to(DV.dtype.element_ty), mask=m_v[:, None])
         if i_v + NS < NV:
-            _issue(tile_bytes, w, i_v + NS, s, HV, cu, chunk_idx, chunk_off, d_t, do_t, dd_t,
+            _issue(tile_bytes, w, i_v + NS, s, HV, cu, chunk_idx, rows, d_t, do_t, dd_t,
                    v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
     if NEXT:
         # the next item's first value tiles into the slots this loop is done with (once dV's copies
@@ -241,7 +241,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
             tma.store_wait(0)
             gl.thread_barrier()
             for i_s in gl.static_range(min(NS, NV)):
-                _issue(tile_bytes, w + 1, i_s, ((J + 1) * NV + i_s) % NS, HV, cu, chunk_idx, chunk_off, d_t, do_t,
+                _issue(tile_bytes, w + 1, i_s, ((J + 1) * NV + i_s) % NS, HV, cu, chunk_idx, rows, d_t, do_t,
                        dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
             _issue_inv(w + 1, HV, H, cu, chunk_idx, ai_t, s_as.index((J + 1) % 2), bars_a.index((J + 1) % 2))
 
@@ -348,7 +348,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
 
 @gluon.jit(do_not_specialize=["NW"])
 def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, cu,
-                     chunk_idx, chunk_off, scale, H, HV, NW, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                     chunk_idx, rows, scale, H, HV, NW, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                      NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr, DV_TMA: gl.constexpr,
                      PER: gl.constexpr):
     """PER consecutive items a program (the last program's items past ``NW`` are skipped), item w =
@@ -356,8 +356,8 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
     and value head i_hv. G [T, HV] the in-chunk cumulative log decay γ; beta [T, HV]. Descriptors:
     q_t, k_t of [T, H · K] in [64, K] blocks; ai_t of the rows of T⁻¹ [T, HV · 64] in [64, 64]
     blocks; d_t (δ), do_t (dO), dd_t (dδ), v_t (v) of [T, HV · V] in [64, BV] blocks; h_t, dh_t of
-    [chunks · HV · K, V] (the state entering each chunk, at its global index chunk_off[n] + c, and
-    the gradient of the one leaving it, at i_t) in [K, BV] blocks. Writes dQ, dK [T, HV, K], dV [T,
+    [rows · HV · K, V] (the state entering chunk i_t at row rows[i_t, 0] of h, the gradient of the
+    one leaving it at row rows[i_t, 1] of dh) in [K, BV] blocks. Writes dQ, dK [T, HV, K], dV [T,
     HV, V], dβ and dg [T, HV]: a chunk that fills its block writes dQ and dK by tensor copies (dq_t,
     dk_t, [64, K] blocks of [T, HV · K]) where ``QK_TMA`` and dV likewise (dv_t) where ``DV_TMA``
     (outputs in the inputs' 16-bit dtype), every other chunk through masked stores.
@@ -403,7 +403,7 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
     for j in gl.static_range(PER):
         if PER == 1 or w0 + j < NW:  # (every program has a first item)
             _item(j, PER, w0 + j, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t,
-                  dv_t, DB, DG, cu, chunk_idx, chunk_off, scale, H, HV, ring_d, ring_do, ring_dd, ring_v, ring_h,
+                  dv_t, DB, DG, cu, chunk_idx, rows, scale, H, HV, ring_d, ring_do, ring_dd, ring_v, ring_h,
                   ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K, V, BV, NS, DT, QK_TMA,
                   DV_TMA)
     tma.store_wait(0)
@@ -468,9 +468,10 @@ def descriptor(x, shape: tuple, strides: tuple, block: list, layout):
 
 
 def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dtype, dv_dtype):
-    """(dQ, dK, dV, dg, dβ) of the chunk op, allocated, and ``run(chunk_idx, NT)``, which fills their rows
-    of those NT chunks (``chunk_idx`` [NT, 2] as ``Chunks.chunk_idx``; dh holds their dS_out in that
-    order) from the reverse pass's results (chunk_bwd.backward)."""
+    """(dQ, dK, dV, dg, dβ) of the chunk op, allocated, and ``run(chunk_idx, rows, NT)``, which fills
+    their rows of those NT chunks (``chunk_idx`` [NT, 2] as ``Chunks.chunk_idx``; ``rows`` [NT, 2]
+    their states' rows in h and their dS_out's in dh, common.Slice) from the reverse pass's results
+    (chunk_bwd.backward)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dev, f32 = v.device, torch.float32
@@ -501,11 +502,11 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     # (dV over dδ, the usual case, goes out through dδ's own descriptor)
     dv_t = dd_t if not dv_tma or dd_t.base is DV else _tiles(DV, T, (CHUNK, BV), DT)
 
-    def run(chunk_idx, NT: int):
+    def run(chunk_idx, rows, NT: int):
         c = DELTA["fused_bwd"]
         PER = c["items"]
         launch(fused_bwd_kernel, (cdiv(NT * HV, PER),), q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t,
-               dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, ch.cu, chunk_idx, ch.chunk_off, scale, H, HV, NT * HV, K=K,
+               dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, ch.cu, chunk_idx, rows, scale, H, HV, NT * HV, K=K,
                V=V, BV=BV, NS=c["NS"], DT=DT, QK_TMA=qk_tma, DV_TMA=dv_tma, PER=PER, name="fused_bwd")
 
     return (DQ, DK, DV, DG, DB), run

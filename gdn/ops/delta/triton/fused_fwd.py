@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from ...triton.common import BT as CHUNK
-from ...triton.common import make_segments
+from ...triton.common import make_segments, state_rows
 from ...triton.launch import launch
 from ...tuning import DELTA
 from .fused_bwd import _rows, _tiles, acc_layout, hopper
@@ -377,7 +377,7 @@ def value_tile(V: int, name: str = "fused_fwd") -> int:
     return min(V, DELTA[name]["VT"])
 
 
-def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN=None, plans=None):
+def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN=None, plans=None, pad=0):
     """Launch the pass: with ``o`` the forward (q and scale given; fills o), else the state
     pass alone filling h [NT, HV, K, V] and VN [T, HV, V]; ht [N, HV, K, V] when given. One program
     per (sequence, value head, value tile of :func:`value_tile`); where those programs would leave
@@ -386,7 +386,7 @@ def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN
     one), each segment's warm-up count per head shared by the head's value tiles. ``plans``: one
     call's chunk bounds (``"bound"``, split.bounds) and warm-up counts by segment length (a dict the
     forward fills and its backward's state pass reads: the same k, β and γ walk to the same counts),
-    or None."""
+    or None. ``pad``: h's rows as common.state_rows lays them out with that pad."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     out = o is not None
@@ -395,10 +395,11 @@ def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN
     VT = value_tile(V, name)
     NVT = V // VT
     L = split_len(ch, HV, NVT, v.device, per_sm=1) if warm_split(G) else 0
-    programs, cu, off, plan, seg_seq = ch.N, ch.cu, ch.chunk_off, ch.cu, ch.cu
+    programs, cu, plan, seg_seq = ch.N, ch.cu, ch.cu, ch.cu
+    off = state_rows(ch, pad, v.device, L)[0]  # where each program's chunks' states go in h
     if L:
         sg = make_segments(ch, L, v.device)
-        programs, cu, off, seg_seq = sg.NS, sg.cu, sg.off, sg.seq
+        programs, cu, seg_seq = sg.NS, sg.cu, sg.seq
         plan = None if plans is None else plans.get(L)
         if plan is None:
             plan = warm_plan(bounds(k, beta, G, ch, HV, plans), G, sg, ch, HV)
@@ -427,8 +428,9 @@ def forward(q, k, v, G, beta, Ai, h0, o, ht, ch, scale: float, plans=None):
     _run(k, v, G, beta, Ai, h0, ht, ch, q=q, o=o, scale=scale, plans=plans)
 
 
-def states(k, v, G, beta, Ai, h0, h, VN, ht, ch, plans=None):
+def states(k, v, G, beta, Ai, h0, h, VN, ht, ch, plans=None, pad=0):
     """The backward's recomputed state pass (chunk_fwd.forward_intermediates' ``from_inverse`` form):
-    fills h [NT, HV, K, V] (the state entering each chunk) and VN [T, HV, V] (δ) in the inputs'
-    dtype, and ht when given; its warm-up counts from ``plans`` where the forward left them."""
-    _run(k, v, G, beta, Ai, h0, ht, ch, h=h, VN=VN, plans=plans)
+    fills h [rows, HV, K, V] (the state entering each chunk, at common.state_rows' rows with ``pad``)
+    and VN [T, HV, V] (δ) in the inputs' dtype, and ht when given; its warm-up counts from ``plans``
+    where the forward left them."""
+    _run(k, v, G, beta, Ai, h0, ht, ch, h=h, VN=VN, plans=plans, pad=pad)
