@@ -112,10 +112,11 @@ DELTA = {
     # before it have done with, plus a pad of the first slice's size after each sequence: the
     # first slice is as large as the budget allows and each later one as large as the rows freed
     # before it, so the same peak takes fewer slices ((8, 2048): 11 + 21 chunks instead of
-    # 11 + 11 + 10). Off until the GPU has checked and timed it.
+    # 11 + 11 + 10; H100, ops_gpu.py --variants --profile: forward + backward kernels 936 → 907
+    # µs, peak 0.460 → 0.461 GiB, gradients the same to the bit).
     "state_bwd": dict(num_warps=4, waves=True, SV=8192, BV_min=16,
                       stages=(3, (3, {"QS": True}), 2, (2, {"QS": True}), (1, {"QS": True})),
-                      TMA=False, from_inverse=True, slice_MB=44, max_slices=4, share_h=False),
+                      TMA=False, from_inverse=True, slice_MB=44, max_slices=4, share_h=True),
     # TMA: the value loop's five tiles by tensor descriptors (chunk_bwd.dqk_kernel). Off: with
     # them, triton 3.6 on the H200 gives a non-finite dg (its row sums Σ S ⊙ dS of the copied h and
     # dh tiles) in 16 of 4440 runs of the T = 1 case under load, 0 of 4698 without; they would

@@ -48,12 +48,12 @@ def test_fused_backward_outputs_match_its_transcription(case, monkeypatch):
         got, run = real(*args)
         ch = args[11]
 
-        def checked(chunk_idx, NT):
+        def checked(chunk_idx, rows, NT):
             # the inputs copied once the reverse pass has filled dh and dδ, before the kernel runs:
             # it writes dV and dQ over dδ and δ
             cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
             cpu[11] = type("Ch", (), {"chunk_idx": ch.chunk_idx.cpu(), "cu": ch.cu.cpu()})()
-            run(chunk_idx, NT)
+            run(chunk_idx, rows, NT)
             want = transcription(*cpu)
             for name, x, y in zip(("dq", "dk", "dv", "dg", "db"), got, want):
                 y = y.float()
@@ -127,10 +127,11 @@ def test_items_a_program(case, monkeypatch):
     def grab(*args):
         got, run = real(*args)
 
-        def copied(chunk_idx, NT):
+        def copied(chunk_idx, rows, NT):
             # the inputs copied once the reverse pass has filled dh and dδ, before the kernel runs
-            calls.append(([a.clone() if isinstance(a, torch.Tensor) else a for a in args], chunk_idx.clone(), NT))
-            run(chunk_idx, NT)
+            calls.append(([a.clone() if isinstance(a, torch.Tensor) else a for a in args], chunk_idx.clone(),
+                          rows.clone(), NT))
+            run(chunk_idx, rows, NT)
 
         return got, copied
 
@@ -141,10 +142,10 @@ def test_items_a_program(case, monkeypatch):
                       do, dS)
     assert calls  # one launch per backward the test's call runs
 
-    def outputs(saved, chunk_idx, NT, items):
+    def outputs(saved, chunk_idx, rows, NT, items):
         tuning.DELTA["fused_bwd"]["items"] = items
         got, run = real(*[a.clone() if isinstance(a, torch.Tensor) else a for a in saved])
-        run(chunk_idx, NT)
+        run(chunk_idx, rows, NT)
         torch.cuda.synchronize()
         return got
 

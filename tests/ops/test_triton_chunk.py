@@ -201,7 +201,8 @@ def test_sliced_reverse_pass(member, slice_mb, slices, monkeypatch):
 
     args = dict(B=1, T=330, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 200, 64], seed=14)
     whole = _grads(member, **args)
-    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=slice_mb, max_slices=8))
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=slice_mb, max_slices=8,
+                                                       share_h=False))
     seen = _record_launches(monkeypatch, chunk_bwd)
     errs = _run_both(member, **args)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
