@@ -187,53 +187,31 @@ def test_split_state_pass(member, L, monkeypatch):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("member,slice_mb,slices", [  # `make test`: two-chunk slices of the gated delta rule;
-    # the other members' and one-chunk slices in `make test-all`
-    pytest.param(m, mb, n, id=f"{sid}-{m}",
-                 marks=[] if (m, n) == ("gated_delta_rule", 2) else [pytest.mark.slow])
-    for mb, n, sid in ((0.04, 2, "two-chunk-slices"), (1e-6, 4, "one-chunk-slices")) for m in MEMBERS])
-def test_sliced_reverse_pass(member, slice_mb, slices, monkeypatch):
+@pytest.mark.parametrize("member,slice_mb,share,slices", [  # `make test`: two-chunk slices of the gated
+    # delta rule, both forms; the other members' and one-chunk slices in `make test-all`
+    pytest.param(m, mb, share, n, id=f"{sid}-{'shared' if share else 'plain'}-{m}",
+                 marks=[] if (m, sid) == ("gated_delta_rule", "two-chunk-slices") else [pytest.mark.slow])
+    for mb, sid, counts in ((0.04, "two-chunk-slices", (2, 2)), (1e-6, "one-chunk-slices", (4, 3)))
+    for share, n in zip((False, True), counts) for m in MEMBERS])
+def test_sliced_reverse_pass(member, slice_mb, share, slices, monkeypatch):
     """dh over the budget (DELTA["state_bwd"]["slice_MB"]): the reverse pass and the per-chunk kernels
     run slice by slice, dS carried between them, on packed sequences with an empty, a one-token and
     multi-chunk members, an initial state and a final-state gradient: the reference's gradients, and
-    the unsliced backward's bit for bit."""
+    the unsliced backward's bit for bit. Plain: slices of chunk positions, dS_out in a buffer of one
+    slice; ``share_h``: slices cut from each sequence's end, their dS_out written into h's own buffer
+    (over the states of chunks already done, and a pad after each sequence), so that fewer slices
+    keep the same peak (the longest sequence's 4 chunks: 1 + 2 + 1 instead of four slices of one)."""
     from gdn.ops.delta.triton import chunk_bwd
 
     args = dict(B=1, T=330, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 200, 64], seed=14)
     whole = _grads(member, **args)
     monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=slice_mb, max_slices=8,
-                                                       share_h=False))
+                                                       share_h=share))
     seen = _record_launches(monkeypatch, chunk_bwd)
     errs = _run_both(member, **args)
     bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
     assert not bad, bad
     assert sum(name == "state_bwd_kernel" for name, _ in seen) == slices, seen
-    sliced = _grads(member, **args)
-    assert all(torch.equal(a, b) for a, b in zip(whole, sliced)), [(a - b).abs().max() for a, b in zip(whole, sliced)]
-
-
-@pytest.mark.parametrize("member,slice_mb", [  # `make test`: the gated delta rule at two-chunk slices
-    pytest.param(m, mb, id=f"{sid}-{m}", marks=[] if (m, sid) == ("gated_delta_rule", "two") else [pytest.mark.slow])
-    for mb, sid in ((0.04, "two"), (1e-6, "one")) for m in MEMBERS])
-def test_sliced_reverse_pass_sharing_h(member, slice_mb, monkeypatch):
-    """DELTA["state_bwd"]["share_h"]: slices cut from each sequence's end, their dS_out written into
-    h's own buffer (over the states of chunks already done, and a pad after each sequence), so that
-    fewer slices keep the same peak; on packed sequences with an empty, a one-token and multi-chunk
-    members, an initial state and a final-state gradient: the reference's gradients, and the
-    unsliced backward's bit for bit."""
-    from gdn.ops.delta.triton import chunk_bwd
-
-    args = dict(B=1, T=330, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 200, 64], seed=14)
-    whole = _grads(member, **args)
-    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=slice_mb, max_slices=8,
-                                                       share_h=True))
-    seen = _record_launches(monkeypatch, chunk_bwd)
-    errs = _run_both(member, **args)
-    bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
-    assert not bad, bad
-    # the longest sequence's 4 chunks: first slices of 2 (budget) then 2, or of 1 then 2 and 1
-    want = 2 if slice_mb == 0.04 else 3
-    assert sum(name == "state_bwd_kernel" for name, _ in seen) == want, seen
     sliced = _grads(member, **args)
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced)), [(a - b).abs().max() for a, b in zip(whole, sliced)]
 
