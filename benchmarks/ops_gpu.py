@@ -439,7 +439,7 @@ def markdown_row(r, peers) -> str:
         ok = g.get("status") == "ok" and "tflops" in r
         out.append(f"{r['tflops']:.0f} ({r['pct_mm']:.0f}%)" if ok else "-")
         out.append(f"{r['GBps']:.0f} ({r['pct_copy']:.0f}%)" if ok else "-")
-    out.append(" / ".join(_num(cells.get(p), "GiB", ".2f") for p in peers))
+    out.append(" / ".join(_num(cells.get(p), "GiB", ".3f") for p in peers))
     out.append(" / ".join(_num(cells.get(p), "first_s", ".2f") for p in peers))
     if _diffs(peers):
         out.append(" / ".join(_num(cells.get(p), "o_rel_diff", ".1e") for p in _diffs(peers))
