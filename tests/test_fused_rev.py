@@ -50,15 +50,22 @@ def test_the_reverse_pass_replaces_dv_local_and_state_bwd(card, monkeypatch):
     assert meta["VT"] == 64, meta
 
 
-def _slices(mib: int, plain_nc: int = 0) -> int:
-    """Slices of a reverse pass whose dS_out of every chunk takes ``mib`` MiB (the budget's); with
-    ``plain_nc`` (the plain pass's longest sequence, in chunks), those of the pass that writes its
-    dS_out into h's buffer where ``share_h`` is on (the first slice the budget's, then larger)."""
+def _slices(mib: int, span: int) -> int:
+    """Slices of a reverse pass whose dS_out of every chunk takes ``mib`` MiB (the budget's), over
+    runs of ``span`` chunks (the longest sequence, or the warm-started segments' length): where
+    ``share_h`` is on, the pass writes its dS_out into h's buffer (the first slice the budget's, then
+    larger)."""
     from gdn.ops.triton.common import tail_sizes
 
     c = tuning.DELTA["state_bwd"]
     n = min(-(-mib // c["slice_MB"]), c["max_slices"])
-    return len(tail_sizes(plain_nc, -(-plain_nc // n))) if plain_nc and c.get("share_h") else n
+    return len(tail_sizes(span, -(-span // n))) if c.get("share_h") else n
+
+
+def _span(grid, B: int, T: int, HV: int, NVT: int = 1) -> int:
+    """The chunks of the warm-started segments of a reverse pass launched on ``grid`` (segments ×
+    HV × NVT programs) over B sequences of T tokens."""
+    return -(-(T // 64) // (grid[0] // (HV * NVT) // B))
 
 
 def test_slices_carry_the_state_gradient(card):
@@ -69,7 +76,7 @@ def test_slices_carry_the_state_gradient(card):
     launches = _backward(8, 2048, 16, 16, 128, 128)
     names = [n for n, _, _ in launches]
     rev = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
-    n = _slices(128, 32)
+    n = _slices(128, 32)  # (the plain pass: whole sequences of 32 chunks)
     assert n > 1 and len(rev) == n and "state_bwd_kernel" not in names and "dv_local_kernel" not in names, names
     assert [n for n in names if n in ("fused_rev_kernel", "fused_bwd_kernel")] == ["fused_rev_kernel",
                                                                                  "fused_bwd_kernel"] * n, names
@@ -88,7 +95,7 @@ def test_few_long_sequences_run_as_segments_slice_by_slice(card):
     names = [n for n, _, _ in launches]
     assert "state_bwd_kernel" not in names and "dv_local_kernel" not in names, names
     rev = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
-    n = _slices(256)
+    n = _slices(256, _span(rev[0][0], 1, 32768, 16))
     assert n > 1 and len(rev) == n and [x for x in names if x in ("fused_rev_kernel", "fused_bwd_kernel")] == [
         "fused_rev_kernel", "fused_bwd_kernel"] * n, names
     (grid, meta), rest = rev[0], rev[1:]
@@ -105,7 +112,8 @@ def test_half_the_card_runs_as_segments_slice_by_slice(card):
     multiprocessor), and as all 512 chunks' dS_out would take 256 MiB, slice by slice."""
     launches = _backward(4, 8192, 16, 16, 128, 128)
     rev = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
-    assert len(rev) == _slices(256) and rev[0][1]["WARM"] and rev[0][1]["CARRY"], [n for n, _, _ in launches]
+    assert len(rev) == _slices(256, _span(rev[0][0], 4, 8192, 16)) and rev[0][1]["WARM"] and rev[0][1]["CARRY"], [
+        n for n, _, _ in launches]
     assert all(SMS // 2 < g[0] <= SMS for g, _ in rev) and not any(m["WARM"] for _, m in rev[1:]), rev
 
 
@@ -168,7 +176,7 @@ def test_value_tiles_count_towards_filling_the_card_sliced(card):
     as dS_out of every chunk would take 256 MiB, slice by slice."""
     launches = _backward(2, 8192, 16, 16, 128, 256)
     rev = [(g, m) for n, g, m in launches if n == "fused_rev_kernel"]
-    assert len(rev) == _slices(256) and rev[0][1]["WARM"], [n for n, _, _ in launches]
+    assert len(rev) == _slices(256, _span(rev[0][0], 2, 8192, 16, 2)) and rev[0][1]["WARM"], [n for n, _, _ in launches]
     assert all(g == (2 * 2 * 16 * 2,) and m["VT"] == 128 for g, m in rev), rev
 
 

@@ -216,34 +216,45 @@ def test_sliced_reverse_pass(member, slice_mb, share, slices, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced)), [(a - b).abs().max() for a, b in zip(whole, sliced)]
 
 
-def test_tail_slices_write_only_rows_already_done():
-    """make_tail_slices and state_rows: each sequence's chunks cut from its end; every chunk in one
-    slice, its state row where the padded buffer holds it; a slice's dS_out rows lie in its
-    sequence's region of that buffer, clear of every state the slices after it still read (their
-    chunks come before it), and distinct."""
+@pytest.mark.parametrize("L", [0, 4], ids=["sequences", "segments-of-4"])
+def test_tail_slices_write_only_rows_already_done(L):
+    """make_tail_slices and state_rows, over the sequences or over segments of L chunks: each run's
+    chunks cut from its end; every chunk in one slice, its state row where the padded buffer holds
+    it; a slice's dS_out rows lie in its run's region of that buffer, clear of every state the
+    slices after it still read (their chunks come before it), and distinct."""
     dev = torch.device("cpu")
     ch = common.make_chunks(1, 1500, torch.tensor([0, 65, 66, 66, 1266, 1500]), dev)  # 2, 1, 0, 19, 4 chunks
-    sizes = common.tail_sizes(ch.max_nc, 3)
-    assert sizes == [3, 6, 10] and common.tail_sizes(32, 11) == [11, 21] and common.tail_sizes(5, 9) == [5]
-    sl = common.make_tail_slices(ch, sizes, dev)
-    off, rows = common.state_rows(ch, 3, dev)
+    span = L or ch.max_nc
+    sizes = common.tail_sizes(span, 3 if not L else 1)
+    assert common.tail_sizes(19, 3) == [3, 6, 10] and common.tail_sizes(32, 11) == [11, 21]
+    assert common.tail_sizes(5, 9) == [5] and common.tail_sizes(4, 1) == [1, 2, 1]
+    sl = common.make_tail_slices(ch, sizes, dev, L)
+    off, rows = common.state_rows(ch, sizes[0], dev, L, L)
     per = [2, 1, 0, 19, 4]
-    pad = [min(3, n) for n in per]
-    assert rows == sum(per) + sum(pad) and off.tolist() == [0, 4, 6, 6, 28]
+    # the runs: (sequence, first chunk, chunks)
+    runs = [(n, c0, min(L, per[n] - c0) if L else per[n]) for n in range(5) for c0 in range(0, max(per[n], 1), L or 10 ** 9)
+            if per[n] or not L]
+    assert len(runs) == len(off) and rows == sum(k + min(sizes[0], k) for _, _, k in runs)
+    if not L:
+        assert off.tolist() == [0, 4, 6, 6, 28]
+    else:  # pads between segments fit only a pass over those segments
+        with pytest.raises(ValueError, match="straddle|not those"):
+            common.state_rows(ch, sizes[0], dev, 0, L)
+    run_of = {(n, c): i for i, (n, c0, k) in enumerate(runs) for c in range(c0, c0 + k)}
+    state_row = {(n, c): off[run_of[n, c]].item() + c - runs[run_of[n, c]][1] for n, c in ch.chunk_idx.tolist()}
     every = sorted(tuple(c) for s in sl for c in s.chunk_idx.tolist())
     assert every == sorted(tuple(c) for c in ch.chunk_idx.tolist())
     for j, s in enumerate(sl):
-        later = {(n, c) for t in sl[j + 1:] for n, c in t.chunk_idx.tolist()}  # states still to be read
-        state_row = {(n, c): off[n].item() + c for n, c in ch.chunk_idx.tolist()}
+        later = {state_row[n, c] for t in sl[j + 1:] for n, c in t.chunk_idx.tolist()}  # states still to be read
         assert s.rows[:, 0].tolist() == [state_row[n, c] for n, c in s.chunk_idx.tolist()]
         got = s.rows[:, 1].tolist()
         assert len(set(got)) == len(got)
         for (n, c), r in zip(s.chunk_idx.tolist(), got):
-            assert off[n].item() <= r < off[n].item() + per[n] + pad[n], (j, n, c, r)
-            assert r not in {state_row[x] for x in later}, (j, n, c, r)
-        # each sequence's part: its last chunks first, token bounds from the chunks
-        for n, c in s.chunk_idx.tolist():
-            assert c >= per[n] - sum(sizes[:j + 1])
+            i = run_of[n, c]
+            k = runs[i][2]
+            assert off[i].item() <= r < off[i].item() + k + min(sizes[0], k), (j, n, c, r)
+            assert r not in later, (j, n, c, r)
+            assert c - runs[i][1] >= k - sum(sizes[:j + 1])  # the run's last chunks first
 
 
 def _grads(member, B, T, H, HV, K, V, dtype, lens, seed):
@@ -284,20 +295,24 @@ def test_warm_split_state_pass(member, L, fused, monkeypatch):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("slice_mb,slices", [(0.04, 2), pytest.param(1e-6, 3, marks=pytest.mark.slow)])
-def test_warm_split_reverse_pass_sliced(slice_mb, slices, monkeypatch):
+@pytest.mark.parametrize("slice_mb,share,slices", [(0.04, False, 2), (1e-6, True, 2), pytest.param(0.04, True, 2, marks=pytest.mark.slow),
+                                                   pytest.param(1e-6, False, 3, marks=pytest.mark.slow)])
+def test_warm_split_reverse_pass_sliced(slice_mb, share, slices, monkeypatch):
     """dh over the slicing budget with the warm-started split (segments of three chunks): the reverse
     pass runs slice by slice within the segments, counted from their ends (the first slice warms
     each segment up and carries the dS entering it out, the later ones go on from that), on packed
     sequences with an empty, a one-token, a one-segment and a two-segment member, an initial state
     and a final-state gradient: the unsliced backward's gradients bit for bit (those are the
-    reference's: test_warm_split_state_pass)."""
+    reference's: test_warm_split_state_pass). ``share_h``: the slices' dS_out in h's buffer, a pad
+    after each segment (the recomputed state pass runs the same segments), so a budget of one chunk
+    a segment takes slices of 1 + 2 chunks instead of three of one."""
     from gdn.ops.delta.triton import chunk_bwd
 
     args = dict(B=1, T=458, H=1, HV=2, K=16, V=32, dtype=torch.float32, lens=[65, 1, 0, 328, 64], seed=15)
     _warm(monkeypatch, 3)
     whole = _grads("gated_delta_rule", **args)
-    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=slice_mb, max_slices=8))
+    monkeypatch.setitem(tuning.DELTA, "state_bwd", dict(tuning.DELTA["state_bwd"], slice_MB=slice_mb, max_slices=8,
+                                                       share_h=share))
     seen = _record_launches(monkeypatch, chunk_bwd)
     sliced = _grads("gated_delta_rule", **args)
     assert sum(name == "state_bwd_kernel" for name, _ in seen) == slices, seen

@@ -168,15 +168,15 @@ def make_slices(ch: "Chunks", L: int, device: torch.device) -> list[Slice]:
 def _slices(ch: "Chunks", L: int, device: torch.device) -> list[Slice]:
     per, cu = ch.host_per.numpy().astype(np.int64), ch.host_cu.numpy().astype(np.int64)
     parts = [(np.minimum(j * L, per), np.minimum((j + 1) * L, per)) for j in reversed(range(cdiv(ch.max_nc, L)))]
-    return _cut(cu[:-1], cu[1:], np.arange(len(per)), np.zeros_like(per), parts, device, _state_first(per, 0))
+    return _cut(cu[:-1], cu[1:], np.arange(len(per)), np.zeros_like(per), parts, device, _run_first(per, 0))
 
 
 def _cut(bos, end, seq, c0, parts, device: torch.device, h_first, bases=None) -> list[Slice]:
     """The :class:`Slice` of each of ``parts`` [(a, b)]: chunks [a, b) of every run of tokens
     [bos, end) (a sequence, or a segment of sequence ``seq`` from its chunk ``c0`` on). A chunk's
-    state row in h: ``h_first`` [its sequence] + its index in the sequence; each part's dS_out
-    rows: from ``bases`` [the runs' first rows, one array a part] where given, else its own rows
-    0, 1, … in run order (a buffer of the slice's size)."""
+    state row in h: ``h_first`` [its run] + its index in the run; each part's dS_out rows: from
+    ``bases`` [the runs' first rows, one array a part] where given, else its own rows 0, 1, … in run
+    order (a buffer of the slice's size)."""
     out, arrays = [], []
     for j, (a, b) in enumerate(parts):
         cnt = b - a
@@ -187,7 +187,7 @@ def _cut(bos, end, seq, c0, parts, device: torch.device, h_first, bases=None) ->
         place = np.arange(int(cnt.sum())) - first[owner]
         idx = np.stack([seq[owner], c0[owner] + a[owner] + place], axis=1)
         off = first if bases is None else np.asarray(bases[j], dtype=np.int64)
-        rows = np.stack([h_first[idx[:, 0]] + idx[:, 1], off[owner] + place], axis=1)
+        rows = np.stack([h_first[owner] + a[owner] + place, off[owner] + place], axis=1)
         arrays += [starts, ends, off, idx.reshape(-1), rows.reshape(-1)]
         out.append(int(cnt.sum()))
     d = to_device_many(arrays, device)
@@ -205,50 +205,66 @@ def tail_sizes(max_nc: int, first: int) -> list[int]:
     return sizes
 
 
-def make_tail_slices(ch: "Chunks", sizes: tuple[int, ...], device: torch.device) -> list[Slice]:
-    """Every sequence's chunks cut from its end into slices of ``sizes`` chunks (:func:`tail_sizes`;
-    slice j: its chunks [n − S_j − s_j, n − S_j) of n, S_j = s_0 + … + s_{j−1}, empty where it has no
-    more), tails first, whose dS_out rows lie in the state buffer laid out by :func:`state_rows`
-    (with pad s_0): slice j's rows of sequence n start at the row after its own chunks' states, so
-    they fill the states of the chunks after them (used by the slices before) and the sequence's
-    pad. Where the reverse pass and the per-chunk stage run slice by slice, those rows are free when
-    the slice's reverse pass writes them. Built on the host in numpy (no sync), once per layout,
-    sizes and device."""
-    return _memo(ch, ("tail slices", tuple(sizes), device), lambda: _tail_slices(ch, tuple(sizes), device))
-
-
-def _tail_slices(ch: "Chunks", sizes: tuple[int, ...], device: torch.device) -> list[Slice]:
+def _runs(ch: "Chunks", L: int) -> tuple:
+    """(bos, ends, seq, c0, chunks) of the runs of tokens the state passes take one program each
+    (host int64): the sequences (``L`` 0) or their segments of ``L`` chunks (:func:`make_segments`)."""
     per, cu = ch.host_per.numpy().astype(np.int64), ch.host_cu.numpy().astype(np.int64)
-    first = _state_first(per, sizes[0])
+    if not L:
+        return cu[:-1], cu[1:], np.arange(len(per)), np.zeros_like(per), per
+    _, _, seq, c0, bos, ends = _segment_layout(ch, L)
+    return bos, ends, seq, c0, np.minimum(per[seq] - c0, L)
+
+
+def make_tail_slices(ch: "Chunks", sizes: tuple[int, ...], device: torch.device, L: int = 0) -> list[Slice]:
+    """The chunks of every sequence (or with ``L`` of every segment of L chunks) cut from its end into
+    slices of ``sizes`` chunks (:func:`tail_sizes`; slice j: its chunks [n − S_j − s_j, n − S_j) of n,
+    S_j = s_0 + … + s_{j−1}, empty where it has no more), tails first, whose dS_out rows lie in the
+    state buffer laid out by :func:`state_rows` (pad s_0 after each of the same runs): slice j's rows
+    of a run start at the row after its own chunks' states, so they fill the states of the chunks
+    after them (used by the slices before) and the run's pad. Where the reverse pass and the
+    per-chunk stage run slice by slice, those rows are free when the slice's reverse pass writes
+    them. Built on the host in numpy (no sync), once per layout, sizes, L and device."""
+    return _memo(ch, ("tail slices", tuple(sizes), L, device), lambda: _tail_slices(ch, tuple(sizes), device, L))
+
+
+def _tail_slices(ch: "Chunks", sizes: tuple[int, ...], device: torch.device, L: int) -> list[Slice]:
+    bos, ends, seq, c0, n = _runs(ch, L)
+    first = _run_first(n, sizes[0])
     S = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    parts = [(np.maximum(per - S[j + 1], 0), np.maximum(per - S[j], 0)) for j in range(len(sizes))]
+    parts = [(np.maximum(n - S[j + 1], 0), np.maximum(n - S[j], 0)) for j in range(len(sizes))]
     bases = [first + b for _, b in parts]
-    return _cut(cu[:-1], cu[1:], np.arange(len(per)), np.zeros_like(per), parts, device, first, bases)
+    return _cut(bos, ends, seq, c0, parts, device, first, bases)
 
 
-def _state_first(per: np.ndarray, pad: int) -> np.ndarray:
-    """Each sequence's first state row when each is followed by min(pad, its chunks) free rows."""
-    rows = per + np.minimum(pad, per)
+def _run_first(n: np.ndarray, pad: int) -> np.ndarray:
+    """Each run's first state row when each of its ``n`` chunks' states is followed by min(pad, n)
+    free rows."""
+    rows = n + np.minimum(pad, n)
     return np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
 
 
-def state_rows(ch: "Chunks", pad: int, device: torch.device, L: int = 0) -> tuple[torch.Tensor, int]:
-    """(first state row of each sequence, or with ``L`` of each segment of :func:`make_segments`,
-    the rows in all) of a per-chunk state buffer in which min(``pad``, its chunks) free rows follow
-    every sequence's states (:func:`make_tail_slices`' dS_out rows); ``pad`` 0: ``chunk_off`` (or the
-    segments' ``off``) and NT. Once per layout, pad, L and device."""
+def state_rows(ch: "Chunks", pad: int, device: torch.device, L: int = 0, pad_L: int = 0) -> tuple[torch.Tensor, int]:
+    """(the first state row of each program's run, the rows in all) of a per-chunk state buffer in
+    which min(``pad``, its chunks) free rows follow the states of every sequence (``pad_L`` 0) or
+    of every segment of ``pad_L`` chunks (:func:`make_tail_slices`' dS_out rows), for a pass whose
+    programs take the sequences (``L`` 0) or the segments of ``L`` chunks: either where the pads lie
+    between sequences, only the segments the pads follow where they lie between segments (ValueError
+    otherwise: a program's states would straddle a pad). ``pad`` 0: ``chunk_off`` (or the segments'
+    ``off``) and NT. Once per layout, pad, L, pad_L and device."""
     if not pad:
         return (make_segments(ch, L, device).off if L else ch.chunk_off), ch.NT
+    if pad_L and L != pad_L:
+        raise ValueError(f"state rows padded after segments of {pad_L} chunks are not those of runs of {L}")
 
     def build():
-        per = ch.host_per.numpy().astype(np.int64)
-        first = _state_first(per, pad)
-        if L:
+        n = _runs(ch, pad_L)[4]
+        first = _run_first(n, pad)
+        if L and not pad_L:  # segments within each padded sequence
             _, _, seq, c0, _, _ = _segment_layout(ch, L)
             first = first[seq] + c0
-        return to_device_many([first], device)[0], int((per + np.minimum(pad, per)).sum())
+        return to_device_many([first], device)[0], int((n + np.minimum(pad, n)).sum())
 
-    return _memo(ch, ("state rows", pad, L, device), build)
+    return _memo(ch, ("state rows", pad, L, pad_L, device), build)
 
 
 def chunk_rows(ch: "Chunks", device: torch.device) -> torch.Tensor:
@@ -272,7 +288,7 @@ def _segment_slices(ch: "Chunks", L: int, S: int, device: torch.device) -> list[
     _, _, seq, c0, bos, ends = _segment_layout(ch, L)
     n = np.minimum(ch.host_per.numpy().astype(np.int64)[seq] - c0, L)  # each segment's chunks
     parts = [(np.maximum(n - (j + 1) * S, 0), np.maximum(n - j * S, 0)) for j in range(cdiv(L, S))]
-    return _cut(bos, ends, seq, c0, parts, device, _state_first(ch.host_per.numpy().astype(np.int64), 0))
+    return _cut(bos, ends, seq, c0, parts, device, _run_first(n, 0))
 
 
 @functools.lru_cache(maxsize=64)

@@ -524,14 +524,19 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     warm = bool(L) and warm_split(g)
     rb = _fused_rbwd() if rev is not None else None  # (rev: a delta member from T⁻¹, unsplit or warm-started)
     merged = rb is not None and rb.usable(q, g, beta, K, V)
-    # the plain sliced pass with its dS_out in h's buffer (DELTA["state_bwd"]["share_h"]): slices cut
-    # from each sequence's end, the first of the budget's size, h padded by it after each sequence
-    sizes = None
-    if nsl > 1 and not L and not merged and DELTA["state_bwd"].get("share_h", False):
-        sizes = tuple(tail_sizes(ch.max_nc, cdiv(ch.max_nc, nsl)))
-    pad = sizes[0] if sizes else 0
+    # the sliced pass with its dS_out in h's buffer (DELTA["state_bwd"]["share_h"]): slices cut from
+    # each sequence's (or warm-started segment's) end, the first of the budget's size, h padded by
+    # it after each sequence (segment); the segments' pads only where the recomputed state pass runs
+    # the same segments (else h comes without pads, and the slices take a buffer of their own)
+    sizes, pad_L = None, 0
+    if nsl > 1 and (warm or not L) and not merged and DELTA["state_bwd"].get("share_h", False):
+        span = L if warm else ch.max_nc
+        sizes, pad_L = tuple(tail_sizes(span, cdiv(span, nsl))), (L if warm else 0)
     h, VN, _, Ai, W, gamma = forward_intermediates(q, k, v, g, beta, h0, ch, False, Ai, from_inverse=from_inv,
-                                                   gamma=gamma, plans=plans, pad=pad)
+                                                   gamma=gamma, plans=plans, pad=sizes[0] if sizes else 0,
+                                                   pad_L=pad_L)
+    if h.shape[0] == ch.NT:
+        sizes = None
     dummy = v
     gp = g if gated else dummy
     # the chunks' log norm bounds that the warm-started split's walks add up (the forward's, in plans)
@@ -563,8 +568,9 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # the dS entering the slice out, the later ones go on from it (no warm-up walked again).
     slices = None
     if nsl > 1:
-        slices = (make_segment_slices(ch, L, cdiv(L, nsl), dev) if warm
-                  else make_tail_slices(ch, sizes, dev) if sizes else make_slices(ch, cdiv(ch.max_nc, nsl), dev))
+        slices = (make_tail_slices(ch, sizes, dev, pad_L) if sizes
+                  else make_segment_slices(ch, L, cdiv(L, nsl), dev) if warm
+                  else make_slices(ch, cdiv(ch.max_nc, nsl), dev))
     dh = h if sizes else torch.empty(max(sl.NT for sl in slices) if slices else ch.NT, HV, K, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None and not slices else None
     per_chunk = _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch, scale, grad_dtype, dv_dtype)

@@ -559,7 +559,7 @@ def tile_reads(name: str, *reads) -> tuple:
 
 
 def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai=None, from_inverse=False,
-                          gamma=None, plans=None, pad: int = 0):
+                          gamma=None, plans=None, pad: int = 0, pad_L: int = 0):
     """Run the sequential part of the forward, storing what the backward needs: returns
     (h [NT, HV, K, V], VN or None, ht or None, Ai or None, W or None, γ or None); h, VN, Ai, W in
     the inputs' dtype, ht and γ fp32. q, k: [T, H, K]; v: [T, HV, V] (q, k, v of one dtype); g, beta:
@@ -567,8 +567,9 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     the forward's), are used instead of being computed again, and so are the chunk bounds and
     warm-up counts in ``plans`` (split.bounds, fused_fwd._run), where this call leaves its own. ``from_inverse``: no wu; the pass forms δ from T⁻¹, v and β, and W comes
     back None (the backward, whose state pass reads W, keeps wu). ``pad``: h has min(pad, its chunks)
-    free rows after each sequence's states (common.state_rows: where the backward's sliced dS_out
-    go), h [rows, HV, K, V]."""
+    free rows after each sequence's states, or with ``pad_L`` after each segment's of pad_L chunks
+    (common.state_rows: where the backward's sliced dS_out go), h [rows, HV, K, V]; the segments'
+    pads only where this pass runs those segments (else h comes without pads: NT rows)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     delta = beta is not None
@@ -580,23 +581,26 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     Ai, W, U = prepare(k, v, g, beta, ch, Ai, wu=not from_inv, gamma_out=fill, bound_out=bnd)
     gamma = fill if gamma is None else gamma
     VN = torch.empty(T, HV, V, device=dev, dtype=io) if delta else None
-    h_off, rows = state_rows(ch, pad, dev)
+    SK, SV = tiles("state_fwd", K, V)
+    fused = from_inv and warp_specialised(k, g, beta, K, V, "fused_states")
+    L = _fused_fwd().split_of(ch, HV, V, dev, g) if fused else split_len(ch, HV, cdiv(V, SV), dev, warm_split(g))
+    if pad_L and L != pad_L:  # pads between segments this pass does not run: none
+        pad = pad_L = 0
+    h_off, rows = state_rows(ch, pad, dev, 0, pad_L) if not pad_L else (None, state_rows(ch, pad, dev, L, pad_L)[1])
     h = torch.empty(rows, HV, K, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
-    SK, SV = tiles("state_fwd", K, V)
     dummy = v
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=SK, USE_G=g is not None, DELTA=delta, PREC=prec, DT=DT,
                   WHILE=INTERPRET, FROM_INV=from_inv, seg_seq=ch.cu, seq_cu=ch.cu, seq_off=ch.chunk_off, Bnd=v,
                   name="state_fwd")
     # the state passes read γ (the in-chunk cumulative decay), computed once per forward + backward
     G = gamma_of(g, ch, gamma)
-    if from_inv and warp_specialised(k, g, beta, K, V, "fused_states"):
-        _fused_fwd().states(k, v, G, beta, Ai, h0, h, VN, ht, ch, plans, pad)
+    if fused:
+        _fused_fwd().states(k, v, G, beta, Ai, h0, h, VN, ht, ch, plans, pad, pad_L)
         return h, VN, ht, Ai, W, G
     gp = G if G is not None else dummy
     Wp, Up = (W, U) if delta and not from_inv else (dummy, dummy)
     Ap, bp = (Ai, beta) if from_inv else (dummy, dummy)
-    L = split_len(ch, HV, cdiv(V, SV), dev, warm_split(g))
     if L and warm_split(g):
         # Warm-started split pass: every segment starts a bounded walk back before its first chunk
         # (state_fwd_kernel's WARM form); one launch, no maps, no chain
@@ -604,7 +608,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
         bnd = bounds(k, beta, G, ch, HV, plans)
         launch(state_fwd_kernel, (cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Ap, beta if delta else dummy,
                h0 if h0 is not None else dummy, h, VN if delta else dummy, ht if want_final else dummy, sg.cu,
-               state_rows(ch, pad, dev, L)[0], BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, WARM=True,
+               state_rows(ch, pad, dev, L, pad_L)[0], BV=SV, USE_INIT=h0 is not None, STORE_FINAL=want_final, WARM=True,
                LOG_EPS=float(DELTA["split"]["log_eps"]),
                **dict(common, seg_seq=sg.seq, Bnd=bnd if bnd is not None else dummy))
         fill_empty(ht, h0, ch)
@@ -619,7 +623,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
                X, sg.cu, sg.off, BV=AV, USE_INIT=False, STORE_FINAL=True, AUG=True, **dict(common, name="state_aug"))
         Sin = chain(X, h0, ht, sg, HV, K, V, False, prec)
         launch(state_fwd_kernel, (cdiv(V, SV), sg.NS * HV), k, v, gp, Wp, Up, Ap, bp, Sin, h,
-               VN if delta else dummy, dummy, sg.cu, state_rows(ch, pad, dev, L)[0], BV=SV, USE_INIT=True,
+               VN if delta else dummy, dummy, sg.cu, state_rows(ch, pad, dev, L, pad_L)[0], BV=SV, USE_INIT=True,
                STORE_FINAL=False, **common)
         return h, VN, ht, Ai, W, G
     SK, SV = state_tile("state_fwd", ch, HV, K, V, dev)

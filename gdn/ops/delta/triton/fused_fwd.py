@@ -377,7 +377,14 @@ def value_tile(V: int, name: str = "fused_fwd") -> int:
     return min(V, DELTA[name]["VT"])
 
 
-def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN=None, plans=None, pad=0):
+def split_of(ch, HV: int, V: int, device, g, name: str = "fused_states") -> int:
+    """The segment length of this pass's warm-started split (0: whole sequences): where its (sequence,
+    value head, value tile) programs would leave multiprocessors idle, counting every value tile, at
+    one program a multiprocessor (this program's shared memory takes the whole of one)."""
+    return split_len(ch, HV, V // value_tile(V, name), device, per_sm=1) if warm_split(g) else 0
+
+
+def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN=None, plans=None, pad=0, pad_L=0):
     """Launch the pass: with ``o`` the forward (q and scale given; fills o), else the state
     pass alone filling h [NT, HV, K, V] and VN [T, HV, V]; ht [N, HV, K, V] when given. One program
     per (sequence, value head, value tile of :func:`value_tile`); where those programs would leave
@@ -386,7 +393,7 @@ def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN
     one), each segment's warm-up count per head shared by the head's value tiles. ``plans``: one
     call's chunk bounds (``"bound"``, split.bounds) and warm-up counts by segment length (a dict the
     forward fills and its backward's state pass reads: the same k, β and γ walk to the same counts),
-    or None. ``pad``: h's rows as common.state_rows lays them out with that pad."""
+    or None. ``pad``, ``pad_L``: h's rows as common.state_rows lays them out with those pads."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     out = o is not None
@@ -394,9 +401,9 @@ def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN
     c = DELTA[name]
     VT = value_tile(V, name)
     NVT = V // VT
-    L = split_len(ch, HV, NVT, v.device, per_sm=1) if warm_split(G) else 0
+    L = split_of(ch, HV, V, v.device, G, name)
     programs, cu, plan, seg_seq = ch.N, ch.cu, ch.cu, ch.cu
-    off = state_rows(ch, pad, v.device, L)[0]  # where each program's chunks' states go in h
+    off = state_rows(ch, pad, v.device, L, pad_L)[0]  # where each program's chunks' states go in h
     if L:
         sg = make_segments(ch, L, v.device)
         programs, cu, seg_seq = sg.NS, sg.cu, sg.seq
@@ -428,9 +435,10 @@ def forward(q, k, v, G, beta, Ai, h0, o, ht, ch, scale: float, plans=None):
     _run(k, v, G, beta, Ai, h0, ht, ch, q=q, o=o, scale=scale, plans=plans)
 
 
-def states(k, v, G, beta, Ai, h0, h, VN, ht, ch, plans=None, pad=0):
+def states(k, v, G, beta, Ai, h0, h, VN, ht, ch, plans=None, pad=0, pad_L=0):
     """The backward's recomputed state pass (chunk_fwd.forward_intermediates' ``from_inverse`` form):
-    fills h [rows, HV, K, V] (the state entering each chunk, at common.state_rows' rows with ``pad``)
+    fills h [rows, HV, K, V] (the state entering each chunk, at common.state_rows' rows with ``pad``
+    and ``pad_L``)
     and VN [T, HV, V] (δ) in the inputs' dtype, and ht when given; its warm-up counts from ``plans``
     where the forward left them."""
-    _run(k, v, G, beta, Ai, h0, ht, ch, h=h, VN=VN, plans=plans, pad=pad)
+    _run(k, v, G, beta, Ai, h0, ht, ch, h=h, VN=VN, plans=plans, pad=pad, pad_L=pad_L)
