@@ -107,9 +107,10 @@ DELTA = {
     # wherever split_len would (it ran sliced and unsplit where the programs filled a quarter of
     # the card): (4, 8192) 2.039 → 2.004 ms at 0.88 → 0.89 GiB, Qwen3.5-397B 7.796 → 7.485 at
     # 3.53, the 340m layer 1.565 → 1.390 (docs/BENCHMARKS.md).
-    # share_h: the plain sliced pass cuts every sequence from its end (common.make_tail_slices) and
-    # writes each slice's dS_out into h's own buffer, over the states of the chunks the slices
-    # before it have done with, plus a pad of the first slice's size after each sequence: the
+    # share_h: the sliced pass cuts every sequence (or warm-started segment) from its end
+    # (common.make_tail_slices) and writes each slice's dS_out into h's own buffer, over the states
+    # of the chunks the slices before it have done with, plus a pad of the first slice's size after
+    # each sequence (segment, where the recomputed state pass runs the same segments): the
     # first slice is as large as the budget allows and each later one as large as the rows freed
     # before it, so the same peak takes fewer slices ((8, 2048): 11 + 21 chunks instead of
     # 11 + 11 + 10; H100, ops_gpu.py --variants --profile: forward + backward kernels 936 → 907
