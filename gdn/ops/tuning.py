@@ -90,8 +90,9 @@ DELTA = {
     # (4, 8192) 2.867 → 2.627 ms, Qwen3.5-397B 12.533 → 11.672 (docs/TRITON.md).
     # slice_MB (0: never): where dS_out of every chunk would take more than this, the reverse pass
     # and the per-chunk stage run slice by slice (chunk_bwd.backward), dh holding one slice's
-    # chunks. 44: (8, 2048, 16, 128) in three slices, its forward+backward peak 0.48 → 0.46
-    # GiB (H200, ops_gpu.py --variants; four slices instead of six at (4, 8192) kept 0.88 against
+    # chunks (with share_h below, in h's buffer: the first slice's chunks). 44: (8, 2048, 16, 128)
+    # with a buffer of a third of its dS_out (three slices; two with share_h), its forward+backward
+    # peak 0.48 → 0.46 GiB (H200, ops_gpu.py --variants; four slices instead of six at (4, 8192) kept 0.88 against
     # 0.87 GiB, 2.167 against 2.228 ms). max_slices caps the count: each slice costs ≈ 22 µs of GPU
     # time (the per-chunk kernel's last wave, the reverse chain's pipeline filling again) and two or
     # three launches, while the backward holds h whole, as large as dh unsliced, so a quarter of dh
