@@ -147,7 +147,7 @@ def _segments(ch: "Chunks", L: int, device: torch.device) -> Segments:
 @dataclass(frozen=True)
 class Slice:
     """Chunk positions [a, b) of every sequence or segment (one slice of :func:`make_slices` or
-    :func:`make_segment_slices`), as the reverse pass and the per-chunk backward kernels take them.
+    :func:`make_tail_slices`), as the reverse pass and the per-chunk backward kernels take them.
     Tensors on the compute device (int32)."""
 
     starts: torch.Tensor  # [N] first token of each run's part (where it would start if empty)
@@ -215,25 +215,31 @@ def _runs(ch: "Chunks", L: int) -> tuple:
     return bos, ends, seq, c0, np.minimum(per[seq] - c0, L)
 
 
-def make_tail_slices(ch: "Chunks", sizes: tuple[int, ...], device: torch.device, L: int = 0) -> list[Slice]:
-    """The chunks of every sequence (or with ``L`` of every segment of L chunks) cut from its end into
-    slices of ``sizes`` chunks (:func:`tail_sizes`; slice j: its chunks [n − S_j − s_j, n − S_j) of n,
-    S_j = s_0 + … + s_{j−1}, empty where it has no more), tails first, whose dS_out rows lie in the
-    state buffer laid out by :func:`state_rows` (pad s_0 after each of the same runs): slice j's rows
-    of a run start at the row after its own chunks' states, so they fill the states of the chunks
-    after them (used by the slices before) and the run's pad. Where the reverse pass and the
-    per-chunk stage run slice by slice, those rows are free when the slice's reverse pass writes
-    them. Built on the host in numpy (no sync), once per layout, sizes, L and device."""
-    return _memo(ch, ("tail slices", tuple(sizes), L, device), lambda: _tail_slices(ch, tuple(sizes), device, L))
+def make_tail_slices(ch: "Chunks", sizes: tuple[int, ...], device: torch.device, L: int = 0,
+                     shared: bool = True) -> list[Slice]:
+    """The chunks of every sequence (or with ``L`` of every segment of L chunks, :func:`make_segments`)
+    cut from its end into slices of ``sizes`` chunks (slice j: its chunks [n − S_j − s_j, n − S_j)
+    of n, S_j = s_0 + … + s_{j−1}, empty where it has no more), tails first: the order in which the
+    sliced reverse pass runs them (the warm-started split's first slice warms every segment up from
+    its end, the later ones go on from the dS carried out of the slice before). A slice's starts,
+    ends and off are per run; its chunk_idx names the real (sequence, chunk in sequence).
+    ``shared`` (sizes from :func:`tail_sizes`): the dS_out rows lie in the state buffer laid out by
+    :func:`state_rows` (pad s_0 after each of the same runs), slice j's rows of a run from the row
+    after its own chunks' states, over the states of the chunks after them (used by the slices
+    before) and the run's pad; where the reverse pass and the per-chunk stage run slice by slice,
+    those rows are free when the slice's reverse pass writes them. Else each slice's dS_out fill a
+    buffer of its own, in the slice's order. Built on the host in numpy (no sync), once per layout,
+    sizes, L, form and device."""
+    key = ("tail slices", tuple(sizes), L, shared, device)
+    return _memo(ch, key, lambda: _tail_slices(ch, tuple(sizes), device, L, shared))
 
 
-def _tail_slices(ch: "Chunks", sizes: tuple[int, ...], device: torch.device, L: int) -> list[Slice]:
+def _tail_slices(ch: "Chunks", sizes: tuple[int, ...], device: torch.device, L: int, shared: bool) -> list[Slice]:
     bos, ends, seq, c0, n = _runs(ch, L)
-    first = _run_first(n, sizes[0])
+    first = _run_first(n, sizes[0] if shared else 0)
     S = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     parts = [(np.maximum(n - S[j + 1], 0), np.maximum(n - S[j], 0)) for j in range(len(sizes))]
-    bases = [first + b for _, b in parts]
-    return _cut(bos, ends, seq, c0, parts, device, first, bases)
+    return _cut(bos, ends, seq, c0, parts, device, first, [first + b for _, b in parts] if shared else None)
 
 
 def _run_first(n: np.ndarray, pad: int) -> np.ndarray:
@@ -271,24 +277,6 @@ def chunk_rows(ch: "Chunks", device: torch.device) -> torch.Tensor:
     """[NT, 2] (state row, dS_out row) of every chunk of an unsliced backward: both its own index."""
     return _memo(ch, ("chunk rows", device),
                  lambda: to_device_many([np.repeat(np.arange(ch.NT), 2)], device)[0].view(ch.NT, 2))
-
-
-def make_segment_slices(ch: "Chunks", L: int, S: int, device: torch.device) -> list[Slice]:
-    """The segments of ``L`` chunks (:func:`make_segments`) cut into slices of ``S`` chunks counted
-    from each segment's end (slice j: its chunks [n − (j + 1)S, n − jS) of n, empty where it has no
-    more), tails first: the order in which a sliced warm-started reverse pass runs them, whose first
-    slice warms every segment up from its end and whose later ones go on from the dS carried out of
-    the slice before. A slice's starts, ends and off are per segment; its chunk_idx names the real
-    (sequence, chunk in sequence). Built on the host in numpy (no sync), once per layout, L, S and
-    device."""
-    return _memo(ch, ("segment slices", L, S, device), lambda: _segment_slices(ch, L, S, device))
-
-
-def _segment_slices(ch: "Chunks", L: int, S: int, device: torch.device) -> list[Slice]:
-    _, _, seq, c0, bos, ends = _segment_layout(ch, L)
-    n = np.minimum(ch.host_per.numpy().astype(np.int64)[seq] - c0, L)  # each segment's chunks
-    parts = [(np.maximum(n - (j + 1) * S, 0), np.maximum(n - j * S, 0)) for j in range(cdiv(L, S))]
-    return _cut(bos, ends, seq, c0, parts, device, _run_first(n, 0))
 
 
 @functools.lru_cache(maxsize=64)

@@ -315,28 +315,45 @@ def _hist_grad(dy, x, weight, hist, silu: bool) -> torch.Tensor:
 
 
 class _ShortConvFn(torch.autograd.Function):
-    """The Triton convolution; saves x, the weight, the history and the packed positions only."""
+    """The Triton convolution of ``n`` inputs (one, or two or three adjacent column blocks of one
+    tensor run as one over all their channels: :func:`short_conv_group`), each with its weight; saves
+    the input (the joined view), the weight (joined), the history and the packed positions only.
+    Each block's dx goes into its joined product's gradient where the block is a split's
+    (gdn.ops.joined)."""
 
     @staticmethod
-    def forward(ctx, x, weight, hist, pos, silu: bool):
-        ctx.silu = silu
-        ctx.slot = grad_slot(x)  # x a block of a joined product: dx goes into its joined gradient
-        ctx.save_for_backward(x, weight, hist, pos)
-        return _conv_fwd(x, weight, hist, pos, silu)
+    def forward(ctx, hist, pos, silu: bool, n: int, *xw):
+        xs, ws = xw[:n], xw[n:]
+        sizes = [t.shape[2] for t in xs] if n > 1 else None
+        x, w = (_adjacent(xs), torch.cat([t.contiguous() for t in ws])) if n > 1 else (xs[0], ws[0])
+        ctx.silu, ctx.sizes, ctx.wdt = silu, sizes, [t.dtype for t in ws]
+        ctx.slots = [grad_slot(t) for t in xs]
+        ctx.save_for_backward(x, w, hist, pos)
+        return _conv_fwd(x, w, hist, pos, silu, sizes)
 
     @staticmethod
-    def backward(ctx, dy):
-        x, weight, hist, pos = ctx.saved_tensors
-        dy = dy.contiguous()
-        target = ctx.slot.take() if ctx.slot is not None and ctx.needs_input_grad[0] else None
-        if target is not None and (target.stride(2) != 1 or x.shape[2] == 1):
-            target = None
-        dx, dw = _conv_bwd(dy, x, weight, hist, pos, ctx.silu, target)
+    def backward(ctx, *dys):
+        x, w, hist, pos = ctx.saved_tensors
+        n, need, sizes = len(ctx.slots), ctx.needs_input_grad, ctx.sizes
+        dys = tuple(d.contiguous() for d in dys)
+        places = [s.take() if s is not None and need[4 + i] else None for i, s in enumerate(ctx.slots)]
+        target = _adjacent(places) if all(p is not None for p in places) and x.shape[2] > 1 else None
+        dx, dw = _conv_bwd(dys if sizes else dys[0], x, w, hist, pos, ctx.silu, target, sizes)
+        dxs = dx.split(sizes, -1) if sizes else (dx,)
+        if target is None:  # places not handed out (or not side by side): theirs filled here
+            dxs = tuple(d if p is None else p.copy_(d) for d, p in zip(dxs, places))
         dhist = None
-        if hist is not None and ctx.needs_input_grad[2]:
-            dhist = _hist_grad(dy, x, weight, hist, ctx.silu) if weight.shape[1] > 1 else torch.zeros_like(hist)
-        return (dx if ctx.needs_input_grad[0] else None, dw.to(weight.dtype) if ctx.needs_input_grad[1] else None,
-                dhist, None, None)
+        if hist is not None and need[0]:
+            dy = dys[0] if n == 1 else torch.cat(dys, -1)
+            dhist = _hist_grad(dy, x, w, hist, ctx.silu) if w.shape[1] > 1 else torch.zeros_like(hist)
+        dws = dw.split(sizes) if sizes else (dw,)
+        return (dhist, None, None, None, *(d if need[4 + i] else None for i, d in enumerate(dxs)),
+                *(d.to(dt) if need[4 + n + i] else None for i, (d, dt) in enumerate(zip(dws, ctx.wdt))))
+
+
+def _packed_positions(cu_seqlens: torch.Tensor, T: int, device) -> torch.Tensor:
+    """Each token's index within its packed sequence (made once per offsets tensor)."""
+    return offsets.memo(cu_seqlens, ("positions", T, device), lambda: _positions(cu_seqlens.to(device), T))
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, hist: torch.Tensor | None = None,
@@ -376,7 +393,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, hist: torch.Tensor | None 
             raise ValueError(f"cu_seqlens needs B == 1, got x of shape {tuple(x.shape)}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
             raise ValueError(f"cu_seqlens must be a 1-D tensor [N+1], got shape {tuple(cu_seqlens.shape)}")
-        pos = offsets.memo(cu_seqlens, ("positions", T, x.device), lambda: _positions(cu_seqlens.to(x.device), T))
+        pos = _packed_positions(cu_seqlens, T, x.device)
     if hist is not None:
         if tuple(hist.shape) != (B, D, K - 1):
             raise ValueError(f"hist must have shape [B, D, K-1] = [{B}, {D}, {K - 1}], got {tuple(hist.shape)}")
@@ -387,7 +404,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, hist: torch.Tensor | None 
     # the joined input projections of a mixer), its rows and batch rows at their strides
     if x.stride(2) != 1 and D > 1:
         x = x.contiguous()
-    return _ShortConvFn.apply(x, weight.contiguous(), hist, pos, activation == "silu")
+    return _ShortConvFn.apply(hist, pos, activation == "silu", 1, x, weight.contiguous())
 
 
 def _adjacent(xs) -> torch.Tensor | None:
@@ -404,42 +421,6 @@ def _adjacent(xs) -> torch.Tensor | None:
             return None
         off += t.shape[2]
     return x0.as_strided((x0.shape[0], x0.shape[1], off - x0.storage_offset()), x0.stride())
-
-
-class _ShortConvGroupFn(torch.autograd.Function):
-    """Two or three convolutions whose inputs are adjacent column blocks of one tensor, as one: one
-    forward and one backward launch over all their channels, their dx written side by side (into
-    the joined product's gradient where the blocks are a split's: gdn.ops.joined). Saves the joined
-    input view, the joined weight, the history and the packed positions."""
-
-    @staticmethod
-    def forward(ctx, hist, pos, silu: bool, n: int, *xw):
-        xs, ws = xw[:n], xw[n:]
-        sizes = [t.shape[2] for t in xs]
-        x = _adjacent(xs)
-        w = torch.cat([t.contiguous() for t in ws])
-        ctx.silu, ctx.sizes, ctx.wdt = silu, sizes, [t.dtype for t in ws]
-        ctx.slots = [grad_slot(t) for t in xs]
-        ctx.save_for_backward(x, w, hist, pos)
-        return _conv_fwd(x, w, hist, pos, silu, sizes)
-
-    @staticmethod
-    def backward(ctx, *dys):
-        x, w, hist, pos = ctx.saved_tensors
-        n, need = len(ctx.sizes), ctx.needs_input_grad
-        dys = tuple(d.contiguous() for d in dys)
-        places = [s.take() if s is not None and any(need[4:4 + n]) else None for s in ctx.slots]
-        target = _adjacent(places) if all(p is not None for p in places) else None
-        dx, dw = _conv_bwd(dys, x, w, hist, pos, ctx.silu, target, ctx.sizes)
-        dxs = dx.split(ctx.sizes, -1)
-        if target is None:  # some blocks' places not handed out (or not side by side): theirs filled here
-            dxs = tuple(d if p is None else p.copy_(d) for d, p in zip(dxs, places))
-        dhist = None
-        if hist is not None and need[0]:
-            dhist = _hist_grad(torch.cat(dys, -1), x, w, hist, ctx.silu) if w.shape[1] > 1 else torch.zeros_like(hist)
-        dws = dw.split(ctx.sizes)
-        return (dhist, None, None, None, *(d if need[4 + i] else None for i, d in enumerate(dxs)),
-                *(d.to(dt) if need[4 + n + i] else None for i, (d, dt) in enumerate(zip(dws, ctx.wdt))))
 
 
 def short_conv_group(xs, weights, hist: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
@@ -467,12 +448,12 @@ def short_conv_group(xs, weights, hist: torch.Tensor | None = None, cu_seqlens: 
     if cu_seqlens is not None:
         if hist is not None or B != 1:
             return None
-        pos = offsets.memo(cu_seqlens, ("positions", T, x.device), lambda: _positions(cu_seqlens.to(x.device), T))
+        pos = _packed_positions(cu_seqlens, T, x.device)
     if hist is not None:
         if tuple(hist.shape) != (B, D, K - 1):
             return None
         hist = hist.to(x.dtype).contiguous()
-    return _ShortConvGroupFn.apply(hist, pos, activation == "silu", len(xs), *xs, *weights)
+    return _ShortConvFn.apply(hist, pos, activation == "silu", len(xs), *xs, *weights)
 
 
 # ---- one decode step, tails rolled in place -----------------------------------------------------

@@ -128,13 +128,13 @@ def swiglu_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
             _check(name, ref, o)
             if o.stride() != ref.stride():
                 raise ValueError(f"{name} must have the strides of its input {ref.stride()}, got {o.stride()}")
-    h = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype) if want_h else None
     n = gate.numel()
+    rg, ru, I = _operands(gate, up) if n else (None, None, 0)
+    if n and out is not None and (rg.t is not gate or ru.t is not up):  # a layout rows() copies: not in place
+        res = swiglu_backward(dh, rg.t.view(gate.shape), ru.t.view(up.shape), want_h=want_h)
+        return (dg.copy_(res[0]), du.copy_(res[1])) + res[2:]
+    h = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype) if want_h else None
     if n:
-        rg, ru, I = _operands(gate, up)
-        if out is not None and (rg.t is not gate or ru.t is not up):  # a layout rows() copies: not in place
-            res = swiglu_backward(dh, rg.t.view(gate.shape), ru.t.view(up.shape), want_h=want_h)
-            return (dg.copy_(res[0]), du.copy_(res[1])) + res[2:]
         R = n // I
         grid, BR, BI = _grid(R, I)
         direct(_swiglu_bwd_kernel, grid, dh.contiguous(), rg.t, ru.t, dg, du, h if want_h else dg, R, I, *rg.args(),

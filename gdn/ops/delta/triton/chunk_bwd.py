@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ...triton.common import (BT, INTERPRET, Chunks, cast, chunk_bounds, chunk_rows, dot_precision, gate_cumsum,
-                              gate_load, launch, make_segment_slices, make_segments, make_slices, make_tail_slices,
+                              gate_load, launch, make_segments, make_slices, make_tail_slices,
                               pow2, sm_count, tail_sizes, tl_dtype, value_cols)
 from ... import tuning
 from ...tuning import DELTA, cdiv
@@ -529,7 +529,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # it after each sequence (segment); the segments' pads only where the recomputed state pass runs
     # the same segments (else h comes without pads, and the slices take a buffer of their own)
     sizes, pad_L = None, 0
-    if nsl > 1 and (warm or not L) and not merged and DELTA["state_bwd"].get("share_h", False):
+    if nsl > 1 and (warm or not L) and not merged and DELTA["state_bwd"]["share_h"]:
         span = L if warm else ch.max_nc
         sizes, pad_L = tuple(tail_sizes(span, cdiv(span, nsl))), (L if warm else 0)
     h, VN, _, Ai, W, gamma = forward_intermediates(q, k, v, g, beta, h0, ch, False, Ai, from_inverse=from_inv,
@@ -567,10 +567,13 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # every segment's, counted from its end: its first slice warms each segment up once and carries
     # the dS entering the slice out, the later ones go on from it (no warm-up walked again).
     slices = None
-    if nsl > 1:
-        slices = (make_tail_slices(ch, sizes, dev, pad_L) if sizes
-                  else make_segment_slices(ch, L, cdiv(L, nsl), dev) if warm
-                  else make_slices(ch, cdiv(ch.max_nc, nsl), dev))
+    if sizes:
+        slices = make_tail_slices(ch, sizes, dev, pad_L)
+    elif nsl > 1 and warm:
+        S = cdiv(L, nsl)
+        slices = make_tail_slices(ch, (S,) * cdiv(L, S), dev, L, shared=False)
+    elif nsl > 1:
+        slices = make_slices(ch, cdiv(ch.max_nc, nsl), dev)
     dh = h if sizes else torch.empty(max(sl.NT for sl in slices) if slices else ch.NT, HV, K, V, device=dev, dtype=io)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None and not slices else None
     per_chunk = _per_chunk(q, k, v, g, beta, Ai, VN, do, h, dh, DD, gamma, ch, scale, grad_dtype, dv_dtype)

@@ -586,7 +586,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     L = _fused_fwd().split_of(ch, HV, V, dev, g) if fused else split_len(ch, HV, cdiv(V, SV), dev, warm_split(g))
     if pad_L and L != pad_L:  # pads between segments this pass does not run: none
         pad = pad_L = 0
-    h_off, rows = state_rows(ch, pad, dev, 0, pad_L) if not pad_L else (None, state_rows(ch, pad, dev, L, pad_L)[1])
+    h_off, rows = state_rows(ch, pad, dev, pad_L, pad_L)  # (h_off: the whole sequences' rows, for the unsplit pass)
     h = torch.empty(rows, HV, K, V, device=dev, dtype=io)
     ht = torch.empty(ch.N, HV, K, V, device=dev, dtype=torch.float32) if want_final else None
     dummy = v

@@ -438,7 +438,6 @@ def forward(q, k, v, G, beta, Ai, h0, o, ht, ch, scale: float, plans=None):
 def states(k, v, G, beta, Ai, h0, h, VN, ht, ch, plans=None, pad=0, pad_L=0):
     """The backward's recomputed state pass (chunk_fwd.forward_intermediates' ``from_inverse`` form):
     fills h [rows, HV, K, V] (the state entering each chunk, at common.state_rows' rows with ``pad``
-    and ``pad_L``)
-    and VN [T, HV, V] (δ) in the inputs' dtype, and ht when given; its warm-up counts from ``plans``
-    where the forward left them."""
+    and ``pad_L``) and VN [T, HV, V] (δ) in the inputs' dtype, and ht when given; its warm-up counts
+    from ``plans`` where the forward left them."""
     _run(k, v, G, beta, Ai, h0, ht, ch, h=h, VN=VN, plans=plans, pad=pad, pad_L=pad_L)
