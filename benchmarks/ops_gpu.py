@@ -647,17 +647,22 @@ def host_times(run, label, n=5, top=12):
 
 
 def profile(shapes=None, peers=("gdn", "fla")):
-    """Per-kernel GPU time (µs per call) of one fwd+bwd at every shape, gdn and FLA (those of
-    ``peers`` present), from torch.profiler."""
+    """Per-kernel GPU time (µs per call) of one fwd+bwd at every shape, gdn, FLA and FlashQLA (those
+    of ``peers`` present; FlashQLA at K = V = 128 only), from torch.profiler, and each call's host
+    time (:func:`host_ms`): the kernels' sum against the host's says which bounds the wall time."""
     for label, B, T, H, HV, lens, *vd in SHAPES if shapes is None else shapes:
         V = vd[0] if vd else D
         xs, cu = inputs(B, T, H, HV, lens, V)
         do = torch.randn(B, T, HV, V, device="cuda", dtype=IO)
+        qla = "qla" in peers and V == D and not isinstance(qla_module(), str)
         fns = (("gdn", gdn_fn(xs, cu) if "gdn" in peers else None),
-               ("FLA", fla_fn(xs, cu) if "fla" in peers else None))
+               ("FLA", fla_fn(xs, cu) if "fla" in peers else None),
+               ("FlashQLA", qla_fn(xs, cu) if qla else None))
         for name, f in fns:
             if f is not None:
-                kernel_times(fresh_fwd_bwd(f, xs, do), f"{name} kernels at {label}, fwd+bwd", top=18)
+                run = fresh_fwd_bwd(f, xs, do)
+                kernel_times(run, f"{name} kernels at {label}, fwd+bwd", top=18)
+                print(f"  {name} host {host_ms(run) * 1e3:.0f} µs a call")
 
 
 def main():
