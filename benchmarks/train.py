@@ -4,8 +4,12 @@ and batch, side by side.
 
 One step = forward + backward + AdamW step on ``[batch, seq_len]`` random ids (AdamW's fused form
 on CUDA for both models, as ``gdn train`` steps it; ``--optimizer foreach`` for torch's default
-multi-tensor form), bf16 autocast on CUDA (fp32 on CPU), median over ``--steps`` timed steps after
-``--warmup``. Model FLOPs per token:
+multi-tensor form), bf16 autocast on CUDA (fp32 on CPU). Timed two ways after ``--warmup`` steps:
+``--steps`` steps back to back, as a training loop runs them (the host launching the next step
+while the GPU runs this one; the loss read once a step before the update, as ``gdn train``'s
+non-finite check reads it): the step ms and tokens/s; and the median of as many steps each started
+and ended on an idle GPU (a synchronisation on each side): what a step costs when none of the
+host's time hides behind the GPU's. Model FLOPs per token:
 6 x (matmul parameters) for the projections, plus 3 x the forward FLOPs of the token mixers
 (chunkwise delta rule: per value head ``2·(2·C·K + 2·C·V + 3·K·V)`` with chunk C = 64; causal
 softmax attention: ``2·T·d`` per head). MFU = achieved / ``--peak-tflops`` (default: 989 for an
@@ -100,11 +104,13 @@ def time_steps(model, B, T, vocab, steps, warmup, device, bf16, label="", profil
     ids = torch.randint(0, vocab, (B, T), device=device)
     times = []
 
-    def step():
+    def step(read_loss=False):
         torch.compiler.cudagraph_mark_step_begin()  # a new step for compiled CUDA graphs (else nothing)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = model(input_ids=ids, labels=ids, **fwd_kw).loss
         loss.backward()
+        if read_loss:  # as gdn train reads the loss before each update (its non-finite check)
+            float(loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -117,10 +123,18 @@ def time_steps(model, B, T, vocab, steps, warmup, device, bf16, label="", profil
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t)
+    # the same steps back to back, as a training loop runs them: the host launches the next step's
+    # kernels while the GPU runs this one's, waiting only where the loop reads the loss
+    t = time.perf_counter()
+    for _ in range(steps):
+        step(read_loss=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    loop = (time.perf_counter() - t) / steps
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     if profile and device.type == "cuda":
         kernel_profile(step, label, trace=trace)
-    return statistics.median(times), mem
+    return loop, statistics.median(times), mem
 
 
 #: kernel-name patterns of each part of a step, tried in order (lower-case substrings)
@@ -211,10 +225,11 @@ def main(argv=None):
     if a.checkpointing:
         model.model.gradient_checkpointing = True
     run = torch.compile(model, mode=None if a.compile_mode == "default" else a.compile_mode) if a.compile else model
-    s, mem = time_steps(run, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, "gdn", a.profile,
-                        a.trace, a.optimizer, use_cache=False)
-    rows.append(("gdn", sum(p.numel() for p in model.parameters()), s, mem))
-    print(f"gdn: {s * 1e3:.1f} ms per step, {a.batch * a.seq_len / s:,.0f} tokens/s, peak {mem:.1f} GiB", flush=True)
+    s, idle, mem = time_steps(run, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, "gdn",
+                              a.profile, a.trace, a.optimizer, use_cache=False)
+    rows.append(("gdn", sum(p.numel() for p in model.parameters()), s, idle, mem))
+    print(f"gdn: {s * 1e3:.1f} ms per step back to back ({idle * 1e3:.1f} from an idle GPU), "
+          f"{a.batch * a.seq_len / s:,.0f} tokens/s, peak {mem:.1f} GiB", flush=True)
     del model, run
     if device.type == "cuda" and not a.no_fla:
         fm = fla_model(cfg)
@@ -227,21 +242,22 @@ def main(argv=None):
             if a.checkpointing:
                 fm.gradient_checkpointing_enable()
             torch.cuda.reset_peak_memory_stats(device)
-            s, mem = time_steps(fm, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, "fla",
-                                a.profile, a.trace, a.optimizer)
-            rows.append(("fla", sum(p.numel() for p in fm.parameters()), s, mem))
-            print(f"fla: {s * 1e3:.1f} ms per step, {a.batch * a.seq_len / s:,.0f} tokens/s, peak {mem:.1f} GiB",
-                  flush=True)
+            s, idle, mem = time_steps(fm, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16,
+                                      "fla", a.profile, a.trace, a.optimizer)
+            rows.append(("fla", sum(p.numel() for p in fm.parameters()), s, idle, mem))
+            print(f"fla: {s * 1e3:.1f} ms per step back to back ({idle * 1e3:.1f} from an idle GPU), "
+                  f"{a.batch * a.seq_len / s:,.0f} tokens/s, peak {mem:.1f} GiB", flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"training step (fwd+bwd+AdamW): preset {a.preset}, size {a.size}, batch {a.batch} x {a.seq_len}, "
           f"{'bf16 autocast' if bf16 else 'fp32'}, {name}; {flops_tok / 1e9:.2f} GFLOP/token")
-    print("| model | params | step ms | tokens/s | TFLOP/s | MFU | peak GiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for label, n, s, mem in rows:
+    print("| model | params | step ms | step ms from an idle GPU | tokens/s | TFLOP/s | MFU | peak GiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for label, n, s, idle, mem in rows:
         tps = a.batch * a.seq_len / s
         tf = tps * flops_tok / 1e12
         mfu = f"{100 * tf / a.peak_tflops:.1f}%" if a.peak_tflops else "—"
-        print(f"| {label} | {n / 1e6:.1f}M | {s * 1e3:.1f} | {tps:,.0f} | {tf:.2f} | {mfu} | {mem:.1f} |")
+        print(f"| {label} | {n / 1e6:.1f}M | {s * 1e3:.1f} | {idle * 1e3:.1f} | {tps:,.0f} | {tf:.2f} | {mfu} | "
+              f"{mem:.1f} |")
     if len(rows) == 2:
         print(f"gdn / fla tokens/s: {a.batch * a.seq_len / rows[0][2] / (a.batch * a.seq_len / rows[1][2]):.2f}x")
 

@@ -118,6 +118,15 @@ def all_reduce(x: torch.Tensor, op: str = "mean") -> torch.Tensor:
     return x / dist.get_world_size() if op == "mean" else x
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank (a max over ranks through ``device``). Not distributed,
+    ``flag`` itself, with no device tensor made or read: reading one back waits for every kernel
+    queued before it, which would drain the GPU's queue once a training step."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return bool(flag)
+    return bool(all_reduce(torch.tensor([float(flag)], device=device), "max").item())
+
+
 def barrier() -> None:
     """Wait for every rank (no-op when not distributed)."""
     if dist.is_available() and dist.is_initialized():

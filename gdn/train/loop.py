@@ -314,15 +314,12 @@ class TrainLoop:
                 over_time = s.time_limit is not None and time.time() - t0 > s.time_limit
                 paused = s.stop_after is not None and self.step >= s.stop_after
                 diverged = self.bad_in_a_row >= s.max_bad_steps
-                flag = D.all_reduce(torch.tensor([float(bool(stop.signum) or over_time or paused or diverged)],
-                                                 device=self.device), "max")
-                interrupted = bool(flag.item())
+                interrupted = D.any_rank(bool(stop.signum) or over_time or paused or diverged, self.device)
                 if checkpoints and (self.step % s.save_every == 0 or self.step == s.steps or interrupted):
                     with stop.deferred():
                         last_saved = self.save()
                     if not interrupted:  # a signal during the save: stop now, the checkpoint is current
-                        flag = D.all_reduce(torch.tensor([float(bool(stop.signum))], device=self.device), "max")
-                        interrupted = bool(flag.item())
+                        interrupted = D.any_rank(bool(stop.signum), self.device)
                 if interrupted:
                     reason = (signal.Signals(stop.signum).name if stop.signum else
                               f"{self.bad_in_a_row} steps in a row with a non-finite loss or gradient norm, "

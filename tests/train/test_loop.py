@@ -118,6 +118,20 @@ def test_without_a_progress_bar_every_logged_step_is_a_line_too(caplog):
     assert all("loss" in ln and "tokens/s" in ln for ln in lines)
 
 
+def test_a_one_process_run_reads_no_tensor_back_for_its_stop_checks(monkeypatch):
+    """Each step's stop checks (signal, time limit, stop_after, divergence) are host values in one
+    process: no tensor is made and read back for them (on a GPU such a read waits for the whole
+    step's queued kernels before the next step may be launched)."""
+    def no_item(self):
+        raise AssertionError("a tensor was read back with .item()")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_item)
+    toy = Toy(steps=4, grad_clip=1.0)
+    toy.settings.stop_after = 3
+    out = toy.fit()
+    assert (out.step, out.interrupted) == (3, True)
+
+
 def test_adamw_is_multi_tensor_off_cuda():
     from gdn.train.loop import adamw
     m = torch.nn.Sequential(torch.nn.Embedding(7, 4), torch.nn.Linear(4, 4))
