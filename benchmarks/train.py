@@ -61,6 +61,10 @@ def parse_args(argv=None):
     p.add_argument("--no-fla", action="store_true", help="skip the FLA comparison")
     p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
                    help="AdamW's form for both models: fused (one kernel a parameter group, CUDA only) or foreach")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="each model's whole step (forward, backward, fused AdamW) captured once in a CUDA graph and "
+                        "replayed (gdn.train.graphs.GraphedStep): no host work between the step's kernels; a model "
+                        "whose step cannot be captured is timed eagerly, and says so")
     p.add_argument("--profile", action="store_true",
                    help="per-kernel GPU times of one step of each model and where its GPU idles (CUDA)")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -69,6 +73,10 @@ def parse_args(argv=None):
                    help="launch settings of gdn's kernels to use instead of the defaults: a JSON file or inline "
                         "JSON, e.g. '{\"other.swiglu\": {\"num_warps\": 4}}' (gdn.ops.tuning.update)")
     a = p.parse_args(argv)
+    if a.cuda_graph and not cuda:
+        p.error("--cuda-graph needs a CUDA device")
+    if a.cuda_graph and (a.compile or a.optimizer != "fused"):
+        p.error("--cuda-graph captures the eager model with the fused AdamW: not with --compile or --optimizer foreach")
     from gdn.ops.tuning import apply_config
 
     apply_config(p, a.config)
@@ -98,11 +106,13 @@ def model_flops_per_token(cfg: GDNConfig, T: int) -> float:
 
 
 def time_steps(model, B, T, vocab, steps, warmup, device, bf16, label="", profile=False, trace=None,
-               optimizer="fused", **fwd_kw):
+               optimizer="fused", graph=False, **fwd_kw):
     fused = optimizer == "fused" and device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
     ids = torch.randint(0, vocab, (B, T), device=device)
     times = []
+    if graph:
+        return time_graphed(model, opt, ids, steps, warmup, bf16, label, profile, trace, **fwd_kw)
 
     def step(read_loss=False):
         torch.compiler.cudagraph_mark_step_begin()  # a new step for compiled CUDA graphs (else nothing)
@@ -133,6 +143,38 @@ def time_steps(model, B, T, vocab, steps, warmup, device, bf16, label="", profil
     loop = (time.perf_counter() - t) / steps
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     if profile and device.type == "cuda":
+        kernel_profile(step, label, trace=trace)
+    return loop, statistics.median(times), mem
+
+
+def time_graphed(model, opt, ids, steps, warmup, bf16, label, profile, trace, **fwd_kw):
+    """:func:`time_steps` with the whole step (forward, backward, AdamW) replayed from one CUDA graph
+    (gdn.train.graphs.GraphedStep: two eager steps, then the capture; every timed step a replay)."""
+    from gdn.train.graphs import GraphedStep
+
+    gs = GraphedStep(model, opt, loss_fn=lambda m, b: m(input_ids=b["ids"], labels=b["ids"], **fwd_kw).loss,
+                     autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16), warmup=2)
+
+    def step(read_loss=False):
+        loss, _ = gs({"ids": ids})
+        if read_loss:
+            float(loss)
+
+    times = []
+    for i in range(max(warmup, 3) + steps):  # (the third call captures: every timed call replays)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        if i >= max(warmup, 3):
+            times.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    for _ in range(steps):
+        step(read_loss=True)
+    torch.cuda.synchronize()
+    loop = (time.perf_counter() - t) / steps
+    mem = torch.cuda.max_memory_allocated() / 2**30
+    if profile:
         kernel_profile(step, label, trace=trace)
     return loop, statistics.median(times), mem
 
@@ -226,7 +268,7 @@ def main(argv=None):
         model.model.gradient_checkpointing = True
     run = torch.compile(model, mode=None if a.compile_mode == "default" else a.compile_mode) if a.compile else model
     s, idle, mem = time_steps(run, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16, "gdn",
-                              a.profile, a.trace, a.optimizer, use_cache=False)
+                              a.profile, a.trace, a.optimizer, a.cuda_graph, use_cache=False)
     rows.append(("gdn", sum(p.numel() for p in model.parameters()), s, idle, mem))
     print(f"gdn: {s * 1e3:.1f} ms per step back to back ({idle * 1e3:.1f} from an idle GPU), "
           f"{a.batch * a.seq_len / s:,.0f} tokens/s, peak {mem:.1f} GiB", flush=True)
@@ -242,8 +284,17 @@ def main(argv=None):
             if a.checkpointing:
                 fm.gradient_checkpointing_enable()
             torch.cuda.reset_peak_memory_stats(device)
-            s, idle, mem = time_steps(fm, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16,
-                                      "fla", a.profile, a.trace, a.optimizer)
+            try:
+                s, idle, mem = time_steps(fm, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16,
+                                          "fla", a.profile, a.trace, a.optimizer, a.cuda_graph)
+            except RuntimeError as e:  # (a step that syncs with the host cannot be captured)
+                if not a.cuda_graph:
+                    raise
+                print(f"(FLA's step could not be captured in a CUDA graph: {str(e).splitlines()[0][:200]}; "
+                      "timed eagerly)", flush=True)
+                torch.cuda.synchronize()
+                s, idle, mem = time_steps(fm, a.batch, a.seq_len, cfg.vocab_size, a.steps, a.warmup, device, bf16,
+                                          "fla", a.profile, a.trace, a.optimizer)
             rows.append(("fla", sum(p.numel() for p in fm.parameters()), s, idle, mem))
             print(f"fla: {s * 1e3:.1f} ms per step back to back ({idle * 1e3:.1f} from an idle GPU), "
                   f"{a.batch * a.seq_len / s:,.0f} tokens/s, peak {mem:.1f} GiB", flush=True)
