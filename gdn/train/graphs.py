@@ -17,6 +17,8 @@ What a captured step needs, and how this class provides it:
 - Everything allocated once: the first ``warmup`` calls run eagerly on a side stream (the kernels
   compile, the optimizer makes its state, the ops' index tensors are built and kept), then one
   call captures the step and every call after replays it. Each call is one real training step.
+  At the capture the optimizer's parameter groups are made ``capturable`` (torch's optimizers
+  refuse a capture otherwise).
 - A learning rate that changes between replays lives in a tensor (``lr=torch.tensor(...)`` when
   the optimizer is built): a float is baked into the graph at capture.
 """
@@ -111,8 +113,13 @@ class GraphedStep:
             main.wait_stream(self.stream)
             return out
         # the capture: the gradients are allocated inside it (from the graph's pool) and every replay
-        # writes them again, so they are set to None once, here, and never after
+        # writes them again, so they are set to None once, here, and never after. torch's optimizers
+        # refuse to be captured unless their groups say capturable (their state lives on the device
+        # already, made by the eager steps); set here, not at construction, where the eager steps
+        # would warn that a capturable optimizer runs uncaptured
         self.optimizer.zero_grad(set_to_none=True)
+        for group in self.optimizer.param_groups:
+            group["capturable"] = True
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=self.stream):
             self.out = self._body()
