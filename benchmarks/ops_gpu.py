@@ -654,7 +654,7 @@ def profile(shapes=None, peers=("gdn", "fla")):
         V = vd[0] if vd else D
         xs, cu = inputs(B, T, H, HV, lens, V)
         do = torch.randn(B, T, HV, V, device="cuda", dtype=IO)
-        qla = "qla" in peers and V == D and not isinstance(qla_module(), str)
+        qla = "qla" in peers and qla_supported(D, V) and not isinstance(qla_module(), str)
         fns = (("gdn", gdn_fn(xs, cu) if "gdn" in peers else None),
                ("FLA", fla_fn(xs, cu) if "fla" in peers else None),
                ("FlashQLA", qla_fn(xs, cu) if qla else None))

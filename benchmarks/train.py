@@ -107,29 +107,42 @@ def model_flops_per_token(cfg: GDNConfig, T: int) -> float:
 
 def time_steps(model, B, T, vocab, steps, warmup, device, bf16, label="", profile=False, trace=None,
                optimizer="fused", graph=False, **fwd_kw):
+    """(ms a step back to back, median ms of a step from an idle GPU, peak GiB) of ``steps`` steps
+    after ``warmup``; with ``graph`` each step replayed from one CUDA graph (gdn.train.graphs.
+    GraphedStep: two eager steps, then the capture, so at least three untimed steps)."""
     fused = optimizer == "fused" and device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
     ids = torch.randint(0, vocab, (B, T), device=device)
-    times = []
+    cuda = device.type == "cuda"
     if graph:
-        return time_graphed(model, opt, ids, steps, warmup, bf16, label, profile, trace, **fwd_kw)
+        from gdn.train.graphs import GraphedStep
 
-    def step(read_loss=False):
-        torch.compiler.cudagraph_mark_step_begin()  # a new step for compiled CUDA graphs (else nothing)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = model(input_ids=ids, labels=ids, **fwd_kw).loss
-        loss.backward()
-        if read_loss:  # as gdn train reads the loss before each update (its non-finite check)
-            float(loss.detach())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        gs = GraphedStep(model, opt, loss_fn=lambda m, b: m(input_ids=b["ids"], labels=b["ids"], **fwd_kw).loss,
+                         autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16), warmup=2)
+        warmup = max(warmup, 3)
 
+        def step(read_loss=False):
+            loss, _ = gs({"ids": ids})
+            if read_loss:
+                float(loss)
+    else:
+        def step(read_loss=False):
+            torch.compiler.cudagraph_mark_step_begin()  # a new step for compiled CUDA graphs (else nothing)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = model(input_ids=ids, labels=ids, **fwd_kw).loss
+            loss.backward()
+            if read_loss:  # as gdn train reads the loss before each update (its non-finite check)
+                float(loss.detach())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    times = []
     for i in range(warmup + steps):
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
         step()
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t)
@@ -138,43 +151,11 @@ def time_steps(model, B, T, vocab, steps, warmup, device, bf16, label="", profil
     t = time.perf_counter()
     for _ in range(steps):
         step(read_loss=True)
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize()
     loop = (time.perf_counter() - t) / steps
-    mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    if profile and device.type == "cuda":
-        kernel_profile(step, label, trace=trace)
-    return loop, statistics.median(times), mem
-
-
-def time_graphed(model, opt, ids, steps, warmup, bf16, label, profile, trace, **fwd_kw):
-    """:func:`time_steps` with the whole step (forward, backward, AdamW) replayed from one CUDA graph
-    (gdn.train.graphs.GraphedStep: two eager steps, then the capture; every timed step a replay)."""
-    from gdn.train.graphs import GraphedStep
-
-    gs = GraphedStep(model, opt, loss_fn=lambda m, b: m(input_ids=b["ids"], labels=b["ids"], **fwd_kw).loss,
-                     autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16), warmup=2)
-
-    def step(read_loss=False):
-        loss, _ = gs({"ids": ids})
-        if read_loss:
-            float(loss)
-
-    times = []
-    for i in range(max(warmup, 3) + steps):  # (the third call captures: every timed call replays)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        if i >= max(warmup, 3):
-            times.append(time.perf_counter() - t)
-    t = time.perf_counter()
-    for _ in range(steps):
-        step(read_loss=True)
-    torch.cuda.synchronize()
-    loop = (time.perf_counter() - t) / steps
-    mem = torch.cuda.max_memory_allocated() / 2**30
-    if profile:
+    mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
+    if profile and cuda:
         kernel_profile(step, label, trace=trace)
     return loop, statistics.median(times), mem
 
