@@ -47,8 +47,13 @@ note (``--qla-shapes`` narrows its rows). Any peer's failure prints one line and
 row, so a run that is cut short keeps what it measured; the whole table prints at the end, also on
 SIGTERM.
 
+``--graph`` times each call captured in a CUDA graph and replayed instead (gdn under each
+``--variants`` entry): where the host's time per call exceeds the kernels' (a slow host, a small
+shape) the wall times above are the host's, these are the GPU's, for every peer alike.
+
     python benchmarks/ops_gpu.py [--peers gdn,fla,qla,sdpa] [--shapes 1,2,6] [--json out.json]
                                  [--max-seconds 500] [--max-compile-s 210] [--profile] [--decode]
+    python benchmarks/ops_gpu.py --graph --peers gdn,qla --shapes 0,2 [--variants '[{}, {"pdl": {"on": true}}]']
 """
 from __future__ import annotations
 
@@ -581,6 +586,105 @@ def variants(specs, prof=False, shapes=None):
         torch.cuda.empty_cache()
 
 
+def graph_ms(f, backward, do, grads=(), n=20, rounds=5):
+    """GPU-bound milliseconds of one call of ``f`` (with ``backward``, its backward from ``do`` too):
+    the call captured once in a CUDA graph after two eager calls on the capture's stream, then
+    replayed ``n`` times back to back between two events, ``rounds`` times; the median of the
+    rounds' means. No host work runs between a replay's kernels, so this is what the kernels and
+    the gaps between them take, as on a host quick enough never to bound the call. ``(ms, None)``,
+    or ``(None, why)`` where the call cannot be captured (a host sync inside it)."""
+    def call():
+        with torch.set_grad_enabled(backward):
+            o = f()
+            if backward:
+                o.backward(do)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                for x in grads:
+                    x.grad = None
+                call()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        for x in grads:  # (the gradients are allocated inside the capture, written again by each replay)
+            x.grad = None
+        with torch.cuda.graph(graph):
+            call()
+        graph.replay()
+        torch.cuda.synchronize()
+        means = []
+        for _ in range(rounds):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(n):
+                graph.replay()
+            b.record()
+            b.synchronize()
+            means.append(a.elapsed_time(b) / n)
+        return sorted(means)[len(means) // 2], None
+    except Exception as e:  # noqa: BLE001 - a peer that cannot be captured gets a note, not the end of the table
+        return None, f"{type(e).__name__}: {one_line(e)}"
+    finally:
+        del graph
+        for x in grads:
+            x.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def graphed(shapes, peers, specs=None):
+    """GPU-bound times side by side (:func:`graph_ms`): at every shape, forward and forward +
+    backward of gdn (under each launch variant of ``specs``, a JSON list of partial
+    gdn.ops.tuning.update arguments, default the tables as they are) and of each other peer of
+    ``peers`` (FlashQLA at K = V = 128 only), ms, with each gdn variant's speed-up over each peer.
+    The wall times of :func:`rows` are bounded by the host where its time per call exceeds the
+    kernels' (a slow host, a small shape); these are not."""
+    import copy
+
+    from gdn.ops import tuning
+
+    saved = copy.deepcopy(tuning.TABLES)
+    specs = specs or [{}]
+    print("\nGPU-bound ms (each call captured in a CUDA graph and replayed back to back):")
+    print("| shape | pass | implementation | ms | speed-ups of this gdn variant |")
+    print("|---|---|---|---|---|")
+    for label, B, T, H, HV, lens, *vd in shapes:
+        V = vd[0] if vd else D
+        xs, cu = inputs(B, T, H, HV, lens, V)
+        do = torch.randn(B, T, HV, V, device="cuda", dtype=IO)
+        for bwd in (False, True):
+            pas = "fwd+bwd" if bwd else "fwd"
+            peer_ms = {}
+            for p, name in (("fla", "FLA"), ("qla", "FlashQLA")):
+                if p not in peers or (p == "qla" and (not qla_supported(D, V) or isinstance(qla_module(), str))):
+                    continue
+                try:
+                    f = peer_call(p, xs, cu, None)[0]
+                except Exception as e:  # noqa: BLE001 - a missing peer gets a note
+                    print(f"| {label} | {pas} | {name} | n/a | {one_line(e)} |", flush=True)
+                    continue
+                ms, why = graph_ms(f, bwd, do, xs)
+                print(f"| {label} | {pas} | {name} | {f'{ms:.3f}' if ms else 'n/a'} | {why or ''} |", flush=True)
+                if ms:
+                    peer_ms[name] = ms
+            if "gdn" not in peers:
+                continue
+            for spec in specs:
+                tuning.restore(saved)
+                tuning.update(spec)
+                ms, why = graph_ms(gdn_fn(xs, cu), bwd, do, xs)
+                tag = "gdn" + (f" {json.dumps(spec)}" if spec else "")
+                ups = ", ".join(f"{p_ms / ms:.2f}x {p}" for p, p_ms in peer_ms.items()) if ms else (why or "")
+                print(f"| {label} | {pas} | {tag} | {f'{ms:.3f}' if ms else 'n/a'} | {ups} |", flush=True)
+            tuning.restore(saved)
+        del xs, do
+        torch.cuda.empty_cache()
+
+
 def _profiled(run, activity, n):
     """torch.profiler's events of n calls of ``run`` (``activity`` CPU or CUDA), after two warm-up calls."""
     for _ in range(2):
@@ -687,6 +791,9 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel times at every shape (torch.profiler); with --variants also host time per call")
     ap.add_argument("--only-profile", action="store_true", help="only the per-kernel profile")
+    ap.add_argument("--graph", action="store_true",
+                    help="only GPU-bound times: each peer's call captured in a CUDA graph and replayed (no host "
+                         "time in them), gdn under each --variants entry")
     ap.add_argument("--variants", default=None, metavar="JSON",
                     help="only gdn, timed under each of a JSON list of partial launch configurations")
     ap.add_argument("--config", default=None, metavar="FILE|JSON",
@@ -712,6 +819,9 @@ def main():
 
         tuning.apply_config(ap, args.config)
         print("launch configuration overrides:", args.config)
+    if args.graph:
+        graphed(shapes, peers, json.loads(args.variants) if args.variants else None)
+        return
     if args.variants:
         variants(json.loads(args.variants), args.profile, shapes)
         if not args.only_profile:
