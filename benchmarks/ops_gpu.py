@@ -53,7 +53,7 @@ shape) the wall times above are the host's, these are the GPU's, for every peer 
 
     python benchmarks/ops_gpu.py [--peers gdn,fla,qla,sdpa] [--shapes 1,2,6] [--json out.json]
                                  [--max-seconds 500] [--max-compile-s 210] [--profile] [--decode]
-    python benchmarks/ops_gpu.py --graph --peers gdn,qla --shapes 0,2 [--variants '[{}, {"pdl": {"on": true}}]']
+    python benchmarks/ops_gpu.py --graph --peers gdn,qla --shapes 0,2 [--variants '[{}, {"fused_bwd": {"NS": 3}}]']
 """
 from __future__ import annotations
 

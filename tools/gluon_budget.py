@@ -128,10 +128,10 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = N
     sig.update({n: desc(64, K) for n in ("q_t", "k_t", "dq_t", "dk_t")})
     sig.update(cu="*i32", chunk_idx="*i32", rows="*i32", scale="fp32", H="i32", HV="i32", NW="i32",
                K="constexpr", V="constexpr", BV="constexpr", NS="constexpr", DT="constexpr", QK_TMA="constexpr",
-               DV_TMA="constexpr", PER="constexpr", PDL="constexpr")
+               DV_TMA="constexpr", PER="constexpr")
     at = {n: i for i, n in enumerate(names)}
     consts = {(at["K"],): K, (at["V"],): V, (at["BV"],): BV, (at["NS"],): NS, (at["DT"],): gl.bfloat16,
-              (at["QK_TMA"],): True, (at["DV_TMA"],): True, (at["PER"],): PER, (at["PDL"],): bool(DELTA["pdl"]["on"])}
+              (at["QK_TMA"],): True, (at["DV_TMA"],): True, (at["PER"],): PER}
     return _compiled(GluonASTSource(F.fused_bwd_kernel, sig, consts, _aligned(sig, at)), num_warps)
 
 
@@ -162,8 +162,7 @@ def forward_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
                beta="*fp32", h0="*fp32", o="*bf16", VN="*bf16", ht="*fp32", cu="*i32", off="*i32", plan="*i32",
                seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
     const = dict(K=K, V=V, VT=VT, NS=NS, DT=gl.bfloat16, USE_INIT=True, STORE_FINAL=True, WARM=warm,
-                 OUT=not states, STORE_H=states, R_COPY=regs[0], R_DELTA=regs[1], R_OUT=regs[2],
-                 PDL=bool(DELTA["pdl"]["on"]))
+                 OUT=not states, STORE_H=states, R_COPY=regs[0], R_DELTA=regs[1], R_OUT=regs[2])
     sig.update({n: "constexpr" for n in const})
     at = {n: i for i, n in enumerate(names)}
     consts = {(at[n],): v for n, v in const.items()}
@@ -197,7 +196,7 @@ def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
                beta="*fp32", dht="*fp32", dh0="*fp32", DD="*bf16", cu="*i32", ends="*i32", off="*i32", plan="*i32",
                seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
     const = dict(K=K, V=V, VT=VT, NS=NS, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, WARM=warm, CARRY=carry,
-                 R_COPY=regs[0], R_DELTA=regs[1], R_LOCAL=regs[2], PDL=bool(DELTA["pdl"]["on"]))
+                 R_COPY=regs[0], R_DELTA=regs[1], R_LOCAL=regs[2])
     sig.update({n: "constexpr" for n in const})
     names = F.fused_rev_kernel.arg_names
     at = {n: i for i, n in enumerate(names)}

@@ -201,12 +201,6 @@ DELTA = {
     # 1 × 8192 431 | 1882 → 300 | 1621; packed 12 sequences 750 | 3326 → 652 | 3113 (two-stage
     # forward on the segments: 673 | 2999 and 332 | 1660, docs/TRITON.md).
     "split": dict(L=-1, min_L=8, warm=True, log_eps=-16.0, fill=2.0, per_sm=2, fused=True),
-    # Programmatic dependent launch of the Hopper chunk kernels (kkt_solve and the Gluon passes:
-    # fused_bwd.grid_dependency): each is launched so that its programs may start while the kernel
-    # before it in the stream finishes, and waits for that kernel before its first read or write of
-    # global memory; so a launch's start (its programs' placement, shared memory and barriers)
-    # overlaps the previous kernel's last programs instead of following them.
-    "pdl": dict(on=False),
     # The split passes' first phase (K + V columns per state; SV = K · columns of one tile).
     "state_aug": dict(num_warps=4, stages=(2, 1), SV=8192),
     "chain": dict(num_warps=4, stages=(1,), SV=4096, BC=32),

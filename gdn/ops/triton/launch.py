@@ -34,18 +34,6 @@ def sm_count(device: torch.device) -> int:
 _SMS: dict = {}
 
 
-def dependent_launch(hopper: bool) -> dict:
-    """The launch keywords of a Hopper chunk kernel: ``PDL`` and ``launch_pdl`` where the call's
-    kernels are launched as programmatic dependent launches (``DELTA["pdl"]["on"]``, on a device
-    that runs the Gluon kernels: ``hopper``, fused_bwd.hopper's answer), else none. Each such
-    kernel waits for the one before it at its start (fused_bwd.grid_dependency; kkt_solve's
-    ``PDL``), so the two keywords go together: the launch that way only with the wait compiled in."""
-    return _PDL if hopper and DELTA["pdl"]["on"] else _NO_PDL
-
-
-_PDL, _NO_PDL = {"PDL": True, "launch_pdl": True}, {}
-
-
 def has_tma(x: torch.Tensor) -> bool:
     """Whether ``x``'s device copies tensor tiles with the tensor-memory accelerator (CUDA compute
     capability 9 or later), so that kernels may read or write it through tensor descriptors; under

@@ -27,7 +27,6 @@ import triton.language as tl
 
 from ...triton.common import (BT, INTERPRET, Chunks, chunk_bounds, chunk_cumsum, dot_precision, gate_cumsum, gate_load,
                               has_tma, launch, make_segments, pow2, sm_count, state_rows, tl_dtype, value_cols)
-from ...triton.launch import dependent_launch
 from ...tuning import DELTA, cdiv
 from ...tuning import chunk_tiles as tiles
 from .intra import kkt_solve_kernel, wu_kernel
@@ -418,7 +417,7 @@ def prepare(k, v, g, beta, ch: Chunks, Ai=None, wu: bool = True, gamma_out=None,
                q if store_p else k, pairs_out if store_p else Ai, bound_out if store_b else gp, ch.cu, ch.chunk_idx,
                H=H, HV=HV, K=K, BK=BK, USE_G=g is not None, PREC=prec,
                INV=DELTA["kkt_solve"]["INV"] if DT != tl.float32 else "ieee", STORE_G=store_g, STORE_P=store_p,
-               STORE_B=store_b, **dependent_launch(_fused_fwd() is not None and _fused_fwd().hopper(k)), name="kkt_solve", io=io)
+               STORE_B=store_b, name="kkt_solve", io=io)
     if not wu:
         return Ai, None, None
     W = torch.empty(T, HV, K, device=dev, dtype=io)

@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from ...triton.common import BT as CHUNK, cast
-from ...triton.launch import dependent_launch, descriptor_key, launch, major
+from ...triton.launch import descriptor_key, launch, major
 from ...tuning import DELTA, INTERPRET, cdiv
 
 BT = gl.constexpr(CHUNK)  # chunk rows, as the Triton chunk kernels'
@@ -51,21 +51,6 @@ def _rows(W, num_warps):
 @gluon.constexpr_function
 def _smem(shape, dtype):
     return gl.NVMMASharedLayout.get_default_for(shape, dtype)
-
-
-@gluon.jit
-def grid_dependency(PDL: gl.constexpr):
-    """With ``PDL`` (the kernel launched as a programmatic dependent launch: its programs may start
-    before the kernel ahead of it in the stream has finished): wait until that kernel has finished
-    and its writes are visible, then let the kernel after this one start placing its programs.
-    Called once, before the kernel's first read or write of global memory: what runs before it
-    (shared memory and barrier setup) overlaps the previous kernel's last programs. A kernel that
-    waits before it lets the next one start keeps the stream's order transitive: the next one's
-    wait, on this one's end, covers every kernel before."""
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -365,7 +350,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
 def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, cu,
                      chunk_idx, rows, scale, H, HV, NW, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                      NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr, DV_TMA: gl.constexpr,
-                     PER: gl.constexpr, PDL: gl.constexpr = False):
+                     PER: gl.constexpr):
     """PER consecutive items a program (the last program's items past ``NW`` are skipped), item w =
     i_t · HV + i_hv being chunk i_t of ``chunk_idx`` (all of the call's chunks, or a slice of them)
     and value head i_hv. G [T, HV] the in-chunk cumulative log decay γ; beta [T, HV]. Descriptors:
@@ -415,7 +400,6 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
         mbarrier.init(bars_a.index(i_s), count=1)
     mbarrier.init(bar_qk, count=1)
     fence_async_shared()
-    grid_dependency(PDL)
     for j in gl.static_range(PER):
         if PER == 1 or w0 + j < NW:  # (every program has a first item)
             _item(j, PER, w0 + j, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t,
@@ -518,13 +502,11 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     # (dV over dδ, the usual case, goes out through dδ's own descriptor)
     dv_t = dd_t if not dv_tma or dd_t.base is DV else _tiles(DV, T, (CHUNK, BV), DT)
 
-    dep = dependent_launch(hopper(q))
-
     def run(chunk_idx, rows, NT: int):
         c = DELTA["fused_bwd"]
         PER = c["items"]
         launch(fused_bwd_kernel, (cdiv(NT * HV, PER),), q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t,
                dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, ch.cu, chunk_idx, rows, scale, H, HV, NT * HV, K=K,
-               V=V, BV=BV, NS=c["NS"], DT=DT, QK_TMA=qk_tma, DV_TMA=dv_tma, PER=PER, **dep, name="fused_bwd")
+               V=V, BV=BV, NS=c["NS"], DT=DT, QK_TMA=qk_tma, DV_TMA=dv_tma, PER=PER, name="fused_bwd")
 
     return (DQ, DK, DV, DG, DB), run

@@ -50,9 +50,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ...triton.common import BT as CHUNK
 from ...triton.common import make_segments, state_rows
-from ...triton.launch import dependent_launch, launch
+from ...triton.launch import launch
 from ...tuning import DELTA
-from .fused_bwd import _rows, _tiles, acc_layout, grid_dependency, hopper
+from .fused_bwd import _rows, _tiles, acc_layout, hopper
 from .split import bounds, fill_empty, split_len, warm_plan, warm_split
 
 BT = gl.constexpr(CHUNK)
@@ -285,8 +285,7 @@ def _output(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, p_buf, d_buf,
 def fused_fwd_kernel(q_t, k_t, v_t, a_t, h_t, G, beta, h0, o, VN, ht, cu, off, plan, seg_seq, seq_cu, scale, H,
                      HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr,
                      USE_INIT: gl.constexpr, STORE_FINAL: gl.constexpr, WARM: gl.constexpr, OUT: gl.constexpr,
-                     STORE_H: gl.constexpr, R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_OUT: gl.constexpr,
-                     PDL: gl.constexpr = False):
+                     STORE_H: gl.constexpr, R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_OUT: gl.constexpr):
     """One program per (sequence, value head, value tile), walking the sequence's chunks: V the
     head's value width (the row length of v, o, VN, h0, ht, h), VT the program's tile of it (V a
     multiple of VT; NVT = V / VT tiles a head), program id (i_n · HV + i_hv) · NVT + i_vt, so the
@@ -335,7 +334,6 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, h_t, G, beta, h0, o, VN, ht, cu, off, p
     mbarrier.init(hand.index(2), count=1)  # δ, δ̃ written
     mbarrier.init(hand.index(3), count=readers)  # δ read
     fence_async_shared()
-    grid_dependency(PDL)
     s_ready, s_empty, d_ready, d_empty = hand.index(0), hand.index(1), hand.index(2), hand.index(3)
     # (the partitions' functions cannot be bound to names in a Gluon body: each call lists them)
     if OUT:
@@ -421,12 +419,11 @@ def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN
     q_t = _tiles(q, T, (CHUNK, K), DT) if out else k_t
     h_t = _tiles(h, h.numel() // V, (K, VT), DT) if h is not None else k_t
     regs = tuple(c["regs"]) + (0,) * (3 - len(c["regs"]))
-    dep = dependent_launch(hopper(k))
     launch(fused_fwd_kernel, (programs * HV * NVT,), q_t, k_t, v_t, a_t, h_t, G, beta,
            h0 if h0 is not None else G, o if out else G, VN if VN is not None else G, ht if ht is not None else G, cu,
            off, plan, seg_seq, ch.cu, scale, H, HV, K=K, V=V, VT=VT, NS=c["NS"], DT=DT, USE_INIT=h0 is not None,
            STORE_FINAL=ht is not None, WARM=bool(L), OUT=out, STORE_H=h is not None, R_COPY=regs[0],
-           R_DELTA=regs[1], R_OUT=regs[2], maxnreg=c["maxnreg"], **dep, name=name)
+           R_DELTA=regs[1], R_OUT=regs[2], maxnreg=c["maxnreg"], name=name)
     if L:
         fill_empty(ht, h0, ch)
 

@@ -54,9 +54,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from ...triton.common import BT as CHUNK
-from ...triton.launch import dependent_launch, launch, sm_count
+from ...triton.launch import launch, sm_count
 from ...tuning import DELTA
-from .fused_bwd import _tiles, acc_layout, grid_dependency, hopper
+from .fused_bwd import _tiles, acc_layout, hopper
 from .fused_fwd import _edges, _program, value_tile
 
 BT = gl.constexpr(CHUNK)
@@ -248,7 +248,7 @@ def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty
 def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, cu, ends, off, plan, seg_seq, seq_cu, scale, H,
                      HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr,
                      USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, CARRY: gl.constexpr,
-                     R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_LOCAL: gl.constexpr, PDL: gl.constexpr = False):
+                     R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_LOCAL: gl.constexpr):
     """One program per (sequence, value head, value tile) over tokens [cu[i_n], ends[i_n]) (a slice
     of the sequence where the caller cuts the pass: chunk_bwd.backward), last chunk first: V the
     head's value width (the row length of do, DD, dht, dh0, dh), VT the program's tile of it (V a
@@ -289,7 +289,6 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, cu, ends,
     for i in gl.static_range(8):  # each handed tile has one writer and one reader
         mbarrier.init(hand.index(i), count=1)
     fence_async_shared()
-    grid_dependency(PDL)
     s_ready, s_empty, l_ready, l_empty = hand.index(0), hand.index(1), hand.index(2), hand.index(3)
     o_ready, o_empty, z_ready, z_empty = hand.index(4), hand.index(5), hand.index(6), hand.index(7)
     gl.warp_specialize([
@@ -362,7 +361,6 @@ def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None)
     dh_t = _tiles(dh, dh.numel() // V, (K, VT), DT)
     r = tuple(c["regs"])
     programs = HV * (V // VT)
-    dep = dependent_launch(hopper(q))
 
     def run(dht, dh0, cu, ends, off, N: int, warm=None, carry: bool = False):
         plan, seg_seq, seq_cu = warm if warm is not None else (cu, cu, cu)
@@ -370,6 +368,6 @@ def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None)
                dht if dht is not None else G, dh0 if dh0 is not None else G, DD, cu, ends, off, plan, seg_seq,
                seq_cu, scale, H, HV, K=K, V=V, VT=VT, NS=c["NS"], DT=DT, USE_DHT=dht is not None,
                USE_INIT=dh0 is not None, WARM=warm is not None, CARRY=carry, R_COPY=r[0], R_DELTA=r[1], R_LOCAL=r[2],
-               maxnreg=c["maxnreg"], **dep, name="fused_rev")
+               maxnreg=c["maxnreg"], name="fused_rev")
 
     return run

@@ -51,8 +51,7 @@ def _stretch(Aii, b_i):
 @triton.jit
 def kkt_solve_kernel(k, g, beta, Ai, G, q, P, Bnd, cu, chunk_idx, H, HV, K: tl.constexpr,
                      BK: tl.constexpr, USE_G: tl.constexpr, PREC: tl.constexpr, INV: tl.constexpr,
-                     STORE_G: tl.constexpr, STORE_P: tl.constexpr = False, STORE_B: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     STORE_G: tl.constexpr, STORE_P: tl.constexpr = False, STORE_B: tl.constexpr = False):
     """Ai[t, hv, :] = rows of T = (I + A)⁻¹ for each chunk, built from four 16-row blocks. With
     STORE_G, also G[t, hv] = γ, the in-chunk cumulative log decay this kernel forms anyway (the
     sequential passes read it, so the call needs no cumsum kernel). With STORE_P, also
@@ -61,11 +60,7 @@ def kkt_solve_kernel(k, g, beta, Ai, G, q, P, Bnd, cu, chunk_idx, H, HV, K: tl.c
     in the fused forward pass. With STORE_B (gated), also Bnd[i_t, hv] = the chunk's log norm
     bound (split.bound_kernel's: γ_C + Σ_t log max(1, |1 − β_t‖k_t‖²|)), ‖k_t‖² read off the
     diagonal of the Gram blocks this kernel forms anyway: the warm-started split's walks then
-    read one number per chunk instead of the chunk's keys. ``PDL``: launched as a programmatic
-    dependent launch, it waits for the kernel before it first (fused_bwd.grid_dependency's rule)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    read one number per chunk instead of the chunk's keys."""
     i_t, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_bounds(cu, chunk_idx, i_t, 64)
