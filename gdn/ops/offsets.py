@@ -12,7 +12,9 @@ shared: callers must not modify them.
 Nothing is kept while ``torch.compile`` traces or a CUDA graph captures (a value made there is
 not valid outside it), and a result is kept per CUDA stream (device tensors made by work queued
 on one stream are not ready for another). What is kept is made by :func:`lasting`, so that its
-memory never belongs to a CUDA graph's pool.
+memory never belongs to a CUDA graph's pool. The one kept result a capture reads is the offsets'
+host copy (:func:`host`): host values, ready on every stream, which the capture could not make (a
+copy to the host waits on the device).
 """
 from __future__ import annotations
 
@@ -34,9 +36,14 @@ def _drop(key: int, ref: weakref.ref) -> None:
         del _MEMO[key]
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a CUDA tensor and the current stream is capturing a CUDA graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def memo(t: torch.Tensor, kind: Any, make: Callable[[], Any]) -> Any:
     """``make()``, computed once per live, unmodified tensor ``t`` and hashable ``kind``."""
-    if torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if torch.compiler.is_compiling() or _capturing(t):
         return make()
     if torch.cuda.is_initialized():
         kind = (kind, torch.cuda.current_stream().cuda_stream)
@@ -85,8 +92,28 @@ def _on_stream(stream: torch.cuda.Stream, make: Callable[[], Any]) -> Any:
 
 
 def host(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``cu_seqlens``'s values on the CPU, int64 (one copy, so one host synchronisation, per tensor)."""
+    """``cu_seqlens``'s values on the CPU, int64 (one copy, so one host synchronisation, per tensor).
+    While a CUDA graph captures, the copy made before the capture (by an eager call with this same
+    tensor, on any stream): a capture cannot copy to the host. ValueError where there is none."""
+    if _capturing(cu_seqlens) and not torch.compiler.is_compiling():
+        kept = _kept(cu_seqlens, "host")
+        if kept is None:
+            raise ValueError("cu_seqlens: a CUDA graph captures a packed call only after an eager call with the same "
+                             "cu_seqlens tensor (its values are read to the host once, which a capture cannot do), "
+                             "or with cu_seqlens on the CPU")
+        return kept
     return memo(cu_seqlens, "host", lambda: cu_seqlens.detach().to("cpu", torch.int64))
+
+
+def _kept(t: torch.Tensor, kind: Any) -> Any:
+    """The result of ``kind`` kept for live, unmodified ``t`` on any stream (:func:`memo`), or None."""
+    entry = _MEMO.get(id(t))
+    if entry is None or entry[0]() is not t or entry[1] != t._version:
+        return None
+    for key, value in entry[2].items():
+        if key == kind or (isinstance(key, tuple) and len(key) == 2 and key[0] == kind):
+            return value
+    return None
 
 
 def to_device(cu_seqlens: torch.Tensor, device) -> torch.Tensor:

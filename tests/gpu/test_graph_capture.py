@@ -3,7 +3,9 @@ each one graph, as a training step under ``torch.compile(mode="reduce-overhead")
 a GPU: replays give the eager outputs and gradients, also after other pinned host buffers were
 allocated and overwritten between capture and replay. The layouts are the ones whose index tensors
 the op builds on the host and copies in while it is captured: warm-started segments (few long
-sequences) and the sliced reverse pass. Skipped without a CUDA device (conftest)."""
+sequences) and the sliced reverse pass; and a packed call with its offsets on the GPU, captured
+after an eager call with them (whose host copy of the offsets the capture reads). Skipped without
+a CUDA device (conftest)."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +16,7 @@ from gdn.ops import tuning
 from gdn.ops.delta.triton import chunk_bwd, chunk_fwd, fused_fwd, fused_rev
 from gdn.ops.delta.triton import split as split_mod
 
-from .helpers import launched, rel_err
+from .helpers import launched, offsets, rel_err
 
 
 def _inputs(B, T, H, seed):
@@ -74,3 +76,44 @@ def test_captured_forward_and_backward_replay_like_eager(layout, monkeypatch):
             assert "warm_plan_kernel" in eager, eager
         else:
             assert eager.count("fused_rev_kernel") > 1 or eager.count("state_bwd_kernel") > 1, eager
+
+
+def test_a_packed_call_is_captured_after_an_eager_one():
+    """Forward and backward of four packed sequences (cu_seqlens on the GPU) captured in one graph
+    after an eager call with the same offsets tensor: the replay gives the eager outputs and
+    gradients. A capture with offsets no eager call has read is refused, naming cu_seqlens."""
+    lens = [300, 1200, 64, 484]
+    cu = offsets(lens, "cuda")
+    xs = _inputs(1, sum(lens), 4, 3)
+    do = torch.randn(1, sum(lens), 4, 128, device="cuda", dtype=torch.bfloat16)
+
+    def call(c):
+        o = ops.gated_delta_rule(*xs, cu_seqlens=c, backend="triton")[0]
+        o.backward(do)
+        return o.detach()
+
+    want = [call(cu).clone()] + [x.grad.clone() for x in xs]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x in xs:
+            x.grad = None
+        call(cu)
+    torch.cuda.current_stream().wait_stream(side)
+    for x in xs:
+        x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = call(cu)
+    keep = _churn_pinned()
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [o] + [x.grad for x in xs]
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+    del keep
+    for x in xs:
+        x.grad = None
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            call(offsets(lens, "cuda"))

@@ -155,3 +155,26 @@ def test_a_kept_result_made_from_another_does_not_wait_on_itself(monkeypatch):
     caller.join(10)
     assert got == [4], "lasting() nested in a lasting() make never returned"
     assert threads[0] is threads[1] is not caller  # both on the helper thread
+
+
+def test_a_capture_reads_the_host_copy_made_before_it(monkeypatch):
+    """While a CUDA graph captures (stood in for: ``_capturing`` true), the host copy comes from the
+    eager call before, not from a copy to the host (which a capture cannot make); without one, or
+    after the offsets were modified since, the call is refused with one line naming cu_seqlens."""
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    before = offsets.host(cu)
+    monkeypatch.setattr(offsets, "_capturing", lambda t: True)
+    real_to = torch.Tensor.to
+
+    def no_copy(self, *args, **kw):
+        raise AssertionError("a copy while capturing")
+
+    monkeypatch.setattr(torch.Tensor, "to", no_copy)
+    assert offsets.host(cu) is before
+    monkeypatch.setattr(torch.Tensor, "to", real_to)
+    fresh = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        offsets.host(fresh)
+    cu.add_(0)  # modified in place: its kept copy no longer stands
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        offsets.host(cu)
