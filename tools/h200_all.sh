@@ -4,9 +4,11 @@
 # wheels (fla-core and flash-linear-attention 0.6.0, Python 3.12) in .whl/ and $OUT set to a folder
 # for the logs.
 # Seconds per step from the environment (0 skips the step):
-#   GPU_CHECK_S HOST_S DECODE_S TUNE_S OPS_S KDA_S KDA_PROF_S GEN_S TRAIN_S   e.g. GPU_CHECK_S=200 TUNE_S=0 bash tools/h200_all.sh
+#   GPU_CHECK_S HOST_S DECODE_S TUNE_S OPS_S GRAPH_S KDA_S KDA_PROF_S GEN_S TRAIN_S   e.g. GPU_CHECK_S=200 TUNE_S=0 bash tools/h200_all.sh
 # and flags: CHECK_ALL=1 (the slow cases of the GPU check too), CHECK_FLAGS (more pytest arguments,
-# e.g. "-k kda"), OPS_FLAGS, KDA_FLAGS, GEN_FLAGS. KDA_PROF_S: per-kernel GPU µs of the KDA chunk
+# e.g. "-k kda"), OPS_FLAGS, GRAPH_FLAGS, KDA_FLAGS, GEN_FLAGS. GRAPH_S: the GPU-bound side by side
+# (benchmarks/ops_gpu.py --graph: each peer's call replayed from a CUDA graph, so that no host time
+# enters; GRAPH_FLAGS default "--peers gdn,qla --shapes 0,1,2,3,4,6"). KDA_PROF_S: per-kernel GPU µs of the KDA chunk
 # kernels at (8, 2048) (benchmarks/kda_gpu.py --profile), with the launch settings of
 # KDA_PROF_CONFIG (JSON) if set, or once per setting of KDA_PROF_CONFIGS (JSON texts separated by
 # ';', '{}' for the defaults; logs kda_profile_1.log, ...), KDA_PROF_S seconds each. HOST_S: the
@@ -86,6 +88,8 @@ step decode "${DECODE_S:-0}" python3 tools/decode_kernels.py --preset gdn --size
 step tune "${TUNE_S:-0}" python3 tools/tune_gpu.py --out "$OUT/tuned.json"
 [ -f "$OUT/tuned.json" ] && CFG=(--config "$OUT/tuned.json")
 step ops_gpu "${OPS_S:-150}" python3 benchmarks/ops_gpu.py --decode ${OPS_FLAGS:-} "${CFG[@]}"
+# shellcheck disable=SC2086  # GRAPH_FLAGS holds several arguments
+step ops_graph "${GRAPH_S:-0}" python3 benchmarks/ops_gpu.py --graph ${GRAPH_FLAGS:---peers gdn,qla --shapes 0,1,2,3,4,6} "${CFG[@]}"
 step kda "${KDA_S:-0}" python3 benchmarks/kda_gpu.py ${KDA_FLAGS:---max-seconds 150 --no-fla --no-decode --step-seconds 8}
 if [ -n "${KDA_PROF_CONFIGS:-}" ]; then
   IFS=';' read -ra PROF_CFGS <<< "$KDA_PROF_CONFIGS"
