@@ -532,9 +532,13 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     if nsl > 1 and (warm or not L) and not merged and DELTA["state_bwd"]["share_h"]:
         span = L if warm else ch.max_nc
         sizes, pad_L = tuple(tail_sizes(span, cdiv(span, nsl))), (L if warm else 0)
+    # δ formed again by the fused per-chunk kernel instead of stored by the state pass
+    # (DELTA["fused_bwd"]["delta_on_chip"]), where that kernel takes the call
+    fb = _fused_bwd() if DELTA["fused_bwd"]["on"] and DELTA["fused_bwd"]["delta_on_chip"] and not merged else None
+    chip = fb is not None and fb.usable(q, g, beta, K, V) and fb.forms_delta(V)
     h, VN, _, Ai, W, gamma = forward_intermediates(q, k, v, g, beta, h0, ch, False, Ai, from_inverse=from_inv,
                                                    gamma=gamma, plans=plans, pad=sizes[0] if sizes else 0,
-                                                   pad_L=pad_L)
+                                                   pad_L=pad_L, store_delta=not chip)
     if h.shape[0] == ch.NT:
         sizes = None
     dummy = v
