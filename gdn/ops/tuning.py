@@ -147,8 +147,11 @@ DELTA = {
     # delta_on_chip: the recomputed state pass (fused_states) does not store δ, and this kernel forms
     # each value tile of it again from h, k, v, β, γ and T⁻¹ (two [64, K] × [K, BV] and [64, 64] ×
     # [64, BV] products a tile), where both are taken: δ's write and read (2 × 64 MB at (8, 2048,
-    # 16, 128)) against the products. Off until the GPU has checked and timed it.
-    "fused_bwd": dict(num_warps=8, stages=(1,), BV=64, NS=2, items=1, on=True, delta_on_chip=False),
+    # 16, 128)) against the products. ddelta_on_chip: likewise dδ, which the warp-specialised reverse
+    # pass then does not store (three products a tile: K dS, Pᵀ dO, and K Qᵀ once an item). Both
+    # off until the GPU has checked and timed them.
+    "fused_bwd": dict(num_warps=8, stages=(1,), BV=64, NS=2, items=1, on=True, delta_on_chip=False,
+                      ddelta_on_chip=False),
     # The forward's sequential pass as one warp-specialised Gluon kernel (delta.triton.fused_fwd),
     # on for gated delta members in 16 bits on compute capability 9 with K of 64 or 128 and V of 64,
     # 128 or 256 (else state_out): one program per (sequence or warm-started segment, value head,
