@@ -794,8 +794,9 @@ def main():
     ap.add_argument("--graph", action="store_true",
                     help="only GPU-bound times: each peer's call captured in a CUDA graph and replayed (no host "
                          "time in them), gdn under each --variants entry")
-    ap.add_argument("--variants", default=None, metavar="JSON",
-                    help="only gdn, timed under each of a JSON list of partial launch configurations")
+    ap.add_argument("--variants", default=None, metavar="JSON|FILE",
+                    help="only gdn, timed under each of a JSON list of partial launch configurations (inline, or "
+                         "a file holding it)")
     ap.add_argument("--config", default=None, metavar="FILE|JSON",
                     help="launch configurations to use: a JSON file (tools/tune_gpu.py --out) or an inline "
                          "partial configuration such as '{\"split\": {\"L\": -1}}' (gdn.ops.tuning.update_from)")
@@ -810,6 +811,15 @@ def main():
         qla_rows = None if args.qla_shapes is None else parse_indices(args.qla_shapes, len(SHAPES))
     except ValueError as e:
         ap.error(str(e))
+    specs = None
+    if args.variants:
+        try:  # a JSON list, or a file holding one (shell-free for scripts that pass their flags as words)
+            text = open(args.variants).read() if os.path.isfile(args.variants) else args.variants
+            specs = json.loads(text)
+        except (OSError, ValueError) as e:
+            ap.error(f"--variants: expected a JSON list of partial launch configurations or a file holding one: {e}")
+        if not isinstance(specs, list) or not all(isinstance(x, dict) for x in specs):
+            ap.error("--variants: expected a JSON list of objects, e.g. '[{}, {\"split\": {\"L\": -1}}]'")
     fla_backends(args.fla_tilelang)
     global IO
     IO = DTYPES[args.dtype]
@@ -820,10 +830,10 @@ def main():
         tuning.apply_config(ap, args.config)
         print("launch configuration overrides:", args.config)
     if args.graph:
-        graphed(shapes, peers, json.loads(args.variants) if args.variants else None)
+        graphed(shapes, peers, specs)
         return
     if args.variants:
-        variants(json.loads(args.variants), args.profile, shapes)
+        variants(specs, args.profile, shapes)
         if not args.only_profile:
             return
     if args.only_profile:

@@ -235,3 +235,21 @@ def test_caption_says_when_flashqla_reads_a_tilelang_cache(bench, monkeypatch):
     warm = bench.caption(1e12, 1e12, ("gdn", "qla"))
     assert "TileLang's cache at /tmp/tlcache" in warm and "not a cold compile" in warm
     assert "TileLang's cache" not in bench.caption(1e12, 1e12, ("gdn", "fla"))  # no FlashQLA column
+
+
+def test_variants_are_a_json_list_inline_or_in_a_file(bench, monkeypatch, tmp_path, capsys):
+    """--variants takes a JSON list of objects, inline or from a file; anything else is one line of
+    usage error (exit status 2) before anything runs."""
+    seen = []
+    monkeypatch.setattr(bench, "graphed", lambda shapes, peers, specs: seen.append(specs))
+    f = tmp_path / "v.json"
+    f.write_text('[{}, {"fused_bwd": {"NS": 3}}]')
+    for arg in (str(f), '[{}, {"fused_bwd": {"NS": 3}}]'):
+        monkeypatch.setattr("sys.argv", ["ops_gpu.py", "--graph", "--shapes", "0", "--variants", arg])
+        bench.main()
+    assert seen == [[{}, {"fused_bwd": {"NS": 3}}]] * 2
+    for bad in ("[1]", "{bad", str(tmp_path / "missing.json")):
+        monkeypatch.setattr("sys.argv", ["ops_gpu.py", "--graph", "--variants", bad])
+        with pytest.raises(SystemExit) as e:
+            bench.main()
+        assert e.value.code == 2 and "--variants" in capsys.readouterr().err
