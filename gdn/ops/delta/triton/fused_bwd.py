@@ -211,10 +211,25 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
             n0 = J * NV + i_v
             s0 = n0 % NS
             mbarrier.wait(bars.index(s0), (n0 // NS) & 1)
+            # the products that need only the copies, started together and waited on once
             if D_ON_CHIP:
                 b_x = warpgroup_mma(s_k, ring_h.index(s0), gl.zeros([BT, BV], f32, a_v), use_acc=False,
                                     is_async=True)
+            if DD_ON_CHIP:
+                b_kd = warpgroup_mma(s_k, ring_dh.index(s0), gl.zeros([BT, BV], f32, a_v), use_acc=False,
+                                     is_async=True)
+                b_l = warpgroup_mma(s_hi, ring_do.index(s0), gl.zeros([BT, BV], f32, a_v), use_acc=False,
+                                    is_async=True)
+            if D_ON_CHIP and DD_ON_CHIP:
+                b_x, b_kd, b_l = warpgroup_mma_wait(0, deps=[b_x, b_kd, b_l])
+            elif D_ON_CHIP:
                 b_x = warpgroup_mma_wait(0, deps=[b_x])
+            else:
+                b_kd, b_l = warpgroup_mma_wait(0, deps=[b_kd, b_l])
+            if DD_ON_CHIP:
+                b_l = (b_l * scale).to(DT).to(f32)
+                ring_dd.index(s0).store((b_kd * w_v[:, None] + b_l).to(DT))
+            if D_ON_CHIP:
                 b_v = ring_v.index(s0).load(a_v).to(f32)
                 gl.thread_barrier()  # (the previous tile's product has read s_p)
                 s_p.store(((b_v - b_x * e_v[:, None]) * b_bv[:, None]).to(DT))
@@ -223,14 +238,6 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
                 b_x = warpgroup_mma(s_a, s_p, gl.zeros([BT, BV], f32, a_v), use_acc=False, is_async=True)
                 b_x = warpgroup_mma_wait(0, deps=[b_x])
                 ring_d.index(s0).store(gl.where(m_v[:, None], b_x, 0.0).to(DT))
-            if DD_ON_CHIP:
-                b_x = warpgroup_mma(s_k, ring_dh.index(s0), gl.zeros([BT, BV], f32, a_v), use_acc=False,
-                                    is_async=True)
-                b_l = warpgroup_mma(s_hi, ring_do.index(s0), gl.zeros([BT, BV], f32, a_v), use_acc=False,
-                                    is_async=True)
-                b_x, b_l = warpgroup_mma_wait(0, deps=[b_x, b_l])
-                b_l = (b_l * scale).to(DT).to(f32)
-                ring_dd.index(s0).store((b_x * w_v[:, None] + b_l).to(DT))
         fence_async_shared()
         gl.thread_barrier()
 
