@@ -813,9 +813,10 @@ def main():
         ap.error(str(e))
     specs = None
     if args.variants:
-        try:  # a JSON list, or a file holding one (shell-free for scripts that pass their flags as words)
-            text = open(args.variants).read() if os.path.isfile(args.variants) else args.variants
-            specs = json.loads(text)
+        from gdn.ops.tuning import read_json
+
+        try:  # a JSON list, or a file holding one (for scripts that pass their flags as words)
+            specs = read_json(args.variants)
         except (OSError, ValueError) as e:
             ap.error(f"--variants: expected a JSON list of partial launch configurations or a file holding one: {e}")
         if not isinstance(specs, list) or not all(isinstance(x, dict) for x in specs):

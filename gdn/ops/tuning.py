@@ -459,12 +459,18 @@ def token() -> tuple:
     return ids
 
 
-def update_from(arg: str) -> None:
-    """:func:`update` from a JSON file's path or an inline JSON text (the benchmarks' --config)."""
+def read_json(arg: str):
+    """The JSON value of a file's path or of an inline JSON text (the benchmarks' --config and
+    --variants); ValueError where it is neither."""
     if os.path.exists(arg):
         with open(arg) as f:
             arg = f.read()
-    update(json.loads(arg))
+    return json.loads(arg)
+
+
+def update_from(arg: str) -> None:
+    """:func:`update` from a JSON file's path or an inline JSON text (the benchmarks' --config)."""
+    update(read_json(arg))
 
 
 def apply_config(parser, arg: str | None) -> None:

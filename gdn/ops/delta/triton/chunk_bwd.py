@@ -537,7 +537,8 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     # where that kernel takes the call
     fb = _fused_bwd() if DELTA["fused_bwd"]["on"] and not merged else None
     taken = fb is not None and fb.usable(q, g, beta, K, V)
-    chip, dd_chip = taken and fb.forms_delta(V), taken and rev is not None and fb.forms_ddelta(V)
+    chip = taken and fb.forms("delta_on_chip", V)
+    dd_chip = taken and rev is not None and fb.forms("ddelta_on_chip", V)
     h, VN, _, Ai, W, gamma = forward_intermediates(q, k, v, g, beta, h0, ch, False, Ai, from_inverse=from_inv,
                                                    gamma=gamma, plans=plans, pad=sizes[0] if sizes else 0,
                                                    pad_L=pad_L, store_delta=not chip)

@@ -484,16 +484,11 @@ def ring_holds_item(V: int) -> bool:
     return value_tile(V) > 0 and V // value_tile(V) <= DELTA["fused_bwd"]["NS"]
 
 
-def forms_delta(V: int) -> bool:
-    """Whether this kernel forms δ again itself where it takes the call (``DELTA["fused_bwd"]
-    ["delta_on_chip"]``, :func:`ring_holds_item`)."""
-    return bool(DELTA["fused_bwd"]["delta_on_chip"]) and ring_holds_item(V)
-
-
-def forms_ddelta(V: int) -> bool:
-    """Whether this kernel forms dδ again itself where it takes the call after the warp-specialised
-    reverse pass (``DELTA["fused_bwd"]["ddelta_on_chip"]``, :func:`ring_holds_item`)."""
-    return bool(DELTA["fused_bwd"]["ddelta_on_chip"]) and ring_holds_item(V)
+def forms(switch: str, V: int) -> bool:
+    """Whether this kernel forms δ (``switch`` "delta_on_chip") or, after the warp-specialised
+    reverse pass, dδ ("ddelta_on_chip") again itself where it takes the call: that switch of
+    ``DELTA["fused_bwd"]`` on and :func:`ring_holds_item`."""
+    return bool(DELTA["fused_bwd"][switch]) and ring_holds_item(V)
 
 
 def usable(q, g, beta, K: int, V: int) -> bool:
