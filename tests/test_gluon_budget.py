@@ -60,26 +60,6 @@ def test_fused_backward_kernel_compiles_within_its_budget():
         assert r["spill"] == 0 and r["regs"] <= 255 and r["shared"] <= 227 * 1024, r
 
 
-ON_CHIP = """
-import json, sys
-sys.path.insert(0, {root!r})
-from tools import gluon_budget as G
-print(json.dumps([G.kernel_resources(128, 128, 64, 8, d_on_chip=d, dd_on_chip=dd)
-                  for d, dd in ((False, False), (True, False), (False, True), (True, True))]))
-"""
-
-
-def test_fused_backward_forming_delta_compiles_within_its_budget():
-    """``DELTA["fused_bwd"]["delta_on_chip"]`` and ``["ddelta_on_chip"]`` at K = V = 128: δ and dδ of
-    both value tiles formed before the value loop (through s_p and s_hi, into the ring's slots) take
-    no more shared memory and at most 48 bytes of stack (ptxas, sm_90: 28, 44 and 40 with δ, dδ
-    and both), whose spills stay in L1 beside the 209 KB of shared memory."""
-    stored, *formed = _run(ON_CHIP)
-    for f in formed:
-        assert f["shared"] == stored["shared"] and f["regs"] <= 255, (stored, f)
-        assert f["spill"] <= 48, (stored, f)
-
-
 ITEMS = """
 import json, sys
 sys.path.insert(0, {root!r})

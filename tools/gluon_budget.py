@@ -104,8 +104,7 @@ def resources(K: int, V: int, BV: int, num_warps: int) -> dict:
     return _compiled(GluonASTSource(value_loop, sig, consts, {}), num_warps)
 
 
-def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = None, PER: int | None = None,
-                     d_on_chip: bool = False, dd_on_chip: bool = False) -> dict:
+def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = None, PER: int | None = None) -> dict:
     """{"regs", "spill", "shared"} of the fused backward kernel itself
     (:func:`gdn.ops.delta.triton.fused_bwd.fused_bwd_kernel`, bf16) compiled for sm_90, with a ring
     of ``NS`` slots and ``PER`` items a program (defaults: the launch setting's), specialised as
@@ -129,11 +128,10 @@ def kernel_resources(K: int, V: int, BV: int, num_warps: int, NS: int | None = N
     sig.update({n: desc(64, K) for n in ("q_t", "k_t", "dq_t", "dk_t")})
     sig.update(cu="*i32", chunk_idx="*i32", rows="*i32", scale="fp32", H="i32", HV="i32", NW="i32",
                K="constexpr", V="constexpr", BV="constexpr", NS="constexpr", DT="constexpr", QK_TMA="constexpr",
-               DV_TMA="constexpr", PER="constexpr", D_ON_CHIP="constexpr", DD_ON_CHIP="constexpr")
+               DV_TMA="constexpr", PER="constexpr")
     at = {n: i for i, n in enumerate(names)}
     consts = {(at["K"],): K, (at["V"],): V, (at["BV"],): BV, (at["NS"],): NS, (at["DT"],): gl.bfloat16,
-              (at["QK_TMA"],): True, (at["DV_TMA"],): True, (at["PER"],): PER, (at["D_ON_CHIP"],): d_on_chip,
-              (at["DD_ON_CHIP"],): dd_on_chip}
+              (at["QK_TMA"],): True, (at["DV_TMA"],): True, (at["PER"],): PER}
     return _compiled(GluonASTSource(F.fused_bwd_kernel, sig, consts, _aligned(sig, at)), num_warps)
 
 
@@ -164,7 +162,7 @@ def forward_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
                beta="*fp32", h0="*fp32", o="*bf16", VN="*bf16", ht="*fp32", cu="*i32", off="*i32", plan="*i32",
                seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
     const = dict(K=K, V=V, VT=VT, NS=NS, DT=gl.bfloat16, USE_INIT=True, STORE_FINAL=True, WARM=warm,
-                 OUT=not states, STORE_H=states, R_COPY=regs[0], R_DELTA=regs[1], R_OUT=regs[2], STORE_D=True)
+                 OUT=not states, STORE_H=states, R_COPY=regs[0], R_DELTA=regs[1], R_OUT=regs[2])
     sig.update({n: "constexpr" for n in const})
     at = {n: i for i, n in enumerate(names)}
     consts = {(at[n],): v for n, v in const.items()}
@@ -198,7 +196,7 @@ def reverse_resources(K: int, V: int, NS: int | None = None, regs=None, maxnreg:
                beta="*fp32", dht="*fp32", dh0="*fp32", DD="*bf16", cu="*i32", ends="*i32", off="*i32", plan="*i32",
                seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
     const = dict(K=K, V=V, VT=VT, NS=NS, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, WARM=warm, CARRY=carry,
-                 R_COPY=regs[0], R_DELTA=regs[1], R_LOCAL=regs[2], STORE_DD=True)
+                 R_COPY=regs[0], R_DELTA=regs[1], R_LOCAL=regs[2])
     sig.update({n: "constexpr" for n in const})
     names = F.fused_rev_kernel.arg_names
     at = {n: i for i, n in enumerate(names)}

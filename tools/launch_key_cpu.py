@@ -1,6 +1,6 @@
 """The Python host time of one launch on gdn's launch path (gdn.ops.triton.launch: the launch
 settings, the key of every argument, the cached launcher, the tensor maps from their cache), without
-a GPU: fused_bwd's launch at (8, 2048, 16, 128) bf16 (36 arguments, twelve Gluon tensor descriptors)
+a GPU: fused_bwd's launch at (8, 2048, 16, 128) bf16 (34 arguments, twelve Gluon tensor descriptors)
 with CPU tensors, the compiled kernel faked and the C launch function a no-op behind triton 3.6's own
 descriptor wrapper, so that everything but the driver call runs as on CUDA.
 

@@ -144,14 +144,9 @@ DELTA = {
     # the item's body a call (few spills) 1191 against 1055; a program per chunk and key head
     # walking its value heads (no group_sum) spills too and took 5418 against 4046 + 314 at the
     # Qwen3.5-397B layout (docs/TRITON.md).
-    # delta_on_chip: the recomputed state pass (fused_states) does not store δ, and this kernel forms
-    # each value tile of it again from h, k, v, β, γ and T⁻¹ (two [64, K] × [K, BV] and [64, 64] ×
-    # [64, BV] products a tile), where both are taken: δ's write and read (2 × 64 MB at (8, 2048,
-    # 16, 128)) against the products. ddelta_on_chip: likewise dδ, which the warp-specialised reverse
-    # pass then does not store (three products a tile: K dS, Pᵀ dO, and K Qᵀ once an item). Both
-    # off until the GPU has checked and timed them.
-    "fused_bwd": dict(num_warps=8, stages=(1,), BV=64, NS=2, items=1, on=True, delta_on_chip=False,
-                      ddelta_on_chip=False),
+    # δ and dδ formed again here instead of stored by the passes before it: 7-8 % slower on an H100
+    # (the added products lengthen every item by more than the saved traffic; docs/TRITON.md).
+    "fused_bwd": dict(num_warps=8, stages=(1,), BV=64, NS=2, items=1, on=True),
     # The forward's sequential pass as one warp-specialised Gluon kernel (delta.triton.fused_fwd),
     # on for gated delta members in 16 bits on compute capability 9 with K of 64 or 128 and V of 64,
     # 128 or 256 (else state_out): one program per (sequence or warm-started segment, value head,

@@ -30,34 +30,6 @@ def test_fused_backward(case, dtype, monkeypatch):
     assert_within(errs, bounds, f"fused backward at {case[0]}, {dtype_id(dtype)}")
 
 
-@pytest.mark.parametrize("what", ("delta", "ddelta", "both"))
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
-@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in CASES])
-def test_fused_backward_forming_delta(case, dtype, what, monkeypatch):
-    """``DELTA["fused_bwd"]["delta_on_chip"]`` and ``["ddelta_on_chip"]``: the recomputed state pass
-    stores no δ, the reverse pass no dδ, and the kernel forms each value tile of them again (where
-    an item's value tiles all fit its ring; else they are stored as before), at every case of the
-    test above, against the reference at tier 3."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("warpgroup MMAs: compute capability 9")
-    d, dd = what in ("delta", "both"), what in ("ddelta", "both")
-    monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=True, delta_on_chip=d,
-                                                        ddelta_on_chip=dd))
-    formed = []
-    real = fused_bwd.backward
-
-    def spy(*args):
-        formed.append((args[6] is None, args[10] is None))  # (VN, DD) not stored
-        return real(*args)
-
-    monkeypatch.setattr(fused_bwd, "backward", spy)
-    errs, bounds = check_once(case, "gated_delta_rule", 3000 + CASES.index(case), dtype)
-    assert formed, "the fused backward did not run"
-    if case in BENCH:  # K = V = 128: the warp-specialised passes, two value tiles in a ring of two
-        assert all(f == (d, dd) for f in formed), formed
-    assert_within(errs, bounds, f"fused backward forming {what} at {case[0]}, {dtype_id(dtype)}, formed {formed}")
-
-
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in SMALL])
 def test_fused_backward_outputs_match_its_transcription(case, monkeypatch):
     """Each output of the kernel (dQ, dK, dV, dg, dβ per value head, before any group sum) against

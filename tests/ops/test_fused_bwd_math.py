@@ -18,9 +18,7 @@ BT = 64
 
 def transcription(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype, dv_dtype):
     """fused_bwd.backward's results, computed chunk by chunk as fused_bwd_kernel does (fp32
-    accumulation; operands rounded to the input dtype where the kernel rounds them). ``VN`` or
-    ``DD`` None: δ or dδ formed from h, dh and the inputs before the value loop, as the kernel's
-    ``D_ON_CHIP`` and ``DD_ON_CHIP`` form them."""
+    accumulation; operands rounded to the input dtype where the kernel rounds them)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dt, f = v.dtype, torch.float32
@@ -43,7 +41,7 @@ def transcription(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype
 
             tq, tk = rows(q[:, i_h], K), rows(k[:, i_h], K)
             tt = rows(Ai[:, i_hv], BT).T  # Tᵀ
-            dO, vv = rows(do[:, i_hv], V), rows(v[:, i_hv], V)
+            dl, dO, dd, vv = (rows(x[:, i_hv], V) for x in (VN, do, DD, v))
             S, dS = h[i_t, i_hv].float(), dh[i_t, i_hv].float()
             g = torch.zeros(BT)
             g[:n] = G[t0:t0 + n, i_hv]
@@ -51,19 +49,6 @@ def transcription(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale, grad_dtype
             b = torch.zeros(BT)
             b[:n] = beta[t0:t0 + n, i_hv].float()
             valid = o < n
-            if VN is None:  # δ = T diag(β)(V − diag(Γ) K S): X rounded once, zero past the end
-                x = ((vv - torch.exp(g)[:, None] * (tk @ S)) * b[:, None]).to(dt).float()
-                dl = torch.where(valid[:, None], tt.T @ x, torch.zeros(())).to(dt).float()
-            else:
-                dl = rows(VN[:, i_hv], V)
-            if DD is None:  # dδ = diag(Γ_C / Γ) K dS + L, L = scale · Pᵀ dO rounded once, Pᵀ in dt
-                keep = (o[None, :] >= o[:, None]) & valid[None, :]
-                pt = ((tk @ tq.T) * torch.exp(torch.where(keep, g[None, :] - g[:, None], float("-inf")))).to(dt)
-                el = (scale * (pt.float() @ dO)).to(dt).float()
-                w = torch.where(valid, torch.exp(g_last - g), torch.zeros(()))
-                dd = ((tk @ dS) * w[:, None] + el).to(dt).float()
-            else:
-                dd = rows(DD[:, i_hv], V)
             # the value loop
             dod, ddd = dO @ dl.T, dd @ dl.T
             dqs, dks, wac = dO @ S.T, dl @ dS.T, dd @ S.T
@@ -131,31 +116,6 @@ def _as_backward(*args):
             o.copy_(x)
 
     return outs, run
-
-
-def _as_backward_forming(*args):
-    """:func:`_as_backward` with δ and dδ not handed over (VN and DD None): formed in the
-    transcription, as the kernel forms them where the passes before it stored neither."""
-    args = list(args)
-    args[6] = args[10] = None
-    return _as_backward(*args)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_fused_backward_forming_delta_math(dtype, monkeypatch):
-    """δ and dδ formed from h, dh, q, k, v, dO, β, γ and T⁻¹ in the kernel's arithmetic
-    (``DELTA["fused_bwd"]["delta_on_chip"]``, ``["ddelta_on_chip"]``), the stored ones ignored: the
-    gradients are still the reference's, with the same packed layout as below (an empty, a
-    one-token and a partial sequence, grouped value heads, an initial state)."""
-    from gdn.ops.delta.triton import fused_bwd
-
-    monkeypatch.setitem(tuning.DELTA, "fused_bwd", dict(tuning.DELTA["fused_bwd"], on=True))
-    monkeypatch.setattr(fused_bwd, "usable", lambda *a: True)
-    monkeypatch.setattr(fused_bwd, "backward", _as_backward_forming)
-    errs = _run_both("gated_delta_rule", B=1, T=194, H=1, HV=2, K=64, V=64, dtype=dtype, lens=[65, 1, 0, 128],
-                     seed=19)
-    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
-    assert not bad, bad
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -532,16 +532,9 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     if nsl > 1 and (warm or not L) and not merged and DELTA["state_bwd"]["share_h"]:
         span = L if warm else ch.max_nc
         sizes, pad_L = tuple(tail_sizes(span, cdiv(span, nsl))), (L if warm else 0)
-    # δ, and after the warp-specialised reverse pass dδ, formed again by the fused per-chunk kernel
-    # instead of stored by the passes before it (DELTA["fused_bwd"]["delta_on_chip"], ["ddelta_on_chip"]),
-    # where that kernel takes the call
-    fb = _fused_bwd() if DELTA["fused_bwd"]["on"] and not merged else None
-    taken = fb is not None and fb.usable(q, g, beta, K, V)
-    chip = taken and fb.forms("delta_on_chip", V)
-    dd_chip = taken and rev is not None and fb.forms("ddelta_on_chip", V)
     h, VN, _, Ai, W, gamma = forward_intermediates(q, k, v, g, beta, h0, ch, False, Ai, from_inverse=from_inv,
                                                    gamma=gamma, plans=plans, pad=sizes[0] if sizes else 0,
-                                                   pad_L=pad_L, store_delta=not chip)
+                                                   pad_L=pad_L)
     if h.shape[0] == ch.NT:
         sizes = None
     dummy = v
@@ -557,9 +550,7 @@ def backward(q, k, v, g, beta, h0, do, dht, ch: Chunks, scale: float, Ai=None, g
     Wp = (Ai if from_inv else W) if delta else dummy
     del W
     gs = gamma if gated else dummy  # the state pass reads γ, not g
-    # dδ_loc (then dδ over it); dδ alone for fused_rev, and nothing where the fused per-chunk kernel
-    # forms dδ again itself (DELTA["fused_bwd"]["ddelta_on_chip"])
-    DVL = None if dd_chip else torch.empty(T, HV, V, device=dev, dtype=io)
+    DVL = torch.empty(T, HV, V, device=dev, dtype=io)  # dδ_loc (then dδ over it); dδ alone for fused_rev
     if rev is None:
         BK, BV = tiles("dv_local", K, V)
         launch(dv_local_kernel, (cdiv(V, BV), ch.NT, HV),

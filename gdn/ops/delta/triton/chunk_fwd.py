@@ -559,7 +559,7 @@ def tile_reads(name: str, *reads) -> tuple:
 
 
 def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai=None, from_inverse=False,
-                          gamma=None, plans=None, pad: int = 0, pad_L: int = 0, store_delta: bool = True):
+                          gamma=None, plans=None, pad: int = 0, pad_L: int = 0):
     """Run the sequential part of the forward, storing what the backward needs: returns
     (h [NT, HV, K, V], VN or None, ht or None, Ai or None, W or None, γ or None); h, VN, Ai, W in
     the inputs' dtype, ht and γ fp32. q, k: [T, H, K]; v: [T, HV, V] (q, k, v of one dtype); g, beta:
@@ -569,9 +569,7 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     back None (the backward, whose state pass reads W, keeps wu). ``pad``: h has min(pad, its chunks)
     free rows after each sequence's states, or with ``pad_L`` after each segment's of pad_L chunks
     (common.state_rows: where the backward's sliced dS_out go), h [rows, HV, K, V]; the segments'
-    pads only where this pass runs those segments (else h comes without pads: NT rows).
-    ``store_delta`` False: where the warp-specialised state pass runs, VN is not stored (None; the
-    fused backward forms δ again itself), elsewhere it is."""
+    pads only where this pass runs those segments (else h comes without pads: NT rows)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     delta = beta is not None
@@ -582,9 +580,9 @@ def forward_intermediates(q, k, v, g, beta, h0, ch: Chunks, want_final: bool, Ai
     fill, bnd = _gamma_buffer(g, beta, Ai, ch, plans) if gamma is None else (None, None)
     Ai, W, U = prepare(k, v, g, beta, ch, Ai, wu=not from_inv, gamma_out=fill, bound_out=bnd)
     gamma = fill if gamma is None else gamma
+    VN = torch.empty(T, HV, V, device=dev, dtype=io) if delta else None
     SK, SV = tiles("state_fwd", K, V)
     fused = from_inv and warp_specialised(k, g, beta, K, V, "fused_states")
-    VN = torch.empty(T, HV, V, device=dev, dtype=io) if delta and (store_delta or not fused) else None
     L = _fused_fwd().split_of(ch, HV, V, dev, g) if fused else split_len(ch, HV, cdiv(V, SV), dev, warm_split(g))
     if pad_L and L != pad_L:  # pads between segments this pass does not run: none
         pad = pad_L = 0

@@ -66,22 +66,18 @@ def _chunk(w, HV, cu, chunk_idx):
 
 @gluon.jit
 def _issue(n, w, i_v, s, HV, cu, chunk_idx, rows, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd,
-           ring_v, ring_h, ring_dh, bars, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-           D_ON_CHIP: gl.constexpr, DD_ON_CHIP: gl.constexpr):
-    """Start the tensor copies of item ``w``'s value tile ``i_v`` (δ unless ``D_ON_CHIP``, dO, dδ
-    unless ``DD_ON_CHIP``, v rows; h, dh rows) into ring slot ``s``; its barrier completes when all
-    ``n`` bytes have landed."""
+           ring_v, ring_h, ring_dh, bars, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr):
+    """Start the tensor copies of item ``w``'s value tile ``i_v`` (δ, dO, dδ, v rows; h, dh rows) into
+    ring slot ``s``; its barrier completes when all ``n`` bytes have landed."""
     i_t, i_hv, i_n, i_c, t0 = _chunk(w, HV, cu, chunk_idx)
     col = i_hv * V + i_v * BV
     row_h = (gl.load(rows + 2 * i_t) * HV + i_hv) * K  # the chunk's state row in h
     row = (gl.load(rows + 2 * i_t + 1) * HV + i_hv) * K  # and its dS_out row in dh
     bar = bars.index(s)
     mbarrier.expect(bar, n)
-    if not D_ON_CHIP:
-        tma.async_copy_global_to_shared(d_t, [t0, col], bar, ring_d.index(s))
+    tma.async_copy_global_to_shared(d_t, [t0, col], bar, ring_d.index(s))
     tma.async_copy_global_to_shared(do_t, [t0, col], bar, ring_do.index(s))
-    if not DD_ON_CHIP:
-        tma.async_copy_global_to_shared(dd_t, [t0, col], bar, ring_dd.index(s))
+    tma.async_copy_global_to_shared(dd_t, [t0, col], bar, ring_dd.index(s))
     tma.async_copy_global_to_shared(v_t, [t0, col], bar, ring_v.index(s))
     tma.async_copy_global_to_shared(h_t, [row_h, i_v * BV], bar, ring_h.index(s))
     tma.async_copy_global_to_shared(dh_t, [row, i_v * BV], bar, ring_dh.index(s))
@@ -116,7 +112,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
           DV, dq_t, dk_t, dv_t, DB, DG, cu, chunk_idx, rows, scale, H, HV, ring_d, ring_do, ring_dd, ring_v,
           ring_h, ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K: gl.constexpr,
           V: gl.constexpr, BV: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr,
-          DV_TMA: gl.constexpr, D_ON_CHIP: gl.constexpr, DD_ON_CHIP: gl.constexpr):
+          DV_TMA: gl.constexpr):
     """Item ``w``, the program's J-th of PER (fused_bwd_kernel's docstring). The program's first item
     requests its first value tiles, its T⁻¹ (slot 0 of ``s_as``) and its q and k once its per-row
     scalars are requested; a later item's were requested by the item before: once its value loop
@@ -135,7 +131,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
     c_t: gl.constexpr = gl.SliceLayout(0, a_t)  # column vectors of [64, 64]
     r_k: gl.constexpr = gl.SliceLayout(1, a_k)  # row vectors of [64, K]
     r_v: gl.constexpr = gl.SliceLayout(1, a_v)  # row vectors of [64, BV]
-    tile_bytes: gl.constexpr = ((4 - D_ON_CHIP - DD_ON_CHIP) * BT + 2 * K) * BV * 2  # 16-bit tiles
+    tile_bytes: gl.constexpr = (4 * BT + 2 * K) * BV * 2  # 16-bit tiles
     NEXT: gl.constexpr = J + 1 < PER  # a later item of this program may follow
     s_a = s_as.index(J % 2)
     bar_a = bars_a.index(J % 2)
@@ -171,75 +167,8 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
         _issue_inv(w, HV, H, cu, chunk_idx, ai_t, s_as.index(0), bars_a.index(0))
         for i_s in gl.static_range(min(NS, NV)):
             _issue(tile_bytes, w, i_s, i_s, HV, cu, chunk_idx, rows, d_t, do_t, dd_t, v_t, h_t, dh_t, ring_d,
-                   ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV, D_ON_CHIP,
-                   DD_ON_CHIP)
+                   ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
         _issue_qk(w, HV, H, cu, chunk_idx, q_t, k_t, s_q, s_k, bar_qk, K)
-
-    # T⁻¹, zeroed past the sequence end (Tᵀ, its transposed view, is the A operand of dV, Tᵀ dW and dA)
-    mbarrier.wait(bar_a, (J // 2) & 1)
-    if partial:
-        m_lt = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, ld_t)) < eos
-        x = s_a.load(ld_t)
-        s_a.store(gl.where(m_lt[:, None], x, gl.zeros_like(x)))
-        fence_async_shared()
-        gl.thread_barrier()
-    s_tt = s_a.permute((1, 0))
-    if D_ON_CHIP or DD_ON_CHIP:
-        # What the recomputed state pass and the reverse pass would have stored, formed again here for
-        # every value tile (all in the ring at once: NV ≤ NS) as they form it, into the ring slots
-        # their copies would have filled, before the loop's accumulators exist (no registers added
-        # to the loop's): δ = T diag(β)(V − diag(Γ) K S) (fused_fwd's δ warpgroup: K S in fp32, X
-        # rounded once, T X in fp32, zero past the sequence end; X through s_p, which the epilogue
-        # takes only after the loop) and dδ = diag(Γ_C / Γ) K dS + L, L = scale · Pᵀ dO rounded
-        # once, Pᵀ = K Qᵀ ⊙ Dᵀ in 16 bits with the columns past the end zeroed (fused_rev's δ and
-        # local warpgroups; Pᵀ through s_hi, which the epilogue too takes only after the loop)
-        gl.static_assert(NV <= NS, "δ or dδ on chip needs every value tile of an item in the ring at once")
-        mbarrier.wait(bar_qk, J & 1)  # (K, and Q for Pᵀ: q and k land together)
-        g_v = gl.load(G + rv * HV + i_hv, mask=m_v, other=0.0)
-        e_v = gl.exp(g_v)
-        w_v = gl.where(m_v, gl.exp(g_last - g_v), 0.0)
-        if DD_ON_CHIP:
-            b_p = warpgroup_mma(s_k, s_q.permute((1, 0)), gl.zeros([BT, BT], f32, a_t), use_acc=False,
-                                is_async=True)
-            b_p = warpgroup_mma_wait(0, deps=[b_p])
-            keep = (ct[None, :] >= rt[:, None]) & (ct < eos)[None, :]
-            b_p = b_p * gl.exp(gl.where(keep, g_c[None, :] - g_t[:, None], float("-inf")))
-            s_hi.store(b_p.to(DT))
-            fence_async_shared()
-            gl.thread_barrier()
-        for i_v in range(NV):
-            n0 = J * NV + i_v
-            s0 = n0 % NS
-            mbarrier.wait(bars.index(s0), (n0 // NS) & 1)
-            # the products that need only the copies, started together and waited on once
-            if D_ON_CHIP:
-                b_x = warpgroup_mma(s_k, ring_h.index(s0), gl.zeros([BT, BV], f32, a_v), use_acc=False,
-                                    is_async=True)
-            if DD_ON_CHIP:
-                b_kd = warpgroup_mma(s_k, ring_dh.index(s0), gl.zeros([BT, BV], f32, a_v), use_acc=False,
-                                     is_async=True)
-                b_l = warpgroup_mma(s_hi, ring_do.index(s0), gl.zeros([BT, BV], f32, a_v), use_acc=False,
-                                    is_async=True)
-            if D_ON_CHIP and DD_ON_CHIP:
-                b_x, b_kd, b_l = warpgroup_mma_wait(0, deps=[b_x, b_kd, b_l])
-            elif D_ON_CHIP:
-                b_x = warpgroup_mma_wait(0, deps=[b_x])
-            else:
-                b_kd, b_l = warpgroup_mma_wait(0, deps=[b_kd, b_l])
-            if DD_ON_CHIP:
-                b_l = (b_l * scale).to(DT).to(f32)
-                ring_dd.index(s0).store((b_kd * w_v[:, None] + b_l).to(DT))
-            if D_ON_CHIP:
-                b_v = ring_v.index(s0).load(a_v).to(f32)
-                gl.thread_barrier()  # (the previous tile's product has read s_p)
-                s_p.store(((b_v - b_x * e_v[:, None]) * b_bv[:, None]).to(DT))
-                fence_async_shared()
-                gl.thread_barrier()
-                b_x = warpgroup_mma(s_a, s_p, gl.zeros([BT, BV], f32, a_v), use_acc=False, is_async=True)
-                b_x = warpgroup_mma_wait(0, deps=[b_x])
-                ring_d.index(s0).store(gl.where(m_v[:, None], b_x, 0.0).to(DT))
-        fence_async_shared()
-        gl.thread_barrier()
 
     # ---- the value loop
     dod = gl.zeros([BT, BT], f32, a_t)
@@ -249,6 +178,15 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
     wac = gl.zeros([BT, K], f32, a_k)  # dδ Sᵀ = −dW
     dbu = gl.zeros([BT], f32, r_v)  # dβ's U term
     gcs = gl.zeros([K], f32, gl.SliceLayout(1, ld_v))  # Σ_v S ⊙ dS per key row
+    # T⁻¹, zeroed past the sequence end (Tᵀ, its transposed view, is the A operand of dV, Tᵀ dW and dA)
+    mbarrier.wait(bar_a, (J // 2) & 1)
+    if partial:
+        m_lt = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, ld_t)) < eos
+        x = s_a.load(ld_t)
+        s_a.store(gl.where(m_lt[:, None], x, gl.zeros_like(x)))
+        fence_async_shared()
+        gl.thread_barrier()
+    s_tt = s_a.permute((1, 0))
     for i_v in range(0, NV):
         n = J * NV + i_v  # the program's tile count: ring slot and barrier phase
         s = n % NS
@@ -295,8 +233,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
             gl.store(DV + p_o, dv.to(DV.dtype.element_ty), mask=m_v[:, None])
         if i_v + NS < NV:
             _issue(tile_bytes, w, i_v + NS, s, HV, cu, chunk_idx, rows, d_t, do_t, dd_t,
-                   v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV, D_ON_CHIP,
-                   DD_ON_CHIP)
+                   v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
     if NEXT:
         # the next item's first value tiles into the slots this loop is done with (once dV's copies
         # out of them have read them) and its T⁻¹ into the other slot: they land during this epilogue
@@ -305,8 +242,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
             gl.thread_barrier()
             for i_s in gl.static_range(min(NS, NV)):
                 _issue(tile_bytes, w + 1, i_s, ((J + 1) * NV + i_s) % NS, HV, cu, chunk_idx, rows, d_t, do_t,
-                       dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV, D_ON_CHIP,
-                   DD_ON_CHIP)
+                       dd_t, v_t, h_t, dh_t, ring_d, ring_do, ring_dd, ring_v, ring_h, ring_dh, bars, K, V, BV)
             _issue_inv(w + 1, HV, H, cu, chunk_idx, ai_t, s_as.index((J + 1) % 2), bars_a.index((J + 1) % 2))
 
     # ---- the epilogue. q and k (zeroed past the sequence end), then dW = −dδ Sᵀ and dδ δᵀ (as a
@@ -414,7 +350,7 @@ def _item(J: gl.constexpr, PER: gl.constexpr, w, NW, q_t, k_t, G, beta, ai_t, d_
 def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, cu,
                      chunk_idx, rows, scale, H, HV, NW, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                      NS: gl.constexpr, DT: gl.constexpr, QK_TMA: gl.constexpr, DV_TMA: gl.constexpr,
-                     PER: gl.constexpr, D_ON_CHIP: gl.constexpr = False, DD_ON_CHIP: gl.constexpr = False):
+                     PER: gl.constexpr):
     """PER consecutive items a program (the last program's items past ``NW`` are skipped), item w =
     i_t · HV + i_hv being chunk i_t of ``chunk_idx`` (all of the call's chunks, or a slice of them)
     and value head i_hv. G [T, HV] the in-chunk cumulative log decay γ; beta [T, HV]. Descriptors:
@@ -469,26 +405,13 @@ def fused_bwd_kernel(q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, D
             _item(j, PER, w0 + j, NW, q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t, dh_t, DQ, DK, DV, dq_t, dk_t,
                   dv_t, DB, DG, cu, chunk_idx, rows, scale, H, HV, ring_d, ring_do, ring_dd, ring_v, ring_h,
                   ring_dh, bars, bar_qk, bars_a, s_as, s_q, s_k, s_p, s_w, s_hi, s_lo, K, V, BV, NS, DT, QK_TMA,
-                  DV_TMA, D_ON_CHIP, DD_ON_CHIP)
+                  DV_TMA)
     tma.store_wait(0)
 
 
 def value_tile(V: int) -> int:
     """The value tile for V: ``DELTA["fused_bwd"]["BV"]`` where it divides V, else 32 (0: neither does)."""
     return next((b for b in (DELTA["fused_bwd"]["BV"], 32) if V % b == 0), 0)
-
-
-def ring_holds_item(V: int) -> bool:
-    """Whether every value tile of an item is in the ring at once (V / BV ≤ NS): where this kernel
-    can form δ and dδ again itself before its value loop."""
-    return value_tile(V) > 0 and V // value_tile(V) <= DELTA["fused_bwd"]["NS"]
-
-
-def forms(switch: str, V: int) -> bool:
-    """Whether this kernel forms δ (``switch`` "delta_on_chip") or, after the warp-specialised
-    reverse pass, dδ ("ddelta_on_chip") again itself where it takes the call: that switch of
-    ``DELTA["fused_bwd"]`` on and :func:`ring_holds_item`."""
-    return bool(DELTA["fused_bwd"][switch]) and ring_holds_item(V)
 
 
 def usable(q, g, beta, K: int, V: int) -> bool:
@@ -548,36 +471,25 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     """(dQ, dK, dV, dg, dβ) of the chunk op, allocated, and ``run(chunk_idx, rows, NT)``, which fills
     their rows of those NT chunks (``chunk_idx`` [NT, 2] as ``Chunks.chunk_idx``; ``rows`` [NT, 2]
     their states' rows in h and their dS_out's in dh, common.Slice) from the reverse pass's results
-    (chunk_bwd.backward). ``DD`` None: dδ was not stored (the reverse pass's ``STORE_DD`` off), and
-    the kernel forms it again from K, Q, dO, dS and γ (its ``DD_ON_CHIP``: 64 MB fewer written and
-    read at (8, 2048, 16, 128) for three more products an item). ``VN`` None: δ was not stored (the recomputed state pass's ``STORE_D``
-    off), and the kernel forms each value tile of it again from h, k, v, β, γ and T⁻¹ (its
-    ``D_ON_CHIP``): 64 MB fewer written and 64 MB fewer read at (8, 2048, 16, 128) for two small
-    products an item."""
+    (chunk_bwd.backward)."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dev, f32 = v.device, torch.float32
     BV = value_tile(V)
-    chip, dd_chip = VN is None, DD is None
-    if (chip or dd_chip) and not ring_holds_item(V):
-        raise ValueError(f"fused_bwd: δ or dδ formed on chip needs V / BV <= NS, got V={V}")
     # dV is written over dδ and dQ over δ where shape and dtype allow: a program reads its chunk's
     # rows of both (tensor copies into its ring) before it writes a value tile of dV (after that
     # tile's products) or dQ (after the value loop), and reads no other program's rows but those
     # past its sequence's end, which it masks. The backward's peak then holds h, dh, δ, dδ and dK
     # besides the saved tensors, not dQ and dV as well.
     dv_dtype = dv_dtype or grad_dtype
-    DQ = (VN if not chip and VN.shape == (T, HV, K) and VN.dtype == grad_dtype
+    DQ = (VN if VN.shape == (T, HV, K) and VN.dtype == grad_dtype
           else torch.empty(T, HV, K, device=dev, dtype=grad_dtype))
     DK = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
-    DV = DD if not dd_chip and DD.dtype == dv_dtype else torch.empty(T, HV, V, device=dev, dtype=dv_dtype)
+    DV = DD if DD.dtype == dv_dtype else torch.empty(T, HV, V, device=dev, dtype=dv_dtype)
     DB = torch.empty(T, HV, device=dev, dtype=f32)
     DG = torch.empty(T, HV, device=dev, dtype=f32)
     DT = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
-    do_t, v_t = (_tiles(cast(x, v.dtype), T, (CHUNK, BV), DT) for x in (do, v))
-    # (δ's and dδ's descriptors are not read where the kernel forms them)
-    d_t = do_t if chip else _tiles(cast(VN, v.dtype), T, (CHUNK, BV), DT)
-    dd_t = do_t if dd_chip else _tiles(cast(DD, v.dtype), T, (CHUNK, BV), DT)
+    d_t, do_t, dd_t, v_t = (_tiles(cast(x, v.dtype), T, (CHUNK, BV), DT) for x in (VN, do, DD, v))
     h_t, dh_t = (_tiles(x, x.numel() // V, (K, BV), DT) for x in (h, dh))
     q_t, k_t = (_tiles(cast(x, v.dtype), T, (CHUNK, K), DT) for x in (q, k))
     ai_t = _tiles(Ai, T, (CHUNK, CHUNK), DT)
@@ -588,14 +500,13 @@ def backward(q, k, v, G, beta, Ai, VN, do, h, dh, DD, ch, scale: float, grad_dty
     dv_tma = DV.dtype == v.dtype
     dq_t, dk_t = (_tiles(DQ, T, (CHUNK, K), DT), _tiles(DK, T, (CHUNK, K), DT)) if qk_tma else (q_t, k_t)
     # (dV over dδ, the usual case, goes out through dδ's own descriptor)
-    dv_t = dd_t if not dv_tma or (not dd_chip and dd_t.base is DV) else _tiles(DV, T, (CHUNK, BV), DT)
+    dv_t = dd_t if not dv_tma or dd_t.base is DV else _tiles(DV, T, (CHUNK, BV), DT)
 
     def run(chunk_idx, rows, NT: int):
         c = DELTA["fused_bwd"]
         PER = c["items"]
         launch(fused_bwd_kernel, (cdiv(NT * HV, PER),), q_t, k_t, G, beta, ai_t, d_t, do_t, dd_t, v_t, h_t,
                dh_t, DQ, DK, DV, dq_t, dk_t, dv_t, DB, DG, ch.cu, chunk_idx, rows, scale, H, HV, NT * HV, K=K,
-               V=V, BV=BV, NS=c["NS"], DT=DT, QK_TMA=qk_tma, DV_TMA=dv_tma, PER=PER, D_ON_CHIP=chip,
-               DD_ON_CHIP=dd_chip, name="fused_bwd")
+               V=V, BV=BV, NS=c["NS"], DT=DT, QK_TMA=qk_tma, DV_TMA=dv_tma, PER=PER, name="fused_bwd")
 
     return (DQ, DK, DV, DG, DB), run

@@ -285,8 +285,7 @@ def _output(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, p_buf, d_buf,
 def fused_fwd_kernel(q_t, k_t, v_t, a_t, h_t, G, beta, h0, o, VN, ht, cu, off, plan, seg_seq, seq_cu, scale, H,
                      HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr,
                      USE_INIT: gl.constexpr, STORE_FINAL: gl.constexpr, WARM: gl.constexpr, OUT: gl.constexpr,
-                     STORE_H: gl.constexpr, R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_OUT: gl.constexpr,
-                     STORE_D: gl.constexpr = True):
+                     STORE_H: gl.constexpr, R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_OUT: gl.constexpr):
     """One program per (sequence, value head, value tile), walking the sequence's chunks: V the
     head's value width (the row length of v, o, VN, h0, ht, h), VT the program's tile of it (V a
     multiple of VT; NVT = V / VT tiles a head), program id (i_n · HV + i_hv) · NVT + i_vt, so the
@@ -300,8 +299,7 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, h_t, G, beta, h0, o, VN, ht, cu, off, p
     ``OUT``: the output warpgroup runs (else q is not copied and the program is the state pass
     alone). ``STORE_H``: the pass keeps what the backward reads, as state_fwd_kernel does: h
     (descriptor h_t of the [chunks, HV, K, V] states in [K, VT] blocks, the chunk's global index
-    off[i_n] + c) and, with ``STORE_D``, δ in VN [T, HV, V] (without it the backward's per-chunk
-    kernel forms δ again from h: fused_bwd's ``D_ON_CHIP``). R_*: the registers a thread of the copy, δ and output
+    off[i_n] + c) and δ in VN [T, HV, V]. R_*: the registers a thread of the copy, δ and output
     partitions holds (the state's partition takes the rest of the launch's ``maxnreg`` budget).
 
     A chunk's block may reach into the next sequence's rows (or past T, where the copies give
@@ -309,7 +307,6 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, h_t, G, beta, h0, o, VN, ht, cu, off, p
     clean; δ is zeroed on those rows before P δ and the state update, and their o rows are not
     stored."""
     NVT: gl.constexpr = V // VT
-    STORE_VN: gl.constexpr = STORE_H and STORE_D
     i_n, i_hv, i_h, col = _program(H, HV, NVT, VT)
     ring_k = gl.allocate_shared_memory(DT, [NS, BT, K], k_t.layout)
     ring_v = gl.allocate_shared_memory(DT, [NS, BT, VT], v_t.layout)
@@ -347,7 +344,7 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, h_t, G, beta, h0, o, VN, ht, cu, off, p
             (_copies, (q_t, k_t, v_t, a_t, ring_q, ring_k, ring_v, ring_a, ready, empty, cu, plan, i_n, i_h, i_hv,
                        col, HV, K, V, VT, WARM, OUT)),
             (_delta, (ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf, d_buf, dt_buf, d_ready,
-                      d_empty, G, beta, VN, cu, plan, i_n, i_hv, col, HV, V, VT, DT, WARM, STORE_VN)),
+                      d_empty, G, beta, VN, cu, plan, i_n, i_hv, col, HV, V, VT, DT, WARM, STORE_H)),
             (_output, (ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, p_buf, d_buf, d_ready, d_empty, G, o,
                        cu, plan, i_n, i_hv, col, HV, scale, V, VT, DT, WARM)),
         ], [1, WG, WG], [R_COPY, R_DELTA, R_OUT])
@@ -359,7 +356,7 @@ def fused_fwd_kernel(q_t, k_t, v_t, a_t, h_t, G, beta, h0, o, VN, ht, cu, off, p
             (_copies, (q_t, k_t, v_t, a_t, ring_q, ring_k, ring_v, ring_a, ready, empty, cu, plan, i_n, i_h, i_hv,
                        col, HV, K, V, VT, WARM, OUT)),
             (_delta, (ring_k, ring_v, ring_a, ready, empty, s_buf, s_ready, s_empty, y_buf, d_buf, dt_buf, d_ready,
-                      d_empty, G, beta, VN, cu, plan, i_n, i_hv, col, HV, V, VT, DT, WARM, STORE_VN)),
+                      d_empty, G, beta, VN, cu, plan, i_n, i_hv, col, HV, V, VT, DT, WARM, STORE_H)),
         ], [1, WG], [R_COPY, R_DELTA])
 
 
@@ -425,8 +422,8 @@ def _run(k, v, G, beta, Ai, h0, ht, ch, *, q=None, o=None, scale=1.0, h=None, VN
     launch(fused_fwd_kernel, (programs * HV * NVT,), q_t, k_t, v_t, a_t, h_t, G, beta,
            h0 if h0 is not None else G, o if out else G, VN if VN is not None else G, ht if ht is not None else G, cu,
            off, plan, seg_seq, ch.cu, scale, H, HV, K=K, V=V, VT=VT, NS=c["NS"], DT=DT, USE_INIT=h0 is not None,
-           STORE_FINAL=ht is not None, WARM=bool(L), OUT=out, STORE_H=h is not None, STORE_D=VN is not None,
-           R_COPY=regs[0], R_DELTA=regs[1], R_OUT=regs[2], maxnreg=c["maxnreg"], name=name)
+           STORE_FINAL=ht is not None, WARM=bool(L), OUT=out, STORE_H=h is not None, R_COPY=regs[0],
+           R_DELTA=regs[1], R_OUT=regs[2], maxnreg=c["maxnreg"], name=name)
     if L:
         fill_empty(ht, h0, ch)
 
@@ -441,6 +438,6 @@ def forward(q, k, v, G, beta, Ai, h0, o, ht, ch, scale: float, plans=None):
 def states(k, v, G, beta, Ai, h0, h, VN, ht, ch, plans=None, pad=0, pad_L=0):
     """The backward's recomputed state pass (chunk_fwd.forward_intermediates' ``from_inverse`` form):
     fills h [rows, HV, K, V] (the state entering each chunk, at common.state_rows' rows with ``pad``
-    and ``pad_L``) and VN [T, HV, V] (δ; None: not stored) in the inputs' dtype, and ht when given; its warm-up counts
+    and ``pad_L``) and VN [T, HV, V] (δ) in the inputs' dtype, and ht when given; its warm-up counts
     from ``plans`` where the forward left them."""
     _run(k, v, G, beta, Ai, h0, ht, ch, h=h, VN=VN, plans=plans, pad=pad, pad_L=pad_L)

@@ -155,10 +155,9 @@ def _state(ring_q, ring_k, ready, empty, s_buf, s_ready, s_empty, o_buf, o_ready
 @gluon.jit
 def _delta(ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready, l_empty, d_buf, z_buf, z_ready,
            z_empty, G, beta, DD, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, V: gl.constexpr,
-           VT: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, STORE_DD: gl.constexpr):
+           VT: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr):
     """The δ warpgroup, on the program's VT value columns: dδ = diag(Γ_C / Γ) K dS + L (zero on rows
-    past the end; with ``STORE_DD`` stored to its columns of DD [T, HV, V] but on warm-up chunks;
-    without it the per-chunk kernel forms it again: fused_bwd's ``DD_ON_CHIP``), then
+    past the end; stored to its columns of DD [T, HV, V] but on warm-up chunks), then
     Z = −diag(βΓ) Tᵀ dδ for the state's update."""
     NS: gl.constexpr = ring_k.shape[0]
     l_v: gl.constexpr = acc_layout(VT, WG)
@@ -190,8 +189,7 @@ def _delta(ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready
         fence_async_shared()
         b_z = warpgroup_mma(ring_a.index(s).permute((1, 0)), d_buf, zero, use_acc=False, is_async=True)
         p_d = (rt.to(gl.int64)[:, None] * HV + i_hv) * V + o_v[None, :]
-        if STORE_DD:
-            gl.store(DD + p_d, b_d, mask=m[:, None] & (j >= nw))
+        gl.store(DD + p_d, b_d, mask=m[:, None] & (j >= nw))
         b_z = warpgroup_mma_wait(0, deps=[b_z])
         b_z = (b_z * (-b_b * gl.exp(g_t))[:, None]).to(DT)
         mbarrier.wait(z_empty, par ^ 1)  # the state's previous update has read Z
@@ -250,8 +248,7 @@ def _local(ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty
 def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, cu, ends, off, plan, seg_seq, seq_cu, scale, H,
                      HV, K: gl.constexpr, V: gl.constexpr, VT: gl.constexpr, NS: gl.constexpr, DT: gl.constexpr,
                      USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, CARRY: gl.constexpr,
-                     R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_LOCAL: gl.constexpr,
-                     STORE_DD: gl.constexpr = True):
+                     R_COPY: gl.constexpr, R_DELTA: gl.constexpr, R_LOCAL: gl.constexpr):
     """One program per (sequence, value head, value tile) over tokens [cu[i_n], ends[i_n]) (a slice
     of the sequence where the caller cuts the pass: chunk_bwd.backward), last chunk first: V the
     head's value width (the row length of do, DD, dht, dh0, dh), VT the program's tile of it (V a
@@ -302,7 +299,7 @@ def fused_rev_kernel(q_t, k_t, do_t, a_t, dh_t, G, beta, dht, dh0, DD, cu, ends,
                    seq_cu, i_n, i_h, i_hv, col, HV, K, V, VT, WARM)),
         (_delta, (ring_k, ring_a, ready, empty, s_buf, s_ready, s_empty, l_buf, l_ready, l_empty, d_buf, z_buf,
                   z_ready, z_empty, G, beta, DD, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, col, HV, V, VT, DT,
-                  WARM, STORE_DD)),
+                  WARM)),
         (_local, (ring_q, ring_k, ring_do, ready, empty, p_buf, l_buf, l_ready, l_empty, o_buf, o_ready, o_empty, G,
                   cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, VT, DT, WARM)),
     ], [1, WG, WG], [R_COPY, R_DELTA, R_LOCAL])
@@ -337,8 +334,7 @@ def plain_tile(V: int, pairs: int, device) -> int:
 def reverse(q, k, do, G, beta, Ai, dht, dh, DD, dh0, cu, ends, off, N: int, scale: float, warm=None):
     """Launch the pass over N programs' token ranges [cu, ends) (per sequence, or a slice of each):
     fills dh [chunks, HV, K, V] (dS_out of each chunk, from off on per program; contiguous, in the
-    inputs' dtype), DD [T, HV, V] (dδ; None: not stored, the per-chunk kernel forms it) and, when
-    given, dh0 [N, HV, K, V] (fp32; may be ``dht``).
+    inputs' dtype), DD [T, HV, V] (dδ) and, when given, dh0 [N, HV, K, V] (fp32; may be ``dht``).
     q, k [T, H, K]; do [T, HV, V]; G (γ), beta [T, HV] fp32; Ai [T, HV, 64]. One program per
     (range, value head, value tile of fused_fwd.value_tile: N · HV · NVT in all). ``warm``: (plan,
     seg_seq, seq_cu) where the programs are warm-started segments (the kernel's ``WARM``; dht and
@@ -369,9 +365,9 @@ def reverser(q, k, do, G, beta, Ai, dh, DD, scale: float, VT: int | None = None)
     def run(dht, dh0, cu, ends, off, N: int, warm=None, carry: bool = False):
         plan, seg_seq, seq_cu = warm if warm is not None else (cu, cu, cu)
         launch(fused_rev_kernel, (N * programs,), q_t, k_t, do_t, a_t, dh_t, G, beta,
-               dht if dht is not None else G, dh0 if dh0 is not None else G, DD if DD is not None else dh, cu, ends,
-               off, plan, seg_seq, seq_cu, scale, H, HV, K=K, V=V, VT=VT, NS=c["NS"], DT=DT, USE_DHT=dht is not None,
+               dht if dht is not None else G, dh0 if dh0 is not None else G, DD, cu, ends, off, plan, seg_seq,
+               seq_cu, scale, H, HV, K=K, V=V, VT=VT, NS=c["NS"], DT=DT, USE_DHT=dht is not None,
                USE_INIT=dh0 is not None, WARM=warm is not None, CARRY=carry, R_COPY=r[0], R_DELTA=r[1], R_LOCAL=r[2],
-               STORE_DD=DD is not None, maxnreg=c["maxnreg"], name="fused_rev")
+               maxnreg=c["maxnreg"], name="fused_rev")
 
     return run
