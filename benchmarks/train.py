@@ -195,9 +195,12 @@ def kernel_profile(step, label, top=30, trace=None):
     and where the GPU idles within the step (tools/trace_gaps.py: the gaps between kernels, charged
     to the host operator that launched the next one when the launch came after the GPU went idle).
     The host is traced too, which slows it: the idle figures are an upper bound of the unprofiled
-    step's. ``trace``: a folder to keep the step's Chrome trace in, as ``<label>.json.gz``."""
+    step's. ``trace``: a folder to keep the step's Chrome trace in, as ``<label>.json.gz``. Then
+    PyTorch's own operators by input shapes with the GPU time of the kernels each launched itself
+    (the casts, copies, adds and reductions between gdn's kernels and the products: which tensors
+    they move)."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
     evs = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -209,6 +212,16 @@ def kernel_profile(step, label, top=30, trace=None):
     print(f"{label}: by part of the step, ms (share)")
     for kind, ms, share in by_kind([(e.key, e.device_time_total / 1e3) for e in evs]):
         print(f"  {ms:8.2f}  ({100 * share:4.1f} %)  {kind}")
+    print(f"{label}: ATen operators by input shapes, GPU ms of the kernels each launched itself "
+          "(matrix products left out)")
+    cpu = torch.autograd.DeviceType.CPU
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.device_type == cpu and e.key.startswith("aten::") and e.self_device_time_total > 0
+           and e.key not in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")]
+    ops.sort(key=lambda e: -e.self_device_time_total)
+    for e in ops[:top]:
+        shapes = ", ".join(str(tuple(x)) for x in e.input_shapes if x)[:90]
+        print(f"  {e.self_device_time_total / 1e3:8.2f}  x{e.count:<4d} {e.key[6:]:<24s} {shapes}")
     try:  # (the run's table comes after this: an unreadable trace must not lose it)
         with tempfile.TemporaryDirectory() as tmp:
             if trace:

@@ -351,3 +351,22 @@ def test_mixer_on_the_kernels_with_joined_projections(monkeypatch):
     assert min(b.storage_offset() for b in blocks.values() if b.shape[-1] % 8) > blocks["g_proj"].storage_offset()
     for (name, _), a, b in zip([("o", 0), ("dx", 0)] + list(m.named_parameters()), *res):
         assert _rel(a, b.double()) < 1e-5, (name, _rel(a, b.double()))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 6), (1025, 7), (16384, 6), (40, 1030), (0, 5), (4, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_colsum_is_the_sum_over_rows(shape, dtype):
+    """gdn.ops.triton.colsum: Σ over rows in fp32 for any [P, D] (one row, a non-power-of-two and a
+    wide D, many rows of few columns, empty), a strided input copied first, the same at every call."""
+    from gdn.ops.triton.colsum import colsum
+
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    got = colsum(x)
+    assert got.dtype == torch.float32 and got.shape == (shape[1],)
+    want = x.double().sum(0)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
+    assert torch.equal(colsum(x), got)
+    if shape[0] > 1:
+        assert torch.allclose(colsum(x.t().contiguous().t()).double(), want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="colsum: x must be"):
+        colsum(x[None])

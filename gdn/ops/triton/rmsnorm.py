@@ -28,6 +28,7 @@ import triton.language as tl
 from ..tuning import INTERPRET, OTHER, cdiv, norm_tiles, pow2
 from ..joined import grad_slot
 from .rows import row_offsets, rows, strided
+from .colsum import colsum
 from .launch import direct
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -173,7 +174,7 @@ def _backward(dy, x, g, weight, rstd, ds=None, h_dtype=None, dg=None):
            ds if ds is not None else dx, dh if dh is not None else dx, R, D, *rx.args(), *gl.args(), GATED=g is not None,
            STRIDED=strided(rx, rg), BR=BR, BD=BD, NLOOP=nloop, RES=dh is not None, DS=ds is not None,
            DG_AT_G=dg_at_g, num_warps=nw)
-    return dx, (dh if dh is not None else dg), dwp.sum(0)
+    return dx, (dh if dh is not None else dg), colsum(dwp)
 
 
 class _RMSNormFn(torch.autograd.Function):

@@ -38,6 +38,7 @@ from .. import offsets
 from ..joined import grad_slot
 from ..tuning import INTERPRET, OTHER, cdiv, pow2
 from .launch import direct, sm_count
+from .colsum import colsum
 
 #: Input dtypes the kernels take.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -297,7 +298,7 @@ def _conv_bwd(dy, x, weight, hist, pos, silu: bool, dx=None, sizes=None) -> tupl
            pos if pos is not None else x, dys[0], dys[1 % len(dys)], dys[-1], S1, S2, dx, dwp, T, D, x.stride(0),
            x.stride(1), dx.stride(0), dx.stride(1), ntb, K=K, KP=pow2(K, 1), HAS_HIST=has_hist,
            PACKED=pos is not None, SILU=silu, L=L, U=U, BD=BD, GROUP=sizes is not None, num_warps=c["warps_bwd"])
-    return dx, dwp.sum((0, 1))
+    return dx, colsum(dwp.view(-1, D * K)).view(D, K)
 
 
 def _hist_grad(dy, x, weight, hist, silu: bool) -> torch.Tensor:

@@ -23,6 +23,7 @@ import triton.language as tl
 from ...gates import L2NORM_EPS
 from ...tuning import OTHER, cdiv, pow2
 from ...triton.rows import row_offsets, row_start, rows, strided
+from ...triton.colsum import colsum
 from ...triton.launch import direct
 
 
@@ -170,8 +171,8 @@ def _gate_backward(a, b, A_log, dt_bias, g, dg, dbeta, neg: bool):
                dg, dbeta, da, db, dgg, n, HV, *ra.args(), *rb.args(),
                BLOCK=c["BLOCK"], NEG=neg, STRIDED=strided(ra, rb), num_warps=c["num_warps"])
     # d dt_bias = Σ da over tokens; d A_log = Σ dg · g (g is linear in exp(A_log)).
-    dA_log = dgg.view(-1, HV).sum(0).to(A_log.dtype)
-    ddt = da.view(-1, HV).sum(0, dtype=torch.float32).to(dt_bias.dtype)  # (summed in fp32, no fp32 copy of da)
+    dA_log = colsum(dgg.view(-1, HV)).to(A_log.dtype)
+    ddt = colsum(da.view(-1, HV)).to(dt_bias.dtype)  # (summed in fp32, no fp32 copy of da)
     return da, db, dA_log, ddt
 
 
