@@ -93,3 +93,37 @@ def joinable(mods) -> bool:
         return False
     return all(type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
                for m in mods)
+
+
+class _JoinedWeight(torch.autograd.Function):
+    """The weights stacked by rows, then ``pad`` zero rows, in ``dtype``: one kernel (a concatenation
+    into a tensor of that dtype) for what ``torch.cat`` then autocast's cast would do in two, each
+    reading and writing the whole. The backward casts the joined gradient to the weights' dtype
+    once and hands each weight its rows (views), as the cast's and the concatenation's backwards
+    would."""
+
+    @staticmethod
+    def forward(ctx, dtype, pad: int, *ws):
+        parts = list(ws) + ([ws[0].new_zeros(pad, *ws[0].shape[1:])] if pad else [])
+        out = torch.empty(sum(p.shape[0] for p in parts), *ws[0].shape[1:], device=ws[0].device, dtype=dtype)
+        torch.cat(parts, out=out)
+        ctx.rows = [w.shape[0] for w in ws]
+        ctx.wdtype = ws[0].dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        rows = ctx.rows
+        return (None, None, *g[:sum(rows)].to(ctx.wdtype).split(rows))
+
+
+def joined_weight(ws, dtype: torch.dtype | None = None, pad: int = 0) -> torch.Tensor:
+    """The weights ``ws`` (same trailing shape, dtype and device) stacked along dim 0, then ``pad``
+    zero rows, as the weight of one product of their layers. ``dtype``: the autocast dtype the
+    product will run in (None: autocast is off); an fp32 join is then cast to it in the same pass,
+    so that autocast finds the weight already in its dtype and casts nothing. The gradients reach
+    each weight as through ``torch.cat`` and the cast."""
+    ws = list(ws)
+    if dtype is None or dtype == ws[0].dtype or ws[0].dtype != torch.float32 or torch.compiler.is_compiling():
+        return torch.cat(ws + ([ws[0].new_zeros(pad, *ws[0].shape[1:])] if pad else []))
+    return _JoinedWeight.apply(dtype, pad, *ws)

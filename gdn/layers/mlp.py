@@ -8,7 +8,7 @@ from torch import nn
 from ..ops.gemv import decode_linear
 from ..ops.library import autocast_of
 from ..ops.swiglu import swiglu_down, swiglu_down_joined
-from .fused import FusedLinear, joinable
+from .fused import FusedLinear, joinable, joined_weight
 
 
 class SwiGLU(nn.Module):
@@ -40,7 +40,7 @@ class SwiGLU(nn.Module):
         one product instead of a sum of two), whose gradient the SwiGLU's backward writes whole."""
         if not joinable((self.gate_proj, self.up_proj)):
             return self._down(self.gate_proj(x), self.up_proj(x))
-        gu = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+        gu = F.linear(x, joined_weight([self.gate_proj.weight, self.up_proj.weight], autocast_of(x)))
         return swiglu_down_joined(gu, self.down_proj.weight, autocast_of(gu) or gu.dtype)
 
     def decode_weights(self) -> FusedLinear:

@@ -25,8 +25,9 @@ from ..distributed import halo
 from ..ops.conv import conv_step_
 from ..ops.gemv import decode_linear
 from ..ops.joined import split_columns, view_block
+from ..ops.library import autocast_of
 from .conv import ShortConvolution, convolve
-from .fused import FusedLinear, FusedWeight, joinable
+from .fused import FusedLinear, FusedWeight, joinable, joined_weight
 from .norm import GatedRMSNorm, RMSNorm
 from .state import RecurrentState
 
@@ -220,11 +221,8 @@ class RecurrentMixer(nn.Module):
         order = sorted(range(len(mods)), key=lambda i: mods[i].out_features % 8 != 0)
         names, mods = [names[i] for i in order], [mods[i] for i in order]
         sizes = [m.out_features for m in mods]
-        ws = [m.weight for m in mods]
         pad = -sum(sizes) % 8
-        if pad:
-            ws.append(ws[0].new_zeros(pad, ws[0].shape[1]))
-        y = F.linear(x, torch.cat(ws))
+        y = F.linear(x, joined_weight([m.weight for m in mods], autocast_of(x), pad))
         # the blocks' gradients come back in one tensor, those of the short convolutions and the
         # output norm's gate written in place by their kernels (gdn.ops.joined)
         return dict(zip(names, split_columns(y, sizes + [pad])))

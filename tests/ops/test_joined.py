@@ -1,6 +1,7 @@
 """Column blocks whose gradients their consumers write into one buffer (gdn.ops.joined)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gdn.ops.joined import grad_slot, split_columns, view_block
@@ -76,3 +77,35 @@ def test_plain_split_without_gradients():
     assert grad_slot(parts[0]) is None
     with torch.no_grad():
         assert grad_slot(split_columns(y.requires_grad_(), [2, 3])[0]) is None
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+def test_joined_weight_casts_in_the_join(pad):
+    """gdn.layers.fused.joined_weight under autocast: the product's weight already in the autocast
+    dtype (one pass instead of a join then a cast), the same bits as ``torch.cat`` then autocast's
+    cast, zero pad rows, and each weight's gradient the same as through the join and the cast."""
+    import torch.nn.functional as F
+
+    from gdn.layers.fused import joined_weight
+
+    gen = torch.Generator().manual_seed(6)
+    ws = [torch.randn(r, 16, generator=gen).requires_grad_() for r in (5, 8, 3)]
+    x = torch.randn(7, 16, generator=gen)
+    dy = torch.randn(7, 16 + pad, generator=gen)
+
+    def run(join):
+        for w in ws:
+            w.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = F.linear(x, join())
+        y.float().backward(dy)
+        return y.detach(), [w.grad.clone() for w in ws]
+
+    got, dgot = run(lambda: joined_weight(ws, torch.bfloat16, pad))
+    want, dwant = run(lambda: torch.cat(ws + ([ws[0].new_zeros(pad, 16)] if pad else [])))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    for a, b in zip(dgot, dwant):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    w = joined_weight(ws, torch.bfloat16, pad)
+    assert w.dtype == torch.bfloat16 and w.shape == (16 + pad, 16) and not w[16:].any()
+    assert joined_weight(ws).dtype == torch.float32  # autocast off: the plain join
