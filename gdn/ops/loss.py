@@ -71,10 +71,19 @@ def accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> N
     and 16 chunks of tokens moved ≈ 10 GB a step (3.9 ms on an H100); the sum is also exact up to the
     fp32 accumulation, not to one bf16 rounding per chunk. Elsewhere (the CPU has no mixed-dtype
     product), the product is formed in the inputs' dtype and added in fp32."""
-    if acc.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc.dtype == torch.float32:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc += (a @ b).to(acc.dtype)
+    if _FP32_OUT[0] and acc.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc.dtype == torch.float32:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except torch.OutOfMemoryError:
+            raise
+        except (TypeError, RuntimeError, NotImplementedError):  # a torch without it (before 2.8)
+            _FP32_OUT[0] = False
+    acc += (a @ b).to(acc.dtype)
+
+
+#: whether this torch's matrix product takes ``out_dtype`` (found at the first call that tries it)
+_FP32_OUT = [True]
 
 
 def lce_backward(dloss, h, weight, tgt, keep, lse, n_kept, dtype: torch.dtype, need_dh: bool, need_dw: bool):

@@ -372,6 +372,10 @@ def test_accumulate_product_sums_into_fp32(dtype, device=DEVICE):
         want += a.double() @ b.double()
     assert acc.dtype == torch.float32
     assert rel_err(acc, want) <= 1e-6, rel_err(acc, want)
+    from gdn.ops import loss
+
+    # torch 2.8 and later sum in the product (out_dtype); earlier ones take the fallback
+    assert loss._FP32_OUT[0] == (tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8))
 
 
 def test_linear_cross_entropy_gradients(device=DEVICE, N=4096, D=256, vocab=32000):
