@@ -371,7 +371,7 @@ def test_accumulate_product_sums_into_fp32(dtype, device=DEVICE):
         accumulate_product(acc, a, b)
         want += a.double() @ b.double()
     assert acc.dtype == torch.float32
-    assert rel_err(acc, want) <= 1e-6, rel_err(acc, want)
+    assert rel_err(acc, want) <= 1e-5, rel_err(acc, want)  # (fp32 sums: ≈ 1e-6; a bf16-rounded product ≈ 2e-3)
     from gdn.ops import loss
 
     # torch 2.8 and later sum in the product (out_dtype); earlier ones take the fallback
