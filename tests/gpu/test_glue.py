@@ -355,6 +355,21 @@ def test_cross_entropy_rows(dtype, device=DEVICE, rows=1048, vocab=32000):
     compare(("lse", "picked", "dz"), ours, torch_ce(z, t, coef), ref, dtype, "cross entropy rows", floor=2e-7)
 
 
+@pytest.mark.parametrize("shape", [(768, 256), (1024, 1024), (256, 12288), (16384, 6), (1 << 20, 6), (5, 3)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_colsum(shape, dtype, device=DEVICE):
+    """gdn.ops.triton.colsum at the 340m step's partial sums (the norms', the convolution's, the
+    gate's) and a million tokens of the gate (its rows split over programs, then summed again):
+    the float64 sum within fp32's accumulation, the same at every call."""
+    from gdn.ops.triton.colsum import colsum
+
+    x = torch.randn(shape, device=device, generator=torch.Generator(device=device).manual_seed(7)).to(dtype)
+    got = colsum(x)
+    assert got.dtype == torch.float32 and got.shape == (shape[1],)
+    assert rel_err(got, x.double().sum(0)) <= 1e-6, rel_err(got, x.double().sum(0))
+    assert torch.equal(colsum(x), got)
+
+
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
 def test_accumulate_product_sums_into_fp32(dtype, device=DEVICE):
     """``acc += a @ b`` summed into the fp32 ``acc`` by the product itself (the head's weight

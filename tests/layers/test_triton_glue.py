@@ -353,12 +353,16 @@ def test_mixer_on_the_kernels_with_joined_projections(monkeypatch):
         assert _rel(a, b.double()) < 1e-5, (name, _rel(a, b.double()))
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (3, 6), (1025, 7), (16384, 6), (40, 1030), (0, 5), (4, 0)])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 6), (1025, 7), (16384, 6), (40, 1030), (0, 5), (4, 0), (300, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_colsum_is_the_sum_over_rows(shape, dtype):
+def test_colsum_is_the_sum_over_rows(shape, dtype, monkeypatch):
     """gdn.ops.triton.colsum: Σ over rows in fp32 for any [P, D] (one row, a non-power-of-two and a
-    wide D, many rows of few columns, empty), a strided input copied first, the same at every call."""
-    from gdn.ops.triton.colsum import colsum
+    wide D, many rows of few columns, empty; rows split over programs past ``ROWS``, here 64, then
+    the splits' sums added), a strided input copied first, the same at every call."""
+    from gdn.ops.triton import colsum as C
+
+    monkeypatch.setattr(C, "ROWS", 64)
+    colsum = C.colsum
 
     x = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(dtype)
     got = colsum(x)

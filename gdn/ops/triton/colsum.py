@@ -27,25 +27,32 @@ def _rows_block(x, acc, p0, P, D, o_d, m_d, BP: tl.constexpr):
 
 
 @triton.jit
-def _colsum_kernel(x, y, P, D, BP: tl.constexpr, BD: tl.constexpr, WHILE: tl.constexpr):
-    """y[d] = Σ_p x[p, d] in fp32 for this program's BD columns; x packed [P, D]. ``WHILE``: the
-    row loop as a ``while`` (Triton 3.6's interpreter cannot run a ``for`` over a run-time bound)."""
+def _colsum_kernel(x, y, P, D, PS, BP: tl.constexpr, BD: tl.constexpr, WHILE: tl.constexpr):
+    """y[s, d] = Σ_p x[p, d] in fp32 over rows [s·PS, min(P, (s + 1)·PS)) for this program's BD
+    columns and row split s; x packed [P, D], y [splits, D]. ``WHILE``: the row loop as a ``while``
+    (Triton 3.6's interpreter cannot run a ``for`` over a run-time bound)."""
     o_d = tl.program_id(0) * BD + tl.arange(0, BD)
     m_d = o_d < D
+    s = tl.program_id(1)
+    end = tl.minimum(P, (s + 1) * PS)
     acc = tl.zeros([BP, BD], tl.float32)
     if WHILE:
-        p0 = 0
-        while p0 < P:
-            acc = _rows_block(x, acc, p0, P, D, o_d, m_d, BP)
+        p0 = s * PS
+        while p0 < end:
+            acc = _rows_block(x, acc, p0, end, D, o_d, m_d, BP)
             p0 += BP
     else:
-        for p0 in range(0, P, BP):
-            acc = _rows_block(x, acc, p0, P, D, o_d, m_d, BP)
-    tl.store(y + o_d, tl.sum(acc, 0), mask=m_d)
+        for p0 in range(s * PS, end, BP):
+            acc = _rows_block(x, acc, p0, end, D, o_d, m_d, BP)
+    tl.store(y + s.to(tl.int64) * D + o_d, tl.sum(acc, 0), mask=m_d)
 
 
 #: elements of one program's tile (BP × BD): 64 fp32 accumulators a thread at 4 warps
 TILE = 8192
+#: rows a program walks at the most before the rows are split over programs too (whose [splits, D]
+#: sums a second pass adds): a tall input of few columns (the gate's [tokens, heads] at a million
+#: tokens) would otherwise sit on a few multiprocessors
+ROWS = 32768
 
 
 def colsum(x: torch.Tensor) -> torch.Tensor:
@@ -55,12 +62,13 @@ def colsum(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"colsum: x must be [P, D], got shape {tuple(x.shape)}")
     P, D = x.shape
     x = x.contiguous()
-    y = torch.empty(D, device=x.device, dtype=torch.float32)
-    if D == 0:
-        return y
-    if P == 0:
-        return y.zero_()
+    if D == 0 or P == 0:
+        return torch.zeros(D, device=x.device, dtype=torch.float32)
     BD = max(8, min(128, pow2(cdiv(D, sm_count(x.device)), 1)))
     BP = max(16, min(pow2(P, 1), TILE // BD))
-    direct(_colsum_kernel, (cdiv(D, BD),), x, y, P, D, BP=BP, BD=BD, WHILE=INTERPRET, num_warps=4)
-    return y
+    splits = cdiv(P, ROWS)
+    PS = cdiv(cdiv(P, splits), BP) * BP  # (a whole number of row blocks a split)
+    splits = cdiv(P, PS)
+    y = torch.empty(splits, D, device=x.device, dtype=torch.float32)
+    direct(_colsum_kernel, (cdiv(D, BD), splits), x, y, P, D, PS, BP=BP, BD=BD, WHILE=INTERPRET, num_warps=4)
+    return y[0] if splits == 1 else colsum(y)
