@@ -89,8 +89,8 @@ def main(argv=None) -> int:
         ref_dx, ref_dw = (t.clone() for t in sc._conv_bwd(dy, x, w, None, None, True, dx))
         floor = B * T * D * 6 / bw * 1e6
         bwd = lambda: sc._conv_bwd(dy, x, w, None, None, True, dx)  # noqa: E731
-        rows = sweep("short_conv", {"L_min": (16, 32, 64), "U": (4, 8), "BD_bwd": (256, 512),
-                                    "warps_bwd": (1, 2)}, bwd,
+        rows = sweep("short_conv", {"L_min": (16, 32, 64), "U": (4, 8), "BD_bwd": (128, 256),
+                                    "warps_bwd": (1, 2), "prefetch": (True, False)}, bwd,
                      lambda out: max(_rel(out[0], ref_dx), _rel(out[1], ref_dw)))
         report(f"convolution backward [{B}, {T}, {D}]", floor, _us(bwd), rows, a.top)
         ref_y = sc._conv_fwd(x, w, None, None, True)

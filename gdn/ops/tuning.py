@@ -318,8 +318,11 @@ OTHER = {
     # Short convolution. Forward: tiles of BT tokens × BD channels (64 under the interpreter).
     # Backward: BD_bwd channels (8 a thread) walked over L tokens, U an iteration; L as large as
     # leaves ``programs`` one-warp programs a multiprocessor. On an H100 at [4, 4096, 768] and
-    # [.., 1536] that is L = 32 and 64, the best of L ∈ {32, 64} × U ∈ {4, 8} × 1–4 warps at each.
-    "short_conv": dict(num_warps=4, BT=32, BD=128, BD_bwd=256, warps_bwd=1, U=4, L_min=16, L_max=64, programs=8),
+    # [.., 1536] that is L = 32 and 64, the best of L ∈ {32, 64} × U ∈ {4, 8} × 1–4 warps at each
+    # (loading each token's rows where used). prefetch: the next U tokens' rows requested before this
+    # iteration's stores (short_conv's backward kernel); not yet timed against loading where used.
+    "short_conv": dict(num_warps=4, BT=32, BD=128, BD_bwd=256, warps_bwd=1, U=4, L_min=16, L_max=64, programs=8,
+                       prefetch=True),
     # Decode products of at most max_rows rows (gdn.ops.gemv): BN output columns per program, the
     # largest power of two up to BN_max that leaves ``programs`` × the multiprocessors programs; K
     # tiles of ``elements`` / BN.

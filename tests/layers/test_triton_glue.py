@@ -374,3 +374,26 @@ def test_colsum_is_the_sum_over_rows(shape, dtype, monkeypatch):
         assert torch.allclose(colsum(x.t().contiguous().t()).double(), want, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="colsum: x must be"):
         colsum(x[None])
+
+
+@pytest.mark.parametrize("case", ["plain", "hist", "packed"])
+def test_conv_backward_prefetching_is_the_same_walk(case, monkeypatch):
+    """The convolution backward's two forms (``OTHER["short_conv"]["prefetch"]``: the next tokens'
+    rows requested before this iteration's stores, or each token's loaded where used) give the
+    same dx and dw to the bit: the same arithmetic in the same order."""
+    from gdn.ops import tuning
+    from gdn.ops.triton import short_conv as sc
+
+    gen = torch.Generator().manual_seed(9)
+    T, D, K = 70, 100, 4
+    x = torch.randn(1, T, D, generator=gen)
+    w = torch.randn(D, K, generator=gen) / K
+    dy = torch.randn(1, T, D, generator=gen)
+    hist = torch.randn(1, D, K - 1, generator=gen) if case == "hist" else None
+    pos = sc._positions(torch.tensor([0, 1, 30, 70]), T) if case == "packed" else None
+    outs = []
+    for prefetch in (True, False):
+        monkeypatch.setitem(tuning.OTHER, "short_conv", dict(tuning.OTHER["short_conv"], prefetch=prefetch))
+        outs.append(sc._conv_bwd(dy, x, w, hist, pos, True))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -14,7 +14,9 @@ program per tile of tokens × channels. The backward recomputes z (it saves only
 the history) and gives dx, dw (per-program fp32 partials [B, programs along T, D, K] summed in
 torch) and the history's gradient (a tiny PyTorch recomputation over the first K-1 tokens); each of
 its programs walks a run of tokens one row at a time, the convolution's shifts done by renaming
-registers, so that every row of x and dy is read once and every dz formed once (a tile form reads
+registers, so that every row of x and dy is read once and every dz formed once, the rows of the
+next few tokens requested before this iteration's stores (``OTHER["short_conv"]["prefetch"]``; a
+load cannot pass an earlier store the compiler cannot tell apart from it) (a tile form reads
 each row K times and needs dz on the tile's K - 1 rows past its end, through a scratch: on an H100
 at the 340m model's shapes it took 1.5–1.8× the walk's time). The forward's own walk took 1.2–1.5×
 its tiles' time there: with no dz to share, the tiles' re-reads hit the cache.
@@ -137,13 +139,19 @@ def _pos(pos, t, T, K: tl.constexpr, PACKED: tl.constexpr):
 
 
 @triton.jit
-def _dz(win, p, ws, dy, b, t, o_d, m_d, T, D, K: tl.constexpr, SILU: tl.constexpr):
-    """dz[t] = dy[t] · act'(z[t]) as fp32 [BD] (zero past T), z[t] = Σ_j w[K-1-j] · x[t-j] over the
-    taps valid at position p (p ≥ j); ``win[j]`` = x[t - j], ``ws[j]`` = w[K-1-j]."""
-    z = tl.zeros([o_d.shape[0]], dtype=tl.float32)
+def _dy_row(dy, b, t, o_d, m_d, T, D):
+    """dy[b, t, o_d] as loaded (zero past T or where ``m_d`` is off)."""
+    return tl.load(dy + b * T * D + t * D + o_d, mask=m_d & (t < T), other=0.0)
+
+
+@triton.jit
+def _dz_of(win, p, ws, b_dy, K: tl.constexpr, SILU: tl.constexpr):
+    """dz[t] = dy[t] · act'(z[t]) as fp32 [BD] from the row ``b_dy`` = dy[t], z[t] = Σ_j w[K-1-j] ·
+    x[t-j] over the taps valid at position p (p ≥ j); ``win[j]`` = x[t - j], ``ws[j]`` = w[K-1-j]."""
+    z = tl.zeros([b_dy.shape[0]], dtype=tl.float32)
     for j in tl.static_range(K):
         z += tl.where(p >= j, win[j], 0.0) * ws[j]
-    dz = tl.load(dy + b * T * D + t * D + o_d, mask=m_d & (t < T), other=0.0).to(tl.float32)
+    dz = b_dy.to(tl.float32)
     if SILU:
         sig = tl.sigmoid(z)
         dz = dz * sig * (1.0 + z * (1.0 - sig))
@@ -151,9 +159,37 @@ def _dz(win, p, ws, dy, b, t, o_d, m_d, T, D, K: tl.constexpr, SILU: tl.constexp
 
 
 @triton.jit
+def _dz(win, p, ws, dy, b, t, o_d, m_d, T, D, K: tl.constexpr, SILU: tl.constexpr):
+    """:func:`_dz_of` of dy[t] loaded here (zero past T)."""
+    return _dz_of(win, p, ws, _dy_row(dy, b, t, o_d, m_d, T, D), K, SILU)
+
+
+@triton.jit
+def _walk_rows(x, hist, pos, dy, t0, o_d, o_y, m_d, b, s_xb, s_xt, T, D, Dy, K: tl.constexpr,
+               HAS_HIST: tl.constexpr, PACKED: tl.constexpr, U: tl.constexpr):
+    """For the U tokens t = t0, t0 - 1, ...: the input rows x[t - K + 1] (as loaded; fp32 with the
+    history added where there is one), the rows dy[t] (as loaded) and the positions, as three
+    tuples, all requested before any is used."""
+    xs = ()
+    dys = ()
+    ps = ()
+    for u in tl.static_range(U):
+        t = t0 - u
+        if HAS_HIST:
+            xs = xs + (_row(x, hist, t - K + 1, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST),)
+        else:  # (as loaded: half the registers in 16 bits; widened where used)
+            tx = t - K + 1
+            xs = xs + (tl.load(x + b * s_xb + tx * s_xt + o_d, mask=m_d & (tx >= 0) & (tx < T), other=0.0),)
+        dys = dys + (_dy_row(dy, b, t, o_y, m_d, T, Dy),)
+        ps = ps + (_pos(pos, t, T, K, PACKED),)
+    return xs, dys, ps
+
+
+@triton.jit
 def _conv_bwd_kernel(x, w, hist, pos, dy, dy1, dy2, S1, S2, dx, dwp, T, D, s_xb, s_xt, s_db, s_dt, NTB,
                      K: tl.constexpr, KP: tl.constexpr, HAS_HIST: tl.constexpr, PACKED: tl.constexpr,
-                     SILU: tl.constexpr, L: tl.constexpr, U: tl.constexpr, BD: tl.constexpr, GROUP: tl.constexpr):
+                     SILU: tl.constexpr, L: tl.constexpr, U: tl.constexpr, BD: tl.constexpr, GROUP: tl.constexpr,
+                     PREFETCH: tl.constexpr):
     """One program: channels ``o_d`` of the L tokens [a, a + L), walked from the last token down, U
     tokens an iteration (unrolled, so their loads issue together). Each token is one [BD] row and
     the convolution's shifts are register renames: the walk carries the K inputs x[t + 1 - k] and
@@ -194,16 +230,34 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dy1, dy2, S1, S2, dx, dwp, T, D, s_xb,
     dws = ()
     for j in tl.static_range(K):
         dws = dws + (tl.zeros([BD], dtype=tl.float32),)
+    # PREFETCH: the rows of the first U tokens, then in every iteration those of the next U, requested
+    # before this iteration's are used. A load cannot move past an earlier store to dx (which the
+    # compiler cannot tell apart from x or dy): loaded where used, each token's loads wait for the
+    # previous token's store, one token's loads in flight (sm_90 SASS: each LDG pair after the STG
+    # before it; with PREFETCH, the next U tokens' eight LDGs ahead of this iteration's four STGs,
+    # 255 registers and no stack, against 185 without)
+    if PREFETCH:
+        nx, ndy, npos = _walk_rows(x, hist, pos, dyp, top, o_d, o_y, m_d, b, s_xb, s_xt, T, D, Dy, K, HAS_HIST,
+                                   PACKED, U)
     for it in range(L // U):
+        if PREFETCH:
+            cx, cdy, cpos = nx, ndy, npos
+            more = it + 1 < L // U  # (none past the program's tokens)
+            nx, ndy, npos = _walk_rows(x, hist, pos, dyp, top - (it + 1) * U, o_d, o_y, m_d & more, b, s_xb,
+                                       s_xt, T, D, Dy, K, HAS_HIST, PACKED, U)
         for u in tl.static_range(U):
             t = top - it * U - u
-            b_new = _row(x, hist, t - K + 1, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST)
-            p = _pos(pos, t, T, K, PACKED)
+            if PREFETCH:
+                p, b_new, b_dy = cpos[u], cx[u].to(tl.float32), cdy[u]
+            else:
+                p = _pos(pos, t, T, K, PACKED)
+                b_new = _row(x, hist, t - K + 1, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST)
+                b_dy = _dy_row(dyp, b, t, o_y, m_d, T, Dy)
             win = ()  # win[j] = x[t - j]
             for j in tl.static_range(K - 1):
                 win = win + (xs[j + 1],)
             win = win + (b_new,)
-            dz = _dz(win, p, ws, dyp, b, t, o_y, m_d, T, Dy, K, SILU)
+            dz = _dz_of(win, p, ws, b_dy, K, SILU)
             nd = ()
             for j in tl.static_range(K):
                 nd = nd + (dws[j] + tl.where(p >= j, dz * win[j], 0.0),)
@@ -297,7 +351,8 @@ def _conv_bwd(dy, x, weight, hist, pos, silu: bool, dx=None, sizes=None) -> tupl
     direct(_conv_bwd_kernel, (cdiv(D, BD), ntb, B), x, weight, hist if has_hist else x,
            pos if pos is not None else x, dys[0], dys[1 % len(dys)], dys[-1], S1, S2, dx, dwp, T, D, x.stride(0),
            x.stride(1), dx.stride(0), dx.stride(1), ntb, K=K, KP=pow2(K, 1), HAS_HIST=has_hist,
-           PACKED=pos is not None, SILU=silu, L=L, U=U, BD=BD, GROUP=sizes is not None, num_warps=c["warps_bwd"])
+           PACKED=pos is not None, SILU=silu, L=L, U=U, BD=BD, GROUP=sizes is not None, PREFETCH=c["prefetch"],
+           num_warps=c["warps_bwd"])
     return dx, colsum(dwp.view(-1, D * K)).view(D, K)
 
 
