@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     rstd = torch.rand(R, device=dev, generator=gen) + 0.5
     dy = torch.randn(R, D, device=dev, generator=gen).to(torch.bfloat16)
     ds = torch.randn(R, D, device=dev, generator=gen)
-    norm_grid = {"elements": (2048, 4096, 8192), "programs": (512, 1024, 2048)}
+    norm_grid = {"elements": (2048, 4096, 8192), "programs": (512, 1024, 2048), "prefetch": (True, False)}
     run = lambda: rn._backward(dy, s, None, w, rstd, ds, torch.bfloat16)  # noqa: E731
     ref = run()[0].clone()
     rows = sweep("rmsnorm", norm_grid, run, lambda out: _rel(out[0], ref))

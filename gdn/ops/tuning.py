@@ -313,8 +313,9 @@ OTHER = {
     "l2norm": dict(num_warps=4, BR=16),
     "gate": dict(num_warps=4, BLOCK=1024),
     # RMSNorm (norm_tiles): rows per block so a block holds ``elements`` values (1024 under the
-    # interpreter); 8 warps from rows of 2048. The backward aims at ``programs`` programs.
-    "rmsnorm": dict(elements=4096, max_rows=64, wide=2048, programs=1024),
+    # interpreter); 8 warps from rows of 2048. The backward aims at ``programs`` programs; prefetch:
+    # each block's rows requested before the block before's stores (not yet timed against without).
+    "rmsnorm": dict(elements=4096, max_rows=64, wide=2048, programs=1024, prefetch=True),
     # Short convolution. Forward: tiles of BT tokens × BD channels (64 under the interpreter).
     # Backward: BD_bwd channels (8 a thread) walked over L tokens, U an iteration; L as large as
     # leaves ``programs`` one-warp programs a multiprocessor. On an H100 at [4, 4096, 768] and

@@ -397,3 +397,28 @@ def test_conv_backward_prefetching_is_the_same_walk(case, monkeypatch):
         outs.append(sc._conv_bwd(dy, x, w, hist, pos, True))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["plain", "gated", "residual"])
+def test_norm_backward_prefetching_is_the_same(case, monkeypatch):
+    """The norm backward's two forms (``OTHER["rmsnorm"]["prefetch"]``: the next block's rows
+    requested before this block's stores, or each block's loaded in turn) give the same gradients
+    to the bit, several blocks a program (a partial last block among them)."""
+    from gdn.ops import tuning
+    from gdn.ops.triton import rmsnorm as rn
+
+    gen = torch.Generator().manual_seed(10)
+    R, D = 75, 48
+    x = torch.randn(R, D, generator=gen)
+    w = torch.randn(D, generator=gen)
+    g = torch.randn(R, D, generator=gen) if case == "gated" else None
+    dy = torch.randn(R, D, generator=gen)
+    ds = torch.randn(R, D, generator=gen) if case == "residual" else None
+    _, rstd, rx, rg = rn._forward(x, g, w, 1e-6, torch.float32)
+    outs = []
+    for prefetch in (True, False):
+        monkeypatch.setitem(tuning.OTHER, "rmsnorm", dict(tuning.OTHER["rmsnorm"], prefetch=prefetch))
+        outs.append(rn._backward(dy, rx, rg, w, rstd, ds=ds, h_dtype=torch.float16 if case == "residual" else None))
+    for a, b in zip(*outs):
+        if a is not None:
+            assert torch.equal(a, b)

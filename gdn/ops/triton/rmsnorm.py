@@ -56,34 +56,60 @@ def _norm_fwd_kernel(x, g, w, y, rstd, R, D, eps, x_inner, x_so, x_si, g_inner, 
     tl.store(rstd + o_r, b_rstd, mask=m_r)
 
 
+@triton.jit
+def _bwd_block(x, g, rstd, dy, ds, blk, R, D, o_d, m_d, x_inner, x_so, x_si, g_inner, g_so, g_si,
+               GATED: tl.constexpr, STRIDED: tl.constexpr, BR: tl.constexpr, DS: tl.constexpr, live=True):
+    """Block ``blk``'s rows as the backward reads them, as loaded (``live`` False: nothing read):
+    (offsets of the packed layout, of x's, of the gate's, the mask, rstd, x, dy, gate, ds), the
+    gate and ds where GATED and DS (else dy again)."""
+    o_r = blk.to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = (o_r < R) & live
+    m = m_r[:, None] & m_d[None, :]
+    offs = o_r[:, None] * D + o_d[None, :]
+    offs_x = row_offsets(o_r, o_d, offs, x_inner, x_so, x_si, STRIDED)
+    offs_g = row_offsets(o_r, o_d, offs, g_inner, g_so, g_si, STRIDED)
+    b_rstd = tl.load(rstd + o_r, mask=m_r, other=0.0)
+    b_x = tl.load(x + offs_x, mask=m, other=0.0)
+    b_dy = tl.load(dy + offs, mask=m, other=0.0)
+    b_g = tl.load(g + offs_g, mask=m, other=0.0) if GATED else b_dy
+    b_ds = tl.load(ds + offs, mask=m, other=0.0) if DS else b_dy
+    return offs, offs_g, m, b_rstd, b_x, b_dy, b_g, b_ds
+
+
 @triton.jit(do_not_specialize=["x_inner", "g_inner"])
 def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, ds, dh, R, D, x_inner, x_so, x_si, g_inner, g_so, g_si,
                      GATED: tl.constexpr, STRIDED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
                      NLOOP: tl.constexpr, RES: tl.constexpr = False, DS: tl.constexpr = False,
-                     DG_AT_G: tl.constexpr = False):
+                     DG_AT_G: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """One program: NLOOP blocks of BR rows; writes dx (and dgate) and its dw partial [D]. x and the
     gate in their row layouts (:mod:`.rows`; packed unless STRIDED); dy, dx, dgate packed [R, D].
     ``RES`` (the norm of a residual sum s = x + h, x here being s): dx is the whole gradient of s,
     the norm's plus ``ds`` (the stream's own, where ``DS``), written as dx in its dtype and again as
     dh in h's (both packed [R, D]). ``DG_AT_G``: dgate written at the gate's own layout (its block
-    of a joined gradient, :mod:`gdn.ops.joined`) instead of packed."""
+    of a joined gradient, :mod:`gdn.ops.joined`) instead of packed. ``PREFETCH``: the next block's
+    rows requested before this block's stores (a load cannot pass an earlier store the compiler
+    cannot tell apart from it: without it each block's loads wait for the block before's stores)."""
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_dw = tl.zeros([BD], dtype=tl.float32)
+    if PREFETCH:
+        nxt = _bwd_block(x, g, rstd, dy, ds, i_p * NLOOP, R, D, o_d, m_d, x_inner, x_so, x_si, g_inner, g_so, g_si,
+                         GATED, STRIDED, BR, DS)
     for l in range(NLOOP):
-        o_r = (i_p * NLOOP + l).to(tl.int64) * BR + tl.arange(0, BR)
-        m_r = o_r < R
-        m = m_r[:, None] & m_d[None, :]
-        offs = o_r[:, None] * D + o_d[None, :]
-        offs_x = row_offsets(o_r, o_d, offs, x_inner, x_so, x_si, STRIDED)
-        offs_g = row_offsets(o_r, o_d, offs, g_inner, g_so, g_si, STRIDED)
-        b_rstd = tl.load(rstd + o_r, mask=m_r, other=0.0)
-        xhat = tl.load(x + offs_x, mask=m, other=0.0).to(tl.float32) * b_rstd[:, None]
-        dn = tl.load(dy + offs, mask=m, other=0.0).to(tl.float32)
+        if PREFETCH:
+            offs, offs_g, m, b_rstd, b_x, dn, b_g, b_ds = nxt
+            nxt = _bwd_block(x, g, rstd, dy, ds, i_p * NLOOP + l + 1, R, D, o_d, m_d, x_inner, x_so, x_si, g_inner,
+                             g_so, g_si, GATED, STRIDED, BR, DS, l + 1 < NLOOP)
+        else:
+            offs, offs_g, m, b_rstd, b_x, dn, b_g, b_ds = _bwd_block(
+                x, g, rstd, dy, ds, i_p * NLOOP + l, R, D, o_d, m_d, x_inner, x_so, x_si, g_inner, g_so, g_si,
+                GATED, STRIDED, BR, DS)
+        xhat = b_x.to(tl.float32) * b_rstd[:, None]
+        dn = dn.to(tl.float32)
         if GATED:
-            b_g = tl.load(g + offs_g, mask=m, other=0.0).to(tl.float32)
+            b_g = b_g.to(tl.float32)
             sig = tl.sigmoid(b_g)
             b_dg = dn * xhat * b_w[None, :] * sig * (1.0 + b_g * (1.0 - sig))
             tl.store(dg + (offs_g if DG_AT_G else offs), b_dg.to(dg.dtype.element_ty), mask=m)
@@ -93,7 +119,7 @@ def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, ds, dh, R, D, x_inner, x_so
         c = tl.sum(dxhat * xhat, 1) / D
         b_dx = b_rstd[:, None] * (dxhat - xhat * c[:, None])
         if DS:
-            b_dx += tl.load(ds + offs, mask=m, other=0.0).to(tl.float32)
+            b_dx += b_ds.to(tl.float32)
         tl.store(dx + offs, b_dx.to(dx.dtype.element_ty), mask=m)
         if RES:
             tl.store(dh + offs, b_dx.to(dh.dtype.element_ty), mask=m)
@@ -173,7 +199,7 @@ def _backward(dy, x, g, weight, rstd, ds=None, h_dtype=None, dg=None):
     direct(_norm_bwd_kernel, (nprog,), rx.t, gl.t, weight, rstd, dy, dx, dg if dg is not None else dx, dwp,
            ds if ds is not None else dx, dh if dh is not None else dx, R, D, *rx.args(), *gl.args(), GATED=g is not None,
            STRIDED=strided(rx, rg), BR=BR, BD=BD, NLOOP=nloop, RES=dh is not None, DS=ds is not None,
-           DG_AT_G=dg_at_g, num_warps=nw)
+           DG_AT_G=dg_at_g, PREFETCH=OTHER["rmsnorm"]["prefetch"], num_warps=nw)
     return dx, (dh if dh is not None else dg), colsum(dwp)
 
 
