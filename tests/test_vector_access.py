@@ -42,3 +42,47 @@ def test_accesses_counts_opcodes():
 
     ptx = "ld.global.b16 %rs1, [%rd1];\n\tld.global.v4.b32 {%r1}, [%rd2];\n\tst.global.b16 [%rd3], %rs1;\n"
     assert accesses(ptx) == {"ld.global.b16": 1, "ld.global.v4.b32": 1, "st.global.b16": 1}
+
+
+LOOPS = """
+import sys, json
+sys.path.insert(0, {root!r})
+from gdn.ops import tuning
+from tools import vector_access as V
+out = {{}}
+for prefetch in (True, False):
+    # (few programs, so that a norm's program walks several blocks at 64 tokens)
+    tuning.update({{"other.rmsnorm": {{"programs": 2, "prefetch": prefetch}}, "other.short_conv": {{"prefetch": prefetch}}}})
+    out[str(prefetch)] = [(n, V.requests_ahead(b, s), V.runs(b), V.runs(s))
+                          for n, _, b, s in V.glue_loops("gdn", "340m", 64, "^_norm_bwd|^_conv_bwd")]
+print(json.dumps(out))
+"""
+
+
+def test_glue_backward_loops_request_their_loads_before_their_stores():
+    """tools/vector_access.py --loops at the 340m layer: the short convolution's and the norms'
+    backward loops issue every global load of an iteration before its first store (the next
+    iteration's rows requested first), compiled for sm_90 on the CPU; loaded where used instead,
+    a load follows a store (what the check exists to catch)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", LOOPS.format(root=str(ROOT))], capture_output=True, text=True,
+                       env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+
+    on, off = out["True"], out["False"]
+    assert {r[0] for r in on} == {"_conv_bwd_kernel", "_norm_bwd_kernel"}, on
+    assert all(r[1] for r in on), on
+    assert not any(r[1] for r in off), off
+
+
+def test_loop_accesses_reads_the_largest_loop():
+    from tools.vector_access import loop_accesses, requests_ahead, runs
+
+    sass = "\n".join(["LDG.E.128 R1", ".L_x_0:", "LDG.E.128 R2", "STG.E.128 R3", ".L_x_1:", "LDG.E R4",
+                      "@P0 BRA `(.L_x_1) ;", "STG.E.128 R5", "@P1 BRA `(.L_x_0) ;", "BRA `(.L_x_2) ;", ".L_x_2:"])
+    before, body = loop_accesses(sass)
+    assert (runs(before), runs(body)) == ("L1", "L1 S1 L1 S1")
+    assert not requests_ahead(before, body)  # a load after a store
+    assert requests_ahead(["L", "L"], ["L", "L", "S"]) and not requests_ahead(["L"], ["L", "L", "S"])
+    assert loop_accesses("LDG.E R1\nSTG.E R2") == ([], [])

@@ -14,6 +14,12 @@ accesses by width, so a layout or kernel change can be checked without a GPU:
 
 One line per distinct launch: the kernel, then its loads and stores by PTX opcode and count
 (``ld.global.b16`` is a 2-byte access, ``ld.global.v4.b32`` a 16-byte one).
+
+``--loops`` prints instead, per distinct launch, the global loads (L) and stores (S) before its
+largest loop and in it, in SASS order, as runs (``L8 S4``): a loop that stores and then loads waits,
+at each iteration, for its loads after its stores, since no load moves above an earlier store the
+compiler cannot prove disjoint (docs/DESIGN.md §5). A loop that requests the next iteration's rows
+first has no load after a store in its body and the first iteration's loads before it.
 """
 from __future__ import annotations
 
@@ -35,10 +41,76 @@ def accesses(ptx: str) -> Counter:
     return Counter(OPS.findall(ptx))
 
 
-def glue_launches(preset: str, size: str, tokens: int, pattern: str, layers: int = 2) -> list[tuple[str, Counter]]:
-    """[(kernel name, :func:`accesses`)] of each distinct launch of a kernel whose name matches
-    ``pattern`` in one forward + backward of ``preset``/``size`` (``layers`` of them) on ``tokens``
-    tokens, bf16, compiled for sm_90."""
+SASS_ACCESS = re.compile(r"\b(LDG|STG)\.")
+SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+SASS_BRANCH = re.compile(r"\bBRA\s+`\((\.L_x_\d+)\)")
+
+
+def loop_accesses(sass: str) -> tuple[list[str], list[str]]:
+    """(before, body): the global loads ("L") and stores ("S") of one kernel's SASS before its
+    largest loop and in that loop (the lines from a label to the last branch back to it), in
+    order; ([], []) without a loop."""
+    lines = sass.splitlines()
+    at, best = {}, None
+    for i, line in enumerate(lines):
+        m = SASS_LABEL.match(line)
+        if m:
+            at[m.group(1)] = i
+            continue
+        b = SASS_BRANCH.search(line)
+        if b and b.group(1) in at and (best is None or i - at[b.group(1)] > best[1] - best[0]):
+            best = (at[b.group(1)], i)
+    if best is None:
+        return [], []
+
+    def acc(part):
+        return [m.group(1)[0] for line in part for m in [SASS_ACCESS.search(line)] if m]
+
+    return acc(lines[:best[0]]), acc(lines[best[0]:best[1]])
+
+
+def requests_ahead(before: list[str], body: list[str]) -> bool:
+    """Whether a loop (:func:`loop_accesses`) requests its rows an iteration ahead: no load after a
+    store within an iteration, and as many loads before the loop as in it (the first iteration's
+    rows requested there, each iteration's loads being the next one's)."""
+    late = "S" in body and "L" in body[body.index("S"):]
+    return not late and before.count("L") >= body.count("L") > 0
+
+
+def runs(seq: list[str]) -> str:
+    """``["L", "L", "S"]`` → ``"L2 S1"``."""
+    out = []
+    for x in seq:
+        if out and out[-1][0] == x:
+            out[-1][1] += 1
+        else:
+            out.append([x, 1])
+    return " ".join(f"{x}{n}" for x, n in out)
+
+
+def glue_loops(preset: str, size: str, tokens: int, pattern: str, layers: int = 2) -> list[tuple]:
+    """[(kernel name, its compile-time settings, *:func:`loop_accesses`)] of each distinct launch of
+    a kernel whose name matches ``pattern`` in one forward + backward of ``preset``/``size``
+    (``layers`` of them) on ``tokens`` tokens, bf16, compiled for sm_90 and disassembled."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    out = []
+    for name, kw, k in _compiled(preset, size, tokens, pattern, layers):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+        out.append((name, kw, *loop_accesses(sass)))
+    return out
+
+
+def _compiled(preset: str, size: str, tokens: int, pattern: str, layers: int):
+    """(kernel name, compile-time settings, compiled kernel) of each distinct matching launch of one
+    forward + backward (:func:`glue_launches`'s)."""
     import torch
     from triton.backends.nvidia.compiler import CUDABackend
 
@@ -50,7 +122,7 @@ def glue_launches(preset: str, size: str, tokens: int, pattern: str, layers: int
     ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     with P.captured() as launches:
         model(input_ids=ids, labels=ids).loss.backward()
-    backend, binders, seen, out = CUDABackend(P.TARGET), {}, set(), []
+    backend, binders, seen = CUDABackend(P.TARGET), {}, set()
     for kernel, args, kw in launches:
         name = getattr(getattr(kernel, "fn", None), "__name__", str(kernel))
         if not re.search(pattern, name):
@@ -59,8 +131,14 @@ def glue_launches(preset: str, size: str, tokens: int, pattern: str, layers: int
         if key in seen:
             continue
         seen.add(key)
-        out.append((name, accesses(P.compile_launch(inputs).asm["ptx"])))
-    return out
+        yield name, {k: v for k, v in kw.items() if isinstance(v, (bool, int))}, P.compile_launch(inputs)
+
+
+def glue_launches(preset: str, size: str, tokens: int, pattern: str, layers: int = 2) -> list[tuple[str, Counter]]:
+    """[(kernel name, :func:`accesses`)] of each distinct launch of a kernel whose name matches
+    ``pattern`` in one forward + backward of ``preset``/``size`` (``layers`` of them) on ``tokens``
+    tokens, bf16, compiled for sm_90."""
+    return [(name, accesses(k.asm["ptx"])) for name, _, k in _compiled(preset, size, tokens, pattern, layers)]
 
 
 def main(argv=None) -> int:
@@ -69,7 +147,13 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="340m")
     ap.add_argument("--tokens", type=int, default=64, help="tokens of the captured call (layouts do not depend on it)")
     ap.add_argument("--kernels", default="norm|swiglu|conv", help="regex of the kernel names to compile")
+    ap.add_argument("--loops", action="store_true", help="the loads and stores of each kernel's loop, in order")
     args = ap.parse_args(argv)
+    if args.loops:
+        for name, kw, before, body in glue_loops(args.preset, args.size, args.tokens, args.kernels):
+            print(f"{name} {kw}: before the loop {runs(before) or '-'}, in it {runs(body) or 'no loop'}"
+                  f"{' (rows requested ahead)' if requests_ahead(before, body) else ''}")
+        return 0
     for name, acc in glue_launches(args.preset, args.size, args.tokens, args.kernels):
         print(f"{name}: " + ", ".join(f"{op} {n}" for op, n in sorted(acc.items())))
     return 0
