@@ -4,9 +4,9 @@
 # wheels (fla-core and flash-linear-attention 0.6.0, Python 3.12) in .whl/ and $OUT set to a folder
 # for the logs.
 # Seconds per step from the environment (0 skips the step):
-#   GPU_CHECK_S HOST_S DECODE_S TUNE_S OPS_S GRAPH_S KDA_S KDA_PROF_S GEN_S TRAIN_S   e.g. GPU_CHECK_S=200 TUNE_S=0 bash tools/h200_all.sh
+#   GPU_CHECK_S HOST_S DECODE_S TUNE_S OPS_S GRAPH_S KDA_S KDA_PROF_S GEN_S GLUE_S TRAIN_S   e.g. GPU_CHECK_S=200 TUNE_S=0 bash tools/h200_all.sh
 # and flags: CHECK_ALL=1 (the slow cases of the GPU check too), CHECK_FLAGS (more pytest arguments,
-# e.g. "-k kda"), OPS_FLAGS, GRAPH_FLAGS, KDA_FLAGS, GEN_FLAGS. GRAPH_S: the GPU-bound side by side
+# e.g. "-k kda"), OPS_FLAGS, GRAPH_FLAGS, KDA_FLAGS, GEN_FLAGS, TRAIN_FLAGS. GRAPH_S: the GPU-bound side by side
 # (benchmarks/ops_gpu.py --graph: each peer's call replayed from a CUDA graph, so that no host time
 # enters; GRAPH_FLAGS default "--peers gdn,qla --shapes 0,1,2,3,4,6"). KDA_PROF_S: per-kernel GPU µs of the KDA chunk
 # kernels at (8, 2048) (benchmarks/kda_gpu.py --profile), with the launch settings of
@@ -106,4 +106,7 @@ else
 fi
 # shellcheck disable=SC2086  # GEN_FLAGS holds several arguments
 step generation "${GEN_S:-0}" python3 benchmarks/generation.py --size 340m ${GEN_FLAGS:---new-tokens 128}
-step train "${TRAIN_S:-0}" python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4
+# the training step's glue kernels alone over their launch settings (the backwards' prefetch on and off among them)
+step glue "${GLUE_S:-0}" python3 tools/glue_sweep.py
+# shellcheck disable=SC2086  # TRAIN_FLAGS holds several arguments (e.g. --cuda-graph)
+step train "${TRAIN_S:-0}" python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4 ${TRAIN_FLAGS:-}
