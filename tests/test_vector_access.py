@@ -79,10 +79,11 @@ def test_glue_backward_loops_request_their_loads_before_their_stores():
 def test_loop_accesses_reads_the_largest_loop():
     from tools.vector_access import loop_accesses, requests_ahead, runs
 
-    sass = "\n".join(["LDG.E.128 R1", ".L_x_0:", "LDG.E.128 R2", "STG.E.128 R3", ".L_x_1:", "LDG.E R4",
-                      "@P0 BRA `(.L_x_1) ;", "STG.E.128 R5", "@P1 BRA `(.L_x_0) ;", "BRA `(.L_x_2) ;", ".L_x_2:"])
+    code = ["LDG.E.128 R1", "LDG.E.128 R2", "STG.E.128 R3", "LDG.E R4", "@P0 BRA 0x0030", "STG.E.128 R5",
+            "@P1 BRA 0x0010", "BRA 0x0090", "EXIT", "NOP"]
+    sass = "\n".join(f"        /*{16 * i:04x}*/  {t} ;" for i, t in enumerate(code))
     before, body = loop_accesses(sass)
     assert (runs(before), runs(body)) == ("L1", "L1 S1 L1 S1")
     assert not requests_ahead(before, body)  # a load after a store
     assert requests_ahead(["L", "L"], ["L", "L", "S"]) and not requests_ahead(["L"], ["L", "L", "S"])
-    assert loop_accesses("LDG.E R1\nSTG.E R2") == ([], [])
+    assert loop_accesses("/*0000*/ LDG.E R1 ;\n/*0010*/ STG.E R2 ;") == ([], [])

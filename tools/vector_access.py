@@ -41,32 +41,26 @@ def accesses(ptx: str) -> Counter:
     return Counter(OPS.findall(ptx))
 
 
-SASS_ACCESS = re.compile(r"\b(LDG|STG)\.")
-SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
-SASS_BRANCH = re.compile(r"\bBRA\s+`\((\.L_x_\d+)\)")
+SASS_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s*(.*?);")
 
 
 def loop_accesses(sass: str) -> tuple[list[str], list[str]]:
-    """(before, body): the global loads ("L") and stores ("S") of one kernel's SASS before its
-    largest loop and in that loop (the lines from a label to the last branch back to it), in
-    order; ([], []) without a loop."""
-    lines = sass.splitlines()
-    at, best = {}, None
-    for i, line in enumerate(lines):
-        m = SASS_LABEL.match(line)
-        if m:
-            at[m.group(1)] = i
-            continue
-        b = SASS_BRANCH.search(line)
-        if b and b.group(1) in at and (best is None or i - at[b.group(1)] > best[1] - best[0]):
-            best = (at[b.group(1)], i)
+    """(before, body): the global loads ("L") and stores ("S") of one kernel's SASS (cuobjdump's,
+    each instruction at its address) before its largest loop and in that loop (a branch back to an
+    earlier address and the instructions from there to it), in order; ([], []) without a loop."""
+    ins = [(int(a, 16), t) for a, t in SASS_INSTR.findall(sass)]
+    best = None
+    for addr, txt in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", txt)
+        if m and int(m.group(1), 16) < addr and (best is None or addr - int(m.group(1), 16) > best[1] - best[0]):
+            best = (int(m.group(1), 16), addr)
     if best is None:
         return [], []
 
     def acc(part):
-        return [m.group(1)[0] for line in part for m in [SASS_ACCESS.search(line)] if m]
+        return [m.group(1)[0] for t in part for m in [re.search(r"\b(LDG|STG)\.", t)] if m]
 
-    return acc(lines[:best[0]]), acc(lines[best[0]:best[1]])
+    return (acc(t for a, t in ins if a < best[0]), acc(t for a, t in ins if best[0] <= a <= best[1]))
 
 
 def requests_ahead(before: list[str], body: list[str]) -> bool:
@@ -92,20 +86,10 @@ def glue_loops(preset: str, size: str, tokens: int, pattern: str, layers: int = 
     """[(kernel name, its compile-time settings, *:func:`loop_accesses`)] of each distinct launch of
     a kernel whose name matches ``pattern`` in one forward + backward of ``preset``/``size``
     (``layers`` of them) on ``tokens`` tokens, bf16, compiled for sm_90 and disassembled."""
-    import subprocess
-    import tempfile
+    from tools.gluon_budget import sass
 
-    import triton
-
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    out = []
-    for name, kw, k in _compiled(preset, size, tokens, pattern, layers):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-        out.append((name, kw, *loop_accesses(sass)))
-    return out
+    return [(name, kw, *loop_accesses(sass(k.asm["cubin"]))) for name, kw, k in _compiled(preset, size, tokens,
+                                                                                              pattern, layers)]
 
 
 def _compiled(preset: str, size: str, tokens: int, pattern: str, layers: int):
