@@ -167,19 +167,14 @@ def _dz(win, p, ws, dy, b, t, o_d, m_d, T, D, K: tl.constexpr, SILU: tl.constexp
 @triton.jit
 def _walk_rows(x, hist, pos, dy, t0, o_d, o_y, m_d, b, s_xb, s_xt, T, D, Dy, K: tl.constexpr,
                HAS_HIST: tl.constexpr, PACKED: tl.constexpr, U: tl.constexpr):
-    """For the U tokens t = t0, t0 - 1, ...: the input rows x[t - K + 1] (as loaded; fp32 with the
-    history added where there is one), the rows dy[t] (as loaded) and the positions, as three
-    tuples, all requested before any is used."""
+    """For the U tokens t = t0, t0 - 1, ...: the input rows x[t - K + 1] (:func:`_row`), the rows
+    dy[t] (as loaded) and the positions, as three tuples, all requested before any is used."""
     xs = ()
     dys = ()
     ps = ()
     for u in tl.static_range(U):
         t = t0 - u
-        if HAS_HIST:
-            xs = xs + (_row(x, hist, t - K + 1, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST),)
-        else:  # (as loaded: half the registers in 16 bits; widened where used)
-            tx = t - K + 1
-            xs = xs + (tl.load(x + b * s_xb + tx * s_xt + o_d, mask=m_d & (tx >= 0) & (tx < T), other=0.0),)
+        xs = xs + (_row(x, hist, t - K + 1, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST),)
         dys = dys + (_dy_row(dy, b, t, o_y, m_d, T, Dy),)
         ps = ps + (_pos(pos, t, T, K, PACKED),)
     return xs, dys, ps
@@ -235,7 +230,7 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dy1, dy2, S1, S2, dx, dwp, T, D, s_xb,
     # compiler cannot tell apart from x or dy): loaded where used, each token's loads wait for the
     # previous token's store, one token's loads in flight (sm_90 SASS: each LDG pair after the STG
     # before it; with PREFETCH, the next U tokens' eight LDGs ahead of this iteration's four STGs,
-    # 255 registers and no stack, against 185 without)
+    # 253 registers and no stack, against 185 without)
     if PREFETCH:
         nx, ndy, npos = _walk_rows(x, hist, pos, dyp, top, o_d, o_y, m_d, b, s_xb, s_xt, T, D, Dy, K, HAS_HIST,
                                    PACKED, U)
@@ -248,7 +243,7 @@ def _conv_bwd_kernel(x, w, hist, pos, dy, dy1, dy2, S1, S2, dx, dwp, T, D, s_xb,
         for u in tl.static_range(U):
             t = top - it * U - u
             if PREFETCH:
-                p, b_new, b_dy = cpos[u], cx[u].to(tl.float32), cdy[u]
+                p, b_new, b_dy = cpos[u], cx[u], cdy[u]
             else:
                 p = _pos(pos, t, T, K, PACKED)
                 b_new = _row(x, hist, t - K + 1, o_d, m_d, b, s_xb, s_xt, T, D, K, HAS_HIST)
