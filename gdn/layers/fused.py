@@ -104,7 +104,7 @@ class _JoinedWeight(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dtype, pad: int, *ws):
-        parts = list(ws) + ([ws[0].new_zeros(pad, *ws[0].shape[1:])] if pad else [])
+        parts = _with_pad(ws, pad)
         out = torch.empty(sum(p.shape[0] for p in parts), *ws[0].shape[1:], device=ws[0].device, dtype=dtype)
         torch.cat(parts, out=out)
         ctx.rows = [w.shape[0] for w in ws]
@@ -125,5 +125,10 @@ def joined_weight(ws, dtype: torch.dtype | None = None, pad: int = 0) -> torch.T
     each weight as through ``torch.cat`` and the cast."""
     ws = list(ws)
     if dtype is None or dtype == ws[0].dtype or ws[0].dtype != torch.float32 or torch.compiler.is_compiling():
-        return torch.cat(ws + ([ws[0].new_zeros(pad, *ws[0].shape[1:])] if pad else []))
+        return torch.cat(_with_pad(ws, pad))
     return _JoinedWeight.apply(dtype, pad, *ws)
+
+
+def _with_pad(ws, pad: int) -> list:
+    """``ws`` and, where ``pad``, a block of ``pad`` zero rows after them."""
+    return list(ws) + ([ws[0].new_zeros(pad, *ws[0].shape[1:])] if pad else [])
