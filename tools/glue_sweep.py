@@ -89,13 +89,12 @@ def main(argv=None) -> int:
         ref_dx, ref_dw = (t.clone() for t in sc._conv_bwd(dy, x, w, None, None, True, dx))
         floor = B * T * D * 6 / bw * 1e6
         bwd = lambda: sc._conv_bwd(dy, x, w, None, None, True, dx)  # noqa: E731
-        rows = sweep("short_conv", {"L_min": (16, 32, 64), "U": (4, 8), "BD_bwd": (128, 256),
-                                    "warps_bwd": (1, 2), "prefetch": (True, False)}, bwd,
+        rows = sweep("short_conv", {"L_min": (16, 32), "U": (4, 8), "warps_bwd": (1, 2, 4)}, bwd,
                      lambda out: max(_rel(out[0], ref_dx), _rel(out[1], ref_dw)))
         report(f"convolution backward [{B}, {T}, {D}]", floor, _us(bwd), rows, a.top)
         ref_y = sc._conv_fwd(x, w, None, None, True)
         fwd = lambda: sc._conv_fwd(x, w, None, None, True)  # noqa: E731
-        rows = sweep("short_conv", {"BT": (16, 32, 64), "BD": (64, 128, 256), "num_warps": (4, 8)}, fwd,
+        rows = sweep("short_conv", {"BT": (32, 64), "BD": (128, 256)}, fwd,
                      lambda out: _rel(out, ref_y))
         report(f"convolution forward [{B}, {T}, {D}]", floor * 2 / 3, _us(fwd), rows, a.top)
     R, D = B * T, 1024
@@ -104,7 +103,7 @@ def main(argv=None) -> int:
     rstd = torch.rand(R, device=dev, generator=gen) + 0.5
     dy = torch.randn(R, D, device=dev, generator=gen).to(torch.bfloat16)
     ds = torch.randn(R, D, device=dev, generator=gen)
-    norm_grid = {"elements": (2048, 4096, 8192), "programs": (512, 1024, 2048), "prefetch": (True, False)}
+    norm_grid = {"elements": (2048, 4096), "programs": (512, 1024, 2048)}
     run = lambda: rn._backward(dy, s, None, w, rstd, ds, torch.bfloat16)  # noqa: E731
     ref = run()[0].clone()
     rows = sweep("rmsnorm", norm_grid, run, lambda out: _rel(out[0], ref))

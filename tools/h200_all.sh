@@ -106,7 +106,7 @@ else
 fi
 # shellcheck disable=SC2086  # GEN_FLAGS holds several arguments
 step generation "${GEN_S:-0}" python3 benchmarks/generation.py --size 340m ${GEN_FLAGS:---new-tokens 128}
-# the training step's glue kernels alone over their launch settings (the backwards' prefetch on and off among them)
+# the training step's glue kernels alone over their launch settings
 step glue "${GLUE_S:-0}" python3 tools/glue_sweep.py
 # shellcheck disable=SC2086  # TRAIN_FLAGS holds several arguments (e.g. --cuda-graph)
 step train "${TRAIN_S:-0}" python3 benchmarks/train.py --preset gdn --size 340m --seq-len 4096 --batch 4 ${TRAIN_FLAGS:-}

@@ -313,17 +313,16 @@ OTHER = {
     "l2norm": dict(num_warps=4, BR=16),
     "gate": dict(num_warps=4, BLOCK=1024),
     # RMSNorm (norm_tiles): rows per block so a block holds ``elements`` values (1024 under the
-    # interpreter); 8 warps from rows of 2048. The backward aims at ``programs`` programs; prefetch:
-    # each block's rows requested before the block before's stores (not yet timed against without).
-    "rmsnorm": dict(elements=4096, max_rows=64, wide=2048, programs=1024, prefetch=True),
+    # interpreter); 8 warps from rows of 2048. The backward aims at ``programs`` programs. On an H100
+    # the backward's best at [16384, 1024] and [98304, 256] of elements ∈ {4096, 8192} × programs ∈
+    # {1024, 2048}; 8192 spills there (its next block held beside this one's): 4–9× slower.
+    "rmsnorm": dict(elements=4096, max_rows=64, wide=2048, programs=1024),
     # Short convolution. Forward: tiles of BT tokens × BD channels (64 under the interpreter).
-    # Backward: BD_bwd channels (8 a thread) walked over L tokens, U an iteration; L as large as
-    # leaves ``programs`` one-warp programs a multiprocessor. On an H100 at [4, 4096, 768] and
-    # [.., 1536] that is L = 32 and 64, the best of L ∈ {32, 64} × U ∈ {4, 8} × 1–4 warps at each
-    # (loading each token's rows where used). prefetch: the next U tokens' rows requested before this
-    # iteration's stores (short_conv's backward kernel); not yet timed against loading where used.
-    "short_conv": dict(num_warps=4, BT=32, BD=128, BD_bwd=256, warps_bwd=1, U=4, L_min=16, L_max=64, programs=8,
-                       prefetch=True),
+    # Backward: BD_bwd channels walked over L tokens, U an iteration; L as large as
+    # leaves ``programs`` programs a multiprocessor. On an H100 at [4, 4096, 768] and [.., 1536]
+    # 2 warps (4 channels a thread) took 0.90× one warp's time, the best of L_min ∈ {16, 32} × U ∈
+    # {4, 8} × 1–2 warps (53 and 86 µs against byte floors of 23 and 45).
+    "short_conv": dict(num_warps=4, BT=32, BD=128, BD_bwd=256, warps_bwd=2, U=4, L_min=16, L_max=64, programs=8),
     # Decode products of at most max_rows rows (gdn.ops.gemv): BN output columns per program, the
     # largest power of two up to BN_max that leaves ``programs`` × the multiprocessors programs; K
     # tiles of ``elements`` / BN.

@@ -80,32 +80,27 @@ def _bwd_block(x, g, rstd, dy, ds, blk, R, D, o_d, m_d, x_inner, x_so, x_si, g_i
 def _norm_bwd_kernel(x, g, w, rstd, dy, dx, dg, dwp, ds, dh, R, D, x_inner, x_so, x_si, g_inner, g_so, g_si,
                      GATED: tl.constexpr, STRIDED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
                      NLOOP: tl.constexpr, RES: tl.constexpr = False, DS: tl.constexpr = False,
-                     DG_AT_G: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                     DG_AT_G: tl.constexpr = False):
     """One program: NLOOP blocks of BR rows; writes dx (and dgate) and its dw partial [D]. x and the
     gate in their row layouts (:mod:`.rows`; packed unless STRIDED); dy, dx, dgate packed [R, D].
     ``RES`` (the norm of a residual sum s = x + h, x here being s): dx is the whole gradient of s,
     the norm's plus ``ds`` (the stream's own, where ``DS``), written as dx in its dtype and again as
     dh in h's (both packed [R, D]). ``DG_AT_G``: dgate written at the gate's own layout (its block
-    of a joined gradient, :mod:`gdn.ops.joined`) instead of packed. ``PREFETCH``: the next block's
-    rows requested before this block's stores (a load cannot pass an earlier store the compiler
-    cannot tell apart from it: without it each block's loads wait for the block before's stores)."""
+    of a joined gradient, :mod:`gdn.ops.joined`) instead of packed. The next block's rows are
+    requested before this block's stores: a load cannot pass an earlier store the compiler cannot
+    tell apart from it, so loaded where used each block's loads would wait for the block before's
+    stores (on an H100 at the gated norm of [98304, 256]: 109 µs against 127)."""
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_dw = tl.zeros([BD], dtype=tl.float32)
-    if PREFETCH:
-        nxt = _bwd_block(x, g, rstd, dy, ds, i_p * NLOOP, R, D, o_d, m_d, x_inner, x_so, x_si, g_inner, g_so, g_si,
-                         GATED, STRIDED, BR, DS)
+    nxt = _bwd_block(x, g, rstd, dy, ds, i_p * NLOOP, R, D, o_d, m_d, x_inner, x_so, x_si, g_inner, g_so, g_si,
+                     GATED, STRIDED, BR, DS)
     for l in range(NLOOP):
-        if PREFETCH:
-            offs, offs_g, m, b_rstd, b_x, dn, b_g, b_ds = nxt
-            nxt = _bwd_block(x, g, rstd, dy, ds, i_p * NLOOP + l + 1, R, D, o_d, m_d, x_inner, x_so, x_si, g_inner,
-                             g_so, g_si, GATED, STRIDED, BR, DS, l + 1 < NLOOP)
-        else:
-            offs, offs_g, m, b_rstd, b_x, dn, b_g, b_ds = _bwd_block(
-                x, g, rstd, dy, ds, i_p * NLOOP + l, R, D, o_d, m_d, x_inner, x_so, x_si, g_inner, g_so, g_si,
-                GATED, STRIDED, BR, DS)
+        offs, offs_g, m, b_rstd, b_x, dn, b_g, b_ds = nxt
+        nxt = _bwd_block(x, g, rstd, dy, ds, i_p * NLOOP + l + 1, R, D, o_d, m_d, x_inner, x_so, x_si, g_inner,
+                         g_so, g_si, GATED, STRIDED, BR, DS, l + 1 < NLOOP)
         xhat = b_x.to(tl.float32) * b_rstd[:, None]
         dn = dn.to(tl.float32)
         if GATED:
@@ -199,7 +194,7 @@ def _backward(dy, x, g, weight, rstd, ds=None, h_dtype=None, dg=None):
     direct(_norm_bwd_kernel, (nprog,), rx.t, gl.t, weight, rstd, dy, dx, dg if dg is not None else dx, dwp,
            ds if ds is not None else dx, dh if dh is not None else dx, R, D, *rx.args(), *gl.args(), GATED=g is not None,
            STRIDED=strided(rx, rg), BR=BR, BD=BD, NLOOP=nloop, RES=dh is not None, DS=ds is not None,
-           DG_AT_G=dg_at_g, PREFETCH=OTHER["rmsnorm"]["prefetch"], num_warps=nw)
+           DG_AT_G=dg_at_g, num_warps=nw)
     return dx, (dh if dh is not None else dg), colsum(dwp)
 
 
