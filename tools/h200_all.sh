@@ -81,10 +81,16 @@ CFG=()
 # six workers fit the H200's 141 GB with the largest cases running at once; on an 80 GB card two
 # of them (38 and 31 GB) left a third out of memory: four there
 MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-CHECK=(python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-$([ "${MEM_MB:-0}" -gt 100000 ] && echo 6 || echo 4)}" -rf tests/gpu)
+# -v: each result on its own line as it comes, so that a check cut by its time still names its
+# failures (the list below); -rf lists them again at the end of one that finishes
+CHECK=(python3 -m pytest -v -p no:cacheprovider -n "${WORKERS:-$([ "${MEM_MB:-0}" -gt 100000 ] && echo 6 || echo 4)}" -rf tests/gpu)
 [ "${CHECK_ALL:-0}" = 1 ] && CHECK+=(-m "")
 # shellcheck disable=SC2086  # CHECK_FLAGS holds several pytest arguments
-step gpu_check "${GPU_CHECK_S:-280}" "${CHECK[@]}" ${CHECK_FLAGS:-}
+step gpu_check "${GPU_CHECK_S:-420}" "${CHECK[@]}" ${CHECK_FLAGS:-}
+if [ -f "$OUT/gpu_check.log" ]; then
+  echo "gpu_check: $(grep -c ' PASSED' "$OUT/gpu_check.log") passed, $(grep -c ' FAILED' "$OUT/gpu_check.log") failed so far"
+  grep -E '^\[gw[0-9]+\].* (FAILED|ERROR) ' "$OUT/gpu_check.log" | head -20
+fi
 step host "${HOST_S:-0}" python3 tools/host_profile.py --shape 8x2048
 step decode "${DECODE_S:-0}" python3 tools/decode_kernels.py --preset gdn --size 340m --batch 1 --device cuda \
   --dtype bfloat16 --profile
