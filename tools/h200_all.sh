@@ -83,7 +83,7 @@ CFG=()
 MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 # -v: each result on its own line as it comes, so that a check cut by its time still names its
 # failures (the list below); -rf lists them again at the end of one that finishes
-CHECK=(python3 -m pytest -v -p no:cacheprovider -n "${WORKERS:-$([ "${MEM_MB:-0}" -gt 100000 ] && echo 6 || echo 4)}" -rf tests/gpu)
+CHECK=(python3 -m pytest -v -p no:cacheprovider -n "${WORKERS:-$([ "${MEM_MB:-0}" -gt 100000 ] && echo 6 || echo 4)}" -rf --durations=20 tests/gpu)
 [ "${CHECK_ALL:-0}" = 1 ] && CHECK+=(-m "")
 # shellcheck disable=SC2086  # CHECK_FLAGS holds several pytest arguments
 step gpu_check "${GPU_CHECK_S:-420}" "${CHECK[@]}" ${CHECK_FLAGS:-}
