@@ -105,6 +105,8 @@ class SavedTensorLedger:
         self.stack: list[str] = ["(top)"]
         self.seen: set[int] = set()
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        head = model.get_output_embeddings()
+        self.head_shape = tuple(head.weight.shape) if head is not None else None
         self.bytes: dict[tuple[str, int], int] = defaultdict(int)
         self.dtypes: dict[str, set] = defaultdict(set)
         self.handles = []
@@ -142,7 +144,12 @@ class SavedTensorLedger:
             ptr = st.data_ptr()
             if ptr not in self.params and ptr not in self.seen and st.nbytes():
                 self.seen.add(ptr)
-                role, layer = ("(autocast weight copies)", -1) if _is_weight_cast(t) else self.role_of(self.stack[-1])
+                if _is_weight_cast(t):
+                    role, layer = "(autocast weight copies)", -1
+                elif self.stack[-1] == "(top)" and tuple(t.shape) == self.head_shape:
+                    role, layer = "(the head's weight gradient)", -1
+                else:
+                    role, layer = self.role_of(self.stack[-1])
                 self.bytes[(role, layer)] += st.nbytes()
                 self.dtypes[role].add(str(t.dtype).replace("torch.", ""))
         return t
@@ -175,9 +182,14 @@ def floors(cfg: GDNConfig, act: int, resid: int) -> dict[str, int]:
     }
 
 
+#: roles whose saved bytes do not grow with the tokens (the projection adds them once)
+FIXED = ("(autocast weight copies)", "(the head's weight gradient)")
+
+
 def head_floor(cfg: GDNConfig, act: int, resid: int) -> dict[str, int]:
-    """Per token: the final norm (input, rstd); the head's input, the loss's log-sum-exp, target and mask."""
-    return {"model.norm": cfg.hidden_size * resid + 4, "(top)": cfg.hidden_size * act + 4 + 8 + 1}
+    """Per token: the final norm (input, rstd); the loss's gradient of the head's input (the loss
+    forms its gradients in the forward; the head's weight gradient, fp32, is a role of its own)."""
+    return {"model.norm": cfg.hidden_size * resid + 4, "(top)": cfg.hidden_size * act}
 
 
 def measure(a):
@@ -255,11 +267,11 @@ def report(a, cfg, model, ledger):
     out_tok = 0
     fixed = 0
     for role, nb in outside.items():
-        if role == "(autocast weight copies)":
+        if role in FIXED:
             fixed += nb
         else:
             out_tok += nb
-        f = hf.get(role, "—") if role != "(autocast weight copies)" else "—"
+        f = hf.get(role, "—") if role not in FIXED else "—"
         print(f"| {role} | {','.join(sorted(ledger.dtypes[role]))} | {nb / MiB:.2f} | {nb / tokens:,.0f} | {f} |")
     total = layer_total * n_layers + sum(outside.values())
     per_token = (layer_total * n_layers + out_tok) / tokens

@@ -2,13 +2,15 @@
 
 ``F.cross_entropy(F.linear(h, W).float(), target)`` keeps the [N, vocab] fp32 log-probabilities
 for the backward and builds an fp32 gradient of the same size there (2 GiB each at 16k tokens and
-a 32k vocabulary). :func:`linear_cross_entropy` computes the same mean loss chunk by chunk,
-keeping only h, the weight, the targets and one log-sum-exp per token; the backward recomputes the
-logits of one chunk at a time. The full logits never exist.
+a 32k vocabulary). :func:`linear_cross_entropy` computes the same mean loss chunk by chunk, and
+when gradients are wanted it forms them in the same pass, from each chunk's logits while they
+exist: dh [N, D] and the weight's gradient (fp32) are kept for the backward, which scales them by
+the loss's gradient. The full logits never exist, and the logits are formed once (three matrix
+products of the head's size, where a backward recomputing them would run four); the price is
+that the weight's gradient is held from the forward on instead of being allocated in the backward.
 
-Under ``torch.compile`` it is the custom op ``gdn::linear_cross_entropy`` (loss and the
-log-sum-exps) with its backward ``gdn::linear_cross_entropy_backward`` (:mod:`gdn.ops.library`):
-the Function's own forward and backward passes.
+Under ``torch.compile`` it is the custom op ``gdn::linear_cross_entropy`` (the loss and, where
+asked, both gradients), whose backward scales them.
 """
 from __future__ import annotations
 
@@ -39,29 +41,50 @@ def _kept(target, ignore_index: int):
     return keep, torch.where(keep, target, 0), keep.sum()
 
 
-def lce_forward(h, weight, target, ignore_index: int, dtype: torch.dtype):
-    """``(loss, lse [N], tgt, keep, n_kept)``: the mean loss over the kept tokens (fp32 softmax, fp64
-    for fp64), the log-sum-exp of every row and what :func:`lce_backward` needs of the targets."""
+def lce_forward(h, weight, target, ignore_index: int, dtype: torch.dtype, need_dh: bool = False,
+                need_dw: bool = False):
+    """``(loss, dh or None, dw or None)``: the mean loss over the kept tokens (fp32 softmax, fp64 for
+    fp64) and, where asked, its gradients for a unit gradient of the loss, from the same logits of
+    each chunk: dh in h's dtype, dw summed in fp32 (fp64) and returned in the weight's dtype."""
     N = h.shape[0]
     rows = _chunk_rows(N, weight.shape[0])
     keep, tgt, n_kept = _kept(target, ignore_index)
     sdt = torch.promote_types(dtype, torch.float32)  # softmax dtype: fp32, or fp64
+    grads = need_dh or need_dw
     lse = torch.empty(N, device=h.device, dtype=sdt)
     picked = torch.empty(N, device=h.device, dtype=sdt)
+    coef = keep.to(sdt) / n_kept if grads else None  # each row's factor of the loss's gradient
+    dh = torch.empty_like(h) if need_dh else None
+    dw = torch.zeros(weight.shape, device=weight.device, dtype=sdt) if need_dw else None
     with torch.autocast(h.device.type, enabled=False):
         w = weight.to(dtype)
         for s in range(0, N, rows):
-            z = h[s:s + rows].to(dtype) @ w.t()
+            e = min(N, s + rows)
+            hc = h[s:e].to(dtype)
+            z = hc @ w.t()
             tri = _row_passes(z, sdt)
-            if tri is not None:  # one pass over the half-precision logits
-                lse[s:s + rows], picked[s:s + rows] = tri.logsumexp_pick(z, tgt[s:s + rows])
+            if tri is not None:  # one pass over the half-precision logits, and one more for the gradient
+                lse[s:e], picked[s:e] = tri.logsumexp_pick(z, tgt[s:e])
+                pc = tri.softmax_grad(z, lse[s:e], tgt[s:e], coef[s:e]) if grads else None
             else:
                 z = z.to(sdt)
-                lse[s:s + rows] = torch.logsumexp(z, -1)
-                picked[s:s + rows] = z.gather(1, tgt[s:s + rows, None])[:, 0]
+                lse[s:e] = torch.logsumexp(z, -1)
+                picked[s:e] = z.gather(1, tgt[s:e, None])[:, 0]
+                pc = None
+                if grads:
+                    p = torch.exp(z - lse[s:e, None])  # softmax, fp32 (or fp64)
+                    p[torch.arange(e - s, device=p.device), tgt[s:e]] -= 1.0
+                    p *= coef[s:e, None]
+                    pc = p.to(dtype)
+                    del p
             del z
+            if dh is not None:
+                dh[s:e] = (pc @ w).to(h.dtype)
+            if dw is not None:
+                accumulate_product(dw, pc.t(), hc)
+            del pc
     loss = torch.where(keep, lse - picked, 0.0).sum() / n_kept  # NaN when nothing is kept, as F.cross_entropy
-    return loss, lse, tgt, keep, n_kept
+    return loss, dh, None if dw is None else dw.to(weight.dtype)
 
 
 def accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -86,56 +109,33 @@ def accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> N
 _FP32_OUT = [True]
 
 
-def lce_backward(dloss, h, weight, tgt, keep, lse, n_kept, dtype: torch.dtype, need_dh: bool, need_dw: bool):
-    """``(dh or None, dw or None)`` of :func:`lce_forward`, recomputing the logits chunk by chunk."""
-    dt = dtype
-    N = h.shape[0]
-    rows = _chunk_rows(N, weight.shape[0])
-    sdt = lse.dtype
-    scale = (dloss / n_kept).to(sdt)
-    dh = torch.empty_like(h) if need_dh else None
-    dw = torch.zeros(weight.shape, device=weight.device, dtype=sdt) if need_dw else None
-    with torch.autocast(h.device.type, enabled=False):
-        w = weight.to(dt)
-        for s in range(0, N, rows):
-            e = min(N, s + rows)
-            hc = h[s:e].to(dt)
-            z = hc @ w.t()
-            tri = _row_passes(z, sdt)
-            if tri is not None:  # (softmax − onehot) · coef in one pass, in dt
-                pc = tri.softmax_grad(z, lse[s:e], tgt[s:e], keep[s:e].to(sdt) * scale)
-            else:
-                p = torch.exp(z.to(sdt) - lse[s:e, None])  # softmax, fp32 (or fp64)
-                p[torch.arange(e - s, device=p.device), tgt[s:e]] -= 1.0
-                p *= (keep[s:e].to(p.dtype) * scale)[:, None]
-                pc = p.to(dt)
-                del p
-            del z
-            if dh is not None:
-                dh[s:e] = (pc @ w).to(h.dtype)
-            if dw is not None:
-                accumulate_product(dw, pc.t(), hc)
-    return dh, None if dw is None else dw.to(weight.dtype)
-
-
 class _LinearCrossEntropyFn(torch.autograd.Function):
     """Mean over the kept tokens of ``logsumexp(z) − z[target]`` with ``z = h Wᵀ`` (fp32 softmax).
 
-    h: [N, D]; weight: [V, D]; target: [N] int (``ignore_index`` skipped); matmuls in ``dtype``."""
+    h: [N, D]; weight: [V, D]; target: [N] int (``ignore_index`` skipped); matmuls in ``dtype``.
+    ``grads``: whether gradient mode is on at the call (inside ``forward`` it never is); then the
+    gradients of the inputs that need one are formed here and the backward scales them."""
 
     @staticmethod
-    def forward(ctx, h, weight, target, ignore_index: int, dtype: torch.dtype):
-        loss, lse, tgt, keep, n_kept = lce_forward(h, weight, target, ignore_index, dtype)
-        ctx.save_for_backward(h, weight, tgt, keep, lse, n_kept)
-        ctx.dtype = dtype
+    def forward(ctx, h, weight, target, ignore_index: int, dtype: torch.dtype, grads: bool):
+        need_dh, need_dw = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
+        loss, dh, dw = lce_forward(h, weight, target, ignore_index, dtype, need_dh, need_dw)
+        ctx.save_for_backward(dh, dw)
         return loss
 
     @staticmethod
     def backward(ctx, dloss):
-        h, weight, tgt, keep, lse, n_kept = ctx.saved_tensors
-        dh, dw = lce_backward(dloss, h, weight, tgt, keep, lse, n_kept, ctx.dtype, ctx.needs_input_grad[0],
-                              ctx.needs_input_grad[1])
-        return dh, dw, None, None, None
+        dh, dw = ctx.saved_tensors
+        return _scaled(dh, dloss), _scaled(dw, dloss), None, None, None, None
+
+
+def _scaled(grad, dloss):
+    """``grad`` (formed for a unit gradient of the loss) times the loss's gradient ``dloss``, in
+    grad's dtype (the product in fp32 or wider; a half-precision dh is rounded once more where
+    dloss is not a power of two), or None where no gradient was formed."""
+    if grad is None or grad.numel() == 0:
+        return None
+    return grad * dloss.to(torch.promote_types(grad.dtype, torch.float32))
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -161,53 +161,37 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
         raise ValueError(f"target must be an integer tensor of shape [N] = [{h.shape[0]}], got "
                          f"{(target.dtype, tuple(target.shape)) if isinstance(target, torch.Tensor) else target!r}")
     dtype = library.autocast_of(h) or h.dtype
+    grads = torch.is_grad_enabled()
     if library.compiling():
-        return _lce_op(h, weight, target.to(h.device), int(ignore_index), dtype)[0]
-    return _LinearCrossEntropyFn.apply(h, weight, target.to(h.device), ignore_index, dtype)
+        need_dh, need_dw = grads and h.requires_grad, grads and weight.requires_grad
+        return _lce_op(h, weight, target.to(h.device), int(ignore_index), dtype, need_dh, need_dw)[0]
+    return _LinearCrossEntropyFn.apply(h, weight, target.to(h.device), ignore_index, dtype, grads)
 
 
 # ---- the custom ops (torch.compile) -------------------------------------------------------------
 
 @torch.library.custom_op("gdn::linear_cross_entropy", mutates_args=())
-def _lce_op(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
-            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss [], lse [N]): the backward needs the log-sum-exps; the rest it rebuilds from ``target``."""
-    loss, lse, _, _, _ = lce_forward(h, weight, target, ignore_index, dtype)
-    return loss, lse
+def _lce_op(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, dtype: torch.dtype,
+            need_dh: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss [], dh, dw): the gradients for a unit gradient of the loss, each empty where not asked."""
+    loss, dh, dw = lce_forward(h, weight, target, ignore_index, dtype, need_dh, need_dw)
+    return loss, (dh if dh is not None else h.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
 
 
 @_lce_op.register_fake
-def _(h, weight, target, ignore_index, dtype):
+def _(h, weight, target, ignore_index, dtype, need_dh, need_dw):
     sdt = torch.promote_types(dtype, torch.float32)
-    return h.new_empty((), dtype=sdt), h.new_empty(h.shape[0], dtype=sdt)
-
-
-@torch.library.custom_op("gdn::linear_cross_entropy_backward", mutates_args=())
-def _lce_backward_op(dloss: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                     lse: torch.Tensor, ignore_index: int, dtype: torch.dtype, need_dh: bool,
-                     need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dh, dw), each empty where not needed."""
-    keep, tgt, n_kept = _kept(target, ignore_index)
-    dh, dw = lce_backward(dloss, h, weight, tgt, keep, lse, n_kept, dtype, need_dh, need_dw)
-    return (dh if dh is not None else h.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
-
-
-@_lce_backward_op.register_fake
-def _(dloss, h, weight, target, lse, ignore_index, dtype, need_dh, need_dw):
-    return h.new_empty(h.shape if need_dh else (0,)), weight.new_empty(weight.shape if need_dw else (0,))
+    return (h.new_empty((), dtype=sdt), h.new_empty(h.shape if need_dh else (0,)),
+            weight.new_empty(weight.shape if need_dw else (0,)))
 
 
 def _lce_setup(ctx, inputs, output):
-    h, weight, target, ignore_index, dtype = inputs
-    ctx.save_for_backward(h, weight, target, output[1])
-    ctx.ignore_index, ctx.dtype = ignore_index, dtype
+    ctx.save_for_backward(output[1], output[2])
 
 
-def _lce_grad(ctx, dloss, _dlse):
-    h, weight, target, lse = ctx.saved_tensors
-    need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dh, dw = _lce_backward_op(dloss, h, weight, target, lse, ctx.ignore_index, ctx.dtype, need_dh, need_dw)
-    return (dh if need_dh else None), (dw if need_dw else None), None, None, None
+def _lce_grad(ctx, dloss, _ddh, _ddw):
+    dh, dw = ctx.saved_tensors
+    return _scaled(dh, dloss), _scaled(dw, dloss), None, None, None, None, None
 
 
 _lce_op.register_autograd(_lce_grad, setup_context=_lce_setup)

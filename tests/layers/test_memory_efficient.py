@@ -218,11 +218,45 @@ def test_norm_output_is_shared_by_the_projections_under_autocast():
 
 
 def test_loss_keeps_no_vocab_sized_tensor():
+    """The loss keeps its two gradients, formed in the forward (h's size and the weight's), and no
+    [N, vocab] tensor; under no_grad it forms and keeps nothing for a backward."""
     N, D, V = 64, 16, 1000
     h, w = rnd(N, D, dtype=torch.float32), rnd(V, D, seed=1, dtype=torch.float32)
     t = torch.randint(0, V, (N,), generator=gen(2))
     nb, _ = saved_bytes(L.linear_cross_entropy, h, w, t)
-    assert nb == h.nbytes + w.nbytes + N * (8 + 1 + 4) + 8  # target, keep mask, lse, kept count
+    assert nb == h.nbytes + w.nbytes
+    with torch.no_grad():
+        nb, _ = saved_bytes(L.linear_cross_entropy, h, w, t)
+    assert nb == 0
+    nb, _ = saved_bytes(L.linear_cross_entropy, h.detach(), w, t)  # the weight's gradient alone
+    assert nb == w.nbytes
+
+
+def test_loss_forms_the_logits_once(monkeypatch):
+    """Forward + backward run three products of the head's size a chunk (the logits, then dh and dw
+    from them), none in the backward: the logits are not formed again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(L, "CHUNK_ELEMENTS", 4 * 50)  # four rows a chunk: 6 chunks of 23 rows
+    N, D, V = 23, 8, 50
+    h, w = rnd(N, D, dtype=torch.float32), rnd(V, D, seed=1, dtype=torch.float32)
+    t = torch.randint(0, V, (N,), generator=gen(2))
+    fwd, bwd = Products(), Products()
+    with fwd:
+        loss = L.linear_cross_entropy(h, w, t)
+    with bwd:
+        loss.backward()
+    assert (fwd.n, bwd.n) == (3 * 6, 0)
 
 
 # ---------------------------------------------------------------- the model's loss
@@ -292,7 +326,8 @@ def test_bf16_autocast_training_loss_is_close_to_the_fp32_one():
 
 def test_memory_benchmark_every_layer_role_keeps_its_floor():
     """benchmarks/memory.py on the tiny preset: each role of a Gated DeltaNet block keeps what its
-    floor says (the convs' zero history aside), and the loss keeps no vocabulary-sized tensor."""
+    floor says (the convs' zero history aside), and the loss keeps its two gradients: h's and the
+    head weight's (fp32), no [tokens, vocabulary] tensor."""
     import importlib.util
     from pathlib import Path
 
@@ -313,7 +348,8 @@ def test_memory_benchmark_every_layer_role_keeps_its_floor():
                 want += B * (f // 2) * W * 2
             assert got == want, (role, layer, got, want)
     head = bench.head_floor(cfg, 2, 4)
-    assert ledger.bytes[("(top)", -1)] == head["(top)"] * B * T + 8  # + the count of kept tokens
+    assert ledger.bytes[("(top)", -1)] == head["(top)"] * B * T
+    assert ledger.bytes[("(the head's weight gradient)", -1)] == cfg.vocab_size * cfg.hidden_size * 4
     assert ledger.bytes[("model.norm", -1)] == head["model.norm"] * B * T
 
 

@@ -165,7 +165,7 @@ def test_opcheck_swiglu_and_loss():
     h, w = torch.randn(13, 6, dtype=F64, requires_grad=True), torch.randn(11, 6, dtype=F64, requires_grad=True)
     target = torch.randint(0, 11, (13,))
     target[3] = -100
-    _opcheck(loss._lce_op, (h, w, target, -100, F64))
+    _opcheck(loss._lce_op, (h, w, target, -100, F64, True, True))
 
 
 def test_fake_dtypes_follow_the_implementation():
