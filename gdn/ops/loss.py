@@ -133,7 +133,7 @@ def _scaled(grad, dloss):
     """``grad`` (formed for a unit gradient of the loss) times the loss's gradient ``dloss``, in
     grad's dtype (the product in fp32 or wider; a half-precision dh is rounded once more where
     dloss is not a power of two), or None where no gradient was formed."""
-    if grad is None or grad.numel() == 0:
+    if grad is None:
         return None
     return grad * dloss.to(torch.promote_types(grad.dtype, torch.float32))
 
@@ -187,11 +187,12 @@ def _(h, weight, target, ignore_index, dtype, need_dh, need_dw):
 
 def _lce_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1], output[2])
+    ctx.asked = inputs[5], inputs[6]  # need_dh, need_dw: the outputs that are gradients, not placeholders
 
 
 def _lce_grad(ctx, dloss, _ddh, _ddw):
-    dh, dw = ctx.saved_tensors
-    return _scaled(dh, dloss), _scaled(dw, dloss), None, None, None, None, None
+    grads = [g if asked else None for g, asked in zip(ctx.saved_tensors, ctx.asked)]
+    return _scaled(grads[0], dloss), _scaled(grads[1], dloss), None, None, None, None, None
 
 
 _lce_op.register_autograd(_lce_grad, setup_context=_lce_setup)

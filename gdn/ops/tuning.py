@@ -314,8 +314,8 @@ OTHER = {
     "gate": dict(num_warps=4, BLOCK=1024),
     # RMSNorm (norm_tiles): rows per block so a block holds ``elements`` values (1024 under the
     # interpreter); 8 warps from rows of 2048. The backward aims at ``programs`` programs. On an H100
-    # the backward's best at [16384, 1024] and [98304, 256] of elements ∈ {4096, 8192} × programs ∈
-    # {1024, 2048}; 8192 spills there (its next block held beside this one's): 4–9× slower.
+    # at [16384, 1024] and [98304, 256] these were the backward's best of elements ∈ {4096, 8192} ×
+    # programs ∈ {1024, 2048}; 8192 spills there (its next block held beside this one's): 4–9× slower.
     "rmsnorm": dict(elements=4096, max_rows=64, wide=2048, programs=1024),
     # Short convolution. Forward: tiles of BT tokens × BD channels (64 under the interpreter).
     # Backward: BD_bwd channels walked over L tokens, U an iteration; L as large as

@@ -11,14 +11,13 @@ to x's dtype.
 PyTorch runs this as a transpose, a concatenation with the history and a grouped conv1d on a
 [B, D, K-1+T] copy; these kernels read the [B, T, D] tensors in place. The forward runs one
 program per tile of tokens × channels. The backward recomputes z (it saves only x, the weight and
-the history) and gives dx, dw (per-program fp32 partials [B, programs along T, D, K] summed in
-torch) and the history's gradient (a tiny PyTorch recomputation over the first K-1 tokens); each of
-its programs walks a run of tokens one row at a time, the convolution's shifts done by renaming
-registers, so that every row of x and dy is read once and every dz formed once, the rows of the
-next few tokens requested before this iteration's stores (a load cannot pass an earlier store the
-compiler cannot tell apart from it) (a tile form reads
-each row K times and needs dz on the tile's K - 1 rows past its end, through a scratch: on an H100
-at the 340m model's shapes it took 1.5–1.8× the walk's time). The forward's own walk took 1.2–1.5×
+the history) and gives dx, dw (per-program fp32 partials [B, programs along T, D, K] summed by
+:mod:`.colsum`) and the history's gradient (a tiny PyTorch recomputation over the first K-1 tokens);
+each of its programs walks a run of tokens one row at a time, the convolution's shifts done by
+renaming registers, so that every row of x and dy is read once and every dz formed once, the rows of
+the next few tokens requested before this iteration's stores, since a load cannot pass an earlier
+store the compiler cannot tell apart from it. (A tile form reads each row K times and needs dz on the tile's K - 1 rows past its end, through a scratch: on an H100
+at the 340m model's shapes it took 1.5–1.8× the walk's time.) The forward's own walk took 1.2–1.5×
 its tiles' time there: with no dz to share, the tiles' re-reads hit the cache.
 
 Two or three convolutions whose inputs lie side by side in one tensor (a mixer's q, k and v,
