@@ -28,6 +28,8 @@ from contextlib import nullcontext
 
 import torch
 
+from . import clip
+
 
 class GraphedStep:
     """``step(batch) -> (loss, grad norm)`` of a fixed-shape training step, replayed from a CUDA
@@ -72,15 +74,12 @@ class GraphedStep:
         with self.autocast():
             loss = self.loss_fn(self.model, self.static)
         loss.backward()
-        bound = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.params, bound, foreach=True)
+        # the bound applied by the fused update itself (gdn.train.clip): no pass over the gradients
+        # of its own, and none at all without a bound
+        norm = clip.global_norm(self.params)
         loss = loss.detach().float()
         bad = (~torch.isfinite(loss) | ~torch.isfinite(norm)).float()
-        self.optimizer.grad_scale, self.optimizer.found_inf = None, bad
-        try:
-            self.optimizer.step()
-        finally:
-            del self.optimizer.grad_scale, self.optimizer.found_inf
+        clip.step_clipped(self.optimizer, self.params, self.grad_clip, norm, found_inf=bad)
         return loss, norm
 
     def _take(self, batch: dict) -> None:

@@ -22,6 +22,7 @@ from ..evaluation import evaluate
 from ..models import GDNConfig, GDNForCausalLM, param_groups
 from ..ops import offsets
 from . import distributed as D
+from .clip import EPS as CLIP_EPS, global_norm, step_clipped
 from .config import TrainConfig, changed_settings, read_saved_config
 from .metrics import MetricsLog, plot_loss_curve
 
@@ -253,13 +254,15 @@ class TrainLoop:
             loss.backward()
             total += loss.detach()
         clip = self.settings.grad_clip
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else 1e30)
-        if hasattr(gnorm, "full_tensor"):
-            gnorm = gnorm.full_tensor()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = global_norm(params)
         # the same numbers on every rank (the mean loss, the global norm), so the same decision
-        loss, gnorm = float(D.all_reduce(total, "mean")), float(gnorm)
+        loss = float(D.all_reduce(total, "mean"))
+        gnorm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if math.isfinite(loss) and math.isfinite(gnorm):
-            self.optimizer.step()
+            # bounded only where the bound bites (its scale is 1 otherwise): the fused update then
+            # leaves the gradients as they are
+            step_clipped(self.optimizer, params, clip if gnorm + CLIP_EPS > clip > 0 else 0.0, norm)
             self.bad_in_a_row = 0
         else:
             self.skipped += 1
