@@ -29,7 +29,7 @@ def global_norm(params) -> torch.Tensor:
     if not grads:
         return torch.zeros(())
     if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
-        return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True if grads[0].is_cuda else None)
+        return torch.nn.utils.get_total_norm(grads, 2.0)  # (torch's foreach form where the device has it)
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
 
 
