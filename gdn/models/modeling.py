@@ -192,8 +192,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Optimizer parameter groups: ``[{"params": decayed, "weight_decay": weight_decay},
     {"params": A_log/dt_bias/norms/biases, "weight_decay": 0.0}]`` (trainable parameters only;
     tied weights once)."""
-    if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
-        raise ValueError(f"weight_decay must be a non-negative number, got {weight_decay!r}")
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not 0 <= weight_decay < float("inf"):
+        raise ValueError(f"weight_decay must be a finite non-negative number, got {weight_decay!r}")
     skip = no_weight_decay_names(model)
     decay, no_decay = [], []
     for name, p in model.named_parameters():

@@ -84,8 +84,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         for name in ("lr", "weight_decay", "grad_clip", "min_lr_ratio", "adam_eps"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"{name} must be a non-negative number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:  # (NaN fails too)
+                raise ValueError(f"{name} must be a finite non-negative number, got {v!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a non-negative int, got {self.warmup_steps!r}")
         if self.batch_size % self.grad_accum:

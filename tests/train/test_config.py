@@ -27,6 +27,14 @@ def test_time_limit_must_be_positive_or_none(value):
         TrainConfig(time_limit=value)
 
 
+@pytest.mark.parametrize("name", ["lr", "weight_decay", "grad_clip", "min_lr_ratio", "adam_eps"])
+@pytest.mark.parametrize("value", [-1e-3, math.nan, math.inf, "fast", True])
+def test_optimizer_numbers_must_be_finite_and_non_negative(name, value):
+    with pytest.raises(ValueError, match=f"{name} must be a finite non-negative number"):
+        TrainConfig(**{name: value})
+    assert getattr(TrainConfig(**{name: 0}), name) == 0  # (zero: no decay, no clip, a frozen run)
+
+
 def test_time_limit_accepts_positive_numbers_and_none():
     assert TrainConfig(time_limit=None).time_limit is None
     assert TrainConfig(time_limit=5).time_limit == 5
