@@ -16,10 +16,12 @@ from gdn.train import LoopSettings, TrainLoop, lr_factor
 class Toy(TrainLoop):
     """Linear regression in two micro-batches of 8 rows."""
 
-    def __init__(self, steps: int, grad_clip: float, lr: float = 0.1, bad: set = frozenset(), max_bad_steps: int = 10):
+    def __init__(self, steps: int, grad_clip: float, lr: float = 0.1, bad: set = frozenset(), max_bad_steps: int = 10,
+                 adamw: dict | None = None):
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        opt = torch.optim.SGD(model.parameters(), lr=lr) if adamw is None else torch.optim.AdamW(
+            model.parameters(), lr=lr, **adamw)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 2, steps, 0.0, 3))
         settings = LoopSettings(steps=steps, grad_clip=grad_clip, max_bad_steps=max_bad_steps)
         super().__init__(model, opt, sched, settings, device=torch.device("cpu"))
@@ -56,6 +58,25 @@ def test_one_step_is_the_full_batch_step_clipped(clip):
         assert torch.allclose(p, q - lr * scale * q.grad, atol=1e-6)
     assert out.train_loss == pytest.approx(float(loss.detach()), rel=1e-6)
     assert (out.step, out.metrics, out.checkpoint, out.interrupted) == (1, None, None, False)
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05, 100.0], ids=["unbounded", "bites", "above-the-norm"])
+def test_clip_in_the_fused_update_trains_as_the_clip_pass(clip):
+    """The fused AdamW, clipped inside its update (gdn.train.clip), against the foreach form clipped
+    in place: the same weights after four steps, the same norms reported."""
+    fused, plain = Toy(steps=4, grad_clip=clip, adamw={"fused": True}), Toy(steps=4, grad_clip=clip,
+                                                                          adamw={"foreach": True})
+    norms = {}
+    for name, toy in (("fused", fused), ("plain", plain)):
+        step = toy.train_step
+        norms[name] = []
+        toy.train_step = lambda step=step, out=norms[name]: (lambda r: (out.append(r[1]), r)[1])(step())
+        toy.fit()
+    assert norms["fused"] == pytest.approx(norms["plain"], rel=1e-5)
+    if clip == 0.05:
+        assert all(n > clip for n in norms["plain"])  # (the bound bit at every step)
+    for p, q in zip(fused.model.parameters(), plain.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 def test_schedule_and_no_signal_handlers_without_checkpoints():
