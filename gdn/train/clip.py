@@ -2,7 +2,7 @@
 
 ``torch.nn.utils.clip_grad_norm_`` reads every gradient for the norm, then multiplies every
 gradient by ``min(1, max_norm / norm)`` in a pass of its own: a read and a write of all the
-gradients (3.4 GB of fp32 at 425M parameters, ≈ 1.1 ms of an H100 a step), made even when nothing
+gradients (3.4 GB of fp32 at 425M parameters: ≈ 1.1 ms a step at an H100's copy bandwidth), made even when nothing
 is clipped (it cannot tell on the host without waiting on the GPU) and even with no bound at all.
 torch's fused Adam and AdamW divide each gradient by a device scalar ``grad_scale`` in their own
 update kernel (the protocol of ``torch.amp.GradScaler``, writing the divided gradient back): the
