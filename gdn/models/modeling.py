@@ -192,7 +192,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Optimizer parameter groups: ``[{"params": decayed, "weight_decay": weight_decay},
     {"params": A_log/dt_bias/norms/biases, "weight_decay": 0.0}]`` (trainable parameters only;
     tied weights once)."""
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not 0 <= weight_decay < float("inf"):
+    wd = weight_decay
+    if isinstance(wd, bool) or not isinstance(wd, (int, float)) or not 0 <= wd < float("inf"):  # (NaN fails too)
         raise ValueError(f"weight_decay must be a finite non-negative number, got {weight_decay!r}")
     skip = no_weight_decay_names(model)
     decay, no_decay = [], []
