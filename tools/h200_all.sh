@@ -6,7 +6,8 @@
 # Seconds per step from the environment (0 skips the step):
 #   GPU_CHECK_S HOST_S DECODE_S TUNE_S OPS_S GRAPH_S KDA_S KDA_PROF_S GEN_S GLUE_S TRAIN_S   e.g. GPU_CHECK_S=200 TUNE_S=0 bash tools/h200_all.sh
 # and flags: CHECK_ALL=1 (the slow cases of the GPU check too), CHECK_FLAGS (more pytest arguments,
-# e.g. "-k kda"), OPS_FLAGS, GRAPH_FLAGS, KDA_FLAGS, GEN_FLAGS, TRAIN_FLAGS. GRAPH_S: the GPU-bound side by side
+# e.g. "-k kda"), CHECK_PATHS (the test files of a partial check, default tests/gpu: e.g. the files
+# whose code changed, where the device time left will not hold the whole check), OPS_FLAGS, GRAPH_FLAGS, KDA_FLAGS, GEN_FLAGS, TRAIN_FLAGS. GRAPH_S: the GPU-bound side by side
 # (benchmarks/ops_gpu.py --graph: each peer's call replayed from a CUDA graph, so that no host time
 # enters; GRAPH_FLAGS default "--peers gdn,qla --shapes 0,1,2,3,4,6"). KDA_PROF_S: per-kernel GPU µs of the KDA chunk
 # kernels at (8, 2048) (benchmarks/kda_gpu.py --profile), with the launch settings of
@@ -83,7 +84,8 @@ CFG=()
 MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 # -v: each result on its own line as it comes, so that a check cut by its time still names its
 # failures (the list below); -rf lists them again at the end of one that finishes
-CHECK=(python3 -m pytest -v -p no:cacheprovider -n "${WORKERS:-$([ "${MEM_MB:-0}" -gt 100000 ] && echo 6 || echo 4)}" -rf --durations=20 tests/gpu)
+# shellcheck disable=SC2206  # CHECK_PATHS holds several paths
+CHECK=(python3 -m pytest -v -p no:cacheprovider -n "${WORKERS:-$([ "${MEM_MB:-0}" -gt 100000 ] && echo 6 || echo 4)}" -rf --durations=20 ${CHECK_PATHS:-tests/gpu})
 [ "${CHECK_ALL:-0}" = 1 ] && CHECK+=(-m "")
 # shellcheck disable=SC2086  # CHECK_FLAGS holds several pytest arguments
 step gpu_check "${GPU_CHECK_S:-420}" "${CHECK[@]}" ${CHECK_FLAGS:-}
