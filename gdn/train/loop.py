@@ -254,7 +254,7 @@ class TrainLoop:
             loss.backward()
             total += loss.detach()
         clip = self.settings.grad_clip
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = list(self.model.parameters())  # (those without a gradient are passed over)
         norm = global_norm(params)
         # the same numbers on every rank (the mean loss, the global norm), so the same decision
         loss = float(D.all_reduce(total, "mean"))
