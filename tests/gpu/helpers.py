@@ -9,18 +9,47 @@ costs anyway and leaves room for half-precision intermediates.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import tempfile
+
 import torch
 
 from tests.ops.helpers import HAS_BETA, HAS_G, rel_err
 
 __all__ = ["DEVICE", "FP32_TOL", "HAS_BETA", "HAS_G", "rel_err", "tier3_bounds", "assert_within", "leaves",
-           "grad_name", "outputs_and_grads", "offsets", "dtype_id"]
+           "grad_name", "outputs_and_grads", "offsets", "dtype_id", "one_large_case_at_a_time"]
 
 #: Where the tests run. A dry run of a test's logic on the CPU (Triton's interpreter) passes its
 #: own device to the check functions, which all take ``device``.
 DEVICE = "cuda"
 #: Tier-3 bound for fp32 inputs (and for states, which are fp32 arithmetic whatever the inputs).
 FP32_TOL = 2e-3
+
+
+#: Elements of the largest per-token state product (B · T · HV · K · V) a case may have and still run
+#: beside other workers' cases: the float64 references of larger ones take tens of GiB of the card.
+LARGE_CASE = 2 ** 30
+
+
+@contextlib.contextmanager
+def one_large_case_at_a_time(size: int):
+    """Hold, for a case whose float64 reference is large (``size`` > :data:`LARGE_CASE`), a lock
+    that every pytest worker on this machine shares, so that several workers on one GPU do not run
+    such cases at once and run each other out of memory; smaller cases run without it."""
+    if size <= LARGE_CASE:
+        yield
+        return
+    path = os.path.join(tempfile.gettempdir(), f"gdn-gpu-large-case-{os.getuid()}.lock")
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:  # the case's cached blocks go back to the device before the next worker's case
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def dtype_id(dtype: torch.dtype) -> str:

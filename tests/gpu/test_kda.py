@@ -28,8 +28,8 @@ from gdn.ops.kda.triton.chunk import chunk_kda
 from gdn.ops.kda.triton.recurrent import recurrent_kda
 from gdn.ops.tuning import MAX_HEAD_DIM
 
-from .helpers import (DEVICE, assert_within, dtype_id, leaves, offsets, outputs_and_grads, rel_err,
-                      tier3_bounds)
+from .helpers import (DEVICE, assert_within, dtype_id, leaves, offsets, one_large_case_at_a_time,
+                      outputs_and_grads, rel_err, tier3_bounds)
 
 DTYPES = (torch.float32, torch.bfloat16)
 #: the chunk kernels' cases run fp16 as well (its dot operands overflow past e^11: kkt's own bound)
@@ -84,14 +84,17 @@ def reference_case(spec, seed, device=DEVICE):
 
 
 def check_chunk_case(spec, seed, dtype, *, device=DEVICE, kernel=chunk_kda):
-    """Errors of ``kernel`` at one case and dtype against the float64 chunk form, and their bounds."""
-    d, cu, do, dS, ref = reference_case(spec, seed, device)
-    got = outputs_and_grads(_call(kernel, cu), leaves(d, dtype, WIDE), do, dS)
-    errs = {n: rel_err(got[n], ref[n]) for n in ref}
-    base = None
-    if dtype not in (torch.float32, torch.float64):
-        chunk = outputs_and_grads(_call(chunk_form.kimi_delta_attention, cu), leaves(d, dtype, WIDE), do, dS)
-        base = {n: rel_err(chunk[n], ref[n]) for n in ref}
+    """Errors of ``kernel`` at one case and dtype against the float64 chunk form, and their bounds
+    (the two benchmark shapes one at a time across workers: their references take 30-40 GiB)."""
+    _, B, T, H, HV, K, V, *_ = spec
+    with one_large_case_at_a_time(B * T * HV * K * V):
+        d, cu, do, dS, ref = reference_case(spec, seed, device)
+        got = outputs_and_grads(_call(kernel, cu), leaves(d, dtype, WIDE), do, dS)
+        errs = {n: rel_err(got[n], ref[n]) for n in ref}
+        base = None
+        if dtype not in (torch.float32, torch.float64):
+            chunk = outputs_and_grads(_call(chunk_form.kimi_delta_attention, cu), leaves(d, dtype, WIDE), do, dS)
+            base = {n: rel_err(chunk[n], ref[n]) for n in ref}
     return errs, tier3_bounds(dtype, ref, base)
 
 
