@@ -18,9 +18,11 @@ C = 64
 
 def floors(B: int, T: int, H: int, K: int, V: int, HV: int | None = None, pair: bool = False):
     """{kernel: (bytes, flops)} for one forward + backward at (B, T, H, K, V), bf16, gated, as the
-    default launches run it on compute capability 9 (the fused forward; δ and Wᵀ dδ formed from
-    T⁻¹, so no wu; the Gluon fused_bwd after the reverse pass), or with ``pair`` dqk and wy_bwd
-    instead of fused_bwd (other GPUs)."""
+    default launches run it on compute capability 9: kkt_solve (T⁻¹ and γ only), the
+    warp-specialised forward (the pair matrix formed in the pass), the recomputed state pass
+    (h and δ stored), the warp-specialised reverse pass (dδ_loc and Wᵀ dδ formed in the pass; dh
+    and dδ stored) and the Gluon fused_bwd. With ``pair``, the Triton kernels other GPUs run:
+    kkt_solve writing P too, state_out, state_fwd, dv_local, state_bwd, dqk and wy_bwd."""
     HV = HV or H
     n = B * (T // C) * HV  # (chunk, value head) pairs
     h16, f32 = 2, 4
@@ -31,28 +33,39 @@ def floors(B: int, T: int, H: int, K: int, V: int, HV: int | None = None, pair: 
     gb = tok * f32 * 2  # g and β
     a_t = tok * C * h16  # one chunk's rows of T⁻¹
     dk32 = tok * K * f32  # dk's fp32 partial
+    kv, ttk, ttv = tok * K * V, tok * tok * K, tok * tok * V  # one product's multiply-adds
+    # the per-chunk stage (fused_bwd): q, k, δ, dO, dδ, v, T⁻¹, g, β, h, dh in; dq, dk, dv, dβ, dγ
+    # out. Products: dO δᵀ, dδ δᵀ, Tᵀ dδ; dO Sᵀ, δ dSᵀ, dδ Sᵀ; Q Kᵀ, K Kᵀ, Tᵀ dW, (dO δᵀ ⊙ D) K and
+    # its transpose with Q, (M + Mᵀ) K; Tᵀ (dδ δᵀ) in two parts
+    fused_bwd = (4 * qk + 5 * vv + a_t + gb + 2 * st + 2 * tok * f32, 2 * (3 * ttv + 3 * kv + 7 * ttk + 2 * tok ** 3))
+    if not pair:
+        out = {
+            # k, g, β in; T⁻¹ and the chunk's cumulative gates γ out. K Kᵀ (the solve's 16 × 16
+            # blocks are a few per cent more)
+            "kkt_solve": (qk + gb + a_t + tok * f32, 2 * ttk),
+            # q, k, v, T⁻¹, γ, β in; o out. X = K S, δ = T⁻¹ Y, the update Kᵀ δ̃; Q Kᵀ, Q S, P δ
+            "fused_fwd": (2 * qk + vv + a_t + gb + vv, 2 * (3 * kv + ttv + ttk + ttv)),
+            # the same chain again: k, v, T⁻¹, γ, β in; h and δ out
+            "fused_states (recompute)": (qk + vv + a_t + gb + st + vv, 2 * (2 * kv + ttv)),
+            # q, k, dO, T⁻¹, γ, β in; dh and dδ out. K Qᵀ, Pᵀ dO; the chain's K dS, Tᵀ dδ, Kᵀ Z; Qᵀ dÕ
+            "fused_rev": (2 * qk + vv + a_t + gb + st + vv, 2 * (ttk + ttv + kv + ttv + kv + kv)),
+            "fused_bwd": fused_bwd,
+        }
+        return {k: (b * n, f * n) for k, (b, f) in out.items()}
     out = {
-        # forward: T⁻¹ and the output's pair matrix P from q, k; the fused state-and-output pass
-        # forming δ from T⁻¹, v and β
-        "kkt_solve": (2 * qk + gb + 2 * a_t, 2 * 2 * tok * tok * K),
-        "state_out": (2 * qk + 2 * vv + 2 * a_t + gb, 2 * (3 * tok * K * V + 2 * tok * tok * V)),
+        # forward: T⁻¹ and the output's pair matrix P from q, k; the state-and-output pass forming δ
+        # from T⁻¹, v and β
+        "kkt_solve": (2 * qk + gb + 2 * a_t, 2 * 2 * ttk),
+        "state_out": (2 * qk + 2 * vv + 2 * a_t + gb, 2 * (3 * kv + 2 * ttv)),
         # backward: the state pass again (h and δ stored), dδ_loc, the reverse pass (Wᵀ dδ formed
         # from T⁻¹; dh and dδ stored), then dqk and wy_bwd
-        "state_fwd (recompute)": (qk + 2 * vv + a_t + gb + st, 4 * tok * K * V + 2 * tok * tok * V),
-        "dv_local": (2 * qk + 2 * vv + tok * f32, 2 * (tok * tok * K + tok * tok * V)),
-        "state_bwd": (2 * qk + 3 * vv + a_t + gb + st, 6 * tok * K * V + 2 * tok * tok * V),
-        "dqk": (4 * qk + 3 * vv + 2 * st + dk32 + 2 * tok * f32,
-                2 * (tok * tok * V + 3 * tok * K * V + 3 * tok * tok * K)),
-        "wy_bwd": (3 * qk + 3 * vv + a_t + dk32 + gb + 3 * tok * f32,
-                   2 * (2 * tok * tok * V + 5 * tok * tok * K + 2 * tok ** 3)),
-        # their work in one program per chunk and value head: q, k, δ, dO, dδ, v, T⁻¹, g, β, h, dh
-        # in; dq, dk, dv, dβ, dγ out. Products: dO δᵀ, dδ δᵀ, Tᵀ dδ; dO Sᵀ, δ dSᵀ, dδ Sᵀ; Q Kᵀ,
-        # K Kᵀ, Tᵀ dW, (dO δᵀ ⊙ D) K and its transpose with Q, (M + Mᵀ) K; Tᵀ (dδ δᵀ) in two parts
-        "fused_bwd": (4 * qk + 5 * vv + a_t + gb + 2 * st + 2 * tok * f32,
-                      2 * (3 * tok * tok * V + 3 * tok * K * V + 7 * tok * tok * K + 2 * tok ** 3)),
+        "state_fwd (recompute)": (qk + 2 * vv + a_t + gb + st, 4 * kv + 2 * ttv),
+        "dv_local": (2 * qk + 2 * vv + tok * f32, 2 * (ttk + ttv)),
+        "state_bwd": (2 * qk + 3 * vv + a_t + gb + st, 6 * kv + 2 * ttv),
+        "dqk": (4 * qk + 3 * vv + 2 * st + dk32 + 2 * tok * f32, 2 * (ttv + 3 * kv + 3 * ttk)),
+        "wy_bwd": (3 * qk + 3 * vv + a_t + dk32 + gb + 3 * tok * f32, 2 * (2 * ttv + 5 * ttk + 2 * tok ** 3)),
     }
-    drop = ("fused_bwd",) if pair else ("dqk", "wy_bwd")
-    return {k: (b * n, f * n) for k, (b, f) in out.items() if k not in drop}
+    return {k: (b * n, f * n) for k, (b, f) in out.items()}
 
 
 def floors_fused(B: int, T: int, H: int, K: int, V: int, HV: int | None = None):
@@ -123,8 +136,8 @@ def main(argv=None):
     ap.add_argument("--copy-gbs", type=float, default=4240.0, help="measured copy bandwidth, GB/s")
     ap.add_argument("--tflops", type=float, default=714.0, help="measured bf16 matmul rate, TFLOP/s")
     ap.add_argument("--op", choices=("delta", "pair", "kda", "fused"), default="delta",
-                    help="the scalar-gate kernels as launched on compute capability 9, the same with dqk and wy_bwd "
-                         "(other GPUs), KDA's, or the per-chunk fused backward's design (floors_fused)")
+                    help="the scalar-gate kernels as launched on compute capability 9, the Triton kernels "
+                         "other GPUs run, KDA's, or the per-chunk fused backward's design (floors_fused)")
     a = ap.parse_args(argv)
     dims = [int(x) for x in a.shape.split(",")]
     if len(dims) == 4:

@@ -190,12 +190,12 @@ def test_fused_backward_floors_move_fewer_bytes(capsys):
     spec = importlib.util.spec_from_file_location("floors_under_test", PATH.parent / "floors.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    bwd_now = ("state_fwd (recompute)", "dv_local", "state_bwd", "fused_bwd")
+    bwd_now = ("fused_states (recompute)", "fused_rev", "fused_bwd")
     bwd_pair = ("state_fwd (recompute)", "dv_local", "state_bwd", "dqk", "wy_bwd")
     bwd_fused = ("state_fwd (h only)", "state_bwd (dh only)", "fused per-chunk backward")
     for shape in ((8, 2048, 16, 128, 128), (1, 32768, 16, 128, 128), (4, 4096, 6, 128, 256)):
         now, pair, fused = mod.floors(*shape), mod.floors(*shape, pair=True), mod.floors_fused(*shape)
-        assert "dqk" not in now and "fused_bwd" not in pair
+        assert set(now) == {"kkt_solve", "fused_fwd", *bwd_now} and "fused_bwd" not in pair
         # the design below the launches of compute capability 9, which are below the pair's (no dW,
         # fp32 dK partial or per-tile dγ between two kernels)
         bytes_of = [sum(t[k][0] for k in ks) for t, ks in ((fused, bwd_fused), (now, bwd_now), (pair, bwd_pair))]
