@@ -12,18 +12,29 @@ near its byte floor can only gain by fusion (fewer bytes); one far above both is
 from __future__ import annotations
 
 import argparse
+import importlib.util
+from pathlib import Path
 
 C = 64
 
 
+def _byte_floor():
+    """tools/byte_floor.py, the floors of the kernels the default path launches on compute capability 9."""
+    spec = importlib.util.spec_from_file_location("byte_floor", Path(__file__).resolve().parent.parent / "tools" / "byte_floor.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def floors(B: int, T: int, H: int, K: int, V: int, HV: int | None = None, pair: bool = False):
     """{kernel: (bytes, flops)} for one forward + backward at (B, T, H, K, V), bf16, gated, as the
-    default launches run it on compute capability 9: kkt_solve (T⁻¹ and γ only), the
-    warp-specialised forward (the pair matrix formed in the pass), the recomputed state pass
-    (h and δ stored), the warp-specialised reverse pass (dδ_loc and Wᵀ dδ formed in the pass; dh
-    and dδ stored) and the Gluon fused_bwd. With ``pair``, the Triton kernels other GPUs run:
+    default launches run it on compute capability 9 (tools/byte_floor.py's model: kkt_solve,
+    fused_fwd, fused_states, fused_rev, fused_bwd and, with grouped heads, group_sum). With
+    ``pair``, the Triton kernels other GPUs run:
     kkt_solve writing P too, state_out, state_fwd, dv_local, state_bwd, dqk and wy_bwd."""
     HV = HV or H
+    if not pair:  # one model of the launched kernels: tools/byte_floor.py's
+        return _byte_floor().kernels(B, T, H, HV, K, V)
     n = B * (T // C) * HV  # (chunk, value head) pairs
     h16, f32 = 2, 4
     tok = C  # tokens per chunk
@@ -34,24 +45,6 @@ def floors(B: int, T: int, H: int, K: int, V: int, HV: int | None = None, pair: 
     a_t = tok * C * h16  # one chunk's rows of T⁻¹
     dk32 = tok * K * f32  # dk's fp32 partial
     kv, ttk, ttv = tok * K * V, tok * tok * K, tok * tok * V  # one product's multiply-adds
-    # the per-chunk stage (fused_bwd): q, k, δ, dO, dδ, v, T⁻¹, g, β, h, dh in; dq, dk, dv, dβ, dγ
-    # out. Products: dO δᵀ, dδ δᵀ, Tᵀ dδ; dO Sᵀ, δ dSᵀ, dδ Sᵀ; Q Kᵀ, K Kᵀ, Tᵀ dW, (dO δᵀ ⊙ D) K and
-    # its transpose with Q, (M + Mᵀ) K; Tᵀ (dδ δᵀ) in two parts
-    fused_bwd = (4 * qk + 5 * vv + a_t + gb + 2 * st + 2 * tok * f32, 2 * (3 * ttv + 3 * kv + 7 * ttk + 2 * tok ** 3))
-    if not pair:
-        out = {
-            # k, g, β in; T⁻¹ and the chunk's cumulative gates γ out. K Kᵀ (the solve's 16 × 16
-            # blocks are a few per cent more)
-            "kkt_solve": (qk + gb + a_t + tok * f32, 2 * ttk),
-            # q, k, v, T⁻¹, γ, β in; o out. X = K S, δ = T⁻¹ Y, the update Kᵀ δ̃; Q Kᵀ, Q S, P δ
-            "fused_fwd": (2 * qk + vv + a_t + gb + vv, 2 * (3 * kv + ttv + ttk + ttv)),
-            # the same chain again: k, v, T⁻¹, γ, β in; h and δ out
-            "fused_states (recompute)": (qk + vv + a_t + gb + st + vv, 2 * (2 * kv + ttv)),
-            # q, k, dO, T⁻¹, γ, β in; dh and dδ out. K Qᵀ, Pᵀ dO; the chain's K dS, Tᵀ dδ, Kᵀ Z; Qᵀ dÕ
-            "fused_rev": (2 * qk + vv + a_t + gb + st + vv, 2 * (ttk + ttv + kv + ttv + kv + kv)),
-            "fused_bwd": fused_bwd,
-        }
-        return {k: (b * n, f * n) for k, (b, f) in out.items()}
     out = {
         # forward: T⁻¹ and the output's pair matrix P from q, k; the state-and-output pass forming δ
         # from T⁻¹, v and β

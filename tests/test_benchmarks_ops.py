@@ -190,7 +190,7 @@ def test_fused_backward_floors_move_fewer_bytes(capsys):
     spec = importlib.util.spec_from_file_location("floors_under_test", PATH.parent / "floors.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    bwd_now = ("fused_states (recompute)", "fused_rev", "fused_bwd")
+    bwd_now = ("fused_states", "fused_rev", "fused_bwd")
     bwd_pair = ("state_fwd (recompute)", "dv_local", "state_bwd", "dqk", "wy_bwd")
     bwd_fused = ("state_fwd (h only)", "state_bwd (dh only)", "fused per-chunk backward")
     for shape in ((8, 2048, 16, 128, 128), (1, 32768, 16, 128, 128), (4, 4096, 6, 128, 256)):
