@@ -80,7 +80,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 CFG=()
 [ -f "$OUT/tuned.json" ] && CFG=(--config "$OUT/tuned.json")
 # six workers fit the H200's 141 GB with the largest cases running at once; on an 80 GB card two
-# of them (38 and 31 GB) left a third out of memory: four there
+# of them (38 and 31 GB) left a third out of memory: four there (the KDA cases at the benchmark
+# shapes, 30-40 GB each, now run one at a time across workers: tests/gpu/helpers.py)
 MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 # -v: each result on its own line as it comes, so that a check cut by its time still names its
 # failures (the list below); -rf lists them again at the end of one that finishes
