@@ -320,8 +320,9 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g,
         s_z.store((b_y * (0.0 - b_bv * gl.exp(g_v))[:, None]).to(DT))
         fence_async_shared()
         mbarrier.arrive(hand.index(Z_READY), count=1)
-        mbarrier.wait(hand.index(P_READY), par)
-        mbarrier.wait(hand.index(G_READY), par)
+        # A's hand-overs are waited for where they are read (its pair terms at the dK products, its
+        # dγ parts at the end), so that B's products up to there run beside A's dQ work rather than
+        # after it
         if j >= nw:
             # dV = diag(β) Y and dβ's term Σ_v v ⊙ Y (v copied into dW's place)
             _store_rows(DV, b_y * b_bv[:, None], t0, eos, HV, i_hv, 0, V, V)
@@ -348,11 +349,11 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g,
             db = gl.sum(b_kk, axis=1)
             b_e2 = b_kk * b_bt[:, None]
             b_m = b_da * b_bt[:, None]
-            dg_t = gl.sum(b_e2, axis=1) + s_g.slice(0 * BT, BT).load(r_t)
-            dg_c = s_g.slice(1 * BT, BT).load(c_t) - gl.sum(b_e2, axis=0)
-            mbarrier.arrive(hand.index(G_FREE), count=1)
+            dg_t = gl.sum(b_e2, axis=1)
+            dg_c = 0.0 - gl.sum(b_e2, axis=0)
             s_x.store(b_m.to(DT))  # M over dδ δᵀ's first part (its products are done)
             fence_async_shared()
+            mbarrier.wait(hand.index(P_READY), par)
             # dK in two halves of K
             rh, mh = _rows(t0, eos, l_h)
             g_h, b_bh = _at_rows(G, rh, mh, HV, i_hv), _at_rows(beta, rh, mh, HV, i_hv)
@@ -376,6 +377,10 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g,
                 _store_rows(DK, b_dk, t0, eos, HV, i_hv, i * HK, K, HK)
             mbarrier.arrive(hand.index(DS_FREE), count=1)
             mbarrier.arrive(hand.index(P_FREE), count=1)
+            mbarrier.wait(hand.index(G_READY), par)
+            dg_t += s_g.slice(0 * BT, BT).load(r_t)
+            dg_c += s_g.slice(1 * BT, BT).load(c_t)
+            mbarrier.arrive(hand.index(G_FREE), count=1)
             # dβ; dγ = A's and B's terms, the chunk's tail on its last row; dg its reverse cumsum
             db_k = ktdw * e_h + gl.convert_layout(dbu, gl.SliceLayout(1, l_h))
             db += gl.convert_layout(db_k, r_t)
@@ -388,6 +393,8 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g,
             after = ct[None, :] >= rt[:, None]
             gl.store(DG + rt * HV + i_hv, gl.sum(gl.where(after, dg_c[None, :], 0.0), axis=1), mask=mt)
         else:
+            mbarrier.wait(hand.index(P_READY), par)
+            mbarrier.wait(hand.index(G_READY), par)
             mbarrier.arrive(hand.index(DD_FREE), count=1)
             mbarrier.arrive(hand.index(DS_FREE), count=1)
             mbarrier.arrive(hand.index(P_FREE), count=1)
