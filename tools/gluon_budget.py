@@ -318,7 +318,7 @@ def main(argv=None) -> int:
         r = rbwd_resources(regs, cubin=True)
         print(f"fused_rbwd, K = V = 128, bf16, sm_90, triton {triton.__version__}, registers (copies, A, B) "
               f"{regs or 'of the launch setting'}: {r['spill']} B of stack, {r['shared'] / 1024:.1f} KB shared")
-        print("partitions with matrix products (the chain 16 HGMMA steps, A 52, B 92): HGMMA / spill stores / "
+        print("partitions with matrix products (the chain 16 HGMMA steps, A 76, B 68): HGMMA / spill stores / "
               "spill loads, instructions of SASS")
         for c in partition_counts(sass(r["cubin"])):
             if c["HGMMA"]:

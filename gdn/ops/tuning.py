@@ -176,12 +176,13 @@ DELTA = {
     # still fit one wave (fused_rev.plain_tile: the latency-bound chain finishes sooner on twice
     # the programs where half the card would idle; 0 never).
     # The merged backward (delta.triton.fused_rbwd: the reverse pass and the per-chunk gradients in
-    # one kernel, K = V = 128). Off: correct on the GPU but 1.6–1.7× slower than fused_rev +
-    # fused_bwd (H100, docs/BENCHMARKS.md "The merged backward on the GPU"). regs: copies, A, B
-    # (the chain takes 488 − A − B a thread: the pool is 64 K registers over 16 warps' worth, each
-    # partition counted as a warpgroup), the fastest split timed at 1 × 32768 and Qwen3.5-397B;
-    # ptxas sm_90 at these: 432 B of stack, 227 KB of shared memory (tools/gluon_budget.py --rbwd).
-    "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 136, 192), maxnreg=128),
+    # one kernel, K = V = 128). Off: slower than fused_rev + fused_bwd (docs/BENCHMARKS.md, "The
+    # merged backward"). regs: copies, A, B (the chain takes 488 − A − B a thread: the pool is 64 K
+    # registers over 16 warps' worth, each partition counted as a warpgroup; the chain spills below
+    # 160), the split with the fewest spill instructions since A forms dK and B dQ (A 76 HGMMA
+    # steps a chunk, B 68): ptxas sm_90 147 spill stores and 169 loads in A and B together, 227 KB
+    # of shared memory (tools/gluon_budget.py --rbwd).
+    "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 160, 168), maxnreg=128),
     "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, VT=128,
                       narrow=64),
     "cumsum": dict(num_warps=1, stages=(1,)),

@@ -1,7 +1,7 @@
 """The merged backward's arithmetic (gdn.ops.delta.triton.fused_rbwd), chunk by chunk as its roles
 form it, in float64 torch against autograd through the token recurrence. Gluon has no interpreter,
 so this checks the formulas the kernel is written from (which products, masks and row sums each
-role takes, the chunk's tail term split between A and B) on the CPU; the GPU tests check the kernel
+role takes, the chunk's tail term A's) on the CPU; the GPU tests check the kernel
 itself. The rows of a chunk's block past its sequence's end hold unrelated finite values, as the
 kernel's tensor copies bring them in, so the masks are what keeps them out."""
 from __future__ import annotations
@@ -76,16 +76,19 @@ def merged_backward(q, k, v, g, beta, h0, do, dht, scale):
         dd = w[:, None] * (Kk @ dS) + L
         Y = Tm.T @ dd
         Z = -(b * torch.exp(gam))[:, None] * Y
-        # A: its gradients
+        # A: its gradients before B's hand-over (the pair terms, dK's state term)
         dsm = (dO @ d.T) * D * scale
         bqk = (Q @ Kk.T) * dsm
         dg_t = bqk.sum(1)
         dg_c = -bqk.sum(0)
         dg_c[n - 1] += torch.exp(gC) * (Sh * dS).sum()
+        dks = w[:, None] * (d @ dS.T)
+        b_a = (Kk * dks).sum(1)
+        dg_c[n - 1] += b_a.sum()
+        # B: its gradients (dQ from A's pair terms)
         dqs = torch.where(m, scale * torch.exp(gam), 0.0)[:, None] * (dO @ Sh.T)
         dg_t = dg_t + (Q * dqs).sum(1)
         dQ = dsm @ Kk + dqs
-        # B: its gradients
         dV = b[:, None] * Y
         dbu = (torch.where(m[:, None], Vv, 0.0) * Y).sum(1)
         dW = -dd @ Sh.T
@@ -97,14 +100,12 @@ def merged_backward(q, k, v, g, beta, h0, do, dht, scale):
         e2 = M * kk
         dg_t = dg_t + e2.sum(1)
         dg_c = dg_c - e2.sum(0)
+        # A: dK once B has handed over M and dW
         tdw = Tm.T @ dW
         ktdw = (Kk * tdw).sum(1)
-        dks = w[:, None] * (d @ dS.T)
-        b_a = (Kk * dks).sum(1)
         dK = dks + (b * torch.exp(gam))[:, None] * tdw + dsm.T @ Q + M @ Kk + M.T @ Kk
         dbeta = dbeta + ktdw * torch.exp(gam) + dbu
         dg_k = ktdw * b * torch.exp(gam) - b_a
-        dg_c[n - 1] += b_a.sum()
         dg_c = dg_c + dg_t + dg_k
         dgam = torch.flip(torch.cumsum(torch.flip(dg_c, [0]), 0), [0])
         # the chain

@@ -25,9 +25,10 @@ its *free* one, so no role can complete a phase twice by running a chunk ahead):
 - the chain (the default partition, one warpgroup) holds dS [K, V] in fp32 registers; per chunk it
   publishes dS in 16 bits, then adds Qᵀ dÕ and Kᵀ Z onto Γ_C dS;
 - A (one warpgroup): Pᵀ, L and dÕ for the chain, then (on the segment's own chunks) dO δᵀ, the
-  decayed pair terms, Σ S ⊙ dS, and dQ in two halves of K; hands its parts of dγ to B;
+  decayed pair terms (handed to B), Σ S ⊙ dS and δ dSᵀ, and once B hands over M and dW, dK in two
+  halves of K; hands its parts of dγ and dβ to B;
 - B (one warpgroup): K dS, dδ (over L's place), Y, Z and dV, then dW, dδ δᵀ's parts, Tᵀ (dδ δᵀ),
-  K Kᵀ, M, dβ, dg, and dK in two halves of K;
+  K Kᵀ and M (handed to A), dQ in two halves of K, dβ and dg;
 - one copy warp brings each chunk's q, k, dO and T⁻¹ (and on own chunks δ, h and v) by tensor
   copies into one slot, once the three warpgroups have released it.
 
@@ -60,8 +61,9 @@ L_READY, DD_FREE = gl.constexpr(2), gl.constexpr(3)  # L (then dδ over it): A �
 O_READY, O_FREE = gl.constexpr(4), gl.constexpr(5)  # dÕ: A → chain
 Z_READY, Z_FREE = gl.constexpr(6), gl.constexpr(7)  # Z: B → chain
 P_READY, P_FREE = gl.constexpr(8), gl.constexpr(9)  # (dO δᵀ ⊙ D · scale)ᵀ: A → B
-G_READY, G_FREE = gl.constexpr(10), gl.constexpr(11)  # A's parts of dγ: A → B
-NHAND = gl.constexpr(12)
+G_READY, G_FREE = gl.constexpr(10), gl.constexpr(11)  # A's parts of dγ and dβ: A → B
+M_READY = gl.constexpr(12)  # M and dW: B → A (freed by the chunk's end: B writes them next after ``ready``)
+NHAND = gl.constexpr(13)
 
 
 @gluon.jit
@@ -178,11 +180,12 @@ def _chain(u_q, u_k, u_ds, u_o, u_z, ready, empty, hand, G, dht, dh0, cu, ends, 
 
 
 @gluon.jit
-def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, s_g, ready, empty, hand, G, DQ, cu, ends, plan,
-            seg_seq, seq_cu, i_n, i_hv, HV, scale, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
-            WARM: gl.constexpr):
+def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g, s_gb, ready, empty, hand, G, beta, DK,
+            cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K: gl.constexpr, V: gl.constexpr,
+            DT: gl.constexpr, WARM: gl.constexpr):
     """A: Pᵀ, L (into dδ's place) and dÕ for the chain; on own chunks dO δᵀ, the decayed pair terms,
-    Σ S ⊙ dS, dQ in two halves of K, and its parts of dγ to B."""
+    Σ S ⊙ dS, δ dSᵀ (then dS is free), and once B hands over M and dW, dK in two halves of K; its
+    parts of dγ and dβ to B."""
     f32: gl.constexpr = gl.float32
     l_v: gl.constexpr = acc_layout(V, WG)
     l_t: gl.constexpr = acc_layout(BT, WG)
@@ -204,6 +207,9 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, s_g, ready, empty, 
         s_dd = u_dd.index(z)
         s_o = u_o.index(z)
         s_p = u_p.index(z)
+        s_a = u_a.index(z)
+        s_w = u_w.index(z)
+        s_x = u_x.index(z)
         par = j & 1
         t0 = bos + (nc - 1 - j) * BT
         mbarrier.wait(ready, par)
@@ -227,44 +233,51 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, s_g, ready, empty, 
         fence_async_shared()
         mbarrier.arrive(hand.index(O_READY), count=1)
         mbarrier.wait(hand.index(DS_READY), par)
-        mbarrier.wait(hand.index(G_FREE), par ^ 1)  # B has read the previous chunk's parts of dγ
+        mbarrier.wait(hand.index(G_FREE), par ^ 1)  # B has read the previous chunk's parts of dγ and dβ
         if j >= nw:
-            # dO δᵀ ⊙ D · scale (beside it, Σ S ⊙ dS over the whole [K, V] tile, in row slices of
-            # 32: its dγ term), handed to B as soon as formed; then its pair terms with Q Kᵀ (dγ's),
-            # one [64, 64] product live beside it at a time
+            # dO δᵀ ⊙ D · scale, handed to B (dQ's pair term) as soon as formed, with Σ S ⊙ dS over
+            # the whole [K, V] tile beside it (in row slices of 32: its dγ term); then its pair
+            # terms with Q Kᵀ (dγ's)
             b_e = warpgroup_mma(s_do, s_dl.permute((1, 0)), zt, use_acc=False, is_async=True)
             sig = gl.zeros([32], f32, gl.SliceLayout(1, ld))
             for i in gl.static_range(K // 32):
                 sig += gl.sum(s_h.slice(i * 32, 32, dim=0).load(ld).to(f32)
                               * s_ds.slice(i * 32, 32, dim=0).load(ld).to(f32), axis=1)
-            mbarrier.arrive(hand.index(DS_FREE), count=1)
             b_e = warpgroup_mma_wait(0, deps=[b_e])
             dec, s_unused = _decay(G, t0, eos, HV, i_hv, l_t, False)
             dsm = b_e * dec * scale
-            s_p.store(gl.permute(dsm.to(DT), (1, 0)))  # (dO δᵀ ⊙ D)ᵀ: A operand of B's dK term, Bᵀ of dQ's
+            s_p.store(gl.permute(dsm.to(DT), (1, 0)))  # (dO δᵀ ⊙ D)ᵀ: A operand of dK's term, Bᵀ of dQ's
             fence_async_shared()
             mbarrier.arrive(hand.index(P_READY), count=1)
             b_qk = warpgroup_mma(s_q, s_k.permute((1, 0)), zt, use_acc=False) * dsm
             dg_t = gl.sum(b_qk, axis=1)
             dg_c = 0.0 - gl.sum(b_qk, axis=0)
-            # the chunk's tail term through its last state, exp(γ_C) Σ S ⊙ dS, on its last row
-            ct = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, l_t))
+            # dK's state term δ dSᵀ in two halves of K, after which dS is free for the chain's next
+            b_k0 = warpgroup_mma(s_dl, s_ds.slice(0, HK, dim=0).permute((1, 0)), zh, use_acc=False, is_async=True)
+            b_k1 = warpgroup_mma(s_dl, s_ds.slice(HK, HK, dim=0).permute((1, 0)), zh, use_acc=False, is_async=True)
             last = gl.minimum(eos, t0 + BT) - 1
-            sig_c = gl.exp(gl.load(G + last * HV + i_hv)) * gl.sum(sig, axis=0)
-            dg_c += gl.where(ct == last, sig_c, 0.0)
-            # dQ in two halves of K: dO Sᵀ scaled by rows, plus (dO δᵀ ⊙ D) K
+            g_last = gl.load(G + last * HV + i_hv)
             rh, mh = _rows(t0, eos, l_h)
-            g_h = _at_rows(G, rh, mh, HV, i_hv)
-            e_h = gl.where(mh, scale * gl.exp(g_h), 0.0)
-            dg_k = gl.zeros([BT], f32, gl.SliceLayout(1, l_h))
-            for i in gl.static_range(K // HK):
-                b_dq = warpgroup_mma(s_do, s_h.slice(i * HK, HK, dim=0).permute((1, 0)), zh, use_acc=False)
-                b_dq = b_dq * e_h[:, None]
-                dg_k += gl.sum(s_q.slice(i * HK, HK, dim=1).load(l_h).to(f32) * b_dq, axis=1)
-                b_dq = warpgroup_mma(s_p.permute((1, 0)), s_k.slice(i * HK, HK, dim=1), b_dq)
-                _store_rows(DQ, b_dq, t0, eos, HV, i_hv, i * HK, K, HK)
-            s_g.slice(0 * BT, BT).store(dg_t + gl.convert_layout(dg_k, r_t))
+            g_h, b_bh = _at_rows(G, rh, mh, HV, i_hv), _at_rows(beta, rh, mh, HV, i_hv)
+            e_h = gl.exp(g_h)
+            w_h = gl.where(mh, gl.exp(g_last - g_h), 0.0)
+            b_k0, b_k1 = warpgroup_mma_wait(0, deps=[b_k0, b_k1])
+            mbarrier.arrive(hand.index(DS_FREE), count=1)
+            b_k0 = b_k0 * w_h[:, None]
+            b_k1 = b_k1 * w_h[:, None]
+            b_a = gl.sum(s_k.slice(0, HK, dim=1).load(l_h).to(f32) * b_k0, axis=1)
+            b_a += gl.sum(s_k.slice(HK, HK, dim=1).load(l_h).to(f32) * b_k1, axis=1)
+            # the chunk's tail term through its last state, exp(γ_C) Σ S ⊙ dS + Σ k · (δ dSᵀ)'s rows
+            ct = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, l_t))
+            dg_c += gl.where(ct == last, gl.exp(g_last) * gl.sum(sig, axis=0) + gl.sum(b_a, axis=0), 0.0)
+            # the rest of dK once B has formed M and dW
+            mbarrier.wait(hand.index(M_READY), par)
+            bg_h = b_bh * e_h
+            ktdw = _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_k0, bg_h, zh, DK, t0, eos, HV, i_hv, 0, K)
+            ktdw += _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_k1, bg_h, zh, DK, t0, eos, HV, i_hv, HK, K)
+            s_g.slice(0 * BT, BT).store(dg_t + gl.convert_layout(ktdw * bg_h - b_a, r_t))
             s_g.slice(1 * BT, BT).store(dg_c)
+            s_gb.store(gl.convert_layout(ktdw * e_h, r_t))
         else:
             mbarrier.arrive(hand.index(DS_FREE), count=1)
             mbarrier.arrive(hand.index(P_READY), count=1)
@@ -273,11 +286,30 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, s_g, ready, empty, 
 
 
 @gluon.jit
-def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g, ready, empty, hand, G, beta, DK, DV,
-            DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K: gl.constexpr, V: gl.constexpr,
-            DT: gl.constexpr, WARM: gl.constexpr):
-    """B: K dS, dδ over L, Y = Tᵀ dδ, Z for the chain; on own chunks dV, dW, dδ δᵀ's parts, dA,
-    K Kᵀ, M, dβ, dg, and dK in two halves of K."""
+def _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_dk, bg_h, zh, DK, t0, eos, HV, i_hv, col: gl.constexpr, K: gl.constexpr):
+    """Columns col … col + HK − 1 of dK to memory: the decayed state term ``b_dk`` plus diag(βΓ) Tᵀ dW,
+    (dO δᵀ ⊙ D)ᵀ Q and (M + Mᵀ) K over those columns; returns the rows of k · Tᵀ dW over them (dβ's
+    and dγ's term)."""
+    l_h: gl.constexpr = acc_layout(HK, WG)
+    k_i = s_k.slice(col, HK, dim=1)
+    tdw = warpgroup_mma(s_a.permute((1, 0)), s_w.slice(col, HK, dim=1), zh, use_acc=False)
+    ktdw = gl.sum(k_i.load(l_h).to(gl.float32) * tdw, axis=1)
+    b_dk = b_dk + tdw * bg_h[:, None]
+    b_dk = warpgroup_mma(s_p, s_q.slice(col, HK, dim=1), b_dk, is_async=True)
+    b_dk = warpgroup_mma(s_x, k_i, b_dk, is_async=True)
+    b_dk = warpgroup_mma(s_x.permute((1, 0)), k_i, b_dk, is_async=True)
+    b_dk = warpgroup_mma_wait(0, deps=[b_dk])
+    _store_rows(DK, b_dk, t0, eos, HV, i_hv, col, K, HK)
+    return ktdw
+
+
+@gluon.jit
+def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g, s_gb, ready, empty, hand, G,
+            beta, DQ, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K: gl.constexpr,
+            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr):
+    """B: K dS (then dS is free), dδ over L, Y = Tᵀ dδ, Z for the chain; on own chunks dV, dW, dδ δᵀ's
+    parts, dA, K Kᵀ and M (handed to A with dW), dQ in two halves of K once A hands over the pair
+    terms, dβ and dg."""
     f32: gl.constexpr = gl.float32
     l_v: gl.constexpr = acc_layout(V, WG)
     l_t: gl.constexpr = acc_layout(BT, WG)
@@ -293,6 +325,7 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g,
         s_k = u_k.index(z)
         s_q = u_q.index(z)
         s_a = u_a.index(z)
+        s_do = u_do.index(z)
         s_dl = u_dl.index(z)
         s_h = u_h.index(z)
         s_ds = u_ds.index(z)
@@ -311,6 +344,7 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g,
         mbarrier.wait(ready, par)
         mbarrier.wait(hand.index(DS_READY), par)
         b_x = warpgroup_mma(s_k, s_ds, zv, use_acc=False)
+        mbarrier.arrive(hand.index(DS_FREE), count=1)
         mbarrier.wait(hand.index(L_READY), par)
         b_d = b_x * gl.where(mv, gl.exp(g_last - g_v), 0.0)[:, None] + s_dd.load(l_v).to(f32)
         s_dd.store(b_d.to(DT))
@@ -320,9 +354,8 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g,
         s_z.store((b_y * (0.0 - b_bv * gl.exp(g_v))[:, None]).to(DT))
         fence_async_shared()
         mbarrier.arrive(hand.index(Z_READY), count=1)
-        # A's hand-overs are waited for where they are read (its pair terms at the dK products, its
-        # dγ parts at the end), so that B's products up to there run beside A's dQ work rather than
-        # after it
+        # A's hand-overs are waited for where they are read (its pair terms at the dQ products, its
+        # parts of dγ and dβ at the end), so that B's products up to there run beside A's
         if j >= nw:
             # dV = diag(β) Y and dβ's term Σ_v v ⊙ Y (v copied into dW's place)
             _store_rows(DV, b_y * b_bv[:, None], t0, eos, HV, i_hv, 0, V, V)
@@ -353,51 +386,38 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g,
             dg_c = 0.0 - gl.sum(b_e2, axis=0)
             s_x.store(b_m.to(DT))  # M over dδ δᵀ's first part (its products are done)
             fence_async_shared()
+            mbarrier.arrive(hand.index(M_READY), count=1)
             mbarrier.wait(hand.index(P_READY), par)
-            # dK in two halves of K
+            # dQ in two halves of K: dO Sᵀ scaled by rows (q · it: dγ's term), plus (dO δᵀ ⊙ D) K
             rh, mh = _rows(t0, eos, l_h)
-            g_h, b_bh = _at_rows(G, rh, mh, HV, i_hv), _at_rows(beta, rh, mh, HV, i_hv)
-            e_h = gl.exp(g_h)
-            w_h = gl.where(mh, gl.exp(g_last - g_h), 0.0)
-            ktdw = gl.zeros([BT], f32, gl.SliceLayout(1, l_h))
-            b_a = gl.zeros([BT], f32, gl.SliceLayout(1, l_h))
+            g_h = _at_rows(G, rh, mh, HV, i_hv)
+            e_h = gl.where(mh, scale * gl.exp(g_h), 0.0)
+            dg_k = gl.zeros([BT], f32, gl.SliceLayout(1, l_h))
             for i in gl.static_range(K // HK):
-                k_i = s_k.slice(i * HK, HK, dim=1)
-                b_kh = k_i.load(l_h).to(f32)
-                tdw = warpgroup_mma(s_a.permute((1, 0)), s_w.slice(i * HK, HK, dim=1), zh, use_acc=False)
-                ktdw += gl.sum(b_kh * tdw, axis=1)
-                b_dk = warpgroup_mma(s_dl, s_ds.slice(i * HK, HK, dim=0).permute((1, 0)), zh, use_acc=False)
-                b_dk = b_dk * w_h[:, None]
-                b_a += gl.sum(b_kh * b_dk, axis=1)
-                b_dk += tdw * (b_bh * e_h)[:, None]
-                b_dk = warpgroup_mma(s_p, s_q.slice(i * HK, HK, dim=1), b_dk, is_async=True)
-                b_dk = warpgroup_mma(s_x, k_i, b_dk, is_async=True)
-                b_dk = warpgroup_mma(s_x.permute((1, 0)), k_i, b_dk, is_async=True)
-                b_dk = warpgroup_mma_wait(0, deps=[b_dk])
-                _store_rows(DK, b_dk, t0, eos, HV, i_hv, i * HK, K, HK)
-            mbarrier.arrive(hand.index(DS_FREE), count=1)
+                b_dq = warpgroup_mma(s_do, s_h.slice(i * HK, HK, dim=0).permute((1, 0)), zh, use_acc=False)
+                b_dq = b_dq * e_h[:, None]
+                dg_k += gl.sum(s_q.slice(i * HK, HK, dim=1).load(l_h).to(f32) * b_dq, axis=1)
+                b_dq = warpgroup_mma(s_p.permute((1, 0)), s_k.slice(i * HK, HK, dim=1), b_dq)
+                _store_rows(DQ, b_dq, t0, eos, HV, i_hv, i * HK, K, HK)
             mbarrier.arrive(hand.index(P_FREE), count=1)
             mbarrier.wait(hand.index(G_READY), par)
             dg_t += s_g.slice(0 * BT, BT).load(r_t)
             dg_c += s_g.slice(1 * BT, BT).load(c_t)
+            db += s_gb.load(r_t)
             mbarrier.arrive(hand.index(G_FREE), count=1)
-            # dβ; dγ = A's and B's terms, the chunk's tail on its last row; dg its reverse cumsum
-            db_k = ktdw * e_h + gl.convert_layout(dbu, gl.SliceLayout(1, l_h))
-            db += gl.convert_layout(db_k, r_t)
+            # dβ; dγ = A's and B's terms (A added the chunk's tail on its last row); dg its reverse cumsum
+            db += gl.convert_layout(dbu, r_t)
             gl.store(DB + rt * HV + i_hv, db, mask=mt)
-            dg_k = ktdw * (b_bh * e_h) - b_a
-            tail = gl.sum(b_a, axis=0)  # (A added the tail's state term)
             ct = t0 + gl.arange(0, BT, layout=c_t)
-            dg_c += gl.where(ct == last, tail, 0.0)
             dg_c += gl.convert_layout(dg_t + gl.convert_layout(dg_k, r_t), c_t)
             after = ct[None, :] >= rt[:, None]
             gl.store(DG + rt * HV + i_hv, gl.sum(gl.where(after, dg_c[None, :], 0.0), axis=1), mask=mt)
         else:
-            mbarrier.wait(hand.index(P_READY), par)
-            mbarrier.wait(hand.index(G_READY), par)
             mbarrier.arrive(hand.index(DD_FREE), count=1)
-            mbarrier.arrive(hand.index(DS_FREE), count=1)
+            mbarrier.arrive(hand.index(M_READY), count=1)
+            mbarrier.wait(hand.index(P_READY), par)
             mbarrier.arrive(hand.index(P_FREE), count=1)
+            mbarrier.wait(hand.index(G_READY), par)
             mbarrier.arrive(hand.index(G_FREE), count=1)
         mbarrier.arrive(empty, count=1)
 
@@ -438,6 +458,7 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ,
     s_lo = gl.allocate_shared_memory(DT, [1, BT, BT], sq_t)
     vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     s_g = gl.allocate_shared_memory(gl.float32, [2 * BT], vec)  # A's dγ terms: by rows, by columns
+    s_gb = gl.allocate_shared_memory(gl.float32, [BT], vec)  # A's dβ term
     ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     hand = gl.allocate_shared_memory(gl.int64, [NHAND, 1], mbarrier.MBarrierLayout())
@@ -451,10 +472,10 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ,
                   i_hv, HV, K, V, DT, USE_DHT, USE_INIT, WARM)),
         (_copies, (q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, s_w, ready, empty, cu, ends,
                    off, plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K, V, WARM)),
-        (_grad_a, (s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_g, ready, empty, hand, G, DQ, cu, ends, plan,
-                   seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT, WARM)),
-        (_grad_b, (s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g, ready, empty, hand, G, beta,
-                   DK, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, WARM)),
+        (_grad_a, (s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_a, s_w, s_x, s_g, s_gb, ready, empty, hand, G,
+                   beta, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT, WARM)),
+        (_grad_b, (s_k, s_q, s_a, s_do, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g, s_gb, ready, empty, hand,
+                   G, beta, DQ, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT, WARM)),
     ], [1, WG, WG], [R_COPY, R_A, R_B])
 
 
