@@ -55,3 +55,28 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     assert F.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("byte_floor: ") and "\n" not in err
+
+
+def test_merged_backward_moves_no_dh_or_ddelta():
+    """The merged model replaces fused_rev and fused_bwd by fused_rbwd: the same FLOPs, and their
+    bytes less dh and dδ each written once and read once (and less q, k, dO, T⁻¹, γ and β read a
+    second time)."""
+    two, one = F.kernels(2, 1024, 4, 8, 128, 128), F.kernels(2, 1024, 4, 8, 128, 128, merged=True)
+    assert "fused_rev" not in one and "fused_bwd" not in one and one.keys() - two.keys() == {"fused_rbwd"}
+    rev, bwd, rb = two["fused_rev"], two["fused_bwd"], one["fused_rbwd"]
+    assert rb[1] == rev[1] + bwd[1]
+    N, NT = 2 * 1024, 2 * 1024 // 64
+    st, tv = NT * 8 * 128 * 128 * 2, N * 8 * 128 * 2
+    again = 2 * N * 4 * 128 * 2 + N * 8 * 64 * 2 + 2 * N * 8 * 4  # q, k, T⁻¹, γ, β
+    assert rev[0] + bwd[0] - rb[0] == 2 * st + 2 * tv + again + tv  # dh, dδ twice; the second read of q … dO
+    assert {k: v for k, v in one.items() if k != "fused_rbwd"} == {k: v for k, v in two.items()
+                                                                  if k not in ("fused_rev", "fused_bwd")}
+
+
+def test_merged_cli_takes_its_kernel_only(capsys):
+    assert F.main(["--merged", "--measured", "fused_rbwd=814"]) == 0
+    assert "| fused_rbwd |" in capsys.readouterr().out
+    assert F.main(["--measured", "fused_rbwd=814"]) == 2
+    assert F.main(["--merged", "--measured", "fused_bwd=400"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(e.startswith("byte_floor: --measured: ") for e in err)

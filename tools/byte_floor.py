@@ -4,9 +4,12 @@ FLOPs, against the card's copy bandwidth and matmul rate. The kernels are those 
 on compute capability 9 in 16 bits at K and V of 64 or 128: kkt_solve and the warp-specialised
 forward pass (fused_fwd); then the backward's recomputed state pass (fused_states, the same kernel
 storing h and δ), the warp-specialised reverse pass (fused_rev), the per-chunk fused backward
-(fused_bwd) and, for grouped value heads, the sum of each key head's dq and dk (group_sum).
+(fused_bwd) and, for grouped value heads, the sum of each key head's dq and dk (group_sum). With
+``--merged``, the merged backward (fused_rbwd) in place of fused_rev and fused_bwd: the same
+products, without dh and dδ written and read back.
 
     python tools/byte_floor.py --shape 8,2048,16,16,128,128 --measured fused_bwd=537,fused_rev=164
+    python tools/byte_floor.py --shape 8,2048,16,16,128,128 --merged --measured fused_rbwd=814
 
 prints a table: MB moved, GFLOP, the floor in µs (the larger of bytes / bandwidth and FLOPs /
 rate) and, for each kernel given a measured time (µs, e.g. from ``benchmarks/ops_gpu.py
@@ -24,9 +27,10 @@ import sys
 BT = 64  # chunk rows
 
 
-def kernels(B: int, T: int, H: int, HV: int, K: int, V: int, io: int = 2) -> dict:
+def kernels(B: int, T: int, H: int, HV: int, K: int, V: int, io: int = 2, merged: bool = False) -> dict:
     """{kernel: (bytes read and written, matmul FLOPs)} of one forward + backward; ``io`` bytes per
-    element of q, k, v and the intermediates (fp32 for γ, β, dβ, dg)."""
+    element of q, k, v and the intermediates (fp32 for γ, β, dβ, dg); ``merged``: the merged
+    backward (fused_rbwd) instead of fused_rev and fused_bwd."""
     N = B * T  # tokens
     NT = B * -(-T // BT)  # chunks
     qk1 = N * H * K * io  # q or k
@@ -58,15 +62,20 @@ def kernels(B: int, T: int, H: int, HV: int, K: int, V: int, io: int = 2) -> dic
                          (BT, BT, K), (BT, BT, K), (BT, K, BT), (BT, BT, BT), (BT, BT, BT), (BT, K, BT),
                          (BT, K, BT), (BT, K, BT), (BT, K, BT))),
     }
+    if merged:
+        # q, k, dO, T⁻¹, δ, h, v, γ, β in; dQ, dK (per value head), dV, dβ, dg out: the two kernels'
+        # products, without dh and dδ between them
+        rev, bwd = out.pop("fused_rev"), out.pop("fused_bwd")
+        out["fused_rbwd"] = (2 * qk1 + 3 * tv + st + t64 + 2 * vec + 2 * tk + tv + 2 * vec, rev[1] + bwd[1])
     if HV > H:  # each key head's dq and dk summed over its value heads
         out["group_sum"] = (2 * tk + 2 * qk1, 0)
     return out
 
 
-def table(shape, bandwidth: float, rate: float, measured: dict) -> str:
+def table(shape, bandwidth: float, rate: float, measured: dict, merged: bool = False) -> str:
     rows = ["| kernel | MB moved | GFLOP | floor µs | measured µs | × floor |", "|---|---|---|---|---|---|"]
     tot_f = tot_m = 0.0
-    for name, (nb, fl) in kernels(*shape).items():
+    for name, (nb, fl) in kernels(*shape, merged=merged).items():
         floor = max(nb / bandwidth, fl / rate) * 1e6
         tot_f += floor
         got = measured.get(name)
@@ -78,7 +87,7 @@ def table(shape, bandwidth: float, rate: float, measured: dict) -> str:
     return "\n".join(rows)
 
 
-NAMES = tuple(kernels(1, BT, 1, 2, 16, 16))  # the kernels of the model, in launch order
+NAMES = tuple(kernels(1, BT, 1, 2, 16, 16)) + ("fused_rbwd",)  # the kernels of the model, either backward
 
 
 def parse_measured(text: str | None) -> dict:
@@ -98,6 +107,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth", type=float, default=4.24e12, help="copy bytes/s (the H200's measured: 4.24e12)")
     ap.add_argument("--rate", type=float, default=686e12, help="bf16 matmul FLOP/s (the H200's measured: 686e12)")
     ap.add_argument("--measured", default=None, help="measured µs per kernel: name=µs,name=µs")
+    ap.add_argument("--merged", action="store_true", help="the merged backward (fused_rbwd) in place of fused_rev "
+                                                          "and fused_bwd")
     a = ap.parse_args(argv)
     try:
         shape = tuple(int(x) for x in a.shape.split(","))
@@ -108,11 +119,16 @@ def main(argv=None) -> int:
         return 2
     try:
         measured = parse_measured(a.measured)
+        names = kernels(*shape, merged=a.merged)
+        extra = sorted(set(measured) - set(names))
+        if extra:
+            raise ValueError(f"--measured: {', '.join(extra)} is not a kernel of this path "
+                             f"({'merged' if a.merged else 'two-kernel'} backward: {', '.join(names)})")
     except ValueError as e:
         print(f"byte_floor: {e}", file=sys.stderr)
         return 2
     print(f"shape (B, T, H, HV, K, V) = {shape}, 16-bit, {a.bandwidth / 1e12:.2f} TB/s, {a.rate / 1e12:.0f} TFLOP/s")
-    print(table(shape, a.bandwidth, a.rate, measured))
+    print(table(shape, a.bandwidth, a.rate, measured, a.merged))
     return 0
 
 
