@@ -28,16 +28,10 @@ RCASES = [c for c in CASES if _width(c[5]) == 128 and _width(c[6]) == 128] + [
 ]
 
 
-@pytest.mark.parametrize("split", (0, 2), ids=("whole", "segments-of-2"))
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
-@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in RCASES])
-def test_merged_backward(case, dtype, split, monkeypatch):
-    """Whole sequences, or warm-started segments of two chunks (each program first walks the
-    warm-up chunks after its segment: the chain's work only). Fresh buffers hold NaN
-    (``poison_empty``)."""
+def _check(case, dtype, split, monkeypatch, **setting):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warpgroup MMAs: compute capability 9")
-    monkeypatch.setitem(tuning.DELTA, "fused_rbwd", dict(tuning.DELTA["fused_rbwd"], on=True))
+    monkeypatch.setitem(tuning.DELTA, "fused_rbwd", dict(tuning.DELTA["fused_rbwd"], on=True, **setting))
     monkeypatch.setitem(tuning.DELTA, "split", dict(tuning.DELTA["split"], warm=bool(split), L=split))
     seen = launched(monkeypatch, fused_rbwd, chunk_bwd, split_mod)
     poison_empty(monkeypatch)
@@ -45,4 +39,22 @@ def test_merged_backward(case, dtype, split, monkeypatch):
     assert "fused_rbwd_kernel" in seen and "fused_rev_kernel" not in seen and "fused_bwd_kernel" not in seen, seen
     if split and max(case[7] or [case[2]]) > 2 * 64:  # a sequence of more than two chunks: segments
         assert "warm_plan_kernel" in seen, seen
-    assert_within(errs, bounds, f"merged backward at {case[0]}, {dtype_id(dtype)}, split {split}")
+    assert_within(errs, bounds, f"merged backward {setting or ''} at {case[0]}, {dtype_id(dtype)}, split {split}")
+
+
+@pytest.mark.parametrize("split", (0, 2), ids=("whole", "segments-of-2"))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=dtype_id)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in RCASES])
+def test_merged_backward(case, dtype, split, monkeypatch):
+    """Whole sequences, or warm-started segments of two chunks (each program first walks the
+    warm-up chunks after its segment: the chain's work only). Fresh buffers hold NaN
+    (``poison_empty``)."""
+    _check(case, dtype, split, monkeypatch)
+
+
+@pytest.mark.parametrize("split", (0, 2), ids=("whole", "segments-of-2"))
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in RCASES])
+def test_merged_backward_early_slot(case, split, monkeypatch):
+    """δ and v on a slot of their own (``DELTA["fused_rbwd"]["early"]``: released mid-chunk, v in
+    Z's place), bf16: the same cases."""
+    _check(case, torch.bfloat16, split, monkeypatch, early=True)

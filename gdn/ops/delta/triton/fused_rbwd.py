@@ -108,24 +108,35 @@ def _store_rows(X, x, t0, eos, HV, i_hv, col, W: gl.constexpr, N: gl.constexpr):
 
 
 @gluon.jit
-def _copies(q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, s_w, ready, empty, cu, ends, off,
-            plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K: gl.constexpr, V: gl.constexpr, WARM: gl.constexpr):
-    """The copy warp: chunk nc − 1 − j's tiles (δ, h and v on the program's own chunks only; v into
-    dW's buffer, which B reads it from before it forms dW there) once the three warpgroups have
-    released the slot."""
+def _copies(q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, s_w, s_z, ready, empty, ready2, empty2,
+            hand, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K: gl.constexpr, V: gl.constexpr,
+            WARM: gl.constexpr, EARLY: gl.constexpr):
+    """The copy warp: chunk nc − 1 − j's tiles (δ, h and v on the program's own chunks only) once the
+    three warpgroups have released the slot; v into dW's buffer, which B reads it from before it
+    forms dW there. ``EARLY``: δ and v (into Z's buffer, once the chain has read the last Z) on a
+    slot of their own, released by A and B as soon as their last products through δ are done, so
+    that they land during the previous chunk."""
     chain_bytes: gl.constexpr = (2 * BT * K + BT * V + BT * BT) * 2
-    own_bytes: gl.constexpr = chain_bytes + (2 * BT * V + K * V) * 2
+    own_bytes: gl.constexpr = chain_bytes + (K * V if EARLY else 2 * BT * V + K * V) * 2
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     c0 = gl.load(off + i_n)
     for j in range(nc):
-        mbarrier.wait(empty, (j & 1) ^ 1)  # a fresh barrier passes parity 1 at once
         i_c = nc - 1 - j
         t0 = bos + i_c * BT
+        if EARLY:
+            if j >= nw:
+                mbarrier.wait(empty2, ((j - nw) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+                mbarrier.wait(hand.index(Z_FREE), (j & 1) ^ 1)  # the chain has read the last Z
+                mbarrier.expect(ready2, 2 * BT * V * 2)
+                tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready2, s_dl.index(0))
+                tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], ready2, s_z.index(0))
+        mbarrier.wait(empty, (j & 1) ^ 1)
         if j >= nw:
             mbarrier.expect(ready, own_bytes)
-            tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready, s_dl.index(0))
             tma.async_copy_global_to_shared(h_t, [((c0 + i_c) * HV + i_hv) * K, 0], ready, s_h.index(0))
-            tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], ready, s_w.index(0))
+            if not EARLY:
+                tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready, s_dl.index(0))
+                tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], ready, s_w.index(0))
         else:
             mbarrier.expect(ready, chain_bytes)
         tma.async_copy_global_to_shared(k_t, [t0, i_h * K], ready, s_k.index(0))
@@ -180,9 +191,9 @@ def _chain(u_q, u_k, u_ds, u_o, u_z, ready, empty, hand, G, dht, dh0, cu, ends, 
 
 
 @gluon.jit
-def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g, s_gb, ready, empty, hand, G, beta, DK,
-            cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K: gl.constexpr, V: gl.constexpr,
-            DT: gl.constexpr, WARM: gl.constexpr):
+def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g, s_gb, ready, empty, ready2, empty2,
+            hand, G, beta, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K: gl.constexpr,
+            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, EARLY: gl.constexpr):
     """A: Pᵀ, L (into dδ's place) and dÕ for the chain; on own chunks dO δᵀ, the decayed pair terms,
     Σ S ⊙ dS, δ dSᵀ (then dS is free), and once B hands over M and dW, dK in two halves of K; its
     parts of dγ and dβ to B."""
@@ -238,6 +249,8 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             # dO δᵀ ⊙ D · scale, handed to B (dQ's pair term) as soon as formed, with Σ S ⊙ dS over
             # the whole [K, V] tile beside it (in row slices of 32: its dγ term); then its pair
             # terms with Q Kᵀ (dγ's)
+            if EARLY:
+                mbarrier.wait(ready2, (j - nw) & 1)
             b_e = warpgroup_mma(s_do, s_dl.permute((1, 0)), zt, use_acc=False, is_async=True)
             sig = gl.zeros([32], f32, gl.SliceLayout(1, ld))
             for i in gl.static_range(K // 32):
@@ -263,6 +276,8 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             w_h = gl.where(mh, gl.exp(g_last - g_h), 0.0)
             b_k0, b_k1 = warpgroup_mma_wait(0, deps=[b_k0, b_k1])
             mbarrier.arrive(hand.index(DS_FREE), count=1)
+            if EARLY:
+                mbarrier.arrive(empty2, count=1)  # A's last product through δ
             b_k0 = b_k0 * w_h[:, None]
             b_k1 = b_k1 * w_h[:, None]
             b_a = gl.sum(s_k.slice(0, HK, dim=1).load(l_h).to(f32) * b_k0, axis=1)
@@ -304,9 +319,9 @@ def _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_dk, bg_h, zh, DK, t0, eos, HV, i_hv
 
 
 @gluon.jit
-def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g, s_gb, ready, empty, hand, G,
-            beta, DQ, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K: gl.constexpr,
-            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr):
+def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g, s_gb, ready, empty, ready2,
+            empty2, hand, G, beta, DQ, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale,
+            K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, EARLY: gl.constexpr):
     """B: K dS (then dS is free), dδ over L, Y = Tᵀ dδ, Z for the chain; on own chunks dV, dW, dδ δᵀ's
     parts, dA, K Kᵀ and M (handed to A with dW), dQ in two halves of K once A hands over the pair
     terms, dβ and dg."""
@@ -350,6 +365,11 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
         s_dd.store(b_d.to(DT))
         fence_async_shared()
         b_y = warpgroup_mma(s_a.permute((1, 0)), s_dd, zv, use_acc=False)
+        dbu = gl.zeros([BT], f32, gl.SliceLayout(1, l_v))  # dβ's term Σ_v v ⊙ Y
+        if EARLY:
+            if j >= nw:  # v landed in Z's place: read before Z goes there (each warp its own rows)
+                mbarrier.wait(ready2, (j - nw) & 1)
+                dbu = gl.sum(s_z.load(l_v).to(f32) * b_y, axis=1)
         mbarrier.wait(hand.index(Z_FREE), par ^ 1)  # the chain's previous update has read Z
         s_z.store((b_y * (0.0 - b_bv * gl.exp(g_v))[:, None]).to(DT))
         fence_async_shared()
@@ -359,7 +379,8 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
         if j >= nw:
             # dV = diag(β) Y and dβ's term Σ_v v ⊙ Y (v copied into dW's place)
             _store_rows(DV, b_y * b_bv[:, None], t0, eos, HV, i_hv, 0, V, V)
-            dbu = gl.sum(s_w.load(l_v).to(f32) * b_y, axis=1)
+            if not EARLY:
+                dbu = gl.sum(s_w.load(l_v).to(f32) * b_y, axis=1)
             # dW = −dδ Sᵀ to shared memory; dδ δᵀ as a 16-bit part and its remainder
             b_w = warpgroup_mma(s_dd, s_h.permute((1, 0)), zv, use_acc=False)
             s_w.store((0.0 - b_w).to(DT))
@@ -369,6 +390,8 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
             s_lo.store((b_dd - hi.to(f32)).to(DT))
             fence_async_shared()
             mbarrier.arrive(hand.index(DD_FREE), count=1)
+            if EARLY:
+                mbarrier.arrive(empty2, count=1)  # B's last product through δ
             b_da = warpgroup_mma(s_a.permute((1, 0)), s_x, zt, use_acc=False, is_async=True)
             b_da = warpgroup_mma(s_a.permute((1, 0)), s_lo, b_da, is_async=True)
             b_kk = warpgroup_mma(s_k, s_k.permute((1, 0)), zt, use_acc=False, is_async=True)
@@ -426,7 +449,7 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
 def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ, DK, DV, DB, DG, cu, ends, off, plan,
                       seg_seq, seq_cu, scale, H, HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
                       USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr,
-                      R_A: gl.constexpr, R_B: gl.constexpr):
+                      R_A: gl.constexpr, R_B: gl.constexpr, EARLY: gl.constexpr = False):
     """One program per (token range [cu[i_n], ends[i_n]), value head), program id i_n · HV + i_hv.
     Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; do_t, d_t (δ), v_t of [T, HV · V] in [64,
     V] blocks; a_t (T⁻¹) of [T, HV · 64] in [64, 64] blocks; h_t of [chunks · HV · K, V] in [K, V]
@@ -462,20 +485,26 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ,
     ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     hand = gl.allocate_shared_memory(gl.int64, [NHAND, 1], mbarrier.MBarrierLayout())
+    ready2 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # δ and v (EARLY)
+    empty2 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(ready, count=1)
     mbarrier.init(empty, count=3)  # the chain, A and B
+    mbarrier.init(ready2, count=1)
+    mbarrier.init(empty2, count=2)  # A and B
     for i in gl.static_range(NHAND):
         mbarrier.init(hand.index(i), count=2 if i == DS_FREE else 1)
     fence_async_shared()
     gl.warp_specialize([
         (_chain, (s_q, s_k, s_ds, s_o, s_z, ready, empty, hand, G, dht, dh0, cu, ends, plan, seg_seq, seq_cu, i_n,
                   i_hv, HV, K, V, DT, USE_DHT, USE_INIT, WARM)),
-        (_copies, (q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, s_w, ready, empty, cu, ends,
-                   off, plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K, V, WARM)),
-        (_grad_a, (s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_a, s_w, s_x, s_g, s_gb, ready, empty, hand, G,
-                   beta, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT, WARM)),
-        (_grad_b, (s_k, s_q, s_a, s_do, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g, s_gb, ready, empty, hand,
-                   G, beta, DQ, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT, WARM)),
+        (_copies, (q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, s_w, s_z, ready, empty, ready2,
+                   empty2, hand, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K, V, WARM, EARLY)),
+        (_grad_a, (s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_a, s_w, s_x, s_g, s_gb, ready, empty, ready2,
+                   empty2, hand, G, beta, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT, WARM,
+                   EARLY)),
+        (_grad_b, (s_k, s_q, s_a, s_do, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g, s_gb, ready, empty,
+                   ready2, empty2, hand, G, beta, DQ, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV,
+                   scale, K, V, DT, WARM, EARLY)),
     ], [1, WG, WG], [R_COPY, R_A, R_B])
 
 
@@ -506,4 +535,5 @@ def backward(q, k, v, do, G, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, cu, 
     launch(fused_rbwd_kernel, (N * HV,), q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta,
            dht if dht is not None else G, dh0 if dh0 is not None else G, DQ, DK, DV, DB, DG, cu, ends, off, plan,
            seg_seq, seq_cu, scale, H, HV, K=K, V=V, DT=DT, USE_DHT=dht is not None, USE_INIT=dh0 is not None,
-           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], maxnreg=c["maxnreg"], name="fused_rbwd")
+           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], EARLY=bool(c.get("early", False)),
+           maxnreg=c["maxnreg"], name="fused_rbwd")
