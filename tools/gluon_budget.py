@@ -226,7 +226,7 @@ def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cub
     c = DELTA["fused_rbwd"]
     regs = tuple(c["regs"]) if regs is None else tuple(regs)
     maxnreg = c["maxnreg"] if maxnreg is None else maxnreg
-    early = bool(c.get("early", False)) if early is None else early
+    early = bool(c["early"]) if early is None else early
     K = V = 128
     desc = desc_type
     sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, V), a_t=desc(64, 64), d_t=desc(64, V),

@@ -377,7 +377,7 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
         # A's hand-overs are waited for where they are read (its pair terms at the dQ products, its
         # parts of dγ and dβ at the end), so that B's products up to there run beside A's
         if j >= nw:
-            # dV = diag(β) Y and dβ's term Σ_v v ⊙ Y (v copied into dW's place)
+            # dV = diag(β) Y and dβ's term Σ_v v ⊙ Y (v copied into dW's place; with EARLY read above)
             _store_rows(DV, b_y * b_bv[:, None], t0, eos, HV, i_hv, 0, V, V)
             if not EARLY:
                 dbu = gl.sum(s_w.load(l_v).to(f32) * b_y, axis=1)
@@ -449,7 +449,7 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
 def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ, DK, DV, DB, DG, cu, ends, off, plan,
                       seg_seq, seq_cu, scale, H, HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
                       USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr,
-                      R_A: gl.constexpr, R_B: gl.constexpr, EARLY: gl.constexpr = False):
+                      R_A: gl.constexpr, R_B: gl.constexpr, EARLY: gl.constexpr):
     """One program per (token range [cu[i_n], ends[i_n]), value head), program id i_n · HV + i_hv.
     Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; do_t, d_t (δ), v_t of [T, HV · V] in [64,
     V] blocks; a_t (T⁻¹) of [T, HV · 64] in [64, 64] blocks; h_t of [chunks · HV · K, V] in [K, V]
@@ -535,5 +535,5 @@ def backward(q, k, v, do, G, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, cu, 
     launch(fused_rbwd_kernel, (N * HV,), q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta,
            dht if dht is not None else G, dh0 if dh0 is not None else G, DQ, DK, DV, DB, DG, cu, ends, off, plan,
            seg_seq, seq_cu, scale, H, HV, K=K, V=V, DT=DT, USE_DHT=dht is not None, USE_INIT=dh0 is not None,
-           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], EARLY=bool(c.get("early", False)),
+           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], EARLY=bool(c["early"]),
            maxnreg=c["maxnreg"], name="fused_rbwd")
