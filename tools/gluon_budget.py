@@ -214,11 +214,11 @@ def _aligned(sig: dict, at: dict) -> dict:
 
 
 def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cubin: bool = False,
-                   early: bool | None = None) -> dict:
+                   early: int | None = None) -> dict:
     """{"regs", "spill", "shared"} of the merged backward kernel
     (:func:`gdn.ops.delta.triton.fused_rbwd.fused_rbwd_kernel`, bf16, K = V = 128, with dht and dh0,
     ``warm``: the warm-started segments' form) compiled for sm_90 with the partitions' registers
-    ``regs`` = (copies, A, B), ``maxnreg`` and ``early`` (δ and v on a slot of their own; defaults:
+    ``regs`` = (copies, A, B), ``maxnreg`` and ``early`` (1: δ and v on a slot of their own, 2: dO and h too; defaults:
     the launch setting's). "spill" is the program's stack frame, the largest any partition needs."""
     from gdn.ops.delta.triton import fused_rbwd as R  # noqa: PLC0415
     from gdn.ops.tuning import DELTA  # noqa: PLC0415
@@ -226,7 +226,7 @@ def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cub
     c = DELTA["fused_rbwd"]
     regs = tuple(c["regs"]) if regs is None else tuple(regs)
     maxnreg = c["maxnreg"] if maxnreg is None else maxnreg
-    early = bool(c["early"]) if early is None else early
+    early = int(c["early"]) if early is None else int(early)
     K = V = 128
     desc = desc_type
     sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, V), a_t=desc(64, 64), d_t=desc(64, V),
@@ -311,7 +311,9 @@ def main(argv=None) -> int:
                     help="items a program of the fused backward kernel to compile (e.g. 1,2,3): its table "
                          "alone, at 8 warps and the first tile width, with each compile's seconds (give "
                          "TRITON_CACHE_DIR an empty folder for cold compiles)")
-    ap.add_argument("--early", action="store_true", help="with --rbwd: δ and v on a slot of their own")
+    ap.add_argument("--early", type=int, default=None, choices=(0, 1, 2),
+                    help="with --rbwd: 1 δ and v on a slot of their own, 2 dO and h too (default: the launch "
+                         "setting's)")
     ap.add_argument("--rbwd", default=None, metavar="COPY,A,B",
                     help="the merged backward kernel (fused_rbwd) at these partition registers ('' for the "
                          "launch setting's)")

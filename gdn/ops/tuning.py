@@ -181,9 +181,9 @@ DELTA = {
     # registers over 16 warps' worth, each partition counted as a warpgroup; the chain spills below
     # 160), the split with the fewest spill instructions since A forms dK and B dQ (A 76 HGMMA
     # steps a chunk, B 68): ptxas sm_90 147 spill stores and 169 loads in A and B together, 227 KB
-    # of shared memory (tools/gluon_budget.py --rbwd). early: δ and v on a slot of their own,
-    # released mid-chunk (docs/TRITON.md, "dK to A, dQ to B"; not yet timed).
-    "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 160, 168), maxnreg=128, early=False),
+    # of shared memory (tools/gluon_budget.py --rbwd). early: a second input slot released
+    # mid-chunk, 1: δ and v, 2: dO and h too (docs/TRITON.md, "dK to A, dQ to B"; not yet timed).
+    "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 160, 168), maxnreg=128, early=0),
     "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, VT=128,
                       narrow=64),
     "cumsum": dict(num_warps=1, stages=(1,)),

@@ -52,9 +52,11 @@ def test_merged_backward(case, dtype, split, monkeypatch):
     _check(case, dtype, split, monkeypatch)
 
 
+@pytest.mark.parametrize("early", (1, 2), ids=("delta-v", "delta-v-dO-h"))
 @pytest.mark.parametrize("split", (0, 2), ids=("whole", "segments-of-2"))
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in RCASES])
-def test_merged_backward_early_slot(case, split, monkeypatch):
-    """δ and v on a slot of their own (``DELTA["fused_rbwd"]["early"]``: released mid-chunk, v in
-    Z's place), bf16: the same cases."""
-    _check(case, torch.bfloat16, split, monkeypatch, early=True)
+def test_merged_backward_early_slot(case, split, early, monkeypatch):
+    """A second input slot released mid-chunk (``DELTA["fused_rbwd"]["early"]``): 1, δ and v (v in
+    Z's place); 2, dO and h too (dO on warm-up chunks as well, B's dQ before dA), bf16: the same
+    cases."""
+    _check(case, torch.bfloat16, split, monkeypatch, early=early)

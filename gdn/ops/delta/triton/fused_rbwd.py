@@ -30,7 +30,9 @@ its *free* one, so no role can complete a phase twice by running a chunk ahead):
 - B (one warpgroup): K dS, dδ (over L's place), Y, Z and dV, then dW, dδ δᵀ's parts, Tᵀ (dδ δᵀ),
   K Kᵀ and M (handed to A), dQ in two halves of K, dβ and dg;
 - one copy warp brings each chunk's q, k, dO and T⁻¹ (and on own chunks δ, h and v) by tensor
-  copies into one slot, once the three warpgroups have released it.
+  copies into one slot, once the three warpgroups have released it; with ``DELTA["fused_rbwd"]
+  ["early"]`` some of them on a second slot, released once A and B have read them mid-chunk (1: δ
+  and v; 2: δ, v, dO and h, with B's dQ before dA), so that they land during the previous chunk.
 
 Warm-up chunks (the warm-started split's, walked after a segment's end) run the chain's work only.
 Gluon does not run under Triton's interpreter: the GPU tests check the kernel against the two-kernel
@@ -113,35 +115,52 @@ def _copies(q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, 
             WARM: gl.constexpr, EARLY: gl.constexpr):
     """The copy warp: chunk nc − 1 − j's tiles (δ, h and v on the program's own chunks only) once the
     three warpgroups have released the slot; v into dW's buffer, which B reads it from before it
-    forms dW there. ``EARLY``: δ and v (into Z's buffer, once the chain has read the last Z) on a
+    forms dW there. ``EARLY`` 1: δ and v (into Z's buffer, once the chain has read the last Z) on a
     slot of their own, released by A and B as soon as their last products through δ are done, so
-    that they land during the previous chunk."""
-    chain_bytes: gl.constexpr = (2 * BT * K + BT * V + BT * BT) * 2
-    own_bytes: gl.constexpr = chain_bytes + (K * V if EARLY else 2 * BT * V + K * V) * 2
+    that they land during the previous chunk; 2: dO and h on that slot too (dO on every chunk),
+    released once B's dQ has read them, so that only q, k and T⁻¹ wait for the chunk's end."""
+    main_bytes: gl.constexpr = (2 * BT * K + BT * BT) * 2
+    chain_bytes: gl.constexpr = main_bytes + BT * V * 2
+    own_bytes: gl.constexpr = chain_bytes + ((K * V if EARLY == 1 else 2 * BT * V + K * V) * 2)
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     c0 = gl.load(off + i_n)
     for j in range(nc):
         i_c = nc - 1 - j
         t0 = bos + i_c * BT
-        if EARLY:
+        if EARLY == 2:
+            mbarrier.wait(empty2, (j & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+            if j >= nw:
+                mbarrier.wait(hand.index(Z_FREE), (j & 1) ^ 1)  # the chain has read the last Z
+                mbarrier.expect(ready2, (3 * BT * V + K * V) * 2)
+                tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready2, s_dl.index(0))
+                tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], ready2, s_z.index(0))
+                tma.async_copy_global_to_shared(h_t, [((c0 + i_c) * HV + i_hv) * K, 0], ready2, s_h.index(0))
+            else:
+                mbarrier.expect(ready2, BT * V * 2)
+            tma.async_copy_global_to_shared(do_t, [t0, i_hv * V], ready2, s_do.index(0))
+            mbarrier.wait(empty, (j & 1) ^ 1)
+            mbarrier.expect(ready, main_bytes)
+        elif EARLY == 1:
             if j >= nw:
                 mbarrier.wait(empty2, ((j - nw) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
                 mbarrier.wait(hand.index(Z_FREE), (j & 1) ^ 1)  # the chain has read the last Z
                 mbarrier.expect(ready2, 2 * BT * V * 2)
                 tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready2, s_dl.index(0))
                 tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], ready2, s_z.index(0))
-        mbarrier.wait(empty, (j & 1) ^ 1)
-        if j >= nw:
-            mbarrier.expect(ready, own_bytes)
-            tma.async_copy_global_to_shared(h_t, [((c0 + i_c) * HV + i_hv) * K, 0], ready, s_h.index(0))
-            if not EARLY:
-                tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready, s_dl.index(0))
-                tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], ready, s_w.index(0))
-        else:
-            mbarrier.expect(ready, chain_bytes)
+        if EARLY != 2:
+            mbarrier.wait(empty, (j & 1) ^ 1)
+            if j >= nw:
+                mbarrier.expect(ready, own_bytes)
+                tma.async_copy_global_to_shared(h_t, [((c0 + i_c) * HV + i_hv) * K, 0], ready, s_h.index(0))
+                if EARLY == 0:
+                    tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready, s_dl.index(0))
+                    tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], ready, s_w.index(0))
+            else:
+                mbarrier.expect(ready, chain_bytes)
         tma.async_copy_global_to_shared(k_t, [t0, i_h * K], ready, s_k.index(0))
         tma.async_copy_global_to_shared(q_t, [t0, i_h * K], ready, s_q.index(0))
-        tma.async_copy_global_to_shared(do_t, [t0, i_hv * V], ready, s_do.index(0))
+        if EARLY != 2:
+            tma.async_copy_global_to_shared(do_t, [t0, i_hv * V], ready, s_do.index(0))
         tma.async_copy_global_to_shared(a_t, [t0, i_hv * BT], ready, s_a.index(0))
 
 
@@ -231,6 +250,8 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
         mbarrier.wait(hand.index(P_FREE), par ^ 1)  # B is done with the previous chunk's pair terms
         s_p.store(b_p.to(DT))
         fence_async_shared()
+        if EARLY == 2:
+            mbarrier.wait(ready2, par)  # dO (and on own chunks δ, h and v)
         b_l = warpgroup_mma(s_p, s_do, zv, use_acc=False)
         mbarrier.wait(hand.index(DD_FREE), par ^ 1)  # B is done with the previous dδ
         s_dd.store((b_l * scale).to(DT))
@@ -249,7 +270,7 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             # dO δᵀ ⊙ D · scale, handed to B (dQ's pair term) as soon as formed, with Σ S ⊙ dS over
             # the whole [K, V] tile beside it (in row slices of 32: its dγ term); then its pair
             # terms with Q Kᵀ (dγ's)
-            if EARLY:
+            if EARLY == 1:
                 mbarrier.wait(ready2, (j - nw) & 1)
             b_e = warpgroup_mma(s_do, s_dl.permute((1, 0)), zt, use_acc=False, is_async=True)
             sig = gl.zeros([32], f32, gl.SliceLayout(1, ld))
@@ -276,8 +297,8 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             w_h = gl.where(mh, gl.exp(g_last - g_h), 0.0)
             b_k0, b_k1 = warpgroup_mma_wait(0, deps=[b_k0, b_k1])
             mbarrier.arrive(hand.index(DS_FREE), count=1)
-            if EARLY:
-                mbarrier.arrive(empty2, count=1)  # A's last product through δ
+            if EARLY != 0:
+                mbarrier.arrive(empty2, count=1)  # A's last product through δ (and dO, h)
             b_k0 = b_k0 * w_h[:, None]
             b_k1 = b_k1 * w_h[:, None]
             b_a = gl.sum(s_k.slice(0, HK, dim=1).load(l_h).to(f32) * b_k0, axis=1)
@@ -296,6 +317,8 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
         else:
             mbarrier.arrive(hand.index(DS_FREE), count=1)
             mbarrier.arrive(hand.index(P_READY), count=1)
+            if EARLY == 2:
+                mbarrier.arrive(empty2, count=1)  # dO read for L and dÕ
         mbarrier.arrive(hand.index(G_READY), count=1)
         mbarrier.arrive(empty, count=1)
 
@@ -366,9 +389,12 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
         fence_async_shared()
         b_y = warpgroup_mma(s_a.permute((1, 0)), s_dd, zv, use_acc=False)
         dbu = gl.zeros([BT], f32, gl.SliceLayout(1, l_v))  # dβ's term Σ_v v ⊙ Y
-        if EARLY:
+        if EARLY != 0:
             if j >= nw:  # v landed in Z's place: read before Z goes there (each warp its own rows)
-                mbarrier.wait(ready2, (j - nw) & 1)
+                if EARLY == 1:
+                    mbarrier.wait(ready2, (j - nw) & 1)
+                else:
+                    mbarrier.wait(ready2, par)
                 dbu = gl.sum(s_z.load(l_v).to(f32) * b_y, axis=1)
         mbarrier.wait(hand.index(Z_FREE), par ^ 1)  # the chain's previous update has read Z
         s_z.store((b_y * (0.0 - b_bv * gl.exp(g_v))[:, None]).to(DT))
@@ -379,7 +405,7 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
         if j >= nw:
             # dV = diag(β) Y and dβ's term Σ_v v ⊙ Y (v copied into dW's place; with EARLY read above)
             _store_rows(DV, b_y * b_bv[:, None], t0, eos, HV, i_hv, 0, V, V)
-            if not EARLY:
+            if EARLY == 0:
                 dbu = gl.sum(s_w.load(l_v).to(f32) * b_y, axis=1)
             # dW = −dδ Sᵀ to shared memory; dδ δᵀ as a 16-bit part and its remainder
             b_w = warpgroup_mma(s_dd, s_h.permute((1, 0)), zv, use_acc=False)
@@ -390,8 +416,13 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
             s_lo.store((b_dd - hi.to(f32)).to(DT))
             fence_async_shared()
             mbarrier.arrive(hand.index(DD_FREE), count=1)
-            if EARLY:
+            if EARLY == 1:
                 mbarrier.arrive(empty2, count=1)  # B's last product through δ
+            if EARLY == 2:  # dQ before dA, so that dO and h are free for the next chunk's copies
+                mbarrier.wait(hand.index(P_READY), par)
+                dg_k = _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K)
+                mbarrier.arrive(hand.index(P_FREE), count=1)
+                mbarrier.arrive(empty2, count=1)  # B's last products through δ, dO and h
             b_da = warpgroup_mma(s_a.permute((1, 0)), s_x, zt, use_acc=False, is_async=True)
             b_da = warpgroup_mma(s_a.permute((1, 0)), s_lo, b_da, is_async=True)
             b_kk = warpgroup_mma(s_k, s_k.permute((1, 0)), zt, use_acc=False, is_async=True)
@@ -410,19 +441,10 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
             s_x.store(b_m.to(DT))  # M over dδ δᵀ's first part (its products are done)
             fence_async_shared()
             mbarrier.arrive(hand.index(M_READY), count=1)
-            mbarrier.wait(hand.index(P_READY), par)
-            # dQ in two halves of K: dO Sᵀ scaled by rows (q · it: dγ's term), plus (dO δᵀ ⊙ D) K
-            rh, mh = _rows(t0, eos, l_h)
-            g_h = _at_rows(G, rh, mh, HV, i_hv)
-            e_h = gl.where(mh, scale * gl.exp(g_h), 0.0)
-            dg_k = gl.zeros([BT], f32, gl.SliceLayout(1, l_h))
-            for i in gl.static_range(K // HK):
-                b_dq = warpgroup_mma(s_do, s_h.slice(i * HK, HK, dim=0).permute((1, 0)), zh, use_acc=False)
-                b_dq = b_dq * e_h[:, None]
-                dg_k += gl.sum(s_q.slice(i * HK, HK, dim=1).load(l_h).to(f32) * b_dq, axis=1)
-                b_dq = warpgroup_mma(s_p.permute((1, 0)), s_k.slice(i * HK, HK, dim=1), b_dq)
-                _store_rows(DQ, b_dq, t0, eos, HV, i_hv, i * HK, K, HK)
-            mbarrier.arrive(hand.index(P_FREE), count=1)
+            if EARLY != 2:
+                mbarrier.wait(hand.index(P_READY), par)
+                dg_k = _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K)
+                mbarrier.arrive(hand.index(P_FREE), count=1)
             mbarrier.wait(hand.index(G_READY), par)
             dg_t += s_g.slice(0 * BT, BT).load(r_t)
             dg_c += s_g.slice(1 * BT, BT).load(c_t)
@@ -442,7 +464,27 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
             mbarrier.arrive(hand.index(P_FREE), count=1)
             mbarrier.wait(hand.index(G_READY), par)
             mbarrier.arrive(hand.index(G_FREE), count=1)
+            if EARLY == 2:
+                mbarrier.arrive(empty2, count=1)  # nothing of that slot read on a warm-up chunk
         mbarrier.arrive(empty, count=1)
+
+
+@gluon.jit
+def _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K: gl.constexpr):
+    """dQ to memory in two halves of K: dO Sᵀ scaled by rows (q · it: dγ's term, returned), plus
+    (dO δᵀ ⊙ D) K from the pair terms A handed over."""
+    l_h: gl.constexpr = acc_layout(HK, WG)
+    rh, mh = _rows(t0, eos, l_h)
+    g_h = _at_rows(G, rh, mh, HV, i_hv)
+    e_h = gl.where(mh, scale * gl.exp(g_h), 0.0)
+    dg_k = gl.zeros([BT], gl.float32, gl.SliceLayout(1, l_h))
+    for i in gl.static_range(K // HK):
+        b_dq = warpgroup_mma(s_do, s_h.slice(i * HK, HK, dim=0).permute((1, 0)), zh, use_acc=False)
+        b_dq = b_dq * e_h[:, None]
+        dg_k += gl.sum(s_q.slice(i * HK, HK, dim=1).load(l_h).to(gl.float32) * b_dq, axis=1)
+        b_dq = warpgroup_mma(s_p.permute((1, 0)), s_k.slice(i * HK, HK, dim=1), b_dq)
+        _store_rows(DQ, b_dq, t0, eos, HV, i_hv, i * HK, K, HK)
+    return dg_k
 
 
 @gluon.jit
@@ -485,7 +527,7 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ,
     ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     hand = gl.allocate_shared_memory(gl.int64, [NHAND, 1], mbarrier.MBarrierLayout())
-    ready2 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # δ and v (EARLY)
+    ready2 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # the second slot (EARLY)
     empty2 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(ready, count=1)
     mbarrier.init(empty, count=3)  # the chain, A and B
@@ -535,5 +577,5 @@ def backward(q, k, v, do, G, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, cu, 
     launch(fused_rbwd_kernel, (N * HV,), q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta,
            dht if dht is not None else G, dh0 if dh0 is not None else G, DQ, DK, DV, DB, DG, cu, ends, off, plan,
            seg_seq, seq_cu, scale, H, HV, K=K, V=V, DT=DT, USE_DHT=dht is not None, USE_INIT=dh0 is not None,
-           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], EARLY=bool(c["early"]),
+           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], EARLY=int(c["early"]),
            maxnreg=c["maxnreg"], name="fused_rbwd")
