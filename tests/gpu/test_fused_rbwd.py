@@ -52,11 +52,16 @@ def test_merged_backward(case, dtype, split, monkeypatch):
     _check(case, dtype, split, monkeypatch)
 
 
-@pytest.mark.parametrize("early", (1, 2), ids=("delta-v", "delta-v-dO-h"))
+#: the other forms: a second input slot released mid-chunk (``early`` 1: δ and v, v in Z's place;
+#: 2: dO and h too, dO on warm-up chunks as well, B's dQ before dA) and dQ formed by A (``dq_a``,
+#: before its δ dSᵀ; at the register split that form compiles with)
+FORMS = [dict(early=1), dict(early=2), dict(dq_a=True, regs=(24, 184, 144)),
+         dict(early=2, dq_a=True, regs=(24, 184, 144))]
+
+
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: "-".join(f"{k}{v}" for k, v in f.items() if k != "regs"))
 @pytest.mark.parametrize("split", (0, 2), ids=("whole", "segments-of-2"))
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in RCASES])
-def test_merged_backward_early_slot(case, split, early, monkeypatch):
-    """A second input slot released mid-chunk (``DELTA["fused_rbwd"]["early"]``): 1, δ and v (v in
-    Z's place); 2, dO and h too (dO on warm-up chunks as well, B's dQ before dA), bf16: the same
-    cases."""
-    _check(case, torch.bfloat16, split, monkeypatch, early=early)
+def test_merged_backward_forms(case, split, form, monkeypatch):
+    """Each other form of the kernel, bf16: the same cases."""
+    _check(case, torch.bfloat16, split, monkeypatch, **form)

@@ -211,8 +211,8 @@ def _chain(u_q, u_k, u_ds, u_o, u_z, ready, empty, hand, G, dht, dh0, cu, ends, 
 
 @gluon.jit
 def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g, s_gb, ready, empty, ready2, empty2,
-            hand, G, beta, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K: gl.constexpr,
-            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, EARLY: gl.constexpr):
+            hand, G, beta, DQ, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K: gl.constexpr,
+            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, EARLY: gl.constexpr, DQ_A: gl.constexpr):
     """A: Pᵀ, L (into dδ's place) and dÕ for the chain; on own chunks dO δᵀ, the decayed pair terms,
     Σ S ⊙ dS, δ dSᵀ (then dS is free), and once B hands over M and dW, dK in two halves of K; its
     parts of dγ and dβ to B."""
@@ -247,7 +247,8 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
         b_p = warpgroup_mma(s_k, s_q.permute((1, 0)), zt, use_acc=False)
         dec_t, s_unused = _decay(G, t0, eos, HV, i_hv, l_t, True)
         b_p = b_p * dec_t
-        mbarrier.wait(hand.index(P_FREE), par ^ 1)  # B is done with the previous chunk's pair terms
+        if not DQ_A:
+            mbarrier.wait(hand.index(P_FREE), par ^ 1)  # B is done with the previous chunk's pair terms
         s_p.store(b_p.to(DT))
         fence_async_shared()
         if EARLY == 2:
@@ -282,10 +283,13 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             dsm = b_e * dec * scale
             s_p.store(gl.permute(dsm.to(DT), (1, 0)))  # (dO δᵀ ⊙ D)ᵀ: A operand of dK's term, Bᵀ of dQ's
             fence_async_shared()
-            mbarrier.arrive(hand.index(P_READY), count=1)
+            if not DQ_A:
+                mbarrier.arrive(hand.index(P_READY), count=1)
             b_qk = warpgroup_mma(s_q, s_k.permute((1, 0)), zt, use_acc=False) * dsm
             dg_t = gl.sum(b_qk, axis=1)
             dg_c = 0.0 - gl.sum(b_qk, axis=0)
+            if DQ_A:  # dQ here, before δ dSᵀ: its last reads of dO and h come before A releases them
+                dg_t += gl.convert_layout(_dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K), r_t)
             # dK's state term δ dSᵀ in two halves of K, after which dS is free for the chain's next
             b_k0 = warpgroup_mma(s_dl, s_ds.slice(0, HK, dim=0).permute((1, 0)), zh, use_acc=False, is_async=True)
             b_k1 = warpgroup_mma(s_dl, s_ds.slice(HK, HK, dim=0).permute((1, 0)), zh, use_acc=False, is_async=True)
@@ -316,7 +320,8 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             s_gb.store(gl.convert_layout(ktdw * e_h, r_t))
         else:
             mbarrier.arrive(hand.index(DS_FREE), count=1)
-            mbarrier.arrive(hand.index(P_READY), count=1)
+            if not DQ_A:
+                mbarrier.arrive(hand.index(P_READY), count=1)
             if EARLY == 2:
                 mbarrier.arrive(empty2, count=1)  # dO read for L and dÕ
         mbarrier.arrive(hand.index(G_READY), count=1)
@@ -344,7 +349,8 @@ def _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_dk, bg_h, zh, DK, t0, eos, HV, i_hv
 @gluon.jit
 def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g, s_gb, ready, empty, ready2,
             empty2, hand, G, beta, DQ, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale,
-            K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, EARLY: gl.constexpr):
+            K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, EARLY: gl.constexpr,
+            DQ_A: gl.constexpr):
     """B: K dS (then dS is free), dδ over L, Y = Tᵀ dδ, Z for the chain; on own chunks dV, dW, dδ δᵀ's
     parts, dA, K Kᵀ and M (handed to A with dW), dQ in two halves of K once A hands over the pair
     terms, dβ and dg."""
@@ -416,9 +422,12 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
             s_lo.store((b_dd - hi.to(f32)).to(DT))
             fence_async_shared()
             mbarrier.arrive(hand.index(DD_FREE), count=1)
-            if EARLY == 1:
+            if DQ_A:
+                if EARLY != 0:
+                    mbarrier.arrive(empty2, count=1)  # B's last products through δ and h
+            elif EARLY == 1:
                 mbarrier.arrive(empty2, count=1)  # B's last product through δ
-            if EARLY == 2:  # dQ before dA, so that dO and h are free for the next chunk's copies
+            elif EARLY == 2:  # dQ before dA, so that dO and h are free for the next chunk's copies
                 mbarrier.wait(hand.index(P_READY), par)
                 dg_k = _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K)
                 mbarrier.arrive(hand.index(P_FREE), count=1)
@@ -441,10 +450,11 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
             s_x.store(b_m.to(DT))  # M over dδ δᵀ's first part (its products are done)
             fence_async_shared()
             mbarrier.arrive(hand.index(M_READY), count=1)
-            if EARLY != 2:
-                mbarrier.wait(hand.index(P_READY), par)
-                dg_k = _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K)
-                mbarrier.arrive(hand.index(P_FREE), count=1)
+            if not DQ_A:
+                if EARLY != 2:
+                    mbarrier.wait(hand.index(P_READY), par)
+                    dg_k = _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K)
+                    mbarrier.arrive(hand.index(P_FREE), count=1)
             mbarrier.wait(hand.index(G_READY), par)
             dg_t += s_g.slice(0 * BT, BT).load(r_t)
             dg_c += s_g.slice(1 * BT, BT).load(c_t)
@@ -454,14 +464,17 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
             db += gl.convert_layout(dbu, r_t)
             gl.store(DB + rt * HV + i_hv, db, mask=mt)
             ct = t0 + gl.arange(0, BT, layout=c_t)
-            dg_c += gl.convert_layout(dg_t + gl.convert_layout(dg_k, r_t), c_t)
+            if not DQ_A:
+                dg_t += gl.convert_layout(dg_k, r_t)
+            dg_c += gl.convert_layout(dg_t, c_t)
             after = ct[None, :] >= rt[:, None]
             gl.store(DG + rt * HV + i_hv, gl.sum(gl.where(after, dg_c[None, :], 0.0), axis=1), mask=mt)
         else:
             mbarrier.arrive(hand.index(DD_FREE), count=1)
             mbarrier.arrive(hand.index(M_READY), count=1)
-            mbarrier.wait(hand.index(P_READY), par)
-            mbarrier.arrive(hand.index(P_FREE), count=1)
+            if not DQ_A:
+                mbarrier.wait(hand.index(P_READY), par)
+                mbarrier.arrive(hand.index(P_FREE), count=1)
             mbarrier.wait(hand.index(G_READY), par)
             mbarrier.arrive(hand.index(G_FREE), count=1)
             if EARLY == 2:
@@ -491,7 +504,7 @@ def _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K: gl.con
 def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ, DK, DV, DB, DG, cu, ends, off, plan,
                       seg_seq, seq_cu, scale, H, HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
                       USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr,
-                      R_A: gl.constexpr, R_B: gl.constexpr, EARLY: gl.constexpr):
+                      R_A: gl.constexpr, R_B: gl.constexpr, EARLY: gl.constexpr, DQ_A: gl.constexpr):
     """One program per (token range [cu[i_n], ends[i_n]), value head), program id i_n · HV + i_hv.
     Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; do_t, d_t (δ), v_t of [T, HV · V] in [64,
     V] blocks; a_t (T⁻¹) of [T, HV · 64] in [64, 64] blocks; h_t of [chunks · HV · K, V] in [K, V]
@@ -542,11 +555,11 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ,
         (_copies, (q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, s_w, s_z, ready, empty, ready2,
                    empty2, hand, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K, V, WARM, EARLY)),
         (_grad_a, (s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_a, s_w, s_x, s_g, s_gb, ready, empty, ready2,
-                   empty2, hand, G, beta, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT, WARM,
-                   EARLY)),
+                   empty2, hand, G, beta, DQ, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT,
+                   WARM, EARLY, DQ_A)),
         (_grad_b, (s_k, s_q, s_a, s_do, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g, s_gb, ready, empty,
                    ready2, empty2, hand, G, beta, DQ, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV,
-                   scale, K, V, DT, WARM, EARLY)),
+                   scale, K, V, DT, WARM, EARLY, DQ_A)),
     ], [1, WG, WG], [R_COPY, R_A, R_B])
 
 
@@ -577,5 +590,5 @@ def backward(q, k, v, do, G, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, cu, 
     launch(fused_rbwd_kernel, (N * HV,), q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta,
            dht if dht is not None else G, dh0 if dh0 is not None else G, DQ, DK, DV, DB, DG, cu, ends, off, plan,
            seg_seq, seq_cu, scale, H, HV, K=K, V=V, DT=DT, USE_DHT=dht is not None, USE_INIT=dh0 is not None,
-           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], EARLY=int(c["early"]),
+           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], EARLY=int(c["early"]), DQ_A=bool(c["dq_a"]),
            maxnreg=c["maxnreg"], name="fused_rbwd")
