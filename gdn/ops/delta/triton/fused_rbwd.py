@@ -32,7 +32,8 @@ its *free* one, so no role can complete a phase twice by running a chunk ahead):
 - one copy warp brings each chunk's q, k, dO and T⁻¹ (and on own chunks δ, h and v) by tensor
   copies into one slot, once the three warpgroups have released it; with ``DELTA["fused_rbwd"]
   ["early"]`` some of them on a second slot, released once A and B have read them mid-chunk (1: δ
-  and v; 2: δ, v, dO and h, with B's dQ before dA), so that they land during the previous chunk.
+  and v; 2: δ, v, dO and h, with B's dQ before dA), so that they land during the previous chunk;
+  with ``DELTA["fused_rbwd"]["dq_a"]`` A forms dQ (before its δ dSᵀ) and B hands it nothing.
 
 Warm-up chunks (the warm-started split's, walked after a segment's end) run the chain's work only.
 Gluon does not run under Triton's interpreter: the GPU tests check the kernel against the two-kernel
