@@ -214,12 +214,12 @@ def _aligned(sig: dict, at: dict) -> dict:
 
 
 def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cubin: bool = False,
-                   early: int | None = None, dq_a: bool | None = None) -> dict:
+                   late: bool | None = None) -> dict:
     """{"regs", "spill", "shared"} of the merged backward kernel
     (:func:`gdn.ops.delta.triton.fused_rbwd.fused_rbwd_kernel`, bf16, K = V = 128, with dht and dh0,
     ``warm``: the warm-started segments' form) compiled for sm_90 with the partitions' registers
-    ``regs`` = (copies, A, B), ``maxnreg``, ``early`` (1: δ and v on a slot of their own, 2: dO and
-    h too) and ``dq_a`` (A forms dQ; defaults: the launch setting's). "spill" is the program's stack
+    ``regs`` = (copies, A, B), ``maxnreg`` and ``late`` (A's δ dSᵀ after M's hand-over; defaults:
+    the launch setting's). "spill" is the program's stack
     frame, the largest any partition needs."""
     from gdn.ops.delta.triton import fused_rbwd as R  # noqa: PLC0415
     from gdn.ops.tuning import DELTA  # noqa: PLC0415
@@ -227,8 +227,7 @@ def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cub
     c = DELTA["fused_rbwd"]
     regs = tuple(c["regs"]) if regs is None else tuple(regs)
     maxnreg = c["maxnreg"] if maxnreg is None else maxnreg
-    early = int(c["early"]) if early is None else int(early)
-    dq_a = bool(c["dq_a"]) if dq_a is None else bool(dq_a)
+    late = bool(c["late"]) if late is None else bool(late)
     K = V = 128
     desc = desc_type
     sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, V), a_t=desc(64, 64), d_t=desc(64, V),
@@ -236,7 +235,7 @@ def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cub
                DK="*bf16", DV="*bf16", DB="*fp32", DG="*fp32", cu="*i32", ends="*i32", off="*i32", plan="*i32",
                seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
     const = dict(K=K, V=V, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, WARM=warm, R_COPY=regs[0], R_A=regs[1],
-                 R_B=regs[2], EARLY=early, DQ_A=dq_a)
+                 R_B=regs[2], LATE=late)
     sig.update({n: "constexpr" for n in const})
     names = R.fused_rbwd_kernel.arg_names
     at = {n: i for i, n in enumerate(names)}
@@ -313,21 +312,17 @@ def main(argv=None) -> int:
                     help="items a program of the fused backward kernel to compile (e.g. 1,2,3): its table "
                          "alone, at 8 warps and the first tile width, with each compile's seconds (give "
                          "TRITON_CACHE_DIR an empty folder for cold compiles)")
-    ap.add_argument("--early", type=int, default=None, choices=(0, 1, 2),
-                    help="with --rbwd: 1 δ and v on a slot of their own, 2 dO and h too (default: the launch "
-                         "setting's)")
-    ap.add_argument("--dq-a", action="store_true", help="with --rbwd: A forms dQ")
+    ap.add_argument("--late", action="store_true", help="with --rbwd: A's δ dSᵀ after M's hand-over")
     ap.add_argument("--rbwd", default=None, metavar="COPY,A,B",
                     help="the merged backward kernel (fused_rbwd) at these partition registers ('' for the "
                          "launch setting's)")
     a = ap.parse_args(argv)
     if a.rbwd is not None:
         regs = tuple(int(x) for x in a.rbwd.split(",")) if a.rbwd else None
-        r = rbwd_resources(regs, cubin=True, early=a.early, dq_a=a.dq_a or None)
+        r = rbwd_resources(regs, cubin=True, late=a.late or None)
         print(f"fused_rbwd, K = V = 128, bf16, sm_90, triton {triton.__version__}, registers (copies, A, B) "
               f"{regs or 'of the launch setting'}: {r['spill']} B of stack, {r['shared'] / 1024:.1f} KB shared")
-        print("partitions with matrix products (the chain 16 HGMMA steps, A 76 and B 68, or with dQ on A 100 and 44): "
-              "HGMMA / spill stores / "
+        print("partitions with matrix products (the chain 16 HGMMA steps, A 100, B 44): HGMMA / spill stores / "
               "spill loads, instructions of SASS")
         for c in partition_counts(sass(r["cubin"])):
             if c["HGMMA"]:

@@ -179,12 +179,11 @@ DELTA = {
     # one kernel, K = V = 128). Off: slower than fused_rev + fused_bwd (docs/BENCHMARKS.md, "The
     # merged backward"). regs: copies, A, B (the chain takes 488 − A − B a thread: the pool is 64 K
     # registers over 16 warps' worth, each partition counted as a warpgroup; the chain spills below
-    # 160), the split with the fewest spill instructions since A forms dK and B dQ (A 76 HGMMA
-    # steps a chunk, B 68): ptxas sm_90 147 spill stores and 169 loads in A and B together, 227 KB
-    # of shared memory (tools/gluon_budget.py --rbwd). early: a second input slot released
-    # mid-chunk, 1: δ and v, 2: dO and h too; dq_a: A forms dQ, before δ dSᵀ, and B hands it
-    # nothing (docs/TRITON.md, "dK to A, dQ to B"; neither yet timed).
-    "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 160, 168), maxnreg=128, early=0, dq_a=False),
+    # 160); A forms dQ and dK (100 HGMMA steps a chunk), B the rest (44), so A gets the most:
+    # ptxas sm_90 87 + 93 spill stores and loads in A, 37 + 37 in B, 227 KB of shared memory
+    # (tools/gluon_budget.py --rbwd). late: A's δ dSᵀ after M's hand-over (docs/TRITON.md, "The
+    # second slot"; not yet timed).
+    "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 184, 144), maxnreg=128, late=False),
     "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, VT=128,
                       narrow=64),
     "cumsum": dict(num_warps=1, stages=(1,)),

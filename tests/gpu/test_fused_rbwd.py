@@ -52,14 +52,12 @@ def test_merged_backward(case, dtype, split, monkeypatch):
     _check(case, dtype, split, monkeypatch)
 
 
-#: the other forms: a second input slot released mid-chunk (``early`` 1: δ and v, v in Z's place;
-#: 2: dO and h too, dO on warm-up chunks as well, B's dQ before dA) and dQ formed by A (``dq_a``,
-#: before its δ dSᵀ; at the register split that form compiles with)
-FORMS = [dict(early=1), dict(early=2), dict(dq_a=True, regs=(24, 184, 144)),
-         dict(early=2, dq_a=True, regs=(24, 184, 144))]
+#: the other forms: A's δ dSᵀ after M's hand-over (δ then with the first slot) and another
+#: register split, alone and together
+FORMS = [dict(late=True), dict(regs=(24, 200, 128)), dict(late=True, regs=(24, 200, 128))]
 
 
-@pytest.mark.parametrize("form", FORMS, ids=lambda f: "-".join(f"{k}{v}" for k, v in f.items() if k != "regs"))
+@pytest.mark.parametrize("form", FORMS, ids=("late", "regs-200-128", "late-regs-200-128"))
 @pytest.mark.parametrize("split", (0, 2), ids=("whole", "segments-of-2"))
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in RCASES])
 def test_merged_backward_forms(case, split, form, monkeypatch):

@@ -76,19 +76,19 @@ def merged_backward(q, k, v, g, beta, h0, do, dht, scale):
         dd = w[:, None] * (Kk @ dS) + L
         Y = Tm.T @ dd
         Z = -(b * torch.exp(gam))[:, None] * Y
-        # A: its gradients before B's hand-over (the pair terms, dK's state term)
+        # A: its gradients before B's hand-over (the pair terms, dQ, dK's state term)
         dsm = (dO @ d.T) * D * scale
         bqk = (Q @ Kk.T) * dsm
         dg_t = bqk.sum(1)
         dg_c = -bqk.sum(0)
         dg_c[n - 1] += torch.exp(gC) * (Sh * dS).sum()
-        dks = w[:, None] * (d @ dS.T)
-        b_a = (Kk * dks).sum(1)
-        dg_c[n - 1] += b_a.sum()
-        # B: its gradients (dQ from A's pair terms)
         dqs = torch.where(m, scale * torch.exp(gam), 0.0)[:, None] * (dO @ Sh.T)
         dg_t = dg_t + (Q * dqs).sum(1)
         dQ = dsm @ Kk + dqs
+        dks = w[:, None] * (d @ dS.T)
+        b_a = (Kk * dks).sum(1)
+        dg_c[n - 1] += b_a.sum()
+        # B: its gradients
         dV = b[:, None] * Y
         dbu = (torch.where(m[:, None], Vv, 0.0) * Y).sum(1)
         dW = -dd @ Sh.T

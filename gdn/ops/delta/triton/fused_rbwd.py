@@ -25,15 +25,16 @@ its *free* one, so no role can complete a phase twice by running a chunk ahead):
 - the chain (the default partition, one warpgroup) holds dS [K, V] in fp32 registers; per chunk it
   publishes dS in 16 bits, then adds Qᵀ dÕ and Kᵀ Z onto Γ_C dS;
 - A (one warpgroup): Pᵀ, L and dÕ for the chain, then (on the segment's own chunks) dO δᵀ, the
-  decayed pair terms (handed to B), Σ S ⊙ dS and δ dSᵀ, and once B hands over M and dW, dK in two
-  halves of K; hands its parts of dγ and dβ to B;
+  decayed pair terms, Σ S ⊙ dS, dQ in two halves of K and δ dSᵀ, and once B hands over M and dW,
+  dK in two halves of K; hands its parts of dγ and dβ to B;
 - B (one warpgroup): K dS, dδ (over L's place), Y, Z and dV, then dW, dδ δᵀ's parts, Tᵀ (dδ δᵀ),
-  K Kᵀ and M (handed to A), dQ in two halves of K, dβ and dg;
-- one copy warp brings each chunk's q, k, dO and T⁻¹ (and on own chunks δ, h and v) by tensor
-  copies into one slot, once the three warpgroups have released it; with ``DELTA["fused_rbwd"]
-  ["early"]`` some of them on a second slot, released once A and B have read them mid-chunk (1: δ
-  and v; 2: δ, v, dO and h, with B's dQ before dA), so that they land during the previous chunk;
-  with ``DELTA["fused_rbwd"]["dq_a"]`` A forms dQ (before its δ dSᵀ) and B hands it nothing.
+  K Kᵀ and M (handed to A), dβ and dg;
+- one copy warp brings each chunk's tiles by tensor copies into two slots: dO (and on own chunks h,
+  v and δ) into the second once A and B have read the last ones mid-chunk (A after δ dSᵀ, B after
+  dδ δᵀ), so that they land during the previous chunk's dA, M and dK; q, k and T⁻¹ into the first
+  once the three warpgroups have released it at the chunk's end. With ``DELTA["fused_rbwd"]
+  ["late"]`` A forms δ dSᵀ after M's hand-over instead, holding no [64, 128] product through dQ and
+  the wait, and δ comes with the first slot.
 
 Warm-up chunks (the warm-started split's, walked after a segment's end) run the chain's work only.
 Gluon does not run under Triton's interpreter: the GPU tests check the kernel against the two-kernel
@@ -63,10 +64,9 @@ DS_READY, DS_FREE = gl.constexpr(0), gl.constexpr(1)  # dS: chain → A, B
 L_READY, DD_FREE = gl.constexpr(2), gl.constexpr(3)  # L (then dδ over it): A → B
 O_READY, O_FREE = gl.constexpr(4), gl.constexpr(5)  # dÕ: A → chain
 Z_READY, Z_FREE = gl.constexpr(6), gl.constexpr(7)  # Z: B → chain
-P_READY, P_FREE = gl.constexpr(8), gl.constexpr(9)  # (dO δᵀ ⊙ D · scale)ᵀ: A → B
-G_READY, G_FREE = gl.constexpr(10), gl.constexpr(11)  # A's parts of dγ and dβ: A → B
-M_READY = gl.constexpr(12)  # M and dW: B → A (freed by the chunk's end: B writes them next after ``ready``)
-NHAND = gl.constexpr(13)
+G_READY, G_FREE = gl.constexpr(8), gl.constexpr(9)  # A's parts of dγ and dβ: A → B
+M_READY = gl.constexpr(10)  # M and dW: B → A (freed by the chunk's end: B writes them next after ``ready``)
+NHAND = gl.constexpr(11)
 
 
 @gluon.jit
@@ -111,57 +111,43 @@ def _store_rows(X, x, t0, eos, HV, i_hv, col, W: gl.constexpr, N: gl.constexpr):
 
 
 @gluon.jit
-def _copies(q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, s_w, s_z, ready, empty, ready2, empty2,
+def _copies(q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, s_z, ready, empty, ready2, empty2,
             hand, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K: gl.constexpr, V: gl.constexpr,
-            WARM: gl.constexpr, EARLY: gl.constexpr):
-    """The copy warp: chunk nc − 1 − j's tiles (δ, h and v on the program's own chunks only) once the
-    three warpgroups have released the slot; v into dW's buffer, which B reads it from before it
-    forms dW there. ``EARLY`` 1: δ and v (into Z's buffer, once the chain has read the last Z) on a
-    slot of their own, released by A and B as soon as their last products through δ are done, so
-    that they land during the previous chunk; 2: dO and h on that slot too (dO on every chunk),
-    released once B's dQ has read them, so that only q, k and T⁻¹ wait for the chunk's end."""
+            WARM: gl.constexpr, LATE: gl.constexpr):
+    """The copy warp, chunk nc − 1 − j's tiles in two slots. The second (dO; on the program's own
+    chunks h, v into Z's buffer once the chain has read the last Z, and δ unless ``LATE``) once A and
+    B have released it mid-chunk, so that it lands during the previous chunk; then the first (q, k,
+    T⁻¹, and δ where ``LATE``: A reads it last) once the three warpgroups have released it."""
     main_bytes: gl.constexpr = (2 * BT * K + BT * BT) * 2
-    chain_bytes: gl.constexpr = main_bytes + BT * V * 2
-    own_bytes: gl.constexpr = chain_bytes + ((K * V if EARLY == 1 else 2 * BT * V + K * V) * 2)
+    own2_bytes: gl.constexpr = ((2 if LATE else 3) * BT * V + K * V) * 2
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     c0 = gl.load(off + i_n)
     for j in range(nc):
         i_c = nc - 1 - j
         t0 = bos + i_c * BT
-        if EARLY == 2:
-            mbarrier.wait(empty2, (j & 1) ^ 1)  # a fresh barrier passes parity 1 at once
-            if j >= nw:
-                mbarrier.wait(hand.index(Z_FREE), (j & 1) ^ 1)  # the chain has read the last Z
-                mbarrier.expect(ready2, (3 * BT * V + K * V) * 2)
+        own = j >= nw
+        mbarrier.wait(empty2, (j & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+        if own:
+            mbarrier.wait(hand.index(Z_FREE), (j & 1) ^ 1)  # the chain has read the last Z
+            mbarrier.expect(ready2, own2_bytes)
+            tma.async_copy_global_to_shared(h_t, [((c0 + i_c) * HV + i_hv) * K, 0], ready2, s_h.index(0))
+            tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], ready2, s_z.index(0))
+            if not LATE:
                 tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready2, s_dl.index(0))
-                tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], ready2, s_z.index(0))
-                tma.async_copy_global_to_shared(h_t, [((c0 + i_c) * HV + i_hv) * K, 0], ready2, s_h.index(0))
+        else:
+            mbarrier.expect(ready2, BT * V * 2)
+        tma.async_copy_global_to_shared(do_t, [t0, i_hv * V], ready2, s_do.index(0))
+        mbarrier.wait(empty, (j & 1) ^ 1)
+        if LATE:
+            if own:
+                mbarrier.expect(ready, main_bytes + BT * V * 2)
+                tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready, s_dl.index(0))
             else:
-                mbarrier.expect(ready2, BT * V * 2)
-            tma.async_copy_global_to_shared(do_t, [t0, i_hv * V], ready2, s_do.index(0))
-            mbarrier.wait(empty, (j & 1) ^ 1)
+                mbarrier.expect(ready, main_bytes)
+        else:
             mbarrier.expect(ready, main_bytes)
-        elif EARLY == 1:
-            if j >= nw:
-                mbarrier.wait(empty2, ((j - nw) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
-                mbarrier.wait(hand.index(Z_FREE), (j & 1) ^ 1)  # the chain has read the last Z
-                mbarrier.expect(ready2, 2 * BT * V * 2)
-                tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready2, s_dl.index(0))
-                tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], ready2, s_z.index(0))
-        if EARLY != 2:
-            mbarrier.wait(empty, (j & 1) ^ 1)
-            if j >= nw:
-                mbarrier.expect(ready, own_bytes)
-                tma.async_copy_global_to_shared(h_t, [((c0 + i_c) * HV + i_hv) * K, 0], ready, s_h.index(0))
-                if EARLY == 0:
-                    tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready, s_dl.index(0))
-                    tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], ready, s_w.index(0))
-            else:
-                mbarrier.expect(ready, chain_bytes)
         tma.async_copy_global_to_shared(k_t, [t0, i_h * K], ready, s_k.index(0))
         tma.async_copy_global_to_shared(q_t, [t0, i_h * K], ready, s_q.index(0))
-        if EARLY != 2:
-            tma.async_copy_global_to_shared(do_t, [t0, i_hv * V], ready, s_do.index(0))
         tma.async_copy_global_to_shared(a_t, [t0, i_hv * BT], ready, s_a.index(0))
 
 
@@ -213,10 +199,11 @@ def _chain(u_q, u_k, u_ds, u_o, u_z, ready, empty, hand, G, dht, dh0, cu, ends, 
 @gluon.jit
 def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g, s_gb, ready, empty, ready2, empty2,
             hand, G, beta, DQ, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K: gl.constexpr,
-            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, EARLY: gl.constexpr, DQ_A: gl.constexpr):
+            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, LATE: gl.constexpr):
     """A: Pᵀ, L (into dδ's place) and dÕ for the chain; on own chunks dO δᵀ, the decayed pair terms,
-    Σ S ⊙ dS, δ dSᵀ (then dS is free), and once B hands over M and dW, dK in two halves of K; its
-    parts of dγ and dβ to B."""
+    Σ S ⊙ dS and dQ (then the second slot is free), δ dSᵀ (then dS is free; after M's hand-over
+    where ``LATE``), and once B hands over M and dW, dK in two halves of K; its parts of dγ and dβ
+    to B."""
     f32: gl.constexpr = gl.float32
     l_v: gl.constexpr = acc_layout(V, WG)
     l_t: gl.constexpr = acc_layout(BT, WG)
@@ -247,13 +234,9 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
         # Pᵀ = K Qᵀ ⊙ Dᵀ (columns past the end zeroed), then L and dÕ
         b_p = warpgroup_mma(s_k, s_q.permute((1, 0)), zt, use_acc=False)
         dec_t, s_unused = _decay(G, t0, eos, HV, i_hv, l_t, True)
-        b_p = b_p * dec_t
-        if not DQ_A:
-            mbarrier.wait(hand.index(P_FREE), par ^ 1)  # B is done with the previous chunk's pair terms
-        s_p.store(b_p.to(DT))
+        s_p.store((b_p * dec_t).to(DT))
         fence_async_shared()
-        if EARLY == 2:
-            mbarrier.wait(ready2, par)  # dO (and on own chunks δ, h and v)
+        mbarrier.wait(ready2, par)  # dO (and on own chunks h, v and δ)
         b_l = warpgroup_mma(s_p, s_do, zv, use_acc=False)
         mbarrier.wait(hand.index(DD_FREE), par ^ 1)  # B is done with the previous dδ
         s_dd.store((b_l * scale).to(DT))
@@ -269,11 +252,8 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
         mbarrier.wait(hand.index(DS_READY), par)
         mbarrier.wait(hand.index(G_FREE), par ^ 1)  # B has read the previous chunk's parts of dγ and dβ
         if j >= nw:
-            # dO δᵀ ⊙ D · scale, handed to B (dQ's pair term) as soon as formed, with Σ S ⊙ dS over
-            # the whole [K, V] tile beside it (in row slices of 32: its dγ term); then its pair
-            # terms with Q Kᵀ (dγ's)
-            if EARLY == 1:
-                mbarrier.wait(ready2, (j - nw) & 1)
+            # dO δᵀ ⊙ D · scale with Σ S ⊙ dS over the whole [K, V] tile beside it (in row slices
+            # of 32: its dγ term); its pair terms with Q Kᵀ (dγ's); dQ, A's last read of dO and h
             b_e = warpgroup_mma(s_do, s_dl.permute((1, 0)), zt, use_acc=False, is_async=True)
             sig = gl.zeros([32], f32, gl.SliceLayout(1, ld))
             for i in gl.static_range(K // 32):
@@ -284,13 +264,13 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             dsm = b_e * dec * scale
             s_p.store(gl.permute(dsm.to(DT), (1, 0)))  # (dO δᵀ ⊙ D)ᵀ: A operand of dK's term, Bᵀ of dQ's
             fence_async_shared()
-            if not DQ_A:
-                mbarrier.arrive(hand.index(P_READY), count=1)
             b_qk = warpgroup_mma(s_q, s_k.permute((1, 0)), zt, use_acc=False) * dsm
             dg_t = gl.sum(b_qk, axis=1)
             dg_c = 0.0 - gl.sum(b_qk, axis=0)
-            if DQ_A:  # dQ here, before δ dSᵀ: its last reads of dO and h come before A releases them
-                dg_t += gl.convert_layout(_dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K), r_t)
+            dg_t += gl.convert_layout(_dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K), r_t)
+            if LATE:
+                mbarrier.arrive(empty2, count=1)  # A's last products through dO and h
+                mbarrier.wait(hand.index(M_READY), par)
             # dK's state term δ dSᵀ in two halves of K, after which dS is free for the chain's next
             b_k0 = warpgroup_mma(s_dl, s_ds.slice(0, HK, dim=0).permute((1, 0)), zh, use_acc=False, is_async=True)
             b_k1 = warpgroup_mma(s_dl, s_ds.slice(HK, HK, dim=0).permute((1, 0)), zh, use_acc=False, is_async=True)
@@ -302,8 +282,8 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             w_h = gl.where(mh, gl.exp(g_last - g_h), 0.0)
             b_k0, b_k1 = warpgroup_mma_wait(0, deps=[b_k0, b_k1])
             mbarrier.arrive(hand.index(DS_FREE), count=1)
-            if EARLY != 0:
-                mbarrier.arrive(empty2, count=1)  # A's last product through δ (and dO, h)
+            if not LATE:
+                mbarrier.arrive(empty2, count=1)  # A's last products through dO, h and δ
             b_k0 = b_k0 * w_h[:, None]
             b_k1 = b_k1 * w_h[:, None]
             b_a = gl.sum(s_k.slice(0, HK, dim=1).load(l_h).to(f32) * b_k0, axis=1)
@@ -312,7 +292,8 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             ct = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, l_t))
             dg_c += gl.where(ct == last, gl.exp(g_last) * gl.sum(sig, axis=0) + gl.sum(b_a, axis=0), 0.0)
             # the rest of dK once B has formed M and dW
-            mbarrier.wait(hand.index(M_READY), par)
+            if not LATE:
+                mbarrier.wait(hand.index(M_READY), par)
             bg_h = b_bh * e_h
             ktdw = _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_k0, bg_h, zh, DK, t0, eos, HV, i_hv, 0, K)
             ktdw += _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_k1, bg_h, zh, DK, t0, eos, HV, i_hv, HK, K)
@@ -321,10 +302,7 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             s_gb.store(gl.convert_layout(ktdw * e_h, r_t))
         else:
             mbarrier.arrive(hand.index(DS_FREE), count=1)
-            if not DQ_A:
-                mbarrier.arrive(hand.index(P_READY), count=1)
-            if EARLY == 2:
-                mbarrier.arrive(empty2, count=1)  # dO read for L and dÕ
+            mbarrier.arrive(empty2, count=1)  # dO read for L and dÕ
         mbarrier.arrive(hand.index(G_READY), count=1)
         mbarrier.arrive(empty, count=1)
 
@@ -348,21 +326,17 @@ def _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_dk, bg_h, zh, DK, t0, eos, HV, i_hv
 
 
 @gluon.jit
-def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g, s_gb, ready, empty, ready2,
-            empty2, hand, G, beta, DQ, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale,
-            K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, EARLY: gl.constexpr,
-            DQ_A: gl.constexpr):
-    """B: K dS (then dS is free), dδ over L, Y = Tᵀ dδ, Z for the chain; on own chunks dV, dW, dδ δᵀ's
-    parts, dA, K Kᵀ and M (handed to A with dW), dQ in two halves of K once A hands over the pair
-    terms, dβ and dg."""
+def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, s_g, s_gb, ready, empty, ready2, empty2, hand,
+            G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K: gl.constexpr, V: gl.constexpr,
+            DT: gl.constexpr, WARM: gl.constexpr):
+    """B: K dS (then dS is free), dδ over L, Y = Tᵀ dδ, Z for the chain; on own chunks dV, dW and dδ
+    δᵀ's parts (its last reads of h, v and δ), dA, K Kᵀ and M (handed to A with dW), dβ and dg."""
     f32: gl.constexpr = gl.float32
     l_v: gl.constexpr = acc_layout(V, WG)
     l_t: gl.constexpr = acc_layout(BT, WG)
-    l_h: gl.constexpr = acc_layout(HK, WG)
     r_t: gl.constexpr = gl.SliceLayout(1, l_t)
     c_t: gl.constexpr = gl.SliceLayout(0, l_t)
     zt = gl.zeros([BT, BT], f32, l_t)
-    zh = gl.zeros([BT, HK], f32, l_h)
     zv = gl.zeros([BT, V], f32, l_v)
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     for j in range(nc):
@@ -370,7 +344,6 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
         s_k = u_k.index(z)
         s_q = u_q.index(z)
         s_a = u_a.index(z)
-        s_do = u_do.index(z)
         s_dl = u_dl.index(z)
         s_h = u_h.index(z)
         s_ds = u_ds.index(z)
@@ -379,7 +352,6 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
         s_w = u_w.index(z)
         s_x = u_x.index(z)
         s_lo = u_lo.index(z)
-        s_p = u_p.index(z)
         par = j & 1
         t0 = bos + (nc - 1 - j) * BT
         last = gl.minimum(eos, t0 + BT) - 1
@@ -396,24 +368,16 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
         fence_async_shared()
         b_y = warpgroup_mma(s_a.permute((1, 0)), s_dd, zv, use_acc=False)
         dbu = gl.zeros([BT], f32, gl.SliceLayout(1, l_v))  # dβ's term Σ_v v ⊙ Y
-        if EARLY != 0:
-            if j >= nw:  # v landed in Z's place: read before Z goes there (each warp its own rows)
-                if EARLY == 1:
-                    mbarrier.wait(ready2, (j - nw) & 1)
-                else:
-                    mbarrier.wait(ready2, par)
-                dbu = gl.sum(s_z.load(l_v).to(f32) * b_y, axis=1)
+        if j >= nw:  # v landed in Z's place: read before Z goes there (each warp its own rows)
+            mbarrier.wait(ready2, par)
+            dbu = gl.sum(s_z.load(l_v).to(f32) * b_y, axis=1)
         mbarrier.wait(hand.index(Z_FREE), par ^ 1)  # the chain's previous update has read Z
         s_z.store((b_y * (0.0 - b_bv * gl.exp(g_v))[:, None]).to(DT))
         fence_async_shared()
         mbarrier.arrive(hand.index(Z_READY), count=1)
-        # A's hand-overs are waited for where they are read (its pair terms at the dQ products, its
-        # parts of dγ and dβ at the end), so that B's products up to there run beside A's
+        # A's parts of dγ and dβ are waited for at the end, so that B's products run beside A's
         if j >= nw:
-            # dV = diag(β) Y and dβ's term Σ_v v ⊙ Y (v copied into dW's place; with EARLY read above)
-            _store_rows(DV, b_y * b_bv[:, None], t0, eos, HV, i_hv, 0, V, V)
-            if EARLY == 0:
-                dbu = gl.sum(s_w.load(l_v).to(f32) * b_y, axis=1)
+            _store_rows(DV, b_y * b_bv[:, None], t0, eos, HV, i_hv, 0, V, V)  # dV = diag(β) Y
             # dW = −dδ Sᵀ to shared memory; dδ δᵀ as a 16-bit part and its remainder
             b_w = warpgroup_mma(s_dd, s_h.permute((1, 0)), zv, use_acc=False)
             s_w.store((0.0 - b_w).to(DT))
@@ -423,16 +387,7 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
             s_lo.store((b_dd - hi.to(f32)).to(DT))
             fence_async_shared()
             mbarrier.arrive(hand.index(DD_FREE), count=1)
-            if DQ_A:
-                if EARLY != 0:
-                    mbarrier.arrive(empty2, count=1)  # B's last products through δ and h
-            elif EARLY == 1:
-                mbarrier.arrive(empty2, count=1)  # B's last product through δ
-            elif EARLY == 2:  # dQ before dA, so that dO and h are free for the next chunk's copies
-                mbarrier.wait(hand.index(P_READY), par)
-                dg_k = _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K)
-                mbarrier.arrive(hand.index(P_FREE), count=1)
-                mbarrier.arrive(empty2, count=1)  # B's last products through δ, dO and h
+            mbarrier.arrive(empty2, count=1)  # B's last products through h, v and δ
             b_da = warpgroup_mma(s_a.permute((1, 0)), s_x, zt, use_acc=False, is_async=True)
             b_da = warpgroup_mma(s_a.permute((1, 0)), s_lo, b_da, is_async=True)
             b_kk = warpgroup_mma(s_k, s_k.permute((1, 0)), zt, use_acc=False, is_async=True)
@@ -451,11 +406,6 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
             s_x.store(b_m.to(DT))  # M over dδ δᵀ's first part (its products are done)
             fence_async_shared()
             mbarrier.arrive(hand.index(M_READY), count=1)
-            if not DQ_A:
-                if EARLY != 2:
-                    mbarrier.wait(hand.index(P_READY), par)
-                    dg_k = _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K)
-                    mbarrier.arrive(hand.index(P_FREE), count=1)
             mbarrier.wait(hand.index(G_READY), par)
             dg_t += s_g.slice(0 * BT, BT).load(r_t)
             dg_c += s_g.slice(1 * BT, BT).load(c_t)
@@ -465,21 +415,15 @@ def _grad_b(u_k, u_q, u_a, u_do, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p
             db += gl.convert_layout(dbu, r_t)
             gl.store(DB + rt * HV + i_hv, db, mask=mt)
             ct = t0 + gl.arange(0, BT, layout=c_t)
-            if not DQ_A:
-                dg_t += gl.convert_layout(dg_k, r_t)
             dg_c += gl.convert_layout(dg_t, c_t)
             after = ct[None, :] >= rt[:, None]
             gl.store(DG + rt * HV + i_hv, gl.sum(gl.where(after, dg_c[None, :], 0.0), axis=1), mask=mt)
         else:
             mbarrier.arrive(hand.index(DD_FREE), count=1)
             mbarrier.arrive(hand.index(M_READY), count=1)
-            if not DQ_A:
-                mbarrier.wait(hand.index(P_READY), par)
-                mbarrier.arrive(hand.index(P_FREE), count=1)
             mbarrier.wait(hand.index(G_READY), par)
             mbarrier.arrive(hand.index(G_FREE), count=1)
-            if EARLY == 2:
-                mbarrier.arrive(empty2, count=1)  # nothing of that slot read on a warm-up chunk
+            mbarrier.arrive(empty2, count=1)  # nothing of that slot read on a warm-up chunk
         mbarrier.arrive(empty, count=1)
 
 
@@ -505,7 +449,7 @@ def _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K: gl.con
 def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ, DK, DV, DB, DG, cu, ends, off, plan,
                       seg_seq, seq_cu, scale, H, HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
                       USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr,
-                      R_A: gl.constexpr, R_B: gl.constexpr, EARLY: gl.constexpr, DQ_A: gl.constexpr):
+                      R_A: gl.constexpr, R_B: gl.constexpr, LATE: gl.constexpr):
     """One program per (token range [cu[i_n], ends[i_n]), value head), program id i_n · HV + i_hv.
     Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; do_t, d_t (δ), v_t of [T, HV · V] in [64,
     V] blocks; a_t (T⁻¹) of [T, HV · 64] in [64, 64] blocks; h_t of [chunks · HV · K, V] in [K, V]
@@ -514,7 +458,8 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ,
     [T, HV, V], DB, DG [T, HV] fp32. ``WARM``: the ranges are warm-started segments (fused_rev's
     form: plan [NS, HV] the warm-up chunks after each, seg_seq their sequences, seq_cu the
     sequences' bounds). R_*: registers a thread of the copy, A and B partitions (the chain takes
-    the rest of the launch's ``maxnreg``)."""
+    the rest of the launch's ``maxnreg``). ``LATE``: A forms δ dSᵀ after M's hand-over (δ then comes
+    with the first slot)."""
     pid = gl.program_id(0)
     i_n = pid // HV
     i_hv = pid % HV
@@ -541,7 +486,7 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ,
     ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     hand = gl.allocate_shared_memory(gl.int64, [NHAND, 1], mbarrier.MBarrierLayout())
-    ready2 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # the second slot (EARLY)
+    ready2 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # the second slot
     empty2 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(ready, count=1)
     mbarrier.init(empty, count=3)  # the chain, A and B
@@ -553,14 +498,13 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ,
     gl.warp_specialize([
         (_chain, (s_q, s_k, s_ds, s_o, s_z, ready, empty, hand, G, dht, dh0, cu, ends, plan, seg_seq, seq_cu, i_n,
                   i_hv, HV, K, V, DT, USE_DHT, USE_INIT, WARM)),
-        (_copies, (q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, s_w, s_z, ready, empty, ready2,
-                   empty2, hand, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K, V, WARM, EARLY)),
+        (_copies, (q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, s_z, ready, empty, ready2,
+                   empty2, hand, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K, V, WARM, LATE)),
         (_grad_a, (s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_a, s_w, s_x, s_g, s_gb, ready, empty, ready2,
                    empty2, hand, G, beta, DQ, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT,
-                   WARM, EARLY, DQ_A)),
-        (_grad_b, (s_k, s_q, s_a, s_do, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g, s_gb, ready, empty,
-                   ready2, empty2, hand, G, beta, DQ, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV,
-                   scale, K, V, DT, WARM, EARLY, DQ_A)),
+                   WARM, LATE)),
+        (_grad_b, (s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_g, s_gb, ready, empty, ready2, empty2,
+                   hand, G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, WARM)),
     ], [1, WG, WG], [R_COPY, R_A, R_B])
 
 
@@ -591,5 +535,5 @@ def backward(q, k, v, do, G, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, cu, 
     launch(fused_rbwd_kernel, (N * HV,), q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta,
            dht if dht is not None else G, dh0 if dh0 is not None else G, DQ, DK, DV, DB, DG, cu, ends, off, plan,
            seg_seq, seq_cu, scale, H, HV, K=K, V=V, DT=DT, USE_DHT=dht is not None, USE_INIT=dh0 is not None,
-           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], EARLY=int(c["early"]), DQ_A=bool(c["dq_a"]),
+           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], LATE=bool(c["late"]),
            maxnreg=c["maxnreg"], name="fused_rbwd")
