@@ -52,12 +52,12 @@ def test_merged_backward(case, dtype, split, monkeypatch):
     _check(case, dtype, split, monkeypatch)
 
 
-#: the other forms: A's δ dSᵀ after M's hand-over (δ then with the first slot) and another
-#: register split, alone and together
-FORMS = [dict(late=True), dict(regs=(24, 200, 128)), dict(late=True, regs=(24, 200, 128))]
+#: the other forms: A's δ dSᵀ after M's hand-over (δ then with the first slot), Σ S ⊙ dS formed by
+#: B, both, and B's at another register split
+FORMS = [dict(late=True), dict(sig_b=True), dict(sig_b=True, late=True), dict(sig_b=True, regs=(24, 192, 136))]
 
 
-@pytest.mark.parametrize("form", FORMS, ids=("late", "regs-200-128", "late-regs-200-128"))
+@pytest.mark.parametrize("form", FORMS, ids=("late", "sig-b", "sig-b-late", "sig-b-regs-192-136"))
 @pytest.mark.parametrize("split", (0, 2), ids=("whole", "segments-of-2"))
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in RCASES])
 def test_merged_backward_forms(case, split, form, monkeypatch):

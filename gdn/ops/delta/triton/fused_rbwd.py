@@ -199,7 +199,7 @@ def _chain(u_q, u_k, u_ds, u_o, u_z, ready, empty, hand, G, dht, dh0, cu, ends, 
 @gluon.jit
 def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g, s_gb, ready, empty, ready2, empty2,
             hand, G, beta, DQ, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K: gl.constexpr,
-            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, LATE: gl.constexpr):
+            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, LATE: gl.constexpr, SIG_B: gl.constexpr):
     """A: Pᵀ, L (into dδ's place) and dÕ for the chain; on own chunks dO δᵀ, the decayed pair terms,
     Σ S ⊙ dS and dQ (then the second slot is free), δ dSᵀ (then dS is free; after M's hand-over
     where ``LATE``), and once B hands over M and dW, dK in two halves of K; its parts of dγ and dβ
@@ -209,7 +209,6 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
     l_t: gl.constexpr = acc_layout(BT, WG)
     l_h: gl.constexpr = acc_layout(HK, WG)
     r_t: gl.constexpr = gl.SliceLayout(1, l_t)
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WG, 1], [1, 0])  # [32, 128] slices of S and dS
     zt = gl.zeros([BT, BT], f32, l_t)
     zh = gl.zeros([BT, HK], f32, l_h)
     zv = gl.zeros([BT, V], f32, l_v)
@@ -255,10 +254,8 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             # dO δᵀ ⊙ D · scale with Σ S ⊙ dS over the whole [K, V] tile beside it (in row slices
             # of 32: its dγ term); its pair terms with Q Kᵀ (dγ's); dQ, A's last read of dO and h
             b_e = warpgroup_mma(s_do, s_dl.permute((1, 0)), zt, use_acc=False, is_async=True)
-            sig = gl.zeros([32], f32, gl.SliceLayout(1, ld))
-            for i in gl.static_range(K // 32):
-                sig += gl.sum(s_h.slice(i * 32, 32, dim=0).load(ld).to(f32)
-                              * s_ds.slice(i * 32, 32, dim=0).load(ld).to(f32), axis=1)
+            if not SIG_B:
+                sig = _sig(s_h, s_ds, K)
             b_e = warpgroup_mma_wait(0, deps=[b_e])
             dec, s_unused = _decay(G, t0, eos, HV, i_hv, l_t, False)
             dsm = b_e * dec * scale
@@ -290,7 +287,10 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             b_a += gl.sum(s_k.slice(HK, HK, dim=1).load(l_h).to(f32) * b_k1, axis=1)
             # the chunk's tail term through its last state, exp(γ_C) Σ S ⊙ dS + Σ k · (δ dSᵀ)'s rows
             ct = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, l_t))
-            dg_c += gl.where(ct == last, gl.exp(g_last) * gl.sum(sig, axis=0) + gl.sum(b_a, axis=0), 0.0)
+            if SIG_B:
+                dg_c += gl.where(ct == last, gl.sum(b_a, axis=0), 0.0)
+            else:
+                dg_c += gl.where(ct == last, gl.exp(g_last) * sig + gl.sum(b_a, axis=0), 0.0)
             # the rest of dK once B has formed M and dW
             if not LATE:
                 mbarrier.wait(hand.index(M_READY), par)
@@ -305,6 +305,17 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             mbarrier.arrive(empty2, count=1)  # dO read for L and dÕ
         mbarrier.arrive(hand.index(G_READY), count=1)
         mbarrier.arrive(empty, count=1)
+
+
+@gluon.jit
+def _sig(s_h, s_ds, K: gl.constexpr):
+    """Σ S ⊙ dS over the whole [K, V] tiles in shared memory (in row slices of 32)."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WG, 1], [1, 0])
+    acc = gl.zeros([32], gl.float32, gl.SliceLayout(1, ld))
+    for i in gl.static_range(K // 32):
+        acc += gl.sum(s_h.slice(i * 32, 32, dim=0).load(ld).to(gl.float32)
+                      * s_ds.slice(i * 32, 32, dim=0).load(ld).to(gl.float32), axis=1)
+    return gl.sum(acc, axis=0)
 
 
 @gluon.jit
@@ -328,7 +339,7 @@ def _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_dk, bg_h, zh, DK, t0, eos, HV, i_hv
 @gluon.jit
 def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, s_g, s_gb, ready, empty, ready2, empty2, hand,
             G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K: gl.constexpr, V: gl.constexpr,
-            DT: gl.constexpr, WARM: gl.constexpr):
+            DT: gl.constexpr, WARM: gl.constexpr, SIG_B: gl.constexpr):
     """B: K dS (then dS is free), dδ over L, Y = Tᵀ dδ, Z for the chain; on own chunks dV, dW and dδ
     δᵀ's parts (its last reads of h, v and δ), dA, K Kᵀ and M (handed to A with dW), dβ and dg."""
     f32: gl.constexpr = gl.float32
@@ -361,7 +372,11 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, s_g, s_gb
         mbarrier.wait(ready, par)
         mbarrier.wait(hand.index(DS_READY), par)
         b_x = warpgroup_mma(s_k, s_ds, zv, use_acc=False)
-        mbarrier.arrive(hand.index(DS_FREE), count=1)
+        if SIG_B:
+            if j < nw:
+                mbarrier.arrive(hand.index(DS_FREE), count=1)
+        else:
+            mbarrier.arrive(hand.index(DS_FREE), count=1)
         mbarrier.wait(hand.index(L_READY), par)
         b_d = b_x * gl.where(mv, gl.exp(g_last - g_v), 0.0)[:, None] + s_dd.load(l_v).to(f32)
         s_dd.store(b_d.to(DT))
@@ -378,6 +393,9 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, s_g, s_gb
         # A's parts of dγ and dβ are waited for at the end, so that B's products run beside A's
         if j >= nw:
             _store_rows(DV, b_y * b_bv[:, None], t0, eos, HV, i_hv, 0, V, V)  # dV = diag(β) Y
+            if SIG_B:  # Σ S ⊙ dS (dγ's tail term), after which dS is free for B
+                sig = _sig(s_h, s_ds, K)
+                mbarrier.arrive(hand.index(DS_FREE), count=1)
             # dW = −dδ Sᵀ to shared memory; dδ δᵀ as a 16-bit part and its remainder
             b_w = warpgroup_mma(s_dd, s_h.permute((1, 0)), zv, use_acc=False)
             s_w.store((0.0 - b_w).to(DT))
@@ -416,6 +434,8 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, s_g, s_gb
             gl.store(DB + rt * HV + i_hv, db, mask=mt)
             ct = t0 + gl.arange(0, BT, layout=c_t)
             dg_c += gl.convert_layout(dg_t, c_t)
+            if SIG_B:
+                dg_c += gl.where(ct == last, gl.exp(g_last) * sig, 0.0)
             after = ct[None, :] >= rt[:, None]
             gl.store(DG + rt * HV + i_hv, gl.sum(gl.where(after, dg_c[None, :], 0.0), axis=1), mask=mt)
         else:
@@ -449,7 +469,7 @@ def _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K: gl.con
 def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ, DK, DV, DB, DG, cu, ends, off, plan,
                       seg_seq, seq_cu, scale, H, HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
                       USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr,
-                      R_A: gl.constexpr, R_B: gl.constexpr, LATE: gl.constexpr):
+                      R_A: gl.constexpr, R_B: gl.constexpr, LATE: gl.constexpr, SIG_B: gl.constexpr):
     """One program per (token range [cu[i_n], ends[i_n]), value head), program id i_n · HV + i_hv.
     Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; do_t, d_t (δ), v_t of [T, HV · V] in [64,
     V] blocks; a_t (T⁻¹) of [T, HV · 64] in [64, 64] blocks; h_t of [chunks · HV · K, V] in [K, V]
@@ -502,9 +522,9 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ,
                    empty2, hand, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K, V, WARM, LATE)),
         (_grad_a, (s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_a, s_w, s_x, s_g, s_gb, ready, empty, ready2,
                    empty2, hand, G, beta, DQ, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT,
-                   WARM, LATE)),
+                   WARM, LATE, SIG_B)),
         (_grad_b, (s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_g, s_gb, ready, empty, ready2, empty2,
-                   hand, G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, WARM)),
+                   hand, G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, WARM, SIG_B)),
     ], [1, WG, WG], [R_COPY, R_A, R_B])
 
 
@@ -535,5 +555,5 @@ def backward(q, k, v, do, G, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, cu, 
     launch(fused_rbwd_kernel, (N * HV,), q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta,
            dht if dht is not None else G, dh0 if dh0 is not None else G, DQ, DK, DV, DB, DG, cu, ends, off, plan,
            seg_seq, seq_cu, scale, H, HV, K=K, V=V, DT=DT, USE_DHT=dht is not None, USE_INIT=dh0 is not None,
-           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], LATE=bool(c["late"]),
+           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], LATE=bool(c["late"]), SIG_B=bool(c["sig_b"]),
            maxnreg=c["maxnreg"], name="fused_rbwd")
