@@ -213,22 +213,18 @@ def _aligned(sig: dict, at: dict) -> dict:
     return {(at[n],): [["tt.divisibility", 16]] for n in names}
 
 
-def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cubin: bool = False,
-                   late: bool | None = None, sig_b: bool | None = None) -> dict:
+def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cubin: bool = False) -> dict:
     """{"regs", "spill", "shared"} of the merged backward kernel
     (:func:`gdn.ops.delta.triton.fused_rbwd.fused_rbwd_kernel`, bf16, K = V = 128, with dht and dh0,
     ``warm``: the warm-started segments' form) compiled for sm_90 with the partitions' registers
-    ``regs`` = (copies, A, B), ``maxnreg``, ``late`` (A's δ dSᵀ after M's hand-over) and ``sig_b``
-    (B forms Σ S ⊙ dS; defaults: the launch setting's). "spill" is the program's stack
-    frame, the largest any partition needs."""
+    ``regs`` = (copies, A, B) and ``maxnreg`` (defaults: the launch setting's). "spill" is the
+    program's stack frame, the largest any partition needs."""
     from gdn.ops.delta.triton import fused_rbwd as R  # noqa: PLC0415
     from gdn.ops.tuning import DELTA  # noqa: PLC0415
 
     c = DELTA["fused_rbwd"]
     regs = tuple(c["regs"]) if regs is None else tuple(regs)
     maxnreg = c["maxnreg"] if maxnreg is None else maxnreg
-    late = bool(c["late"]) if late is None else bool(late)
-    sig_b = bool(c["sig_b"]) if sig_b is None else bool(sig_b)
     K = V = 128
     desc = desc_type
     sig = dict(q_t=desc(64, K), k_t=desc(64, K), do_t=desc(64, V), a_t=desc(64, 64), d_t=desc(64, V),
@@ -236,7 +232,7 @@ def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cub
                DK="*bf16", DV="*bf16", DB="*fp32", DG="*fp32", cu="*i32", ends="*i32", off="*i32", plan="*i32",
                seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
     const = dict(K=K, V=V, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, WARM=warm, R_COPY=regs[0], R_A=regs[1],
-                 R_B=regs[2], LATE=late, SIG_B=sig_b)
+                 R_B=regs[2])
     sig.update({n: "constexpr" for n in const})
     names = R.fused_rbwd_kernel.arg_names
     at = {n: i for i, n in enumerate(names)}
@@ -313,15 +309,13 @@ def main(argv=None) -> int:
                     help="items a program of the fused backward kernel to compile (e.g. 1,2,3): its table "
                          "alone, at 8 warps and the first tile width, with each compile's seconds (give "
                          "TRITON_CACHE_DIR an empty folder for cold compiles)")
-    ap.add_argument("--late", action="store_true", help="with --rbwd: A's δ dSᵀ after M's hand-over")
-    ap.add_argument("--sig-b", action="store_true", help="with --rbwd: B forms Σ S ⊙ dS")
     ap.add_argument("--rbwd", default=None, metavar="COPY,A,B",
                     help="the merged backward kernel (fused_rbwd) at these partition registers ('' for the "
                          "launch setting's)")
     a = ap.parse_args(argv)
     if a.rbwd is not None:
         regs = tuple(int(x) for x in a.rbwd.split(",")) if a.rbwd else None
-        r = rbwd_resources(regs, cubin=True, late=a.late or None, sig_b=a.sig_b or None)
+        r = rbwd_resources(regs, cubin=True)
         print(f"fused_rbwd, K = V = 128, bf16, sm_90, triton {triton.__version__}, registers (copies, A, B) "
               f"{regs or 'of the launch setting'}: {r['spill']} B of stack, {r['shared'] / 1024:.1f} KB shared")
         print("partitions with matrix products (the chain 16 HGMMA steps, A 100, B 44): HGMMA / spill stores / "

@@ -179,12 +179,10 @@ DELTA = {
     # one kernel, K = V = 128). Off: slower than fused_rev + fused_bwd (docs/BENCHMARKS.md, "The
     # merged backward"). regs: copies, A, B (the chain takes 488 − A − B a thread: the pool is 64 K
     # registers over 16 warps' worth, each partition counted as a warpgroup; the chain spills below
-    # 160); A forms dQ and dK (100 HGMMA steps a chunk), B the rest (44), so A gets the most:
-    # ptxas sm_90 87 + 93 spill stores and loads in A, 37 + 37 in B, 227 KB of shared memory
-    # (tools/gluon_budget.py --rbwd). late: A's δ dSᵀ after M's hand-over; sig_b: B forms Σ S ⊙ dS
-    # (dγ's tail term) after dV instead of A (docs/TRITON.md, "The second slot"; neither yet timed).
-    "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 184, 144), maxnreg=128, late=False,
-                       sig_b=False),
+    # 160); A forms dQ and dK (100 HGMMA steps a chunk), B the rest (44) and Σ S ⊙ dS, so A gets
+    # the most: ptxas sm_90 59 + 64 spill stores and loads in A, 29 + 32 in B, 227 KB of shared
+    # memory (tools/gluon_budget.py --rbwd).
+    "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 184, 144), maxnreg=128),
     "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, VT=128,
                       narrow=64),
     "cumsum": dict(num_warps=1, stages=(1,)),

@@ -52,14 +52,9 @@ def test_merged_backward(case, dtype, split, monkeypatch):
     _check(case, dtype, split, monkeypatch)
 
 
-#: the other forms: A's δ dSᵀ after M's hand-over (δ then with the first slot), Σ S ⊙ dS formed by
-#: B, both, and B's at another register split
-FORMS = [dict(late=True), dict(sig_b=True), dict(sig_b=True, late=True), dict(sig_b=True, regs=(24, 192, 136))]
-
-
-@pytest.mark.parametrize("form", FORMS, ids=("late", "sig-b", "sig-b-late", "sig-b-regs-192-136"))
 @pytest.mark.parametrize("split", (0, 2), ids=("whole", "segments-of-2"))
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in RCASES])
-def test_merged_backward_forms(case, split, form, monkeypatch):
-    """Each other form of the kernel, bf16: the same cases."""
-    _check(case, torch.bfloat16, split, monkeypatch, **form)
+def test_merged_backward_other_registers(case, split, monkeypatch):
+    """Another split of the registers between A and B (24, 192, 136), bf16: the same cases (a split
+    changes what ptxas spills and where, so each one timed is checked)."""
+    _check(case, torch.bfloat16, split, monkeypatch, regs=(24, 192, 136))

@@ -25,16 +25,14 @@ its *free* one, so no role can complete a phase twice by running a chunk ahead):
 - the chain (the default partition, one warpgroup) holds dS [K, V] in fp32 registers; per chunk it
   publishes dS in 16 bits, then adds Qᵀ dÕ and Kᵀ Z onto Γ_C dS;
 - A (one warpgroup): Pᵀ, L and dÕ for the chain, then (on the segment's own chunks) dO δᵀ, the
-  decayed pair terms, Σ S ⊙ dS, dQ in two halves of K and δ dSᵀ, and once B hands over M and dW,
-  dK in two halves of K; hands its parts of dγ and dβ to B;
-- B (one warpgroup): K dS, dδ (over L's place), Y, Z and dV, then dW, dδ δᵀ's parts, Tᵀ (dδ δᵀ),
-  K Kᵀ and M (handed to A), dβ and dg;
+  decayed pair terms, dQ in two halves of K and δ dSᵀ, and once B hands over M and dW, dK in two
+  halves of K; hands its parts of dγ and dβ to B;
+- B (one warpgroup): K dS, dδ (over L's place), Y, Z and dV, then Σ S ⊙ dS, dW, dδ δᵀ's parts,
+  Tᵀ (dδ δᵀ), K Kᵀ and M (handed to A), dβ and dg;
 - one copy warp brings each chunk's tiles by tensor copies into two slots: dO (and on own chunks h,
   v and δ) into the second once A and B have read the last ones mid-chunk (A after δ dSᵀ, B after
   dδ δᵀ), so that they land during the previous chunk's dA, M and dK; q, k and T⁻¹ into the first
-  once the three warpgroups have released it at the chunk's end. With ``DELTA["fused_rbwd"]
-  ["late"]`` A forms δ dSᵀ after M's hand-over instead, holding no [64, 128] product through dQ and
-  the wait, and δ comes with the first slot.
+  once the three warpgroups have released it at the chunk's end.
 
 Warm-up chunks (the warm-started split's, walked after a segment's end) run the chain's work only.
 Gluon does not run under Triton's interpreter: the GPU tests check the kernel against the two-kernel
@@ -113,13 +111,13 @@ def _store_rows(X, x, t0, eos, HV, i_hv, col, W: gl.constexpr, N: gl.constexpr):
 @gluon.jit
 def _copies(q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, s_z, ready, empty, ready2, empty2,
             hand, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K: gl.constexpr, V: gl.constexpr,
-            WARM: gl.constexpr, LATE: gl.constexpr):
+            WARM: gl.constexpr):
     """The copy warp, chunk nc − 1 − j's tiles in two slots. The second (dO; on the program's own
-    chunks h, v into Z's buffer once the chain has read the last Z, and δ unless ``LATE``) once A and
-    B have released it mid-chunk, so that it lands during the previous chunk; then the first (q, k,
-    T⁻¹, and δ where ``LATE``: A reads it last) once the three warpgroups have released it."""
+    chunks h, δ and v, v into Z's buffer once the chain has read the last Z) once A and B have
+    released it mid-chunk, so that it lands during the previous chunk; then the first (q, k and
+    T⁻¹) once the three warpgroups have released it."""
     main_bytes: gl.constexpr = (2 * BT * K + BT * BT) * 2
-    own2_bytes: gl.constexpr = ((2 if LATE else 3) * BT * V + K * V) * 2
+    own2_bytes: gl.constexpr = (3 * BT * V + K * V) * 2
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
     c0 = gl.load(off + i_n)
     for j in range(nc):
@@ -132,20 +130,12 @@ def _copies(q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, 
             mbarrier.expect(ready2, own2_bytes)
             tma.async_copy_global_to_shared(h_t, [((c0 + i_c) * HV + i_hv) * K, 0], ready2, s_h.index(0))
             tma.async_copy_global_to_shared(v_t, [t0, i_hv * V], ready2, s_z.index(0))
-            if not LATE:
-                tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready2, s_dl.index(0))
+            tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready2, s_dl.index(0))
         else:
             mbarrier.expect(ready2, BT * V * 2)
         tma.async_copy_global_to_shared(do_t, [t0, i_hv * V], ready2, s_do.index(0))
         mbarrier.wait(empty, (j & 1) ^ 1)
-        if LATE:
-            if own:
-                mbarrier.expect(ready, main_bytes + BT * V * 2)
-                tma.async_copy_global_to_shared(d_t, [t0, i_hv * V], ready, s_dl.index(0))
-            else:
-                mbarrier.expect(ready, main_bytes)
-        else:
-            mbarrier.expect(ready, main_bytes)
+        mbarrier.expect(ready, main_bytes)
         tma.async_copy_global_to_shared(k_t, [t0, i_h * K], ready, s_k.index(0))
         tma.async_copy_global_to_shared(q_t, [t0, i_h * K], ready, s_q.index(0))
         tma.async_copy_global_to_shared(a_t, [t0, i_hv * BT], ready, s_a.index(0))
@@ -199,11 +189,10 @@ def _chain(u_q, u_k, u_ds, u_o, u_z, ready, empty, hand, G, dht, dh0, cu, ends, 
 @gluon.jit
 def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g, s_gb, ready, empty, ready2, empty2,
             hand, G, beta, DQ, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K: gl.constexpr,
-            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, LATE: gl.constexpr, SIG_B: gl.constexpr):
+            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr):
     """A: Pᵀ, L (into dδ's place) and dÕ for the chain; on own chunks dO δᵀ, the decayed pair terms,
-    Σ S ⊙ dS and dQ (then the second slot is free), δ dSᵀ (then dS is free; after M's hand-over
-    where ``LATE``), and once B hands over M and dW, dK in two halves of K; its parts of dγ and dβ
-    to B."""
+    dQ and δ dSᵀ (then dS and the second slot are free), and once B hands over M and dW, dK in two
+    halves of K; its parts of dγ and dβ to B."""
     f32: gl.constexpr = gl.float32
     l_v: gl.constexpr = acc_layout(V, WG)
     l_t: gl.constexpr = acc_layout(BT, WG)
@@ -251,12 +240,8 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
         mbarrier.wait(hand.index(DS_READY), par)
         mbarrier.wait(hand.index(G_FREE), par ^ 1)  # B has read the previous chunk's parts of dγ and dβ
         if j >= nw:
-            # dO δᵀ ⊙ D · scale with Σ S ⊙ dS over the whole [K, V] tile beside it (in row slices
-            # of 32: its dγ term); its pair terms with Q Kᵀ (dγ's); dQ, A's last read of dO and h
-            b_e = warpgroup_mma(s_do, s_dl.permute((1, 0)), zt, use_acc=False, is_async=True)
-            if not SIG_B:
-                sig = _sig(s_h, s_ds, K)
-            b_e = warpgroup_mma_wait(0, deps=[b_e])
+            # dO δᵀ ⊙ D · scale; its pair terms with Q Kᵀ (dγ's); dQ, A's last read of dO and h
+            b_e = warpgroup_mma(s_do, s_dl.permute((1, 0)), zt, use_acc=False)
             dec, s_unused = _decay(G, t0, eos, HV, i_hv, l_t, False)
             dsm = b_e * dec * scale
             s_p.store(gl.permute(dsm.to(DT), (1, 0)))  # (dO δᵀ ⊙ D)ᵀ: A operand of dK's term, Bᵀ of dQ's
@@ -265,9 +250,6 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             dg_t = gl.sum(b_qk, axis=1)
             dg_c = 0.0 - gl.sum(b_qk, axis=0)
             dg_t += gl.convert_layout(_dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K), r_t)
-            if LATE:
-                mbarrier.arrive(empty2, count=1)  # A's last products through dO and h
-                mbarrier.wait(hand.index(M_READY), par)
             # dK's state term δ dSᵀ in two halves of K, after which dS is free for the chain's next
             b_k0 = warpgroup_mma(s_dl, s_ds.slice(0, HK, dim=0).permute((1, 0)), zh, use_acc=False, is_async=True)
             b_k1 = warpgroup_mma(s_dl, s_ds.slice(HK, HK, dim=0).permute((1, 0)), zh, use_acc=False, is_async=True)
@@ -279,21 +261,16 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             w_h = gl.where(mh, gl.exp(g_last - g_h), 0.0)
             b_k0, b_k1 = warpgroup_mma_wait(0, deps=[b_k0, b_k1])
             mbarrier.arrive(hand.index(DS_FREE), count=1)
-            if not LATE:
-                mbarrier.arrive(empty2, count=1)  # A's last products through dO, h and δ
+            mbarrier.arrive(empty2, count=1)  # A's last products through dO, h and δ
             b_k0 = b_k0 * w_h[:, None]
             b_k1 = b_k1 * w_h[:, None]
             b_a = gl.sum(s_k.slice(0, HK, dim=1).load(l_h).to(f32) * b_k0, axis=1)
             b_a += gl.sum(s_k.slice(HK, HK, dim=1).load(l_h).to(f32) * b_k1, axis=1)
-            # the chunk's tail term through its last state, exp(γ_C) Σ S ⊙ dS + Σ k · (δ dSᵀ)'s rows
+            # the chunk's tail term through its last state: Σ k · (δ dSᵀ)'s rows (B adds exp(γ_C) Σ S ⊙ dS)
             ct = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, l_t))
-            if SIG_B:
-                dg_c += gl.where(ct == last, gl.sum(b_a, axis=0), 0.0)
-            else:
-                dg_c += gl.where(ct == last, gl.exp(g_last) * sig + gl.sum(b_a, axis=0), 0.0)
+            dg_c += gl.where(ct == last, gl.sum(b_a, axis=0), 0.0)
             # the rest of dK once B has formed M and dW
-            if not LATE:
-                mbarrier.wait(hand.index(M_READY), par)
+            mbarrier.wait(hand.index(M_READY), par)
             bg_h = b_bh * e_h
             ktdw = _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_k0, bg_h, zh, DK, t0, eos, HV, i_hv, 0, K)
             ktdw += _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_k1, bg_h, zh, DK, t0, eos, HV, i_hv, HK, K)
@@ -339,9 +316,10 @@ def _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_dk, bg_h, zh, DK, t0, eos, HV, i_hv
 @gluon.jit
 def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, s_g, s_gb, ready, empty, ready2, empty2, hand,
             G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K: gl.constexpr, V: gl.constexpr,
-            DT: gl.constexpr, WARM: gl.constexpr, SIG_B: gl.constexpr):
-    """B: K dS (then dS is free), dδ over L, Y = Tᵀ dδ, Z for the chain; on own chunks dV, dW and dδ
-    δᵀ's parts (its last reads of h, v and δ), dA, K Kᵀ and M (handed to A with dW), dβ and dg."""
+            DT: gl.constexpr, WARM: gl.constexpr):
+    """B: K dS, dδ over L, Y = Tᵀ dδ, Z for the chain; on own chunks dV, Σ S ⊙ dS (then dS is free),
+    dW and dδ δᵀ's parts (its last reads of h, v and δ), dA, K Kᵀ and M (handed to A with dW), dβ
+    and dg (with the chunk's tail term through its last state)."""
     f32: gl.constexpr = gl.float32
     l_v: gl.constexpr = acc_layout(V, WG)
     l_t: gl.constexpr = acc_layout(BT, WG)
@@ -372,10 +350,7 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, s_g, s_gb
         mbarrier.wait(ready, par)
         mbarrier.wait(hand.index(DS_READY), par)
         b_x = warpgroup_mma(s_k, s_ds, zv, use_acc=False)
-        if SIG_B:
-            if j < nw:
-                mbarrier.arrive(hand.index(DS_FREE), count=1)
-        else:
+        if j < nw:
             mbarrier.arrive(hand.index(DS_FREE), count=1)
         mbarrier.wait(hand.index(L_READY), par)
         b_d = b_x * gl.where(mv, gl.exp(g_last - g_v), 0.0)[:, None] + s_dd.load(l_v).to(f32)
@@ -393,9 +368,9 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, s_g, s_gb
         # A's parts of dγ and dβ are waited for at the end, so that B's products run beside A's
         if j >= nw:
             _store_rows(DV, b_y * b_bv[:, None], t0, eos, HV, i_hv, 0, V, V)  # dV = diag(β) Y
-            if SIG_B:  # Σ S ⊙ dS (dγ's tail term), after which dS is free for B
-                sig = _sig(s_h, s_ds, K)
-                mbarrier.arrive(hand.index(DS_FREE), count=1)
+            # Σ S ⊙ dS over the whole [K, V] tiles (dγ's tail term), after which dS is free for B
+            sig = _sig(s_h, s_ds, K)
+            mbarrier.arrive(hand.index(DS_FREE), count=1)
             # dW = −dδ Sᵀ to shared memory; dδ δᵀ as a 16-bit part and its remainder
             b_w = warpgroup_mma(s_dd, s_h.permute((1, 0)), zv, use_acc=False)
             s_w.store((0.0 - b_w).to(DT))
@@ -433,9 +408,7 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, s_g, s_gb
             db += gl.convert_layout(dbu, r_t)
             gl.store(DB + rt * HV + i_hv, db, mask=mt)
             ct = t0 + gl.arange(0, BT, layout=c_t)
-            dg_c += gl.convert_layout(dg_t, c_t)
-            if SIG_B:
-                dg_c += gl.where(ct == last, gl.exp(g_last) * sig, 0.0)
+            dg_c += gl.convert_layout(dg_t, c_t) + gl.where(ct == last, gl.exp(g_last) * sig, 0.0)
             after = ct[None, :] >= rt[:, None]
             gl.store(DG + rt * HV + i_hv, gl.sum(gl.where(after, dg_c[None, :], 0.0), axis=1), mask=mt)
         else:
@@ -469,7 +442,7 @@ def _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K: gl.con
 def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ, DK, DV, DB, DG, cu, ends, off, plan,
                       seg_seq, seq_cu, scale, H, HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
                       USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr,
-                      R_A: gl.constexpr, R_B: gl.constexpr, LATE: gl.constexpr, SIG_B: gl.constexpr):
+                      R_A: gl.constexpr, R_B: gl.constexpr):
     """One program per (token range [cu[i_n], ends[i_n]), value head), program id i_n · HV + i_hv.
     Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; do_t, d_t (δ), v_t of [T, HV · V] in [64,
     V] blocks; a_t (T⁻¹) of [T, HV · 64] in [64, 64] blocks; h_t of [chunks · HV · K, V] in [K, V]
@@ -478,8 +451,7 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ,
     [T, HV, V], DB, DG [T, HV] fp32. ``WARM``: the ranges are warm-started segments (fused_rev's
     form: plan [NS, HV] the warm-up chunks after each, seg_seq their sequences, seq_cu the
     sequences' bounds). R_*: registers a thread of the copy, A and B partitions (the chain takes
-    the rest of the launch's ``maxnreg``). ``LATE``: A forms δ dSᵀ after M's hand-over (δ then comes
-    with the first slot)."""
+    the rest of the launch's ``maxnreg``)."""
     pid = gl.program_id(0)
     i_n = pid // HV
     i_hv = pid % HV
@@ -519,12 +491,12 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ,
         (_chain, (s_q, s_k, s_ds, s_o, s_z, ready, empty, hand, G, dht, dh0, cu, ends, plan, seg_seq, seq_cu, i_n,
                   i_hv, HV, K, V, DT, USE_DHT, USE_INIT, WARM)),
         (_copies, (q_t, k_t, do_t, a_t, d_t, h_t, v_t, s_q, s_k, s_do, s_a, s_dl, s_h, s_z, ready, empty, ready2,
-                   empty2, hand, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K, V, WARM, LATE)),
+                   empty2, hand, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K, V, WARM)),
         (_grad_a, (s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_a, s_w, s_x, s_g, s_gb, ready, empty, ready2,
                    empty2, hand, G, beta, DQ, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT,
-                   WARM, LATE, SIG_B)),
+                   WARM)),
         (_grad_b, (s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_g, s_gb, ready, empty, ready2, empty2,
-                   hand, G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, WARM, SIG_B)),
+                   hand, G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, WARM)),
     ], [1, WG, WG], [R_COPY, R_A, R_B])
 
 
@@ -555,5 +527,5 @@ def backward(q, k, v, do, G, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, cu, 
     launch(fused_rbwd_kernel, (N * HV,), q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta,
            dht if dht is not None else G, dh0 if dh0 is not None else G, DQ, DK, DV, DB, DG, cu, ends, off, plan,
            seg_seq, seq_cu, scale, H, HV, K=K, V=V, DT=DT, USE_DHT=dht is not None, USE_INIT=dh0 is not None,
-           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], LATE=bool(c["late"]), SIG_B=bool(c["sig_b"]),
+           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2],
            maxnreg=c["maxnreg"], name="fused_rbwd")
