@@ -52,9 +52,14 @@ def test_merged_backward(case, dtype, split, monkeypatch):
     _check(case, dtype, split, monkeypatch)
 
 
+#: the other settings: another split of the registers between A and B (a split changes what ptxas
+#: spills and where, so each one timed is checked), and dγ's pair terms formed by B (``qk_b``)
+FORMS = [dict(regs=(24, 192, 136)), dict(qk_b=True), dict(qk_b=True, regs=(24, 176, 152))]
+
+
+@pytest.mark.parametrize("form", FORMS, ids=("regs-192-136", "qk-b", "qk-b-regs-176-152"))
 @pytest.mark.parametrize("split", (0, 2), ids=("whole", "segments-of-2"))
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in RCASES])
-def test_merged_backward_other_registers(case, split, monkeypatch):
-    """Another split of the registers between A and B (24, 192, 136), bf16: the same cases (a split
-    changes what ptxas spills and where, so each one timed is checked)."""
-    _check(case, torch.bfloat16, split, monkeypatch, regs=(24, 192, 136))
+def test_merged_backward_forms(case, split, form, monkeypatch):
+    """Each other setting, bf16: the same cases."""
+    _check(case, torch.bfloat16, split, monkeypatch, **form)

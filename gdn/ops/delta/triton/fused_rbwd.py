@@ -64,7 +64,8 @@ O_READY, O_FREE = gl.constexpr(4), gl.constexpr(5)  # dÕ: A → chain
 Z_READY, Z_FREE = gl.constexpr(6), gl.constexpr(7)  # Z: B → chain
 G_READY, G_FREE = gl.constexpr(8), gl.constexpr(9)  # A's parts of dγ and dβ: A → B
 M_READY = gl.constexpr(10)  # M and dW: B → A (freed by the chunk's end: B writes them next after ``ready``)
-NHAND = gl.constexpr(11)
+P_READY, P_FREE = gl.constexpr(11), gl.constexpr(12)  # (dO δᵀ ⊙ D · scale)ᵀ: A → B (``QK_B`` only)
+NHAND = gl.constexpr(13)
 
 
 @gluon.jit
@@ -189,7 +190,7 @@ def _chain(u_q, u_k, u_ds, u_o, u_z, ready, empty, hand, G, dht, dh0, cu, ends, 
 @gluon.jit
 def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g, s_gb, ready, empty, ready2, empty2,
             hand, G, beta, DQ, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K: gl.constexpr,
-            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr):
+            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, QK_B: gl.constexpr):
     """A: Pᵀ, L (into dδ's place) and dÕ for the chain; on own chunks dO δᵀ, the decayed pair terms,
     dQ and δ dSᵀ (then dS and the second slot are free), and once B hands over M and dW, dK in two
     halves of K; its parts of dγ and dβ to B."""
@@ -222,6 +223,8 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
         # Pᵀ = K Qᵀ ⊙ Dᵀ (columns past the end zeroed), then L and dÕ
         b_p = warpgroup_mma(s_k, s_q.permute((1, 0)), zt, use_acc=False)
         dec_t, s_unused = _decay(G, t0, eos, HV, i_hv, l_t, True)
+        if QK_B:
+            mbarrier.wait(hand.index(P_FREE), par ^ 1)  # B has read the previous chunk's pair terms
         s_p.store((b_p * dec_t).to(DT))
         fence_async_shared()
         mbarrier.wait(ready2, par)  # dO (and on own chunks h, v and δ)
@@ -246,10 +249,15 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             dsm = b_e * dec * scale
             s_p.store(gl.permute(dsm.to(DT), (1, 0)))  # (dO δᵀ ⊙ D)ᵀ: A operand of dK's term, Bᵀ of dQ's
             fence_async_shared()
-            b_qk = warpgroup_mma(s_q, s_k.permute((1, 0)), zt, use_acc=False) * dsm
-            dg_t = gl.sum(b_qk, axis=1)
-            dg_c = 0.0 - gl.sum(b_qk, axis=0)
-            dg_t += gl.convert_layout(_dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K), r_t)
+            if QK_B:  # B forms Q Kᵀ ⊙ (dO δᵀ ⊙ D)'s row and column sums from the pair terms
+                mbarrier.arrive(hand.index(P_READY), count=1)
+                dg_t = gl.convert_layout(_dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K), r_t)
+                dg_c = gl.zeros([BT], f32, gl.SliceLayout(0, l_t))
+            else:
+                b_qk = warpgroup_mma(s_q, s_k.permute((1, 0)), zt, use_acc=False) * dsm
+                dg_t = gl.sum(b_qk, axis=1)
+                dg_c = 0.0 - gl.sum(b_qk, axis=0)
+                dg_t += gl.convert_layout(_dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K), r_t)
             # dK's state term δ dSᵀ in two halves of K, after which dS is free for the chain's next
             b_k0 = warpgroup_mma(s_dl, s_ds.slice(0, HK, dim=0).permute((1, 0)), zh, use_acc=False, is_async=True)
             b_k1 = warpgroup_mma(s_dl, s_ds.slice(HK, HK, dim=0).permute((1, 0)), zh, use_acc=False, is_async=True)
@@ -280,6 +288,8 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
         else:
             mbarrier.arrive(hand.index(DS_FREE), count=1)
             mbarrier.arrive(empty2, count=1)  # dO read for L and dÕ
+            if QK_B:
+                mbarrier.arrive(hand.index(P_READY), count=1)
         mbarrier.arrive(hand.index(G_READY), count=1)
         mbarrier.arrive(empty, count=1)
 
@@ -314,9 +324,9 @@ def _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_dk, bg_h, zh, DK, t0, eos, HV, i_hv
 
 
 @gluon.jit
-def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, s_g, s_gb, ready, empty, ready2, empty2, hand,
-            G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K: gl.constexpr, V: gl.constexpr,
-            DT: gl.constexpr, WARM: gl.constexpr):
+def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g, s_gb, ready, empty, ready2, empty2,
+            hand, G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K: gl.constexpr,
+            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, QK_B: gl.constexpr):
     """B: K dS, dδ over L, Y = Tᵀ dδ, Z for the chain; on own chunks dV, Σ S ⊙ dS (then dS is free),
     dW and dδ δᵀ's parts (its last reads of h, v and δ), dA, K Kᵀ and M (handed to A with dW), dβ
     and dg (with the chunk's tail term through its last state)."""
@@ -399,6 +409,13 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, s_g, s_gb
             s_x.store(b_m.to(DT))  # M over dδ δᵀ's first part (its products are done)
             fence_async_shared()
             mbarrier.arrive(hand.index(M_READY), count=1)
+            if QK_B:  # dγ's pair terms: Q Kᵀ ⊙ (dO δᵀ ⊙ D · scale), the latter from A's 16-bit copy
+                b_qk = warpgroup_mma(s_q, s_k.permute((1, 0)), zt, use_acc=False)
+                mbarrier.wait(hand.index(P_READY), par)
+                b_qk = b_qk * u_p.index(z).permute((1, 0)).load(l_t).to(f32)
+                mbarrier.arrive(hand.index(P_FREE), count=1)
+                dg_t += gl.sum(b_qk, axis=1)
+                dg_c -= gl.sum(b_qk, axis=0)
             mbarrier.wait(hand.index(G_READY), par)
             dg_t += s_g.slice(0 * BT, BT).load(r_t)
             dg_c += s_g.slice(1 * BT, BT).load(c_t)
@@ -417,6 +434,8 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, s_g, s_gb
             mbarrier.wait(hand.index(G_READY), par)
             mbarrier.arrive(hand.index(G_FREE), count=1)
             mbarrier.arrive(empty2, count=1)  # nothing of that slot read on a warm-up chunk
+            if QK_B:
+                mbarrier.arrive(hand.index(P_FREE), count=1)
         mbarrier.arrive(empty, count=1)
 
 
@@ -442,7 +461,7 @@ def _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K: gl.con
 def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ, DK, DV, DB, DG, cu, ends, off, plan,
                       seg_seq, seq_cu, scale, H, HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
                       USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr,
-                      R_A: gl.constexpr, R_B: gl.constexpr):
+                      R_A: gl.constexpr, R_B: gl.constexpr, QK_B: gl.constexpr):
     """One program per (token range [cu[i_n], ends[i_n]), value head), program id i_n · HV + i_hv.
     Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; do_t, d_t (δ), v_t of [T, HV · V] in [64,
     V] blocks; a_t (T⁻¹) of [T, HV · 64] in [64, 64] blocks; h_t of [chunks · HV · K, V] in [K, V]
@@ -494,9 +513,10 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ,
                    empty2, hand, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K, V, WARM)),
         (_grad_a, (s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_a, s_w, s_x, s_g, s_gb, ready, empty, ready2,
                    empty2, hand, G, beta, DQ, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT,
-                   WARM)),
-        (_grad_b, (s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_g, s_gb, ready, empty, ready2, empty2,
-                   hand, G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, WARM)),
+                   WARM, QK_B)),
+        (_grad_b, (s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g, s_gb, ready, empty, ready2,
+                   empty2, hand, G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, WARM,
+                   QK_B)),
     ], [1, WG, WG], [R_COPY, R_A, R_B])
 
 
@@ -527,5 +547,5 @@ def backward(q, k, v, do, G, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, cu, 
     launch(fused_rbwd_kernel, (N * HV,), q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta,
            dht if dht is not None else G, dh0 if dh0 is not None else G, DQ, DK, DV, DB, DG, cu, ends, off, plan,
            seg_seq, seq_cu, scale, H, HV, K=K, V=V, DT=DT, USE_DHT=dht is not None, USE_INIT=dh0 is not None,
-           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2],
+           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], QK_B=bool(c["qk_b"]),
            maxnreg=c["maxnreg"], name="fused_rbwd")
