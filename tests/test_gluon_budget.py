@@ -183,13 +183,14 @@ import json, sys
 sys.path.insert(0, {root!r})
 from tools.gluon_budget import rbwd_resources
 print(json.dumps([rbwd_resources(), rbwd_resources(warm=False), rbwd_resources((24, 192, 136)),
-                  rbwd_resources(qk_b=True)]))
+                  rbwd_resources(qk_b=True),
+                  rbwd_resources((24, 168, 160), dk_b=True)]))
 """
 
 
 def test_merged_backward_compiles_within_shared_memory():
     """The merged backward kernel (fused_rbwd) compiles for sm_90 at its launch setting, in both
-    forms, at another register split and with B forming dγ's pair terms, within the 227 KB of shared memory a program may
+    forms, at another register split and with B forming dγ's pair terms or dK's terms through M, within the 227 KB of shared memory a program may
     take: its single-buffered tiles (q, k, dO, δ, dδ, Z, dÕ, dW at 16 KB; h and dS at 32; T, the
     pair terms and dA's two parts at 8) are
     224 KB. Its stack stays small: its shared tiles are reached through an index that is zero but

@@ -214,12 +214,12 @@ def _aligned(sig: dict, at: dict) -> dict:
 
 
 def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cubin: bool = False,
-                   qk_b: bool | None = None) -> dict:
+                   qk_b: bool | None = None, dk_b: bool | None = None) -> dict:
     """{"regs", "spill", "shared"} of the merged backward kernel
     (:func:`gdn.ops.delta.triton.fused_rbwd.fused_rbwd_kernel`, bf16, K = V = 128, with dht and dh0,
     ``warm``: the warm-started segments' form) compiled for sm_90 with the partitions' registers
-    ``regs`` = (copies, A, B), ``maxnreg`` and ``qk_b`` (B forms dγ's pair terms; defaults: the
-    launch setting's). "spill" is the
+    ``regs`` = (copies, A, B), ``maxnreg``, ``qk_b`` (B forms dγ's pair terms) and ``dk_b`` (B
+    forms dK's terms through M and dW; defaults: the launch setting's). "spill" is the
     program's stack frame, the largest any partition needs."""
     from gdn.ops.delta.triton import fused_rbwd as R  # noqa: PLC0415
     from gdn.ops.tuning import DELTA  # noqa: PLC0415
@@ -234,7 +234,8 @@ def rbwd_resources(regs=None, maxnreg: int | None = None, warm: bool = True, cub
                DK="*bf16", DV="*bf16", DB="*fp32", DG="*fp32", cu="*i32", ends="*i32", off="*i32", plan="*i32",
                seg_seq="*i32", seq_cu="*i32", scale="fp32", H="i32", HV="i32")
     const = dict(K=K, V=V, DT=gl.bfloat16, USE_DHT=True, USE_INIT=True, WARM=warm, R_COPY=regs[0], R_A=regs[1],
-                 R_B=regs[2], QK_B=bool(c["qk_b"]) if qk_b is None else qk_b)
+                 R_B=regs[2], QK_B=bool(c["qk_b"]) if qk_b is None else qk_b,
+                 DK_B=bool(c["dk_b"]) if dk_b is None else dk_b)
     sig.update({n: "constexpr" for n in const})
     names = R.fused_rbwd_kernel.arg_names
     at = {n: i for i, n in enumerate(names)}
@@ -312,13 +313,14 @@ def main(argv=None) -> int:
                          "alone, at 8 warps and the first tile width, with each compile's seconds (give "
                          "TRITON_CACHE_DIR an empty folder for cold compiles)")
     ap.add_argument("--qk-b", action="store_true", help="with --rbwd: B forms dγ's pair terms")
+    ap.add_argument("--dk-b", action="store_true", help="with --rbwd: B forms dK's terms through M and dW")
     ap.add_argument("--rbwd", default=None, metavar="COPY,A,B",
                     help="the merged backward kernel (fused_rbwd) at these partition registers ('' for the "
                          "launch setting's)")
     a = ap.parse_args(argv)
     if a.rbwd is not None:
         regs = tuple(int(x) for x in a.rbwd.split(",")) if a.rbwd else None
-        r = rbwd_resources(regs, cubin=True, qk_b=a.qk_b or None)
+        r = rbwd_resources(regs, cubin=True, qk_b=a.qk_b or None, dk_b=a.dk_b or None)
         print(f"fused_rbwd, K = V = 128, bf16, sm_90, triton {triton.__version__}, registers (copies, A, B) "
               f"{regs or 'of the launch setting'}: {r['spill']} B of stack, {r['shared'] / 1024:.1f} KB shared")
         print("partitions with matrix products (the chain 16 HGMMA steps, A 100, B 44): HGMMA / spill stores / "

@@ -182,8 +182,10 @@ DELTA = {
     # 160); A forms dQ and dK (100 HGMMA steps a chunk), B the rest (44) and Σ S ⊙ dS, so A gets
     # the most: ptxas sm_90 59 + 64 spill stores and loads in A, 29 + 32 in B, 227 KB of shared
     # memory (tools/gluon_budget.py --rbwd). qk_b: B forms dγ's pair terms (Q Kᵀ ⊙ A's 16-bit
-    # dO δᵀ ⊙ D) instead of A (docs/TRITON.md, "The second slot"; not yet timed).
-    "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 184, 144), maxnreg=128, qk_b=False),
+    # dO δᵀ ⊙ D) instead of A; dk_b: B forms dK's terms through M and dW and hands them to A in fp32
+    # (docs/TRITON.md, "The second slot"; neither yet timed).
+    "fused_rbwd": dict(num_warps=4, stages=(1,), on=False, regs=(24, 184, 144), maxnreg=128, qk_b=False,
+                       dk_b=False),
     "fused_rev": dict(num_warps=4, stages=(1,), NS=2, regs=(24, 152, 168), maxnreg=128, on=True, VT=128,
                       narrow=64),
     "cumsum": dict(num_warps=1, stages=(1,)),

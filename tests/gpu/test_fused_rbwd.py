@@ -53,11 +53,13 @@ def test_merged_backward(case, dtype, split, monkeypatch):
 
 
 #: the other settings: another split of the registers between A and B (a split changes what ptxas
-#: spills and where, so each one timed is checked), and dγ's pair terms formed by B (``qk_b``)
-FORMS = [dict(regs=(24, 192, 136)), dict(qk_b=True), dict(qk_b=True, regs=(24, 176, 152))]
+#: spills and where, so each one timed is checked), dγ's pair terms formed by B (``qk_b``), dK's
+#: terms through M and dW formed by B and handed to A in fp32 (``dk_b``), and both
+FORMS = [dict(regs=(24, 192, 136)), dict(qk_b=True), dict(qk_b=True, regs=(24, 176, 152)),
+         dict(dk_b=True, regs=(24, 168, 160)), dict(dk_b=True, qk_b=True, regs=(24, 160, 168))]
 
 
-@pytest.mark.parametrize("form", FORMS, ids=("regs-192-136", "qk-b", "qk-b-regs-176-152"))
+@pytest.mark.parametrize("form", FORMS, ids=("regs-192-136", "qk-b", "qk-b-regs-176-152", "dk-b", "dk-b-qk-b"))
 @pytest.mark.parametrize("split", (0, 2), ids=("whole", "segments-of-2"))
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in RCASES])
 def test_merged_backward_forms(case, split, form, monkeypatch):

@@ -190,7 +190,7 @@ def _chain(u_q, u_k, u_ds, u_o, u_z, ready, empty, hand, G, dht, dh0, cu, ends, 
 @gluon.jit
 def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g, s_gb, ready, empty, ready2, empty2,
             hand, G, beta, DQ, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K: gl.constexpr,
-            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, QK_B: gl.constexpr):
+            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, QK_B: gl.constexpr, DK_B: gl.constexpr):
     """A: Pᵀ, L (into dδ's place) and dÕ for the chain; on own chunks dO δᵀ, the decayed pair terms,
     dQ and δ dSᵀ (then dS and the second slot are free), and once B hands over M and dW, dK in two
     halves of K; its parts of dγ and dβ to B."""
@@ -278,13 +278,23 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             ct = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, l_t))
             dg_c += gl.where(ct == last, gl.sum(b_a, axis=0), 0.0)
             # the rest of dK once B has formed M and dW
-            mbarrier.wait(hand.index(M_READY), par)
-            bg_h = b_bh * e_h
-            ktdw = _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_k0, bg_h, zh, DK, t0, eos, HV, i_hv, 0, K)
-            ktdw += _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_k1, bg_h, zh, DK, t0, eos, HV, i_hv, HK, K)
-            s_g.slice(0 * BT, BT).store(dg_t + gl.convert_layout(ktdw * bg_h - b_a, r_t))
-            s_g.slice(1 * BT, BT).store(dg_c)
-            s_gb.store(gl.convert_layout(ktdw * e_h, r_t))
+            if DK_B:  # the pair terms through Q here, B's terms from dδ's and dÕ's places
+                b_k0 = warpgroup_mma(s_p, s_q.slice(0, HK, dim=1), b_k0, is_async=True)
+                b_k1 = warpgroup_mma(s_p, s_q.slice(HK, HK, dim=1), b_k1, is_async=True)
+                b_k0, b_k1 = warpgroup_mma_wait(0, deps=[b_k0, b_k1])
+                mbarrier.wait(hand.index(M_READY), par)
+                _store_rows(DK, b_k0 + _part(u_dd, z).load(l_h), t0, eos, HV, i_hv, 0, K, HK)
+                _store_rows(DK, b_k1 + _part(u_o, z).load(l_h), t0, eos, HV, i_hv, HK, K, HK)
+                s_g.slice(0 * BT, BT).store(dg_t - gl.convert_layout(b_a, r_t))
+                s_g.slice(1 * BT, BT).store(dg_c)
+            else:
+                mbarrier.wait(hand.index(M_READY), par)
+                bg_h = b_bh * e_h
+                ktdw = _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_k0, bg_h, zh, DK, t0, eos, HV, i_hv, 0, K)
+                ktdw += _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_k1, bg_h, zh, DK, t0, eos, HV, i_hv, HK, K)
+                s_g.slice(0 * BT, BT).store(dg_t + gl.convert_layout(ktdw * bg_h - b_a, r_t))
+                s_g.slice(1 * BT, BT).store(dg_c)
+                s_gb.store(gl.convert_layout(ktdw * e_h, r_t))
         else:
             mbarrier.arrive(hand.index(DS_FREE), count=1)
             mbarrier.arrive(empty2, count=1)  # dO read for L and dÕ
@@ -310,10 +320,8 @@ def _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_dk, bg_h, zh, DK, t0, eos, HV, i_hv
     """Columns col … col + HK − 1 of dK to memory: the decayed state term ``b_dk`` plus diag(βΓ) Tᵀ dW,
     (dO δᵀ ⊙ D)ᵀ Q and (M + Mᵀ) K over those columns; returns the rows of k · Tᵀ dW over them (dβ's
     and dγ's term)."""
-    l_h: gl.constexpr = acc_layout(HK, WG)
     k_i = s_k.slice(col, HK, dim=1)
-    tdw = warpgroup_mma(s_a.permute((1, 0)), s_w.slice(col, HK, dim=1), zh, use_acc=False)
-    ktdw = gl.sum(k_i.load(l_h).to(gl.float32) * tdw, axis=1)
+    tdw, ktdw = _tdw(s_a, s_w, k_i, zh, col)
     b_dk = b_dk + tdw * bg_h[:, None]
     b_dk = warpgroup_mma(s_p, s_q.slice(col, HK, dim=1), b_dk, is_async=True)
     b_dk = warpgroup_mma(s_x, k_i, b_dk, is_async=True)
@@ -324,9 +332,36 @@ def _dk_half(s_a, s_w, s_p, s_q, s_k, s_x, b_dk, bg_h, zh, DK, t0, eos, HV, i_hv
 
 
 @gluon.jit
-def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g, s_gb, ready, empty, ready2, empty2,
-            hand, G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K: gl.constexpr,
-            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, QK_B: gl.constexpr):
+def _tdw(s_a, s_w, k_i, zh, col: gl.constexpr):
+    """Tᵀ dW over columns col … col + HK − 1, and the rows of k · it there (dβ's and dγ's term)."""
+    l_h: gl.constexpr = acc_layout(HK, WG)
+    tdw = warpgroup_mma(s_a.permute((1, 0)), s_w.slice(col, HK, dim=1), zh, use_acc=False)
+    return tdw, gl.sum(k_i.load(l_h).to(gl.float32) * tdw, axis=1)
+
+
+@gluon.jit
+def _dk_part(s_a, s_w, s_x, s_k, part, bg_h, zh, col: gl.constexpr):
+    """B's terms of dK over columns col … col + HK − 1, diag(βΓ) Tᵀ dW + (M + Mᵀ) K, into ``part`` (a
+    [64, 64] fp32 view of a free buffer) for A to add to its own; returns the rows of k · Tᵀ dW."""
+    k_i = s_k.slice(col, HK, dim=1)
+    tdw, ktdw = _tdw(s_a, s_w, k_i, zh, col)
+    acc = warpgroup_mma(s_x, k_i, tdw * bg_h[:, None], is_async=True)
+    acc = warpgroup_mma(s_x.permute((1, 0)), k_i, acc, is_async=True)
+    part.store(warpgroup_mma_wait(0, deps=[acc]))
+    return ktdw
+
+
+@gluon.jit
+def _part(u, z):
+    """Buffer ``u``'s slot as a [64, 64] fp32 tile (a 16 KB [64, 128] 16-bit buffer): where B hands
+    A a part of dK."""
+    return u.index(z)._reinterpret(gl.float32, [BT, HK], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+
+
+@gluon.jit
+def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_o, u_z, u_w, u_x, u_lo, u_p, s_g, s_gb, ready, empty, ready2,
+            empty2, hand, G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K: gl.constexpr,
+            V: gl.constexpr, DT: gl.constexpr, WARM: gl.constexpr, QK_B: gl.constexpr, DK_B: gl.constexpr):
     """B: K dS, dδ over L, Y = Tᵀ dδ, Z for the chain; on own chunks dV, Σ S ⊙ dS (then dS is free),
     dW and dδ δᵀ's parts (its last reads of h, v and δ), dA, K Kᵀ and M (handed to A with dW), dβ
     and dg (with the chunk's tail term through its last state)."""
@@ -335,6 +370,7 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g,
     l_t: gl.constexpr = acc_layout(BT, WG)
     r_t: gl.constexpr = gl.SliceLayout(1, l_t)
     c_t: gl.constexpr = gl.SliceLayout(0, l_t)
+    l_h: gl.constexpr = acc_layout(HK, WG)
     zt = gl.zeros([BT, BT], f32, l_t)
     zv = gl.zeros([BT, V], f32, l_v)
     bos, eos, nw, nc = _span(cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, WARM)
@@ -408,6 +444,16 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g,
             dg_c = 0.0 - gl.sum(b_e2, axis=0)
             s_x.store(b_m.to(DT))  # M over dδ δᵀ's first part (its products are done)
             fence_async_shared()
+            if DK_B:  # dK's terms through M and dW, handed to A in dδ's place and (once read) dÕ's
+                rh, mh = _rows(t0, eos, l_h)
+                e_h = gl.exp(_at_rows(G, rh, mh, HV, i_hv))
+                bg_h = _at_rows(beta, rh, mh, HV, i_hv) * e_h
+                zh = gl.zeros([BT, HK], f32, l_h)
+                ktdw = _dk_part(s_a, s_w, s_x, s_k, _part(u_dd, z), bg_h, zh, 0)
+                mbarrier.wait(hand.index(O_FREE), par)  # the chain has read this chunk's dÕ
+                ktdw += _dk_part(s_a, s_w, s_x, s_k, _part(u_o, z), bg_h, zh, HK)
+                db += gl.convert_layout(ktdw * e_h, r_t)
+                dg_t += gl.convert_layout(ktdw * bg_h, r_t)
             mbarrier.arrive(hand.index(M_READY), count=1)
             if QK_B:  # dγ's pair terms: Q Kᵀ ⊙ (dO δᵀ ⊙ D · scale), the latter from A's 16-bit copy
                 b_qk = warpgroup_mma(s_q, s_k.permute((1, 0)), zt, use_acc=False)
@@ -419,7 +465,8 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_z, u_w, u_x, u_lo, u_p, s_g,
             mbarrier.wait(hand.index(G_READY), par)
             dg_t += s_g.slice(0 * BT, BT).load(r_t)
             dg_c += s_g.slice(1 * BT, BT).load(c_t)
-            db += s_gb.load(r_t)
+            if not DK_B:
+                db += s_gb.load(r_t)
             mbarrier.arrive(hand.index(G_FREE), count=1)
             # dβ; dγ = A's and B's terms (A added the chunk's tail on its last row); dg its reverse cumsum
             db += gl.convert_layout(dbu, r_t)
@@ -461,7 +508,8 @@ def _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K: gl.con
 def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ, DK, DV, DB, DG, cu, ends, off, plan,
                       seg_seq, seq_cu, scale, H, HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
                       USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr,
-                      R_A: gl.constexpr, R_B: gl.constexpr, QK_B: gl.constexpr):
+                      R_A: gl.constexpr, R_B: gl.constexpr, QK_B: gl.constexpr,
+                      DK_B: gl.constexpr):
     """One program per (token range [cu[i_n], ends[i_n]), value head), program id i_n · HV + i_hv.
     Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; do_t, d_t (δ), v_t of [T, HV · V] in [64,
     V] blocks; a_t (T⁻¹) of [T, HV · 64] in [64, 64] blocks; h_t of [chunks · HV · K, V] in [K, V]
@@ -513,10 +561,10 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ,
                    empty2, hand, cu, ends, off, plan, seg_seq, seq_cu, i_n, i_h, i_hv, HV, K, V, WARM)),
         (_grad_a, (s_q, s_k, s_do, s_dl, s_h, s_ds, s_dd, s_o, s_p, s_a, s_w, s_x, s_g, s_gb, ready, empty, ready2,
                    empty2, hand, G, beta, DQ, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT,
-                   WARM, QK_B)),
-        (_grad_b, (s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_z, s_w, s_x, s_lo, s_p, s_g, s_gb, ready, empty, ready2,
-                   empty2, hand, G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, WARM,
-                   QK_B)),
+                   WARM, QK_B, DK_B)),
+        (_grad_b, (s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_o, s_z, s_w, s_x, s_lo, s_p, s_g, s_gb, ready, empty,
+                   ready2, empty2, hand, G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, WARM,
+                   QK_B, DK_B)),
     ], [1, WG, WG], [R_COPY, R_A, R_B])
 
 
@@ -547,5 +595,5 @@ def backward(q, k, v, do, G, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, cu, 
     launch(fused_rbwd_kernel, (N * HV,), q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta,
            dht if dht is not None else G, dh0 if dh0 is not None else G, DQ, DK, DV, DB, DG, cu, ends, off, plan,
            seg_seq, seq_cu, scale, H, HV, K=K, V=V, DT=DT, USE_DHT=dht is not None, USE_INIT=dh0 is not None,
-           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], QK_B=bool(c["qk_b"]),
+           WARM=warm is not None, R_COPY=r[0], R_A=r[1], R_B=r[2], QK_B=bool(c["qk_b"]), DK_B=bool(c["dk_b"]),
            maxnreg=c["maxnreg"], name="fused_rbwd")
