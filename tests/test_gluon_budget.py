@@ -190,11 +190,11 @@ print(json.dumps([rbwd_resources(), rbwd_resources(warm=False), rbwd_resources((
 
 def test_merged_backward_compiles_within_shared_memory():
     """The merged backward kernel (fused_rbwd) compiles for sm_90 at its launch setting, in both
-    forms, at another register split and with B forming dγ's pair terms or dK's terms through M, within the 227 KB of shared memory a program may
-    take: its single-buffered tiles (q, k, dO, δ, dδ, Z, dÕ, dW at 16 KB; h and dS at 32; T, the
-    pair terms and dA's two parts at 8) are
-    224 KB. Its stack stays small: its shared tiles are reached through an index that is zero but
-    not provably so, which keeps the MMA operand descriptors inside the chunk loop (hoisted out
+    forms, at another register split and with B forming dγ's pair terms or dK's terms through M,
+    within the 227 KB of shared memory a program may take: its single-buffered tiles (q, k, dO, δ,
+    dδ, Z, dÕ, dW at 16 KB; h and dS at 32; T, the pair terms and dA's two parts at 8) are 224 KB.
+    Its stack stays small: its shared tiles are reached through an index that is zero but not
+    provably so, which keeps the MMA operand descriptors inside the chunk loop (hoisted out
     of it, they spill 1.2 KB a thread at this setting, read back from L2 every chunk; 432 and 528
     B with the index)."""
     for r in _run(RBWD):

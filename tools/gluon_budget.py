@@ -323,8 +323,8 @@ def main(argv=None) -> int:
         r = rbwd_resources(regs, cubin=True, qk_b=a.qk_b or None, dk_b=a.dk_b or None)
         print(f"fused_rbwd, K = V = 128, bf16, sm_90, triton {triton.__version__}, registers (copies, A, B) "
               f"{regs or 'of the launch setting'}: {r['spill']} B of stack, {r['shared'] / 1024:.1f} KB shared")
-        print("partitions with matrix products (the chain 16 HGMMA steps, A 100, B 44): HGMMA / spill stores / "
-              "spill loads, instructions of SASS")
+        print("partitions with matrix products (at the launch setting the chain 16 HGMMA steps, A 100, B 44): "
+              "HGMMA / spill stores / spill loads, instructions of SASS")
         for c in partition_counts(sass(r["cubin"])):
             if c["HGMMA"]:
                 print(f"  {c['HGMMA']:3d} HGMMA: {c['STL']} STL, {c['LDL']} LDL")

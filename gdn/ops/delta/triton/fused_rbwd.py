@@ -251,13 +251,13 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
             fence_async_shared()
             if QK_B:  # B forms Q Kᵀ ⊙ (dO δᵀ ⊙ D)'s row and column sums from the pair terms
                 mbarrier.arrive(hand.index(P_READY), count=1)
-                dg_t = gl.convert_layout(_dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K), r_t)
+                dg_t = gl.zeros([BT], f32, r_t)
                 dg_c = gl.zeros([BT], f32, gl.SliceLayout(0, l_t))
             else:
                 b_qk = warpgroup_mma(s_q, s_k.permute((1, 0)), zt, use_acc=False) * dsm
                 dg_t = gl.sum(b_qk, axis=1)
                 dg_c = 0.0 - gl.sum(b_qk, axis=0)
-                dg_t += gl.convert_layout(_dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K), r_t)
+            dg_t += gl.convert_layout(_dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K), r_t)
             # dK's state term δ dSᵀ in two halves of K, after which dS is free for the chain's next
             b_k0 = warpgroup_mma(s_dl, s_ds.slice(0, HK, dim=0).permute((1, 0)), zh, use_acc=False, is_async=True)
             b_k1 = warpgroup_mma(s_dl, s_ds.slice(HK, HK, dim=0).permute((1, 0)), zh, use_acc=False, is_async=True)
@@ -489,7 +489,7 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_o, u_z, u_w, u_x, u_lo, u_p,
 @gluon.jit
 def _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K: gl.constexpr):
     """dQ to memory in two halves of K: dO Sᵀ scaled by rows (q · it: dγ's term, returned), plus
-    (dO δᵀ ⊙ D) K from the pair terms A handed over."""
+    (dO δᵀ ⊙ D) K from the pair terms in ``s_p`` (stored transposed)."""
     l_h: gl.constexpr = acc_layout(HK, WG)
     rh, mh = _rows(t0, eos, l_h)
     g_h = _at_rows(G, rh, mh, HV, i_hv)
@@ -508,8 +508,7 @@ def _dq(s_do, s_h, s_p, s_q, s_k, zh, G, DQ, t0, eos, HV, i_hv, scale, K: gl.con
 def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ, DK, DV, DB, DG, cu, ends, off, plan,
                       seg_seq, seq_cu, scale, H, HV, K: gl.constexpr, V: gl.constexpr, DT: gl.constexpr,
                       USE_DHT: gl.constexpr, USE_INIT: gl.constexpr, WARM: gl.constexpr, R_COPY: gl.constexpr,
-                      R_A: gl.constexpr, R_B: gl.constexpr, QK_B: gl.constexpr,
-                      DK_B: gl.constexpr):
+                      R_A: gl.constexpr, R_B: gl.constexpr, QK_B: gl.constexpr, DK_B: gl.constexpr):
     """One program per (token range [cu[i_n], ends[i_n]), value head), program id i_n · HV + i_hv.
     Descriptors: q_t, k_t of [T, H · K] in [64, K] blocks; do_t, d_t (δ), v_t of [T, HV · V] in [64,
     V] blocks; a_t (T⁻¹) of [T, HV · 64] in [64, 64] blocks; h_t of [chunks · HV · K, V] in [K, V]
@@ -563,8 +562,8 @@ def fused_rbwd_kernel(q_t, k_t, do_t, a_t, d_t, h_t, v_t, G, beta, dht, dh0, DQ,
                    empty2, hand, G, beta, DQ, DK, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, scale, K, V, DT,
                    WARM, QK_B, DK_B)),
         (_grad_b, (s_k, s_q, s_a, s_dl, s_h, s_ds, s_dd, s_o, s_z, s_w, s_x, s_lo, s_p, s_g, s_gb, ready, empty,
-                   ready2, empty2, hand, G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V, DT, WARM,
-                   QK_B, DK_B)),
+                   ready2, empty2, hand, G, beta, DV, DB, DG, cu, ends, plan, seg_seq, seq_cu, i_n, i_hv, HV, K, V,
+                   DT, WARM, QK_B, DK_B)),
     ], [1, WG, WG], [R_COPY, R_A, R_B])
 
 
