@@ -670,11 +670,15 @@ def _merged(rb, q, k, v, do, gamma, beta, Ai, VN, h, h0, dht, ch: Chunks, scale:
     dev, f32 = v.device, torch.float32
     DQ = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
     DK = torch.empty(T, HV, K, device=dev, dtype=grad_dtype)
-    DV = torch.empty(T, HV, V, device=dev, dtype=dv_dtype or grad_dtype)
+    qc, kc, doc, VN = (cast(x, v.dtype) for x in (q, k, do, VN))
+    # dV over δ where the dtypes agree: B stores a chunk's dV rows only after that chunk's δ has
+    # landed in shared memory (the second slot's ready barrier), and no program reads δ rows but
+    # its own chunks' (warm-up chunks read no δ), so no δ row is read after its dV is written
+    dvt = dv_dtype or grad_dtype
+    DV = VN if VN.dtype == dvt else torch.empty(T, HV, V, device=dev, dtype=dvt)
     DB = torch.empty(T, HV, device=dev, dtype=f32)
     DG = torch.empty(T, HV, device=dev, dtype=f32)
     dh0 = torch.empty(ch.N, HV, K, V, device=dev, dtype=f32) if h0 is not None else None
-    qc, kc, doc, VN = (cast(x, v.dtype) for x in (q, k, do, VN))
     warm, ranges = None, (ch.cu, ch.cu[1:], ch.chunk_off, ch.N)
     if L:
         sg = make_segments(ch, L, dev)

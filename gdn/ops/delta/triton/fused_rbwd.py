@@ -580,7 +580,7 @@ def backward(q, k, v, do, G, beta, Ai, VN, h, dht, dh0, DQ, DK, DV, DB, DG, cu, 
     segments with ``warm`` = (plan, seg_seq, seq_cu)): fills DQ, DK [T, HV, K], DV [T, HV, V], DB,
     DG [T, HV] and dh0 [N, HV, K, V] (fp32) when given. q, k [T, H, K]; v, do, VN (δ) [T, HV, V];
     G (γ), beta [T, HV] fp32; Ai [T, HV, 64]; h [chunks, HV, K, V] (the recomputed states, from
-    ``off`` on per program)."""
+    ``off`` on per program). DV may be VN: a chunk's dV rows are stored after its δ has landed."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     c = DELTA["fused_rbwd"]
