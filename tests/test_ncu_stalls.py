@@ -64,8 +64,12 @@ def _ws_rows() -> list:
     after the kernel's EXIT and branches back; partition 2 reloads a spill (LDL, 8 local sectors)
     and runs one HGMMA."""
     def row(a, src, smp, ex=1, local=0):
+        # every sample outside the wait loops a long scoreboard wait but the LDL's (short)
+        why = "stall_short_scoreboard" if src.startswith("LDL") else "stall_long_scoreboard"
         return {"Address": hex(0x1000 + 16 * a), "Source": src, ncu_stalls.SAMPLES: str(smp),
-                "Instructions Executed": str(ex), ncu_stalls.LOCAL: str(local)}
+                "Instructions Executed": str(ex), ncu_stalls.LOCAL: str(local),
+                "stall_long_scoreboard": str(smp if why == "stall_long_scoreboard" else 0),
+                "stall_short_scoreboard": str(smp if why == "stall_short_scoreboard" else 0)}
 
     return [row(0, "MOV R1, c[0x0][0x28]", 1),
             row(1, "USETMAXREG.DEALLOC.CTAPOOL 0x18", 0),
@@ -90,3 +94,7 @@ def test_partitions_take_their_wait_loops():
     assert abs(sum(p["share"] for p in parts) - 100) < 1e-9
     text = ncu_stalls.partition_report(_ws_rows())
     assert "| 1–3 | 89.0 | 84.0 | 0 |" in text and "| 4–7 | 10.0 | 0.0 | 1 | 4 | 8 |" in text
+    # stall reasons outside the waits: partition 1's FADD (5), partition 2's LDL (6) and HGMMA (4)
+    assert p1["reasons"] == {"long_scoreboard": 5, "short_scoreboard": 0}
+    assert p2["reasons"] == {"short_scoreboard": 6, "long_scoreboard": 4}
+    assert "| 4–7 | 10.0 | 0.0 | 1 | 4 | 8 | short_scoreboard 6.0, long_scoreboard 4.0 |" in text

@@ -124,8 +124,9 @@ def partitions(rows: list) -> list:
     tail = exits[-1] + 1 if exits else len(rows)
     starts = [i for i, r in enumerate(rows[:tail]) if "USETMAXREG" in r["Source"]]
     bounds = [0] + starts + [tail]
-    parts = [dict(first=a, last=b - 1, samples=0, wait=0, hgmma=0, ldl=0, local=0)
+    parts = [dict(first=a, last=b - 1, samples=0, wait=0, hgmma=0, ldl=0, local=0, reasons=collections.Counter())
              for a, b in zip(bounds, bounds[1:]) if b > a]
+    stalls = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c] if rows else []
     owner = [0] * len(rows)
     for n, p in enumerate(parts):
         for i in range(p["first"], p["last"] + 1):
@@ -145,6 +146,9 @@ def partitions(rows: list) -> list:
         t = where.get(_target(src))
         if i >= tail or "SYNCS.PHASECHK" in src or (t is not None and t >= tail and i < tail):
             p["wait"] += smp
+        else:
+            for c in stalls:
+                p["reasons"][c[6:]] += _int(r[c])
         op = opcode(src)
         p["hgmma"] += op == "HGMMA"
         p["ldl"] += _int(r["Instructions Executed"]) if op == "LDL" else 0
@@ -156,12 +160,15 @@ def partitions(rows: list) -> list:
 
 def partition_report(rows: list) -> str:
     """:func:`partitions` as a table (partitions with under 0.5 % of the samples left out)."""
-    lines = ["| partition (instructions) | samples % | waiting % | HGMMA | LDL executed | local L2 sectors |",
-             "|---|---|---|---|---|---|"]
+    total = sum(_int(r[SAMPLES]) for r in rows) or 1
+    lines = ["| partition (instructions) | samples % | waiting % | HGMMA | LDL executed | local L2 sectors | "
+             "stall reasons outside the waits (% of all samples) |",
+             "|---|---|---|---|---|---|---|"]
     for p in partitions(rows):
         if p["share"] >= 0.5:
+            why = ", ".join(f"{k} {100 * v / total:.1f}" for k, v in p["reasons"].most_common(4))
             lines.append(f"| {p['first']}–{p['last']} | {p['share']:.1f} | {p['wait_share']:.1f} | {p['hgmma']} | "
-                         f"{p['ldl']} | {p['local']} |")
+                         f"{p['ldl']} | {p['local']} | {why} |")
     return "\n".join(lines)
 
 
