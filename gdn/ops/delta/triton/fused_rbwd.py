@@ -89,7 +89,10 @@ def _decay(G, t0, eos, HV, i_hv, layout: gl.constexpr, TRANS: gl.constexpr):
     rt, mr = _rows(t0, eos, layout)
     ct = t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, layout))
     g_r = _at_rows(G, rt, mr, HV, i_hv)
-    g_c = _at_rows(G, ct, ct < eos, HV, i_hv)
+    # the columns' γ from the rows' through shared memory, not loaded again: a thread holds 16
+    # columns, and where registers are short ptxas consumes each such load as it lands, one L2
+    # round trip after another on the path to Pᵀ
+    g_c = gl.convert_layout(g_r, gl.SliceLayout(0, layout))
     if TRANS:
         late, early, g_late, g_early = ct[None, :], rt[:, None], g_c[None, :], g_r[:, None]
     else:
