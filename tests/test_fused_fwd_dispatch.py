@@ -219,9 +219,10 @@ def test_awkward_calls_take_the_h200_path_end_to_end(h200, T, H, HV, K, V, lens,
     assert {"fused_fwd_kernel", "fused_rev_kernel", "fused_bwd_kernel"} <= names, names
 
 
-def _end_to_end(T, H, HV, K, V, lens, state) -> list:
+def _end_to_end(T, H, HV, K, V, lens, state, keep=None) -> list:
     """The kernels a bf16 forward + backward through autograd launches (recorded, nothing runs),
-    having checked that every grid is non-empty and every input got a gradient of its shape."""
+    having checked that every grid is non-empty and every input got a gradient of its shape; the
+    launches themselves appended to ``keep`` where given."""
     B = 1 if lens else 2
     cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     N = len(lens) if lens else B
@@ -237,6 +238,8 @@ def _end_to_end(T, H, HV, K, V, lens, state) -> list:
     assert all(d > 0 for _, grid, _, _ in launches for d in grid), [(_names([x]), x[1]) for x in launches]
     for x in (q, k, v, g, beta) + ((h0,) if state else ()):
         assert x.grad is not None and x.grad.shape == x.shape
+    if keep is not None:
+        keep.extend(launches)
     return _names(launches)
 
 
@@ -249,8 +252,13 @@ def test_merged_backward_takes_the_h200_path(h200, monkeypatch, T, H, HV, lens, 
     """With ``DELTA["fused_rbwd"]`` on, a forward + backward at K = V = 128 on the H200's path
     (recorded, nothing runs) launches the merged backward once instead of the reverse pass and the
     per-chunk kernel (whole sequences or warm-started segments: no slices), and the gradients come
-    back in their inputs' shapes."""
+    back in their inputs' shapes; dV is written over δ (bf16 both), so no buffer of its own."""
     monkeypatch.setitem(tuning.DELTA, "fused_rbwd", dict(tuning.DELTA["fused_rbwd"], on=True))
-    names = _end_to_end(T, H, HV, 128, 128, lens, state)
+    launches = []
+    names = _end_to_end(T, H, HV, 128, 128, lens, state, keep=launches)
     assert names.count("fused_rbwd_kernel") == 1 and "fused_rev_kernel" not in names, names
     assert "fused_bwd_kernel" not in names, names
+    (args,) = [a for kern, _, a, _ in launches if kern.fn.__name__ == "fused_rbwd_kernel"]
+    names_in = fused_rbwd.fused_rbwd_kernel.arg_names
+    d_t, dv = args[names_in.index("d_t")], args[names_in.index("DV")]
+    assert dv.data_ptr() == d_t.base.data_ptr() and dv.dtype == d_t.base.dtype
