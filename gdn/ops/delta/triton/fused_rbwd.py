@@ -32,7 +32,9 @@ its *free* one, so no role can complete a phase twice by running a chunk ahead):
 - one copy warp brings each chunk's tiles by tensor copies into two slots: dO (and on own chunks h,
   v and δ) into the second once A and B have read the last ones mid-chunk (A after δ dSᵀ, B after
   dδ δᵀ), so that they land during the previous chunk's dA, M and dK; q, k and T⁻¹ into the first
-  once the three warpgroups have released it at the chunk's end.
+  once each warpgroup has made its last read of them (the chain after its products; B after M, or
+  with ``DK_B`` after its terms of dK; A at its chunk's end, or with ``DK_B`` after its products
+  through q, before it adds B's terms and stores dK), so that they land during the chunk's tail.
 
 Warm-up chunks (the warm-started split's, walked after a segment's end) run the chain's work only.
 Gluon does not run under Triton's interpreter: the GPU tests check the kernel against the two-kernel
@@ -63,7 +65,9 @@ L_READY, DD_FREE = gl.constexpr(2), gl.constexpr(3)  # L (then dδ over it): A �
 O_READY, O_FREE = gl.constexpr(4), gl.constexpr(5)  # dÕ: A → chain
 Z_READY, Z_FREE = gl.constexpr(6), gl.constexpr(7)  # Z: B → chain
 G_READY, G_FREE = gl.constexpr(8), gl.constexpr(9)  # A's parts of dγ and dβ: A → B
-M_READY = gl.constexpr(10)  # M and dW: B → A (freed by the chunk's end: B writes them next after ``ready``)
+# M and dW (with DK_B: B's terms of dK in dδ's and dÕ's places): B → A, never freed: B writes them
+# next after L_READY of the next chunk, which A arrives at only once it is done with these
+M_READY = gl.constexpr(10)
 P_READY, P_FREE = gl.constexpr(11), gl.constexpr(12)  # (dO δᵀ ⊙ D · scale)ᵀ: A → B (``QK_B`` only)
 NHAND = gl.constexpr(13)
 
@@ -285,6 +289,7 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
                 b_k0 = warpgroup_mma(s_p, s_q.slice(0, HK, dim=1), b_k0, is_async=True)
                 b_k1 = warpgroup_mma(s_p, s_q.slice(HK, HK, dim=1), b_k1, is_async=True)
                 b_k0, b_k1 = warpgroup_mma_wait(0, deps=[b_k0, b_k1])
+                mbarrier.arrive(empty, count=1)  # A's last read of q, k and T⁻¹: the next chunk's may land
                 mbarrier.wait(hand.index(M_READY), par)
                 _store_rows(DK, b_k0 + _part(u_dd, z).load(l_h), t0, eos, HV, i_hv, 0, K, HK)
                 _store_rows(DK, b_k1 + _part(u_o, z).load(l_h), t0, eos, HV, i_hv, HK, K, HK)
@@ -298,13 +303,14 @@ def _grad_a(u_q, u_k, u_do, u_dl, u_h, u_ds, u_dd, u_o, u_p, u_a, u_w, u_x, s_g,
                 s_g.slice(0 * BT, BT).store(dg_t + gl.convert_layout(ktdw * bg_h - b_a, r_t))
                 s_g.slice(1 * BT, BT).store(dg_c)
                 s_gb.store(gl.convert_layout(ktdw * e_h, r_t))
+                mbarrier.arrive(empty, count=1)
         else:
             mbarrier.arrive(hand.index(DS_FREE), count=1)
             mbarrier.arrive(empty2, count=1)  # dO read for L and dÕ
             if QK_B:
                 mbarrier.arrive(hand.index(P_READY), count=1)
+            mbarrier.arrive(empty, count=1)
         mbarrier.arrive(hand.index(G_READY), count=1)
-        mbarrier.arrive(empty, count=1)
 
 
 @gluon.jit
@@ -460,6 +466,8 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_o, u_z, u_w, u_x, u_lo, u_p,
             mbarrier.arrive(hand.index(M_READY), count=1)
             if QK_B:  # dγ's pair terms: Q Kᵀ ⊙ (dO δᵀ ⊙ D · scale), the latter from A's 16-bit copy
                 b_qk = warpgroup_mma(s_q, s_k.permute((1, 0)), zt, use_acc=False)
+            mbarrier.arrive(empty, count=1)  # B's last read of q, k and T⁻¹: the next chunk's may land
+            if QK_B:
                 mbarrier.wait(hand.index(P_READY), par)
                 b_qk = b_qk * u_p.index(z).permute((1, 0)).load(l_t).to(f32)
                 mbarrier.arrive(hand.index(P_FREE), count=1)
@@ -486,7 +494,7 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_o, u_z, u_w, u_x, u_lo, u_p,
             mbarrier.arrive(empty2, count=1)  # nothing of that slot read on a warm-up chunk
             if QK_B:
                 mbarrier.arrive(hand.index(P_FREE), count=1)
-        mbarrier.arrive(empty, count=1)
+            mbarrier.arrive(empty, count=1)
 
 
 @gluon.jit
