@@ -181,10 +181,17 @@ def test_merged_reverse_probe_counts_its_buffers():
 RBWD = """
 import json, sys
 sys.path.insert(0, {root!r})
-from tools.gluon_budget import rbwd_resources
-print(json.dumps([rbwd_resources(), rbwd_resources(warm=False), rbwd_resources((24, 192, 136)),
-                  rbwd_resources(qk_b=True),
-                  rbwd_resources((24, 168, 160), dk_b=True)]))
+from tools.gluon_budget import load_chains, rbwd_resources, sass
+
+
+def measured(regs=None, **form):
+    r = rbwd_resources(regs, cubin=True, **form)
+    r["chain"] = max(load_chains(sass(r.pop("cubin"))))
+    return r
+
+
+print(json.dumps([measured(), measured(warm=False), measured((24, 192, 136)), measured(qk_b=True),
+                  measured((24, 168, 160), dk_b=True)]))
 """
 
 
@@ -196,10 +203,12 @@ def test_merged_backward_compiles_within_shared_memory():
     Its stack stays small: its shared tiles are reached through an index that is zero but not
     provably so, which keeps the MMA operand descriptors inside the chunk loop (hoisted out
     of it, they spill 1.2 KB a thread at this setting, read back from L2 every chunk; 432 and 528
-    B with the index)."""
+    B with the index). No role consumes global loads one after another as they land (the decay's
+    column γ loaded per column did that, ten loads in a row, before it came from the rows')."""
     for r in _run(RBWD):
         assert 224 * 1024 <= r["shared"] <= 227 * 1024, r
         assert r["spill"] <= 640, r
+        assert r["chain"] <= 2, r
 
 
 def test_partition_counts_split_at_register_reallocations():
@@ -222,3 +231,26 @@ def test_partition_counts_split_at_register_reallocations():
     assert [x["n"] for x in c] == [1, 2, 4]
     assert (c[1]["STL"], c[1]["LDL"], c[1]["HGMMA"]) == (1, 0, 0)
     assert (c[2]["STL"], c[2]["LDL"], c[2]["HGMMA"]) == (0, 2, 1)
+
+
+def test_load_chains_count_loads_consumed_as_they_land():
+    """tools/gluon_budget.load_chains: per partition, the longest run of global loads each read
+    within a few instructions of its issue before the next load issues (the pattern ptxas gives
+    many independent loads where registers are short); loads issued together and read later, or
+    read only after the next load, do not count."""
+    from tools.gluon_budget import load_chains
+
+    def sass(lines):
+        return "\n".join(f"        /*{16 * i:04x}*/                   {x} ;   /* 0x000 */" for i, x in enumerate(lines))
+
+    chain = ["MOV R26, RZ", "@!P3 LDG.E R26, desc[UR60][R98.64]", "FADD R27, R26, -R77", "FMUL R27, R27, 1.44"]
+    batch = ["LDG.E R6, desc[UR60][R8.64]", "LDG.E R7, desc[UR60][R10.64]", "LDG.E R9, desc[UR60][R12.64]",
+             *["NOP"] * 9, "FADD R2, R6, R7", "FADD R3, R9, R2"]
+    text = sass(["MOV R1, c[0x0][0x28]"] + batch + ["USETMAXREG.ALLOC.CTAPOOL 0xa8"] + chain * 3 + batch
+                + ["USETMAXREG.ALLOC.CTAPOOL 0xa8"] + chain + ["NOP"] * 12 + ["LDG.E R4, desc[UR60][R2.64]"]
+                + ["NOP"] * 12 + ["STG.E desc[UR60][R2.64], R4"])
+    # before the first reallocation: a batch (none counted); then three loads in a row, each read
+    # at once (3), then a batch; then one such load, and a load read only 13 instructions later
+    assert load_chains(text) == [0, 3, 1]
+    # with a wider window the batch's last load (read 11 instructions on) counts, and the late one
+    assert load_chains(text, near=16) == [1, 3, 2]

@@ -278,6 +278,47 @@ def partition_counts(sass_text: str) -> list:
     return out
 
 
+def _operands(source: str) -> list:
+    """An instruction's operand words, its predicate and opcode left out (``@!P3 LDG.E R26, desc[UR60][R98.64]``
+    → ``["R26", "desc[UR60][R98.64]"]``)."""
+    words = source.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return " ".join(words[1:]).replace(",", " ").split()
+
+
+def load_chains(sass_text: str, near: int = 8) -> list:
+    """Per partition (as :func:`partition_counts`), the longest run of global loads each of which is
+    read within ``near`` instructions, before the next global load issues: loads consumed one L2
+    round trip after another rather than in flight together (what ptxas makes of many independent
+    loads where registers are short: one destination register, each load used as it lands)."""
+    out, run, pending = [0], 0, None
+    for line in sass_text.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if not m:
+            continue
+        src = m.group(1)
+        op = opcode(src)
+        if op == "USETMAXREG":
+            out.append(0)
+            run, pending = 0, None
+        if pending is not None:
+            reg, age = pending
+            ops = _operands(src)
+            if reg in ops[1:] or (op in ("STG", "STS", "STL") and reg in ops):
+                run += 1
+                out[-1] = max(out[-1], run)
+                pending = None
+            elif age >= near or op == "LDG":
+                run, pending = 0, None
+            else:
+                pending = (reg, age + 1)
+        if op == "LDG":
+            ops = _operands(src)
+            pending = (ops[0], 0) if ops else None
+    return out
+
+
 def desc_type(rows: int, cols: int) -> str:
     """The signature type of a bf16 tensor descriptor read in [rows, cols] blocks, with the shared
     layout the launches give it (fused_bwd._tile)."""
