@@ -366,9 +366,11 @@ def main(argv=None) -> int:
               f"{regs or 'of the launch setting'}: {r['spill']} B of stack, {r['shared'] / 1024:.1f} KB shared")
         print("partitions with matrix products (at the launch setting the chain 16 HGMMA steps, A 100, B 44): "
               "HGMMA / spill stores / spill loads, instructions of SASS")
-        for c in partition_counts(sass(r["cubin"])):
+        text = sass(r["cubin"])
+        for c, chain in zip(partition_counts(text), load_chains(text)):
             if c["HGMMA"]:
-                print(f"  {c['HGMMA']:3d} HGMMA: {c['STL']} STL, {c['LDL']} LDL")
+                print(f"  {c['HGMMA']:3d} HGMMA: {c['STL']} STL, {c['LDL']} LDL; global loads consumed as they land, "
+                      f"longest run: {chain}")
         return 0
     if a.items:
         bv = int(a.tiles.split(",")[0])
