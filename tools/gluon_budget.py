@@ -259,16 +259,20 @@ def sass(cubin: bytes) -> str:
     return _cuobjdump(cubin, "-sass")
 
 
+def _instructions(sass_text: str):
+    """(source, opcode) of each instruction line of cuobjdump's SASS text, in order."""
+    for line in sass_text.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if m:
+            yield m.group(1), opcode(m.group(1))
+
+
 def partition_counts(sass_text: str) -> list:
     """Per partition of a warp-specialised kernel's SASS (the code from one register reallocation,
     ``USETMAXREG``, to the next; the first entry is the code before any): its instructions and how
     many of them are HGMMA steps, spill stores (STL) and spill loads (LDL)."""
     out = [dict(n=0, HGMMA=0, STL=0, LDL=0)]
-    for line in sass_text.splitlines():
-        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
-        if not m:
-            continue
-        op = opcode(m.group(1))
+    for _, op in _instructions(sass_text):
         if op == "USETMAXREG":
             out.append(dict(n=0, HGMMA=0, STL=0, LDL=0))
         cur = out[-1]
@@ -293,12 +297,7 @@ def load_chains(sass_text: str, near: int = 8) -> list:
     round trip after another rather than in flight together (what ptxas makes of many independent
     loads where registers are short: one destination register, each load used as it lands)."""
     out, run, pending = [0], 0, None
-    for line in sass_text.splitlines():
-        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
-        if not m:
-            continue
-        src = m.group(1)
-        op = opcode(src)
+    for src, op in _instructions(sass_text):
         if op == "USETMAXREG":
             out.append(0)
             run, pending = 0, None

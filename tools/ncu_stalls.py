@@ -66,10 +66,15 @@ def opcode(source: str) -> str:
     return words[0].split(".")[0] if words else ""
 
 
+def _stall_columns(rows: list) -> list:
+    """The CSV's stall-reason sample columns (``stall_…``), the "not issued" ones left out."""
+    return [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c] if rows else []
+
+
 def report(rows: list, top: int = 20, min_share: float = 0.5) -> str:
     """The text this tool prints for one launch's rows."""
     total = sum(_int(r[SAMPLES]) for r in rows) or 1
-    stalls = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+    stalls = _stall_columns(rows)
     by_reason = collections.Counter()
     for r in rows:
         for c in stalls:
@@ -126,7 +131,7 @@ def partitions(rows: list) -> list:
     bounds = [0] + starts + [tail]
     parts = [dict(first=a, last=b - 1, samples=0, wait=0, hgmma=0, ldl=0, local=0, reasons=collections.Counter())
              for a, b in zip(bounds, bounds[1:]) if b > a]
-    stalls = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c] if rows else []
+    stalls = _stall_columns(rows)
     owner = [0] * len(rows)
     for n, p in enumerate(parts):
         for i in range(p["first"], p["last"] + 1):
