@@ -180,7 +180,7 @@ DELTA = {
     # merged backward"). regs: copies, A, B (the chain takes 488 − A − B a thread: the pool is 64 K
     # registers over 16 warps' worth, each partition counted as a warpgroup; the chain spills below
     # 160); A forms dQ and dK (100 HGMMA steps a chunk), B the rest (44) and Σ S ⊙ dS, so A gets
-    # the most: ptxas sm_90 64 + 73 spill stores and loads in A, 11 + 13 in B, 227 KB of shared
+    # the most: ptxas sm_90 64 + 73 spill stores and loads in A, 12 + 14 in B, 227 KB of shared
     # memory (tools/gluon_budget.py --rbwd). qk_b: B forms dγ's pair terms (Q Kᵀ ⊙ A's 16-bit
     # dO δᵀ ⊙ D) instead of A; dk_b: B forms dK's terms through M and dW and hands them to A in fp32
     # (docs/TRITON.md, "The second slot"; neither yet timed).

@@ -454,9 +454,8 @@ def _grad_b(u_k, u_q, u_a, u_dl, u_h, u_ds, u_dd, u_o, u_z, u_w, u_x, u_lo, u_p,
             s_x.store(b_m.to(DT))  # M over dδ δᵀ's first part (its products are done)
             fence_async_shared()
             if DK_B:  # dK's terms through M and dW, handed to A in dδ's place and (once read) dÕ's
-                rh, mh = _rows(t0, eos, l_h)
-                e_h = gl.exp(_at_rows(G, rh, mh, HV, i_hv))
-                bg_h = _at_rows(beta, rh, mh, HV, i_hv) * e_h
+                e_h = gl.exp(_at_rows(G, rt, mt, HV, i_hv))  # (HK = BT: the rows' layout is l_t's)
+                bg_h = b_bt * e_h
                 zh = gl.zeros([BT, HK], f32, l_h)
                 ktdw = _dk_part(s_a, s_w, s_x, s_k, _part(u_dd, z), bg_h, zh, 0)
                 mbarrier.wait(hand.index(O_FREE), par)  # the chain has read this chunk's dÕ
